@@ -1,0 +1,46 @@
+# Dysco: `make demo` runs the main lab scenario, `make test` runs every test.
+# Both install what they need (Debian packages, Go modules) by themselves.
+
+GO ?= go
+BIN := bin/dysco
+export CGO_ENABLED := 1
+
+.PHONY: all build deps generate check-generate vet test test-unit test-e2e demo bench clean lab-clean
+
+all: build
+
+deps:
+	@scripts/deps.sh
+
+build: deps
+	$(GO) build -o $(BIN) ./cmd/dysco
+
+# Regenerate the committed eBPF objects and the C wire header.
+generate: deps
+	$(GO) generate ./internal/wire ./internal/datapath
+
+# CI: regeneration must give no diff.
+check-generate: generate
+	@git diff --exit-code -- bpf internal/datapath internal/wire || \
+	  { echo "generated files differ from the committed ones: run 'make generate' and commit"; exit 1; }
+
+vet:
+	$(GO) vet ./...
+	@test -z "$$(gofmt -l $$(git ls-files '*.go' | grep -v '_bpfel.go$$'))" || { gofmt -l .; echo "gofmt needed"; exit 1; }
+
+test: build check-generate vet lab-clean
+	$(GO) test -count=1 -timeout 25m -p 2 ./...
+	@$(MAKE) --no-print-directory lab-clean
+
+demo: build
+	scripts/demo.sh
+
+bench: build
+	scripts/bench.sh
+
+# Remove lab namespaces left by an interrupted run.
+lab-clean:
+	@-$(BIN) lab down --all >/dev/null 2>&1 || true
+
+clean:
+	rm -rf bin

@@ -1,0 +1,748 @@
+//go:build ignore
+/* SPDX-License-Identifier: (GPL-2.0-only OR MIT) */
+/* The Dysco datapath: TC programs on ingress and egress of every interface of
+ * a host (paper §2.1, §4.1-4.2; DESIGN.md "Hard requirements").
+ *
+ * Packets between hosts carry subsession tuples; applications and middleboxes
+ * on a host see session tuples. Ingress maps subsession -> session before
+ * netfilter and the stack; egress maps session -> subsession after them. The
+ * first SYN carries the rest of the address list in its payload, announced by
+ * an 8-byte TCP option that is always the last option, so that it is found
+ * in O(1). Steady-state packets are one hash lookup and a header rewrite; they
+ * never reach user space. */
+#include <linux/bpf.h>
+#include <linux/pkt_cls.h>
+#include <linux/if_ether.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+
+#include "include/consts.h"
+#include "include/structs.h"
+#include "include/maps.h"
+#include "include/parsing.h"
+#include "include/rewrite.h"
+
+#ifndef AF_INET
+#define AF_INET 2
+#endif
+#ifndef AF_INET6
+#define AF_INET6 10
+#endif
+
+/* Set by the agent before load. */
+volatile const __u32 tap_ifindex = 0;       /* session-view tap, 0: none */
+volatile const __u16 port_lo = 20000;       /* subsession port range */
+volatile const __u16 port_n = 40000;
+volatile const __u8 enforce_trusted = 0;    /* accept Dysco SYNs only from dysco_trusted */
+
+char LICENSE[] SEC("license") = "Dual MIT/GPL";
+
+/* copy16 copies an address between scratch areas that clang cannot prove
+ * disjoint (a memcpy would become an unsupported memmove). */
+static __always_inline void copy16(__u8 *d, const __u8 *s)
+{
+	__u8 tmp[16];
+
+	__builtin_memcpy(tmp, s, 16);
+	__builtin_memcpy(d, tmp, 16);
+}
+
+static __always_inline int addr_eq(const __u8 *a, const __u8 *b)
+{
+	const __u32 *x = (const __u32 *)a, *y = (const __u32 *)b;
+
+	return x[0] == y[0] && x[1] == y[1] && x[2] == y[2] && x[3] == y[3];
+}
+
+static __always_inline int is_local(const __u8 *addr)
+{
+	return bpf_map_lookup_elem(&dysco_local, addr) != 0;
+}
+
+static __always_inline void reverse(struct dysco_tuple *r, const struct dysco_tuple *t)
+{
+	__builtin_memcpy(r->saddr, t->daddr, 16);
+	__builtin_memcpy(r->daddr, t->saddr, 16);
+	r->sport = t->dport;
+	r->dport = t->sport;
+	r->proto = t->proto;
+	r->pad[0] = r->pad[1] = r->pad[2] = 0;
+}
+
+/* alloc_session inserts s under a fresh 24-bit id (the id is also the local
+ * tag of the SYN inside a middlebox host). A full map fails closed. */
+static __always_inline int alloc_session(struct session_val *s, __u32 *id)
+{
+	__u32 k0 = 0;
+	__u64 *next = bpf_map_lookup_elem(&dysco_ids, &k0);
+	int i, err = 0;
+
+	if (!next)
+		return -1;
+	for (i = 0; i < ALLOC_TRIES; i++) {
+		__u32 cand = (__u32)__sync_fetch_and_add(next, 1) & SESS_ID_MASK;
+		if (cand == 0)
+			continue;
+		err = bpf_map_update_elem(&dysco_sessions, &cand, s, BPF_NOEXIST);
+		if (!err) {
+			*id = cand;
+			return 0;
+		}
+		if (err != -17 /* EEXIST */)
+			break;
+	}
+	stat_inc(STAT_DROP_SESSIONS_FULL);
+	return -1;
+}
+
+/* route finds the way to t's destination for bpf_redirect_neigh: the
+ * interface and next hop, and (with src) the source address to use. A
+ * rewritten destination leaves by its own route (requirement 3): no host
+ * needs static routes through middleboxes.
+ *
+ * bpf_fib_lookup answers only on hosts that forward. On other hosts (plain
+ * end hosts) the packet leaves by the interface its session was routed to,
+ * with the kernel resolving the next hop (nh->nh_family == 0), and the
+ * source is the session's own local address. */
+static __always_inline int route(struct __sk_buff *skb, const struct dysco_tuple *t, int v6,
+				 struct bpf_redir_neigh *nh, __u32 *ifindex, __u8 *src, const __u8 *own)
+{
+	struct bpf_fib_lookup f = {};
+	__u32 flags = BPF_FIB_LOOKUP_SKIP_NEIGH | (src ? BPF_FIB_LOOKUP_SRC : 0);
+	long rc;
+
+	__builtin_memset(nh, 0, sizeof(*nh));
+	f.l4_protocol = IPPROTO_TCP;
+	f.sport = t->sport;
+	f.dport = t->dport;
+	f.ifindex = skb->ifindex;
+	if (!v6) {
+		f.family = AF_INET;
+		__builtin_memcpy(&f.ipv4_dst, t->daddr + 12, 4);
+		if (!src)
+			__builtin_memcpy(&f.ipv4_src, t->saddr + 12, 4);
+	} else {
+		f.family = AF_INET6;
+		__builtin_memcpy(f.ipv6_dst, t->daddr, 16);
+		if (!src)
+			__builtin_memcpy(f.ipv6_src, t->saddr, 16);
+	}
+	rc = bpf_fib_lookup(skb, &f, sizeof(f), flags);
+	if (rc == BPF_FIB_LKUP_RET_FWD_DISABLED) {
+		*ifindex = skb->ifindex;
+		if (src) {
+			if (!own || !is_local(own))
+				return -1;
+			__builtin_memcpy(src, own, 16);
+		}
+		return 0;
+	}
+	if (rc != BPF_FIB_LKUP_RET_SUCCESS)
+		return -1;
+	*ifindex = f.ifindex;
+	if (f.family == AF_INET) {
+		nh->nh_family = AF_INET;
+		nh->ipv4_nh = f.ipv4_dst;
+		if (src)
+			map4(src, f.ipv4_src);
+	} else {
+		nh->nh_family = AF_INET6;
+		__builtin_memcpy(nh->ipv6_nh, f.ipv6_dst, 16);
+		if (src)
+			__builtin_memcpy(src, f.ipv6_src, 16);
+	}
+	return 0;
+}
+
+static __always_inline int redirect_to(struct __sk_buff *skb, const struct dysco_tuple *t, int v6)
+{
+	struct bpf_redir_neigh nh;
+	__u32 ifindex;
+
+	if (route(skb, t, v6, &nh, &ifindex, 0, 0)) {
+		stat_inc(STAT_DROP_NO_ROUTE);
+		return TC_ACT_SHOT;
+	}
+	if (!nh.nh_family)
+		return bpf_redirect_neigh(ifindex, 0, 0, 0);
+	return bpf_redirect_neigh(ifindex, &nh, sizeof(nh), 0);
+}
+
+/* track updates the session's counters and TCP state (teardown is driven by
+ * the agent's collector from these bits, requirement 8). A packet crossing a
+ * middlebox host passes ingress and egress; it is counted once, where it
+ * enters the host, or where it leaves if it was made here. */
+static __always_inline void track(struct session_val *s, const struct pkt *p, __u8 dir, __u32 len, int egress)
+{
+	__u32 st = s->state;
+
+	s->last_ns = bpf_ktime_get_ns();
+	if (!egress || (dir == 0 && s->role == ROLE_START) ||
+	    (dir == 1 && (s->role == ROLE_END || s->role == ROLE_END_FWD))) {
+		__sync_fetch_and_add(&s->packets[dir & 1], 1);
+		__sync_fetch_and_add(&s->bytes[dir & 1], len);
+	}
+	if (p->flags & (TH_FIN | TH_RST | TH_SYN) || !(st & ST_EST)) {
+		__u32 set = 0;
+		if (p->flags & TH_RST) {
+			set |= ST_RST;
+			stat_inc(STAT_RST);
+		}
+		if (p->flags & TH_FIN) {
+			set |= dir ? ST_FIN_REV : ST_FIN_FWD;
+			stat_inc(STAT_FIN);
+		}
+		if ((p->flags & (TH_SYN | TH_ACK)) == (TH_SYN | TH_ACK))
+			set |= ST_SYNACK;
+		else if (dir == 0 && (p->flags & (TH_SYN | TH_ACK)) == TH_ACK && (st & ST_SYNACK))
+			set |= ST_EST;
+		if (set & ~st)
+			__sync_fetch_and_or(&s->state, set);
+	}
+}
+
+/* forward applies a flow to a packet: the steady-state path. */
+static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct flow_val *fp, int egress)
+{
+	struct flow_val f = *fp;
+	struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &f.sess_id);
+	struct dysco_tuple key = p->t;
+
+	if (s)
+		track(s, p, f.dir, skb->len, egress);
+	if (f.flags & FL_DELTA) {
+		struct delta_val *d = bpf_map_lookup_elem(&dysco_deltas, &key);
+		if (d) {
+			struct delta_val dv = *d;
+			if (apply_delta(skb, p, &dv)) {
+				stat_inc(STAT_DROP_HELPER);
+				return TC_ACT_SHOT;
+			}
+			stat_inc(STAT_DELTA);
+		}
+	}
+	if (rewrite_tuple(skb, p, &f.out)) {
+		stat_inc(STAT_DROP_HELPER);
+		return TC_ACT_SHOT;
+	}
+	if (egress) {
+		stat_inc(STAT_REWRITE_OUT);
+		if (f.flags & FL_REROUTE)
+			return redirect_to(skb, &f.out, p->v6);
+		return TC_ACT_OK;
+	}
+	stat_inc(STAT_REWRITE_IN);
+	if ((f.flags & FL_TAP) && tap_ifindex) {
+		bpf_clone_redirect(skb, tap_ifindex, BPF_F_INGRESS);
+		stat_inc(STAT_TAP);
+	}
+	return TC_ACT_OK;
+}
+
+/* strip_block removes the SYN's address-list block and turns the marking
+ * option into a local tag (keep_tag) or removes it, so that the middlebox or
+ * the end host sees a plain SYN of the session (§2.1, §4.2 tagging). */
+static __always_inline int strip_block(struct __sk_buff *skb, struct pkt *p, __u8 *opt, __u32 blen,
+				       __u8 *block, int keep_tag, __u32 tag)
+{
+	__u32 cut = blen;
+
+	if (csum_bytes(skb, p, block, blen, 1))
+		return -1;
+	if (keep_tag) {
+		__u8 nopt[DYSCO_OPT_LEN] = {DYSCO_OPT_KIND, DYSCO_OPT_LEN, DYSCO_OPT_EXID >> 8, DYSCO_OPT_EXID & 0xff,
+					    DYSCO_OPT_TYPE_LOCAL_TAG, (tag >> 16) & 0xff, (tag >> 8) & 0xff, tag & 0xff};
+		__s64 diff = bpf_csum_diff((__u32 *)opt, DYSCO_OPT_LEN, (__u32 *)nopt, DYSCO_OPT_LEN, 0);
+		if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, 0) ||
+		    bpf_skb_store_bytes(skb, p->l4 + p->doff - DYSCO_OPT_LEN, nopt, DYSCO_OPT_LEN, 0))
+			return -1;
+	} else {
+		/* Lower the data offset: the option's 8 bytes become the first
+		 * payload bytes, and are cut with the block. */
+		if (set_doff(skb, p, p->doff - DYSCO_OPT_LEN) || csum_bytes(skb, p, opt, DYSCO_OPT_LEN, 1))
+			return -1;
+		cut += DYSCO_OPT_LEN;
+	}
+	if (set_l3_len(skb, p, p->l3_len - cut))
+		return -1;
+	if (bpf_skb_change_tail(skb, skb->len - cut, 0))
+		return -1;
+	p->payload = 0;
+	return 0;
+}
+
+/* ingress_syn handles a Dysco SYN arriving from the previous hop (§2.1): it
+ * checks the block, records the session and its two flows on this side,
+ * rewrites the SYN to the session tuple and hands it to the stack. */
+static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u8 *opt, struct flow_val *known)
+{
+	__u32 k0 = 0, blen, n, i, j, id;
+	struct scratch *sc = bpf_map_lookup_elem(&dysco_scratch, &k0);
+	struct syn_state *st;
+	__u8 *b;
+	int local_dst, keep_tag;
+
+	if (!sc)
+		return TC_ACT_SHOT;
+	st = &sc->st;
+	b = sc->buf;
+	blen = ((__u32)opt[6] << 8) | opt[7];
+	if (blen < DYSCO_BLOCK_HEADER_LEN || blen > DYSCO_MAX_BLOCK_LEN || p->payload != blen) {
+		stat_inc(STAT_DROP_BAD_LENGTH);
+		return TC_ACT_SHOT;
+	}
+	if (bpf_skb_load_bytes(skb, p->l4 + p->doff, b, blen)) {
+		stat_inc(STAT_DROP_MALFORMED);
+		return TC_ACT_SHOT;
+	}
+	if (b[0] != ((DYSCO_MAGIC >> 24) & 0xff) || b[1] != ((DYSCO_MAGIC >> 16) & 0xff) ||
+	    b[2] != ((DYSCO_MAGIC >> 8) & 0xff) || b[3] != (DYSCO_MAGIC & 0xff)) {
+		stat_inc(STAT_DROP_BAD_MAGIC);
+		return TC_ACT_SHOT;
+	}
+	if (b[4] != DYSCO_VERSION) {
+		stat_inc(STAT_DROP_BAD_VERSION);
+		return TC_ACT_SHOT;
+	}
+	n = b[6];
+	if (n > DYSCO_MAX_HOPS) {
+		stat_inc(STAT_DROP_TOO_MANY_HOPS);
+		return TC_ACT_SHOT;
+	}
+	if (blen != DYSCO_BLOCK_HEADER_LEN + n * DYSCO_ADDR_LEN) {
+		stat_inc(STAT_DROP_BAD_LENGTH);
+		return TC_ACT_SHOT;
+	}
+	__builtin_memset(st, 0, sizeof(*st));
+	__builtin_memcpy(st->nonce, b + 8, DYSCO_NONCE_LEN);
+	__builtin_memcpy(st->session.saddr, b + 16, 16);
+	__builtin_memcpy(st->session.daddr, b + 32, 16);
+	__builtin_memcpy(&st->session.sport, b + 48, 2);
+	__builtin_memcpy(&st->session.dport, b + 50, 2);
+	st->session.proto = IPPROTO_TCP;
+	if (!st->session.sport || !st->session.dport || is_mapped4(st->session.saddr) == p->v6 ||
+	    is_mapped4(st->session.daddr) == p->v6) {
+		stat_inc(STAT_DROP_BAD_SESSION);
+		return TC_ACT_SHOT;
+	}
+	if (enforce_trusted) {
+		struct trusted_key tk = {.prefixlen = 128};
+		__builtin_memcpy(tk.addr, p->t.saddr, 16);
+		if (!bpf_map_lookup_elem(&dysco_trusted, &tk)) {
+			stat_inc(STAT_DROP_UNTRUSTED);
+			return TC_ACT_SHOT;
+		}
+	}
+	/* A list naming this host or repeating an address would loop. */
+	for (i = 0; i < DYSCO_MAX_HOPS; i++) {
+		if (i >= n)
+			break;
+		__builtin_memcpy(st->hops[i], b + DYSCO_BLOCK_HEADER_LEN + i * DYSCO_ADDR_LEN, 16);
+		if (is_mapped4(st->hops[i]) == p->v6 || is_local(st->hops[i])) {
+			stat_inc(STAT_DROP_LOOP);
+			return TC_ACT_SHOT;
+		}
+		for (j = 0; j < DYSCO_MAX_HOPS; j++) {
+			if (j >= i)
+				break;
+			if (addr_eq(st->hops[i], st->hops[j])) {
+				stat_inc(STAT_DROP_LOOP);
+				return TC_ACT_SHOT;
+			}
+		}
+	}
+	st->n_hops = n;
+	local_dst = is_local(st->session.daddr);
+	keep_tag = n > 0 || !local_dst;
+
+	if (known) {
+		/* Retransmitted SYN: same session, same flows. */
+		id = known->sess_id;
+		stat_inc(STAT_SYN_RETRANS);
+	} else {
+		struct session_val s = {};
+		struct flow_val in = {}, out = {};
+		struct dysco_tuple rkey;
+
+		s.tuple = st->session;
+		s.created_ns = s.last_ns = bpf_ktime_get_ns();
+		__builtin_memcpy(s.nonce, st->nonce, DYSCO_NONCE_LEN);
+		s.state = ST_SYN;
+		s.role = n > 0 ? ROLE_MIDDLE : (local_dst ? ROLE_END : ROLE_END_FWD);
+		s.is_v6 = p->v6;
+		if (alloc_session(&s, &id))
+			return TC_ACT_SHOT;
+		in.out = st->session;
+		in.sess_id = id;
+		in.flags = FL_SYN_STRIP | (s.role != ROLE_END ? FL_TAP : 0);
+		reverse(&rkey, &st->session);
+		reverse(&out.out, &p->t);
+		out.sess_id = id;
+		out.dir = 1;
+		out.flags = FL_REROUTE | FL_REV;
+		if (bpf_map_update_elem(&dysco_flows, &p->t, &in, BPF_NOEXIST) ||
+		    bpf_map_update_elem(&dysco_flows, &rkey, &out, BPF_NOEXIST)) {
+			bpf_map_delete_elem(&dysco_flows, &p->t);
+			bpf_map_delete_elem(&dysco_sessions, &id);
+			stat_inc(STAT_DROP_FLOWS_FULL);
+			return TC_ACT_SHOT;
+		}
+		if (keep_tag && bpf_map_update_elem(&dysco_syns, &id, st, BPF_ANY)) {
+			bpf_map_delete_elem(&dysco_flows, &p->t);
+			bpf_map_delete_elem(&dysco_flows, &rkey);
+			bpf_map_delete_elem(&dysco_sessions, &id);
+			stat_inc(STAT_DROP_SESSIONS_FULL);
+			return TC_ACT_SHOT;
+		}
+		stat_inc(n > 0 ? STAT_SETUP_CONT : STAT_SETUP_END);
+	}
+	if (strip_block(skb, p, opt, blen, b, keep_tag, id) || rewrite_tuple(skb, p, &st->session)) {
+		stat_inc(STAT_DROP_HELPER);
+		return TC_ACT_SHOT;
+	}
+	{
+		struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &id);
+		if (s)
+			track(s, p, 0, skb->len, 0);
+	}
+	if (tap_ifindex && (n > 0 || !local_dst)) {
+		bpf_clone_redirect(skb, tap_ifindex, BPF_F_INGRESS);
+		stat_inc(STAT_TAP);
+	}
+	return TC_ACT_OK;
+}
+
+SEC("tc")
+int dysco_ingress(struct __sk_buff *skb)
+{
+	struct pkt p;
+	struct flow_val *f;
+	__u8 opt[DYSCO_OPT_LEN];
+
+	if (parse(skb, &p))
+		return TC_ACT_OK;
+	f = bpf_map_lookup_elem(&dysco_flows, &p.t);
+	if ((p.flags & (TH_SYN | TH_ACK)) == TH_SYN && (!f || (f->flags & FL_SYN_STRIP)) &&
+	    dysco_opt(skb, &p, opt) == DYSCO_OPT_TYPE_SYN_BLOCK)
+		return ingress_syn(skb, &p, opt, f);
+	if (f)
+		return forward(skb, &p, f, 0);
+	return TC_ACT_OK;
+}
+
+/* emit_syn sends the SYN of a session on to its next hop: it allocates the
+ * subsession (ports claimed atomically through the reverse flow's key), writes
+ * the marking option and the block with the rest of the list (§2.1), and
+ * routes the packet to the next hop. */
+static __always_inline int emit_syn(struct __sk_buff *skb, struct pkt *p, __u32 id, struct syn_state *st,
+				    struct flow_val *known, int has_tag, __u8 *old_opt, struct scratch *sc)
+{
+	__u8 *buf = sc->buf;
+	struct dysco_tuple out = {};
+	__u32 n = st->n_hops, blen, add, i;
+	__u8 flags_role = 0;
+
+	if (n == 0 || n > DYSCO_MAX_HOPS)
+		return TC_ACT_SHOT;
+	if (known) {
+		out = known->out;
+		stat_inc(STAT_SYN_RETRANS);
+	} else {
+		struct bpf_redir_neigh nh;
+		struct dysco_tuple *next = &sc->next, *rkey = &sc->rkey;
+		struct flow_val *fwd = &sc->fwd, *rev = &sc->rev;
+		struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &id);
+		__u32 ifindex, r;
+		int ok = 0;
+
+		if (s && s->role == ROLE_MIDDLE)
+			flags_role = FL_TAP;
+		__builtin_memset(next, 0, sizeof(*next));
+		__builtin_memset(fwd, 0, sizeof(*fwd));
+		__builtin_memset(rev, 0, sizeof(*rev));
+		__builtin_memcpy(next->daddr, st->hops[0], 16);
+		if (route(skb, next, p->v6, &nh, &ifindex, out.saddr, p->t.saddr)) {
+			stat_inc(STAT_DROP_NO_ROUTE);
+			return TC_ACT_SHOT;
+		}
+		__builtin_memcpy(out.daddr, st->hops[0], 16);
+		out.proto = IPPROTO_TCP;
+		rev->sess_id = id;
+		rev->dir = 1;
+		rev->flags = FL_REV | flags_role;
+		reverse(&rev->out, &p->t);
+		for (i = 0; i < ALLOC_TRIES; i++) {
+			r = bpf_get_prandom_u32();
+			out.sport = bpf_htons(port_lo + (__u16)((r & 0xffff) % port_n));
+			out.dport = bpf_htons(port_lo + (__u16)((r >> 16) % port_n));
+			reverse(rkey, &out);
+			if (!bpf_map_update_elem(&dysco_flows, rkey, rev, BPF_NOEXIST)) {
+				ok = 1;
+				break;
+			}
+		}
+		if (!ok) {
+			stat_inc(STAT_DROP_NO_PORT);
+			return TC_ACT_SHOT;
+		}
+		fwd->out = out;
+		fwd->sess_id = id;
+		fwd->flags = FL_REROUTE | FL_SYN_EMIT;
+		if (bpf_map_update_elem(&dysco_flows, &p->t, fwd, BPF_NOEXIST)) {
+			bpf_map_delete_elem(&dysco_flows, rkey);
+			stat_inc(STAT_DROP_FLOWS_FULL);
+			return TC_ACT_SHOT;
+		}
+		st->emitted = 1;
+		bpf_map_update_elem(&dysco_syns, &id, st, BPF_ANY);
+	}
+
+	/* Option and block, built in scratch space. */
+	blen = DYSCO_BLOCK_HEADER_LEN + (n - 1) * DYSCO_ADDR_LEN;
+	buf[0] = DYSCO_OPT_KIND;
+	buf[1] = DYSCO_OPT_LEN;
+	buf[2] = DYSCO_OPT_EXID >> 8;
+	buf[3] = DYSCO_OPT_EXID & 0xff;
+	buf[4] = DYSCO_OPT_TYPE_SYN_BLOCK;
+	buf[5] = 0;
+	buf[6] = blen >> 8;
+	buf[7] = blen & 0xff;
+	{
+		__u8 *b = buf + DYSCO_OPT_LEN;
+		b[0] = (DYSCO_MAGIC >> 24) & 0xff;
+		b[1] = (DYSCO_MAGIC >> 16) & 0xff;
+		b[2] = (DYSCO_MAGIC >> 8) & 0xff;
+		b[3] = DYSCO_MAGIC & 0xff;
+		b[4] = DYSCO_VERSION;
+		b[5] = 0;
+		b[6] = n - 1;
+		b[7] = 0;
+		__builtin_memcpy(b + 8, st->nonce, DYSCO_NONCE_LEN);
+		__builtin_memcpy(b + 16, st->session.saddr, 16);
+		__builtin_memcpy(b + 32, st->session.daddr, 16);
+		__builtin_memcpy(b + 48, &st->session.sport, 2);
+		__builtin_memcpy(b + 50, &st->session.dport, 2);
+		for (i = 1; i < DYSCO_MAX_HOPS; i++) {
+			if (i >= n)
+				break;
+			copy16(b + DYSCO_BLOCK_HEADER_LEN + (i - 1) * DYSCO_ADDR_LEN, st->hops[i]);
+		}
+	}
+
+	if (rewrite_tuple(skb, p, &out))
+		goto fail;
+	if (has_tag) {
+		/* The tag's slot becomes the marking option: same place, same size. */
+		__s64 diff = bpf_csum_diff((__u32 *)old_opt, DYSCO_OPT_LEN, (__u32 *)buf, DYSCO_OPT_LEN, 0);
+		if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, 0) ||
+		    bpf_skb_store_bytes(skb, p->l4 + p->doff - DYSCO_OPT_LEN, buf, DYSCO_OPT_LEN, 0))
+			goto fail;
+		add = blen;
+	} else {
+		/* Raise the data offset over the appended option (DESIGN: no
+		 * memory is moved). A SYN with a full option area cannot carry it. */
+		if (p->doff + DYSCO_OPT_LEN > 60) {
+			stat_inc(STAT_DROP_OPT_SPACE);
+			return TC_ACT_SHOT;
+		}
+		if (set_doff(skb, p, p->doff + DYSCO_OPT_LEN) || csum_bytes(skb, p, buf, DYSCO_OPT_LEN, 0))
+			goto fail;
+		add = blen + DYSCO_OPT_LEN;
+	}
+	if (csum_bytes(skb, p, buf + DYSCO_OPT_LEN, blen, 0) || set_l3_len(skb, p, p->l3_len + add))
+		goto fail;
+	{
+		__u32 at = skb->len;
+		if (bpf_skb_change_tail(skb, at + add, 0))
+			goto fail;
+		if (add > DYSCO_OPT_LEN + DYSCO_MAX_BLOCK_LEN)
+			goto fail;
+		if (has_tag) {
+			if (bpf_skb_store_bytes(skb, at, buf + DYSCO_OPT_LEN, add, 0))
+				goto fail;
+		} else if (bpf_skb_store_bytes(skb, at, buf, add, 0)) {
+			goto fail;
+		}
+	}
+	return redirect_to(skb, &out, p->v6);
+fail:
+	stat_inc(STAT_DROP_HELPER);
+	return TC_ACT_SHOT;
+}
+
+/* remove_tag drops the local tag of a SYN that leaves the host plain (the
+ * chain ends here, before the destination, §2.4). */
+static __always_inline int remove_tag(struct __sk_buff *skb, struct pkt *p, __u8 *opt)
+{
+	if (set_doff(skb, p, p->doff - DYSCO_OPT_LEN) || csum_bytes(skb, p, opt, DYSCO_OPT_LEN, 1) ||
+	    set_l3_len(skb, p, p->l3_len - DYSCO_OPT_LEN) || bpf_skb_change_tail(skb, skb->len - DYSCO_OPT_LEN, 0)) {
+		stat_inc(STAT_DROP_HELPER);
+		return TC_ACT_SHOT;
+	}
+	return TC_ACT_OK;
+}
+
+/* resolve_policy expands a policy's chain into st->hops: fixed addresses,
+ * and middlebox types resolved to an instance round robin (§2.2). */
+static __always_inline int resolve_policy(__u32 slot, const struct pkt *p, struct syn_state *st)
+{
+	struct policy_val *pol = bpf_map_lookup_elem(&dysco_policies, &slot);
+	__u32 i, n = 0;
+
+	if (!pol || pol->n_hops > DYSCO_MAX_HOPS)
+		return -1;
+	for (i = 0; i < DYSCO_MAX_HOPS; i++) {
+		if (i >= pol->n_hops)
+			break;
+		if (pol->kind[i] == HOP_ADDR) {
+			__builtin_memcpy(st->hops[n], pol->addr[i], 16);
+		} else if (pol->kind[i] == HOP_TYPE) {
+			__u32 tid = pol->type[i];
+			struct type_val *t = bpf_map_lookup_elem(&dysco_types, &tid);
+			__u32 k;
+			if (!t || t->n == 0 || t->n > MAX_INSTANCES)
+				return -1;
+			k = __sync_fetch_and_add(&t->rr, 1) % t->n;
+			if (k >= MAX_INSTANCES)
+				return -1;
+			__builtin_memcpy(st->hops[n], t->addr[k], 16);
+		} else {
+			return -1;
+		}
+		n++;
+	}
+	if (pol->to_dst) {
+		if (n >= DYSCO_MAX_HOPS)
+			return -1;
+		__builtin_memcpy(st->hops[n], p->t.daddr, 16);
+		n++;
+	}
+	if (n == 0)
+		return -1;
+	st->n_hops = n;
+	return 0;
+}
+
+/* dysco_setup handles SYNs on egress, reached by tail call: new sessions
+ * after the policy program chose a policy (or none), and SYNs of sessions
+ * already being set up on this host. */
+SEC("tc")
+int dysco_setup(struct __sk_buff *skb)
+{
+	__u32 k0 = 0, mode = skb->cb[CB_MODE], id;
+	struct scratch *sc = bpf_map_lookup_elem(&dysco_scratch, &k0);
+	struct flow_val *f, *known = 0;
+	struct syn_state *st;
+	struct pkt p;
+	__u8 opt[DYSCO_OPT_LEN];
+	int otype, rc;
+
+	if (!sc || parse(skb, &p))
+		return TC_ACT_SHOT;
+	otype = dysco_opt(skb, &p, opt);
+	st = &sc->st;
+	if (mode == SETUP_NEW) {
+		__u32 slot = skb->cb[CB_POLICY];
+		struct session_val *s = &sc->sess;
+		__u64 r;
+
+		if (slot == 0)
+			return TC_ACT_OK; /* no policy matches */
+		__builtin_memset(st, 0, sizeof(*st));
+		if (resolve_policy(slot - 1, &p, st)) {
+			stat_inc(STAT_DROP_BAD_POLICY);
+			return TC_ACT_SHOT;
+		}
+		if (p.payload) {
+			stat_inc(STAT_DROP_SYN_DATA);
+			return TC_ACT_SHOT;
+		}
+		st->session = p.t;
+		r = ((__u64)bpf_get_prandom_u32() << 32) | bpf_get_prandom_u32();
+		__builtin_memcpy(st->nonce, &r, DYSCO_NONCE_LEN);
+		__builtin_memset(s, 0, sizeof(*s));
+		s->tuple = p.t;
+		s->created_ns = s->last_ns = bpf_ktime_get_ns();
+		__builtin_memcpy(s->nonce, st->nonce, DYSCO_NONCE_LEN);
+		s->state = ST_SYN;
+		s->policy = slot;
+		s->role = ROLE_START;
+		s->is_v6 = p.v6;
+		if (alloc_session(s, &id))
+			return TC_ACT_SHOT;
+		stat_inc(STAT_SETUP_START);
+	} else {
+		struct syn_state *saved;
+
+		f = bpf_map_lookup_elem(&dysco_flows, &p.t);
+		if (f) {
+			if (!(f->flags & FL_SYN_EMIT))
+				return TC_ACT_OK;
+			sc->known = *f;
+			known = &sc->known;
+			id = known->sess_id;
+		} else if (otype == DYSCO_OPT_TYPE_LOCAL_TAG) {
+			id = ((__u32)opt[5] << 16) | ((__u32)opt[6] << 8) | opt[7];
+		} else {
+			return TC_ACT_OK;
+		}
+		saved = bpf_map_lookup_elem(&dysco_syns, &id);
+		if (!saved) {
+			stat_inc(STAT_DROP_NO_SYN_STATE);
+			return TC_ACT_SHOT;
+		}
+		__builtin_memcpy(st, saved, sizeof(*st));
+		if (st->n_hops == 0) {
+			/* The chain ends here; the SYN goes on plain (§2.4). */
+			if (otype == DYSCO_OPT_TYPE_LOCAL_TAG)
+				return remove_tag(skb, &p, opt);
+			return TC_ACT_OK;
+		}
+		/* A SYN out of the middlebox continues the chain with the tuple
+		 * it has now: a NAT may have changed it (§2.1). */
+		if (!known)
+			st->session = p.t;
+	}
+	rc = emit_syn(skb, &p, id, st, known, otype == DYSCO_OPT_TYPE_LOCAL_TAG, opt, sc);
+	if (rc == TC_ACT_SHOT && mode == SETUP_NEW && !st->emitted)
+		bpf_map_delete_elem(&dysco_sessions, &id);
+	return rc;
+}
+
+SEC("tc")
+int dysco_egress(struct __sk_buff *skb)
+{
+	struct pkt p;
+	struct flow_val *f;
+	__u8 opt[DYSCO_OPT_LEN];
+
+	if (parse(skb, &p))
+		return TC_ACT_OK;
+	f = bpf_map_lookup_elem(&dysco_flows, &p.t);
+	if ((p.flags & (TH_SYN | TH_ACK)) == TH_SYN && (!f || (f->flags & FL_SYN_EMIT))) {
+		int otype = dysco_opt(skb, &p, opt);
+		if (otype == DYSCO_OPT_TYPE_SYN_BLOCK)
+			return TC_ACT_OK; /* already a subsession SYN */
+		if (f || otype == DYSCO_OPT_TYPE_LOCAL_TAG) {
+			skb->cb[CB_MODE] = SETUP_CONT;
+			bpf_tail_call(skb, &dysco_progs, PROG_SETUP);
+			stat_inc(STAT_DROP_NO_SETUP);
+			return TC_ACT_SHOT;
+		}
+		skb->cb[CB_MODE] = SETUP_NEW;
+		skb->cb[CB_POLICY] = 0;
+		bpf_tail_call(skb, &dysco_progs, PROG_POLICY);
+		return TC_ACT_OK; /* no policies installed */
+	}
+	if (f)
+		return forward(skb, &p, f, 1);
+	return TC_ACT_OK;
+}
+
+/* dysco_tap_drop runs on the ingress of the session-view tap: capture tools
+ * saw the copy before tc; the stack must not see it again. */
+SEC("tc")
+int dysco_tap_drop(struct __sk_buff *skb)
+{
+	return TC_ACT_SHOT;
+}

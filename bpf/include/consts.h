@@ -1,0 +1,111 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR MIT) */
+/* Constants of the Dysco datapath. Sizes are overridable at build time. */
+#ifndef DYSCO_CONSTS_H
+#define DYSCO_CONSTS_H
+
+#include "wire_gen.h"
+
+#ifndef MAX_FLOWS
+#define MAX_FLOWS 524288 /* four flows per session on a middlebox host */
+#endif
+#ifndef MAX_SESSIONS
+#define MAX_SESSIONS 131072
+#endif
+#ifndef MAX_POLICIES
+#define MAX_POLICIES 64
+#endif
+#ifndef MAX_TYPES
+#define MAX_TYPES 64
+#endif
+#ifndef MAX_INSTANCES
+#define MAX_INSTANCES 16
+#endif
+#ifndef MAX_LOCAL_ADDRS
+#define MAX_LOCAL_ADDRS 256
+#endif
+#ifndef MAX_DELTAS
+#define MAX_DELTAS 65536
+#endif
+
+/* Session ids double as the 24-bit local tag of SYNs inside a middlebox host
+ * (paper §4.2 "Tagging SYN packets"), so they stay below 2^24. */
+#define SESS_ID_MASK 0xffffff
+/* Attempts to find a free session id or a free pair of subsession ports. */
+#define ALLOC_TRIES 4
+
+/* Slots of the dysco_progs program array. */
+#define PROG_POLICY 0 /* generated from the policies' tcpdump filters */
+#define PROG_SETUP 1  /* dysco_setup: SYN handling on egress */
+#define PROG_SLOTS 2
+
+/* skb->cb words passed between tail calls on egress. */
+#define CB_POLICY 0 /* written by the policy program: policy slot + 1, or 0 */
+#define CB_MODE 1   /* SETUP_* below, written before the first tail call */
+#define SETUP_NEW 1  /* a SYN of no known session: policy decides */
+#define SETUP_CONT 2 /* a SYN with a local tag or of a known flow */
+
+/* Counters (the stats per-CPU array), exported to Prometheus by name. Keep in
+ * sync with internal/datapath/stats.go: a test checks the two lists. */
+enum stat {
+	STAT_SETUP_START,        /* chains started here (policy match) */
+	STAT_SETUP_CONT,         /* chains continued here (middlebox host) */
+	STAT_SETUP_END,          /* chains ended here */
+	STAT_SYN_RETRANS,        /* SYN retransmissions re-sent with their block */
+	STAT_REWRITE_IN,         /* packets rewritten on ingress */
+	STAT_REWRITE_OUT,        /* packets rewritten on egress */
+	STAT_TAP,                /* packets copied to the session-view tap */
+	STAT_DROP_MALFORMED,     /* Dysco SYN whose block cannot be parsed */
+	STAT_DROP_BAD_MAGIC,
+	STAT_DROP_BAD_VERSION,
+	STAT_DROP_BAD_LENGTH,    /* block length does not match option / hop count */
+	STAT_DROP_TOO_MANY_HOPS,
+	STAT_DROP_LOOP,          /* address list names this host or repeats */
+	STAT_DROP_BAD_SESSION,   /* session tuple in the block is not valid */
+	STAT_DROP_UNTRUSTED,     /* Dysco SYN from an address not trusted */
+	STAT_DROP_SESSIONS_FULL, /* no room in the session map: fail closed */
+	STAT_DROP_FLOWS_FULL,    /* no room in the flow map: fail closed */
+	STAT_DROP_NO_PORT,       /* no free subsession port pair */
+	STAT_DROP_NO_ROUTE,      /* no route to the next hop */
+	STAT_DROP_OPT_SPACE,     /* no room for the marking option in the SYN */
+	STAT_DROP_SYN_DATA,      /* a SYN with data (TCP Fast Open) at chain start */
+	STAT_DROP_NO_SETUP,      /* set-up program missing: fail closed */
+	STAT_DROP_BAD_POLICY,    /* policy slot empty or chain unresolvable */
+	STAT_DROP_NO_SYN_STATE,  /* SYN of a known flow whose set-up state is gone */
+	STAT_DROP_HELPER,        /* a packet helper failed */
+	STAT_FIN,
+	STAT_RST,
+	STAT_DELTA,              /* packets with sequence deltas applied */
+	STAT_MAX,
+};
+
+/* session_val.role */
+enum role {
+	ROLE_START = 1,  /* left end of the chain */
+	ROLE_MIDDLE = 2, /* middlebox host */
+	ROLE_END = 3,    /* right end, session destination */
+	ROLE_END_FWD = 4 /* right end of a chain that ends before the destination */
+};
+
+/* session_val.state bits */
+#define ST_SYN (1 << 0)
+#define ST_SYNACK (1 << 1)
+#define ST_EST (1 << 2)
+#define ST_FIN_FWD (1 << 3)
+#define ST_FIN_REV (1 << 4)
+#define ST_RST (1 << 5)
+#define ST_SETUP_DONE (1 << 6) /* set-up state (syn_state) can be collected */
+
+/* flow_val.flags */
+#define FL_REROUTE (1 << 0)  /* destination changed on egress: route again */
+#define FL_SYN_STRIP (1 << 1) /* SYNs on this ingress flow carry a block */
+#define FL_SYN_EMIT (1 << 2) /* SYNs on this egress flow must carry a block */
+#define FL_TAP (1 << 3)      /* copy to the session-view tap */
+#define FL_DELTA (1 << 4)    /* look up sequence deltas in dysco_deltas */
+#define FL_REV (1 << 5)      /* packet travels against the SYN's direction */
+#define FL_TAG (1 << 6)      /* ingress SYN: keep a local tag for egress */
+
+/* policy hop kinds */
+#define HOP_ADDR 1
+#define HOP_TYPE 2
+
+#endif

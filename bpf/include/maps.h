@@ -1,0 +1,122 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR MIT) */
+/* Maps of the datapath. Session state lives in plain hash maps, never LRU
+ * maps: an eviction would silently break a connection (DESIGN requirement 7).
+ * Every map is pinned by name so that an agent restart keeps live sessions. */
+#ifndef DYSCO_MAPS_H
+#define DYSCO_MAPS_H
+
+#include <bpf/bpf_helpers.h>
+#include "structs.h"
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_FLOWS);
+	__type(key, struct dysco_tuple);
+	__type(value, struct flow_val);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_flows SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_SESSIONS);
+	__type(key, __u32);
+	__type(value, struct session_val);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_sessions SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_SESSIONS);
+	__type(key, __u32);
+	__type(value, struct syn_state);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_syns SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_DELTAS);
+	__type(key, struct dysco_tuple);
+	__type(value, struct delta_val);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_deltas SEC(".maps");
+
+/* This host's addresses (IPv4-mapped or IPv6), kept by the agent. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_LOCAL_ADDRS);
+	__type(key, __u8[16]);
+	__type(value, __u8);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_local SEC(".maps");
+
+/* Previous hops allowed to send Dysco SYNs, when the agent enforces it. */
+struct trusted_key {
+	__u32 prefixlen;
+	__u8 addr[16];
+};
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, 1024);
+	__type(key, struct trusted_key);
+	__type(value, __u8);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_trusted SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_POLICIES);
+	__type(key, __u32);
+	__type(value, struct policy_val);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_policies SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_TYPES);
+	__type(key, __u32);
+	__type(value, struct type_val);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_types SEC(".maps");
+
+/* Slot 0: generated policy program; slot 1: dysco_setup. Not pinned: the
+ * agent fills it at every load (programs are reloaded on restart). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
+	__uint(max_entries, PROG_SLOTS);
+	__type(key, __u32);
+	__type(value, __u32);
+} dysco_progs SEC(".maps");
+
+/* [0] = next session id candidate. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_ids SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, STAT_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct scratch);
+} dysco_scratch SEC(".maps");
+
+static __always_inline void stat_inc(__u32 s)
+{
+	__u64 *v = bpf_map_lookup_elem(&dysco_stats, &s);
+	if (v)
+		*v += 1;
+}
+
+#endif

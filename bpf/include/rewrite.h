@@ -1,0 +1,219 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR MIT) */
+/* Header rewrites with incremental checksums (paper §4.2 "Packet rewriting").
+ *
+ * Contract: every function here may call helpers that change the packet, so
+ * packet pointers held by the caller are invalid afterwards; struct pkt
+ * offsets stay valid unless the function says otherwise.
+ *
+ * Checksums: bpf_l4_csum_replace needs BPF_F_PSEUDO_HDR for fields of the
+ * pseudo header (addresses, length) only. With CHECKSUM_PARTIAL (transmit
+ * offload) the check field holds the pseudo-header sum and the kernel helpers
+ * leave it alone for non-pseudo changes, which is right because the payload
+ * and header are summed later; with offload off they update it. */
+#ifndef DYSCO_REWRITE_H
+#define DYSCO_REWRITE_H
+
+#include <stddef.h>
+#include <bpf/bpf_helpers.h>
+#include "parsing.h"
+
+#define IP_CSUM_OFF(p) ((p)->l3 + offsetof(struct iphdr, check))
+#define TCP_CSUM_OFF(p) ((p)->l4 + offsetof(struct tcphdr, check))
+
+/* rewrite_tuple writes out's addresses and ports into the packet. */
+static __always_inline int rewrite_tuple(struct __sk_buff *skb, struct pkt *p, const struct dysco_tuple *out)
+{
+	__s64 diff;
+
+	if (!p->v6) {
+		__u32 old[2], new[2];
+		__builtin_memcpy(&old[0], p->t.saddr + 12, 4);
+		__builtin_memcpy(&old[1], p->t.daddr + 12, 4);
+		__builtin_memcpy(&new[0], out->saddr + 12, 4);
+		__builtin_memcpy(&new[1], out->daddr + 12, 4);
+		if (old[0] != new[0] || old[1] != new[1]) {
+			diff = bpf_csum_diff(old, 8, new, 8, 0);
+			if (bpf_l3_csum_replace(skb, IP_CSUM_OFF(p), 0, diff, 0) ||
+			    bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, BPF_F_PSEUDO_HDR) ||
+			    bpf_skb_store_bytes(skb, p->l3 + offsetof(struct iphdr, saddr), new, 8, 0))
+				return -1;
+		}
+	} else {
+		__u32 old[8], new[8];
+		__builtin_memcpy(&old[0], p->t.saddr, 16);
+		__builtin_memcpy(&old[4], p->t.daddr, 16);
+		__builtin_memcpy(&new[0], out->saddr, 16);
+		__builtin_memcpy(&new[4], out->daddr, 16);
+		diff = bpf_csum_diff(old, 32, new, 32, 0);
+		if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, BPF_F_PSEUDO_HDR) ||
+		    bpf_skb_store_bytes(skb, p->l3 + offsetof(struct ipv6hdr, saddr), new, 32, 0))
+			return -1;
+	}
+	if (p->t.sport != out->sport || p->t.dport != out->dport) {
+		__u32 oldp = (__u32)p->t.sport | ((__u32)p->t.dport << 16);
+		__u32 newp = (__u32)out->sport | ((__u32)out->dport << 16);
+		diff = bpf_csum_diff(&oldp, 4, &newp, 4, 0);
+		if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, 0) ||
+		    bpf_skb_store_bytes(skb, p->l4, &newp, 4, 0))
+			return -1;
+	}
+	__builtin_memcpy(&p->t, out, sizeof(*out));
+	return 0;
+}
+
+/* set_l3_len changes the IP length fields (and the TCP pseudo-header length)
+ * for a packet about to grow or shrink to l3_len bytes of IP. */
+static __always_inline int set_l3_len(struct __sk_buff *skb, struct pkt *p, __u32 l3_len)
+{
+	__u32 hl = p->l4 - p->l3;
+	__be16 oldt = bpf_htons(p->l3_len - hl), newt = bpf_htons(l3_len - hl);
+
+	if (!p->v6) {
+		__be16 o = bpf_htons(p->l3_len), n = bpf_htons(l3_len);
+		if (bpf_l3_csum_replace(skb, IP_CSUM_OFF(p), o, n, 2) ||
+		    bpf_skb_store_bytes(skb, p->l3 + offsetof(struct iphdr, tot_len), &n, 2, 0))
+			return -1;
+	} else {
+		__be16 n = bpf_htons(l3_len - sizeof(struct ipv6hdr));
+		if (bpf_skb_store_bytes(skb, p->l3 + offsetof(struct ipv6hdr, payload_len), &n, 2, 0))
+			return -1;
+	}
+	if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), oldt, newt, BPF_F_PSEUDO_HDR | 2))
+		return -1;
+	p->l3_len = l3_len;
+	return 0;
+}
+
+/* set_doff changes the TCP data offset to doff bytes. */
+static __always_inline int set_doff(struct __sk_buff *skb, struct pkt *p, __u32 doff)
+{
+	__u16 old, new;
+
+	if (bpf_skb_load_bytes(skb, p->l4 + 12, &old, 2))
+		return -1;
+	new = old;
+	((__u8 *)&new)[0] = (__u8)((doff / 4) << 4) | (((__u8 *)&old)[0] & 0x0f);
+	if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), old, new, 2) ||
+	    bpf_skb_store_bytes(skb, p->l4 + 12, &new, 2, 0))
+		return -1;
+	p->doff = doff;
+	return 0;
+}
+
+/* csum_bytes accounts in the TCP checksum for len bytes (a multiple of 4,
+ * at most 512) added to or removed from the segment. */
+static __always_inline int csum_bytes(struct __sk_buff *skb, struct pkt *p, void *buf, __u32 len, int removed)
+{
+	__s64 diff;
+
+	if (removed)
+		diff = bpf_csum_diff(buf, len, 0, 0, 0);
+	else
+		diff = bpf_csum_diff(0, 0, buf, len, 0);
+	if (diff < 0)
+		return -1;
+	return bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, 0) ? -1 : 0;
+}
+
+/* replace_u32 rewrites a 32-bit TCP header or option field at off. */
+static __always_inline int replace_u32(struct __sk_buff *skb, struct pkt *p, __u32 off, __u32 add)
+{
+	__be32 old, new;
+
+	if (bpf_skb_load_bytes(skb, off, &old, 4))
+		return -1;
+	new = bpf_htonl(bpf_ntohl(old) + add);
+	if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), old, new, 4) ||
+	    bpf_skb_store_bytes(skb, off, &new, 4, 0))
+		return -1;
+	return 0;
+}
+
+#define TCPOPT_EOL 0
+#define TCPOPT_NOP 1
+#define TCPOPT_WS 3
+#define TCPOPT_SACK 5
+#define TCPOPT_TS 8
+
+struct optstate {
+	struct __sk_buff *skb;
+	struct pkt *p;
+	const struct delta_val *d;
+	__u32 off; /* offset of the next option in the packet */
+	__u32 end; /* end of the options */
+	int err;
+};
+
+/* opt_step translates one TCP option (SACK edges, timestamps) and moves to
+ * the next; it returns 1 when the options are done. It runs under bpf_loop,
+ * so the verifier checks it once rather than once per iteration. */
+static long opt_step(__u32 idx, void *ctx)
+{
+	struct optstate *s = ctx;
+	struct __sk_buff *skb = s->skb;
+	__u8 hdr[2];
+	__u32 i;
+
+	if (s->off >= s->end)
+		return 1;
+	if (bpf_skb_load_bytes(skb, s->off, hdr, 1))
+		return 1;
+	if (hdr[0] == TCPOPT_EOL)
+		return 1;
+	if (hdr[0] == TCPOPT_NOP) {
+		s->off++;
+		return 0;
+	}
+	if (s->off + 2 > s->end || bpf_skb_load_bytes(skb, s->off, hdr, 2) || hdr[1] < 2 ||
+	    s->off + hdr[1] > s->end)
+		return 1;
+	if (hdr[0] == TCPOPT_TS && hdr[1] == 10) {
+		if (s->d->tsval && replace_u32(skb, s->p, s->off + 2, s->d->tsval))
+			s->err = 1;
+		if (s->d->tsecr && replace_u32(skb, s->p, s->off + 6, s->d->tsecr))
+			s->err = 1;
+	} else if (hdr[0] == TCPOPT_SACK && s->d->ack) {
+		/* SACK blocks name bytes of the other direction, as the ack does
+		 * (like nf_conntrack_seqadj's SACK adjustment). */
+		for (i = 0; i < 4; i++) {
+			if (2 + (i + 1) * 8 > hdr[1])
+				break;
+			if (replace_u32(skb, s->p, s->off + 2 + i * 8, s->d->ack) ||
+			    replace_u32(skb, s->p, s->off + 6 + i * 8, s->d->ack))
+				s->err = 1;
+		}
+	}
+	s->off += hdr[1];
+	return 0;
+}
+
+/* apply_delta translates seq, ack, SACK blocks, timestamps and the window
+ * of a packet by d (§3.4 table, §4.2 option translation). */
+static __always_inline int apply_delta(struct __sk_buff *skb, struct pkt *p, const struct delta_val *d)
+{
+	struct optstate s = {.skb = skb, .p = p, .d = d, .off = p->l4 + sizeof(struct tcphdr), .end = p->l4 + p->doff};
+
+	if (d->seq && replace_u32(skb, p, p->l4 + 4, d->seq))
+		return -1;
+	if (d->ack && (p->flags & TH_ACK) && replace_u32(skb, p, p->l4 + 8, d->ack))
+		return -1;
+	if (d->ws_on && !(p->flags & TH_SYN)) {
+		__be16 old, new;
+		__u32 w;
+		if (bpf_skb_load_bytes(skb, p->l4 + 14, &old, 2))
+			return -1;
+		w = ((__u32)bpf_ntohs(old) << (d->ws_in & 15)) >> (d->ws_out & 15);
+		if (w > 0xffff)
+			w = 0xffff;
+		new = bpf_htons(w);
+		if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), old, new, 2) ||
+		    bpf_skb_store_bytes(skb, p->l4 + 14, &new, 2, 0))
+			return -1;
+	}
+	if (!d->tsval && !d->tsecr && !d->ack)
+		return 0;
+	bpf_loop(40, opt_step, &s, 0);
+	return s.err ? -1 : 0;
+}
+
+#endif

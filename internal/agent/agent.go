@@ -1,0 +1,511 @@
+// Package agent is the Dysco agent (paper §4.1 "Daemon"): one per host or
+// network namespace. It loads and pins the datapath, attaches it to every
+// interface (also ones that appear later), keeps the datapath's view of the
+// host's addresses, policies and middlebox types, collects ended sessions,
+// serves the local API on an abstract Unix socket and exports metrics.
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/datapath"
+	"github.com/dysco/dysco/internal/policy"
+	"github.com/dysco/dysco/internal/policyserver"
+	"github.com/vishvananda/netlink"
+)
+
+// Config configures an agent.
+type Config struct {
+	Name string
+	// PinDir is where the datapath is pinned (on a bpffs).
+	PinDir string
+	// StateDir keeps local policies and the policy server's last set.
+	StateDir string
+	// Tap names the session-view tap interface to create; empty for none.
+	Tap string
+	// PolicyServer is the policy server's URL; empty for local policies only.
+	PolicyServer string
+	// ReadyFile is written once the agent serves; tests wait on it.
+	ReadyFile string
+	// MetricsAddr serves Prometheus metrics; empty for none.
+	MetricsAddr string
+	// Socket is the local API socket (default api.AgentSocket).
+	Socket string
+	// Timeouts of the session collector (requirement 8).
+	IdleTimeout, HalfOpenTimeout, CloseLinger time.Duration
+	// GCInterval is how often ended sessions are collected.
+	GCInterval time.Duration
+	// PortLo and PortN give the subsession port range.
+	PortLo, PortN uint16
+	// Trusted, when not empty, is the set of prefixes Dysco SYNs are
+	// accepted from.
+	Trusted []netip.Prefix
+	Log     *slog.Logger
+}
+
+// Agent is a running agent.
+type Agent struct {
+	cfg     Config
+	log     *slog.Logger
+	dp      *datapath.Datapath
+	started time.Time
+	metrics *metrics
+
+	mu         sync.Mutex
+	local      api.PolicySet // policies and types added through the local API
+	server     api.PolicySet // the policy server's last set
+	serverOK   bool
+	policyProg *ebpf.Program
+	ifaces     map[string]bool
+	effective  []api.Policy
+	typeIndex  map[string]int
+}
+
+// Defaults fills unset fields.
+func (c *Config) defaults() {
+	if c.Name == "" {
+		c.Name, _ = os.Hostname()
+	}
+	if c.PinDir == "" {
+		c.PinDir = "/sys/fs/bpf/dysco/" + netnsID()
+	}
+	if c.StateDir == "" {
+		c.StateDir = "/var/lib/dysco/" + netnsID()
+	}
+	if c.Socket == "" {
+		c.Socket = api.AgentSocket
+	}
+	if c.IdleTimeout == 0 {
+		c.IdleTimeout = time.Hour
+	}
+	if c.HalfOpenTimeout == 0 {
+		c.HalfOpenTimeout = 30 * time.Second
+	}
+	if c.CloseLinger == 0 {
+		c.CloseLinger = 10 * time.Second
+	}
+	if c.GCInterval == 0 {
+		c.GCInterval = time.Second
+	}
+	if c.Log == nil {
+		c.Log = slog.Default()
+	}
+}
+
+// netnsID names the current network namespace by its inode.
+func netnsID() string {
+	fi, err := os.Stat("/proc/self/ns/net")
+	if err != nil {
+		return "default"
+	}
+	if st, ok := statIno(fi); ok {
+		return fmt.Sprintf("netns-%d", st)
+	}
+	return "default"
+}
+
+// Run runs the agent until ctx is cancelled.
+func Run(ctx context.Context, cfg Config) error {
+	cfg.defaults()
+	a := &Agent{cfg: cfg, log: cfg.Log.With("agent", cfg.Name), started: time.Now(), ifaces: map[string]bool{}}
+	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
+		return fmt.Errorf("agent: state dir: %w", err)
+	}
+	if err := a.loadLocal(); err != nil {
+		return err
+	}
+
+	var tapIndex uint32
+	if cfg.Tap != "" {
+		idx, err := ensureTap(cfg.Tap)
+		if err != nil {
+			return err
+		}
+		tapIndex = uint32(idx)
+	}
+	dp, err := datapath.Load(datapath.Config{PinDir: cfg.PinDir, TapIfindex: tapIndex, PortLo: cfg.PortLo, PortN: cfg.PortN, EnforceTrusted: len(cfg.Trusted) > 0})
+	if err != nil {
+		return err
+	}
+	a.dp = dp
+	defer func() {
+		a.mu.Lock()
+		if a.policyProg != nil {
+			a.policyProg.Close()
+		}
+		a.mu.Unlock()
+		dp.Close()
+	}()
+	if len(cfg.Trusted) > 0 {
+		if err := dp.SetTrusted(cfg.Trusted); err != nil {
+			return err
+		}
+	}
+	if cfg.Tap != "" {
+		if err := dp.AttachTap(cfg.Tap); err != nil {
+			return err
+		}
+	}
+
+	// Interfaces and addresses, now and as they change.
+	linkCh := make(chan netlink.LinkUpdate, 64)
+	addrCh := make(chan netlink.AddrUpdate, 64)
+	done := make(chan struct{})
+	defer close(done)
+	if err := netlink.LinkSubscribe(linkCh, done); err != nil {
+		return fmt.Errorf("agent: watch interfaces: %w", err)
+	}
+	if err := netlink.AddrSubscribe(addrCh, done); err != nil {
+		return fmt.Errorf("agent: watch addresses: %w", err)
+	}
+	if err := a.syncInterfaces(); err != nil {
+		return err
+	}
+	if err := a.syncAddrs(); err != nil {
+		return err
+	}
+	if err := a.applyPolicies(); err != nil {
+		a.log.Error("policies not applied", "err", err)
+	}
+
+	a.metrics = newMetrics(a)
+	srv, err := a.serveAPI()
+	if err != nil {
+		return err
+	}
+	defer srv.Close()
+	if cfg.MetricsAddr != "" {
+		ms, err := a.metrics.serve(cfg.MetricsAddr)
+		if err != nil {
+			return err
+		}
+		defer ms.Close()
+	}
+	if cfg.PolicyServer != "" {
+		go policyserver.Watch(ctx, policyserver.WatchConfig{
+			URL: cfg.PolicyServer, Host: cfg.Name, CacheFile: filepath.Join(cfg.StateDir, "server-policies.json"),
+			OnUpdate: a.onServerPolicies,
+			OnStatus: func(ok bool, err error) {
+				a.mu.Lock()
+				changed := a.serverOK != ok
+				a.serverOK = ok
+				a.mu.Unlock()
+				if changed {
+					a.log.Info("policy server", "reachable", ok, "err", err)
+				}
+			},
+		})
+	}
+	if cfg.ReadyFile != "" {
+		if err := os.WriteFile(cfg.ReadyFile, []byte(fmt.Sprintf("%d\n", os.Getpid())), 0o644); err != nil {
+			return fmt.Errorf("agent: ready file: %w", err)
+		}
+		defer os.Remove(cfg.ReadyFile)
+	}
+	a.log.Info("agent ready", "pin_dir", cfg.PinDir, "attach", dp.Attach, "tap", cfg.Tap, "ifaces", a.ifaceList())
+
+	gc := time.NewTicker(cfg.GCInterval)
+	defer gc.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			a.log.Info("agent stopping; pinned datapath keeps live sessions")
+			return nil
+		case u := <-linkCh:
+			_ = u
+			if err := a.syncInterfaces(); err != nil {
+				a.log.Warn("interfaces", "err", err)
+			}
+		case <-addrCh:
+			if err := a.syncAddrs(); err != nil {
+				a.log.Warn("addresses", "err", err)
+			}
+		case <-gc.C:
+			a.collect()
+		}
+	}
+}
+
+// ensureTap creates the session-view tap (requirement 2): one end of a veth
+// pair, up, with no addresses. The datapath copies each packet of the
+// sessions chained through this host to its ingress; capture tools listen on
+// it, and a drop program keeps the copies out of the stack.
+func ensureTap(name string) (int, error) {
+	if l, err := netlink.LinkByName(name); err == nil {
+		return l.Attrs().Index, netlink.LinkSetUp(l)
+	}
+	peer := name + "-p"
+	if len(peer) > 15 {
+		peer = peer[:15]
+	}
+	la := netlink.NewLinkAttrs()
+	la.Name = name
+	v := &netlink.Veth{LinkAttrs: la, PeerName: peer}
+	if err := netlink.LinkAdd(v); err != nil {
+		return 0, fmt.Errorf("agent: create tap %s: %w", name, err)
+	}
+	for _, n := range []string{peer, name} {
+		l, err := netlink.LinkByName(n)
+		if err != nil {
+			return 0, err
+		}
+		if err := netlink.LinkSetUp(l); err != nil {
+			return 0, err
+		}
+	}
+	l, err := netlink.LinkByName(name)
+	if err != nil {
+		return 0, err
+	}
+	return l.Attrs().Index, nil
+}
+
+func (a *Agent) isTap(name string) bool {
+	if a.cfg.Tap == "" {
+		return false
+	}
+	peer := a.cfg.Tap + "-p"
+	if len(peer) > 15 {
+		peer = peer[:15]
+	}
+	return name == a.cfg.Tap || name == peer
+}
+
+// syncInterfaces attaches the datapath to every interface but loopback and
+// the tap.
+func (a *Agent) syncInterfaces() error {
+	links, err := netlink.LinkList()
+	if err != nil {
+		return err
+	}
+	seen := map[string]bool{}
+	var errs []error
+	for _, l := range links {
+		at := l.Attrs()
+		if at.Flags&net.FlagLoopback != 0 || a.isTap(at.Name) {
+			continue
+		}
+		seen[at.Name] = true
+		a.mu.Lock()
+		known := a.ifaces[at.Name]
+		a.mu.Unlock()
+		if known {
+			continue
+		}
+		if err := a.dp.AttachInterface(at.Name); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		a.mu.Lock()
+		a.ifaces[at.Name] = true
+		a.mu.Unlock()
+		a.log.Info("attached", "iface", at.Name)
+	}
+	a.mu.Lock()
+	for n := range a.ifaces {
+		if !seen[n] {
+			delete(a.ifaces, n)
+		}
+	}
+	a.mu.Unlock()
+	return errors.Join(errs...)
+}
+
+func (a *Agent) ifaceList() []string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var out []string
+	for n := range a.ifaces {
+		out = append(out, n)
+	}
+	sort.Strings(out)
+	return out
+}
+
+func (a *Agent) syncAddrs() error {
+	addrs, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
+	if err != nil {
+		return err
+	}
+	var out []netip.Addr
+	for _, ad := range addrs {
+		if ip, ok := netip.AddrFromSlice(ad.IP); ok {
+			out = append(out, ip.Unmap())
+		}
+	}
+	return a.dp.SetLocalAddrs(out)
+}
+
+// ---- policies ----
+
+func (a *Agent) localFile() string { return filepath.Join(a.cfg.StateDir, "local-policies.json") }
+
+func (a *Agent) loadLocal() error {
+	b, err := os.ReadFile(a.localFile())
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("agent: read local policies: %w", err)
+	}
+	if err := json.Unmarshal(b, &a.local); err != nil {
+		return fmt.Errorf("agent: %s: %w (remove the file to start without local policies)", a.localFile(), err)
+	}
+	return nil
+}
+
+func (a *Agent) saveLocal() error {
+	b, err := json.MarshalIndent(a.local, "", "  ")
+	if err != nil {
+		return err
+	}
+	tmp := a.localFile() + ".tmp"
+	if err := os.WriteFile(tmp, b, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, a.localFile())
+}
+
+func (a *Agent) onServerPolicies(ps api.PolicySet) {
+	a.mu.Lock()
+	a.server = ps
+	a.mu.Unlock()
+	if err := a.applyPolicies(); err != nil {
+		a.log.Error("policy server's policies not applied", "version", ps.Version, "err", err)
+		return
+	}
+	a.log.Info("policies from server", "version", ps.Version, "policies", len(ps.Policies))
+}
+
+// effectiveSet merges local and server policies; a local policy overrides a
+// server policy of the same name. Policies are ordered by priority, name.
+func effectiveSet(local, server api.PolicySet) ([]api.Policy, []api.MiddleboxType) {
+	pol := map[string]api.Policy{}
+	for _, p := range server.Policies {
+		pol[p.Name] = p
+	}
+	for _, p := range local.Policies {
+		pol[p.Name] = p
+	}
+	typ := map[string]api.MiddleboxType{}
+	for _, t := range server.Types {
+		typ[t.Name] = t
+	}
+	for _, t := range local.Types {
+		typ[t.Name] = t
+	}
+	ps := make([]api.Policy, 0, len(pol))
+	for _, p := range pol {
+		ps = append(ps, p)
+	}
+	sort.Slice(ps, func(i, j int) bool {
+		if ps[i].Priority != ps[j].Priority {
+			return ps[i].Priority < ps[j].Priority
+		}
+		return ps[i].Name < ps[j].Name
+	})
+	ts := make([]api.MiddleboxType, 0, len(typ))
+	for _, t := range typ {
+		ts = append(ts, t)
+	}
+	sort.Slice(ts, func(i, j int) bool { return ts[i].Name < ts[j].Name })
+	return ps, ts
+}
+
+// applyPolicies compiles the effective policies into the classifier program
+// and the chains into the datapath's maps. The chains are written before the
+// new classifier is swapped in; a slot whose chain cannot be resolved makes
+// the datapath drop the session (fail closed), never bypass the chain.
+func (a *Agent) applyPolicies() error {
+	a.mu.Lock()
+	pols, types := effectiveSet(a.local, a.server)
+	a.mu.Unlock()
+
+	typeIndex := map[string]int{}
+	var typeAddrs [][]netip.Addr
+	for i, t := range types {
+		typeIndex[t.Name] = i
+		typeAddrs = append(typeAddrs, t.Instances)
+	}
+	var compiled []policy.Compiled
+	var chains []datapath.PolicyChain
+	var errs []error
+	for _, p := range pols {
+		c, err := policy.Compile(p)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		chain, err := resolveChain(p, typeIndex)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		compiled = append(compiled, c)
+		chains = append(chains, chain)
+	}
+	if err := a.dp.SetTypes(typeAddrs); err != nil {
+		return err
+	}
+	if err := a.dp.SetPolicies(chains); err != nil {
+		return err
+	}
+	var prog *ebpf.Program
+	if len(compiled) > 0 {
+		spec, err := policy.BuildProgram(compiled, a.dp.ProgArray())
+		if err != nil {
+			return err
+		}
+		prog, err = ebpf.NewProgram(spec)
+		if err != nil {
+			return fmt.Errorf("agent: load classifier: %w", err)
+		}
+	}
+	if err := a.dp.SetPolicyProgram(prog); err != nil {
+		if prog != nil {
+			prog.Close()
+		}
+		return err
+	}
+	a.mu.Lock()
+	if a.policyProg != nil {
+		a.policyProg.Close()
+	}
+	a.policyProg = prog
+	a.effective = nil
+	for _, c := range compiled {
+		a.effective = append(a.effective, c.Policy)
+	}
+	a.typeIndex = typeIndex
+	a.mu.Unlock()
+	return errors.Join(errs...)
+}
+
+func resolveChain(p api.Policy, typeIndex map[string]int) (datapath.PolicyChain, error) {
+	c := datapath.PolicyChain{ToDst: !p.EndBeforeDestination}
+	for _, h := range p.Chain {
+		if h.Addr.IsValid() {
+			c.Hops = append(c.Hops, datapath.PolicyHop{Addr: h.Addr})
+			continue
+		}
+		i, ok := typeIndex[h.Type]
+		if !ok {
+			return c, fmt.Errorf("policy %q: middlebox type %q is not defined (add it with 'dysco type add %s ADDR,...')", p.Name, h.Type, h.Type)
+		}
+		c.Hops = append(c.Hops, datapath.PolicyHop{Type: i})
+	}
+	return c, nil
+}

@@ -1,0 +1,327 @@
+package agent
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/datapath"
+	"github.com/dysco/dysco/internal/policy"
+	"golang.org/x/sys/unix"
+)
+
+// Version is the agent's version string.
+var Version = "0.1.0-dev"
+
+// serveAPI serves the local API (HTTP/JSON) on the abstract Unix socket. Only
+// root may use it: the peer's credentials are checked on every connection.
+func (a *Agent) serveAPI() (*http.Server, error) {
+	ln, err := net.Listen("unix", a.cfg.Socket)
+	if err != nil {
+		return nil, fmt.Errorf("agent: local API on %s: %w (is another agent running in this network namespace?)", a.cfg.Socket, err)
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /v1/status", a.handleStatus)
+	mux.HandleFunc("GET /v1/sessions", a.handleSessions)
+	mux.HandleFunc("GET /v1/policies", a.handlePolicies)
+	mux.HandleFunc("PUT /v1/policies/{name}", a.handlePutPolicy)
+	mux.HandleFunc("DELETE /v1/policies/{name}", a.handleDeletePolicy)
+	mux.HandleFunc("PUT /v1/types/{name}", a.handlePutType)
+	mux.HandleFunc("DELETE /v1/types/{name}", a.handleDeleteType)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go srv.Serve(rootOnly{ln})
+	return srv, nil
+}
+
+// rootOnly accepts connections from root peers only.
+type rootOnly struct{ net.Listener }
+
+func (l rootOnly) Accept() (net.Conn, error) {
+	for {
+		c, err := l.Listener.Accept()
+		if err != nil {
+			return nil, err
+		}
+		uc, ok := c.(*net.UnixConn)
+		if !ok {
+			return c, nil
+		}
+		raw, err := uc.SyscallConn()
+		if err != nil {
+			c.Close()
+			continue
+		}
+		var cred *unix.Ucred
+		_ = raw.Control(func(fd uintptr) { cred, err = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED) })
+		if err != nil || cred.Uid != 0 {
+			c.Close()
+			continue
+		}
+		return c, nil
+	}
+}
+
+func writeJSON(w http.ResponseWriter, code int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+func writeErr(w http.ResponseWriter, code int, err error) {
+	writeJSON(w, code, api.Error{Error: err.Error()})
+}
+
+func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
+	st, err := a.dp.Stats()
+	if err != nil {
+		writeErr(w, 500, err)
+		return
+	}
+	sess, _ := a.dp.Sessions()
+	a.mu.Lock()
+	out := api.Status{
+		Name: a.cfg.Name, Version: Version, Started: a.started, PinDir: a.cfg.PinDir, Attach: a.dp.Attach,
+		Tap: a.cfg.Tap, Sessions: len(sess), PolicyVersion: a.server.Version, PolicyServer: a.cfg.PolicyServer,
+		PolicyServerOK: a.serverOK, Counters: st,
+	}
+	a.mu.Unlock()
+	out.Ifaces = a.ifaceList()
+	writeJSON(w, 200, out)
+}
+
+func (a *Agent) handleSessions(w http.ResponseWriter, r *http.Request) {
+	out, err := a.sessionList()
+	if err != nil {
+		writeErr(w, 500, err)
+		return
+	}
+	writeJSON(w, 200, out)
+}
+
+// sessionList joins sessions with their flows: the ingress flow of a SYN's
+// block is the left subsession, the egress flow that emitted the block the
+// right one.
+func (a *Agent) sessionList() ([]api.Session, error) {
+	sessions, err := a.dp.Sessions()
+	if err != nil {
+		return nil, err
+	}
+	flows, err := a.dp.Flows()
+	if err != nil {
+		return nil, err
+	}
+	left := map[uint32]string{}
+	right := map[uint32]string{}
+	for _, f := range flows {
+		switch {
+		case f.Flags&datapath.FlSYNStrip != 0:
+			left[f.SessId] = f.Key.String()
+		case f.Flags&datapath.FlSYNEmit != 0:
+			right[f.SessId] = f.Out.String()
+		}
+	}
+	a.mu.Lock()
+	eff := a.effective
+	a.mu.Unlock()
+	now := datapath.Monotonic()
+	out := make([]api.Session, 0, len(sessions))
+	for _, s := range sessions {
+		as := api.Session{
+			ID: s.ID, Session: s.Tuple.String(), Left: left[s.ID], Right: right[s.ID],
+			Role: datapath.RoleName(s.Role), State: datapath.StateName(s.State),
+			PacketsFwd: s.Packets[0], BytesFwd: s.Bytes[0], PacketsRev: s.Packets[1], BytesRev: s.Bytes[1],
+			AgeSeconds:  (now - time.Duration(s.CreatedNs)).Seconds(),
+			IdleSeconds: (now - time.Duration(s.LastNs)).Seconds(),
+		}
+		if s.Policy > 0 && int(s.Policy) <= len(eff) {
+			as.Policy = eff[s.Policy-1].Name
+		}
+		if hops, ok := a.dp.SynHops(s.ID); ok {
+			for _, h := range hops {
+				as.Chain = append(as.Chain, h.String())
+			}
+		}
+		out = append(out, as)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out, nil
+}
+
+func (a *Agent) handlePolicies(w http.ResponseWriter, r *http.Request) {
+	a.mu.Lock()
+	pols, types := effectiveSet(a.local, a.server)
+	v := a.server.Version
+	a.mu.Unlock()
+	writeJSON(w, 200, api.PolicySet{Version: v, Policies: pols, Types: types})
+}
+
+func (a *Agent) handlePutPolicy(w http.ResponseWriter, r *http.Request) {
+	var p api.Policy
+	if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<20)).Decode(&p); err != nil {
+		writeErr(w, 400, fmt.Errorf("policy: bad JSON: %w", err))
+		return
+	}
+	name := r.PathValue("name")
+	if p.Name == "" {
+		p.Name = name
+	}
+	if p.Name != name {
+		writeErr(w, 400, fmt.Errorf("policy name %q in the body differs from %q in the path", p.Name, name))
+		return
+	}
+	if _, err := policy.Compile(p); err != nil {
+		writeErr(w, 400, err)
+		return
+	}
+	a.mu.Lock()
+	_, types := effectiveSet(a.local, a.server)
+	a.mu.Unlock()
+	idx := map[string]int{}
+	for i, t := range types {
+		idx[t.Name] = i
+	}
+	if _, err := resolveChain(p, idx); err != nil {
+		writeErr(w, 400, err)
+		return
+	}
+	a.mu.Lock()
+	replaced := false
+	for i := range a.local.Policies {
+		if a.local.Policies[i].Name == p.Name {
+			a.local.Policies[i] = p
+			replaced = true
+		}
+	}
+	if !replaced {
+		a.local.Policies = append(a.local.Policies, p)
+	}
+	err := a.saveLocal()
+	a.mu.Unlock()
+	if err == nil {
+		err = a.applyPolicies()
+	}
+	if err != nil {
+		writeErr(w, 500, err)
+		return
+	}
+	a.log.Info("policy added", "name", p.Name, "filter", p.Filter, "chain", hopsString(p.Chain))
+	writeJSON(w, 200, p)
+}
+
+func hopsString(hs []api.Hop) string {
+	var s []string
+	for _, h := range hs {
+		s = append(s, h.String())
+	}
+	return strings.Join(s, ",")
+}
+
+func (a *Agent) handleDeletePolicy(w http.ResponseWriter, r *http.Request) {
+	name := r.PathValue("name")
+	a.mu.Lock()
+	found := false
+	kept := a.local.Policies[:0]
+	for _, p := range a.local.Policies {
+		if p.Name == name {
+			found = true
+			continue
+		}
+		kept = append(kept, p)
+	}
+	a.local.Policies = kept
+	var err error
+	if found {
+		err = a.saveLocal()
+	}
+	a.mu.Unlock()
+	if !found {
+		writeErr(w, 404, fmt.Errorf("policy %q: no such local policy (policies from the policy server are removed there)", name))
+		return
+	}
+	if err == nil {
+		err = a.applyPolicies()
+	}
+	if err != nil {
+		writeErr(w, 500, err)
+		return
+	}
+	w.WriteHeader(204)
+}
+
+func (a *Agent) handlePutType(w http.ResponseWriter, r *http.Request) {
+	var t api.MiddleboxType
+	if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<20)).Decode(&t); err != nil {
+		writeErr(w, 400, fmt.Errorf("type: bad JSON: %w", err))
+		return
+	}
+	if t.Name == "" {
+		t.Name = r.PathValue("name")
+	}
+	if t.Name != r.PathValue("name") {
+		writeErr(w, 400, errors.New("type name in the body differs from the path"))
+		return
+	}
+	if err := t.Validate(); err != nil {
+		writeErr(w, 400, err)
+		return
+	}
+	a.mu.Lock()
+	replaced := false
+	for i := range a.local.Types {
+		if a.local.Types[i].Name == t.Name {
+			a.local.Types[i] = t
+			replaced = true
+		}
+	}
+	if !replaced {
+		a.local.Types = append(a.local.Types, t)
+	}
+	err := a.saveLocal()
+	a.mu.Unlock()
+	if err == nil {
+		err = a.applyPolicies()
+	}
+	if err != nil {
+		writeErr(w, 500, err)
+		return
+	}
+	writeJSON(w, 200, t)
+}
+
+func (a *Agent) handleDeleteType(w http.ResponseWriter, r *http.Request) {
+	name := r.PathValue("name")
+	a.mu.Lock()
+	found := false
+	kept := a.local.Types[:0]
+	for _, t := range a.local.Types {
+		if t.Name == name {
+			found = true
+			continue
+		}
+		kept = append(kept, t)
+	}
+	a.local.Types = kept
+	var err error
+	if found {
+		err = a.saveLocal()
+	}
+	a.mu.Unlock()
+	if !found {
+		writeErr(w, 404, fmt.Errorf("type %q: no such local type", name))
+		return
+	}
+	if err == nil {
+		err = a.applyPolicies()
+	}
+	if err != nil {
+		writeErr(w, 500, err)
+		return
+	}
+	w.WriteHeader(204)
+}

@@ -1,0 +1,53 @@
+package api
+
+import "time"
+
+// AgentSocket is the abstract Unix socket the agent serves its local API on.
+// Abstract sockets belong to a network namespace, so `ip netns exec NAME
+// dysco ...` reaches the agent of that namespace with no path to configure.
+const AgentSocket = "@dysco-agent"
+
+// Error is the body of every non-2xx answer of the local API and the policy server.
+type Error struct {
+	Error string `json:"error"`
+}
+
+// Status describes an agent.
+type Status struct {
+	Name     string    `json:"name"`
+	Version  string    `json:"version"`
+	Started  time.Time `json:"started"`
+	PinDir   string    `json:"pin_dir"`
+	Attach   string    `json:"attach"` // "tcx" or "clsact"
+	Ifaces   []string  `json:"ifaces"`
+	Tap      string    `json:"tap,omitempty"`
+	Sessions int       `json:"sessions"`
+	// PolicyVersion is the version of the policy set in force (0: local only).
+	PolicyVersion uint64 `json:"policy_version"`
+	// PolicyServer is the server URL, empty when none is configured.
+	PolicyServer string `json:"policy_server,omitempty"`
+	// PolicyServerOK tells whether the last contact with the server worked.
+	PolicyServerOK bool `json:"policy_server_ok"`
+	// Counters holds the datapath counters by name (drops by reason, set-ups, ...).
+	Counters map[string]uint64 `json:"counters"`
+}
+
+// Session is one session known to an agent, as `dysco sessions` shows it.
+type Session struct {
+	ID      uint32 `json:"id"`
+	Session string `json:"session"` // session tuple "a:p -> b:q"
+	// Left and Right are the subsessions on each side of this host, empty
+	// where this host is an end of the chain.
+	Left        string   `json:"left,omitempty"`
+	Right       string   `json:"right,omitempty"`
+	Chain       []string `json:"chain,omitempty"` // remaining hops seen at set-up
+	Role        string   `json:"role"`            // "start", "middle", "end"
+	State       string   `json:"state"`           // "syn", "established", "fin", "closed", "reset"
+	Policy      string   `json:"policy,omitempty"`
+	PacketsFwd  uint64   `json:"packets_fwd"`
+	BytesFwd    uint64   `json:"bytes_fwd"`
+	PacketsRev  uint64   `json:"packets_rev"`
+	BytesRev    uint64   `json:"bytes_rev"`
+	AgeSeconds  float64  `json:"age_seconds"`
+	IdleSeconds float64  `json:"idle_seconds"`
+}

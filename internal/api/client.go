@@ -1,0 +1,246 @@
+package api
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// ErrNoAgent is the error a client of the local agent returns when nothing
+// listens on the agent's socket in the caller's network namespace.
+var ErrNoAgent = errors.New(`no dysco agent in this network namespace (is "dysco agent" running? run the CLI inside the host's namespace: ip netns exec NAME dysco ...)`)
+
+// DefaultTimeout bounds each request of a Client whose context has no
+// deadline of its own (long polls excepted).
+const DefaultTimeout = 10 * time.Second
+
+// maxBody bounds the answers a Client reads.
+const maxBody = 16 << 20
+
+// Client talks HTTP/JSON to the local agent (over its abstract Unix socket)
+// or to the policy server (over TCP). Both serve the /v1/policies and
+// /v1/types routes; /v1/status and /v1/sessions exist on the agent only and
+// /v1/watch on the policy server only. A Client is safe for concurrent use.
+type Client struct {
+	base   string // "http://dysco-agent" or the server URL, without a trailing slash
+	target string // what error messages call the peer
+	hc     *http.Client
+	// Timeout bounds each request whose context has no deadline; zero means
+	// DefaultTimeout. Watch is bounded by its wait instead.
+	Timeout time.Duration
+}
+
+// NewAgentClient returns a client of the agent of the caller's network
+// namespace, on AgentSocket.
+func NewAgentClient() *Client { return NewUnixClient(AgentSocket) }
+
+// NewUnixClient returns a client of an agent serving on the Unix socket
+// socket ("@name" for an abstract socket, as AgentSocket).
+func NewUnixClient(socket string) *Client {
+	tr := &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			c, err := d.DialContext(ctx, "unix", socket)
+			if err != nil {
+				return nil, &noAgentError{cause: err}
+			}
+			return c, nil
+		},
+		MaxIdleConns:    2,
+		IdleConnTimeout: 30 * time.Second,
+	}
+	return &Client{
+		base:   "http://dysco-agent",
+		target: "agent on " + socket,
+		hc:     &http.Client{Transport: tr},
+	}
+}
+
+// NewServerClient returns a client of the policy server at serverURL
+// ("http://host:7017"; a bare "host:port" means http).
+func NewServerClient(serverURL string) *Client {
+	u := strings.TrimRight(strings.TrimSpace(serverURL), "/")
+	if !strings.Contains(u, "://") {
+		u = "http://" + u
+	}
+	return &Client{
+		base:   u,
+		target: "policy server " + u,
+		hc:     &http.Client{Transport: http.DefaultTransport.(*http.Transport).Clone()},
+	}
+}
+
+// Target describes the peer, for messages: "agent on @dysco-agent" or
+// "policy server http://10.0.0.9:7017".
+func (c *Client) Target() string { return c.target }
+
+// HTTPError is the error for an answer whose status is not 2xx; Message is
+// the api.Error the peer sent.
+type HTTPError struct {
+	StatusCode int
+	Message    string
+}
+
+func (e *HTTPError) Error() string { return e.Message }
+
+// IsNotFound tells whether err is a 404 answer (for example deleting a policy
+// that does not exist).
+func IsNotFound(err error) bool {
+	var he *HTTPError
+	return errors.As(err, &he) && he.StatusCode == http.StatusNotFound
+}
+
+// Status returns the agent's status.
+func (c *Client) Status(ctx context.Context) (Status, error) {
+	var s Status
+	err := c.do(ctx, http.MethodGet, "/v1/status", nil, &s)
+	return s, err
+}
+
+// Sessions returns the sessions the agent knows.
+func (c *Client) Sessions(ctx context.Context) ([]Session, error) {
+	var s []Session
+	err := c.do(ctx, http.MethodGet, "/v1/sessions", nil, &s)
+	return s, err
+}
+
+// Policies returns every policy and middlebox type the peer holds.
+func (c *Client) Policies(ctx context.Context) (PolicySet, error) {
+	var s PolicySet
+	err := c.do(ctx, http.MethodGet, "/v1/policies", nil, &s)
+	return s, err
+}
+
+// PutPolicy creates or replaces the policy p.Name.
+func (c *Client) PutPolicy(ctx context.Context, p Policy) error {
+	if p.Name == "" {
+		return errors.New("policy has no name")
+	}
+	return c.do(ctx, http.MethodPut, "/v1/policies/"+url.PathEscape(p.Name), p, nil)
+}
+
+// DeletePolicy removes the policy name; IsNotFound(err) when there is none.
+func (c *Client) DeletePolicy(ctx context.Context, name string) error {
+	return c.do(ctx, http.MethodDelete, "/v1/policies/"+url.PathEscape(name), nil, nil)
+}
+
+// PutType creates or replaces the middlebox type t.Name.
+func (c *Client) PutType(ctx context.Context, t MiddleboxType) error {
+	if t.Name == "" {
+		return errors.New("middlebox type has no name")
+	}
+	return c.do(ctx, http.MethodPut, "/v1/types/"+url.PathEscape(t.Name), t, nil)
+}
+
+// DeleteType removes the middlebox type name; IsNotFound(err) when there is none.
+func (c *Client) DeleteType(ctx context.Context, name string) error {
+	return c.do(ctx, http.MethodDelete, "/v1/types/"+url.PathEscape(name), nil, nil)
+}
+
+// Watch long-polls the policy server for the policy set of host: the server
+// answers at once when its version is above after, else when it changes or
+// wait has passed (the caller compares versions). Policy server only.
+func (c *Client) Watch(ctx context.Context, host string, after uint64, wait time.Duration) (PolicySet, error) {
+	q := url.Values{}
+	q.Set("host", host)
+	q.Set("after", strconv.FormatUint(after, 10))
+	q.Set("wait", strconv.Itoa(int(wait/time.Second)))
+	// Give the server its whole wait plus time to answer.
+	ctx, cancel := context.WithTimeout(ctx, wait+DefaultTimeout)
+	defer cancel()
+	var s PolicySet
+	err := c.do(ctx, http.MethodGet, "/v1/watch?"+q.Encode(), nil, &s)
+	return s, err
+}
+
+// do sends body (if not nil) as JSON and decodes a 2xx answer into out (if not nil).
+func (c *Client) do(ctx context.Context, method, path string, body, out any) error {
+	if _, ok := ctx.Deadline(); !ok {
+		t := c.Timeout
+		if t == 0 {
+			t = DefaultTimeout
+		}
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, t)
+		defer cancel()
+	}
+	var rd io.Reader
+	if body != nil {
+		b, err := json.Marshal(body)
+		if err != nil {
+			return fmt.Errorf("%s %s: encoding request: %w", method, path, err)
+		}
+		rd = bytes.NewReader(b)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, c.base+path, rd)
+	if err != nil {
+		return fmt.Errorf("%s: %w", c.target, err)
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	req.Header.Set("Accept", "application/json")
+	resp, err := c.hc.Do(req)
+	if err != nil {
+		var na *noAgentError
+		if errors.As(err, &na) {
+			return na
+		}
+		if ctxErr := ctx.Err(); ctxErr != nil {
+			return fmt.Errorf("%s: %s %s: %w", c.target, method, path, ctxErr)
+		}
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err
+		}
+		return fmt.Errorf("%s unreachable: %w", c.target, err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(io.LimitReader(resp.Body, maxBody))
+	if err != nil {
+		return fmt.Errorf("%s: %s %s: reading answer: %w", c.target, method, path, err)
+	}
+	if resp.StatusCode/100 != 2 {
+		var e Error
+		if json.Unmarshal(data, &e) == nil && e.Error != "" {
+			return &HTTPError{StatusCode: resp.StatusCode, Message: e.Error}
+		}
+		msg := strings.TrimSpace(string(data))
+		if len(msg) > 200 {
+			msg = msg[:200] + "..."
+		}
+		return &HTTPError{StatusCode: resp.StatusCode,
+			Message: fmt.Sprintf("%s: %s %s: %s: %s", c.target, method, path, resp.Status, msg)}
+	}
+	if out == nil || resp.StatusCode == http.StatusNoContent {
+		return nil
+	}
+	if err := json.Unmarshal(data, out); err != nil {
+		return fmt.Errorf("%s: %s %s: decoding answer: %w", c.target, method, path, err)
+	}
+	return nil
+}
+
+// noAgentError is a failure to dial the agent's socket. It reads as
+// ErrNoAgent, followed by the cause when that is not the usual "nobody
+// listens".
+type noAgentError struct{ cause error }
+
+func (e *noAgentError) Error() string {
+	if errors.Is(e.cause, syscall.ECONNREFUSED) || errors.Is(e.cause, syscall.ENOENT) {
+		return ErrNoAgent.Error()
+	}
+	return ErrNoAgent.Error() + ": " + e.cause.Error()
+}
+
+func (e *noAgentError) Unwrap() []error { return []error{ErrNoAgent, e.cause} }

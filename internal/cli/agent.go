@@ -1,0 +1,94 @@
+package cli
+
+import (
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/dysco/dysco/internal/agent"
+	"github.com/dysco/dysco/internal/datapath"
+	"github.com/spf13/cobra"
+)
+
+func init() { register(newAgentCmd) }
+
+func newAgentCmd() *cobra.Command {
+	var cfg agent.Config
+	var trusted []string
+	var reset, debug bool
+	var ports string
+	cmd := &cobra.Command{
+		Use:   "agent",
+		Short: "Run the Dysco agent of this host (network namespace)",
+		Long: `Run the Dysco agent: it loads and pins the eBPF datapath, attaches it to every
+interface of the network namespace, keeps policies, collects ended sessions and
+serves the local API that the other dysco commands use.
+
+Restarting the agent does not disturb live sessions: the datapath stays pinned
+under --pin-dir. 'dysco agent --reset' removes it (every session on the host ends).`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			level := slog.LevelInfo
+			if debug {
+				level = slog.LevelDebug
+			}
+			cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+			if reset {
+				if cfg.PinDir == "" {
+					return fmt.Errorf("--reset needs --pin-dir")
+				}
+				return datapath.Reset(cfg.PinDir)
+			}
+			for _, t := range trusted {
+				p, err := parsePrefix(t)
+				if err != nil {
+					return err
+				}
+				cfg.Trusted = append(cfg.Trusted, p)
+			}
+			if ports != "" {
+				var lo, hi uint16
+				if _, err := fmt.Sscanf(ports, "%d-%d", &lo, &hi); err != nil || hi < lo {
+					return fmt.Errorf("--ports %q: want LOW-HIGH, e.g. 20000-59999", ports)
+				}
+				cfg.PortLo, cfg.PortN = lo, hi-lo+1
+			}
+			return agent.Run(cmd.Context(), cfg)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&cfg.Name, "name", "", "agent name, used by the policy server to choose policies (default: hostname)")
+	f.StringVar(&cfg.PinDir, "pin-dir", "", "bpffs directory for the pinned datapath (default /sys/fs/bpf/dysco/netns-INODE)")
+	f.StringVar(&cfg.StateDir, "state-dir", "", "directory for local policies and the policy server's last set (default /var/lib/dysco/netns-INODE)")
+	f.StringVar(&cfg.Tap, "tap", "", "create the session-view tap with this name (middlebox hosts; e.g. dysco-tap)")
+	f.StringVar(&cfg.PolicyServer, "policy-server", "", "policy server URL, e.g. http://10.0.0.1:7017")
+	f.StringVar(&cfg.ReadyFile, "ready-file", "", "write this file once the agent is ready")
+	f.StringVar(&cfg.MetricsAddr, "metrics", "", "serve Prometheus metrics on this address, e.g. 127.0.0.1:9017")
+	f.DurationVar(&cfg.IdleTimeout, "idle-timeout", time.Hour, "end sessions idle this long")
+	f.DurationVar(&cfg.HalfOpenTimeout, "half-open-timeout", 30*time.Second, "end sessions not established within this time")
+	f.DurationVar(&cfg.CloseLinger, "close-linger", 10*time.Second, "keep closed sessions this long for retransmitted FINs and ACKs")
+	f.StringVar(&ports, "ports", "", "subsession port range LOW-HIGH (default 20000-59999)")
+	f.StringSliceVar(&trusted, "trusted", nil, "accept Dysco SYNs only from these prefixes (default: from anyone)")
+	f.BoolVar(&reset, "reset", false, "remove the pinned datapath under --pin-dir and exit")
+	f.BoolVar(&debug, "debug", false, "debug logging")
+	return cmd
+}
+
+func parsePrefix(s string) (netip.Prefix, error) {
+	s = strings.TrimSpace(s)
+	if !strings.Contains(s, "/") {
+		a, err := netip.ParseAddr(s)
+		if err != nil {
+			return netip.Prefix{}, fmt.Errorf("%q: not an address or prefix", s)
+		}
+		return netip.PrefixFrom(a.Unmap(), a.Unmap().BitLen()), nil
+	}
+	p, err := netip.ParsePrefix(s)
+	if err != nil {
+		return netip.Prefix{}, fmt.Errorf("%q: %w", s, err)
+	}
+	return p.Masked(), nil
+}

@@ -1,0 +1,322 @@
+package cli
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"regexp"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"github.com/dysco/dysco/internal/api"
+)
+
+func init() {
+	register(newPolicyCmd)
+	register(newTypeCmd)
+}
+
+const serverFlagUsage = "policy server URL (http://HOST:7017); default: the local agent"
+
+// where says where a change went, for the confirmation line.
+func where(c *api.Client, serverURL string) string {
+	if serverURL == "" {
+		return "on the local agent"
+	}
+	return "on " + c.Target()
+}
+
+func newPolicyCmd() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "policy",
+		Short: "Add, list and remove the policies that steer sessions through middleboxes",
+		Long: `A policy sends the sessions whose first SYN matches a tcpdump filter through
+a chain of middleboxes (paper §2.2). Policies live on the local agent, or on
+the policy server (--server), which hands them to the agents.`,
+	}
+	cmd.AddCommand(newPolicyAddCmd(), newPolicyListCmd(), newPolicyRmCmd())
+	return cmd
+}
+
+// policyNameRE mirrors the name rule of api.Policy.Validate, to tell a
+// missing NAME from a missing FILTER.
+var policyNameRE = regexp.MustCompile(`^[A-Za-z][A-Za-z0-9._-]{0,62}$`)
+
+// policyArgs reads NAME and the FILTER (the remaining arguments, joined as
+// tcpdump joins its own).
+func policyArgs(args []string) (name, filter string, err error) {
+	const usage = "usage: dysco policy add NAME --chain HOP[,HOP...] 'FILTER'"
+	switch {
+	case len(args) == 0:
+		return "", "", errors.New("missing policy NAME and FILTER; " + usage)
+	case len(args) == 1 && !policyNameRE.MatchString(args[0]):
+		return "", "", fmt.Errorf("missing policy NAME before the filter %q; %s", args[0], usage)
+	case len(args) == 1:
+		return "", "", fmt.Errorf("missing FILTER after the policy name %q (\"tcp\" matches every TCP session); %s", args[0], usage)
+	}
+	return args[0], strings.Join(args[1:], " "), nil
+}
+
+func newPolicyAddCmd() *cobra.Command {
+	var (
+		chain    []string
+		hosts    []string
+		priority int
+		endEarly bool
+		server   string
+	)
+	cmd := &cobra.Command{
+		Use:   "add NAME [--chain HOP[,HOP...]] [flags] 'FILTER'",
+		Short: "Add or replace a policy",
+		Long: `Add the policy NAME, or replace it: sessions whose first SYN matches FILTER
+(tcpdump syntax) go through the chain of hops, each an IP address or the name
+of a middlebox type (see "dysco type"). An empty chain makes matching
+sessions Dysco sessions straight to their destination, so that a chain can be
+inserted later.`,
+		Example: `  dysco policy add web --chain 10.0.1.2,nat 'tcp dst port 80'
+  dysco policy add --server http://10.0.0.9:7017 --host h1 ssh --chain ids tcp port 22`,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			name, filter, err := policyArgs(args)
+			if err != nil {
+				return err
+			}
+			p := api.Policy{Name: name, Filter: filter, EndBeforeDestination: endEarly, Priority: priority, Hosts: hosts}
+			for _, s := range chain {
+				h, err := api.ParseHop(s)
+				if err != nil {
+					return fmt.Errorf("--chain: %w", err)
+				}
+				p.Chain = append(p.Chain, h)
+			}
+			if server == "" && len(hosts) > 0 {
+				return errors.New("--host only applies with --server: the policy server hands policies to the hosts named; the local agent takes every policy it is given")
+			}
+			if err := p.Validate(); err != nil {
+				return err
+			}
+			c := clientFor(server)
+			if err := c.PutPolicy(cmd.Context(), p); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "policy %q installed %s\n", p.Name, where(c, server))
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringSliceVar(&chain, "chain", nil, "middleboxes to traverse, in order: IP addresses or middlebox type names, comma-separated")
+	f.BoolVar(&endEarly, "end-before-destination", false, "end the chain at its last hop, which hands the plain SYN on to the destination (§2.4)")
+	f.IntVar(&priority, "priority", 0, "evaluation order; lower first, then by name")
+	f.StringSliceVar(&hosts, "host", nil, "agent to give the policy to (repeatable; default every agent; with --server only)")
+	f.StringVar(&server, "server", "", serverFlagUsage)
+	return cmd
+}
+
+func newPolicyListCmd() *cobra.Command {
+	var (
+		server string
+		output *string
+	)
+	cmd := &cobra.Command{
+		Use:     "list",
+		Aliases: []string{"ls"},
+		Short:   "List the policies, in evaluation order",
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			format, err := parseOutput(*output)
+			if err != nil {
+				return err
+			}
+			set, err := clientFor(server).Policies(cmd.Context())
+			if err != nil {
+				return err
+			}
+			if format == outputJSON {
+				return writeJSONOut(cmd.OutOrStdout(), set)
+			}
+			return printPolicies(cmd.OutOrStdout(), set)
+		},
+	}
+	cmd.Flags().StringVar(&server, "server", "", serverFlagUsage)
+	output = addOutputFlag(cmd)
+	return cmd
+}
+
+func printPolicies(w io.Writer, set api.PolicySet) error {
+	if len(set.Policies) == 0 {
+		_, err := fmt.Fprintf(w, "no policies (version %d)\n", set.Version)
+		return err
+	}
+	tw := newTabWriter(w)
+	fmt.Fprintln(tw, "NAME\tPRIORITY\tFILTER\tCHAIN\tHOSTS")
+	for _, p := range set.Policies {
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\n", p.Name, p.Priority, p.Filter, chainString(p), hostsString(p.Hosts))
+	}
+	return tw.Flush()
+}
+
+// chainString shows a chain as "10.0.1.2,nat", marking one that ends before
+// the destination.
+func chainString(p api.Policy) string {
+	if len(p.Chain) == 0 {
+		return "-"
+	}
+	hops := make([]string, len(p.Chain))
+	for i, h := range p.Chain {
+		hops[i] = h.String()
+	}
+	s := strings.Join(hops, ",")
+	if p.EndBeforeDestination {
+		s += " (ends before destination)"
+	}
+	return s
+}
+
+func hostsString(hosts []string) string {
+	if len(hosts) == 0 {
+		return "*"
+	}
+	return strings.Join(hosts, ",")
+}
+
+func newPolicyRmCmd() *cobra.Command {
+	var server string
+	cmd := &cobra.Command{
+		Use:     "rm NAME...",
+		Aliases: []string{"remove", "delete"},
+		Short:   "Remove policies",
+		Args:    cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c := clientFor(server)
+			for _, name := range args {
+				if err := c.DeletePolicy(cmd.Context(), name); err != nil {
+					return err
+				}
+				fmt.Fprintf(cmd.OutOrStdout(), "policy %q removed %s\n", name, where(c, server))
+			}
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&server, "server", "", serverFlagUsage)
+	return cmd
+}
+
+func newTypeCmd() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "type",
+		Short: "Add, list and remove middlebox types (named sets of interchangeable instances)",
+		Long: `A middlebox type names a set of interchangeable middlebox instances; a chain
+hop that names a type is served by one of its instances, picked round robin
+by the agent that sets the session up.`,
+	}
+	cmd.AddCommand(newTypeAddCmd(), newTypeListCmd(), newTypeRmCmd())
+	return cmd
+}
+
+func newTypeAddCmd() *cobra.Command {
+	var server string
+	cmd := &cobra.Command{
+		Use:     "add NAME ADDR[,ADDR...]",
+		Short:   "Add or replace a middlebox type",
+		Example: "  dysco type add nat 10.0.1.2,10.0.1.3",
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if len(args) < 2 {
+				return errors.New("usage: dysco type add NAME ADDR[,ADDR...] (the instances' IP addresses)")
+			}
+			t := api.MiddleboxType{Name: args[0]}
+			for _, a := range args[1:] {
+				for _, s := range strings.Split(a, ",") {
+					if s = strings.TrimSpace(s); s == "" {
+						continue
+					}
+					addr, err := netip.ParseAddr(s)
+					if err != nil {
+						return fmt.Errorf("type %q: instance %q is not an IP address", t.Name, s)
+					}
+					t.Instances = append(t.Instances, addr.Unmap())
+				}
+			}
+			if err := t.Validate(); err != nil {
+				return err
+			}
+			c := clientFor(server)
+			if err := c.PutType(cmd.Context(), t); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "type %q installed %s\n", t.Name, where(c, server))
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&server, "server", "", serverFlagUsage)
+	return cmd
+}
+
+func newTypeListCmd() *cobra.Command {
+	var (
+		server string
+		output *string
+	)
+	cmd := &cobra.Command{
+		Use:     "list",
+		Aliases: []string{"ls"},
+		Short:   "List the middlebox types",
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			format, err := parseOutput(*output)
+			if err != nil {
+				return err
+			}
+			set, err := clientFor(server).Policies(cmd.Context())
+			if err != nil {
+				return err
+			}
+			types := set.Types
+			if types == nil {
+				types = []api.MiddleboxType{}
+			}
+			if format == outputJSON {
+				return writeJSONOut(cmd.OutOrStdout(), types)
+			}
+			if len(types) == 0 {
+				fmt.Fprintln(cmd.OutOrStdout(), "no middlebox types")
+				return nil
+			}
+			tw := newTabWriter(cmd.OutOrStdout())
+			fmt.Fprintln(tw, "NAME\tINSTANCES")
+			for _, t := range types {
+				addrs := make([]string, len(t.Instances))
+				for i, a := range t.Instances {
+					addrs[i] = a.String()
+				}
+				fmt.Fprintf(tw, "%s\t%s\n", t.Name, strings.Join(addrs, ","))
+			}
+			return tw.Flush()
+		},
+	}
+	cmd.Flags().StringVar(&server, "server", "", serverFlagUsage)
+	output = addOutputFlag(cmd)
+	return cmd
+}
+
+func newTypeRmCmd() *cobra.Command {
+	var server string
+	cmd := &cobra.Command{
+		Use:     "rm NAME...",
+		Aliases: []string{"remove", "delete"},
+		Short:   "Remove middlebox types",
+		Args:    cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c := clientFor(server)
+			for _, name := range args {
+				if err := c.DeleteType(cmd.Context(), name); err != nil {
+					return err
+				}
+				fmt.Fprintf(cmd.OutOrStdout(), "type %q removed %s\n", name, where(c, server))
+			}
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&server, "server", "", serverFlagUsage)
+	return cmd
+}

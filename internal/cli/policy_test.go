@@ -1,0 +1,323 @@
+package cli
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/policyserver"
+)
+
+// runCLI runs the dysco command line with args and returns what it printed.
+func runDysco(t *testing.T, args ...string) (string, error) {
+	t.Helper()
+	root := Root()
+	var out bytes.Buffer
+	root.SetOut(&out)
+	root.SetErr(&out)
+	root.SetArgs(args)
+	err := root.ExecuteContext(t.Context())
+	return out.String(), err
+}
+
+func mustDysco(t *testing.T, args ...string) string {
+	t.Helper()
+	out, err := runDysco(t, args...)
+	if err != nil {
+		t.Fatalf("dysco %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return out
+}
+
+// startPolicyServer serves a policy server with a temporary database from
+// an httptest server and returns its URL.
+func startPolicyServer(t *testing.T, validate func(api.Policy) error) string {
+	t.Helper()
+	s, err := policyserver.New(policyserver.Config{
+		DB:             filepath.Join(t.TempDir(), "policy.db"),
+		ValidatePolicy: validate,
+		Logger:         slog.New(slog.NewTextHandler(io.Discard, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := httptest.NewServer(s.Handler())
+	t.Cleanup(func() {
+		hs.Close()
+		s.Close()
+	})
+	return hs.URL
+}
+
+func TestPolicyVerbsOnServer(t *testing.T) {
+	url := startPolicyServer(t, nil)
+
+	out := mustDysco(t, "policy", "add", "web", "--chain", "10.0.1.2,nat", "--priority", "5", "--server", url, "tcp dst port 80")
+	if want := `policy "web" installed on policy server ` + url + "\n"; out != want {
+		t.Errorf("add printed %q, want %q", out, want)
+	}
+	// The filter may also come as several words, and flags may follow it.
+	mustDysco(t, "policy", "add", "ssh", "tcp", "port", "22", "--server", url, "--host", "h1", "--host", "h2",
+		"--chain", "10.0.1.3", "--end-before-destination")
+	mustDysco(t, "type", "add", "nat", "10.0.1.5,10.0.1.6", "10.0.1.7", "--server", url)
+
+	out = mustDysco(t, "policy", "list", "--server", url)
+	want := `NAME  PRIORITY  FILTER           CHAIN                               HOSTS
+ssh   0         tcp port 22      10.0.1.3 (ends before destination)  h1,h2
+web   5         tcp dst port 80  10.0.1.2,nat                        *
+`
+	if out != want {
+		t.Errorf("policy list printed\n%s\nwant\n%s", out, want)
+	}
+
+	var set api.PolicySet
+	if err := json.Unmarshal([]byte(mustDysco(t, "policy", "ls", "-o", "json", "--server", url)), &set); err != nil {
+		t.Fatal(err)
+	}
+	wantWeb := api.Policy{Name: "web", Filter: "tcp dst port 80", Priority: 5,
+		Chain: []api.Hop{{Addr: netip.MustParseAddr("10.0.1.2")}, {Type: "nat"}}}
+	if set.Version != 3 || len(set.Policies) != 2 || !reflect.DeepEqual(set.Policies[1], wantWeb) {
+		t.Errorf("policy list -o json: %+v", set)
+	}
+
+	out = mustDysco(t, "type", "list", "--server", url)
+	if want := "NAME  INSTANCES\nnat   10.0.1.5,10.0.1.6,10.0.1.7\n"; out != want {
+		t.Errorf("type list printed %q, want %q", out, want)
+	}
+
+	mustDysco(t, "policy", "rm", "web", "ssh", "--server", url)
+	mustDysco(t, "type", "rm", "nat", "--server", url)
+	if out := mustDysco(t, "policy", "list", "--server", url); out != "no policies (version 6)\n" {
+		t.Errorf("empty list printed %q", out)
+	}
+	if out := mustDysco(t, "type", "list", "-o", "json", "--server", url); strings.TrimSpace(out) != "[]" {
+		t.Errorf("empty type list -o json printed %q", out)
+	}
+	_, err := runDysco(t, "policy", "rm", "web", "--server", url)
+	if err == nil || err.Error() != `policy "web" not found` {
+		t.Errorf("rm of an absent policy: %v", err)
+	}
+}
+
+func TestPolicyAddErrors(t *testing.T) {
+	url := startPolicyServer(t, func(p api.Policy) error {
+		return fmt.Errorf("policy %q: filter %q: syntax error", p.Name, p.Filter)
+	})
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"policy", "add"}, "missing policy NAME and FILTER"},
+		{[]string{"policy", "add", "tcp port 80", "--chain", "10.0.0.1"}, `missing policy NAME before the filter "tcp port 80"`},
+		{[]string{"policy", "add", "web"}, `missing FILTER after the policy name "web"`},
+		{[]string{"policy", "add", "web", "--chain", "10.0.0.1,bad hop", "tcp"}, `--chain: hop "bad hop": neither an IP address nor a middlebox type name`},
+		{[]string{"policy", "add", "web", "--host", "h1", "tcp"}, "--host only applies with --server"},
+		{[]string{"policy", "add", "web", "--end-before-destination", "tcp"}, "end_before_destination needs a chain"},
+		{[]string{"policy", "add", "web", "--server", url, "tcp dst prot 80"}, `policy "web": filter "tcp dst prot 80": syntax error`},
+		{[]string{"policy", "list", "-o", "yaml", "--server", url}, `--output "yaml": use table or json`},
+		{[]string{"type", "add", "nat"}, "usage: dysco type add NAME ADDR"},
+		{[]string{"type", "add", "nat", "10.0.0.1,box"}, `type "nat": instance "box" is not an IP address`},
+	} {
+		_, err := runDysco(t, tc.args...)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("dysco %s: %v\nwant an error containing %q", strings.Join(tc.args, " "), err, tc.want)
+		}
+	}
+}
+
+var sockSeq atomic.Uint64
+
+// fakeAgent serves h on a fresh abstract socket and points the CLI at it.
+func fakeAgent(t *testing.T, h http.Handler) {
+	t.Helper()
+	name := fmt.Sprintf("@dysco-cli-test-%d-%d-%d", os.Getpid(), time.Now().UnixNano(), sockSeq.Add(1))
+	ln, err := net.Listen("unix", name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := httptest.NewUnstartedServer(h)
+	s.Listener.Close()
+	s.Listener = ln
+	s.Start()
+	old := agentClient
+	agentClient = func() *api.Client { return api.NewUnixClient(name) }
+	t.Cleanup(func() {
+		agentClient = old
+		s.Close()
+	})
+}
+
+func agentJSON(w http.ResponseWriter, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(v)
+}
+
+func TestPolicyAddOnLocalAgent(t *testing.T) {
+	got := make(chan api.Policy, 1)
+	mux := http.NewServeMux()
+	mux.HandleFunc("PUT /v1/policies/{name}", func(w http.ResponseWriter, r *http.Request) {
+		var p api.Policy
+		json.NewDecoder(r.Body).Decode(&p)
+		got <- p
+		agentJSON(w, p)
+	})
+	fakeAgent(t, mux)
+	out := mustDysco(t, "policy", "add", "web", "--chain", "10.0.1.2", "tcp dst port 80")
+	if out != "policy \"web\" installed on the local agent\n" {
+		t.Errorf("printed %q", out)
+	}
+	want := api.Policy{Name: "web", Filter: "tcp dst port 80", Chain: []api.Hop{{Addr: netip.MustParseAddr("10.0.1.2")}}}
+	if p := <-got; !reflect.DeepEqual(p, want) {
+		t.Errorf("agent got %+v, want %+v", p, want)
+	}
+}
+
+func TestStatusAndSessions(t *testing.T) {
+	started := time.Now().Add(-90 * time.Second).UTC().Truncate(time.Second)
+	status := api.Status{Name: "h1", Version: "dev", Started: started, PinDir: "/sys/fs/bpf/dysco", Attach: "tcx",
+		Ifaces: []string{"eth0", "eth1"}, Tap: "dysco-tap", Sessions: 1, PolicyVersion: 7,
+		PolicyServer: "http://10.0.0.9:7017", PolicyServerOK: false,
+		Counters: map[string]uint64{"setups": 3, "drop_map_full": 0}}
+	sessions := []api.Session{{ID: 4, Session: "10.0.0.1:40000 -> 10.0.0.3:80", Right: "10.0.0.1:40000 -> 10.0.1.2:80",
+		Chain: []string{"10.0.1.2"}, Role: "start", State: "established", PacketsFwd: 10, BytesFwd: 5000,
+		PacketsRev: 8, BytesRev: 3 << 20, AgeSeconds: 75.4}}
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /v1/status", func(w http.ResponseWriter, r *http.Request) { agentJSON(w, status) })
+	mux.HandleFunc("GET /v1/sessions", func(w http.ResponseWriter, r *http.Request) { agentJSON(w, sessions) })
+	fakeAgent(t, mux)
+
+	out := mustDysco(t, "status")
+	for _, want := range []string{
+		"agent           h1\n",
+		"attach          tcx\n",
+		"interfaces      eth0, eth1\n",
+		"policy version  7\n",
+		"policy server   http://10.0.0.9:7017 (UNREACHABLE; enforcing the cached version 7)\n",
+		"counters:\n  drop_map_full  0\n  setups         3\n",
+		"started         " + started.Format(time.RFC3339) + " (up 1m3",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("status lacks %q:\n%s", want, out)
+		}
+	}
+	var st api.Status
+	if err := json.Unmarshal([]byte(mustDysco(t, "status", "-o", "json")), &st); err != nil || !reflect.DeepEqual(st, status) {
+		t.Errorf("status -o json: %+v, %v", st, err)
+	}
+
+	out = mustDysco(t, "sessions")
+	want := `ID  SESSION                        ROLE   STATE        LEFT  RIGHT                          CHAIN     PKTS FWD/REV  BYTES FWD/REV  AGE
+4   10.0.0.1:40000 -> 10.0.0.3:80  start  established  -     10.0.0.1:40000 -> 10.0.1.2:80  10.0.1.2  10/8          4.9KiB/3.0MiB  1m15s
+`
+	if out != want {
+		t.Errorf("sessions printed\n%s\nwant\n%s", out, want)
+	}
+	var ss []api.Session
+	if err := json.Unmarshal([]byte(mustDysco(t, "sessions", "-o", "json")), &ss); err != nil || !reflect.DeepEqual(ss, sessions) {
+		t.Errorf("sessions -o json: %+v, %v", ss, err)
+	}
+}
+
+func TestNoAgent(t *testing.T) {
+	old := agentClient
+	agentClient = func() *api.Client {
+		return api.NewUnixClient(fmt.Sprintf("@dysco-cli-test-absent-%d-%d", os.Getpid(), time.Now().UnixNano()))
+	}
+	t.Cleanup(func() { agentClient = old })
+	for _, verb := range [][]string{{"status"}, {"sessions"}, {"policy", "list"}} {
+		_, err := runDysco(t, verb...)
+		if err == nil || err.Error() != api.ErrNoAgent.Error() {
+			t.Errorf("dysco %s with no agent: %v", verb, err)
+		}
+	}
+}
+
+func TestPolicyServerVerb(t *testing.T) {
+	dir := t.TempDir()
+	ready := filepath.Join(dir, "ready")
+	w := newFileWaiter(t, ready)
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() {
+		root := Root()
+		root.SetArgs([]string{"policy-server", "--listen", "127.0.0.1:0", "--db", filepath.Join(dir, "db", "p.db"), "--ready-file", ready})
+		root.SetErr(io.Discard)
+		done <- root.ExecuteContext(ctx)
+	}()
+	url := "http://" + w.wait(t)
+	mustDysco(t, "policy", "add", "all", "--server", url, "tcp")
+	if out := mustDysco(t, "policy", "list", "--server", url); !strings.Contains(out, "all   0         tcp     -      *") {
+		t.Errorf("list printed %q", out)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("policy-server: %v", err)
+	}
+}
+
+// fileWaiter waits, through inotify and with a deadline, for a file to be
+// written after the waiter was made: the way tests wait on a ready file
+// without sleeping.
+type fileWaiter struct {
+	f    *os.File
+	path string
+}
+
+func newFileWaiter(t *testing.T, path string) *fileWaiter {
+	t.Helper()
+	fd, err := unix.InotifyInit1(unix.IN_NONBLOCK | unix.IN_CLOEXEC)
+	if err != nil {
+		t.Fatalf("inotify: %v", err)
+	}
+	if _, err := unix.InotifyAddWatch(fd, filepath.Dir(path), unix.IN_MOVED_TO|unix.IN_CLOSE_WRITE); err != nil {
+		unix.Close(fd)
+		t.Fatalf("inotify watch %s: %v", filepath.Dir(path), err)
+	}
+	f := os.NewFile(uintptr(fd), "inotify")
+	t.Cleanup(func() { f.Close() })
+	return &fileWaiter{f: f, path: path}
+}
+
+// wait returns the trimmed content of the file once written.
+func (w *fileWaiter) wait(t *testing.T) string {
+	t.Helper()
+	w.f.SetReadDeadline(time.Now().Add(10 * time.Second))
+	buf := make([]byte, 4096)
+	for {
+		n, err := w.f.Read(buf)
+		if err != nil {
+			t.Fatalf("waiting for %s: %v", w.path, err)
+		}
+		for b := buf[:n]; len(b) >= unix.SizeofInotifyEvent; {
+			ev := (*unix.InotifyEvent)(unsafe.Pointer(&b[0]))
+			name := string(bytes.TrimRight(b[unix.SizeofInotifyEvent:unix.SizeofInotifyEvent+int(ev.Len)], "\x00"))
+			b = b[unix.SizeofInotifyEvent+int(ev.Len):]
+			if name != filepath.Base(w.path) {
+				continue
+			}
+			data, err := os.ReadFile(w.path)
+			if err != nil {
+				t.Fatalf("reading %s: %v", w.path, err)
+			}
+			return strings.TrimSpace(string(data))
+		}
+	}
+}

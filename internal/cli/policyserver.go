@@ -1,0 +1,54 @@
+package cli
+
+import (
+	"github.com/dysco/dysco/internal/policy"
+	"log/slog"
+
+	"github.com/spf13/cobra"
+
+	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/policyserver"
+)
+
+func init() { register(newPolicyServerCmd) }
+
+// policyServerValidatePolicy checks a policy's filter with libpcap before
+// the policy server stores it (policyserver.Config.ValidatePolicy).
+var policyServerValidatePolicy = func(p api.Policy) error {
+	_, err := policy.Compile(p)
+	return err
+}
+
+func newPolicyServerCmd() *cobra.Command {
+	var (
+		cfg   policyserver.Config
+		debug bool
+	)
+	cmd := &cobra.Command{
+		Use:   "policy-server",
+		Short: "Run the policy server, which stores policies and hands them to the agents",
+		Long: `Run the policy server (paper §2.2): it keeps policies and middlebox types in
+a bbolt database and serves them over HTTP/JSON. Agents started with its URL
+long-poll /v1/watch for the policies meant for them, and keep their last set
+while it is down. Operators change policies with "dysco policy add --server URL".
+
+Routes: GET /v1/policies, PUT|DELETE /v1/policies/NAME, PUT|DELETE /v1/types/NAME,
+GET /v1/watch?host=H&after=V[&wait=S], GET /healthz, GET /metrics.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			level := slog.LevelInfo
+			if debug {
+				level = slog.LevelDebug
+			}
+			cfg.Logger = slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: level}))
+			cfg.ValidatePolicy = policyServerValidatePolicy
+			return policyserver.Run(cmd.Context(), cfg)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&cfg.Listen, "listen", policyserver.DefaultListen, "TCP address to serve on")
+	f.StringVar(&cfg.DB, "db", policyserver.DefaultDB, "bbolt database file (its directory is created)")
+	f.StringVar(&cfg.ReadyFile, "ready-file", "", "file to write the listening address to once serving (removed on exit)")
+	f.BoolVar(&debug, "debug", false, "log at debug level")
+	return cmd
+}

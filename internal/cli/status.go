@@ -1,0 +1,142 @@
+package cli
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/dysco/dysco/internal/api"
+)
+
+func init() { register(newStatusCmd) }
+
+// agentClient returns the client of the local agent; tests point it at a
+// socket of their own.
+var agentClient = api.NewAgentClient
+
+// clientFor returns the client of the policy server at serverURL, or of the
+// local agent when serverURL is empty.
+func clientFor(serverURL string) *api.Client {
+	if serverURL == "" {
+		return agentClient()
+	}
+	return api.NewServerClient(serverURL)
+}
+
+// outputFormat is the value of the -o flag of the listing verbs.
+type outputFormat string
+
+const (
+	outputTable outputFormat = "table"
+	outputJSON  outputFormat = "json"
+)
+
+// addOutputFlag adds -o/--output to cmd and returns where its value lands.
+func addOutputFlag(cmd *cobra.Command) *string {
+	return cmd.Flags().StringP("output", "o", string(outputTable), "output format: table (for people) or json (for scripts)")
+}
+
+// parseOutput checks the -o flag.
+func parseOutput(s string) (outputFormat, error) {
+	switch f := outputFormat(s); f {
+	case outputTable, outputJSON:
+		return f, nil
+	}
+	return "", fmt.Errorf("--output %q: use table or json", s)
+}
+
+// writeJSONOut prints v as indented JSON, for scripts.
+func writeJSONOut(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+// newTabWriter aligns the columns of a table.
+func newTabWriter(w io.Writer) *tabwriter.Writer {
+	return tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+}
+
+// orDash shows an empty cell as "-".
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+func newStatusCmd() *cobra.Command {
+	var output *string
+	cmd := &cobra.Command{
+		Use:   "status",
+		Short: "Show the local agent's status: attachment, interfaces, policies, counters",
+		Long: `Show the status of the agent of this network namespace: how its datapath is
+attached, on which interfaces, which policy version it enforces and whether
+the policy server is reachable, and the datapath counters.
+
+Run it inside a lab host's namespace with: ip netns exec NAME dysco status`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			format, err := parseOutput(*output)
+			if err != nil {
+				return err
+			}
+			st, err := agentClient().Status(cmd.Context())
+			if err != nil {
+				return err
+			}
+			if format == outputJSON {
+				return writeJSONOut(cmd.OutOrStdout(), st)
+			}
+			return printStatus(cmd.OutOrStdout(), st, time.Now())
+		},
+	}
+	output = addOutputFlag(cmd)
+	return cmd
+}
+
+func printStatus(w io.Writer, st api.Status, now time.Time) error {
+	tw := newTabWriter(w)
+	row := func(k, v string) { fmt.Fprintf(tw, "%s\t%s\n", k, v) }
+	row("agent", orDash(st.Name))
+	row("version", orDash(st.Version))
+	if !st.Started.IsZero() {
+		row("started", fmt.Sprintf("%s (up %s)", st.Started.Format(time.RFC3339), now.Sub(st.Started).Round(time.Second)))
+	}
+	row("pin dir", orDash(st.PinDir))
+	row("attach", orDash(st.Attach))
+	row("interfaces", orDash(strings.Join(st.Ifaces, ", ")))
+	row("session tap", orDash(st.Tap))
+	row("sessions", fmt.Sprint(st.Sessions))
+	row("policy version", fmt.Sprint(st.PolicyVersion))
+	switch {
+	case st.PolicyServer == "":
+		row("policy server", "none (local policies only)")
+	case st.PolicyServerOK:
+		row("policy server", st.PolicyServer+" (reachable)")
+	default:
+		row("policy server", fmt.Sprintf("%s (UNREACHABLE; enforcing the cached version %d)", st.PolicyServer, st.PolicyVersion))
+	}
+	if len(st.Counters) == 0 {
+		row("counters", "none")
+	} else {
+		// A line without a tab ends the column block: the counters align
+		// among themselves.
+		fmt.Fprintln(tw, "counters:")
+		names := make([]string, 0, len(st.Counters))
+		for n := range st.Counters {
+			names = append(names, n)
+		}
+		slices.Sort(names)
+		for _, n := range names {
+			row("  "+n, fmt.Sprint(st.Counters[n]))
+		}
+	}
+	return tw.Flush()
+}

@@ -1,0 +1,297 @@
+// Package datapath loads, attaches and pins Dysco's eBPF datapath (bpf/dysco.c)
+// and gives typed access to its maps.
+//
+// Maps are pinned by name under Config.PinDir and TCX links under
+// PinDir/links, so that an agent restart reloads the programs into the same
+// maps and swaps them into the same links: live sessions are not disturbed
+// (DESIGN requirement 9).
+package datapath
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// Config sets what is fixed for one load of the datapath.
+type Config struct {
+	// PinDir holds the pinned maps and links; it must be on a bpffs.
+	PinDir string
+	// TapIfindex is the session-view tap's interface, 0 for none.
+	TapIfindex uint32
+	// PortLo and PortN give the range of subsession ports [PortLo, PortLo+PortN).
+	PortLo, PortN uint16
+	// EnforceTrusted accepts Dysco SYNs only from addresses in the trusted map.
+	EnforceTrusted bool
+}
+
+// Datapath is a loaded datapath.
+type Datapath struct {
+	cfg  Config
+	objs dyscoObjects
+	// Attach is "tcx", or "clsact" where the kernel lacks TCX.
+	Attach string
+	links  map[string]link.Link
+}
+
+// Hooks on an interface.
+const (
+	hookIngress = "ingress"
+	hookEgress  = "egress"
+)
+
+// Load loads the programs, reusing pinned maps when they exist.
+func Load(cfg Config) (*Datapath, error) {
+	if cfg.PinDir == "" {
+		return nil, errors.New("datapath: no pin directory")
+	}
+	if cfg.PortN == 0 {
+		cfg.PortLo, cfg.PortN = 20000, 40000
+	}
+	if int(cfg.PortLo)+int(cfg.PortN) > 65536 {
+		return nil, fmt.Errorf("datapath: port range %d+%d passes 65535", cfg.PortLo, cfg.PortN)
+	}
+	if err := ensureBPFFS(cfg.PinDir); err != nil {
+		return nil, err
+	}
+	spec, err := loadDysco()
+	if err != nil {
+		return nil, fmt.Errorf("datapath: %w", err)
+	}
+	for name, v := range map[string]any{
+		"tap_ifindex":     cfg.TapIfindex,
+		"port_lo":         cfg.PortLo,
+		"port_n":          cfg.PortN,
+		"enforce_trusted": boolU8(cfg.EnforceTrusted),
+	} {
+		if err := spec.Variables[name].Set(v); err != nil {
+			return nil, fmt.Errorf("datapath: set %s: %w", name, err)
+		}
+	}
+	d := &Datapath{cfg: cfg, links: map[string]link.Link{}}
+	err = spec.LoadAndAssign(&d.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinDir}})
+	if err != nil {
+		var ve *ebpf.VerifierError
+		if errors.As(err, &ve) {
+			return nil, fmt.Errorf("datapath: verifier: %+v", ve)
+		}
+		if errors.Is(err, ebpf.ErrMapIncompatible) {
+			return nil, fmt.Errorf("datapath: pinned maps in %s come from an incompatible version (%w); stop the agent and remove them with 'dysco agent --reset'", cfg.PinDir, err)
+		}
+		return nil, fmt.Errorf("datapath: load: %w", err)
+	}
+	if err := d.objs.DyscoProgs.Put(uint32(progSetup), d.objs.DyscoSetup); err != nil {
+		d.Close()
+		return nil, fmt.Errorf("datapath: install set-up program: %w", err)
+	}
+	return d, nil
+}
+
+const (
+	progPolicy = 0
+	progSetup  = 1
+)
+
+func boolU8(b bool) uint8 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// ensureBPFFS makes dir, mounting a bpffs at /sys/fs/bpf first if the
+// directory is not already on one.
+func ensureBPFFS(dir string) error {
+	if onBPFFS(filepath.Dir(dir)) || onBPFFS(dir) {
+		return os.MkdirAll(dir, 0o700)
+	}
+	if !strings.HasPrefix(dir, "/sys/fs/bpf/") {
+		return fmt.Errorf("datapath: %s is not on a bpffs; mount one (mount -t bpf bpf DIR) or use a directory under /sys/fs/bpf", dir)
+	}
+	if !onBPFFS("/sys/fs/bpf") {
+		if err := unix.Mount("bpf", "/sys/fs/bpf", "bpf", 0, ""); err != nil {
+			return fmt.Errorf("datapath: mount bpffs at /sys/fs/bpf: %w", err)
+		}
+	}
+	return os.MkdirAll(dir, 0o700)
+}
+
+func onBPFFS(dir string) bool {
+	for d := dir; ; d = filepath.Dir(d) {
+		var st unix.Statfs_t
+		if err := unix.Statfs(d, &st); err == nil {
+			return st.Type == unix.BPF_FS_MAGIC
+		}
+		if d == "/" || d == "." {
+			return false
+		}
+	}
+}
+
+// SetPolicyProgram installs the program that chooses a policy for new
+// sessions (slot 0 of dysco_progs); nil removes it, so that no new session
+// is chained.
+func (d *Datapath) SetPolicyProgram(p *ebpf.Program) error {
+	if p == nil {
+		err := d.objs.DyscoProgs.Delete(uint32(progPolicy))
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return nil
+		}
+		return err
+	}
+	return d.objs.DyscoProgs.Put(uint32(progPolicy), p)
+}
+
+// ProgArray is the program array the policy program must tail-call into.
+func (d *Datapath) ProgArray() *ebpf.Map { return d.objs.DyscoProgs }
+
+func (d *Datapath) linkPin(ifname, hook string) string {
+	// bpffs refuses names with dots, which interface names may have.
+	return filepath.Join(d.cfg.PinDir, "links", strings.ReplaceAll(ifname, ".", "%2e")+"@"+hook)
+}
+
+// AttachInterface attaches the ingress and egress programs to an interface,
+// or swaps the new programs into links pinned by an earlier agent.
+func (d *Datapath) AttachInterface(ifname string) error {
+	ifc, err := net.InterfaceByName(ifname)
+	if err != nil {
+		return fmt.Errorf("datapath: interface %s: %w", ifname, err)
+	}
+	if err := os.MkdirAll(filepath.Join(d.cfg.PinDir, "links"), 0o700); err != nil {
+		return err
+	}
+	for _, h := range []struct {
+		hook string
+		prog *ebpf.Program
+		at   ebpf.AttachType
+	}{
+		{hookIngress, d.objs.DyscoIngress, ebpf.AttachTCXIngress},
+		{hookEgress, d.objs.DyscoEgress, ebpf.AttachTCXEgress},
+	} {
+		if err := d.attach(ifc, h.hook, h.prog, h.at); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// AttachTap attaches the drop program to the tap's ingress.
+func (d *Datapath) AttachTap(ifname string) error {
+	ifc, err := net.InterfaceByName(ifname)
+	if err != nil {
+		return fmt.Errorf("datapath: tap %s: %w", ifname, err)
+	}
+	if err := os.MkdirAll(filepath.Join(d.cfg.PinDir, "links"), 0o700); err != nil {
+		return err
+	}
+	return d.attach(ifc, hookIngress, d.objs.DyscoTapDrop, ebpf.AttachTCXIngress)
+}
+
+func (d *Datapath) attach(ifc *net.Interface, hook string, prog *ebpf.Program, at ebpf.AttachType) error {
+	pin := d.linkPin(ifc.Name, hook)
+	key := ifc.Name + "." + hook
+	if l, err := link.LoadPinnedLink(pin, nil); err == nil {
+		// A link pinned by an earlier agent: check that it is still on
+		// this interface (names can be reused), then swap the program.
+		info, ierr := l.Info()
+		if ierr == nil && info.TCX() != nil && int(info.TCX().Ifindex) == ifc.Index {
+			if err := l.Update(prog); err != nil {
+				l.Close()
+				return fmt.Errorf("datapath: update %s link on %s: %w", hook, ifc.Name, err)
+			}
+			d.links[key] = l
+			d.Attach = "tcx"
+			return nil
+		}
+		_ = l.Unpin()
+		l.Close()
+	}
+	l, err := link.AttachTCX(link.TCXOptions{Interface: ifc.Index, Program: prog, Attach: at, Anchor: link.Tail()})
+	if errors.Is(err, ebpf.ErrNotSupported) {
+		d.Attach = "clsact"
+		return attachClsact(ifc, hook, prog)
+	}
+	if err != nil {
+		return fmt.Errorf("datapath: attach %s on %s: %w", hook, ifc.Name, err)
+	}
+	if err := l.Pin(pin); err != nil {
+		l.Close()
+		return fmt.Errorf("datapath: pin %s link on %s: %w", hook, ifc.Name, err)
+	}
+	d.links[key] = l
+	d.Attach = "tcx"
+	return nil
+}
+
+// attachClsact is the fallback for kernels without TCX: a clsact qdisc with
+// a direct-action filter, which survives the agent by itself.
+func attachClsact(ifc *net.Interface, hook string, prog *ebpf.Program) error {
+	qd := &netlink.GenericQdisc{QdiscAttrs: netlink.QdiscAttrs{LinkIndex: ifc.Index, Handle: netlink.MakeHandle(0xffff, 0), Parent: netlink.HANDLE_CLSACT}, QdiscType: "clsact"}
+	if err := netlink.QdiscReplace(qd); err != nil {
+		return fmt.Errorf("datapath: clsact on %s: %w", ifc.Name, err)
+	}
+	parent := uint32(netlink.HANDLE_MIN_INGRESS)
+	if hook == hookEgress {
+		parent = netlink.HANDLE_MIN_EGRESS
+	}
+	f := &netlink.BpfFilter{
+		FilterAttrs:  netlink.FilterAttrs{LinkIndex: ifc.Index, Parent: parent, Handle: 1, Protocol: unix.ETH_P_ALL, Priority: 1},
+		Fd:           prog.FD(),
+		Name:         "dysco_" + hook,
+		DirectAction: true,
+	}
+	if err := netlink.FilterReplace(f); err != nil {
+		return fmt.Errorf("datapath: clsact filter %s on %s: %w", hook, ifc.Name, err)
+	}
+	return nil
+}
+
+// DetachInterface removes the programs from an interface and unpins its links.
+func (d *Datapath) DetachInterface(ifname string) {
+	for _, hook := range []string{hookIngress, hookEgress} {
+		key := ifname + "." + hook
+		if l, ok := d.links[key]; ok {
+			_ = l.Unpin()
+			l.Close()
+			delete(d.links, key)
+			continue
+		}
+		if l, err := link.LoadPinnedLink(d.linkPin(ifname, hook), nil); err == nil {
+			_ = l.Unpin()
+			l.Close()
+		}
+	}
+}
+
+// Close releases the agent's handles; pinned maps and links stay, and with
+// them the live sessions.
+func (d *Datapath) Close() error {
+	for _, l := range d.links {
+		l.Close()
+	}
+	return d.objs.Close()
+}
+
+// Reset removes everything pinned under dir: every session on this host ends.
+func Reset(dir string) error {
+	if dir == "" || dir == "/" {
+		return fmt.Errorf("datapath: refusing to reset %q", dir)
+	}
+	if links, err := os.ReadDir(filepath.Join(dir, "links")); err == nil {
+		for _, e := range links {
+			if l, err := link.LoadPinnedLink(filepath.Join(dir, "links", e.Name()), nil); err == nil {
+				_ = l.Unpin()
+				l.Close()
+			}
+		}
+	}
+	return os.RemoveAll(dir)
+}

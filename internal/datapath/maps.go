@@ -1,0 +1,374 @@
+package datapath
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net/netip"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/dysco/dysco/internal/wire"
+	"golang.org/x/sys/unix"
+)
+
+// Names of the datapath counters, in the order of enum stat in
+// bpf/include/consts.h (a test checks the count against the map size).
+var StatNames = []string{
+	"setup_start", "setup_cont", "setup_end", "syn_retransmit",
+	"rewrite_in", "rewrite_out", "tap",
+	"drop_malformed", "drop_bad_magic", "drop_bad_version", "drop_bad_length",
+	"drop_too_many_hops", "drop_loop", "drop_bad_session", "drop_untrusted",
+	"drop_sessions_full", "drop_flows_full", "drop_no_port", "drop_no_route",
+	"drop_option_space", "drop_syn_data", "drop_no_setup", "drop_bad_policy",
+	"drop_no_syn_state", "drop_helper",
+	"fin", "rst", "delta",
+}
+
+// Session roles and state bits, mirrors of consts.h.
+const (
+	RoleStart  = 1
+	RoleMiddle = 2
+	RoleEnd    = 3
+	RoleEndFwd = 4
+
+	StSYN       = 1 << 0
+	StSYNACK    = 1 << 1
+	StEst       = 1 << 2
+	StFINFwd    = 1 << 3
+	StFINRev    = 1 << 4
+	StRST       = 1 << 5
+	StSetupDone = 1 << 6
+
+	FlReroute  = 1 << 0
+	FlSYNStrip = 1 << 1
+	FlSYNEmit  = 1 << 2
+	FlTap      = 1 << 3
+	FlDelta    = 1 << 4
+	FlRev      = 1 << 5
+
+	hopAddr = 1
+	hopType = 2
+)
+
+// RoleName names a session role.
+func RoleName(r uint8) string {
+	switch r {
+	case RoleStart:
+		return "start"
+	case RoleMiddle:
+		return "middle"
+	case RoleEnd:
+		return "end"
+	case RoleEndFwd:
+		return "end-forward"
+	}
+	return fmt.Sprintf("role-%d", r)
+}
+
+// StateName summarises session state bits.
+func StateName(st uint32) string {
+	switch {
+	case st&StRST != 0:
+		return "reset"
+	case st&StFINFwd != 0 && st&StFINRev != 0:
+		return "closed"
+	case st&(StFINFwd|StFINRev) != 0:
+		return "fin"
+	case st&StEst != 0:
+		return "established"
+	case st&StSYNACK != 0:
+		return "syn-ack"
+	}
+	return "syn"
+}
+
+// Tuple is the Go view of struct dysco_tuple.
+type Tuple = dyscoDyscoTuple
+
+// Session is the Go view of struct session_val.
+type Session = dyscoSessionVal
+
+// Flow is the Go view of struct flow_val.
+type Flow = dyscoFlowVal
+
+// Delta is the Go view of struct delta_val.
+type Delta = dyscoDeltaVal
+
+// TupleFrom converts a wire tuple.
+func TupleFrom(t wire.Tuple) Tuple {
+	var k Tuple
+	k.Saddr = t.Src.As16()
+	k.Daddr = t.Dst.As16()
+	k.Sport = htons(t.SrcPort)
+	k.Dport = htons(t.DstPort)
+	k.Proto = unix.IPPROTO_TCP
+	return k
+}
+
+// Wire converts to a wire tuple.
+func (k Tuple) Wire() wire.Tuple {
+	return wire.Tuple{
+		Src: netip.AddrFrom16(k.Saddr).Unmap(), Dst: netip.AddrFrom16(k.Daddr).Unmap(),
+		SrcPort: ntohs(k.Sport), DstPort: ntohs(k.Dport),
+	}
+}
+
+func (k Tuple) String() string { return k.Wire().String() }
+
+func htons(v uint16) uint16 {
+	var b [2]byte
+	binary.BigEndian.PutUint16(b[:], v)
+	return binary.NativeEndian.Uint16(b[:])
+}
+
+func ntohs(v uint16) uint16 {
+	var b [2]byte
+	binary.NativeEndian.PutUint16(b[:], v)
+	return binary.BigEndian.Uint16(b[:])
+}
+
+// SetLocalAddrs replaces the set of this host's addresses.
+func (d *Datapath) SetLocalAddrs(addrs []netip.Addr) error {
+	want := map[[16]byte]bool{}
+	for _, a := range addrs {
+		want[a.As16()] = true
+	}
+	var k [16]byte
+	var v uint8
+	var stale [][16]byte
+	it := d.objs.DyscoLocal.Iterate()
+	for it.Next(&k, &v) {
+		if !want[k] {
+			stale = append(stale, k)
+		}
+	}
+	for _, s := range stale {
+		_ = d.objs.DyscoLocal.Delete(s)
+	}
+	for a := range want {
+		if err := d.objs.DyscoLocal.Put(a, uint8(1)); err != nil {
+			return fmt.Errorf("datapath: local address %s: %w", netip.AddrFrom16(a), err)
+		}
+	}
+	return nil
+}
+
+// PolicyHop is one resolved hop of a policy: an address or a type index.
+type PolicyHop struct {
+	Addr netip.Addr
+	Type int // index into the types given to SetTypes, when Addr is not valid
+}
+
+// PolicyChain is what the datapath needs of one policy slot.
+type PolicyChain struct {
+	Hops  []PolicyHop
+	ToDst bool
+}
+
+// SetPolicies writes the chains of policy slots 0..len-1 and clears the rest.
+func (d *Datapath) SetPolicies(chains []PolicyChain) error {
+	if len(chains) > int(d.objs.DyscoPolicies.MaxEntries()) {
+		return fmt.Errorf("datapath: %d policies, at most %d", len(chains), d.objs.DyscoPolicies.MaxEntries())
+	}
+	for i := 0; i < int(d.objs.DyscoPolicies.MaxEntries()); i++ {
+		var v dyscoPolicyVal
+		if i < len(chains) {
+			c := chains[i]
+			if len(c.Hops)+boolInt(c.ToDst) > wire.MaxHops {
+				return fmt.Errorf("datapath: policy slot %d: %d hops, at most %d", i, len(c.Hops), wire.MaxHops-boolInt(c.ToDst))
+			}
+			v.N_hops = uint8(len(c.Hops))
+			v.ToDst = boolU8(c.ToDst)
+			for j, h := range c.Hops {
+				if h.Addr.IsValid() {
+					v.Kind[j] = hopAddr
+					v.Addr[j] = h.Addr.As16()
+				} else {
+					v.Kind[j] = hopType
+					v.Type[j] = uint32(h.Type)
+				}
+			}
+		}
+		if err := d.objs.DyscoPolicies.Put(uint32(i), v); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// SetTypes writes the middlebox types (index = type id). The round-robin
+// cursor of a type whose instances are unchanged is kept.
+func (d *Datapath) SetTypes(types [][]netip.Addr) error {
+	max := int(d.objs.DyscoTypes.MaxEntries())
+	if len(types) > max {
+		return fmt.Errorf("datapath: %d middlebox types, at most %d", len(types), max)
+	}
+	for i := 0; i < max; i++ {
+		var v dyscoTypeVal
+		if i < len(types) {
+			if len(types[i]) > len(v.Addr) {
+				return fmt.Errorf("datapath: type %d has %d instances, at most %d", i, len(types[i]), len(v.Addr))
+			}
+			var old dyscoTypeVal
+			if err := d.objs.DyscoTypes.Lookup(uint32(i), &old); err == nil {
+				v.Rr = old.Rr
+			}
+			v.N = uint32(len(types[i]))
+			for j, a := range types[i] {
+				v.Addr[j] = a.As16()
+			}
+		}
+		if err := d.objs.DyscoTypes.Put(uint32(i), v); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// SetTrusted replaces the prefixes allowed to send Dysco SYNs (used when the
+// datapath was loaded with EnforceTrusted).
+func (d *Datapath) SetTrusted(prefixes []netip.Prefix) error {
+	var k dyscoTrustedKey
+	var v uint8
+	var stale []dyscoTrustedKey
+	it := d.objs.DyscoTrusted.Iterate()
+	for it.Next(&k, &v) {
+		stale = append(stale, k)
+	}
+	for _, s := range stale {
+		_ = d.objs.DyscoTrusted.Delete(s)
+	}
+	for _, p := range prefixes {
+		bits := p.Bits()
+		if p.Addr().Is4() {
+			bits += 96
+		}
+		k := dyscoTrustedKey{Prefixlen: uint32(bits), Addr: p.Addr().As16()}
+		if err := d.objs.DyscoTrusted.Put(k, uint8(1)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Stats sums the per-CPU counters.
+func (d *Datapath) Stats() (map[string]uint64, error) {
+	out := make(map[string]uint64, len(StatNames))
+	for i, name := range StatNames {
+		var per []uint64
+		if err := d.objs.DyscoStats.Lookup(uint32(i), &per); err != nil {
+			return nil, err
+		}
+		var sum uint64
+		for _, v := range per {
+			sum += v
+		}
+		out[name] = sum
+	}
+	return out, nil
+}
+
+// SessionEntry is a session with its id.
+type SessionEntry struct {
+	ID uint32
+	Session
+}
+
+// Sessions lists the sessions.
+func (d *Datapath) Sessions() ([]SessionEntry, error) {
+	var out []SessionEntry
+	var id uint32
+	var s Session
+	it := d.objs.DyscoSessions.Iterate()
+	for it.Next(&id, &s) {
+		out = append(out, SessionEntry{ID: id, Session: s})
+	}
+	return out, it.Err()
+}
+
+// FlowEntry is a flow with its key.
+type FlowEntry struct {
+	Key Tuple
+	Flow
+}
+
+// Flows lists the flows.
+func (d *Datapath) Flows() ([]FlowEntry, error) {
+	var out []FlowEntry
+	var k Tuple
+	var f Flow
+	it := d.objs.DyscoFlows.Iterate()
+	for it.Next(&k, &f) {
+		out = append(out, FlowEntry{Key: k, Flow: f})
+	}
+	return out, it.Err()
+}
+
+// SynHops returns the address list a session's SYN still had to visit.
+func (d *Datapath) SynHops(id uint32) ([]netip.Addr, bool) {
+	var st dyscoSynState
+	if err := d.objs.DyscoSyns.Lookup(id, &st); err != nil {
+		return nil, false
+	}
+	var out []netip.Addr
+	for i := 0; i < int(st.N_hops) && i < len(st.Hops); i++ {
+		out = append(out, netip.AddrFrom16(st.Hops[i]).Unmap())
+	}
+	return out, true
+}
+
+// DeleteSession removes a session and its set-up state; flows are removed
+// by DeleteFlow.
+func (d *Datapath) DeleteSession(id uint32) {
+	_ = d.objs.DyscoSessions.Delete(id)
+	_ = d.objs.DyscoSyns.Delete(id)
+}
+
+// DeleteSynState removes the set-up state of an established session.
+func (d *Datapath) DeleteSynState(id uint32) {
+	_ = d.objs.DyscoSyns.Delete(id)
+}
+
+// DeleteFlow removes one flow and any delta attached to it.
+func (d *Datapath) DeleteFlow(k Tuple) {
+	_ = d.objs.DyscoFlows.Delete(k)
+	_ = d.objs.DyscoDeltas.Delete(k)
+}
+
+// Monotonic returns the clock the datapath stamps sessions with.
+func Monotonic() time.Duration {
+	var ts unix.Timespec
+	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
+	return time.Duration(ts.Nano())
+}
+
+// ErrNotFound is returned for missing map entries.
+var ErrNotFound = errors.New("not found")
+
+// Maps gives tests and benchmarks direct access to the maps.
+func (d *Datapath) Maps() map[string]*ebpf.Map {
+	return map[string]*ebpf.Map{
+		"flows": d.objs.DyscoFlows, "sessions": d.objs.DyscoSessions, "syns": d.objs.DyscoSyns,
+		"deltas": d.objs.DyscoDeltas, "local": d.objs.DyscoLocal, "policies": d.objs.DyscoPolicies,
+		"types": d.objs.DyscoTypes, "stats": d.objs.DyscoStats,
+	}
+}
+
+// Programs gives fixture tests the entry programs.
+func (d *Datapath) Programs() (ingress, egress, setup *ebpf.Program) {
+	return d.objs.DyscoIngress, d.objs.DyscoEgress, d.objs.DyscoSetup
+}
+
+// SessionExists tells whether session id is in the session map.
+func (d *Datapath) SessionExists(id uint32) bool {
+	var s Session
+	return d.objs.DyscoSessions.Lookup(id, &s) == nil
+}

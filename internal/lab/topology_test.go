@@ -1,0 +1,180 @@
+package lab
+
+import (
+	"net/netip"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+)
+
+func TestInferRole(t *testing.T) {
+	for name, want := range map[string]Role{
+		"mb1": RoleMiddlebox, "mb": RoleMiddlebox, "client": RoleClient, "client7": RoleClient,
+		"server2": RoleServer, "web": RoleHost, "proxy": RoleHost,
+	} {
+		if got := InferRole(name); got != want {
+			t.Errorf("InferRole(%q) = %q, want %q", name, got, want)
+		}
+	}
+}
+
+func TestValidate(t *testing.T) {
+	for _, tc := range []struct {
+		lab  string
+		topo Topology
+		want string // substring of the error; empty for none
+	}{
+		{"demo", Star("client", "server"), ""},
+		{"a1234567", Line("a", "b"), ""},
+		{"Demo", Star("a"), "lab name"},
+		{"a12345678", Star("a"), "lab name"},
+		{"1lab", Star("a"), "lab name"},
+		{"my-lab", Star("a"), "lab name"},
+		{"demo", Star("client", "client"), "appears twice"},
+		{"demo", Star("router"), "reserved"},
+		{"demo", Star("Client"), "host name"},
+		{"demo", Star("a12345678901"), "host name"},
+		{"demo", Star("a-b"), "host name"},
+		{"demo", Line("a"), "needs 2"},
+		{"demo", Star(), "needs 1"},
+		{"demo", Topology{Hosts: []HostSpec{{Name: "a"}}}, "no \"kind\""},
+		{"demo", Topology{Kind: "ring", Hosts: []HostSpec{{Name: "a"}}}, "unknown"},
+		{"demo", Topology{Kind: KindStar, Hosts: []HostSpec{{Name: "a", Role: "router"}}}, "role"},
+	} {
+		_, err := plan(tc.lab, tc.topo)
+		switch {
+		case tc.want == "" && err != nil:
+			t.Errorf("plan(%q, %v): %v", tc.lab, tc.topo, err)
+		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("plan(%q, %v) = %v, want an error about %q", tc.lab, tc.topo, err, tc.want)
+		}
+	}
+}
+
+func TestPlanStar(t *testing.T) {
+	ly, err := plan("x", Fig11())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ly.hosts) != 10 || ly.router == nil || len(ly.links) != 10 {
+		t.Fatalf("fig11: %d hosts, router %v, %d links", len(ly.hosts), ly.router, len(ly.links))
+	}
+	mb2 := ly.hosts[9]
+	want := &Host{
+		Name: "mb2", Role: RoleMiddlebox, Namespace: "x-mb2", Iface: "eth0",
+		Addr4:    netip.MustParseAddr("10.200.10.2"),
+		Addr6:    netip.MustParseAddr("fd00:dc:0:10::2"),
+		Gateway4: netip.MustParseAddr("10.200.10.1"),
+		Gateway6: netip.MustParseAddr("fd00:dc:0:10::1"),
+		// Forwarding because it is a middlebox host.
+		Forwarding: true,
+		Ifaces: []Iface{{
+			Name:      "eth0",
+			Addr4:     netip.MustParsePrefix("10.200.10.2/24"),
+			Addr6:     netip.MustParsePrefix("fd00:dc:0:10::2/64"),
+			Peer:      "router",
+			PeerIface: "r-10",
+		}},
+		Routes: []Route{
+			{Dst: netip.MustParsePrefix("0.0.0.0/0"), Via: netip.MustParseAddr("10.200.10.1"), Iface: "eth0"},
+			{Dst: netip.MustParsePrefix("::/0"), Via: netip.MustParseAddr("fd00:dc:0:10::1"), Iface: "eth0"},
+		},
+	}
+	if !reflect.DeepEqual(mb2, want) {
+		t.Errorf("mb2 =\n%+v\nwant\n%+v", mb2, want)
+	}
+	if c := ly.hosts[0]; c.Forwarding || c.Role != RoleClient || c.Addr4 != netip.MustParseAddr("10.200.1.2") {
+		t.Errorf("client1 = %+v", c)
+	}
+	r := ly.router
+	if r.Namespace != "x-router" || !r.Forwarding || len(r.Ifaces) != 10 || len(r.Routes) != 0 ||
+		r.Ifaces[9].Name != "r-10" || r.Ifaces[9].Addr4 != netip.MustParsePrefix("10.200.10.1/24") {
+		t.Errorf("router = %+v", r)
+	}
+}
+
+func TestPlanLine(t *testing.T) {
+	ly, err := plan("x", Line(DefaultLineHosts...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ly.router != nil || len(ly.links) != 3 {
+		t.Fatalf("line: router %v, %d links", ly.router, len(ly.links))
+	}
+	type ifc struct{ name, addr4, peer string }
+	type rt struct{ dst, via, dev string }
+	for i, want := range []struct {
+		fwd    bool
+		ifaces []ifc
+		routes []rt
+	}{
+		{false, []ifc{{"eth0", "10.201.1.1/24", "mb1"}},
+			[]rt{{"0.0.0.0/0", "10.201.1.2", "eth0"}, {"::/0", "fd00:dc:1:1::2", "eth0"}}},
+		{true, []ifc{{"eth0", "10.201.1.2/24", "client"}, {"eth1", "10.201.2.1/24", "mb2"}},
+			[]rt{{"10.201.3.0/24", "10.201.2.2", "eth1"}, {"fd00:dc:1:3::/64", "fd00:dc:1:2::2", "eth1"}}},
+		{true, []ifc{{"eth0", "10.201.2.2/24", "mb1"}, {"eth1", "10.201.3.1/24", "server"}},
+			[]rt{{"10.201.1.0/24", "10.201.2.1", "eth0"}, {"fd00:dc:1:1::/64", "fd00:dc:1:2::1", "eth0"}}},
+		{false, []ifc{{"eth0", "10.201.3.2/24", "mb2"}},
+			[]rt{{"0.0.0.0/0", "10.201.3.1", "eth0"}, {"::/0", "fd00:dc:1:3::1", "eth0"}}},
+	} {
+		h := ly.hosts[i]
+		var ifaces []ifc
+		for _, f := range h.Ifaces {
+			ifaces = append(ifaces, ifc{f.Name, f.Addr4.String(), f.Peer})
+		}
+		var routes []rt
+		for _, r := range h.Routes {
+			routes = append(routes, rt{r.Dst.String(), r.Via.String(), r.Iface})
+		}
+		if h.Forwarding != want.fwd || !reflect.DeepEqual(ifaces, want.ifaces) || !reflect.DeepEqual(routes, want.routes) {
+			t.Errorf("%s: forwarding %v, ifaces %v, routes %v\nwant forwarding %v, ifaces %v, routes %v",
+				h.Name, h.Forwarding, ifaces, routes, want.fwd, want.ifaces, want.routes)
+		}
+		if h.Addr4 != h.Ifaces[0].Addr4.Addr() || h.Iface != "eth0" {
+			t.Errorf("%s: primary %s %s", h.Name, h.Iface, h.Addr4)
+		}
+	}
+}
+
+func TestBuiltin(t *testing.T) {
+	if _, err := Builtin("star", nil); err == nil {
+		t.Error("star without hosts: no error")
+	}
+	if _, err := Builtin("fig11", []string{"a"}); err == nil {
+		t.Error("fig11 with hosts: no error")
+	}
+	if _, err := Builtin("mesh", nil); err == nil || !strings.Contains(err.Error(), "fig11") {
+		t.Errorf("unknown topology: %v", err)
+	}
+	line, err := Builtin("line", nil)
+	if err != nil || len(line.Hosts) != 4 || line.Hosts[1] != (HostSpec{"mb1", RoleMiddlebox}) {
+		t.Errorf("line = %+v, %v", line, err)
+	}
+}
+
+// The files under topologies/ parse, and the built-in ones say the same as
+// the Go code, so that the two cannot drift apart.
+func TestTopologyFiles(t *testing.T) {
+	files, err := filepath.Glob("../../topologies/*.json")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no topology files: %v", err)
+	}
+	for _, f := range files {
+		if _, err := LoadTopology(f); err != nil {
+			t.Error(err)
+		}
+	}
+	for file, want := range map[string]Topology{"fig11.json": Fig11(), "line.json": Line(DefaultLineHosts...)} {
+		got, err := LoadTopology(filepath.Join("../../topologies", file))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !reflect.DeepEqual(got.withRoles(), want.withRoles()) {
+			t.Errorf("%s = %+v, built in: %+v", file, got, want)
+		}
+	}
+	if _, err := ParseTopology([]byte(`{"kind": "star", "hosts": [{"name": "a", "rol": "client"}]}`)); err == nil {
+		t.Error("unknown field: no error")
+	}
+}

@@ -1,0 +1,32 @@
+package policyserver
+
+import (
+	"net/http"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// metricsHandler returns the /metrics handler: the server's gauges, read at
+// scrape time, on a registry of its own (so that two servers in one process,
+// as in tests, do not collide), plus the Go and process collectors.
+func (s *Server) metricsHandler() http.Handler {
+	reg := prometheus.NewRegistry()
+	gauge := func(name, help string, f func() float64) {
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Namespace: "dysco", Subsystem: "policyserver", Name: name, Help: help,
+		}, f))
+	}
+	gauge("policies", "Number of policies stored.", func() float64 { return float64(len(s.Current().Policies)) })
+	gauge("types", "Number of middlebox types stored.", func() float64 { return float64(len(s.Current().Types)) })
+	gauge("version", "Version of the policy set; bumped on every change.", func() float64 { return float64(s.Current().Version) })
+	gauge("watchers", "Agents waiting in a long poll on /v1/watch.", func() float64 { return float64(s.watchers.Load()) })
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return promhttp.HandlerFor(reg, promhttp.HandlerOpts{ErrorLog: slogPromLogger{s}})
+}
+
+// slogPromLogger passes promhttp's errors to the server's log.
+type slogPromLogger struct{ s *Server }
+
+func (l slogPromLogger) Println(v ...any) { l.s.log.Error("metrics", "err", v) }

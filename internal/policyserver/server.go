@@ -1,0 +1,519 @@
+// Package policyserver is Dysco's management plane (paper §2.2, "Role of the
+// policy server"): it keeps policies and middlebox types in a bbolt database,
+// serves them over HTTP/JSON, and hands each agent the policies meant for it
+// through a long poll (/v1/watch). Watch is the agent's side of that poll.
+//
+// Every change bumps a version number kept in the database, so that agents
+// (which cache the last set they got and keep working while the server is
+// down) can tell a newer set from the one they hold.
+package policyserver
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/dysco/dysco/internal/api"
+)
+
+// Defaults of Config and of the watch route.
+const (
+	DefaultListen = "0.0.0.0:7017"
+	DefaultDB     = "/var/lib/dysco/policy.db"
+	// DefaultWait is how long a watch waits for a change when the request
+	// does not say; MaxWait is the most it may ask for.
+	DefaultWait = 30 * time.Second
+	MaxWait     = 120 * time.Second
+)
+
+// maxRequestBody bounds the JSON body of a PUT.
+const maxRequestBody = 1 << 20
+
+// Config configures a policy server.
+type Config struct {
+	// Listen is the TCP address to serve on (DefaultListen when empty).
+	Listen string
+	// DB is the bbolt database file (DefaultDB when empty); its directory is
+	// created if needed.
+	DB string
+	// ReadyFile, when set, is written with the listening address once the
+	// server accepts connections, and removed when it stops.
+	ReadyFile string
+	// ValidatePolicy is the hook that checks a policy beyond
+	// api.Policy.Validate, which always runs first: the CLI sets it to
+	// compile the tcpdump filter with libpcap. Nil: Validate alone.
+	ValidatePolicy func(api.Policy) error
+	// Logger receives structured logs (slog.Default() when nil).
+	Logger *slog.Logger
+}
+
+// Server serves the policy database. Create it with New, serve it with
+// Serve (or mount Handler), and Close it.
+type Server struct {
+	cfg Config
+	log *slog.Logger
+	st  *store
+	mux *http.ServeMux
+
+	// wmu serializes writes so that the published sets follow versions.
+	wmu sync.Mutex
+
+	// mu guards cur and changed. changed is closed (and replaced) whenever
+	// cur changes: a broadcast to every waiting watch.
+	mu      sync.Mutex
+	cur     api.PolicySet
+	changed chan struct{}
+
+	closing   chan struct{} // closed when the server stops, to end long polls
+	closeOnce sync.Once
+	watchers  atomic.Int64
+
+	// waitHook, when set (by tests), runs each time a watch starts waiting.
+	waitHook func()
+}
+
+// New opens the database named by cfg.DB and returns a server over it.
+func New(cfg Config) (*Server, error) {
+	if cfg.Listen == "" {
+		cfg.Listen = DefaultListen
+	}
+	if cfg.DB == "" {
+		cfg.DB = DefaultDB
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	st, err := openStore(cfg.DB)
+	if err != nil {
+		return nil, err
+	}
+	cur, err := st.load()
+	if err != nil {
+		st.close()
+		return nil, err
+	}
+	s := &Server{
+		cfg:     cfg,
+		log:     cfg.Logger,
+		st:      st,
+		cur:     cur,
+		changed: make(chan struct{}),
+		closing: make(chan struct{}),
+	}
+	s.routes()
+	return s, nil
+}
+
+func (s *Server) routes() {
+	m := http.NewServeMux()
+	m.HandleFunc("GET /healthz", s.handleHealthz)
+	m.Handle("GET /metrics", s.metricsHandler())
+	m.HandleFunc("GET /v1/policies", s.handleList)
+	m.HandleFunc("PUT /v1/policies/{name}", s.handlePutPolicy)
+	m.HandleFunc("DELETE /v1/policies/{name}", s.handleDeletePolicy)
+	m.HandleFunc("PUT /v1/types/{name}", s.handlePutType)
+	m.HandleFunc("DELETE /v1/types/{name}", s.handleDeleteType)
+	m.HandleFunc("GET /v1/watch", s.handleWatch)
+	m.HandleFunc("/", s.handleNoRoute)
+	s.mux = m
+}
+
+// Handler returns the server's HTTP handler.
+func (s *Server) Handler() http.Handler { return s.mux }
+
+// Current returns the policy set in force.
+func (s *Server) Current() api.PolicySet {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.cur
+}
+
+// Serve serves on ln until ctx is done, then ends the long polls and shuts
+// down gracefully. It returns nil after a shutdown asked by ctx.
+func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
+	hs := &http.Server{
+		Handler:           s.mux,
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       2 * time.Minute,
+		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- hs.Serve(ln) }()
+	select {
+	case err := <-errc:
+		return fmt.Errorf("policy server: %w", err)
+	case <-ctx.Done():
+	}
+	s.log.Info("policy server shutting down")
+	s.stop()
+	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	err := hs.Shutdown(sctx)
+	if serr := <-errc; !errors.Is(serr, http.ErrServerClosed) && err == nil {
+		err = serr
+	}
+	if err != nil {
+		return fmt.Errorf("policy server shutdown: %w", err)
+	}
+	return nil
+}
+
+// stop ends the waiting watches (they answer 503) so that shutdown does not
+// wait for them.
+func (s *Server) stop() { s.closeOnce.Do(func() { close(s.closing) }) }
+
+// Close ends the waiting watches and closes the database.
+func (s *Server) Close() error {
+	s.stop()
+	return s.st.close()
+}
+
+// Run serves cfg until ctx is done: the `dysco policy-server` command.
+func Run(ctx context.Context, cfg Config) error {
+	if cfg.ReadyFile != "" {
+		// A file left by an earlier run must not tell anyone we are ready.
+		if err := os.Remove(cfg.ReadyFile); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("ready file: %w", err)
+		}
+	}
+	s, err := New(cfg)
+	if err != nil {
+		return err
+	}
+	defer s.Close()
+	ln, err := net.Listen("tcp", s.cfg.Listen)
+	if err != nil {
+		return fmt.Errorf("policy server: %w", err)
+	}
+	cur := s.Current()
+	s.log.Info("policy server listening", "addr", ln.Addr().String(), "db", s.cfg.DB,
+		"version", cur.Version, "policies", len(cur.Policies), "types", len(cur.Types))
+	if cfg.ReadyFile != "" {
+		if err := writeFileAtomic(cfg.ReadyFile, []byte(ln.Addr().String()+"\n"), 0o644); err != nil {
+			ln.Close()
+			return fmt.Errorf("ready file: %w", err)
+		}
+		defer os.Remove(cfg.ReadyFile)
+	}
+	return s.Serve(ctx, ln)
+}
+
+// publish makes the database's current content the set in force and wakes
+// every watch.
+func (s *Server) publish() error {
+	set, err := s.st.load()
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	s.cur = set
+	close(s.changed)
+	s.changed = make(chan struct{})
+	s.mu.Unlock()
+	return nil
+}
+
+// ForHost returns the part of set that the policy server gives the agent
+// host: the policies whose Hosts is empty or names host, and every type.
+func ForHost(set api.PolicySet, host string) api.PolicySet {
+	out := api.PolicySet{Version: set.Version, Policies: []api.Policy{}, Types: set.Types}
+	for _, p := range set.Policies {
+		if len(p.Hosts) == 0 || slices.Contains(p.Hosts, host) {
+			out.Policies = append(out.Policies, p)
+		}
+	}
+	if out.Types == nil {
+		out.Types = []api.MiddleboxType{}
+	}
+	return out
+}
+
+func (s *Server) handleHealthz(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "version": s.Current().Version})
+}
+
+func (s *Server) handleList(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, s.Current())
+}
+
+func (s *Server) handlePutPolicy(w http.ResponseWriter, r *http.Request) {
+	name := r.PathValue("name")
+	var p api.Policy
+	if err := decodeBody(r, w, &p, "policy"); err != nil {
+		writeError(w, http.StatusBadRequest, err)
+		return
+	}
+	if p.Name == "" {
+		p.Name = name
+	}
+	if p.Name != name {
+		writeError(w, http.StatusBadRequest, fmt.Errorf("policy name in the path (%q) differs from the name in the body (%q)", name, p.Name))
+		return
+	}
+	if err := s.validatePolicy(p); err != nil {
+		writeError(w, http.StatusBadRequest, err)
+		return
+	}
+	s.write(w, r, "policy", name, func() (bool, error) { return s.st.put(bucketPolicies, name, p) }, p)
+}
+
+func (s *Server) validatePolicy(p api.Policy) error {
+	if err := p.Validate(); err != nil {
+		return err
+	}
+	if s.cfg.ValidatePolicy != nil {
+		return s.cfg.ValidatePolicy(p)
+	}
+	return nil
+}
+
+func (s *Server) handlePutType(w http.ResponseWriter, r *http.Request) {
+	name := r.PathValue("name")
+	var t api.MiddleboxType
+	if err := decodeBody(r, w, &t, "middlebox type"); err != nil {
+		writeError(w, http.StatusBadRequest, err)
+		return
+	}
+	if t.Name == "" {
+		t.Name = name
+	}
+	if t.Name != name {
+		writeError(w, http.StatusBadRequest, fmt.Errorf("type name in the path (%q) differs from the name in the body (%q)", name, t.Name))
+		return
+	}
+	if err := validateType(t); err != nil {
+		writeError(w, http.StatusBadRequest, err)
+		return
+	}
+	s.write(w, r, "type", name, func() (bool, error) { return s.st.put(bucketTypes, name, t) }, t)
+}
+
+// validateType adds to MiddleboxType.Validate the checks of its instances.
+func validateType(t api.MiddleboxType) error {
+	if err := t.Validate(); err != nil {
+		return err
+	}
+	seen := map[string]bool{}
+	for i, a := range t.Instances {
+		if !a.IsValid() {
+			return fmt.Errorf("type %q: instance %d is not an IP address", t.Name, i+1)
+		}
+		if seen[a.String()] {
+			return fmt.Errorf("type %q: instance %s appears twice", t.Name, a)
+		}
+		seen[a.String()] = true
+	}
+	return nil
+}
+
+func (s *Server) handleDeletePolicy(w http.ResponseWriter, r *http.Request) {
+	s.remove(w, r, bucketPolicies, "policy")
+}
+
+func (s *Server) handleDeleteType(w http.ResponseWriter, r *http.Request) {
+	s.remove(w, r, bucketTypes, "type")
+}
+
+// write runs a change and publishes the result; it answers with stored.
+func (s *Server) write(w http.ResponseWriter, r *http.Request, kind, name string, change func() (bool, error), stored any) {
+	s.wmu.Lock()
+	defer s.wmu.Unlock()
+	changed, err := change()
+	if err == nil && changed {
+		err = s.publish()
+	}
+	if err != nil {
+		s.log.Error("storing "+kind+" failed", kind, name, "err", err)
+		writeError(w, http.StatusInternalServerError, err)
+		return
+	}
+	if changed {
+		s.log.Info(kind+" stored", kind, name, "version", s.Current().Version, "remote", r.RemoteAddr)
+	}
+	writeJSON(w, http.StatusOK, stored)
+}
+
+func (s *Server) remove(w http.ResponseWriter, r *http.Request, bucket []byte, kind string) {
+	name := r.PathValue("name")
+	s.wmu.Lock()
+	defer s.wmu.Unlock()
+	found, err := s.st.del(bucket, name)
+	if err == nil && found {
+		err = s.publish()
+	}
+	if err != nil {
+		s.log.Error("deleting "+kind+" failed", kind, name, "err", err)
+		writeError(w, http.StatusInternalServerError, err)
+		return
+	}
+	if !found {
+		writeError(w, http.StatusNotFound, fmt.Errorf("%s %q not found", kind, name))
+		return
+	}
+	s.log.Info(kind+" deleted", kind, name, "version", s.Current().Version, "remote", r.RemoteAddr)
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// handleWatch is the long poll of the agents: it answers at once with the
+// host's set when the version is above after, else when the set changes or
+// the wait is over (with the set unchanged; the agent compares versions).
+func (s *Server) handleWatch(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	host := q.Get("host")
+	if host == "" {
+		writeError(w, http.StatusBadRequest, errors.New("watch needs host=NAME, the name of the agent asking"))
+		return
+	}
+	var after uint64
+	if v := q.Get("after"); v != "" {
+		n, err := strconv.ParseUint(v, 10, 64)
+		if err != nil {
+			writeError(w, http.StatusBadRequest, fmt.Errorf("watch: after=%q is not a version number", v))
+			return
+		}
+		after = n
+	}
+	wait := DefaultWait
+	if v := q.Get("wait"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			writeError(w, http.StatusBadRequest, fmt.Errorf("watch: wait=%q is not a number of seconds", v))
+			return
+		}
+		wait = min(time.Duration(n)*time.Second, MaxWait)
+	}
+
+	s.watchers.Add(1)
+	defer s.watchers.Add(-1)
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	for {
+		// Take the channel with the set: a change after this point closes it.
+		s.mu.Lock()
+		set, changed := s.cur, s.changed
+		s.mu.Unlock()
+		if set.Version > after {
+			writeJSON(w, http.StatusOK, ForHost(set, host))
+			return
+		}
+		if s.waitHook != nil {
+			s.waitHook()
+		}
+		select {
+		case <-changed:
+		case <-timer.C:
+			writeJSON(w, http.StatusOK, ForHost(set, host))
+			return
+		case <-r.Context().Done():
+			return
+		case <-s.closing:
+			writeError(w, http.StatusServiceUnavailable, errors.New("policy server is shutting down"))
+			return
+		}
+	}
+}
+
+// handleNoRoute answers, in JSON, requests that match no route: 405 when the
+// path exists with other methods, else 404.
+func (s *Server) handleNoRoute(w http.ResponseWriter, r *http.Request) {
+	var allowed []string
+	for _, m := range []string{http.MethodGet, http.MethodPut, http.MethodDelete, http.MethodPost} {
+		if m == r.Method {
+			continue
+		}
+		r2 := r.Clone(r.Context())
+		r2.Method = m
+		if _, pat := s.mux.Handler(r2); pat != "" && pat != "/" {
+			allowed = append(allowed, m)
+		}
+	}
+	if len(allowed) > 0 {
+		w.Header().Set("Allow", strings.Join(allowed, ", "))
+		writeError(w, http.StatusMethodNotAllowed, fmt.Errorf("method %s is not allowed on %s (allowed: %s)", r.Method, r.URL.Path, strings.Join(allowed, ", ")))
+		return
+	}
+	writeError(w, http.StatusNotFound, fmt.Errorf("no route %s %s (routes: /v1/policies[/NAME], /v1/types/NAME, /v1/watch, /healthz, /metrics)", r.Method, r.URL.Path))
+}
+
+// decodeBody reads one JSON value into v, refusing unknown fields so that a
+// misspelt field is an error rather than silently ignored.
+func decodeBody(r *http.Request, w http.ResponseWriter, v any, what string) error {
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxRequestBody))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		if errors.Is(err, io.EOF) {
+			return fmt.Errorf("empty request body: send the %s as JSON", what)
+		}
+		return fmt.Errorf("request body is not a valid %s: %v", what, err)
+	}
+	if dec.More() {
+		return fmt.Errorf("request body holds more than one JSON value; send one %s", what)
+	}
+	return nil
+}
+
+func writeJSON(w http.ResponseWriter, code int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	enc.Encode(v)
+}
+
+func writeError(w http.ResponseWriter, code int, err error) {
+	writeJSON(w, code, api.Error{Error: err.Error()})
+}
+
+// writeFileAtomic writes data to path through a temporary file in the same
+// directory and a rename, so that readers see the old content or the new,
+// never a part.
+func writeFileAtomic(path string, data []byte, perm os.FileMode) error {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp*")
+	if err != nil {
+		return err
+	}
+	tmp := f.Name()
+	defer os.Remove(tmp) // no-op after the rename
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Chmod(perm); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		return err
+	}
+	// Make the rename itself durable; a failure here loses nothing but
+	// durability, so it is not reported.
+	if d, err := os.Open(dir); err == nil {
+		d.Sync()
+		d.Close()
+	}
+	return nil
+}

@@ -1,0 +1,180 @@
+package policyserver
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"time"
+
+	"github.com/dysco/dysco/internal/api"
+)
+
+// Back-off between failed polls: doubling from minBackoff to maxBackoff,
+// each wait drawn at random from its upper half so that agents restarted
+// together do not poll in step.
+var (
+	minBackoff = 100 * time.Millisecond
+	maxBackoff = 10 * time.Second
+)
+
+// WatchConfig configures Watch.
+type WatchConfig struct {
+	// URL is the policy server, "http://host:7017".
+	URL string
+	// Host is the agent's name; the server gives it the policies whose Hosts
+	// is empty or names it.
+	Host string
+	// CacheFile, when set, keeps the last set received so that an agent
+	// restarted while the server is down starts with its last policies.
+	CacheFile string
+	// OnUpdate receives each newer policy set, the cached one first. Calls
+	// come from Watch's goroutine, one at a time, with increasing versions.
+	OnUpdate func(api.PolicySet)
+	// OnStatus is told after every poll whether the server answered, and
+	// the error when it did not.
+	OnStatus func(ok bool, err error)
+	// Wait is how long each long poll may wait for a change (DefaultWait
+	// when zero; whole seconds, at most MaxWait).
+	Wait time.Duration
+	// Logger receives structured logs (slog.Default() when nil).
+	Logger *slog.Logger
+}
+
+// cacheFile is the content of WatchConfig.CacheFile: the policy set, plus
+// the host it was given to. A plain api.PolicySet also loads.
+type cacheFile struct {
+	api.PolicySet
+	Host string `json:"host,omitempty"`
+}
+
+// Watch follows the policy server for an agent until ctx is done, and then
+// returns nil; it returns an error only for a bad cfg.
+//
+// It first delivers the cached set, if any, then long-polls /v1/watch,
+// backing off from 100 ms to 10 s (jittered) while the server is
+// unreachable. Each set newer than the last delivered is written to the
+// cache (atomically) and then delivered; older or equal versions never are.
+func Watch(ctx context.Context, cfg WatchConfig) error {
+	if cfg.URL == "" {
+		return errors.New("policy watch: no policy server URL")
+	}
+	if cfg.Host == "" {
+		return errors.New("policy watch: no host name (the server picks the policies by host)")
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	log = log.With("server", cfg.URL, "host", cfg.Host)
+	wait := cfg.Wait
+	if wait <= 0 {
+		wait = DefaultWait
+	}
+	wait = min(wait.Round(time.Second), MaxWait)
+	if wait < time.Second {
+		wait = time.Second // wait=0 would make the server answer at once, every time
+	}
+	update := func(set api.PolicySet) {
+		if cfg.OnUpdate != nil {
+			cfg.OnUpdate(set)
+		}
+	}
+	status := func(ok bool, err error) {
+		if cfg.OnStatus != nil {
+			cfg.OnStatus(ok, err)
+		}
+	}
+
+	var last uint64
+	if cfg.CacheFile != "" {
+		set, err := readCache(cfg.CacheFile, cfg.Host)
+		switch {
+		case err == nil:
+			log.Info("policies loaded from cache", "file", cfg.CacheFile, "version", set.Version, "policies", len(set.Policies))
+			last = set.Version
+			update(set)
+		case errors.Is(err, os.ErrNotExist):
+		default:
+			log.Warn("ignoring the policy cache", "err", err)
+		}
+	}
+
+	c := api.NewServerClient(cfg.URL)
+	backoff := minBackoff
+	failing, warnedOlder := false, false
+	for ctx.Err() == nil {
+		set, err := c.Watch(ctx, cfg.Host, last, wait)
+		if ctx.Err() != nil {
+			break
+		}
+		if err != nil {
+			status(false, err)
+			if !failing {
+				log.Warn("policy server unreachable; keeping the current policies", "version", last, "err", err)
+				failing = true
+			} else {
+				log.Debug("policy server still unreachable", "err", err, "backoff", backoff)
+			}
+			d := backoff/2 + rand.N(backoff/2+1)
+			backoff = min(2*backoff, maxBackoff)
+			t := time.NewTimer(d)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+			case <-t.C:
+			}
+			continue
+		}
+		status(true, nil)
+		if failing {
+			log.Info("policy server reachable again")
+			failing = false
+		}
+		backoff = minBackoff
+		if set.Version < last && !warnedOlder {
+			log.Warn("the policy server's version is older than ours (was its database replaced?); keeping ours until it passes it",
+				"server_version", set.Version, "version", last)
+			warnedOlder = true
+		}
+		if set.Version <= last {
+			continue
+		}
+		warnedOlder = false
+		if cfg.CacheFile != "" {
+			if err := writeCache(cfg.CacheFile, cfg.Host, set); err != nil {
+				log.Error("writing the policy cache failed", "file", cfg.CacheFile, "err", err)
+			}
+		}
+		log.Info("new policies", "version", set.Version, "policies", len(set.Policies), "types", len(set.Types))
+		last = set.Version
+		update(set)
+	}
+	return nil
+}
+
+func readCache(path, host string) (api.PolicySet, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return api.PolicySet{}, err
+	}
+	var cf cacheFile
+	if err := json.Unmarshal(data, &cf); err != nil {
+		return api.PolicySet{}, fmt.Errorf("policy cache %s: %w", path, err)
+	}
+	if cf.Host != "" && cf.Host != host {
+		return api.PolicySet{}, fmt.Errorf("policy cache %s holds the policies of host %q, not %q", path, cf.Host, host)
+	}
+	return cf.PolicySet, nil
+}
+
+func writeCache(path, host string, set api.PolicySet) error {
+	data, err := json.MarshalIndent(cacheFile{PolicySet: set, Host: host}, "", "  ")
+	if err != nil {
+		return err
+	}
+	return writeFileAtomic(path, append(data, '\n'), 0o644)
+}

@@ -1,0 +1,201 @@
+// Package wire defines Dysco's on-the-wire formats: the TCP option that marks
+// a Dysco SYN, the address-list block carried in the SYN payload (paper §2.1),
+// and the tuple encoding shared with the datapath.
+//
+// This package is the single home of these facts. The datapath's C header
+// bpf/include/wire_gen.h is generated from it (go generate ./internal/wire),
+// and a test fails when the committed header differs from what this package
+// generates.
+package wire
+
+//go:generate go run ./gen -o ../../bpf/include/wire_gen.h
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net/netip"
+)
+
+// Constants of the SYN marking option and the SYN block. Every name here is
+// emitted into wire_gen.h with a DYSCO_ prefix.
+const (
+	// OptKind is the TCP option kind used to mark Dysco SYNs: 253 is
+	// reserved for experiments and shared through an experiment ID (RFC 6994).
+	OptKind = 253
+	// OptLen is the length of the marking option, kind and length bytes included.
+	OptLen = 8
+	// OptExID is the RFC 6994 experiment identifier ("DY").
+	OptExID = 0x4459
+
+	// OptTypeSYNBlock marks a SYN that carries a SynBlock in its payload; the
+	// option's last two bytes hold the block length.
+	OptTypeSYNBlock = 1
+	// OptTypeLocalTag marks a SYN inside a middlebox host (§2.1, §4.2 "Tagging
+	// SYN packets"): the option's last three bytes hold a tag that is
+	// meaningful only to the agent that wrote it and never leaves the host.
+	OptTypeLocalTag = 2
+
+	// Magic opens every SynBlock ("DYSC").
+	Magic = 0x44595343
+	// Version is the SynBlock version this code writes and accepts.
+	Version = 1
+	// MaxHops bounds the address list of a SYN block.
+	MaxHops = 8
+	// AddrLen is the size of one address: IPv4 is stored IPv4-mapped.
+	AddrLen = 16
+	// BlockHeaderLen is the fixed part of a SynBlock before the hops.
+	BlockHeaderLen = 52
+	// MaxBlockLen is the largest SynBlock.
+	MaxBlockLen = BlockHeaderLen + MaxHops*AddrLen
+	// NonceLen is the size of the per-session nonce.
+	NonceLen = 8
+)
+
+// Tuple is a TCP five-tuple (the protocol is always TCP for now).
+type Tuple struct {
+	Src, Dst         netip.Addr
+	SrcPort, DstPort uint16
+}
+
+// Reverse returns the tuple of packets travelling the other way.
+func (t Tuple) Reverse() Tuple {
+	return Tuple{Src: t.Dst, Dst: t.Src, SrcPort: t.DstPort, DstPort: t.SrcPort}
+}
+
+func (t Tuple) String() string {
+	return fmt.Sprintf("%s -> %s", netip.AddrPortFrom(t.Src, t.SrcPort), netip.AddrPortFrom(t.Dst, t.DstPort))
+}
+
+// Is4 reports whether both addresses are IPv4.
+func (t Tuple) Is4() bool { return t.Src.Unmap().Is4() && t.Dst.Unmap().Is4() }
+
+// SynBlock is the payload of a Dysco SYN (§2.1): the session tuple, the
+// per-session nonce used later to authenticate control messages, and the
+// addresses still to be visited after the receiver. The receiver is the
+// destination of the packet carrying the block; when Hops is empty the
+// receiver ends the chain (it is the session's destination, or it hands the
+// plain SYN on by ordinary routing, §2.4).
+//
+// Layout, network byte order:
+//
+//	0  magic (4)   4 version (1)  5 flags (1)  6 hop count (1)  7 reserved (1)
+//	8  nonce (8)
+//	16 session source address (16)   32 session destination address (16)
+//	48 session source port (2)       50 session destination port (2)
+//	52 hops, 16 bytes each
+type SynBlock struct {
+	Session Tuple
+	Nonce   [NonceLen]byte
+	Hops    []netip.Addr
+}
+
+// Errors returned by Decode; the datapath counts the same cases as drops.
+var (
+	ErrShort      = errors.New("dysco syn block: truncated")
+	ErrMagic      = errors.New("dysco syn block: bad magic")
+	ErrVersion    = errors.New("dysco syn block: unknown version")
+	ErrTooMany    = errors.New("dysco syn block: too many hops")
+	ErrLength     = errors.New("dysco syn block: length does not match hop count")
+	ErrFamily     = errors.New("dysco syn block: mixed address families")
+	ErrLoop       = errors.New("dysco syn block: address list repeats an address")
+	ErrBadSession = errors.New("dysco syn block: invalid session tuple")
+)
+
+// Len is the encoded length of b.
+func (b *SynBlock) Len() int { return BlockHeaderLen + len(b.Hops)*AddrLen }
+
+// Encode appends the encoded block to dst.
+func (b *SynBlock) Encode(dst []byte) ([]byte, error) {
+	if len(b.Hops) > MaxHops {
+		return nil, ErrTooMany
+	}
+	if err := b.validate(); err != nil {
+		return nil, err
+	}
+	var h [BlockHeaderLen]byte
+	binary.BigEndian.PutUint32(h[0:], Magic)
+	h[4] = Version
+	h[6] = byte(len(b.Hops))
+	copy(h[8:16], b.Nonce[:])
+	a := b.Session.Src.As16()
+	copy(h[16:32], a[:])
+	a = b.Session.Dst.As16()
+	copy(h[32:48], a[:])
+	binary.BigEndian.PutUint16(h[48:], b.Session.SrcPort)
+	binary.BigEndian.PutUint16(h[50:], b.Session.DstPort)
+	dst = append(dst, h[:]...)
+	for _, hop := range b.Hops {
+		a := hop.As16()
+		dst = append(dst, a[:]...)
+	}
+	return dst, nil
+}
+
+// Decode parses a block that must fill p exactly.
+func Decode(p []byte) (*SynBlock, error) {
+	if len(p) < BlockHeaderLen {
+		return nil, ErrShort
+	}
+	if binary.BigEndian.Uint32(p) != Magic {
+		return nil, ErrMagic
+	}
+	if p[4] != Version {
+		return nil, fmt.Errorf("%w %d", ErrVersion, p[4])
+	}
+	n := int(p[6])
+	if n > MaxHops {
+		return nil, ErrTooMany
+	}
+	if len(p) != BlockHeaderLen+n*AddrLen {
+		return nil, ErrLength
+	}
+	b := &SynBlock{}
+	copy(b.Nonce[:], p[8:16])
+	b.Session.Src = addr16(p[16:32])
+	b.Session.Dst = addr16(p[32:48])
+	b.Session.SrcPort = binary.BigEndian.Uint16(p[48:])
+	b.Session.DstPort = binary.BigEndian.Uint16(p[50:])
+	for i := 0; i < n; i++ {
+		off := BlockHeaderLen + i*AddrLen
+		b.Hops = append(b.Hops, addr16(p[off:off+AddrLen]))
+	}
+	if err := b.validate(); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+func (b *SynBlock) validate() error {
+	s := b.Session
+	if !s.Src.IsValid() || !s.Dst.IsValid() || s.SrcPort == 0 || s.DstPort == 0 || s.Src.Unmap() == s.Dst.Unmap() && s.SrcPort == s.DstPort {
+		return ErrBadSession
+	}
+	v4 := s.Src.Unmap().Is4()
+	if s.Dst.Unmap().Is4() != v4 {
+		return ErrFamily
+	}
+	for i, h := range b.Hops {
+		if h.Unmap().Is4() != v4 {
+			return ErrFamily
+		}
+		for _, g := range b.Hops[:i] {
+			if g.Unmap() == h.Unmap() {
+				return ErrLoop
+			}
+		}
+	}
+	return nil
+}
+
+// addr16 returns the address in p, unmapped when it is IPv4-mapped.
+func addr16(p []byte) netip.Addr {
+	var a [16]byte
+	copy(a[:], p)
+	return netip.AddrFrom16(a).Unmap()
+}
+
+// Option returns the 8-byte marking option announcing a block of blockLen bytes.
+func Option(blockLen int) [OptLen]byte {
+	return [OptLen]byte{OptKind, OptLen, OptExID >> 8, OptExID & 0xff, OptTypeSYNBlock, 0, byte(blockLen >> 8), byte(blockLen)}
+}

@@ -1,0 +1,97 @@
+package wire
+
+import (
+	"bytes"
+	"errors"
+	"net/netip"
+	"os"
+	"testing"
+)
+
+func tuple(s, d string, sp, dp uint16) Tuple {
+	return Tuple{Src: netip.MustParseAddr(s), Dst: netip.MustParseAddr(d), SrcPort: sp, DstPort: dp}
+}
+
+func TestRoundTrip(t *testing.T) {
+	for _, b := range []SynBlock{
+		{Session: tuple("10.0.0.1", "10.0.0.9", 40000, 80), Nonce: [8]byte{1, 2, 3, 4, 5, 6, 7, 8},
+			Hops: []netip.Addr{netip.MustParseAddr("10.0.1.1"), netip.MustParseAddr("10.0.0.9")}},
+		{Session: tuple("fd00::1", "fd00::9", 1, 443)},
+	} {
+		enc, err := b.Encode(nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(enc) != b.Len() {
+			t.Fatalf("len %d, want %d", len(enc), b.Len())
+		}
+		got, err := Decode(enc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.Session != b.Session || got.Nonce != b.Nonce || len(got.Hops) != len(b.Hops) {
+			t.Fatalf("round trip: got %+v, want %+v", got, b)
+		}
+		for i := range b.Hops {
+			if got.Hops[i] != b.Hops[i] {
+				t.Fatalf("hop %d: %s, want %s", i, got.Hops[i], b.Hops[i])
+			}
+		}
+	}
+}
+
+func TestDecodeErrors(t *testing.T) {
+	good := SynBlock{Session: tuple("10.0.0.1", "10.0.0.9", 40000, 80), Hops: []netip.Addr{netip.MustParseAddr("10.0.1.1")}}
+	enc, _ := good.Encode(nil)
+	mut := func(f func(p []byte) []byte) []byte { p := append([]byte(nil), enc...); return f(p) }
+	for name, tc := range map[string]struct {
+		p    []byte
+		want error
+	}{
+		"short":    {enc[:10], ErrShort},
+		"magic":    {mut(func(p []byte) []byte { p[0] ^= 1; return p }), ErrMagic},
+		"version":  {mut(func(p []byte) []byte { p[4] = 9; return p }), ErrVersion},
+		"too many": {mut(func(p []byte) []byte { p[6] = MaxHops + 1; return p }), ErrTooMany},
+		"length":   {mut(func(p []byte) []byte { p[6] = 2; return p }), ErrLength},
+		"trailing": {mut(func(p []byte) []byte { return append(p, 0) }), ErrLength},
+		"port 0":   {mut(func(p []byte) []byte { p[48], p[49] = 0, 0; return p }), ErrBadSession},
+		"family": {mut(func(p []byte) []byte {
+			a := netip.MustParseAddr("fd00::1").As16()
+			copy(p[BlockHeaderLen:], a[:])
+			return p
+		}), ErrFamily},
+		"loop": {func() []byte {
+			b := good
+			b.Hops = []netip.Addr{netip.MustParseAddr("10.0.1.1"), netip.MustParseAddr("10.0.2.1")}
+			e, _ := b.Encode(nil)
+			copy(e[BlockHeaderLen+AddrLen:], e[BlockHeaderLen:BlockHeaderLen+AddrLen])
+			return e
+		}(), ErrLoop},
+	} {
+		if _, err := Decode(tc.p); !errors.Is(err, tc.want) {
+			t.Errorf("%s: got %v, want %v", name, err, tc.want)
+		}
+	}
+	if _, err := (&SynBlock{Session: good.Session, Hops: make([]netip.Addr, MaxHops+1)}).Encode(nil); !errors.Is(err, ErrTooMany) {
+		t.Errorf("encode of too many hops: %v", err)
+	}
+}
+
+// TestCHeaderCommitted fails when bpf/include/wire_gen.h is not what this
+// package generates: run `make generate`.
+func TestCHeaderCommitted(t *testing.T) {
+	got, err := os.ReadFile("../../bpf/include/wire_gen.h")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, CHeader()) {
+		t.Fatal("bpf/include/wire_gen.h is stale: run `make generate`")
+	}
+}
+
+func TestOption(t *testing.T) {
+	o := Option(100)
+	if o[0] != OptKind || o[1] != OptLen || o[4] != OptTypeSYNBlock || int(o[6])<<8|int(o[7]) != 100 {
+		t.Fatalf("option %x", o)
+	}
+}

@@ -1,0 +1,180 @@
+package e2e
+
+import (
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/dysco/dysco/internal/lab"
+)
+
+const mib = 1 << 20
+
+// transferSize is what each direction carries in the byte-exact checks
+// (the issue asks for 100 MB each way; -short uses 8 MB).
+func transferSize() int64 {
+	if testing.Short() {
+		return 8 * mib
+	}
+	return 100 * mib
+}
+
+// nginx starts nginx on a host, serving dir on port 80 of both addresses,
+// and waits until it accepts connections.
+func (e *env) nginx(host, dir string) {
+	e.t.Helper()
+	h := e.host(host)
+	conf := filepath.Join(dir, "nginx.conf")
+	cfg := fmt.Sprintf(`user root;
+worker_processes 1;
+daemon off;
+pid %[1]s/nginx.pid;
+error_log stderr warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path %[1]s/body;
+  proxy_temp_path %[1]s/proxy;
+  fastcgi_temp_path %[1]s/fastcgi;
+  uwsgi_temp_path %[1]s/uwsgi;
+  scgi_temp_path %[1]s/scgi;
+  sendfile on;
+  server {
+    listen %[2]s:80;
+    listen [%[3]s]:80;
+    root %[1]s/www;
+  }
+}
+`, dir, h.Addr4, h.Addr6)
+	if err := os.MkdirAll(filepath.Join(dir, "www"), 0o755); err != nil {
+		e.t.Fatal(err)
+	}
+	if err := os.WriteFile(conf, []byte(cfg), 0o644); err != nil {
+		e.t.Fatal(err)
+	}
+	if _, err := e.lab.Start(host, "nginx", "nginx", "-c", conf, "-p", dir); err != nil {
+		e.t.Fatal(err)
+	}
+	eventually(e.t, 10*time.Second, "nginx to accept connections", func() bool {
+		c, err := e.dial(host, netip.AddrPortFrom(h.Addr4, 80), time.Second)
+		if err != nil {
+			return false
+		}
+		c.Close()
+		return true
+	})
+}
+
+// randomFile writes n random bytes and returns the file's SHA-256.
+func randomFile(t *testing.T, path string, n int64) string {
+	t.Helper()
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(io.MultiWriter(f, h), io.LimitReader(rand.Reader, n)); err != nil {
+		t.Fatal(err)
+	}
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+// curlHash downloads url from host with curl and returns the SHA-256 of what
+// arrived.
+func (e *env) curlHash(host, url string) string {
+	e.t.Helper()
+	out := e.run(host, "sh", "-c", fmt.Sprintf("curl -sS -f -g --max-time 120 %s | sha256sum", url))
+	return strings.Fields(out)[0]
+}
+
+func urlFor(a netip.Addr, path string) string {
+	if a.Is6() {
+		return fmt.Sprintf("http://[%s]%s", a, path)
+	}
+	return fmt.Sprintf("http://%s%s", a, path)
+}
+
+// chainScenario sets up client -> mbs... -> server with a policy on the
+// client for port 80 and 5201 and the test's own port, checks every transfer
+// byte for byte, and checks what the middleboxes saw.
+func TestChainOneMiddlebox(t *testing.T) {
+	for _, v6 := range []bool{false, true} {
+		for _, off := range []bool{false, true} {
+			name := fmt.Sprintf("ipv6=%v/txcsum-off=%v", v6, off)
+			t.Run(name, func(t *testing.T) {
+				e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server")})
+				if off {
+					e.txOff("client", "mb1", "server")
+				}
+				dst := e.addr("server", v6)
+				mb := e.addr("mb1", v6)
+				e.policy("client", "web", "tcp and (dst port 80 or dst port 5201 or dst port 9000)", mb.String())
+
+				dir := t.TempDir()
+				e.nginx("server", dir)
+				want := randomFile(t, filepath.Join(dir, "www", "blob"), transferSize())
+
+				tap := e.capture("mb1", "dysco-tap", "tcp port 9000")
+				wire := e.capture("mb1", "eth0", "tcp")
+				if got := e.curlHash("client", urlFor(dst, "/blob")); got != want {
+					t.Fatalf("curl through the chain: sha256 %s, want %s", got, want)
+				}
+				e.exchange("client", "server", dst, 9000, transferSize())
+				tapLines := tap()
+				wireLines := wire()
+
+				// The monitor on the session-view tap saw the session tuple.
+				clientAddr := e.addr("client", v6)
+				sawSession := false
+				for _, l := range tapLines {
+					if strings.Contains(l, clientAddr.String()+".") && strings.Contains(l, dst.String()+".9000") {
+						sawSession = true
+						break
+					}
+				}
+				if !sawSession {
+					t.Errorf("tcpdump on dysco-tap did not see the session %s -> %s:9000; it saw:\n%s", clientAddr, dst, strings.Join(head(tapLines, 5), "\n"))
+				}
+				// On the wire, the middlebox's packets carry subsession
+				// tuples: nothing from client to server directly.
+				for _, l := range head(wireLines, 2000) {
+					if strings.Contains(l, clientAddr.String()+".") && strings.Contains(l, "> "+dst.String()+".") {
+						t.Errorf("the wire at mb1 carried the session tuple (no rewrite): %s", l)
+						break
+					}
+				}
+				st := e.status("mb1")
+				if st.Counters["setup_cont"] < 2 {
+					t.Errorf("mb1 continued %d chains, want at least 2 (curl and the exchange)", st.Counters["setup_cont"])
+				}
+				for _, c := range []string{"drop_helper", "drop_no_route", "drop_malformed"} {
+					for _, h := range []string{"client", "mb1", "server"} {
+						if n := e.status(h).Counters[c]; n != 0 {
+							t.Errorf("%s: %s = %d", h, c, n)
+						}
+					}
+				}
+				// Teardown: every session ends on every host.
+				for _, h := range []string{"client", "mb1", "server"} {
+					eventually(t, 15*time.Second, "sessions on "+h+" to be collected", func() bool { return len(e.sessions(h)) == 0 })
+				}
+			})
+		}
+	}
+}
+
+func head(s []string, n int) []string {
+	if len(s) > n {
+		return s[:n]
+	}
+	return s
+}
