@@ -287,8 +287,16 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 	st = &sc->st;
 	b = sc->buf;
 	blen = ((__u32)opt[6] << 8) | opt[7];
-	if (blen < DYSCO_BLOCK_HEADER_LEN || blen > DYSCO_MAX_BLOCK_LEN || p->payload != blen) {
+	if (blen < DYSCO_BLOCK_HEADER_LEN || p->payload != blen) {
 		stat_inc(STAT_DROP_BAD_LENGTH);
+		return TC_ACT_SHOT;
+	}
+	if (blen > DYSCO_MAX_BLOCK_LEN) {
+		/* Longer than any valid block: a list of too many hops is
+		 * counted as such, as wire.Decode reports it. */
+		__u8 nh = 0;
+		bpf_skb_load_bytes(skb, p->l4 + p->doff + 6, &nh, 1);
+		stat_inc(nh > DYSCO_MAX_HOPS ? STAT_DROP_TOO_MANY_HOPS : STAT_DROP_BAD_LENGTH);
 		return TC_ACT_SHOT;
 	}
 	if (bpf_skb_load_bytes(skb, p->l4 + p->doff, b, blen)) {
@@ -338,7 +346,11 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		if (i >= n)
 			break;
 		__builtin_memcpy(st->hops[i], b + DYSCO_BLOCK_HEADER_LEN + i * DYSCO_ADDR_LEN, 16);
-		if (is_mapped4(st->hops[i]) == p->v6 || is_local(st->hops[i])) {
+		if (is_mapped4(st->hops[i]) == p->v6) {
+			stat_inc(STAT_DROP_MALFORMED); /* mixed families: not a loop */
+			return TC_ACT_SHOT;
+		}
+		if (is_local(st->hops[i])) {
 			stat_inc(STAT_DROP_LOOP);
 			return TC_ACT_SHOT;
 		}
@@ -422,9 +434,18 @@ int dysco_ingress(struct __sk_buff *skb)
 	if (parse(skb, &p))
 		return TC_ACT_OK;
 	f = bpf_map_lookup_elem(&dysco_flows, &p.t);
-	if ((p.flags & (TH_SYN | TH_ACK)) == TH_SYN && (!f || (f->flags & FL_SYN_STRIP)) &&
-	    dysco_opt(skb, &p, opt) == DYSCO_OPT_TYPE_SYN_BLOCK)
-		return ingress_syn(skb, &p, opt, f);
+	if ((p.flags & (TH_SYN | TH_ACK)) == TH_SYN) {
+		int otype = dysco_opt(skb, &p, opt);
+		if (otype == DYSCO_OPT_TYPE_LOCAL_TAG) {
+			/* A local tag never leaves the host that wrote it (§4.2):
+			 * one from the wire is forged, and egress would continue
+			 * the chain of the session it names with it. */
+			stat_inc(STAT_DROP_MALFORMED);
+			return TC_ACT_SHOT;
+		}
+		if (otype == DYSCO_OPT_TYPE_SYN_BLOCK && (!f || (f->flags & FL_SYN_STRIP)))
+			return ingress_syn(skb, &p, opt, f);
+	}
 	if (f)
 		return forward(skb, &p, f, 0);
 	return TC_ACT_OK;
@@ -444,6 +465,13 @@ static __always_inline int emit_syn(struct __sk_buff *skb, struct pkt *p, __u32 
 
 	if (n == 0 || n > DYSCO_MAX_HOPS)
 		return TC_ACT_SHOT;
+	/* A SYN with a full option area cannot carry the appended marking
+	 * option: refuse it before any flow or set-up state is made, so that
+	 * nothing is left behind. */
+	if (!has_tag && p->doff + DYSCO_OPT_LEN > 60) {
+		stat_inc(STAT_DROP_OPT_SPACE);
+		return TC_ACT_SHOT;
+	}
 	if (known) {
 		out = known->out;
 		stat_inc(STAT_SYN_RETRANS);
@@ -540,11 +568,7 @@ static __always_inline int emit_syn(struct __sk_buff *skb, struct pkt *p, __u32 
 		add = blen;
 	} else {
 		/* Raise the data offset over the appended option (DESIGN: no
-		 * memory is moved). A SYN with a full option area cannot carry it. */
-		if (p->doff + DYSCO_OPT_LEN > 60) {
-			stat_inc(STAT_DROP_OPT_SPACE);
-			return TC_ACT_SHOT;
-		}
+		 * memory is moved); the room was checked above. */
 		if (set_doff(skb, p, p->doff + DYSCO_OPT_LEN) || csum_bytes(skb, p, buf, DYSCO_OPT_LEN, 0))
 			goto fail;
 		add = blen + DYSCO_OPT_LEN;
@@ -610,6 +634,14 @@ static __always_inline int resolve_policy(__u32 slot, const struct pkt *p, struc
 			return -1;
 		}
 		n++;
+	}
+	/* A chain of the other address family cannot carry this session:
+	 * fail closed rather than send it anywhere else. */
+	for (i = 0; i < DYSCO_MAX_HOPS; i++) {
+		if (i >= n)
+			break;
+		if (is_mapped4(st->hops[i]) == p->v6)
+			return -1;
 	}
 	if (pol->to_dst) {
 		if (n >= DYSCO_MAX_HOPS)

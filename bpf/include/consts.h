@@ -54,7 +54,7 @@ enum stat {
 	STAT_REWRITE_IN,         /* packets rewritten on ingress */
 	STAT_REWRITE_OUT,        /* packets rewritten on egress */
 	STAT_TAP,                /* packets copied to the session-view tap */
-	STAT_DROP_MALFORMED,     /* Dysco SYN whose block cannot be parsed */
+	STAT_DROP_MALFORMED,     /* Dysco SYN: block unparsable or mixing families, or a forged local tag */
 	STAT_DROP_BAD_MAGIC,
 	STAT_DROP_BAD_VERSION,
 	STAT_DROP_BAD_LENGTH,    /* block length does not match option / hop count */

@@ -88,10 +88,11 @@ struct {
 	__type(value, __u32);
 } dysco_progs SEC(".maps");
 
-/* [0] = next session id candidate. */
+/* [0] = next session id candidate; [1] = cookie of the network namespace
+ * that owns the pins (the agent resets pins left by a dead namespace). */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
+	__uint(max_entries, 2);
 	__type(key, __u32);
 	__type(value, __u64);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);

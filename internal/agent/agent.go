@@ -121,8 +121,8 @@ func netnsID() string {
 func Run(ctx context.Context, cfg Config) error {
 	cfg.defaults()
 	a := &Agent{cfg: cfg, log: cfg.Log.With("agent", cfg.Name), started: time.Now(), ifaces: map[string]bool{}}
-	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
-		return fmt.Errorf("agent: state dir: %w", err)
+	if err := claimStateDir(cfg.StateDir, a.log); err != nil {
+		return err
 	}
 	if err := a.loadLocal(); err != nil {
 		return err
@@ -508,4 +508,27 @@ func resolveChain(p api.Policy, typeIndex map[string]int) (datapath.PolicyChain,
 		c.Hops = append(c.Hops, datapath.PolicyHop{Type: i})
 	}
 	return c, nil
+}
+
+// claimStateDir makes the state directory and marks it with this network
+// namespace's cookie. A directory marked by another namespace (one that has
+// gone and whose inode, which names the default directory, was reused) is
+// emptied: its local policies were not meant for this host.
+func claimStateDir(dir string, log *slog.Logger) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("agent: state dir: %w", err)
+	}
+	cookie, err := datapath.NetnsCookie()
+	if err != nil {
+		return nil
+	}
+	mark := filepath.Join(dir, "netns")
+	want := fmt.Sprintf("%d\n", cookie)
+	if b, err := os.ReadFile(mark); err == nil && string(b) != want {
+		log.Warn("state directory belonged to another network namespace; starting without its local policies", "dir", dir)
+		for _, f := range []string{"local-policies.json", "server-policies.json"} {
+			os.Remove(filepath.Join(dir, f))
+		}
+	}
+	return os.WriteFile(mark, []byte(want), 0o600)
 }

@@ -76,6 +76,9 @@ func Load(cfg Config) (*Datapath, error) {
 			return nil, fmt.Errorf("datapath: set %s: %w", name, err)
 		}
 	}
+	if err := resetForeignPins(cfg.PinDir); err != nil {
+		return nil, err
+	}
 	d := &Datapath{cfg: cfg, links: map[string]link.Link{}}
 	err = spec.LoadAndAssign(&d.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinDir}})
 	if err != nil {
@@ -88,6 +91,9 @@ func Load(cfg Config) (*Datapath, error) {
 		}
 		return nil, fmt.Errorf("datapath: load: %w", err)
 	}
+	if cookie, err := NetnsCookie(); err == nil {
+		_ = d.objs.DyscoIds.Put(uint32(idsNetns), cookie)
+	}
 	if err := d.objs.DyscoProgs.Put(uint32(progSetup), d.objs.DyscoSetup); err != nil {
 		d.Close()
 		return nil, fmt.Errorf("datapath: install set-up program: %w", err)
@@ -98,7 +104,38 @@ func Load(cfg Config) (*Datapath, error) {
 const (
 	progPolicy = 0
 	progSetup  = 1
+
+	idsNetns = 1 // dysco_ids slot holding the owner's netns cookie
 )
+
+// NetnsCookie returns the cookie of the current network namespace: unlike
+// its inode number, a cookie is never reused while the machine runs.
+func NetnsCookie() (uint64, error) {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return 0, err
+	}
+	defer unix.Close(fd)
+	return unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_NETNS_COOKIE)
+}
+
+// resetForeignPins removes pins that another network namespace left under
+// dir (a namespace that has gone, whose directory name was reused): using
+// them would mix its stale sessions into this one's.
+func resetForeignPins(dir string) error {
+	m, err := ebpf.LoadPinnedMap(filepath.Join(dir, "dysco_ids"), nil)
+	if err != nil {
+		return nil // nothing pinned, or not ours to judge
+	}
+	var owner uint64
+	lerr := m.Lookup(uint32(idsNetns), &owner)
+	m.Close()
+	mine, err := NetnsCookie()
+	if err != nil || lerr != nil || owner == 0 || owner == mine {
+		return nil
+	}
+	return Reset(dir)
+}
 
 func boolU8(b bool) uint8 {
 	if b {

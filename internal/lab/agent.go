@@ -47,6 +47,8 @@ func (l *Lab) agentArgv(h *Host, ready string) []string {
 		"--name", h.Name,
 		"--ready-file", ready,
 		"--pin-dir", PinDir(h.Namespace),
+		// Local policies live and die with the lab.
+		"--state-dir", filepath.Join(l.runDir, h.Name+".state"),
 	}
 	if h.Role == RoleMiddlebox {
 		argv = append(argv, "--tap", TapName)

@@ -128,12 +128,16 @@ func TestChainOneMiddlebox(t *testing.T) {
 				if got := e.curlHash("client", urlFor(dst, "/blob")); got != want {
 					t.Fatalf("curl through the chain: sha256 %s, want %s", got, want)
 				}
-				e.exchange("client", "server", dst, 9000, transferSize())
+				peer := e.exchange("client", "server", dst, 9000, transferSize())
 				tapLines := tap()
 				wireLines := wire()
 
-				// The monitor on the session-view tap saw the session tuple.
+				// The unmodified server sees the original session.
 				clientAddr := e.addr("client", v6)
+				if peer.Addr() != clientAddr {
+					t.Errorf("the server saw the session from %s, want the client %s", peer, clientAddr)
+				}
+				// The monitor on the session-view tap saw the session tuple.
 				sawSession := false
 				for _, l := range tapLines {
 					if strings.Contains(l, clientAddr.String()+".") && strings.Contains(l, dst.String()+".9000") {

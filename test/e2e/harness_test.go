@@ -83,6 +83,10 @@ func newLab(t *testing.T, o labOpts) *env {
 	t.Cleanup(func() {
 		if t.Failed() {
 			dumpLogs(t, l)
+			if os.Getenv("DYSCO_E2E_KEEP") != "" {
+				t.Logf("lab %s kept for debugging (DYSCO_E2E_KEEP); remove it with: dysco lab down --name %s", l.Name(), l.Name())
+				return
+			}
 		}
 		if err := l.Down(); err != nil {
 			t.Errorf("lab down: %v", err)
@@ -92,6 +96,24 @@ func newLab(t *testing.T, o labOpts) *env {
 }
 
 func dumpLogs(t *testing.T, l *lab.Lab) {
+	for _, h := range l.Hosts() {
+		if l.Agent(h.Name) == nil {
+			continue
+		}
+		out, _ := l.Command(context.Background(), h.Name, dyscoBin, "status", "-o", "json").CombinedOutput()
+		var st api.Status
+		if json.Unmarshal(out, &st) == nil {
+			nz := map[string]uint64{}
+			for k, v := range st.Counters {
+				if v != 0 {
+					nz[k] = v
+				}
+			}
+			t.Logf("--- %s counters: %v", h.Name, nz)
+		}
+		out, _ = l.Command(context.Background(), h.Name, dyscoBin, "sessions").CombinedOutput()
+		t.Logf("--- %s sessions:\n%s", h.Name, out)
+	}
 	files, _ := filepath.Glob(filepath.Join(l.RunDir(), "*.log"))
 	for _, f := range files {
 		b, _ := os.ReadFile(f)
@@ -246,8 +268,9 @@ func streamHash(seed uint64, n int64) [32]byte {
 }
 
 // exchange sends n bytes each way over a session between client and a server
-// the test runs on port, and checks byte for byte (by hash) what arrived.
-func (e *env) exchange(client, server string, dst netip.Addr, port uint16, n int64) {
+// the test runs on port, and checks byte for byte (by hash) what arrived. It
+// returns the peer address the server's socket saw: the session's source.
+func (e *env) exchange(client, server string, dst netip.Addr, port uint16, n int64) (peer netip.AddrPort) {
 	e.t.Helper()
 	ln := e.listen(server, netip.AddrPortFrom(dst, port))
 	serverErr := make(chan error, 1)
@@ -258,6 +281,7 @@ func (e *env) exchange(client, server string, dst netip.Addr, port uint16, n int
 			return
 		}
 		defer c.Close()
+		peer = c.RemoteAddr().(*net.TCPAddr).AddrPort()
 		serverErr <- transfer(c, 2, 1, n)
 	}()
 	c, err := e.dial(client, netip.AddrPortFrom(dst, port), 10*time.Second)
@@ -276,6 +300,8 @@ func (e *env) exchange(client, server string, dst netip.Addr, port uint16, n int
 	case <-time.After(2 * time.Minute):
 		e.t.Fatal("server side did not finish")
 	}
+	peer = netip.AddrPortFrom(peer.Addr().Unmap(), peer.Port())
+	return peer
 }
 
 // transfer writes n bytes of stream sendSeed while reading n bytes that must
