@@ -20,6 +20,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -32,6 +33,10 @@ import (
 var dyscoBin string
 
 func TestMain(m *testing.M) {
+	if addr := os.Getenv("DYSCO_E2E_ECHO"); addr != "" {
+		echoServer(addr) // a child process started by a test: see echoServer
+		return
+	}
 	if os.Geteuid() != 0 {
 		fmt.Println("e2e: skipped: needs root (network namespaces, eBPF)")
 		os.Exit(0)
@@ -313,8 +318,8 @@ func transfer(c net.Conn, sendSeed, recvSeed uint64, n int64) error {
 	go func() {
 		defer wg.Done()
 		_, werr = io.Copy(c, io.LimitReader(newStream(sendSeed), n))
-		if tc, ok := c.(*net.TCPConn); ok {
-			tc.CloseWrite()
+		if hc, ok := c.(interface{ CloseWrite() error }); ok {
+			hc.CloseWrite()
 		}
 	}()
 	h := sha256.New()
@@ -389,3 +394,39 @@ func (e *env) capture(host, iface, filter string) (stop func() []string) {
 type writerFunc func([]byte) (int, error)
 
 func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
+
+// echoServer runs in a child process of the test binary (started in a lab
+// host with DYSCO_E2E_ECHO=addr): it echoes every connection until the peer
+// closes. Sessions by the ten thousand need their own process, as each
+// process may hold only so many sockets.
+func echoServer(addr string) {
+	limit := raiseFileLimit()
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "echo:", err)
+		os.Exit(1)
+	}
+	fmt.Println("listening; open file limit", limit)
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "echo: accept:", err)
+			os.Exit(1)
+		}
+		go func() {
+			// Plain reads and writes: io.Copy between TCP sockets would
+			// splice through a pipe, two more descriptors a session.
+			io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c})
+			c.Close()
+		}()
+	}
+}
+
+// raiseFileLimit raises the soft limit on open files to the hard limit.
+func raiseFileLimit() uint64 {
+	var lim syscall.Rlimit
+	syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim)
+	lim.Cur = lim.Max
+	syscall.Setrlimit(syscall.RLIMIT_NOFILE, &lim)
+	return lim.Cur
+}

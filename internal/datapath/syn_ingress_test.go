@@ -1,0 +1,280 @@
+package datapath
+
+import (
+	"net/netip"
+	"testing"
+
+	"github.com/gopacket/gopacket/layers"
+
+	"github.com/dysco/dysco/internal/wire"
+)
+
+// TestIngressDyscoSYN covers a Dysco SYN arriving from the previous hop
+// (§2.1): a middlebox host keeps a local tag for its egress (§4.2 "Tagging
+// SYN packets"), the session's destination gets a plain SYN; both see the
+// session tuple, and a retransmitted SYN finds the same session.
+func TestIngressDyscoSYN(t *testing.T) {
+	fx := newFixture(t)
+	type want struct {
+		role   uint8
+		tag    bool         // a local tag replaces the marking option
+		hops   []netip.Addr // set-up state kept for egress; nil: none
+		stat   string
+		inFlag uint16 // flags of the ingress flow
+	}
+	cases := []struct {
+		name   string
+		sub    wire.Tuple // subsession of the SYN on the wire
+		blk    wire.SynBlock
+		ipOpts bool
+		want   want
+	}{
+		{
+			name: "middlebox host v4, hops remain",
+			sub:  subIn4,
+			blk:  wire.SynBlock{Session: sess4, Nonce: nonceOf(1), Hops: []netip.Addr{serverV4}},
+			want: want{role: RoleMiddle, tag: true, hops: []netip.Addr{serverV4}, stat: "setup_cont", inFlag: FlSYNStrip | FlTap},
+		},
+		{
+			name: "middlebox host v4, two hops remain",
+			sub:  subIn4,
+			blk:  wire.SynBlock{Session: sess4, Nonce: nonceOf(2), Hops: []netip.Addr{mbox2V4, serverV4}},
+			want: want{role: RoleMiddle, tag: true, hops: []netip.Addr{mbox2V4, serverV4}, stat: "setup_cont", inFlag: FlSYNStrip | FlTap},
+		},
+		{
+			name: "middlebox host v4 with IP options",
+			sub:  subIn4, ipOpts: true,
+			blk:  wire.SynBlock{Session: sess4, Nonce: nonceOf(7), Hops: []netip.Addr{serverV4}},
+			want: want{role: RoleMiddle, tag: true, hops: []netip.Addr{serverV4}, stat: "setup_cont", inFlag: FlSYNStrip | FlTap},
+		},
+		{
+			name: "middlebox host v6, hops remain",
+			sub:  subIn6,
+			blk:  wire.SynBlock{Session: sess6, Nonce: nonceOf(3), Hops: []netip.Addr{serverV6}},
+			want: want{role: RoleMiddle, tag: true, hops: []netip.Addr{serverV6}, stat: "setup_cont", inFlag: FlSYNStrip | FlTap},
+		},
+		{
+			name: "destination v4: plain SYN",
+			sub:  tup(ap("10.1.0.30:31000"), ap("10.1.0.1:32000")),
+			blk:  wire.SynBlock{Session: tup(apOf(clientV4, 40000), apOf(hostV4, 80)), Nonce: nonceOf(4)},
+			want: want{role: RoleEnd, stat: "setup_end", inFlag: FlSYNStrip},
+		},
+		{
+			name: "destination v6: plain SYN",
+			sub:  tup(ap("[fd00:1::30]:31000"), ap("[fd00:1::1]:32000")),
+			blk:  wire.SynBlock{Session: tup(apOf(clientV6, 40000), apOf(hostV6, 443)), Nonce: nonceOf(5)},
+			want: want{role: RoleEnd, stat: "setup_end", inFlag: FlSYNStrip},
+		},
+		{
+			name: "chain ends before the destination: tag kept, no hops",
+			sub:  subIn4,
+			blk:  wire.SynBlock{Session: sess4, Nonce: nonceOf(6)},
+			want: want{role: RoleEndFwd, tag: true, hops: []netip.Addr{}, stat: "setup_end", inFlag: FlSYNStrip | FlTap},
+		},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			fx.reset(t)
+			blk := block(t, c.blk.Session, c.blk.Nonce, c.blk.Hops...)
+			in := dyscoSYN(c.sub, blk, len(blk))
+			in.ipOpts = c.ipOpts
+			frame := in.frame(t)
+
+			before := fx.stats(t)
+			verdict, out := fx.run(t, fx.ingress, frame)
+			if verdict != tcActOK {
+				t.Fatalf("verdict %d, want %d", verdict, tcActOK)
+			}
+			fx.expectStats(t, before, map[string]uint64{c.want.stat: 1})
+			s := fx.onlySession(t)
+
+			// The SYN the stack sees: session tuple, block gone, option
+			// turned into the tag or removed.
+			exp := in.with(c.blk.Session).withPayload(nil)
+			if c.want.tag {
+				exp.opts = append(synOpts(), optTag(s.ID))
+			} else {
+				exp.opts = synOpts()
+			}
+			expectFrame(t, out, exp)
+
+			if s.ID == 0 || s.ID > 0xffffff {
+				t.Errorf("session id %#x outside 24 bits", s.ID)
+			}
+			if s.Role != c.want.role || s.Tuple != TupleFrom(c.blk.Session) || s.Nonce != c.blk.Nonce ||
+				s.State != StSYN || s.Policy != 0 || s.IsV6 != boolU8(!c.sub.Is4()) {
+				t.Errorf("session %+v, want role %s tuple %v nonce %x state syn", s.Session, RoleName(c.want.role), c.blk.Session, c.blk.Nonce)
+			}
+			if s.Packets != [2]uint64{1, 0} {
+				t.Errorf("session packets %v, want the SYN counted forward", s.Packets)
+			}
+			fx.expectFlows(t, map[Tuple]Flow{
+				in.key():                           flow(c.blk.Session, s.ID, c.want.inFlag, 0),
+				TupleFrom(c.blk.Session.Reverse()): flow(c.sub.Reverse(), s.ID, FlReroute|FlRev, 1),
+			})
+			st, ok := fx.synState(t, s.ID)
+			switch {
+			case c.want.hops == nil && ok:
+				t.Errorf("set-up state kept at the destination: %+v", st)
+			case c.want.hops != nil && !ok:
+				t.Errorf("no set-up state for the egress")
+			case ok:
+				if got := hopsOf(st); len(got) != len(c.want.hops) || (len(got) > 0 && !equalAddrs(got, c.want.hops)) {
+					t.Errorf("set-up hops %v, want %v", got, c.want.hops)
+				}
+				if st.Session != TupleFrom(c.blk.Session) || st.Nonce != c.blk.Nonce || st.Emitted != 0 {
+					t.Errorf("set-up state %+v", st)
+				}
+			}
+
+			// A retransmitted SYN (the SYN-ACK was lost) finds the same
+			// session and is rewritten the same way.
+			before = fx.stats(t)
+			verdict, out2 := fx.run(t, fx.ingress, frame)
+			if verdict != tcActOK {
+				t.Fatalf("retransmission: verdict %d, want %d", verdict, tcActOK)
+			}
+			fx.expectStats(t, before, map[string]uint64{"syn_retransmit": 1})
+			if s2 := fx.onlySession(t); s2.ID != s.ID {
+				t.Errorf("retransmission made session %d, first SYN %d", s2.ID, s.ID)
+			}
+			if string(out2) != string(out) {
+				t.Errorf("retransmission rewritten differently:\n got %x\nwant %x", out2, out)
+			}
+			if n := len(fx.flows(t)); n != 2 {
+				t.Errorf("%d flows after the retransmission, want 2", n)
+			}
+		})
+	}
+}
+
+func equalAddrs(a, b []netip.Addr) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// TestIngressBadSYN feeds Dysco SYNs with broken blocks: each is dropped,
+// counted under its reason, and leaves no state. SYNs that are not Dysco
+// SYNs pass untouched.
+func TestIngressBadSYN(t *testing.T) {
+	fx := newFixture(t)
+	n := nonceOf(9)
+	good := func() []byte { return block(t, sess4, n, serverV4) }
+	good6 := func() []byte { return block(t, sess6, n, serverV6) }
+	mut := func(b []byte, f func(b []byte)) []byte { f(b); return b }
+	hops9 := []netip.Addr{}
+	for i := 0; i < 9; i++ {
+		hops9 = append(hops9, netip.AddrFrom4([4]byte{10, 1, 0, byte(100 + i)}))
+	}
+	cases := []struct {
+		name    string
+		in      pkt
+		verdict uint32
+		stat    string // counter expected to move by one; "" none
+	}{
+		{name: "bad magic", in: dyscoSYN(subIn4, mut(good(), func(b []byte) { b[0] = 'X' }), 68), verdict: tcActShot, stat: "drop_bad_magic"},
+		{name: "unknown version", in: dyscoSYN(subIn4, mut(good(), func(b []byte) { b[4] = 2 }), 68), verdict: tcActShot, stat: "drop_bad_version"},
+		{name: "too many hops, header only", in: dyscoSYN(subIn4, rawBlock(sess4, n, 9), 52), verdict: tcActShot, stat: "drop_too_many_hops"},
+		{name: "too many hops, all listed", in: dyscoSYN(subIn4, rawBlock(sess4, n, 9, hops9...), 52+9*16), verdict: tcActShot, stat: "drop_too_many_hops"},
+		{name: "block length differs from option", in: dyscoSYN(subIn4, good(), 52), verdict: tcActShot, stat: "drop_bad_length"},
+		{name: "option announces more than the payload", in: dyscoSYN(subIn4, good(), 84), verdict: tcActShot, stat: "drop_bad_length"},
+		{name: "block length differs from hop count", in: dyscoSYN(subIn4, rawBlock(sess4, n, 2, serverV4), 68), verdict: tcActShot, stat: "drop_bad_length"},
+		{name: "block shorter than its header", in: dyscoSYN(subIn4, good()[:48], 48), verdict: tcActShot, stat: "drop_bad_length"},
+		{name: "marking option without a block", in: dyscoSYN(subIn4, nil, 0), verdict: tcActShot, stat: "drop_bad_length"},
+		{name: "truncated block: frame shorter than the IP length", in: func() pkt {
+			p := dyscoSYN(subIn4, good(), 68)
+			p.cut = 20
+			return p
+		}(), verdict: tcActShot, stat: "drop_malformed"},
+		{name: "address list names this host", in: dyscoSYN(subIn4, block(t, sess4, n, hostV4, serverV4), 84), verdict: tcActShot, stat: "drop_loop"},
+		{name: "address list names this host v6", in: dyscoSYN(subIn6, block(t, sess6, n, serverV6, hostV6), 84), verdict: tcActShot, stat: "drop_loop"},
+		{name: "repeated address", in: dyscoSYN(subIn4, rawBlock(sess4, n, 3, mboxV4, serverV4, mboxV4), 100), verdict: tcActShot, stat: "drop_loop"},
+		{name: "mixed families: v6 hop in a v4 block", in: dyscoSYN(subIn4, rawBlock(sess4, n, 1, serverV6), 68), verdict: tcActShot, stat: "drop_malformed"},
+		{name: "mixed families: v4 hop in a v6 block", in: dyscoSYN(subIn6, rawBlock(sess6, n, 1, serverV4), 68), verdict: tcActShot, stat: "drop_malformed"},
+		{name: "mixed families: v6 session in a v4 SYN", in: dyscoSYN(subIn4, good6(), 68), verdict: tcActShot, stat: "drop_bad_session"},
+		{name: "mixed families: session v4 to v6", in: dyscoSYN(subIn4, rawBlock(tup(apOf(clientV4, 40000), apOf(serverV6, 80)), n, 1, serverV4), 68), verdict: tcActShot, stat: "drop_bad_session"},
+		{name: "zero source port in session tuple", in: dyscoSYN(subIn4, rawBlock(tup(apOf(clientV4, 0), apOf(serverV4, 80)), n, 1, serverV4), 68), verdict: tcActShot, stat: "drop_bad_session"},
+		{name: "zero destination port in session tuple", in: dyscoSYN(subIn6, rawBlock(tup(apOf(clientV6, 40000), apOf(serverV6, 0)), n, 1, serverV6), 68), verdict: tcActShot, stat: "drop_bad_session"},
+		{
+			name: "local tag arriving from the wire is forged",
+			in: func() pkt {
+				p := dyscoSYN(subIn4, nil, 0)
+				p.opts = append(synOpts(), optTag(1))
+				return p
+			}(),
+			verdict: tcActShot, stat: "drop_malformed",
+		},
+		{
+			name: "kind 253 option of another experiment is not Dysco",
+			in: func() pkt {
+				p := dyscoSYN(subIn4, good(), 68)
+				p.opts = append(synOpts(), optRaw(253, 8, 0x12, 0x34, 1, 0, 0, 68))
+				return p
+			}(),
+			verdict: tcActOK,
+		},
+		{
+			name: "TCP Fast Open SYN with data is not Dysco",
+			in: func() pkt {
+				p := pkt{seq: 1, flags: "S", win: 64240, payload: []byte("GET / HTTP/1.1\r\n\r\n"),
+					opts: append(synOpts(), optRaw(34, 10, 1, 2, 3, 4, 5, 6, 7, 8), optNOP(), optNOP())}
+				return p.with(subIn4)
+			}(),
+			verdict: tcActOK,
+		},
+		{
+			name: "TFO SYN whose data looks like a block",
+			in: func() pkt {
+				p := pkt{seq: 1, flags: "S", win: 64240, payload: good(),
+					opts: append(synOpts(), optRaw(34, 10, 1, 2, 3, 4, 5, 6, 7, 8), optNOP(), optNOP())}
+				return p.with(subIn4)
+			}(),
+			verdict: tcActOK,
+		},
+		{
+			name: "marking option not last",
+			in: func() pkt {
+				p := dyscoSYN(subIn4, good(), 68)
+				p.opts = append([]layers.TCPOption{optDysco(68)}, synOpts()...)
+				return p
+			}(),
+			verdict: tcActOK,
+		},
+		{
+			name: "SYN-ACK with a marking option is not a Dysco SYN",
+			in: func() pkt {
+				p := dyscoSYN(subIn4, good(), 68)
+				p.flags, p.ack = "SA", 1
+				return p
+			}(),
+			verdict: tcActOK,
+		},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			fx.reset(t)
+			frame := c.in.frame(t)
+			before := fx.stats(t)
+			verdict, out := fx.run(t, fx.ingress, frame)
+			if verdict != c.verdict {
+				t.Errorf("verdict %d, want %d", verdict, c.verdict)
+			}
+			want := map[string]uint64{}
+			if c.stat != "" {
+				want[c.stat] = 1
+			}
+			fx.expectStats(t, before, want)
+			fx.expectNoState(t)
+			if c.verdict == tcActOK && string(out) != string(frame) {
+				t.Errorf("packet changed:\n got %x\nwant %x", out, frame)
+			}
+		})
+	}
+}

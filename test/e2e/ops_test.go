@@ -1,0 +1,322 @@
+package e2e
+
+import (
+	"encoding/binary"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/wire"
+	"github.com/gopacket/gopacket"
+	"github.com/gopacket/gopacket/layers"
+	"golang.org/x/sys/unix"
+)
+
+// TestManySessions holds 10,000 sessions open at once through one chain.
+func TestManySessions(t *testing.T) {
+	n := 10000
+	if testing.Short() {
+		n = 2000
+	}
+	if limit := raiseFileLimit(); limit < uint64(n)+1000 {
+		t.Fatalf("the open file limit is %d; %d sessions need more", limit, n)
+	}
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server")})
+	e.run("server", "sysctl", "-qw", "net.core.somaxconn=8192", "net.ipv4.tcp_max_syn_backlog=16384")
+	dst := e.addr("server", false)
+	e.policy("client", "many", "tcp dst port 9100", e.addr("mb1", false).String())
+
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := netip.AddrPortFrom(dst, 9100)
+	if _, err := e.lab.Start("server", "echo", "env", "DYSCO_E2E_ECHO="+srv.String(), self); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the echo server to listen", func() bool {
+		c, err := e.dial("server", srv, time.Second)
+		if err == nil {
+			c.Close()
+		}
+		return err == nil
+	})
+	base := e.status("mb1").Counters["setup_cont"]
+	conns := make([]net.Conn, n)
+	var failed atomic.Int64
+	var firstErr atomic.Value
+	sem := make(chan struct{}, 128)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func(i int) {
+			defer wg.Done()
+			defer func() { <-sem }()
+			c, err := e.dial("client", netip.AddrPortFrom(dst, 9100), 20*time.Second)
+			if err == nil {
+				var msg [8]byte
+				binary.BigEndian.PutUint64(msg[:], uint64(i))
+				var back [8]byte
+				if _, err = c.Write(msg[:]); err == nil {
+					c.SetReadDeadline(time.Now().Add(20 * time.Second))
+					_, err = io.ReadFull(c, back[:])
+					if err == nil && back != msg {
+						err = fmt.Errorf("echo of session %d came back as %x", i, back)
+					}
+				}
+			}
+			if err != nil {
+				failed.Add(1)
+				firstErr.CompareAndSwap(nil, err)
+				if c != nil {
+					c.Close()
+				}
+				return
+			}
+			conns[i] = c
+		}(i)
+	}
+	wg.Wait()
+	t.Logf("%d sessions opened and echoed in %v", n, time.Since(start).Round(time.Millisecond))
+	if f := failed.Load(); f > 0 {
+		t.Fatalf("%d of %d sessions failed; first error: %v", f, n, firstErr.Load())
+	}
+	if got := e.status("mb1").Sessions; got < n {
+		t.Errorf("mb1 holds %d sessions, want at least %d open at once", got, n)
+	}
+	if got := e.status("mb1").Counters["setup_cont"] - base; got != uint64(n) {
+		t.Errorf("mb1 continued %d chains, want %d", got, n)
+	}
+	for _, c := range conns {
+		c.Close()
+	}
+	for _, h := range []string{"client", "mb1", "server"} {
+		eventually(t, 60*time.Second, "sessions on "+h+" to be collected", func() bool { return e.status(h).Sessions == 0 })
+	}
+	for _, h := range []string{"client", "mb1", "server"} {
+		st := e.status(h)
+		for k, v := range st.Counters {
+			if strings.HasPrefix(k, "drop_") && v != 0 {
+				t.Errorf("%s: %s = %d", h, k, v)
+			}
+		}
+	}
+}
+
+// TestAgentRestart restarts the agents of the client and the middlebox while
+// a transfer runs in both directions: the pinned datapath carries the
+// session on, and not a byte is lost.
+func TestAgentRestart(t *testing.T) {
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server")})
+	dst := e.addr("server", false)
+	e.policy("client", "r", "tcp dst port 9200", e.addr("mb1", false).String())
+
+	const total = 64 * mib
+	ln := e.listen("server", netip.AddrPortFrom(dst, 9200))
+	serverErr := make(chan error, 1)
+	var received atomic.Int64
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			serverErr <- err
+			return
+		}
+		defer c.Close()
+		serverErr <- transfer(countingConn{c, &received}, 2, 1, total)
+	}()
+	c, err := e.dial("client", netip.AddrPortFrom(dst, 9200), 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	clientErr := make(chan error, 1)
+	go func() { clientErr <- transfer(pacedConn{c, 16 * mib}, 1, 2, total) }()
+
+	// Restart once data flows, and check that it flows on afterwards.
+	eventually(t, 30*time.Second, "the transfer to start", func() bool { return received.Load() > 4*mib })
+	for _, h := range []string{"mb1", "client"} {
+		if err := e.lab.RestartAgent(h); err != nil {
+			t.Fatalf("restart agent on %s: %v", h, err)
+		}
+	}
+	before := received.Load()
+	if before >= total {
+		t.Fatalf("the transfer ended before the agents restarted: pace it slower")
+	}
+	for _, ch := range []chan error{clientErr, serverErr} {
+		select {
+		case err := <-ch:
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-time.After(2 * time.Minute):
+			t.Fatal("transfer did not finish")
+		}
+	}
+	if len(e.sessions("mb1")) == 0 && e.status("mb1").Counters["rewrite_in"] == 0 {
+		t.Error("the restarted agent on mb1 sees no trace of the session")
+	}
+}
+
+type countingConn struct {
+	net.Conn
+	n *atomic.Int64
+}
+
+func (c countingConn) CloseWrite() error { return c.Conn.(*net.TCPConn).CloseWrite() }
+
+func (c pacedConn) CloseWrite() error { return c.Conn.(*net.TCPConn).CloseWrite() }
+
+func (c countingConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	c.n.Add(int64(n))
+	return n, err
+}
+
+// pacedConn writes at about rate bytes per second, so that a transfer lasts
+// long enough to restart agents in its middle.
+type pacedConn struct {
+	net.Conn
+	rate int64
+}
+
+func (c pacedConn) Write(p []byte) (int, error) {
+	const chunk = 64 << 10
+	done := 0
+	for done < len(p) {
+		end := min(done+chunk, len(p))
+		n, err := c.Conn.Write(p[done:end])
+		done += n
+		if err != nil {
+			return done, err
+		}
+		time.Sleep(time.Duration(int64(n) * int64(time.Second) / c.rate))
+	}
+	return done, nil
+}
+
+// TestPolicyServer: agents take their policies from the policy server, and
+// keep chaining new sessions while it is down, also after a restart.
+func TestPolicyServer(t *testing.T) {
+	router := "10.200.1.1" // the router's address on the client's link
+	url := "http://" + router + ":7017"
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server"), agentArgs: []string{"--policy-server", url}})
+	dir := t.TempDir()
+	ready := filepath.Join(dir, "ready")
+	ps, err := e.lab.Start("router", "policy-server", dyscoBin, "policy-server", "--listen", router+":7017", "--db", filepath.Join(dir, "p.db"), "--ready-file", ready)
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the policy server's ready file", func() bool { _, err := os.Stat(ready); return err == nil })
+	dst := e.addr("server", false)
+	e.dysco("client", "policy", "add", "central", "--server", url, "--chain", e.addr("mb1", false).String(), "tcp dst portrange 9300-9309")
+	eventually(t, 20*time.Second, "the client agent to get the policy", func() bool { return e.status("client").PolicyVersion >= 1 })
+
+	through := func() uint64 { return e.status("mb1").Counters["setup_cont"] }
+	base := through()
+	e.exchange("client", "server", dst, 9300, mib)
+	if through() != base+1 {
+		t.Fatalf("the session did not go through mb1 (setup_cont %d -> %d)", base, through())
+	}
+	if err := ps.Stop(); err != nil {
+		t.Logf("policy server stop: %v", err)
+	}
+	eventually(t, 20*time.Second, "the client agent to notice the server is down", func() bool { return !e.status("client").PolicyServerOK })
+	e.exchange("client", "server", dst, 9301, mib)
+	if through() != base+2 {
+		t.Fatalf("with the server down, the session did not go through mb1")
+	}
+	if err := e.lab.RestartAgent("client"); err != nil {
+		t.Fatal(err)
+	}
+	e.exchange("client", "server", dst, 9302, mib)
+	if through() != base+3 {
+		t.Fatalf("after an agent restart with the server down, the session did not go through mb1")
+	}
+}
+
+// TestBadSYNs sends forged and malformed Dysco SYNs to a middlebox host: each
+// is dropped and counted, and no state is left.
+func TestBadSYNs(t *testing.T) {
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server")})
+	src, mb, dst := e.addr("client", false), e.addr("mb1", false), e.addr("server", false)
+	good := wire.SynBlock{Session: wire.Tuple{Src: src, Dst: dst, SrcPort: 40000, DstPort: 80}, Hops: []netip.Addr{dst}}
+	enc := func(b wire.SynBlock) []byte {
+		p, err := b.Encode(nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	mut := func(f func([]byte) []byte) []byte { return f(enc(good)) }
+	cases := []struct {
+		name    string
+		block   []byte
+		optLen  int // the length the option announces; -1: the block's own
+		counter string
+	}{
+		{"bad magic", mut(func(p []byte) []byte { p[0] ^= 0xff; return p }), -1, "drop_bad_magic"},
+		{"unknown version", mut(func(p []byte) []byte { p[4] = 7; return p }), -1, "drop_bad_version"},
+		{"too many hops", mut(func(p []byte) []byte { p[6] = 9; return p }), -1, "drop_too_many_hops"},
+		{"hop count vs length", mut(func(p []byte) []byte { p[6] = 2; return p }), -1, "drop_bad_length"},
+		{"option vs payload", enc(good), 200, "drop_bad_length"},
+		{"truncated", enc(good)[:40], -1, "drop_bad_length"},
+		{"loop through this host", enc(wire.SynBlock{Session: good.Session, Hops: []netip.Addr{mb, dst}}), -1, "drop_loop"},
+		{"zero port", mut(func(p []byte) []byte { p[48], p[49] = 0, 0; return p }), -1, "drop_bad_session"},
+	}
+	for i, c := range cases {
+		before := e.status("mb1").Counters[c.counter]
+		l := c.optLen
+		if l < 0 {
+			l = len(c.block)
+		}
+		e.sendRawSYN("client", src, mb, uint16(30000+i), 20000, l, c.block)
+		eventually(t, 5*time.Second, c.name+" to be counted as "+c.counter, func() bool {
+			return e.status("mb1").Counters[c.counter] > before
+		})
+	}
+	if s := e.sessions("mb1"); len(s) != 0 {
+		t.Errorf("bad SYNs left sessions on mb1: %+v", s)
+	}
+	// The agent is still well: a real chain works.
+	e.policy("client", "ok", "tcp dst port 9400", mb.String())
+	e.exchange("client", "server", dst, 9400, mib)
+}
+
+// sendRawSYN sends, from host, an IPv4 SYN to dst carrying the Dysco marking
+// option announcing optLen bytes, and block as payload.
+func (e *env) sendRawSYN(host string, src, dst netip.Addr, sport, dport uint16, optLen int, block []byte) {
+	e.t.Helper()
+	opt := wire.Option(optLen)
+	ip := &layers.IPv4{Version: 4, TTL: 64, Protocol: layers.IPProtocolTCP, SrcIP: src.AsSlice(), DstIP: dst.AsSlice()}
+	tcp := &layers.TCP{SrcPort: layers.TCPPort(sport), DstPort: layers.TCPPort(dport), SYN: true, Seq: 1, Window: 64240,
+		Options: []layers.TCPOption{{OptionType: layers.TCPOptionKind(opt[0]), OptionLength: opt[1], OptionData: opt[2:]}}}
+	tcp.SetNetworkLayerForChecksum(ip)
+	buf := gopacket.NewSerializeBuffer()
+	if err := gopacket.SerializeLayers(buf, gopacket.SerializeOptions{FixLengths: true, ComputeChecksums: true}, ip, tcp, gopacket.Payload(block)); err != nil {
+		e.t.Fatal(err)
+	}
+	err := e.inNS(host, func() error {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_RAW, unix.IPPROTO_RAW)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		sa := &unix.SockaddrInet4{Addr: dst.As4()}
+		return unix.Sendto(fd, buf.Bytes(), 0, sa)
+	})
+	if err != nil {
+		e.t.Fatalf("raw send from %s: %v", host, err)
+	}
+}
