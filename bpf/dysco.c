@@ -386,7 +386,7 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 			return TC_ACT_SHOT;
 		in.out = st->session;
 		in.sess_id = id;
-		in.flags = FL_SYN_STRIP | (s.role != ROLE_END ? FL_TAP : 0);
+		in.flags = FL_INGRESS | FL_SYN_STRIP | (s.role != ROLE_END ? FL_TAP : 0);
 		reverse(&rkey, &st->session);
 		reverse(&out.out, &p->t);
 		out.sess_id = id;
@@ -433,7 +433,12 @@ int dysco_ingress(struct __sk_buff *skb)
 
 	if (parse(skb, &p))
 		return TC_ACT_OK;
+	/* A flow applies at one hook only: a host that starts or ends a chain
+	 * also forwards the session's plain packets, whose tuple keys its
+	 * egress flow. */
 	f = bpf_map_lookup_elem(&dysco_flows, &p.t);
+	if (f && !(f->flags & FL_INGRESS))
+		f = 0;
 	if ((p.flags & (TH_SYN | TH_ACK)) == TH_SYN) {
 		int otype = dysco_opt(skb, &p, opt);
 		if (otype == DYSCO_OPT_TYPE_LOCAL_TAG) {
@@ -497,7 +502,7 @@ static __always_inline int emit_syn(struct __sk_buff *skb, struct pkt *p, __u32 
 		out.proto = IPPROTO_TCP;
 		rev->sess_id = id;
 		rev->dir = 1;
-		rev->flags = FL_REV | flags_role;
+		rev->flags = FL_INGRESS | FL_REV | flags_role;
 		reverse(&rev->out, &p->t);
 		for (i = 0; i < ALLOC_TRIES; i++) {
 			r = bpf_get_prandom_u32();
@@ -707,6 +712,8 @@ int dysco_setup(struct __sk_buff *skb)
 		struct syn_state *saved;
 
 		f = bpf_map_lookup_elem(&dysco_flows, &p.t);
+		if (f && (f->flags & FL_INGRESS))
+			f = 0;
 		if (f) {
 			if (!(f->flags & FL_SYN_EMIT))
 				return TC_ACT_OK;
@@ -751,6 +758,8 @@ int dysco_egress(struct __sk_buff *skb)
 	if (parse(skb, &p))
 		return TC_ACT_OK;
 	f = bpf_map_lookup_elem(&dysco_flows, &p.t);
+	if (f && (f->flags & FL_INGRESS))
+		f = 0;
 	if ((p.flags & (TH_SYN | TH_ACK)) == TH_SYN && (!f || (f->flags & FL_SYN_EMIT))) {
 		int otype = dysco_opt(skb, &p, opt);
 		if (otype == DYSCO_OPT_TYPE_SYN_BLOCK)

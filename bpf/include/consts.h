@@ -102,7 +102,7 @@ enum role {
 #define FL_TAP (1 << 3)      /* copy to the session-view tap */
 #define FL_DELTA (1 << 4)    /* look up sequence deltas in dysco_deltas */
 #define FL_REV (1 << 5)      /* packet travels against the SYN's direction */
-#define FL_TAG (1 << 6)      /* ingress SYN: keep a local tag for egress */
+#define FL_INGRESS (1 << 6)  /* applies on ingress; every other flow on egress */
 
 /* policy hop kinds */
 #define HOP_ADDR 1

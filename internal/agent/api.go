@@ -13,6 +13,7 @@ import (
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/datapath"
 	"github.com/dysco/dysco/internal/policy"
+	"github.com/dysco/dysco/internal/wire"
 	"golang.org/x/sys/unix"
 )
 
@@ -34,6 +35,7 @@ func (a *Agent) serveAPI() (*http.Server, error) {
 	mux.HandleFunc("DELETE /v1/policies/{name}", a.handleDeletePolicy)
 	mux.HandleFunc("PUT /v1/types/{name}", a.handlePutType)
 	mux.HandleFunc("DELETE /v1/types/{name}", a.handleDeleteType)
+	mux.HandleFunc("POST /v1/sessions/prepend", a.handlePrepend)
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go srv.Serve(rootOnly{ln})
 	return srv, nil
@@ -324,4 +326,43 @@ func (a *Agent) handleDeleteType(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	w.WriteHeader(204)
+}
+
+// handlePrepend lets a middlebox (a classifier) choose the next middleboxes
+// of a session whose SYN it holds (paper §2.2).
+func (a *Agent) handlePrepend(w http.ResponseWriter, r *http.Request) {
+	var req api.PrependRequest
+	if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<16)).Decode(&req); err != nil {
+		writeErr(w, 400, fmt.Errorf("prepend: bad JSON: %w", err))
+		return
+	}
+	t, err := wire.ParseTuple(req.Session)
+	if err != nil {
+		writeErr(w, 400, err)
+		return
+	}
+	if len(req.Hops) == 0 {
+		writeErr(w, 400, errors.New("prepend: no hops given"))
+		return
+	}
+	id, err := a.dp.SessionIDByTuple(t)
+	if err != nil {
+		writeErr(w, 404, err)
+		return
+	}
+	chain, err := a.dp.PrependHops(id, req.Hops)
+	if errors.Is(err, datapath.ErrTooLate) {
+		writeErr(w, 409, fmt.Errorf("session %s: %w", t, err))
+		return
+	}
+	if err != nil {
+		writeErr(w, 400, err)
+		return
+	}
+	out := api.PrependReply{ID: id}
+	for _, h := range chain {
+		out.Chain = append(out.Chain, h.String())
+	}
+	a.log.Info("hops prepended", "session", t.String(), "chain", out.Chain)
+	writeJSON(w, 200, out)
 }

@@ -1,6 +1,9 @@
 package api
 
-import "time"
+import (
+	"net/netip"
+	"time"
+)
 
 // AgentSocket is the abstract Unix socket the agent serves its local API on.
 // Abstract sockets belong to a network namespace, so `ip netns exec NAME
@@ -50,4 +53,19 @@ type Session struct {
 	BytesRev    uint64   `json:"bytes_rev"`
 	AgeSeconds  float64  `json:"age_seconds"`
 	IdleSeconds float64  `json:"idle_seconds"`
+}
+
+// PrependRequest asks a middlebox host's agent to put hops at the head of the
+// untraversed part of a session's address list (paper §2.2), while the
+// session's SYN is inside the host.
+type PrependRequest struct {
+	// Session is the session tuple as it entered the host, "SRC:PORT -> DST:PORT".
+	Session string       `json:"session"`
+	Hops    []netip.Addr `json:"hops"`
+}
+
+// PrependReply is the session's address list after the change.
+type PrependReply struct {
+	ID    uint32   `json:"id"`
+	Chain []string `json:"chain"`
 }

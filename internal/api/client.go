@@ -244,3 +244,11 @@ func (e *noAgentError) Error() string {
 }
 
 func (e *noAgentError) Unwrap() []error { return []error{ErrNoAgent, e.cause} }
+
+// Prepend asks the agent to put hops at the head of a pending session's
+// address list.
+func (c *Client) Prepend(ctx context.Context, req PrependRequest) (PrependReply, error) {
+	var out PrependReply
+	err := c.do(ctx, http.MethodPost, "/v1/sessions/prepend", req, &out)
+	return out, err
+}

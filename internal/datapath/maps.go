@@ -46,6 +46,7 @@ const (
 	FlTap      = 1 << 3
 	FlDelta    = 1 << 4
 	FlRev      = 1 << 5
+	FlIngress  = 1 << 6
 
 	hopAddr = 1
 	hopType = 2
@@ -371,4 +372,61 @@ func (d *Datapath) Programs() (ingress, egress, setup *ebpf.Program) {
 func (d *Datapath) SessionExists(id uint32) bool {
 	var s Session
 	return d.objs.DyscoSessions.Lookup(id, &s) == nil
+}
+
+// ErrTooLate is returned when a session's SYN has already left the host.
+var ErrTooLate = errors.New("the session's SYN has already left this host")
+
+// SessionIDByTuple finds a session set up on this host by its session tuple
+// (as it entered the host).
+func (d *Datapath) SessionIDByTuple(t wire.Tuple) (uint32, error) {
+	var f Flow
+	if err := d.objs.DyscoFlows.Lookup(TupleFrom(t.Reverse()), &f); err != nil {
+		return 0, fmt.Errorf("no session %s on this host", t)
+	}
+	return f.SessId, nil
+}
+
+// PrependHops puts hops at the head of the untraversed part of a session's
+// address list (paper §2.2: a middlebox such as a classifier chooses the
+// next middlebox). It works while the SYN is inside this host, before the
+// middlebox has let it go on.
+func (d *Datapath) PrependHops(id uint32, hops []netip.Addr) ([]netip.Addr, error) {
+	var st dyscoSynState
+	if err := d.objs.DyscoSyns.Lookup(id, &st); err != nil {
+		return nil, fmt.Errorf("session %d has no pending SYN on this host (is this host in its chain, and not its last hop?)", id)
+	}
+	if st.Emitted != 0 {
+		return nil, ErrTooLate
+	}
+	n := int(st.N_hops)
+	if n+len(hops) > len(st.Hops) {
+		return nil, fmt.Errorf("the address list would have %d hops, at most %d", n+len(hops), len(st.Hops))
+	}
+	v4 := netip.AddrFrom16(st.Session.Saddr).Unmap().Is4()
+	var list [wire.MaxHops][16]byte
+	seen := map[[16]byte]bool{}
+	for i, h := range hops {
+		if h.Unmap().Is4() != v4 {
+			return nil, fmt.Errorf("hop %s is not of the session's address family", h)
+		}
+		list[i] = h.Unmap().As16()
+	}
+	copy(list[len(hops):], st.Hops[:n])
+	for _, a := range list[:n+len(hops)] {
+		if seen[a] {
+			return nil, fmt.Errorf("hop %s would appear twice in the address list", netip.AddrFrom16(a).Unmap())
+		}
+		seen[a] = true
+	}
+	st.Hops = list
+	st.N_hops = uint8(n + len(hops))
+	if err := d.objs.DyscoSyns.Update(id, st, ebpf.UpdateExist); err != nil {
+		return nil, fmt.Errorf("update session %d: %w", id, err)
+	}
+	out := make([]netip.Addr, 0, n+len(hops))
+	for _, a := range list[:n+len(hops)] {
+		out = append(out, netip.AddrFrom16(a).Unmap())
+	}
+	return out, nil
 }

@@ -29,7 +29,11 @@ func (c rewriteCase) run(t *testing.T, fx *fixture) {
 	fx.reset(t)
 	m := fx.d.Maps()
 	if c.flow != nil {
-		if err := m["flows"].Put(c.in.key(), *c.flow); err != nil {
+		f := *c.flow
+		if !c.egress {
+			f.Flags |= FlIngress // rows name the hook; flows apply at one hook only
+		}
+		if err := m["flows"].Put(c.in.key(), f); err != nil {
 			t.Fatal(err)
 		}
 		if c.sess != nil {

@@ -207,7 +207,7 @@ func TestEgressChainStart(t *testing.T) {
 				if f := flows[s.in.key()]; f != flow(sub, sess.ID, FlReroute|FlSYNEmit, 0) {
 					t.Errorf("SYN %d: forward flow %+v, want out %v sess %d reroute|syn-emit", i, f, sub, sess.ID)
 				}
-				if f := flows[TupleFrom(sub.Reverse())]; f != flow(s.in.tuple().Reverse(), sess.ID, FlRev, 1) {
+				if f := flows[TupleFrom(sub.Reverse())]; f != flow(s.in.tuple().Reverse(), sess.ID, FlIngress|FlRev, 1) {
 					t.Errorf("SYN %d: reverse flow %+v, want out %v sess %d rev", i, f, s.in.tuple().Reverse(), sess.ID)
 				}
 				st, ok := fx.synState(t, sess.ID)
@@ -339,7 +339,7 @@ func TestEgressContinuation(t *testing.T) {
 					want2[k] = f
 				}
 				want2[TupleFrom(c.leave)] = flow(sub, id, FlReroute|FlSYNEmit, 0)
-				want2[TupleFrom(sub.Reverse())] = flow(c.leave.Reverse(), id, FlRev|FlTap, 1)
+				want2[TupleFrom(sub.Reverse())] = flow(c.leave.Reverse(), id, FlIngress|FlRev|FlTap, 1)
 				fx.expectFlows(t, want2)
 				st, ok := fx.synState(t, id)
 				if !ok || st.Emitted != 1 || st.Session != TupleFrom(c.leave) {

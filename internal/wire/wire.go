@@ -15,6 +15,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"strings"
 )
 
 // Constants of the SYN marking option and the SYN block. Every name here is
@@ -198,4 +199,25 @@ func addr16(p []byte) netip.Addr {
 // Option returns the 8-byte marking option announcing a block of blockLen bytes.
 func Option(blockLen int) [OptLen]byte {
 	return [OptLen]byte{OptKind, OptLen, OptExID >> 8, OptExID & 0xff, OptTypeSYNBlock, 0, byte(blockLen >> 8), byte(blockLen)}
+}
+
+// ParseTuple reads a tuple written as "SRC:PORT -> DST:PORT" (IPv6
+// addresses in brackets), the form String writes.
+func ParseTuple(s string) (Tuple, error) {
+	parts := strings.Split(s, "->")
+	if len(parts) != 2 {
+		parts = strings.Fields(s)
+	}
+	if len(parts) != 2 {
+		return Tuple{}, fmt.Errorf("tuple %q: want SRC:PORT -> DST:PORT", s)
+	}
+	src, err := netip.ParseAddrPort(strings.TrimSpace(parts[0]))
+	if err != nil {
+		return Tuple{}, fmt.Errorf("tuple %q: source: %w", s, err)
+	}
+	dst, err := netip.ParseAddrPort(strings.TrimSpace(parts[1]))
+	if err != nil {
+		return Tuple{}, fmt.Errorf("tuple %q: destination: %w", s, err)
+	}
+	return Tuple{Src: src.Addr().Unmap(), Dst: dst.Addr().Unmap(), SrcPort: src.Port(), DstPort: dst.Port()}, nil
 }

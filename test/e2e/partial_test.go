@@ -1,0 +1,113 @@
+package e2e
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/dysco/dysco/internal/lab"
+)
+
+// TestPartialChains covers chains that do not span the whole TCP session
+// (paper §2.4): an edge host starts the chain for a client that runs no
+// agent, and a chain may end at a middlebox before the server. In a line
+// topology the edge host and the middlebox are on the return path, as a
+// gateway would be.
+func TestPartialChains(t *testing.T) {
+	e := newLab(t, labOpts{topology: lab.Line("client", "gw", "mb1", "server")})
+	// The client runs no agent: stop it and remove its datapath.
+	if err := e.lab.Agent("client").Stop(); err != nil {
+		t.Logf("stop client agent: %v", err)
+	}
+	e.run("client", dyscoBin, "agent", "--reset", "--pin-dir", lab.PinDir(e.host("client").Namespace))
+
+	dst := e.addr("server", false)
+	mb1 := e.host("mb1")
+	// The chain's first hop is mb1's address on the gw side.
+	mb1Addr := mb1.Ifaces[0].Addr4.Addr()
+	e.policy("gw", "edge", "tcp dst port 9500", mb1Addr.String())
+	e.dysco("gw", "policy", "add", "partial", "--chain", mb1Addr.String(), "--end-before-destination", "tcp dst port 9501")
+
+	t.Run("edge starts the chain", func(t *testing.T) {
+		peer := e.exchange("client", "server", dst, 9500, 4*mib)
+		if client := e.addr("client", false); peer.Addr() != client {
+			t.Errorf("server saw %s, want the client %s", peer, client)
+		}
+		if n := e.status("server").Counters["setup_end"]; n != 1 {
+			t.Errorf("server ended %d chains, want 1", n)
+		}
+		if n := e.status("gw").Counters["setup_start"]; n < 1 {
+			t.Errorf("gw started %d chains", n)
+		}
+	})
+	t.Run("chain ends before the server", func(t *testing.T) {
+		before := e.status("server").Counters["setup_end"]
+		peer := e.exchange("client", "server", dst, 9501, 4*mib)
+		if client := e.addr("client", false); peer.Addr() != client {
+			t.Errorf("server saw %s, want the client %s", peer, client)
+		}
+		if n := e.status("server").Counters["setup_end"]; n != before {
+			t.Errorf("the server ended a chain; the chain should have ended at mb1")
+		}
+		if n := e.status("mb1").Counters["setup_end"]; n < 1 {
+			t.Errorf("mb1 ended %d chains, want 1", n)
+		}
+	})
+}
+
+// TestClassifierPrepends: a middlebox holding a session's SYN chooses the
+// next middlebox through its agent's local API (paper §2.2).
+func TestClassifierPrepends(t *testing.T) {
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "server")})
+	dst := e.addr("server", false)
+	e.policy("client", "c", "tcp dst port 9600", e.addr("mb1", false).String())
+	// The "classifier" on mb1 holds SYNs to port 9600 until it has decided.
+	hold := []string{"FORWARD", "-p", "tcp", "--syn", "--dport", "9600", "-j", "DROP"}
+	e.run("mb1", append([]string{"iptables", "-I"}, hold...)...)
+
+	ln := e.listen("server", netip.AddrPortFrom(dst, 9600))
+	accepted := make(chan netip.AddrPort, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err == nil {
+			accepted <- netip.MustParseAddrPort(c.RemoteAddr().String())
+			c.Close()
+		}
+	}()
+	dialed := make(chan error, 1)
+	go func() {
+		c, err := e.dial("client", netip.AddrPortFrom(dst, 9600), 20*time.Second)
+		if err == nil {
+			c.Close()
+		}
+		dialed <- err
+	}()
+	var session string
+	eventually(t, 10*time.Second, "mb1 to hold the session's SYN", func() bool {
+		for _, s := range e.sessions("mb1") {
+			if strings.HasSuffix(s.Session, ":9600") {
+				session = s.Session
+				return true
+			}
+		}
+		return false
+	})
+	out := e.dysco("mb1", "prepend", session, e.addr("mb2", false).String())
+	if !strings.Contains(out, e.addr("mb2", false).String()) {
+		t.Fatalf("prepend: %s", out)
+	}
+	e.run("mb1", append([]string{"iptables", "-D"}, hold...)...)
+	if err := <-dialed; err != nil {
+		t.Fatalf("dial after the classifier chose mb2: %v", err)
+	}
+	<-accepted
+	if n := e.status("mb2").Counters["setup_cont"]; n != 1 {
+		t.Errorf("mb2 continued %d chains, want 1 (the classifier's choice)", n)
+	}
+	// Too late once the SYN has left.
+	ctxOut, err := e.lab.Command(t.Context(), "mb1", dyscoBin, "prepend", session, e.addr("mb2", false).String()).CombinedOutput()
+	if err == nil || !strings.Contains(string(ctxOut), "already left") {
+		t.Errorf("prepend after the SYN left: %v %s", err, ctxOut)
+	}
+}
