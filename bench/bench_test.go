@@ -1,0 +1,199 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestQuantile(t *testing.T) {
+	xs := []float64{5, 1, 4, 2, 3}
+	if m := median(xs); m != 3 {
+		t.Errorf("median = %v, want 3", m)
+	}
+	if q := quantile(xs, 0.25); q != 2 {
+		t.Errorf("quantile 0.25 = %v, want 2", q)
+	}
+	if q := quantile([]float64{1, 2}, 0.5); q != 1.5 {
+		t.Errorf("median of 1,2 = %v, want 1.5", q)
+	}
+	if !math.IsNaN(median(nil)) {
+		t.Error("median of nothing is not NaN")
+	}
+	if xs[0] != 5 {
+		t.Error("quantile sorted its argument in place")
+	}
+}
+
+func TestParseIperf(t *testing.T) {
+	bps, err := parseIperf(`{"start":{},"end":{"sum_sent":{"bits_per_second":2e9},"sum_received":{"bits_per_second":1.5e9,"bytes":1}}}`)
+	if err != nil || bps != 1.5e9 {
+		t.Errorf("parseIperf = %v, %v; want 1.5e9", bps, err)
+	}
+	if _, err := parseIperf(`{"error":"unable to connect to server"}`); err == nil || !strings.Contains(err.Error(), "unable to connect") {
+		t.Errorf("parseIperf of an error: %v", err)
+	}
+	if _, err := parseIperf("iperf3: garbage"); err == nil {
+		t.Error("parseIperf accepted garbage")
+	}
+}
+
+func TestParseWrk(t *testing.T) {
+	out := `Running 5s test @ http://10.201.2.2:80/1k.bin
+  2 threads and 100 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency     3.10ms    1.20ms  30.00ms   90.00%
+    Req/Sec    16.20k     1.10k   18.00k    70.00%
+  161234 requests in 5.00s, 190.12MB read
+  Socket errors: connect 0, read 3, write 0, timeout 0
+Requests/sec:  32246.80
+Transfer/sec:     38.02MB
+`
+	rps, note, err := parseWrk(out)
+	if err != nil || rps != 32246.80 {
+		t.Fatalf("parseWrk = %v, %v", rps, err)
+	}
+	if !strings.Contains(note, "read 3") {
+		t.Errorf("socket errors not reported: %q", note)
+	}
+	if _, _, err := parseWrk("unable to connect"); err == nil {
+		t.Error("parseWrk accepted output without Requests/sec")
+	}
+}
+
+func TestUpdateMarkdown(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "B.md")
+	if err := os.WriteFile(path, []byte("# Benchmarks\n\nMethod.\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, run := range []string{"first\n", "second\n"} {
+		if err := updateMarkdown(path, run); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b, _ := os.ReadFile(path)
+	s := string(b)
+	if !strings.HasPrefix(s, "# Benchmarks\n\nMethod.\n") || strings.Contains(s, "first") || strings.Count(s, "second") != 1 || strings.Count(s, mdBegin) != 1 {
+		t.Errorf("results section not replaced in place:\n%s", s)
+	}
+}
+
+func TestPlan(t *testing.T) {
+	o, err := parseFlags([]string{"--quick"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, p := range plan(o) {
+		names = append(names, p.name)
+	}
+	got := strings.Join(names, "|")
+	for _, want := range []string{"labs, 1 mb|goodput, 1 mb|", "memory per session|teardown, 1 mb|labs, 4 mb|nginx+wrk, 4 mb|", "teardown, 4 mb"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("plan %q lacks %q", got, want)
+		}
+	}
+	o, _ = parseFlags([]string{"--only", "memory"})
+	for _, p := range plan(o) {
+		if p.nmb == 4 {
+			t.Errorf("--only memory plans %q", p.name)
+		}
+	}
+	if o.Markdown != "" {
+		t.Errorf("a partial run writes %s by default", o.Markdown)
+	}
+	if o, _ := parseFlags(nil); o.Markdown != "BENCHMARKS.md" || o.mode() != "full" {
+		t.Errorf("a full run writes %q (mode %s)", o.Markdown, o.mode())
+	}
+	if o, _ := parseFlags([]string{"--agent-arg=--tap="}); o.Markdown != "" || o.mode() != "partial" {
+		t.Errorf("a run with agent arguments writes %q (mode %s)", o.Markdown, o.mode())
+	}
+	if _, err := parseFlags([]string{"--only", "nonsense"}); err == nil {
+		t.Error("unknown benchmark accepted")
+	}
+}
+
+// TestQuick runs every benchmark in --quick mode: real labs, agents,
+// iperf3, wrk and nginx. Its figures mean nothing; it checks that each
+// benchmark runs and produces a number, and that the labs go away.
+func TestQuick(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: the quick benchmark run takes about a minute")
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (network namespaces, eBPF)")
+	}
+	for _, tool := range []string{"iperf3", "wrk", "nginx", "ethtool"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("%s is not installed (scripts/deps.sh installs it)", tool)
+		}
+	}
+	dir := t.TempDir()
+	bin := filepath.Join(dir, "dysco")
+	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/dysco").CombinedOutput(); err != nil {
+		t.Fatalf("building dysco: %v\n%s", err, out)
+	}
+	o, err := parseFlags([]string{"--quick", "--dysco", bin, "--out", filepath.Join(dir, "out")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	var log strings.Builder
+	rep, err := Run(ctx, o, &log)
+	if rep == nil {
+		t.Fatalf("Run: %v\n%s", err, log.String())
+	}
+	if werr := writeOutputs(o, rep, &log); werr != nil {
+		t.Error(werr)
+	}
+	if err != nil {
+		t.Errorf("Run: %v\nerrors: %v\n%s", err, rep.Errors, log.String())
+	}
+	if !strings.Contains(log.String(), "left]") {
+		t.Error("no progress lines")
+	}
+	want := []string{"goodput-1mb-P1", "goodput-1mb-P100", "rps-1mb", "rps-4mb",
+		"bpf-dysco_ingress-iperf3", "bpf-dysco_egress-wrk",
+		"connect-1mb-offload-on", "connect-1mb-offload-off", "connect-4mb-offload-on", "connect-4mb-offload-off",
+		"memory-all-mb1", "memory-live-client"}
+	got := map[string]*Figure{}
+	for _, f := range rep.Figures {
+		got[f.Key] = f
+		if math.IsNaN(f.Dysco) || f.Dysco <= 0 && !strings.HasPrefix(f.Key, "connect") {
+			t.Errorf("figure %s has no Dysco value: %+v", f.Key, f)
+		}
+		if f.Met != "yes" && f.Met != "no" {
+			t.Errorf("figure %s: met = %q", f.Key, f.Met)
+		}
+	}
+	for _, k := range want {
+		if got[k] == nil {
+			t.Errorf("no figure %s", k)
+		}
+	}
+	data, err := os.ReadFile(filepath.Join(dir, "out", "latest.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var back map[string]any
+	if err := json.Unmarshal(data, &back); err != nil {
+		t.Errorf("latest.json: %v", err)
+	}
+	// Every lab is gone.
+	if rep.RunID == "" {
+		t.Fatal("report has no run id")
+	}
+	out, _ := exec.Command("ip", "netns", "list").Output()
+	for _, l := range strings.Split(string(out), "\n") {
+		if strings.HasPrefix(l, rep.RunID) {
+			t.Errorf("lab namespace left over: %s", l)
+		}
+	}
+}

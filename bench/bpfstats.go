@@ -1,0 +1,347 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/dysco/dysco/internal/lab"
+	"golang.org/x/sys/unix"
+)
+
+const statsSysctl = "/proc/sys/kernel/bpf_stats_enabled"
+
+// enableBPFStats turns on the kernel's run-time statistics of BPF programs
+// and returns how to turn them off again. It prefers BPF_ENABLE_STATS,
+// whose effect ends with the file descriptor (so also if the runner dies),
+// and falls back to the kernel.bpf_stats_enabled sysctl, restored by the
+// returned function.
+func enableBPFStats() (method string, restore func() error, err error) {
+	c, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
+	if err == nil {
+		return "BPF_ENABLE_STATS (BPF_STATS_RUN_TIME; same effect as sysctl kernel.bpf_stats_enabled=1, undone when the runner closes the fd)", c.Close, nil
+	}
+	old, rerr := os.ReadFile(statsSysctl)
+	if rerr != nil {
+		return "", nil, errors.Join(err, rerr)
+	}
+	if werr := os.WriteFile(statsSysctl, []byte("1"), 0); werr != nil {
+		return "", nil, errors.Join(err, werr)
+	}
+	prev := strings.TrimSpace(string(old))
+	return "sysctl kernel.bpf_stats_enabled=1 (restored to " + prev + " after)", func() error {
+		return os.WriteFile(statsSysctl, []byte(prev), 0)
+	}, nil
+}
+
+// hook is a program attached to one hook of one interface.
+type hook struct {
+	Iface   string `json:"iface"`
+	Hook    string `json:"hook"` // "ingress" or "egress"
+	Program string `json:"program"`
+	ID      uint32 `json:"id"`
+}
+
+// hostHooks returns the hooks of the links the agent of host pinned, and the
+// programs attached through them, by id.
+func hostHooks(l *lab.Lab, host string) ([]hook, map[ebpf.ProgramID]*ebpf.Program, error) {
+	dir := filepath.Join(lab.PinDir(l.Host(host).Namespace), "links")
+	progs := map[ebpf.ProgramID]*ebpf.Program{}
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, progs, fmt.Errorf("links of %s: %w", host, err)
+	}
+	var hooks []hook
+	for _, e := range ents {
+		ifname, hk, ok := strings.Cut(e.Name(), "@")
+		if !ok {
+			continue
+		}
+		ifname = strings.ReplaceAll(ifname, "%2e", ".")
+		lk, err := link.LoadPinnedLink(filepath.Join(dir, e.Name()), nil)
+		if err != nil {
+			return nil, progs, fmt.Errorf("link %s of %s: %w", e.Name(), host, err)
+		}
+		info, err := lk.Info()
+		lk.Close()
+		if err != nil {
+			return nil, progs, err
+		}
+		prog := progs[info.Program]
+		if prog == nil {
+			if prog, err = ebpf.NewProgramFromID(info.Program); err != nil {
+				return nil, progs, err
+			}
+			progs[info.Program] = prog
+		}
+		pi, err := prog.Info()
+		if err != nil {
+			return nil, progs, err
+		}
+		hooks = append(hooks, hook{Iface: ifname, Hook: hk, Program: pi.Name, ID: uint32(info.Program)})
+	}
+	return hooks, progs, nil
+}
+
+// hostPrograms returns the attached programs of a host by name (several
+// objects of one name are possible, though the agent loads one per hook).
+func hostPrograms(l *lab.Lab, host string) (map[string][]*ebpf.Program, error) {
+	hooks, progs, err := hostHooks(l, host)
+	out := map[string][]*ebpf.Program{}
+	for _, h := range hooks {
+		if p := progs[ebpf.ProgramID(h.ID)]; p != nil {
+			out[h.Program] = append(out[h.Program], p)
+			delete(progs, ebpf.ProgramID(h.ID))
+		}
+	}
+	for _, p := range progs {
+		p.Close()
+	}
+	return out, err
+}
+
+// hostSnap is the statistics of a host's programs and the packet counters
+// of its interfaces at one moment.
+type hostSnap struct {
+	runtime map[string]time.Duration // by program name
+	runs    map[string]uint64
+	packets map[string]uint64 // by "iface@hook": rx for ingress, tx for egress
+}
+
+func takeSnap(ctx context.Context, l *lab.Lab, host string, hooks []hook, progs map[ebpf.ProgramID]*ebpf.Program) (*hostSnap, error) {
+	s := &hostSnap{runtime: map[string]time.Duration{}, runs: map[string]uint64{}, packets: map[string]uint64{}}
+	for id, p := range progs {
+		st, err := p.Stats()
+		if err != nil {
+			return nil, fmt.Errorf("stats of program %d on %s: %w", id, host, err)
+		}
+		for _, h := range hooks {
+			if ebpf.ProgramID(h.ID) == id {
+				s.runtime[h.Program] += st.Runtime
+				s.runs[h.Program] += st.RunCount
+				break
+			}
+		}
+	}
+	var files, keys []string
+	for _, h := range hooks {
+		dir := "rx_packets"
+		if h.Hook == "egress" {
+			dir = "tx_packets"
+		}
+		files = append(files, "/sys/class/net/"+h.Iface+"/statistics/"+dir)
+		keys = append(keys, h.Iface+"@"+h.Hook)
+	}
+	out, err := run(ctx, l, host, 10*time.Second, append([]string{"cat"}, files...)...)
+	if err != nil {
+		return nil, err
+	}
+	vals := strings.Fields(out)
+	if len(vals) != len(keys) {
+		return nil, fmt.Errorf("interface counters of %s: got %d values for %d files", host, len(vals), len(keys))
+	}
+	for i, k := range keys {
+		n, err := strconv.ParseUint(vals[i], 10, 64)
+		if err != nil {
+			return nil, err
+		}
+		s.packets[k] = n
+	}
+	return s, nil
+}
+
+// progCost is the cost of a program during one workload.
+type progCost struct {
+	Host     string `json:"host"`
+	Program  string `json:"program"`
+	Workload string `json:"workload"`
+	// RunTimeNs and Runs are the deltas of the kernel's run_time_ns and
+	// run_cnt; Packets the packets counted by the interfaces the program
+	// is attached to (rx for ingress, tx for egress).
+	RunTimeNs   int64   `json:"run_time_ns"`
+	Runs        uint64  `json:"runs"`
+	Packets     uint64  `json:"packets"`
+	NsPerRun    float64 `json:"ns_per_run"`
+	NsPerPacket float64 `json:"ns_per_packet"`
+}
+
+func costs(host, workload string, hooks []hook, a, b *hostSnap) []progCost {
+	var out []progCost
+	names := make([]string, 0, len(a.runtime))
+	for n := range a.runtime {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		c := progCost{Host: host, Program: n, Workload: workload,
+			RunTimeNs: int64(a.runtime[n] - b.runtime[n]), Runs: a.runs[n] - b.runs[n],
+			NsPerRun: math.NaN(), NsPerPacket: math.NaN()}
+		for _, h := range hooks {
+			if h.Program == n {
+				k := h.Iface + "@" + h.Hook
+				c.Packets += a.packets[k] - b.packets[k]
+			}
+		}
+		if c.Runs > 0 {
+			c.NsPerRun = float64(c.RunTimeNs) / float64(c.Runs)
+		}
+		if c.Packets > 0 {
+			c.NsPerPacket = float64(c.RunTimeNs) / float64(c.Packets)
+		}
+		out = append(out, c)
+	}
+	return out
+}
+
+// MarshalJSON writes NaN as null.
+func (c progCost) MarshalJSON() ([]byte, error) {
+	type plain progCost
+	type withNulls struct {
+		plain
+		NsPerRun    *float64 `json:"ns_per_run"`
+		NsPerPacket *float64 `json:"ns_per_packet"`
+	}
+	p := func(v float64) *float64 {
+		if math.IsNaN(v) {
+			return nil
+		}
+		return &v
+	}
+	return json.Marshal(withNulls{plain(c), p(c.NsPerRun), p(c.NsPerPacket)})
+}
+
+// benchBPFStats measures the cost per packet of the TC programs on mb1 (and,
+// for reference, on the client) of the Dysco lab, during an iperf3 bulk
+// transfer and during wrk: the kernel's run_time_ns over the packets that
+// the interfaces carrying the hook counted. Per packet rather than per run:
+// a program may run more than once per packet (bpf_redirect_neigh from the
+// egress hook passes the packet through the egress hook again).
+func benchBPFStats(ctx context.Context, o *Options, p *pair, r *Report, pr *progress) (err error) {
+	l := p.dysco.lab
+	hosts := []string{"mb1", "client"}
+	hooks := map[string][]hook{}
+	progs := map[string]map[ebpf.ProgramID]*ebpf.Program{}
+	defer func() {
+		for _, ps := range progs {
+			for _, p := range ps {
+				p.Close()
+			}
+		}
+	}()
+	for _, h := range hosts {
+		hk, ps, err := hostHooks(l, h)
+		hooks[h], progs[h] = hk, ps
+		if err != nil {
+			return err
+		}
+	}
+	for _, want := range []string{"dysco_ingress", "dysco_egress"} {
+		found := false
+		for _, h := range hooks["mb1"] {
+			found = found || h.Program == want
+		}
+		if !found {
+			return fmt.Errorf("mb1 of lab %s has no program %s attached", l.Name(), want)
+		}
+	}
+	method, restore, err := enableBPFStats()
+	if err != nil {
+		return fmt.Errorf("enabling BPF statistics: %w", err)
+	}
+	defer func() {
+		if rerr := restore(); rerr != nil {
+			err = errors.Join(err, fmt.Errorf("restoring BPF statistics: %w", rerr))
+		}
+	}()
+	var all []progCost
+	mb1Counters := map[string]map[string]uint64{}
+	r.Details["bpfstats"] = map[string]any{"method": method, "hooks": hooks, "costs": &all, "mb1_counters": mb1Counters}
+	workloads := []struct {
+		name    string
+		argv    []string
+		timeout time.Duration
+	}{
+		{"iperf3", iperfArgv(p.dysco.server.String(), o, 1), o.IperfTime + 60*time.Second},
+		{"wrk", wrkArgv(p.dysco.server.String(), o), o.WrkTime + 60*time.Second},
+	}
+	for _, w := range workloads {
+		pr.logf("datapath cost: %s through the Dysco lab with BPF statistics on", w.name)
+		stBefore, err := agentStatus(ctx, o, l, "mb1")
+		if err != nil {
+			return err
+		}
+		before := map[string]*hostSnap{}
+		for _, h := range hosts {
+			if before[h], err = takeSnap(ctx, l, h, hooks[h], progs[h]); err != nil {
+				return err
+			}
+		}
+		if _, err := run(ctx, l, "client", w.timeout, w.argv...); err != nil {
+			return err
+		}
+		var cs []progCost
+		for _, h := range hosts {
+			after, err := takeSnap(ctx, l, h, hooks[h], progs[h])
+			if err != nil {
+				return err
+			}
+			cs = append(cs, costs(h, w.name, hooks[h], after, before[h])...)
+		}
+		stAfter, err := agentStatus(ctx, o, l, "mb1")
+		if err != nil {
+			return err
+		}
+		counters := counterDelta(stBefore, stAfter)
+		mb1Counters[w.name] = counters
+		all = append(all, cs...)
+		find := func(host, prog string) (progCost, bool) {
+			for _, c := range cs {
+				if c.Host == host && c.Program == prog {
+					return c, true
+				}
+			}
+			return progCost{}, false
+		}
+		floor := ""
+		if c, ok := find("mb1", "dysco_tap_drop"); ok && c.Runs > 0 {
+			floor = fmt.Sprintf("; for scale, dysco_tap_drop (a program that only drops) took %.0f ns per run", c.NsPerRun)
+		}
+		cmd := "ip netns exec LAB-client " + strings.Join(w.argv, " ")
+		for _, prog := range []string{"dysco_ingress", "dysco_egress"} {
+			c, _ := find("mb1", prog)
+			if c.Runs == 0 || c.Packets == 0 {
+				return fmt.Errorf("%s on mb1 saw no packet during %s (%d runs, %d packets): the traffic did not take the chain, or statistics are off", prog, w.name, c.Runs, c.Packets)
+			}
+			rewrites := counters["rewrite_in"]
+			if prog == "dysco_egress" {
+				rewrites = counters["rewrite_out"]
+			}
+			client := ""
+			if cc, ok := find("client", prog); ok && cc.Packets > 0 {
+				client = fmt.Sprintf("; on the client (end host) %.0f ns per packet", cc.NsPerPacket)
+			}
+			r.add(&Figure{
+				Key:     fmt.Sprintf("bpf-%s-%s", prog, w.name),
+				Name:    fmt.Sprintf("datapath cost per packet, mb1 %s hook (%s)", strings.TrimPrefix(prog, "dysco_"), w.name),
+				Command: fmt.Sprintf("%s; Δrun_time_ns of %s on LAB-mb1 ÷ Δ%s_packets of its interfaces", cmd, prog, map[bool]string{true: "rx", false: "tx"}[prog == "dysco_ingress"]),
+				Unit:    "ns", Dysco: c.NsPerPacket, Baseline: math.NaN(), Ratio: math.NaN(),
+				Measured: c.NsPerPacket, MeasuredUnit: "ns/packet",
+				Target: "≤ 100 ns", Paper: "131 ns lookup + 214 ns rewrite",
+				Met: metStr(c.NsPerPacket <= 100),
+				Note: fmt.Sprintf("%d packets (skbs: a GSO packet counts once), %.2f runs and %.2f rewrites per packet, %.0f ns per run%s%s",
+					c.Packets, float64(c.Runs)/float64(c.Packets), float64(rewrites)/float64(c.Packets), c.NsPerRun, client, floor),
+			})
+		}
+	}
+	return nil
+}

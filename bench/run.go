@@ -1,0 +1,182 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os/exec"
+	"path/filepath"
+	"time"
+)
+
+// Run runs the benchmarks o asks for and returns the report, also when some
+// failed (their errors are in Report.Errors and in the returned error). It
+// tears down every lab it built before returning.
+func Run(ctx context.Context, o *Options, log io.Writer) (rep *Report, err error) {
+	o.defaults()
+	bin, err := exec.LookPath(o.Dysco)
+	if err != nil {
+		return nil, fmt.Errorf("dysco binary: %w (run `make build`, or give --dysco)", err)
+	}
+	if o.Dysco, err = filepath.Abs(bin); err != nil {
+		return nil, err
+	}
+	for _, tool := range []string{"iperf3", "wrk", "nginx", "ethtool", "ip"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			return nil, fmt.Errorf("%s is missing: run scripts/deps.sh (%w)", tool, err)
+		}
+	}
+	r := newReport(o)
+	pr := newProgress(log, phasesOf(plan(o)))
+	set := &labSet{}
+	defer func() {
+		if derr := set.down(); derr != nil {
+			err = errors.Join(err, derr)
+		}
+		r.Finished = time.Now().UTC()
+		if len(r.Errors) > 0 && err == nil {
+			err = fmt.Errorf("%d benchmark(s) failed: see the report", len(r.Errors))
+		}
+	}()
+	prefix := runID()
+	r.RunID = prefix
+	pr.logf("run %s: %s (lab names %s*)", prefix, describe(o), prefix)
+
+	// step runs one benchmark unless the run was interrupted; a failure is
+	// recorded and the run goes on with the next one.
+	step := func(phaseName string, fn func() error) {
+		if ctx.Err() != nil {
+			pr.skip(phaseName)
+			r.fail(phaseName, errors.New("not run: interrupted"))
+			return
+		}
+		pr.begin(phaseName)
+		if err := fn(); err != nil {
+			if ctx.Err() != nil {
+				err = fmt.Errorf("interrupted: %w", err)
+			}
+			r.fail(phaseName, err)
+			pr.logf("%s FAILED: %v", phaseName, err)
+		}
+	}
+
+	for _, nmb := range []int{1, 4} {
+		var phases []string
+		for _, ph := range plan(o) {
+			if ph.nmb == nmb && ph.bench != "" {
+				phases = append(phases, ph.name)
+			}
+		}
+		if len(phases) == 0 {
+			continue
+		}
+		if ctx.Err() != nil {
+			for _, ph := range phases {
+				r.fail(ph, errors.New("not run: interrupted"))
+			}
+			continue
+		}
+		labs := fmt.Sprintf("labs, %d mb", nmb)
+		pr.begin(labs)
+		p, err := upPair(ctx, o, set, prefix, nmb, pr)
+		if err != nil {
+			r.fail(labs, err)
+			pr.logf("%s FAILED: %v", labs, err)
+			for _, ph := range phases {
+				pr.skip(ph)
+				r.fail(ph, fmt.Errorf("not run: the labs could not be built"))
+			}
+		} else {
+			for _, ph := range plan(o) {
+				if ph.nmb != nmb || ph.bench == "" {
+					continue
+				}
+				step(ph.name, func() error { return ph.run(ctx, o, p, r, pr) })
+			}
+			p.close()
+		}
+		teardown := fmt.Sprintf("teardown, %d mb", nmb)
+		pr.begin(teardown)
+		if err := set.down(); err != nil {
+			r.fail(teardown, err)
+		}
+	}
+	if ctx.Err() != nil {
+		return r, ctx.Err()
+	}
+	return r, nil
+}
+
+func describe(o *Options) string {
+	mode := o.mode()
+	return fmt.Sprintf("%s run of %v, %d repetitions, iperf3 %v, wrk %v, %d connects, %d sessions",
+		mode, o.Only, o.Reps, o.IperfTime, o.WrkTime, o.Connects, o.Sessions)
+}
+
+// planned is a phase of the run: a benchmark on one pair of labs, or the
+// building or teardown of the labs.
+type planned struct {
+	phase
+	bench string // "" for lab phases
+	nmb   int
+	run   func(ctx context.Context, o *Options, p *pair, r *Report, pr *progress) error
+}
+
+// plan lists the phases o asks for, in run order, with estimated durations.
+func plan(o *Options) []planned {
+	it := o.IperfTime + time.Second // -O 1
+	var out []planned
+	add := func(bench string, nmb int, name string, est time.Duration, fn func(context.Context, *Options, *pair, *Report, *progress) error) {
+		if o.wants(bench) {
+			out = append(out, planned{phase{name, est}, bench, nmb, fn})
+		}
+	}
+	connectEst := time.Duration(o.Connects)*2*300*time.Microsecond + 3*time.Second
+	withOffload := func(on bool) func(context.Context, *Options, *pair, *Report, *progress) error {
+		return func(ctx context.Context, o *Options, p *pair, r *Report, pr *progress) error {
+			if err := p.setTxOffload(ctx, on); err != nil {
+				return err
+			}
+			return benchConnect(ctx, o, p, r, pr, on)
+		}
+	}
+	for _, nmb := range []int{1, 4} {
+		var benches []planned
+		if nmb == 1 {
+			add("goodput", 1, "goodput, 1 mb", 2*time.Duration(o.Reps)*2*(it+2*time.Second), benchGoodput)
+		}
+		add("rps", nmb, fmt.Sprintf("nginx+wrk, %d mb", nmb), time.Duration(o.Reps)*2*(o.WrkTime+1500*time.Millisecond), benchRPS)
+		if nmb == 1 {
+			add("bpfstats", 1, "datapath cost (BPF stats), 1 mb", it+o.WrkTime+8*time.Second, benchBPFStats)
+		}
+		add("connect", nmb, fmt.Sprintf("connect() latency, %d mb, tx offload on", nmb), connectEst, withOffload(true))
+		add("connect", nmb, fmt.Sprintf("connect() latency, %d mb, tx offload off", nmb), connectEst, withOffload(false))
+		if nmb == 1 {
+			add("memory", 1, "memory per session", 2*11*time.Second, benchMemory)
+		}
+		for _, p := range out {
+			if p.nmb == nmb && p.bench != "" {
+				benches = append(benches, p)
+			}
+		}
+		if len(benches) == 0 {
+			continue
+		}
+		// Lab phases around the benchmarks of this pair.
+		labs := planned{phase: phase{fmt.Sprintf("labs, %d mb", nmb), time.Duration(4+nmb) * time.Second}, nmb: nmb}
+		down := planned{phase: phase{fmt.Sprintf("teardown, %d mb", nmb), 3 * time.Second}, nmb: nmb}
+		i := len(out) - len(benches)
+		out = append(out[:i], append([]planned{labs}, append(benches, down)...)...)
+	}
+	return out
+}
+
+// phasesOf turns a plan into progress phases.
+func phasesOf(pl []planned) []phase {
+	out := make([]phase, len(pl))
+	for i, p := range pl {
+		out[i] = p.phase
+	}
+	return out
+}
