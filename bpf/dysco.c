@@ -154,6 +154,35 @@ static __always_inline int route(struct __sk_buff *skb, const struct dysco_tuple
 	return 0;
 }
 
+/* same_route tells whether packets to a and to b leave by the same
+ * interface and next hop: then a rewrite from one destination to the other
+ * needs no new route, and the packet no second pass through egress. Only
+ * forwarding hosts can tell (bpf_fib_lookup); on others the answer is no. */
+static __attribute__((noinline)) int same_route(struct __sk_buff *skb, int v6, const __u8 *a, const __u8 *b)
+{
+	struct bpf_fib_lookup f;
+	__u32 nh[4], ifindex, i;
+
+	for (i = 0; i < 2; i++) {
+		__builtin_memset(&f, 0, sizeof(f));
+		f.l4_protocol = IPPROTO_TCP;
+		f.ifindex = skb->ifindex;
+		f.family = v6 ? AF_INET6 : AF_INET;
+		if (v6)
+			__builtin_memcpy(f.ipv6_dst, i ? b : a, 16);
+		else
+			__builtin_memcpy(&f.ipv4_dst, (i ? b : a) + 12, 4);
+		if (bpf_fib_lookup(skb, &f, sizeof(f), BPF_FIB_LOOKUP_SKIP_NEIGH) != BPF_FIB_LKUP_RET_SUCCESS)
+			return 0;
+		if (i == 0) {
+			ifindex = f.ifindex;
+			__builtin_memcpy(nh, f.ipv6_dst, 16); /* ipv4_dst shares the first word */
+		}
+	}
+	return ifindex == f.ifindex && nh[0] == f.ipv6_dst[0] &&
+	       (!v6 || (nh[1] == f.ipv6_dst[1] && nh[2] == f.ipv6_dst[2] && nh[3] == f.ipv6_dst[3]));
+}
+
 static __always_inline int redirect_to(struct __sk_buff *skb, const struct dysco_tuple *t, int v6)
 {
 	struct bpf_redir_neigh nh;
@@ -168,48 +197,66 @@ static __always_inline int redirect_to(struct __sk_buff *skb, const struct dysco
 	return bpf_redirect_neigh(ifindex, &nh, sizeof(nh), 0);
 }
 
-/* track updates the session's counters and TCP state (teardown is driven by
- * the agent's collector from these bits, requirement 8). A packet crossing a
- * middlebox host passes ingress and egress; it is counted once, where it
- * enters the host, or where it leaves if it was made here. */
-static __always_inline void track(struct session_val *s, const struct pkt *p, __u8 dir, __u32 len, int egress)
+/* track_state records the session's TCP state (teardown is driven by the
+ * agent's collector from these bits, requirement 8). */
+static __always_inline void track_state(struct session_val *s, const struct pkt *p, __u8 dir)
 {
-	__u32 st = s->state;
+	__u32 st = s->state, set = 0;
 
-	s->last_ns = bpf_ktime_get_ns();
-	if (!egress || (dir == 0 && s->role == ROLE_START) ||
-	    (dir == 1 && (s->role == ROLE_END || s->role == ROLE_END_FWD))) {
-		__sync_fetch_and_add(&s->packets[dir & 1], 1);
-		__sync_fetch_and_add(&s->bytes[dir & 1], len);
+	if (p->flags & TH_RST) {
+		set |= ST_RST;
+		stat_inc(STAT_RST);
 	}
-	if (p->flags & (TH_FIN | TH_RST | TH_SYN) || !(st & ST_EST)) {
-		__u32 set = 0;
-		if (p->flags & TH_RST) {
-			set |= ST_RST;
-			stat_inc(STAT_RST);
-		}
-		if (p->flags & TH_FIN) {
-			set |= dir ? ST_FIN_REV : ST_FIN_FWD;
-			stat_inc(STAT_FIN);
-		}
-		if ((p->flags & (TH_SYN | TH_ACK)) == (TH_SYN | TH_ACK))
-			set |= ST_SYNACK;
-		else if (dir == 0 && (p->flags & (TH_SYN | TH_ACK)) == TH_ACK && (st & ST_SYNACK))
-			set |= ST_EST;
-		if (set & ~st)
-			__sync_fetch_and_or(&s->state, set);
+	if (p->flags & TH_FIN) {
+		set |= dir ? ST_FIN_REV : ST_FIN_FWD;
+		stat_inc(STAT_FIN);
+	}
+	if ((p->flags & (TH_SYN | TH_ACK)) == (TH_SYN | TH_ACK))
+		set |= ST_SYNACK;
+	else if (dir == 0 && (p->flags & (TH_SYN | TH_ACK)) == TH_ACK && (st & ST_SYNACK))
+		set |= ST_EST;
+	if (set & ~st) {
+		__sync_fetch_and_or(&s->state, set);
+		s->last_ns = bpf_ktime_get_ns();
 	}
 }
 
-/* forward applies a flow to a packet: the steady-state path. */
+/* count adds a packet to a flow's counters. A packet crossing a host passes
+ * its ingress and its egress flow; the agent counts each packet once. */
+static __always_inline void count(struct flow_val *fp, __u32 len)
+{
+	fp->last_ns = bpf_ktime_get_ns();
+	__sync_fetch_and_add(&fp->packets, 1);
+	__sync_fetch_and_add(&fp->bytes, len);
+}
+
+static __always_inline int tap_on(void)
+{
+	__u32 k0 = 0;
+	struct config *cfg;
+
+	if (!tap_ifindex)
+		return 0;
+	cfg = bpf_map_lookup_elem(&dysco_config, &k0);
+	return cfg && cfg->tap_active;
+}
+
+/* forward applies a flow to a packet: the steady-state path. One lookup (the
+ * flow); the session only for packets that can change its state. */
 static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct flow_val *fp, int egress)
 {
 	struct flow_val f = *fp;
-	struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &f.sess_id);
 	struct dysco_tuple key = p->t;
 
-	if (s)
-		track(s, p, f.dir, skb->len, egress);
+	count(fp, skb->len);
+	if ((p->flags & (TH_SYN | TH_FIN | TH_RST)) || !(f.flags & FL_EST)) {
+		struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &f.sess_id);
+		if (s) {
+			track_state(s, p, f.dir);
+			if (s->state & ST_EST)
+				fp->flags = f.flags | FL_EST;
+		}
+	}
 	if (f.flags & FL_DELTA) {
 		struct delta_val *d = bpf_map_lookup_elem(&dysco_deltas, &key);
 		if (d) {
@@ -232,7 +279,7 @@ static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct 
 		return TC_ACT_OK;
 	}
 	stat_inc(STAT_REWRITE_IN);
-	if ((f.flags & FL_TAP) && tap_ifindex) {
+	if ((f.flags & FL_TAP) && tap_on()) {
 		bpf_clone_redirect(skb, tap_ifindex, BPF_F_INGRESS);
 		stat_inc(STAT_TAP);
 	}
@@ -370,30 +417,39 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 	if (known) {
 		/* Retransmitted SYN: same session, same flows. */
 		id = known->sess_id;
+		count(known, skb->len);
 		stat_inc(STAT_SYN_RETRANS);
 	} else {
-		struct session_val s = {};
-		struct flow_val in = {}, out = {};
-		struct dysco_tuple rkey;
+		/* In scratch space: the stack is needed by same_route. */
+		struct session_val *s = &sc->sess;
+		struct flow_val *in = &sc->fwd, *out = &sc->rev;
+		struct dysco_tuple *rkey = &sc->rkey;
 
-		s.tuple = st->session;
-		s.created_ns = s.last_ns = bpf_ktime_get_ns();
-		__builtin_memcpy(s.nonce, st->nonce, DYSCO_NONCE_LEN);
-		s.state = ST_SYN;
-		s.role = n > 0 ? ROLE_MIDDLE : (local_dst ? ROLE_END : ROLE_END_FWD);
-		s.is_v6 = p->v6;
-		if (alloc_session(&s, &id))
+		__builtin_memset(s, 0, sizeof(*s));
+		__builtin_memset(in, 0, sizeof(*in));
+		__builtin_memset(out, 0, sizeof(*out));
+
+		s->tuple = st->session;
+		s->created_ns = s->last_ns = bpf_ktime_get_ns();
+		__builtin_memcpy(s->nonce, st->nonce, DYSCO_NONCE_LEN);
+		s->state = ST_SYN;
+		s->role = n > 0 ? ROLE_MIDDLE : (local_dst ? ROLE_END : ROLE_END_FWD);
+		s->is_v6 = p->v6;
+		if (alloc_session(s, &id))
 			return TC_ACT_SHOT;
-		in.out = st->session;
-		in.sess_id = id;
-		in.flags = FL_INGRESS | FL_SYN_STRIP | (s.role != ROLE_END ? FL_TAP : 0);
-		reverse(&rkey, &st->session);
-		reverse(&out.out, &p->t);
-		out.sess_id = id;
-		out.dir = 1;
-		out.flags = FL_REROUTE | FL_REV;
-		if (bpf_map_update_elem(&dysco_flows, &p->t, &in, BPF_NOEXIST) ||
-		    bpf_map_update_elem(&dysco_flows, &rkey, &out, BPF_NOEXIST)) {
+		in->out = st->session;
+		in->sess_id = id;
+		in->flags = FL_INGRESS | FL_SYN_STRIP | (s->role != ROLE_END ? FL_TAP : 0);
+		reverse(rkey, &st->session);
+		reverse(&out->out, &p->t);
+		out->sess_id = id;
+		out->dir = 1;
+		out->flags = FL_REV | (same_route(skb, p->v6, st->session.saddr, p->t.saddr) ? 0 : FL_REROUTE);
+		in->packets = 1;
+		in->bytes = skb->len;
+		in->last_ns = s->created_ns;
+		if (bpf_map_update_elem(&dysco_flows, &p->t, in, BPF_NOEXIST) ||
+		    bpf_map_update_elem(&dysco_flows, rkey, out, BPF_NOEXIST)) {
 			bpf_map_delete_elem(&dysco_flows, &p->t);
 			bpf_map_delete_elem(&dysco_sessions, &id);
 			stat_inc(STAT_DROP_FLOWS_FULL);
@@ -401,7 +457,7 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		}
 		if (keep_tag && bpf_map_update_elem(&dysco_syns, &id, st, BPF_ANY)) {
 			bpf_map_delete_elem(&dysco_flows, &p->t);
-			bpf_map_delete_elem(&dysco_flows, &rkey);
+			bpf_map_delete_elem(&dysco_flows, rkey);
 			bpf_map_delete_elem(&dysco_sessions, &id);
 			stat_inc(STAT_DROP_SESSIONS_FULL);
 			return TC_ACT_SHOT;
@@ -412,12 +468,7 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		stat_inc(STAT_DROP_HELPER);
 		return TC_ACT_SHOT;
 	}
-	{
-		struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &id);
-		if (s)
-			track(s, p, 0, skb->len, 0);
-	}
-	if (tap_ifindex && (n > 0 || !local_dst)) {
+	if ((n > 0 || !local_dst) && tap_on()) {
 		bpf_clone_redirect(skb, tap_ifindex, BPF_F_INGRESS);
 		stat_inc(STAT_TAP);
 	}
@@ -520,7 +571,10 @@ static __always_inline int emit_syn(struct __sk_buff *skb, struct pkt *p, __u32 
 		}
 		fwd->out = out;
 		fwd->sess_id = id;
-		fwd->flags = FL_REROUTE | FL_SYN_EMIT;
+		fwd->flags = FL_SYN_EMIT | (same_route(skb, p->v6, p->t.daddr, out.daddr) ? 0 : FL_REROUTE);
+		fwd->packets = 1;
+		fwd->bytes = skb->len;
+		fwd->last_ns = bpf_ktime_get_ns();
 		if (bpf_map_update_elem(&dysco_flows, &p->t, fwd, BPF_NOEXIST)) {
 			bpf_map_delete_elem(&dysco_flows, rkey);
 			stat_inc(STAT_DROP_FLOWS_FULL);

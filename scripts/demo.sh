@@ -44,8 +44,9 @@ on client $D policy list
 say "mb2 monitors the sessions on its session-view tap (tcpdump -i dysco-tap)"
 on mb2 tcpdump -l -n -i dysco-tap -c 4 'tcp port 80' > "$work/tap.txt" 2>/dev/null &
 tap=$!
-for _ in $(seq 50); do on mb2 pgrep -x tcpdump >/dev/null && break; sleep 0.1; done
-sleep 0.5
+# The datapath copies to the tap only while a capture is open; wait until
+# mb2's agent has seen tcpdump's.
+for _ in $(seq 100); do on mb2 $D status -o json | grep -q '"tap_active": *true' && break; sleep 0.1; done
 
 say "Three transfers through the chain, each checked against the file's SHA-256"
 want=$(sha256sum < "$work/www/blob" | cut -d' ' -f1)

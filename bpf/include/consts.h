@@ -103,6 +103,7 @@ enum role {
 #define FL_DELTA (1 << 4)    /* look up sequence deltas in dysco_deltas */
 #define FL_REV (1 << 5)      /* packet travels against the SYN's direction */
 #define FL_INGRESS (1 << 6)  /* applies on ingress; every other flow on egress */
+#define FL_EST (1 << 7)      /* session established: no state to track on plain packets */
 
 /* policy hop kinds */
 #define HOP_ADDR 1

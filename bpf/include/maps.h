@@ -113,6 +113,14 @@ struct {
 	__type(value, struct scratch);
 } dysco_scratch SEC(".maps");
 
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct config);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_config SEC(".maps");
+
 static __always_inline void stat_inc(__u32 s)
 {
 	__u64 *v = bpf_map_lookup_elem(&dysco_stats, &s);

@@ -25,15 +25,18 @@ struct flow_val {
 	__u16 flags; /* FL_* */
 	__u8 dir;    /* 0: the SYN's direction, 1: the reverse */
 	__u8 pad;
+	/* Counters live in the flow, not the session: the steady-state path
+	 * then needs one lookup, and each direction writes its own entry. */
+	__u64 packets;
+	__u64 bytes;
+	__u64 last_ns;
 };
 
 /* Per-session state on this host. */
 struct session_val {
 	struct dysco_tuple tuple; /* session tuple as it entered this host */
 	__u64 created_ns;
-	__u64 last_ns;            /* last packet, either direction */
-	__u64 packets[2];         /* by direction */
-	__u64 bytes[2];
+	__u64 last_ns;            /* last state change (packets: see the flows) */
 	__u8 nonce[DYSCO_NONCE_LEN];
 	__u32 state;              /* ST_* */
 	__u32 policy;             /* policy slot + 1 at the chain start, else 0 */
@@ -81,6 +84,12 @@ struct type_val {
 	__u32 n;
 	__u32 rr; /* round-robin cursor, advanced atomically */
 	__u8 addr[MAX_INSTANCES][16];
+};
+
+/* Settings the agent changes while the datapath runs. */
+struct config {
+	__u32 tap_active; /* a capture is open on the session-view tap */
+	__u32 pad;
 };
 
 /* Scratch space for building a SYN's option and block (too big for the stack). */

@@ -17,6 +17,7 @@ import (
 	"path/filepath"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -72,6 +73,9 @@ type Agent struct {
 	ifaces     map[string]bool
 	effective  []api.Policy
 	typeIndex  map[string]int
+
+	tapActive    atomic.Bool
+	synCollected map[uint32]bool // collector only
 }
 
 // Defaults fills unset fields.
@@ -120,7 +124,7 @@ func netnsID() string {
 // Run runs the agent until ctx is cancelled.
 func Run(ctx context.Context, cfg Config) error {
 	cfg.defaults()
-	a := &Agent{cfg: cfg, log: cfg.Log.With("agent", cfg.Name), started: time.Now(), ifaces: map[string]bool{}}
+	a := &Agent{cfg: cfg, log: cfg.Log.With("agent", cfg.Name), started: time.Now(), ifaces: map[string]bool{}, synCollected: map[uint32]bool{}}
 	if err := claimStateDir(cfg.StateDir, a.log); err != nil {
 		return err
 	}
@@ -219,6 +223,13 @@ func Run(ctx context.Context, cfg Config) error {
 
 	gc := time.NewTicker(cfg.GCInterval)
 	defer gc.Stop()
+	var tapTick <-chan time.Time
+	if tapIndex != 0 {
+		t := time.NewTicker(tapPoll)
+		defer t.Stop()
+		tapTick = t.C
+		a.watchTap(int(tapIndex))
+	}
 	for {
 		select {
 		case <-ctx.Done():
@@ -235,6 +246,8 @@ func Run(ctx context.Context, cfg Config) error {
 			}
 		case <-gc.C:
 			a.collect()
+		case <-tapTick:
+			a.watchTap(int(tapIndex))
 		}
 	}
 }

@@ -89,7 +89,7 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 	a.mu.Lock()
 	out := api.Status{
 		Name: a.cfg.Name, Version: Version, Started: a.started, PinDir: a.cfg.PinDir, Attach: a.dp.Attach,
-		Tap: a.cfg.Tap, Sessions: len(sess), PolicyVersion: a.server.Version, PolicyServer: a.cfg.PolicyServer,
+		Tap: a.cfg.Tap, TapActive: a.tapActive.Load(), Sessions: len(sess), PolicyVersion: a.server.Version, PolicyServer: a.cfg.PolicyServer,
 		PolicyServerOK: a.serverOK, Counters: st,
 	}
 	a.mu.Unlock()
@@ -118,8 +118,17 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 	if err != nil {
 		return nil, err
 	}
+	role := make(map[uint32]uint8, len(sessions))
+	for _, s := range sessions {
+		role[s.ID] = s.Role
+	}
 	left := map[uint32]string{}
 	right := map[uint32]string{}
+	type tally struct {
+		packets, bytes [2]uint64
+		last           uint64
+	}
+	counts := make(map[uint32]*tally, len(sessions))
 	for _, f := range flows {
 		switch {
 		case f.Flags&datapath.FlSYNStrip != 0:
@@ -127,6 +136,16 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 		case f.Flags&datapath.FlSYNEmit != 0:
 			right[f.SessId] = f.Out.String()
 		}
+		t := counts[f.SessId]
+		if t == nil {
+			t = &tally{}
+			counts[f.SessId] = t
+		}
+		if datapath.Counted(f.Flow, role[f.SessId]) {
+			t.packets[f.Dir&1] += f.Packets
+			t.bytes[f.Dir&1] += f.Bytes
+		}
+		t.last = max(t.last, f.LastNs)
 	}
 	a.mu.Lock()
 	eff := a.effective
@@ -134,12 +153,16 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 	now := datapath.Monotonic()
 	out := make([]api.Session, 0, len(sessions))
 	for _, s := range sessions {
+		t := counts[s.ID]
+		if t == nil {
+			t = &tally{}
+		}
 		as := api.Session{
 			ID: s.ID, Session: s.Tuple.String(), Left: left[s.ID], Right: right[s.ID],
 			Role: datapath.RoleName(s.Role), State: datapath.StateName(s.State),
-			PacketsFwd: s.Packets[0], BytesFwd: s.Bytes[0], PacketsRev: s.Packets[1], BytesRev: s.Bytes[1],
+			PacketsFwd: t.packets[0], BytesFwd: t.bytes[0], PacketsRev: t.packets[1], BytesRev: t.bytes[1],
 			AgeSeconds:  (now - time.Duration(s.CreatedNs)).Seconds(),
-			IdleSeconds: (now - time.Duration(s.LastNs)).Seconds(),
+			IdleSeconds: (now - time.Duration(max(s.LastNs, t.last))).Seconds(),
 		}
 		if s.Policy > 0 && int(s.Policy) <= len(eff) {
 			as.Policy = eff[s.Policy-1].Name

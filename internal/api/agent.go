@@ -17,14 +17,17 @@ type Error struct {
 
 // Status describes an agent.
 type Status struct {
-	Name     string    `json:"name"`
-	Version  string    `json:"version"`
-	Started  time.Time `json:"started"`
-	PinDir   string    `json:"pin_dir"`
-	Attach   string    `json:"attach"` // "tcx" or "clsact"
-	Ifaces   []string  `json:"ifaces"`
-	Tap      string    `json:"tap,omitempty"`
-	Sessions int       `json:"sessions"`
+	Name    string    `json:"name"`
+	Version string    `json:"version"`
+	Started time.Time `json:"started"`
+	PinDir  string    `json:"pin_dir"`
+	Attach  string    `json:"attach"` // "tcx" or "clsact"
+	Ifaces  []string  `json:"ifaces"`
+	Tap     string    `json:"tap,omitempty"`
+	// TapActive tells whether a capture listens on the tap: the datapath
+	// copies packets there only then.
+	TapActive bool `json:"tap_active,omitempty"`
+	Sessions  int  `json:"sessions"`
 	// PolicyVersion is the version of the policy set in force (0: local only).
 	PolicyVersion uint64 `json:"policy_version"`
 	// PolicyServer is the server URL, empty when none is configured.

@@ -13,6 +13,12 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type dyscoConfig struct {
+	_         structs.HostLayout
+	TapActive uint32
+	Pad       uint32
+}
+
 type dyscoDeltaVal struct {
 	_     structs.HostLayout
 	Seq   int32
@@ -36,12 +42,15 @@ type dyscoDyscoTuple struct {
 }
 
 type dyscoFlowVal struct {
-	_      structs.HostLayout
-	Out    dyscoDyscoTuple
-	SessId uint32
-	Flags  uint16
-	Dir    uint8
-	Pad    uint8
+	_       structs.HostLayout
+	Out     dyscoDyscoTuple
+	SessId  uint32
+	Flags   uint16
+	Dir     uint8
+	Pad     uint8
+	Packets uint64
+	Bytes   uint64
+	LastNs  uint64
 }
 
 type dyscoPolicyVal struct {
@@ -72,8 +81,6 @@ type dyscoSessionVal struct {
 	Tuple     dyscoDyscoTuple
 	CreatedNs uint64
 	LastNs    uint64
-	Packets   [2]uint64
-	Bytes     [2]uint64
 	Nonce     [8]uint8
 	State     uint32
 	Policy    uint32
@@ -110,6 +117,7 @@ type dyscoTypeVal struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	dyscoMapDyscoConfig    = "dysco_config"
 	dyscoMapDyscoDeltas    = "dysco_deltas"
 	dyscoMapDyscoFlows     = "dysco_flows"
 	dyscoMapDyscoIds       = "dysco_ids"
@@ -184,6 +192,7 @@ type dyscoProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type dyscoMapSpecs struct {
+	DyscoConfig   *ebpf.MapSpec `ebpf:"dysco_config"`
 	DyscoDeltas   *ebpf.MapSpec `ebpf:"dysco_deltas"`
 	DyscoFlows    *ebpf.MapSpec `ebpf:"dysco_flows"`
 	DyscoIds      *ebpf.MapSpec `ebpf:"dysco_ids"`
@@ -228,6 +237,7 @@ func (o *dyscoObjects) Close() error {
 //
 // It can be passed to loadDyscoObjects or ebpf.CollectionSpec.LoadAndAssign.
 type dyscoMaps struct {
+	DyscoConfig   *ebpf.Map `ebpf:"dysco_config"`
 	DyscoDeltas   *ebpf.Map `ebpf:"dysco_deltas"`
 	DyscoFlows    *ebpf.Map `ebpf:"dysco_flows"`
 	DyscoIds      *ebpf.Map `ebpf:"dysco_ids"`
@@ -244,6 +254,7 @@ type dyscoMaps struct {
 
 func (m *dyscoMaps) Close() error {
 	return _DyscoClose(
+		m.DyscoConfig,
 		m.DyscoDeltas,
 		m.DyscoFlows,
 		m.DyscoIds,

@@ -282,8 +282,22 @@ func (fx *fixture) sessions(tb testing.TB) []SessionEntry {
 	return s
 }
 
-// flows returns the flows by key.
+// flows returns the flows by key, without their counters (and without the
+// FL_EST mark, a cache of the session's state), so that tables can compare
+// what a flow does.
 func (fx *fixture) flows(tb testing.TB) map[Tuple]Flow {
+	tb.Helper()
+	out := fx.rawFlows(tb)
+	for k, f := range out {
+		f.Packets, f.Bytes, f.LastNs = 0, 0, 0
+		f.Flags &^= FlEst
+		out[k] = f
+	}
+	return out
+}
+
+// rawFlows returns the flows by key as the datapath left them.
+func (fx *fixture) rawFlows(tb testing.TB) map[Tuple]Flow {
 	tb.Helper()
 	fs, err := fx.d.Flows()
 	if err != nil {

@@ -47,6 +47,7 @@ const (
 	FlDelta    = 1 << 4
 	FlRev      = 1 << 5
 	FlIngress  = 1 << 6
+	FlEst      = 1 << 7
 
 	hopAddr = 1
 	hopType = 2
@@ -283,16 +284,28 @@ type SessionEntry struct {
 	Session
 }
 
+// batchSize is how many entries one batch lookup reads: listing 100,000
+// sessions takes tens of system calls, not hundreds of thousands.
+const batchSize = 4096
+
 // Sessions lists the sessions.
 func (d *Datapath) Sessions() ([]SessionEntry, error) {
 	var out []SessionEntry
-	var id uint32
-	var s Session
-	it := d.objs.DyscoSessions.Iterate()
-	for it.Next(&id, &s) {
-		out = append(out, SessionEntry{ID: id, Session: s})
+	keys := make([]uint32, batchSize)
+	vals := make([]Session, batchSize)
+	var cursor ebpf.MapBatchCursor
+	for {
+		n, err := d.objs.DyscoSessions.BatchLookup(&cursor, keys, vals, nil)
+		for i := 0; i < n; i++ {
+			out = append(out, SessionEntry{ID: keys[i], Session: vals[i]})
+		}
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return out, nil
+		}
+		if err != nil {
+			return out, fmt.Errorf("datapath: list sessions: %w", err)
+		}
 	}
-	return out, it.Err()
 }
 
 // FlowEntry is a flow with its key.
@@ -304,13 +317,41 @@ type FlowEntry struct {
 // Flows lists the flows.
 func (d *Datapath) Flows() ([]FlowEntry, error) {
 	var out []FlowEntry
-	var k Tuple
-	var f Flow
-	it := d.objs.DyscoFlows.Iterate()
-	for it.Next(&k, &f) {
-		out = append(out, FlowEntry{Key: k, Flow: f})
+	keys := make([]Tuple, batchSize)
+	vals := make([]Flow, batchSize)
+	var cursor ebpf.MapBatchCursor
+	for {
+		n, err := d.objs.DyscoFlows.BatchLookup(&cursor, keys, vals, nil)
+		for i := 0; i < n; i++ {
+			out = append(out, FlowEntry{Key: keys[i], Flow: vals[i]})
+		}
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return out, nil
+		}
+		if err != nil {
+			return out, fmt.Errorf("datapath: list flows: %w", err)
+		}
 	}
-	return out, it.Err()
+}
+
+// Counted tells whether a flow's counters count its packets for this host:
+// a packet that crosses the host passes an ingress and an egress flow, and is
+// counted where it enters, or where it leaves if the host made it.
+func Counted(f Flow, role uint8) bool {
+	if f.Flags&FlIngress != 0 {
+		return true
+	}
+	return (f.Dir == 0 && role == RoleStart) || (f.Dir == 1 && (role == RoleEnd || role == RoleEndFwd))
+}
+
+// SetTapActive tells the datapath whether a capture listens on the
+// session-view tap; copies are made only then.
+func (d *Datapath) SetTapActive(on bool) error {
+	v := dyscoConfig{}
+	if on {
+		v.TapActive = 1
+	}
+	return d.objs.DyscoConfig.Put(uint32(0), v)
 }
 
 // SynHops returns the address list a session's SYN still had to visit.

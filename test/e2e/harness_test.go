@@ -382,6 +382,11 @@ func (e *env) capture(host, iface, filter string) (stop func() []string) {
 		cancel()
 		e.t.Fatal("tcpdump did not start")
 	}
+	if iface == "dysco-tap" {
+		// The datapath copies to the tap only while a capture is open:
+		// wait until the agent has seen this one.
+		eventually(e.t, 5*time.Second, "the agent to see the capture on the tap", func() bool { return e.status(host).TapActive })
+	}
 	return func() []string {
 		cancel()
 		cmd.Wait()
