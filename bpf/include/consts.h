@@ -75,6 +75,7 @@ enum stat {
 	STAT_FIN,
 	STAT_RST,
 	STAT_DELTA,              /* packets with sequence deltas applied */
+	STAT_ICMP,               /* ICMP errors about subsessions translated */
 	STAT_MAX,
 };
 
