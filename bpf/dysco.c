@@ -217,7 +217,7 @@ static __always_inline void track_state(struct session_val *s, const struct pkt 
 		set |= ST_EST;
 	if (set & ~st) {
 		__sync_fetch_and_or(&s->state, set);
-		s->last_ns = bpf_ktime_get_ns();
+		s->last_ns = bpf_ktime_get_coarse_ns();
 	}
 }
 
@@ -225,7 +225,7 @@ static __always_inline void track_state(struct session_val *s, const struct pkt 
  * its ingress and its egress flow; the agent counts each packet once. */
 static __always_inline void count(struct flow_val *fp, __u32 len)
 {
-	fp->last_ns = bpf_ktime_get_ns();
+	fp->last_ns = bpf_ktime_get_coarse_ns();
 	__sync_fetch_and_add(&fp->packets, 1);
 	__sync_fetch_and_add(&fp->bytes, len);
 }
@@ -430,7 +430,7 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		__builtin_memset(out, 0, sizeof(*out));
 
 		s->tuple = st->session;
-		s->created_ns = s->last_ns = bpf_ktime_get_ns();
+		s->created_ns = s->last_ns = bpf_ktime_get_coarse_ns();
 		__builtin_memcpy(s->nonce, st->nonce, DYSCO_NONCE_LEN);
 		s->state = ST_SYN;
 		s->role = n > 0 ? ROLE_MIDDLE : (local_dst ? ROLE_END : ROLE_END_FWD);
@@ -707,7 +707,7 @@ static __always_inline int emit_syn(struct __sk_buff *skb, struct pkt *p, __u32 
 		fwd->flags = FL_SYN_EMIT | (same_route(skb, p->v6, p->t.daddr, out.daddr) ? 0 : FL_REROUTE);
 		fwd->packets = 1;
 		fwd->bytes = skb->len;
-		fwd->last_ns = bpf_ktime_get_ns();
+		fwd->last_ns = bpf_ktime_get_coarse_ns();
 		if (bpf_map_update_elem(&dysco_flows, &p->t, fwd, BPF_NOEXIST)) {
 			bpf_map_delete_elem(&dysco_flows, rkey);
 			stat_inc(STAT_DROP_FLOWS_FULL);
@@ -886,7 +886,7 @@ int dysco_setup(struct __sk_buff *skb)
 		__builtin_memcpy(st->nonce, &r, DYSCO_NONCE_LEN);
 		__builtin_memset(s, 0, sizeof(*s));
 		s->tuple = p.t;
-		s->created_ns = s->last_ns = bpf_ktime_get_ns();
+		s->created_ns = s->last_ns = bpf_ktime_get_coarse_ns();
 		__builtin_memcpy(s->nonce, st->nonce, DYSCO_NONCE_LEN);
 		s->state = ST_SYN;
 		s->policy = slot;

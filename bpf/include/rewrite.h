@@ -20,41 +20,57 @@
 #define IP_CSUM_OFF(p) ((p)->l3 + offsetof(struct iphdr, check))
 #define TCP_CSUM_OFF(p) ((p)->l4 + offsetof(struct tcphdr, check))
 
-/* rewrite_tuple writes out's addresses and ports into the packet. */
+/* rewrite_tuple writes out's addresses and ports into the packet. Without
+ * IPv4 options the addresses and the ports are contiguous: one store. */
 static __always_inline int rewrite_tuple(struct __sk_buff *skb, struct pkt *p, const struct dysco_tuple *out)
 {
+	__u32 oldp = (__u32)p->t.sport | ((__u32)p->t.dport << 16);
+	__u32 newp = (__u32)out->sport | ((__u32)out->dport << 16);
 	__s64 diff;
 
 	if (!p->v6) {
-		__u32 old[2], new[2];
+		__u32 old[3], new[3];
 		__builtin_memcpy(&old[0], p->t.saddr + 12, 4);
 		__builtin_memcpy(&old[1], p->t.daddr + 12, 4);
 		__builtin_memcpy(&new[0], out->saddr + 12, 4);
 		__builtin_memcpy(&new[1], out->daddr + 12, 4);
+		new[2] = newp;
 		if (old[0] != new[0] || old[1] != new[1]) {
 			diff = bpf_csum_diff(old, 8, new, 8, 0);
 			if (bpf_l3_csum_replace(skb, IP_CSUM_OFF(p), 0, diff, 0) ||
-			    bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, BPF_F_PSEUDO_HDR) ||
-			    bpf_skb_store_bytes(skb, p->l3 + offsetof(struct iphdr, saddr), new, 8, 0))
+			    bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, BPF_F_PSEUDO_HDR))
 				return -1;
 		}
+		if (oldp != newp) {
+			diff = bpf_csum_diff(&oldp, 4, &newp, 4, 0);
+			if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, 0))
+				return -1;
+		}
+		if (p->l4 == p->l3 + sizeof(struct iphdr)) {
+			if (bpf_skb_store_bytes(skb, p->l3 + offsetof(struct iphdr, saddr), new, 12, 0))
+				return -1;
+		} else if (bpf_skb_store_bytes(skb, p->l3 + offsetof(struct iphdr, saddr), new, 8, 0) ||
+			   bpf_skb_store_bytes(skb, p->l4, &newp, 4, 0)) {
+			return -1;
+		}
 	} else {
-		__u32 old[8], new[8];
+		__u32 old[8], new[9];
 		__builtin_memcpy(&old[0], p->t.saddr, 16);
 		__builtin_memcpy(&old[4], p->t.daddr, 16);
 		__builtin_memcpy(&new[0], out->saddr, 16);
 		__builtin_memcpy(&new[4], out->daddr, 16);
+		new[8] = newp;
 		diff = bpf_csum_diff(old, 32, new, 32, 0);
-		if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, BPF_F_PSEUDO_HDR) ||
-		    bpf_skb_store_bytes(skb, p->l3 + offsetof(struct ipv6hdr, saddr), new, 32, 0))
+		if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, BPF_F_PSEUDO_HDR))
 			return -1;
-	}
-	if (p->t.sport != out->sport || p->t.dport != out->dport) {
-		__u32 oldp = (__u32)p->t.sport | ((__u32)p->t.dport << 16);
-		__u32 newp = (__u32)out->sport | ((__u32)out->dport << 16);
-		diff = bpf_csum_diff(&oldp, 4, &newp, 4, 0);
-		if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, 0) ||
-		    bpf_skb_store_bytes(skb, p->l4, &newp, 4, 0))
+		if (oldp != newp) {
+			diff = bpf_csum_diff(&oldp, 4, &newp, 4, 0);
+			if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, 0))
+				return -1;
+		}
+		/* The TCP header follows the IPv6 header (parse allows no
+		 * extension headers): addresses and ports are contiguous. */
+		if (bpf_skb_store_bytes(skb, p->l3 + offsetof(struct ipv6hdr, saddr), new, 36, 0))
 			return -1;
 	}
 	__builtin_memcpy(&p->t, out, sizeof(*out));

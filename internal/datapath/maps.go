@@ -388,7 +388,7 @@ func (d *Datapath) DeleteFlow(k Tuple) {
 // Monotonic returns the clock the datapath stamps sessions with.
 func Monotonic() time.Duration {
 	var ts unix.Timespec
-	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
+	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC_COARSE, &ts)
 	return time.Duration(ts.Nano())
 }
 
