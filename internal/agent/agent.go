@@ -175,14 +175,24 @@ func Run(ctx context.Context, cfg Config) error {
 	if err := netlink.AddrSubscribe(addrCh, done); err != nil {
 		return fmt.Errorf("agent: watch addresses: %w", err)
 	}
-	if err := a.syncInterfaces(); err != nil {
-		return err
+	// Policies go in before the programs are swapped into the links: the
+	// program array of a new load starts empty, and a session a policy
+	// sends through a middlebox must never slip through unchained.
+	if cfg.PolicyServer != "" {
+		if ps, err := policyserver.ReadCache(a.serverCache(), cfg.Name); err == nil {
+			a.server = ps
+		} else if !errors.Is(err, os.ErrNotExist) {
+			a.log.Warn("policy server cache not used", "err", err)
+		}
 	}
 	if err := a.syncAddrs(); err != nil {
 		return err
 	}
 	if err := a.applyPolicies(); err != nil {
 		a.log.Error("policies not applied", "err", err)
+	}
+	if err := a.syncInterfaces(); err != nil {
+		return err
 	}
 
 	a.metrics = newMetrics(a)
@@ -200,7 +210,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	if cfg.PolicyServer != "" {
 		go policyserver.Watch(ctx, policyserver.WatchConfig{
-			URL: cfg.PolicyServer, Host: cfg.Name, CacheFile: filepath.Join(cfg.StateDir, "server-policies.json"),
+			URL: cfg.PolicyServer, Host: cfg.Name, CacheFile: a.serverCache(),
 			OnUpdate: a.onServerPolicies,
 			OnStatus: func(ok bool, err error) {
 				a.mu.Lock()
@@ -365,6 +375,8 @@ func (a *Agent) syncAddrs() error {
 // ---- policies ----
 
 func (a *Agent) localFile() string { return filepath.Join(a.cfg.StateDir, "local-policies.json") }
+
+func (a *Agent) serverCache() string { return filepath.Join(a.cfg.StateDir, "server-policies.json") }
 
 func (a *Agent) loadLocal() error {
 	b, err := os.ReadFile(a.localFile())

@@ -178,3 +178,8 @@ func writeCache(path, host string, set api.PolicySet) error {
 	}
 	return writeFileAtomic(path, append(data, '\n'), 0o644)
 }
+
+// ReadCache returns the policy set an agent cached for host, so that the
+// agent can enforce it before anything else on start (Watch delivers it
+// again, which changes nothing).
+func ReadCache(path, host string) (api.PolicySet, error) { return readCache(path, host) }

@@ -120,7 +120,7 @@ func TestManySessions(t *testing.T) {
 func TestAgentRestart(t *testing.T) {
 	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server")})
 	dst := e.addr("server", false)
-	e.policy("client", "r", "tcp dst port 9200", e.addr("mb1", false).String())
+	e.policy("client", "r", "tcp dst portrange 9200-9201", e.addr("mb1", false).String())
 
 	const total = 64 * mib
 	ln := e.listen("server", netip.AddrPortFrom(dst, 9200))
@@ -166,6 +166,13 @@ func TestAgentRestart(t *testing.T) {
 	}
 	if len(e.sessions("mb1")) == 0 && e.status("mb1").Counters["rewrite_in"] == 0 {
 		t.Error("the restarted agent on mb1 sees no trace of the session")
+	}
+	// A session begun right after the restart is chained: the restarted
+	// agent installed its policies before swapping its programs in.
+	base := e.status("mb1").Counters["setup_cont"]
+	e.exchange("client", "server", dst, 9201, mib)
+	if got := e.status("mb1").Counters["setup_cont"]; got != base+1 {
+		t.Errorf("a session after the restart did not go through mb1 (setup_cont %d -> %d)", base, got)
 	}
 }
 
