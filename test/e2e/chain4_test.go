@@ -51,64 +51,85 @@ func (e *env) iperfServer(host string, port int) {
 // session-view tap, a NAT (MASQUERADE: the tuple changes inside the chain,
 // paper §2.1 tags), and a plain forwarder.
 func TestChainFourMiddleboxes(t *testing.T) {
-	for _, off := range []bool{false, true} {
-		t.Run(fmt.Sprintf("txcsum-off=%v", off), func(t *testing.T) {
-			e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "mb3", "mb4", "server")})
-			if off {
-				e.txOff("client", "mb1", "mb2", "mb3", "mb4", "server")
-			}
-			dst := e.addr("server", false)
-			// mb1: stateful firewall, default DROP.
-			for _, r := range [][]string{
-				{"-P", "FORWARD", "DROP"},
-				{"-A", "FORWARD", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"},
-				{"-A", "FORWARD", "-p", "tcp", "--syn", "-d", dst.String(), "-m", "multiport", "--dports", "9000,5201", "-m", "conntrack", "--ctstate", "NEW", "-j", "ACCEPT"},
-			} {
-				e.run("mb1", append([]string{"iptables"}, r...)...)
-			}
-			// mb3: NAT.
-			e.run("mb3", "iptables", "-t", "nat", "-A", "POSTROUTING", "-p", "tcp", "-j", "MASQUERADE")
-
-			var chain []string
-			for _, m := range []string{"mb1", "mb2", "mb3", "mb4"} {
-				chain = append(chain, e.addr(m, false).String())
-			}
-			e.policy("client", "four", "tcp and (dst port 9000 or dst port 5201)", chain...)
-			e.iperfServer("server", 5201)
-
-			tap := e.capture("mb2", "dysco-tap", "tcp port 9000")
-			peer := e.exchange("client", "server", dst, 9000, transferSize())
-			lines := tap()
-
-			client := e.addr("client", false).String()
-			if !anyLine(lines, client+".", dst.String()+".9000") {
-				t.Errorf("monitor on mb2's tap did not see the session tuple; saw:\n%s", strings.Join(head(lines, 5), "\n"))
-			}
-			// The firewall's conntrack holds the session tuple.
-			ct := e.run("mb1", "conntrack", "-L", "-p", "tcp", "--dport", "9000")
-			if !strings.Contains(ct, "src="+client) || !strings.Contains(ct, "dst="+dst.String()) {
-				t.Errorf("mb1 conntrack has no entry for the session:\n%s", ct)
-			}
-			// The NAT changed the tuple inside the chain: the server's
-			// socket sees mb3's address.
-			if mb3 := e.addr("mb3", false); peer.Addr() != mb3 {
-				t.Errorf("the server saw the session from %s, want the NAT's address %s", peer, mb3)
-			}
-
-			fwd, rev := e.iperf("client", dst, 5201, 2)
-			if fwd <= 0 || rev <= 0 {
-				t.Errorf("iperf3 moved %v bytes forward and %v in reverse", fwd, rev)
-			}
-			for _, h := range []string{"mb1", "mb2", "mb3", "mb4"} {
-				if n := e.status(h).Counters["setup_cont"]; n < 3 {
-					t.Errorf("%s continued %d chains, want at least 3", h, n)
-				}
-			}
-			for _, h := range []string{"client", "mb1", "mb2", "mb3", "mb4", "server"} {
-				eventually(t, 20*time.Second, "sessions on "+h+" to be collected", func() bool { return len(e.sessions(h)) == 0 })
-			}
-		})
+	for _, v6 := range []bool{false, true} {
+		for _, off := range []bool{false, true} {
+			chainFour(t, v6, off)
+		}
 	}
+}
+
+func chainFour(t *testing.T, v6, off bool) {
+	ipt := "iptables"
+	if v6 {
+		ipt = "ip6tables"
+	}
+	t.Run(fmt.Sprintf("ipv6=%v/txcsum-off=%v", v6, off), func(t *testing.T) {
+		e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "mb3", "mb4", "server")})
+		if off {
+			e.txOff("client", "mb1", "mb2", "mb3", "mb4", "server")
+		}
+		dst := e.addr("server", v6)
+		// mb1: stateful firewall, default DROP.
+		for _, r := range [][]string{
+			{"-P", "FORWARD", "DROP"},
+			{"-A", "FORWARD", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"},
+			{"-A", "FORWARD", "-p", "tcp", "--syn", "-d", dst.String(), "-m", "multiport", "--dports", "9000,5201", "-m", "conntrack", "--ctstate", "NEW", "-j", "ACCEPT"},
+		} {
+			e.run("mb1", append([]string{ipt}, r...)...)
+		}
+		// mb3: NAT.
+		e.run("mb3", ipt, "-t", "nat", "-A", "POSTROUTING", "-p", "tcp", "-j", "MASQUERADE")
+
+		var chain []string
+		for _, m := range []string{"mb1", "mb2", "mb3", "mb4"} {
+			chain = append(chain, e.addr(m, v6).String())
+		}
+		e.policy("client", "four", "tcp and (dst port 9000 or dst port 5201 or dst port 80)", chain...)
+		e.iperfServer("server", 5201)
+		dir := t.TempDir()
+		e.nginx("server", dir)
+		want := randomFile(t, dir+"/www/blob", transferSize())
+		e.run("mb1", ipt, "-I", "FORWARD", "2", "-p", "tcp", "--syn", "-d", dst.String(), "--dport", "80", "-m", "conntrack", "--ctstate", "NEW", "-j", "ACCEPT")
+		if got := e.curlHash("client", urlFor(dst, "/blob")); got != want {
+			t.Fatalf("curl through four middleboxes: sha256 %s, want %s", got, want)
+		}
+
+		tap := e.capture("mb2", "dysco-tap", "tcp port 9000")
+		peer := e.exchange("client", "server", dst, 9000, transferSize())
+		lines := tap()
+
+		client := e.addr("client", v6).String()
+		if !anyLine(lines, client+".", dst.String()+".9000") {
+			t.Errorf("monitor on mb2's tap did not see the session tuple; saw:\n%s", strings.Join(head(lines, 5), "\n"))
+		}
+		// The firewall's conntrack holds the session tuple.
+		family := "ipv4"
+		if v6 {
+			family = "ipv6"
+		}
+		ct := e.run("mb1", "conntrack", "-L", "-f", family, "-p", "tcp", "--dport", "9000")
+		if !strings.Contains(ct, "src="+client) || !strings.Contains(ct, "dst="+dst.String()) {
+			t.Errorf("mb1 conntrack has no entry for the session:\n%s", ct)
+		}
+		// The NAT changed the tuple inside the chain: the server's
+		// socket sees mb3's address.
+		if mb3 := e.addr("mb3", v6); peer.Addr() != mb3 {
+			t.Errorf("the server saw the session from %s, want the NAT's address %s", peer, mb3)
+		}
+
+		fwd, rev := e.iperf("client", dst, 5201, 2)
+		if fwd <= 0 || rev <= 0 {
+			t.Errorf("iperf3 moved %v bytes forward and %v in reverse", fwd, rev)
+		}
+		for _, h := range []string{"mb1", "mb2", "mb3", "mb4"} {
+			if n := e.status(h).Counters["setup_cont"]; n < 3 {
+				t.Errorf("%s continued %d chains, want at least 3", h, n)
+			}
+		}
+		for _, h := range []string{"client", "mb1", "mb2", "mb3", "mb4", "server"} {
+			eventually(t, 20*time.Second, "sessions on "+h+" to be collected", func() bool { return len(e.sessions(h)) == 0 })
+		}
+	})
 }
 
 func anyLine(lines []string, subs ...string) bool {

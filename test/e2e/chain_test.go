@@ -121,6 +121,7 @@ func TestChainOneMiddlebox(t *testing.T) {
 
 				dir := t.TempDir()
 				e.nginx("server", dir)
+				e.iperfServer("server", 5201)
 				want := randomFile(t, filepath.Join(dir, "www", "blob"), transferSize())
 
 				tap := e.capture("mb1", "dysco-tap", "tcp port 9000")
@@ -155,6 +156,9 @@ func TestChainOneMiddlebox(t *testing.T) {
 						t.Errorf("the wire at mb1 carried the session tuple (no rewrite): %s", l)
 						break
 					}
+				}
+				if fwd, rev := e.iperf("client", dst, 5201, 1); fwd <= 0 || rev <= 0 {
+					t.Errorf("iperf3 moved %v bytes forward and %v in reverse", fwd, rev)
 				}
 				st := e.status("mb1")
 				if st.Counters["setup_cont"] < 2 {
