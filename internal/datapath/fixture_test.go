@@ -73,7 +73,7 @@ type testNet struct {
 	ifindex int // dy0
 }
 
-func newTestNet(t *testing.T) *testNet {
+func newTestNet(t testing.TB) *testNet {
 	t.Helper()
 	n := &testNet{work: make(chan func())}
 	ready := make(chan error)
@@ -180,7 +180,7 @@ type fixture struct {
 	ingress, egress, setup *ebpf.Program
 }
 
-func newFixture(t *testing.T) *fixture {
+func newFixture(t testing.TB) *fixture {
 	t.Helper()
 	requireRoot(t)
 	fx := &fixture{net: newTestNet(t)}
