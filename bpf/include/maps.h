@@ -1,7 +1,9 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR MIT) */
 /* Maps of the datapath. Session state lives in plain hash maps, never LRU
  * maps: an eviction would silently break a connection (DESIGN requirement 7).
- * Every map is pinned by name so that an agent restart keeps live sessions. */
+ * They are not preallocated: memory follows the live sessions, while
+ * max_entries still bounds them (a full map refuses new sessions). Every map
+ * is pinned by name so that an agent restart keeps live sessions. */
 #ifndef DYSCO_MAPS_H
 #define DYSCO_MAPS_H
 
@@ -13,6 +15,7 @@ struct {
 	__uint(max_entries, MAX_FLOWS);
 	__type(key, struct dysco_tuple);
 	__type(value, struct flow_val);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } dysco_flows SEC(".maps");
 
@@ -21,6 +24,7 @@ struct {
 	__uint(max_entries, MAX_SESSIONS);
 	__type(key, __u32);
 	__type(value, struct session_val);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } dysco_sessions SEC(".maps");
 
@@ -29,6 +33,7 @@ struct {
 	__uint(max_entries, MAX_SESSIONS);
 	__type(key, __u32);
 	__type(value, struct syn_state);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } dysco_syns SEC(".maps");
 
@@ -37,6 +42,7 @@ struct {
 	__uint(max_entries, MAX_DELTAS);
 	__type(key, struct dysco_tuple);
 	__type(value, struct delta_val);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } dysco_deltas SEC(".maps");
 

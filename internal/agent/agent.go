@@ -74,8 +74,7 @@ type Agent struct {
 	effective  []api.Policy
 	typeIndex  map[string]int
 
-	tapActive    atomic.Bool
-	synCollected map[uint32]bool // collector only
+	tapActive atomic.Bool
 }
 
 // Defaults fills unset fields.
@@ -124,7 +123,7 @@ func netnsID() string {
 // Run runs the agent until ctx is cancelled.
 func Run(ctx context.Context, cfg Config) error {
 	cfg.defaults()
-	a := &Agent{cfg: cfg, log: cfg.Log.With("agent", cfg.Name), started: time.Now(), ifaces: map[string]bool{}, synCollected: map[uint32]bool{}}
+	a := &Agent{cfg: cfg, log: cfg.Log.With("agent", cfg.Name), started: time.Now(), ifaces: map[string]bool{}}
 	if err := claimStateDir(cfg.StateDir, a.log); err != nil {
 		return err
 	}

@@ -11,70 +11,83 @@ import (
 // lets the last ACK and retransmitted FINs through; after the half-open
 // timeout for sessions never established; after the idle timeout for the
 // rest. A session's last activity is the latest of its flows' and its own
-// state changes. Set-up state of established sessions goes at once, and flows
-// whose session is gone go too, so nothing is left behind.
+// state changes. Set-up state goes once the session is established, and
+// flows whose session is gone go too, so nothing is left behind.
+//
+// It reads the maps in batches and keeps only a small summary per session,
+// so that its memory and CPU stay modest at 100,000 sessions.
 func (a *Agent) collect() {
-	sessions, err := a.dp.Sessions()
-	if err != nil {
-		a.log.Warn("collector: list sessions", "err", err)
-		return
-	}
-	flows, err := a.dp.Flows()
-	if err != nil {
+	// Last activity by session, from the flows.
+	last := map[uint32]uint64{}
+	if err := a.dp.EachFlow(func(_ *datapath.Tuple, f *datapath.Flow) {
+		if f.LastNs > last[f.SessId] {
+			last[f.SessId] = f.LastNs
+		} else if _, ok := last[f.SessId]; !ok {
+			last[f.SessId] = 0
+		}
+	}); err != nil {
 		a.log.Warn("collector: list flows", "err", err)
 		return
 	}
-	last := make(map[uint32]uint64, len(sessions))
-	for _, f := range flows {
-		last[f.SessId] = max(last[f.SessId], f.LastNs)
-	}
 	now := datapath.Monotonic()
-	live := make(map[uint32]bool, len(sessions))
-	ended := 0
-	for _, s := range sessions {
+	var dead []uint32
+	if err := a.dp.EachSession(func(id uint32, s *datapath.Session) {
+		l, hasFlows := last[id]
+		delete(last, id) // what stays in last afterwards has no session
 		age := now - time.Duration(s.CreatedNs)
-		idle := now - time.Duration(max(s.LastNs, last[s.ID]))
+		idle := now - time.Duration(max(s.LastNs, l))
 		st := s.State
-		dead := false
 		switch {
-		case st&datapath.StRST != 0 && idle > a.cfg.CloseLinger/5:
-			dead = true
-		case st&datapath.StFINFwd != 0 && st&datapath.StFINRev != 0 && idle > a.cfg.CloseLinger:
-			dead = true
-		case st&datapath.StEst == 0 && age > a.cfg.HalfOpenTimeout && idle > a.cfg.HalfOpenTimeout:
-			dead = true
-		case idle > a.cfg.IdleTimeout:
-			dead = true
+		case st&datapath.StRST != 0 && idle > a.cfg.CloseLinger/5,
+			st&datapath.StFINFwd != 0 && st&datapath.StFINRev != 0 && idle > a.cfg.CloseLinger,
+			st&datapath.StEst == 0 && age > a.cfg.HalfOpenTimeout && idle > a.cfg.HalfOpenTimeout,
+			idle > a.cfg.IdleTimeout,
+			!hasFlows && age > a.cfg.HalfOpenTimeout:
+			dead = append(dead, id)
 		}
-		if dead {
-			a.dp.DeleteSession(s.ID)
-			ended++
-			continue
-		}
-		live[s.ID] = true
-		if st&datapath.StEst != 0 && !a.synCollected[s.ID] {
-			a.dp.DeleteSynState(s.ID)
-			a.synCollected[s.ID] = true
+	}); err != nil {
+		a.log.Warn("collector: list sessions", "err", err)
+		return
+	}
+	for _, id := range dead {
+		a.dp.DeleteSession(id)
+	}
+	// Set-up state is small and short-lived: drop it once the session is
+	// established (or gone).
+	var setupDone []uint32
+	_ = a.dp.EachSetup(func(id uint32) { setupDone = append(setupDone, id) })
+	for _, id := range setupDone {
+		if s, ok := a.dp.Session(id); !ok || s.State&datapath.StEst != 0 {
+			a.dp.DeleteSynState(id)
 		}
 	}
-	for id := range a.synCollected {
-		if !live[id] {
-			delete(a.synCollected, id)
+	// Flows of ended sessions, and flows whose session is missing. A flow is
+	// created just after its session, so an orphan seen here may be brand
+	// new: it is removed only if its session is still missing now.
+	gone := make(map[uint32]bool, len(dead)+len(last))
+	for _, id := range dead {
+		gone[id] = true
+	}
+	for id := range last {
+		if !a.dp.SessionExists(id) {
+			gone[id] = true
 		}
 	}
-	// A flow is created just after its session; one whose session is
-	// missing from a listing taken before it may be brand new, so look
-	// the session up again before deleting.
 	stale := 0
-	for _, f := range flows {
-		if live[f.SessId] || a.dp.SessionExists(f.SessId) {
-			continue
+	if len(gone) > 0 {
+		var keys []datapath.Tuple
+		_ = a.dp.EachFlow(func(k *datapath.Tuple, f *datapath.Flow) {
+			if gone[f.SessId] {
+				keys = append(keys, *k)
+			}
+		})
+		for _, k := range keys {
+			a.dp.DeleteFlow(k)
 		}
-		a.dp.DeleteFlow(f.Key)
-		stale++
+		stale = len(keys)
 	}
-	if ended > 0 || stale > 0 {
-		a.metrics.collected.Add(float64(ended))
-		a.log.Debug("collector", "sessions_ended", ended, "flows_removed", stale)
+	if len(dead) > 0 || stale > 0 {
+		a.metrics.collected.Add(float64(len(dead)))
+		a.log.Debug("collector", "sessions_ended", len(dead), "flows_removed", stale)
 	}
 }

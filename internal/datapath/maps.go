@@ -288,24 +288,46 @@ type SessionEntry struct {
 // sessions takes tens of system calls, not hundreds of thousands.
 const batchSize = 4096
 
+// eachBatch reads m in batches and calls fn for every entry; keys and vals
+// are reused between batches.
+func eachBatch[K, V any](m *ebpf.Map, what string, fn func(k *K, v *V)) error {
+	keys := make([]K, batchSize)
+	vals := make([]V, batchSize)
+	var cursor ebpf.MapBatchCursor
+	for {
+		n, err := m.BatchLookup(&cursor, keys, vals, nil)
+		for i := 0; i < n; i++ {
+			fn(&keys[i], &vals[i])
+		}
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("datapath: list %s: %w", what, err)
+		}
+	}
+}
+
+// EachSession calls fn for every session without holding them all.
+func (d *Datapath) EachSession(fn func(id uint32, s *Session)) error {
+	return eachBatch(d.objs.DyscoSessions, "sessions", func(k *uint32, v *Session) { fn(*k, v) })
+}
+
+// EachFlow calls fn for every flow without holding them all.
+func (d *Datapath) EachFlow(fn func(k *Tuple, f *Flow)) error {
+	return eachBatch(d.objs.DyscoFlows, "flows", fn)
+}
+
+// EachSetup calls fn with the id of every session that has set-up state.
+func (d *Datapath) EachSetup(fn func(id uint32)) error {
+	return eachBatch(d.objs.DyscoSyns, "set-up state", func(k *uint32, _ *dyscoSynState) { fn(*k) })
+}
+
 // Sessions lists the sessions.
 func (d *Datapath) Sessions() ([]SessionEntry, error) {
 	var out []SessionEntry
-	keys := make([]uint32, batchSize)
-	vals := make([]Session, batchSize)
-	var cursor ebpf.MapBatchCursor
-	for {
-		n, err := d.objs.DyscoSessions.BatchLookup(&cursor, keys, vals, nil)
-		for i := 0; i < n; i++ {
-			out = append(out, SessionEntry{ID: keys[i], Session: vals[i]})
-		}
-		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			return out, nil
-		}
-		if err != nil {
-			return out, fmt.Errorf("datapath: list sessions: %w", err)
-		}
-	}
+	err := d.EachSession(func(id uint32, s *Session) { out = append(out, SessionEntry{ID: id, Session: *s}) })
+	return out, err
 }
 
 // FlowEntry is a flow with its key.
@@ -317,21 +339,14 @@ type FlowEntry struct {
 // Flows lists the flows.
 func (d *Datapath) Flows() ([]FlowEntry, error) {
 	var out []FlowEntry
-	keys := make([]Tuple, batchSize)
-	vals := make([]Flow, batchSize)
-	var cursor ebpf.MapBatchCursor
-	for {
-		n, err := d.objs.DyscoFlows.BatchLookup(&cursor, keys, vals, nil)
-		for i := 0; i < n; i++ {
-			out = append(out, FlowEntry{Key: keys[i], Flow: vals[i]})
-		}
-		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			return out, nil
-		}
-		if err != nil {
-			return out, fmt.Errorf("datapath: list flows: %w", err)
-		}
-	}
+	err := d.EachFlow(func(k *Tuple, f *Flow) { out = append(out, FlowEntry{Key: *k, Flow: *f}) })
+	return out, err
+}
+
+// Session returns one session.
+func (d *Datapath) Session(id uint32) (Session, bool) {
+	var s Session
+	return s, d.objs.DyscoSessions.Lookup(id, &s) == nil
 }
 
 // Counted tells whether a flow's counters count its packets for this host:

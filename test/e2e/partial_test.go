@@ -111,3 +111,20 @@ func TestClassifierPrepends(t *testing.T) {
 		t.Errorf("prepend after the SYN left: %v %s", err, ctxOut)
 	}
 }
+
+// TestMiddleboxTypes: a policy names a middlebox type; the client's agent
+// picks its instances round robin (paper §2.2).
+func TestMiddleboxTypes(t *testing.T) {
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "server")})
+	dst := e.addr("server", false)
+	e.dysco("client", "type", "add", "firewall", e.addr("mb1", false).String()+","+e.addr("mb2", false).String())
+	e.policy("client", "typed", "tcp dst portrange 9800-9809", "firewall")
+	for i := 0; i < 4; i++ {
+		e.exchange("client", "server", dst, uint16(9800+i), 64<<10)
+	}
+	for _, mb := range []string{"mb1", "mb2"} {
+		if n := e.status(mb).Counters["setup_cont"]; n != 2 {
+			t.Errorf("%s continued %d of 4 chains, want 2 (round robin)", mb, n)
+		}
+	}
+}

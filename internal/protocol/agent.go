@@ -1,0 +1,1378 @@
+package protocol
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"sort"
+	"time"
+
+	"github.com/dysco/dysco/internal/wire"
+)
+
+// Config configures an Agent.
+type Config struct {
+	// Self is this agent's address: the one other agents name it by in
+	// address lists and send control messages to.
+	Self netip.Addr
+	// Key is the deployment key authenticating control messages (HMAC-SHA256).
+	Key []byte
+	// RTO is the first retransmission timeout of a control message; it
+	// doubles at each retransmission up to MaxRTO (exponential back-off).
+	RTO, MaxRTO time.Duration
+	// MaxTries is how many times a message is sent before giving up.
+	MaxTries int
+	// Linger is how long the old path's state stays after teardown, to
+	// answer retransmitted FINs.
+	Linger time.Duration
+	// LockLease releases a lock that nothing resolves for this long (the
+	// left anchor died, every cancelLock was lost). It must exceed the
+	// longest exchange: MaxTries retransmissions.
+	LockLease time.Duration
+	// WindowClamp is the largest window advertised by an anchor during the
+	// two-path phase (§5.3: 64 KB).
+	WindowClamp uint32
+	// PortBase and PortCount bound the ports of new subsessions.
+	PortBase, PortCount uint16
+	// Faults breaks the protocol on purpose (tests only).
+	Faults Fault
+}
+
+// DefaultConfig returns the defaults for self and key.
+func DefaultConfig(self netip.Addr, key []byte) Config {
+	return Config{
+		Self:        self,
+		Key:         key,
+		RTO:         200 * time.Millisecond,
+		MaxRTO:      3 * time.Second,
+		MaxTries:    10,
+		Linger:      10 * time.Second,
+		LockLease:   2 * time.Minute,
+		WindowClamp: 64 << 10,
+		PortBase:    40000,
+		PortCount:   20000,
+	}
+}
+
+// Agent is the protocol state of one Dysco agent: its sessions, their
+// locks and the reconfigurations they take part in. Not safe for
+// concurrent use: the caller serialises events.
+type Agent struct {
+	cfg      Config
+	sessions map[SessionID]*session
+	subs     map[wire.Tuple]subRef
+	rightReq map[ReqKey]SessionID // sessions where this agent is the right anchor of a request
+	nextReq  uint32
+	nextJoin SessionID
+	nextPort uint16
+
+	now time.Duration
+	out []Action
+}
+
+type subRef struct {
+	id   SessionID
+	side Side
+	peer netip.Addr
+	tomb bool // an old path after teardown, kept to answer FINs
+}
+
+type session struct {
+	id      SessionID
+	tuple   wire.Tuple
+	nonce   [wire.NonceLen]byte
+	sides   [2]*SideInfo
+	app     AppDelta
+	joinReq ReqKey // set when a new-path SYN created the session
+
+	// §3.2: the state of the subsession to the right, kept here.
+	lock      LockState
+	requestor ReqKey
+	held      *Message // the requestLock this agent forwarded (to forward again)
+	queue     []queued // requests blocked by a lockPending subsession
+
+	left  *anchor // this agent is the left anchor of a reconfiguration of its right side
+	right *anchor // this agent is the right anchor of a reconfiguration of its left side
+
+	cancels  map[ReqKey]*cancelJob
+	history  []resolution
+	maxID    map[netip.Addr]uint32
+	teardown *teardown // old path middle agent: FIN exchanges seen
+	tombs    []tomb
+	timers   map[TimerID]struct{}
+}
+
+type queued struct {
+	msg   *Message // a requestLock from the left
+	from  netip.Addr
+	local *anchor // or a local Reconfigure
+}
+
+type resKind uint8
+
+const (
+	resNacked resKind = iota + 1
+	resCancelled
+	resDone
+	resExpired
+)
+
+type resolution struct {
+	req     ReqKey
+	kind    resKind
+	reason  Reason
+	blocker ReqKey
+}
+
+const historyLen = 32
+
+// anchor is the state of one reconfiguration at one of its anchors.
+type anchor struct {
+	role        Role
+	req         ReqKey
+	token       uint64
+	stage       Stage
+	rightAnchor netip.Addr
+	chain       []netip.Addr
+	tries       int
+	delta       Delta // leftDelta at the left anchor, rightDelta at the right anchor (§3.4)
+	peerWS      uint8
+	newSub      wire.Tuple
+	newPeer     netip.Addr
+	newDelta    Delta
+
+	vars                                  TwoPath
+	haveVars                              bool
+	finSent, finAcked, finAckSent, gotFin bool
+	peerCutoff                            uint32
+	unconfirmed                           bool
+}
+
+type cancelJob struct {
+	req         ReqKey
+	rightAnchor netip.Addr
+	tries       int
+	anchor      *anchor // the left anchor's own cancellation (§3.6), or nil for a stale lock
+}
+
+type teardown struct {
+	req     ReqKey
+	finAcks [2]bool // seen travelling rightward [0] / leftward [1]
+}
+
+type tomb struct {
+	sub  wire.Tuple
+	side Side
+	req  ReqKey
+}
+
+// New returns an agent with no sessions. Zero durations and counts in cfg
+// take their defaults.
+func New(cfg Config) *Agent {
+	d := DefaultConfig(cfg.Self, cfg.Key)
+	if cfg.RTO == 0 {
+		cfg.RTO = d.RTO
+	}
+	if cfg.MaxRTO == 0 {
+		cfg.MaxRTO = d.MaxRTO
+	}
+	if cfg.MaxTries == 0 {
+		cfg.MaxTries = d.MaxTries
+	}
+	if cfg.Linger == 0 {
+		cfg.Linger = d.Linger
+	}
+	if cfg.LockLease == 0 {
+		cfg.LockLease = d.LockLease
+	}
+	if cfg.WindowClamp == 0 {
+		cfg.WindowClamp = d.WindowClamp
+	}
+	if cfg.PortCount == 0 {
+		cfg.PortBase, cfg.PortCount = d.PortBase, d.PortCount
+	}
+	return &Agent{
+		cfg:      cfg,
+		sessions: map[SessionID]*session{},
+		subs:     map[wire.Tuple]subRef{},
+		rightReq: map[ReqKey]SessionID{},
+		nextJoin: joinedIDBit,
+	}
+}
+
+// Self returns the agent's address.
+func (a *Agent) Self() netip.Addr { return a.cfg.Self }
+
+// Handle processes one event at time now and returns the actions to carry
+// out, in order.
+func (a *Agent) Handle(now time.Duration, ev Event) []Action {
+	a.now = now
+	a.out = nil
+	switch e := ev.(type) {
+	case SessionUp:
+		a.onSessionUp(e)
+	case SetAppDelta:
+		if s := a.sessions[e.Session]; s != nil {
+			s.app = e.App
+		}
+	case MessageIn:
+		a.onMessage(e)
+	case Reconfigure:
+		a.onReconfigure(e)
+	case TimerFired:
+		a.onTimer(e.ID)
+	case TwoPathProgress:
+		a.onProgress(e)
+	case SessionEnd:
+		if s := a.sessions[e.Session]; s != nil {
+			a.endSession(s)
+		}
+	default:
+		panic(fmt.Sprintf("protocol: unknown event %T", ev))
+	}
+	out := a.out
+	a.out = nil
+	return out
+}
+
+func (a *Agent) emit(act Action) { a.out = append(a.out, act) }
+
+func (a *Agent) reject(r RejectReason, m *Message, from netip.Addr, format string, args ...any) {
+	var t MsgType
+	if m != nil {
+		t = m.Type
+	}
+	a.emit(Rejected{Reason: r, Type: t, From: from, Detail: fmt.Sprintf(format, args...)})
+}
+
+func (a *Agent) progress(s *session, req ReqKey, role Role, st Stage, note string) {
+	a.emit(Progress{Session: s.id, Req: req, Role: role, Stage: st, Note: note})
+}
+
+// ---- sessions ----
+
+func (a *Agent) onSessionUp(e SessionUp) {
+	if old := a.sessions[e.Session]; old != nil {
+		a.endSession(old)
+	}
+	s := a.newSession(e.Session, e.Tuple, e.Nonce)
+	s.app = e.App
+	if e.Left != nil {
+		l := *e.Left
+		s.sides[SideLeft] = &l
+		a.subs[l.Sub] = subRef{id: s.id, side: SideLeft, peer: l.Peer}
+	}
+	if e.Right != nil {
+		r := *e.Right
+		s.sides[SideRight] = &r
+		a.subs[r.Sub] = subRef{id: s.id, side: SideRight, peer: r.Peer}
+	}
+}
+
+func (a *Agent) newSession(id SessionID, t wire.Tuple, nonce [wire.NonceLen]byte) *session {
+	s := &session{id: id, tuple: t, nonce: nonce,
+		cancels: map[ReqKey]*cancelJob{}, maxID: map[netip.Addr]uint32{}, timers: map[TimerID]struct{}{}}
+	a.sessions[id] = s
+	return s
+}
+
+// endSession drops all state of a session whose TCP session ended (§3.7:
+// a FIN or RST may arrive in any state): requests fail, locks go.
+func (a *Agent) endSession(s *session) {
+	if l := s.left; l != nil && l.stage != StageDone {
+		a.emit(Result{Session: s.id, Token: l.token, Req: l.req, Outcome: Failed, Reason: ReasonSessionEnded})
+	}
+	for _, q := range s.queue {
+		if q.local != nil {
+			a.emit(Result{Session: s.id, Token: q.local.token, Req: q.local.req, Outcome: Refused, Reason: ReasonSessionEnded})
+		}
+	}
+	a.drop(s)
+}
+
+// drop forgets a session without reporting anything.
+func (a *Agent) drop(s *session) {
+	ids := make([]TimerID, 0, len(s.timers))
+	for id := range s.timers {
+		ids = append(ids, id)
+	}
+	sort.Slice(ids, func(i, j int) bool { return ids[i].String() < ids[j].String() })
+	for _, id := range ids {
+		a.emit(CancelTimer{ID: id})
+	}
+	subs := []wire.Tuple{}
+	for _, sd := range s.sides {
+		if sd != nil {
+			subs = append(subs, sd.Sub)
+		}
+	}
+	for _, an := range []*anchor{s.left, s.right} {
+		if an != nil {
+			subs = append(subs, an.newSub)
+		}
+	}
+	for _, t := range s.tombs {
+		subs = append(subs, t.sub)
+	}
+	for _, t := range subs {
+		if r, ok := a.subs[t]; ok && r.id == s.id {
+			delete(a.subs, t)
+		}
+	}
+	if s.right != nil {
+		delete(a.rightReq, s.right.req)
+	}
+	delete(a.sessions, s.id)
+}
+
+// ---- timers ----
+
+func (a *Agent) setTimer(s *session, kind TimerKind, req ReqKey, after time.Duration) {
+	id := TimerID{Session: s.id, Kind: kind, Req: req}
+	s.timers[id] = struct{}{}
+	a.emit(SetTimer{ID: id, At: a.now + after})
+}
+
+func (a *Agent) cancelTimer(s *session, kind TimerKind, req ReqKey) {
+	id := TimerID{Session: s.id, Kind: kind, Req: req}
+	if _, ok := s.timers[id]; ok {
+		delete(s.timers, id)
+		a.emit(CancelTimer{ID: id})
+	}
+}
+
+// backoff is the timeout after the tries-th transmission.
+func (a *Agent) backoff(tries int) time.Duration {
+	d := a.cfg.RTO
+	for i := 1; i < tries && d < a.cfg.MaxRTO; i++ {
+		d *= 2
+	}
+	return min(d, a.cfg.MaxRTO)
+}
+
+func (a *Agent) onTimer(id TimerID) {
+	s := a.sessions[id.Session]
+	if s == nil {
+		return
+	}
+	if _, ok := s.timers[id]; !ok {
+		return // cancelled or moved
+	}
+	delete(s.timers, id)
+	switch id.Kind {
+	case TimerRequest:
+		l := s.left
+		if l == nil || l.req != id.Req || l.stage != StageLocking {
+			return
+		}
+		if l.tries >= a.cfg.MaxTries {
+			// §3.6: give up; some agents may hold the lock for us.
+			s.lock, s.requestor = Unlocked, ReqKey{}
+			a.finishLeft(s, Failed, ReasonTimeout, ReqKey{})
+			a.startCancel(s, l.req, l.rightAnchor, nil)
+			a.releaseQueue(s)
+			return
+		}
+		a.sendRequestLock(s, l)
+	case TimerSyn:
+		l := s.left
+		if l == nil || l.req != id.Req || l.stage != StageSettingUp {
+			return
+		}
+		if l.tries >= a.cfg.MaxTries {
+			a.abortSetup(s, l)
+			return
+		}
+		a.sendSyn(s, l)
+	case TimerCancel:
+		j := s.cancels[id.Req]
+		if j == nil {
+			return
+		}
+		if j.tries >= a.cfg.MaxTries {
+			// Nobody answers: the leases release what is left.
+			a.cancelDone(s, j)
+			return
+		}
+		a.sendCancel(s, j)
+	case TimerFin:
+		an := a.anchorFor(s, id.Req)
+		if an == nil || an.stage != StageTwoPath || !an.finSent || an.finAcked {
+			return
+		}
+		if an.tries >= a.cfg.MaxTries {
+			// The other anchor stopped answering. Everything we sent on the
+			// old path is acknowledged, so going on is safe; say so.
+			an.finAcked, an.unconfirmed = true, true
+			a.evaluate(s, an)
+			return
+		}
+		a.sendFin(s, an)
+	case TimerLease:
+		a.onLease(s, id.Req)
+	case TimerLinger:
+		a.onLinger(s, id.Req)
+	}
+}
+
+// ---- operator requests (§3.1) ----
+
+func (a *Agent) onReconfigure(e Reconfigure) {
+	refuse := func(r Reason, blocker ReqKey) {
+		a.nextReq++
+		a.emit(Result{Session: e.Session, Token: e.Token, Req: ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq},
+			Outcome: Refused, Reason: r, Blocker: blocker})
+	}
+	s := a.sessions[e.Session]
+	if s == nil || s.sides[SideRight] == nil {
+		refuse(ReasonNoSession, ReqKey{})
+		return
+	}
+	if err := a.checkChain(e.RightAnchor, e.Chain); err != nil {
+		refuse(ReasonInvalid, ReqKey{})
+		return
+	}
+	if s.left != nil {
+		refuse(ReasonBusy, s.left.req) // one reconfiguration at a time per left anchor
+		return
+	}
+	a.nextReq++
+	l := &anchor{role: RoleLeftAnchor, req: ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq}, token: e.Token,
+		rightAnchor: e.RightAnchor, chain: append([]netip.Addr(nil), e.Chain...)}
+	switch {
+	case s.lock == Unlocked:
+		a.startLeft(s, l)
+	case s.lock == LockPending:
+		// Blocked behind a request passing through, like a request from
+		// the left (§3.2): it goes on if that one is refused.
+		s.queue = append(s.queue, queued{local: l})
+		a.progress(s, l.req, RoleLeftAnchor, StageLocking, "queued behind "+s.requestor.String())
+	default:
+		refuse(ReasonLocked, s.requestor)
+	}
+}
+
+func (a *Agent) checkChain(ra netip.Addr, chain []netip.Addr) error {
+	if !ra.IsValid() || ra == a.cfg.Self {
+		return errors.New("right anchor")
+	}
+	if len(chain)+1 > wire.MaxHops {
+		return errors.New("too many hops")
+	}
+	seen := map[netip.Addr]bool{a.cfg.Self: true, ra: true}
+	for _, h := range chain {
+		if !h.IsValid() || seen[h] {
+			return errors.New("repeated or invalid address")
+		}
+		seen[h] = true
+	}
+	return nil
+}
+
+// startLeft takes the lock of the right side and sends requestLock (§3.2).
+func (a *Agent) startLeft(s *session, l *anchor) {
+	s.left = l
+	l.stage = StageLocking
+	s.lock, s.requestor, s.held = LockPending, l.req, nil
+	a.maxSeen(s, l.req)
+	a.progress(s, l.req, RoleLeftAnchor, StageLocking, "")
+	a.sendRequestLock(s, l)
+}
+
+func (a *Agent) maxSeen(s *session, k ReqKey) {
+	if k.ID > s.maxID[k.LeftAnchor] {
+		s.maxID[k.LeftAnchor] = k.ID
+	}
+}
+
+// ---- messages ----
+
+func (a *Agent) msg(s *session, t MsgType, sub wire.Tuple, req ReqKey, ra netip.Addr) *Message {
+	return &Message{Type: t, Nonce: s.nonce, Sub: sub, Session: s.tuple, Req: req, RightAnchor: ra}
+}
+
+func (a *Agent) send(to netip.Addr, m *Message) {
+	b, err := m.Encode(a.cfg.Key)
+	if err != nil {
+		panic("protocol: encoding a message we built: " + err.Error())
+	}
+	a.emit(Send{To: to, Msg: m, Data: b})
+}
+
+// sendSide sends m on the session's current subsession of side.
+func (a *Agent) sendSide(s *session, side Side, m *Message) {
+	sd := s.sides[side]
+	m.Sub = sd.Sub
+	a.send(sd.Peer, m)
+}
+
+// rightward reports whether m travels from the left anchor towards the right one.
+func rightward(m *Message) bool {
+	switch m.Type {
+	case MsgRequestLock, MsgCancelLock, MsgSyn, MsgAck:
+		return true
+	case MsgFin, MsgFinAck:
+		return m.Flags&FlagLeftward == 0
+	}
+	return false
+}
+
+func (a *Agent) onMessage(e MessageIn) {
+	m, err := Decode(a.cfg.Key, e.Data)
+	if err != nil {
+		var de *DecodeError
+		if errors.As(err, &de) {
+			a.reject(de.Reason, nil, e.From, "%s", de.Detail)
+		} else {
+			a.reject(RejectMalformed, nil, e.From, "%v", err)
+		}
+		return
+	}
+	ref, ok := a.subs[m.Sub]
+	if !ok {
+		if m.Type == MsgSyn {
+			a.onNewSyn(e.From, m)
+			return
+		}
+		if m.Type == MsgCancelLock && m.Flags&FlagNewPath != 0 {
+			return // the new path's state is already gone
+		}
+		a.reject(RejectUnknownSession, m, e.From, "no subsession %s", m.Sub)
+		return
+	}
+	s := a.sessions[ref.id]
+	if m.Nonce != s.nonce {
+		a.reject(RejectNonce, m, e.From, "session %d", s.id)
+		return
+	}
+	if e.From != ref.peer {
+		a.reject(RejectWrongPeer, m, e.From, "subsession %s belongs to %s", m.Sub, ref.peer)
+		return
+	}
+	if rightward(m) != (ref.side == SideLeft) {
+		a.reject(RejectUnexpected, m, e.From, "%s arrived on the %s side", m.Type, ref.side)
+		return
+	}
+	if ref.tomb {
+		a.onTomb(s, ref, m)
+		return
+	}
+	if s.sides[ref.side].Sub != m.Sub && !a.onNewSub(s, ref, m) {
+		return
+	}
+	switch m.Type {
+	case MsgRequestLock:
+		a.onRequestLock(s, m, e.From, false)
+	case MsgAckLock:
+		a.onAckLock(s, m)
+	case MsgNackLock:
+		a.onNackLock(s, m)
+	case MsgCancelLock:
+		a.onCancelLock(s, m)
+	case MsgAckCancel:
+		a.onAckCancel(s, m)
+	case MsgSyn:
+		a.onSynDup(s, ref, m)
+	case MsgSynAck:
+		a.onSynAck(s, ref, m)
+	case MsgAck:
+		a.onAck(s, ref, m)
+	case MsgFin:
+		a.onFin(s, ref, m)
+	case MsgFinAck:
+		a.onFinAck(s, ref, m)
+	}
+}
+
+// ---- history of resolved requests: duplicates get the same answer ----
+
+func (s *session) resolved(k ReqKey) (resolution, bool) {
+	for i := len(s.history) - 1; i >= 0; i-- {
+		if s.history[i].req == k {
+			return s.history[i], true
+		}
+	}
+	return resolution{}, false
+}
+
+func (s *session) resolve(r resolution) {
+	for i := range s.history {
+		if s.history[i].req == r.req {
+			s.history[i] = r
+			return
+		}
+	}
+	s.history = append(s.history, r)
+	if len(s.history) > historyLen {
+		s.history = s.history[1:]
+	}
+}
+
+func (s *session) queuedReq(k ReqKey) bool {
+	for _, q := range s.queue {
+		if q.msg != nil && q.msg.Req == k {
+			return true
+		}
+	}
+	return false
+}
+
+// ---- §3.2 locking ----
+
+// contribution is what this agent does to the stream flowing towards side
+// to: its own anchor delta on the arrival side plus the application's
+// delta (§3.4). Summed along the old path it gives rightDelta / leftDelta.
+func (s *session) contribution(to Side) Delta {
+	if to == SideRight {
+		return s.sides[SideLeft].Delta.Add(s.app.Right)
+	}
+	return s.sides[SideRight].Delta.Add(s.app.Left)
+}
+
+func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue bool) {
+	k := m.Req
+	if r, ok := s.resolved(k); ok {
+		if r.kind == resNacked {
+			a.sendNack(s, m, r.reason, r.blocker) // a retransmission: same answer
+		} else if !fromQueue {
+			a.reject(RejectUnexpected, m, from, "request %s already resolved", k)
+		}
+		return
+	}
+	if k.ID < s.maxID[k.LeftAnchor] {
+		if !fromQueue {
+			a.reject(RejectReplay, m, from, "request %s older than %d", k, s.maxID[k.LeftAnchor])
+		}
+		return
+	}
+	a.maxSeen(s, k)
+	if r := s.right; r != nil && r.req == k {
+		a.sendAckLock(s, r) // duplicate at the right anchor
+		return
+	}
+	if s.lock != Unlocked && s.requestor == k {
+		a.forwardRequest(s, m) // duplicate: forward again, the right anchor answers again
+		return
+	}
+	if s.queuedReq(k) {
+		return
+	}
+	if r := s.right; r != nil {
+		// Our left side is still being reconfigured (we are its right
+		// anchor): it cannot be part of another segment yet.
+		a.nack(s, m, ReasonBusy, r.req)
+		return
+	}
+	if m.RightAnchor == a.cfg.Self {
+		r := &anchor{role: RoleRightAnchor, req: k, stage: StageWaitSyn, rightAnchor: a.cfg.Self,
+			delta: m.Delta, peerWS: m.WScale}
+		s.right = r
+		a.rightReq[k] = s.id
+		a.progress(s, k, RoleRightAnchor, StageWaitSyn, "rightDelta "+m.Delta.String())
+		a.setTimer(s, TimerLease, k, a.cfg.LockLease)
+		a.sendAckLock(s, r)
+		return
+	}
+	if s.sides[SideRight] == nil {
+		a.nack(s, m, ReasonNotOnPath, ReqKey{})
+		return
+	}
+	if a.cfg.Faults&FaultSkipLock != 0 && s.lock != Unlocked && s.left == nil {
+		s.lock = Unlocked // broken on purpose: take the lock over
+	}
+	switch s.lock {
+	case Unlocked:
+		s.lock, s.requestor = LockPending, k
+		s.held = m
+		a.forwardRequest(s, m)
+	case LockPending:
+		s.queue = append(s.queue, queued{msg: m, from: from})
+	case Locked:
+		a.nack(s, m, ReasonLocked, s.requestor)
+	}
+}
+
+// forwardRequest passes requestLock on to the right, adding this agent's
+// contribution to rightDelta (§3.4).
+func (a *Agent) forwardRequest(s *session, m *Message) {
+	f := *m
+	f.Delta = m.Delta.Add(s.contribution(SideRight))
+	a.sendSide(s, SideRight, &f)
+	a.setTimer(s, TimerLease, m.Req, a.cfg.LockLease)
+}
+
+func (a *Agent) sendRequestLock(s *session, l *anchor) {
+	m := a.msg(s, MsgRequestLock, wire.Tuple{}, l.req, l.rightAnchor)
+	m.WScale = s.sides[SideRight].SendWScale
+	a.sendSide(s, SideRight, m)
+	l.tries++
+	a.setTimer(s, TimerRequest, l.req, a.backoff(l.tries))
+}
+
+func (a *Agent) sendAckLock(s *session, r *anchor) {
+	m := a.msg(s, MsgAckLock, wire.Tuple{}, r.req, a.cfg.Self)
+	m.WScale = s.sides[SideLeft].SendWScale
+	a.sendSide(s, SideLeft, m) // leftDelta starts at zero: anchors do not contribute
+}
+
+// nack refuses a request from the left and remembers the answer.
+func (a *Agent) nack(s *session, m *Message, r Reason, blocker ReqKey) {
+	s.resolve(resolution{req: m.Req, kind: resNacked, reason: r, blocker: blocker})
+	a.sendNack(s, m, r, blocker)
+}
+
+func (a *Agent) sendNack(s *session, m *Message, r Reason, blocker ReqKey) {
+	n := a.msg(s, MsgNackLock, wire.Tuple{}, m.Req, m.RightAnchor)
+	n.Reason, n.Blocker = r, blocker
+	a.sendSide(s, SideLeft, n)
+}
+
+func (a *Agent) onAckLock(s *session, m *Message) {
+	k := m.Req
+	if l := s.left; l != nil && l.req == k {
+		if l.stage != StageLocking {
+			return // duplicate
+		}
+		a.cancelTimer(s, TimerRequest, k)
+		s.lock = Locked
+		l.delta, l.peerWS = m.Delta, m.WScale
+		a.nackQueue(s)
+		a.beginSetup(s, l)
+		return
+	}
+	if k.LeftAnchor == a.cfg.Self {
+		// An answer to a request we already gave up: somebody holds a
+		// lock for it. Release it (§3.6).
+		if r, ok := s.resolved(k); ok && r.kind == resDone {
+			return
+		}
+		if s.cancels[k] == nil {
+			a.startCancel(s, k, m.RightAnchor, nil)
+		}
+		return
+	}
+	if s.lock != Unlocked && s.requestor == k {
+		if s.lock == LockPending {
+			s.lock = Locked
+			a.nackQueue(s)
+		}
+		f := *m
+		f.Delta = m.Delta.Add(s.contribution(SideLeft))
+		a.sendSide(s, SideLeft, &f)
+		a.setTimer(s, TimerLease, k, a.cfg.LockLease)
+		return
+	}
+	a.reject(RejectUnexpected, m, s.sides[SideRight].Peer, "ackLock for %s, lock %s by %s", k, s.lock, s.requestor)
+}
+
+// nackQueue refuses every blocked request: the subsession is now locked (§3.2).
+func (a *Agent) nackQueue(s *session) {
+	q := s.queue
+	s.queue = nil
+	for _, b := range q {
+		if b.local != nil {
+			a.emit(Result{Session: s.id, Token: b.local.token, Req: b.local.req, Outcome: Refused,
+				Reason: ReasonLocked, Blocker: s.requestor})
+			continue
+		}
+		a.nack(s, b.msg, ReasonLocked, s.requestor)
+	}
+}
+
+// releaseQueue lets the first blocked request go on once the subsession is
+// unlocked (§3.2: the unblocked request is now the rightmost one).
+func (a *Agent) releaseQueue(s *session) {
+	for s.lock == Unlocked && len(s.queue) > 0 {
+		b := s.queue[0]
+		s.queue = s.queue[1:]
+		if b.local != nil {
+			if s.left != nil {
+				a.emit(Result{Session: s.id, Token: b.local.token, Req: b.local.req, Outcome: Refused,
+					Reason: ReasonBusy, Blocker: s.left.req})
+				continue
+			}
+			a.startLeft(s, b.local)
+			continue
+		}
+		a.onRequestLock(s, b.msg, b.from, true)
+	}
+}
+
+func (a *Agent) onNackLock(s *session, m *Message) {
+	k := m.Req
+	if l := s.left; l != nil && l.req == k {
+		if l.stage != StageLocking {
+			return // stale
+		}
+		a.cancelTimer(s, TimerRequest, k)
+		s.lock, s.requestor = Unlocked, ReqKey{}
+		a.finishLeft(s, Refused, m.Reason, m.Blocker)
+		a.releaseQueue(s)
+		return
+	}
+	if s.lock == LockPending && s.requestor == k {
+		s.lock, s.requestor, s.held = Unlocked, ReqKey{}, nil
+		a.cancelTimer(s, TimerLease, k)
+		s.resolve(resolution{req: k, kind: resNacked, reason: m.Reason, blocker: m.Blocker})
+		f := *m
+		a.sendSide(s, SideLeft, &f)
+		a.releaseQueue(s)
+		return
+	}
+	if k.LeftAnchor != a.cfg.Self {
+		a.reject(RejectUnexpected, m, s.sides[SideRight].Peer, "nackLock for %s, lock %s by %s", k, s.lock, s.requestor)
+	}
+}
+
+// finishLeft ends the left anchor's part in its request and reports it.
+func (a *Agent) finishLeft(s *session, o Outcome, r Reason, blocker ReqKey) {
+	l := s.left
+	s.left = nil
+	kind := resDone
+	if o != Succeeded {
+		kind = resNacked
+	}
+	s.resolve(resolution{req: l.req, kind: kind, reason: r, blocker: blocker})
+	l.stage = StageDone
+	a.progress(s, l.req, RoleLeftAnchor, StageDone, o.String()+": "+r.String())
+	a.emit(Result{Session: s.id, Token: l.token, Req: l.req, Outcome: o, Reason: r, Blocker: blocker, Unconfirmed: l.unconfirmed})
+}
+
+func (a *Agent) onLease(s *session, k ReqKey) {
+	if r := s.right; r != nil && r.req == k && (r.stage == StageWaitSyn || r.stage == StageWaitAck) {
+		a.releaseRight(s, r, resExpired)
+		return
+	}
+	if s.lock != Unlocked && s.requestor == k && s.left == nil {
+		s.lock, s.requestor, s.held = Unlocked, ReqKey{}, nil
+		s.resolve(resolution{req: k, kind: resExpired})
+		a.progress(s, k, RoleMiddle, StageDone, "lock lease expired")
+		a.releaseQueue(s)
+	}
+}
+
+// ---- §3.6 cancellation ----
+
+func (a *Agent) startCancel(s *session, k ReqKey, ra netip.Addr, l *anchor) {
+	j := &cancelJob{req: k, rightAnchor: ra, anchor: l}
+	s.cancels[k] = j
+	a.sendCancel(s, j)
+}
+
+func (a *Agent) sendCancel(s *session, j *cancelJob) {
+	a.sendSide(s, SideRight, a.msg(s, MsgCancelLock, wire.Tuple{}, j.req, j.rightAnchor))
+	j.tries++
+	a.setTimer(s, TimerCancel, j.req, a.backoff(j.tries))
+}
+
+func (a *Agent) cancelDone(s *session, j *cancelJob) {
+	delete(s.cancels, j.req)
+	a.cancelTimer(s, TimerCancel, j.req)
+	if l := j.anchor; l != nil && s.left == l {
+		s.lock, s.requestor = Unlocked, ReqKey{}
+		a.finishLeft(s, Failed, ReasonSetupFailed, ReqKey{})
+		a.releaseQueue(s)
+	}
+}
+
+// abortSetup gives up a new path that does not answer (§3.6): the session
+// stays on the old path and every lock is released with cancelLock.
+func (a *Agent) abortSetup(s *session, l *anchor) {
+	a.cancelTimer(s, TimerSyn, l.req)
+	// Best effort: free the middleboxes that joined the new path.
+	c := a.msg(s, MsgCancelLock, l.newSub, l.req, l.rightAnchor)
+	c.Flags = FlagNewPath
+	a.send(l.newPeer, c)
+	delete(a.subs, l.newSub)
+	a.emit(RemoveSubsession{Session: s.id, Side: SideRight, Sub: l.newSub})
+	l.stage = StageCancelling
+	a.progress(s, l.req, RoleLeftAnchor, StageCancelling, "new path does not answer")
+	a.startCancel(s, l.req, l.rightAnchor, l)
+}
+
+func (a *Agent) onCancelLock(s *session, m *Message) {
+	k := m.Req
+	if m.Flags&FlagNewPath != 0 {
+		// A new path that will not be used: a joined middlebox frees it.
+		if s.joinReq == k && s.sides[SideRight] != nil {
+			f := *m
+			a.sendSide(s, SideRight, &f)
+			a.emit(FreeSession{Session: s.id})
+			a.drop(s)
+		} else if r := s.right; r != nil && r.req == k && r.stage != StageTwoPath {
+			a.releaseRight(s, r, resCancelled)
+		}
+		return
+	}
+	if r := s.right; r != nil && r.req == k {
+		if r.stage == StageTwoPath {
+			a.reject(RejectUnexpected, m, s.sides[SideLeft].Peer, "cancelLock after the switch")
+			return
+		}
+		a.releaseRight(s, r, resCancelled)
+		a.sendSide(s, SideLeft, a.msg(s, MsgAckCancel, wire.Tuple{}, k, m.RightAnchor))
+		return
+	}
+	if m.RightAnchor == a.cfg.Self || s.sides[SideRight] == nil {
+		s.resolve(resolution{req: k, kind: resCancelled})
+		a.sendSide(s, SideLeft, a.msg(s, MsgAckCancel, wire.Tuple{}, k, m.RightAnchor))
+		return
+	}
+	held := s.lock != Unlocked && s.requestor == k && s.left == nil
+	r, ok := s.resolved(k)
+	if held || ok && r.kind == resCancelled {
+		if held {
+			s.lock, s.requestor, s.held = Unlocked, ReqKey{}, nil
+			a.cancelTimer(s, TimerLease, k)
+			s.resolve(resolution{req: k, kind: resCancelled})
+		}
+		f := *m
+		a.sendSide(s, SideRight, &f)
+		a.releaseQueue(s)
+		return
+	}
+	// The request never got past this agent: nothing to the right holds it.
+	a.sendSide(s, SideLeft, a.msg(s, MsgAckCancel, wire.Tuple{}, k, m.RightAnchor))
+}
+
+// releaseRight abandons the right anchor's part in a request that never
+// switched to the new path.
+func (a *Agent) releaseRight(s *session, r *anchor, kind resKind) {
+	if r.newSub.Src.IsValid() {
+		delete(a.subs, r.newSub)
+		a.emit(RemoveSubsession{Session: s.id, Side: SideLeft, Sub: r.newSub})
+	}
+	a.cancelTimer(s, TimerLease, r.req)
+	delete(a.rightReq, r.req)
+	s.right = nil
+	s.resolve(resolution{req: r.req, kind: kind})
+	a.progress(s, r.req, RoleRightAnchor, StageDone, "released")
+}
+
+func (a *Agent) onAckCancel(s *session, m *Message) {
+	k := m.Req
+	if j := s.cancels[k]; j != nil {
+		a.cancelDone(s, j)
+		return
+	}
+	if r, ok := s.resolved(k); ok && r.kind == resCancelled && s.sides[SideLeft] != nil && k.LeftAnchor != a.cfg.Self {
+		f := *m
+		a.sendSide(s, SideLeft, &f)
+	}
+}
+
+// ---- §3.1, §3.3: the new path ----
+
+func (a *Agent) allocPort(dst netip.Addr, dport uint16) wire.Tuple {
+	for i := 0; i < int(a.cfg.PortCount); i++ {
+		p := a.cfg.PortBase + a.nextPort
+		a.nextPort = (a.nextPort + 1) % a.cfg.PortCount
+		t := wire.Tuple{Src: a.cfg.Self, Dst: dst, SrcPort: p, DstPort: dport}
+		if _, used := a.subs[t]; !used {
+			return t
+		}
+	}
+	// Every port is in use towards dst: reuse (the datapath refuses it).
+	return wire.Tuple{Src: a.cfg.Self, Dst: dst, SrcPort: a.cfg.PortBase, DstPort: dport}
+}
+
+// beginSetup is the left anchor's step once the segment is locked: install
+// the new subsession and send the SYN carrying the address list.
+func (a *Agent) beginSetup(s *session, l *anchor) {
+	hops := append(append([]netip.Addr(nil), l.chain...), l.rightAnchor)
+	l.newPeer = hops[0]
+	l.newSub = a.allocPort(l.newPeer, s.tuple.DstPort)
+	// §3.4: incoming data on the new path gets what the deleted
+	// middleboxes added, on top of what this side already applied.
+	side := s.sides[SideRight]
+	l.newDelta = side.Delta.Add(l.delta)
+	a.subs[l.newSub] = subRef{id: s.id, side: SideRight, peer: l.newPeer}
+	a.emit(AddSubsession{Session: s.id, Side: SideRight, Sub: l.newSub, Peer: l.newPeer, Delta: l.newDelta,
+		WScaleIn: l.peerWS, WScaleOut: side.PeerWScale})
+	l.stage, l.tries = StageSettingUp, 0
+	a.progress(s, l.req, RoleLeftAnchor, StageSettingUp, "leftDelta "+l.delta.String())
+	a.sendSyn(s, l)
+}
+
+func (a *Agent) sendSyn(s *session, l *anchor) {
+	m := a.msg(s, MsgSyn, l.newSub, l.req, l.rightAnchor)
+	// The addresses after the receiver, ending with the right anchor; none
+	// when the receiver is the right anchor.
+	m.Hops = append(append([]netip.Addr(nil), l.chain...), l.rightAnchor)[1:]
+	a.send(l.newPeer, m)
+	l.tries++
+	a.setTimer(s, TimerSyn, l.req, a.backoff(l.tries))
+}
+
+// onNewSyn handles a SYN on a subsession nobody knows yet: at the right
+// anchor it completes the new path; elsewhere the agent joins it.
+func (a *Agent) onNewSyn(from netip.Addr, m *Message) {
+	if m.Sub.Dst != a.cfg.Self || m.Sub.Src != from {
+		a.reject(RejectWrongPeer, m, from, "syn for %s", m.Sub)
+		return
+	}
+	if m.RightAnchor == a.cfg.Self {
+		id, ok := a.rightReq[m.Req]
+		if !ok {
+			a.reject(RejectUnexpected, m, from, "syn for %s: not locked here", m.Req)
+			return
+		}
+		s := a.sessions[id]
+		if m.Nonce != s.nonce {
+			a.reject(RejectNonce, m, from, "session %d", s.id)
+			return
+		}
+		r := s.right
+		if r.stage != StageWaitSyn {
+			a.reject(RejectUnexpected, m, from, "syn for %s in stage %s", m.Req, r.stage)
+			return
+		}
+		side := s.sides[SideLeft]
+		r.newSub, r.newPeer = m.Sub, from
+		r.newDelta = side.Delta.Add(r.delta)
+		a.subs[m.Sub] = subRef{id: s.id, side: SideLeft, peer: from}
+		// Armed: the first packet on the new path switches this side even
+		// if the ACK is lost.
+		a.emit(AddSubsession{Session: s.id, Side: SideLeft, Sub: m.Sub, Peer: from, Delta: r.newDelta,
+			WScaleIn: r.peerWS, WScaleOut: side.PeerWScale, Armed: true})
+		r.stage = StageWaitAck
+		a.progress(s, r.req, RoleRightAnchor, StageWaitAck, "")
+		a.setTimer(s, TimerLease, r.req, a.cfg.LockLease)
+		a.send(from, a.msg(s, MsgSynAck, m.Sub, r.req, a.cfg.Self))
+		return
+	}
+	if len(m.Hops) == 0 {
+		a.reject(RejectMalformed, m, from, "syn with no hops for a middlebox")
+		return
+	}
+	a.nextJoin++
+	s := a.newSession(a.nextJoin, m.Session, m.Nonce)
+	s.joinReq = m.Req
+	next := m.Hops[0]
+	left := SideInfo{Peer: from, Sub: m.Sub}
+	right := SideInfo{Peer: next, Sub: a.allocPort(next, m.Session.DstPort)}
+	s.sides[SideLeft], s.sides[SideRight] = &left, &right
+	a.subs[left.Sub] = subRef{id: s.id, side: SideLeft, peer: from}
+	a.subs[right.Sub] = subRef{id: s.id, side: SideRight, peer: next}
+	a.emit(JoinSession{Session: s.id, Tuple: s.tuple, Nonce: s.nonce, Left: left, Right: right})
+	a.progress(s, m.Req, RoleNewHop, StageSettingUp, "joined")
+	a.forwardSyn(s, m)
+}
+
+func (a *Agent) forwardSyn(s *session, m *Message) {
+	f := *m
+	f.Hops = m.Hops[1:]
+	a.sendSide(s, SideRight, &f)
+}
+
+// onSynDup handles a retransmitted SYN: answer or forward it again.
+func (a *Agent) onSynDup(s *session, ref subRef, m *Message) {
+	if r := s.right; r != nil && r.req == m.Req && r.newSub == m.Sub {
+		a.send(r.newPeer, a.msg(s, MsgSynAck, m.Sub, r.req, a.cfg.Self))
+		return
+	}
+	if s.joinReq == m.Req && ref.side == SideLeft && len(m.Hops) > 0 {
+		a.forwardSyn(s, m)
+		return
+	}
+	a.reject(RejectUnexpected, m, ref.peer, "syn for %s", m.Req)
+}
+
+func (a *Agent) onSynAck(s *session, ref subRef, m *Message) {
+	if l := s.left; l != nil && l.req == m.Req && l.newSub == m.Sub {
+		switch l.stage {
+		case StageSettingUp:
+			a.cancelTimer(s, TimerSyn, l.req)
+			a.send(l.newPeer, a.msg(s, MsgAck, l.newSub, l.req, l.rightAnchor))
+			a.switchPaths(s, l, SideRight)
+		case StageTwoPath:
+			a.send(l.newPeer, a.msg(s, MsgAck, l.newSub, l.req, l.rightAnchor)) // our ACK was lost
+		}
+		return
+	}
+	if s.joinReq == m.Req && ref.side == SideRight {
+		f := *m
+		a.sendSide(s, SideLeft, &f)
+		return
+	}
+	a.reject(RejectUnexpected, m, ref.peer, "synAck for %s", m.Req)
+}
+
+func (a *Agent) onAck(s *session, ref subRef, m *Message) {
+	if r := s.right; r != nil && r.req == m.Req && r.newSub == m.Sub {
+		if r.stage == StageWaitAck {
+			a.switchPaths(s, r, SideLeft)
+		}
+		return
+	}
+	if s.joinReq == m.Req && ref.side == SideLeft {
+		f := *m
+		a.sendSide(s, SideRight, &f)
+		return
+	}
+	a.reject(RejectUnexpected, m, ref.peer, "ack for %s", m.Req)
+}
+
+// switchPaths starts an anchor's two-path phase (§3.5): new data goes on
+// the new path from now on; the window is clamped (§5.3).
+func (a *Agent) switchPaths(s *session, an *anchor, side Side) {
+	if an.stage == StageTwoPath {
+		return
+	}
+	if an.role == RoleRightAnchor {
+		a.cancelTimer(s, TimerLease, an.req)
+	}
+	an.stage, an.tries = StageTwoPath, 0
+	a.emit(StartTwoPath{Session: s.id, Side: side, Old: s.sides[side].Sub, New: an.newSub})
+	a.emit(SetWindowClamp{Session: s.id, Side: side, Bytes: a.cfg.WindowClamp})
+	a.progress(s, an.req, an.role, StageTwoPath, "")
+}
+
+// ---- §3.5: two paths and teardown ----
+
+// anchorSide returns the anchor reconfiguring side, if any.
+func (s *session) anchorSide(side Side) *anchor {
+	if side == SideRight {
+		return s.left
+	}
+	return s.right
+}
+
+func (a *Agent) anchorFor(s *session, k ReqKey) *anchor {
+	if s.left != nil && s.left.req == k {
+		return s.left
+	}
+	if s.right != nil && s.right.req == k {
+		return s.right
+	}
+	return nil
+}
+
+func sideOf(an *anchor) Side {
+	if an.role == RoleLeftAnchor {
+		return SideRight
+	}
+	return SideLeft
+}
+
+func (a *Agent) onProgress(e TwoPathProgress) {
+	s := a.sessions[e.Session]
+	if s == nil {
+		return
+	}
+	an := s.anchorSide(e.Side)
+	if an == nil {
+		return
+	}
+	if an.role == RoleRightAnchor && an.stage == StageWaitAck {
+		// The datapath switched by itself on the first new-path packet.
+		a.switchPaths(s, an, SideLeft)
+	}
+	if an.stage != StageTwoPath {
+		return
+	}
+	an.vars, an.haveVars = e.Vars, true
+	a.evaluate(s, an)
+}
+
+// evaluate sends the UDP FIN once everything sent on the old path is
+// acknowledged, answers the other anchor's FIN once everything it sent is
+// received and acknowledged, and completes when both hold.
+func (a *Agent) evaluate(s *session, an *anchor) {
+	if an.stage != StageTwoPath || !an.haveVars {
+		return // the datapath reports the cut-off right after StartTwoPath
+	}
+	if !an.finSent && an.vars.SendDone() {
+		an.finSent, an.tries = true, 0
+		a.sendFin(s, an)
+	}
+	if an.gotFin && !an.finAckSent && an.vars.RecvDone(an.peerCutoff, true) {
+		an.finAckSent = true
+		a.sendFinAck(s, an)
+	}
+	if an.finAcked && an.finAckSent {
+		a.complete(s, an)
+	}
+}
+
+func (a *Agent) oldPathMsg(s *session, an *anchor, t MsgType) *Message {
+	side := sideOf(an)
+	m := a.msg(s, t, s.sides[side].Sub, an.req, an.rightAnchor)
+	if an.role == RoleRightAnchor {
+		m.RightAnchor = a.cfg.Self
+	}
+	if side == SideLeft {
+		m.Flags = FlagLeftward // from the right anchor towards the left one
+	}
+	return m
+}
+
+func (a *Agent) sendFin(s *session, an *anchor) {
+	m := a.oldPathMsg(s, an, MsgFin)
+	m.Delta.Seq = an.vars.OldSent // our cut-off, in our session space
+	a.sendSide(s, sideOf(an), m)
+	an.tries++
+	a.setTimer(s, TimerFin, an.req, a.backoff(an.tries))
+}
+
+func (a *Agent) sendFinAck(s *session, an *anchor) {
+	a.sendSide(s, sideOf(an), a.oldPathMsg(s, an, MsgFinAck))
+}
+
+func (a *Agent) onFin(s *session, ref subRef, m *Message) {
+	if an := s.anchorSide(ref.side); an != nil && an.req == m.Req {
+		if an.role == RoleRightAnchor && an.stage == StageWaitAck {
+			a.switchPaths(s, an, SideLeft) // the left anchor switched: so do we
+		}
+		if an.stage != StageTwoPath {
+			a.reject(RejectUnexpected, m, ref.peer, "fin for %s in stage %s", m.Req, an.stage)
+			return
+		}
+		// The sender's cut-off in our session space: what arrives on the
+		// new path gets newDelta, and the old path added the same.
+		an.gotFin = true
+		an.peerCutoff = m.Delta.Seq + an.newDelta.Seq
+		if an.finAckSent {
+			a.sendFinAck(s, an)
+			return
+		}
+		a.evaluate(s, an)
+		return
+	}
+	if a.passOldPath(s, ref, m) {
+		return
+	}
+	a.reject(RejectUnexpected, m, ref.peer, "fin for %s", m.Req)
+}
+
+func (a *Agent) onFinAck(s *session, ref subRef, m *Message) {
+	if an := s.anchorSide(ref.side); an != nil && an.req == m.Req {
+		if an.stage == StageTwoPath && an.finSent && !an.finAcked {
+			an.finAcked = true
+			a.cancelTimer(s, TimerFin, an.req)
+			a.evaluate(s, an)
+		}
+		return
+	}
+	if a.passOldPath(s, ref, m) {
+		dir := 0
+		if m.Flags&FlagLeftward != 0 {
+			dir = 1
+		}
+		td := s.teardown
+		td.finAcks[dir] = true
+		if td.finAcks[0] && td.finAcks[1] {
+			a.setTimer(s, TimerLinger, m.Req, a.cfg.Linger)
+		}
+		return
+	}
+	a.reject(RejectUnexpected, m, ref.peer, "finAck for %s", m.Req)
+}
+
+// passOldPath forwards a FIN or FIN-ACK through a middle agent of the old
+// path (locked by the request).
+func (a *Agent) passOldPath(s *session, ref subRef, m *Message) bool {
+	if s.lock != Locked || s.requestor != m.Req || s.left != nil || s.sides[ref.side.Other()] == nil {
+		return false
+	}
+	if s.teardown == nil || s.teardown.req != m.Req {
+		s.teardown = &teardown{req: m.Req}
+	}
+	f := *m
+	a.sendSide(s, ref.side.Other(), &f)
+	a.setTimer(s, TimerLease, m.Req, a.cfg.LockLease)
+	return true
+}
+
+// complete ends the reconfiguration at an anchor: the new subsession is
+// the side's subsession, the old one lingers to answer FINs, then goes.
+func (a *Agent) complete(s *session, an *anchor) {
+	side := sideOf(an)
+	sd := s.sides[side]
+	old := sd.Sub
+	a.cancelTimer(s, TimerFin, an.req)
+	a.emit(EndTwoPath{Session: s.id, Side: side, New: an.newSub})
+	a.emit(SetWindowClamp{Session: s.id, Side: side, Bytes: 0})
+	a.subs[old] = subRef{id: s.id, side: side, peer: sd.Peer, tomb: true}
+	s.tombs = append(s.tombs, tomb{sub: old, side: side, req: an.req})
+	a.setTimer(s, TimerLinger, an.req, a.cfg.Linger)
+	sd.Sub, sd.Peer, sd.Delta = an.newSub, an.newPeer, an.newDelta
+	if an.role == RoleLeftAnchor {
+		s.lock, s.requestor = Unlocked, ReqKey{}
+		a.finishLeft(s, Succeeded, ReasonNone, ReqKey{})
+		a.releaseQueue(s)
+		return
+	}
+	an.stage = StageDone
+	delete(a.rightReq, an.req)
+	s.right = nil
+	s.resolve(resolution{req: an.req, kind: resDone})
+	note := ""
+	if an.unconfirmed {
+		note = "unconfirmed"
+	}
+	a.progress(s, an.req, RoleRightAnchor, StageDone, note)
+}
+
+// onTomb answers a retransmitted FIN on a torn-down old path.
+func (a *Agent) onTomb(s *session, ref subRef, m *Message) {
+	if m.Type == MsgFin {
+		for _, t := range s.tombs {
+			if t.sub == m.Sub && t.req == m.Req {
+				f := a.msg(s, MsgFinAck, m.Sub, m.Req, m.RightAnchor)
+				if t.side == SideLeft {
+					f.Flags = FlagLeftward
+				}
+				a.send(ref.peer, f)
+				return
+			}
+		}
+	}
+	if m.Type != MsgFinAck {
+		a.reject(RejectUnexpected, m, ref.peer, "%s on a torn-down path", m.Type)
+	}
+}
+
+func (a *Agent) onLinger(s *session, k ReqKey) {
+	if td := s.teardown; td != nil && td.req == k && s.left == nil && s.right == nil {
+		// A middle agent of a torn-down old path: it left the session.
+		a.progress(s, k, RoleMiddle, StageDone, "old path torn down")
+		s.resolve(resolution{req: k, kind: resDone})
+		a.emit(FreeSession{Session: s.id})
+		a.drop(s)
+		return
+	}
+	kept := s.tombs[:0]
+	for _, t := range s.tombs {
+		if t.req != k {
+			kept = append(kept, t)
+			continue
+		}
+		delete(a.subs, t.sub)
+		a.emit(RemoveSubsession{Session: s.id, Side: t.side, Sub: t.sub})
+	}
+	s.tombs = kept
+}
+
+// onNewSub screens a message that arrived on an anchor's new subsession,
+// before the old one is gone: only the new path's own messages belong
+// there. It reports whether to go on handling m.
+func (a *Agent) onNewSub(s *session, ref subRef, m *Message) bool {
+	switch m.Type {
+	case MsgSyn, MsgSynAck, MsgAck:
+		return true
+	case MsgCancelLock:
+		return m.Flags&FlagNewPath != 0
+	case MsgRequestLock:
+		if r := s.right; r != nil {
+			// A middlebox of our new path wants a segment that ends at or
+			// passes us before our old path is gone.
+			n := a.msg(s, MsgNackLock, m.Sub, m.Req, m.RightAnchor)
+			n.Reason, n.Blocker = ReasonBusy, r.req
+			a.send(ref.peer, n)
+			return false
+		}
+	}
+	a.reject(RejectUnexpected, m, ref.peer, "%s on a new subsession", m.Type)
+	return false
+}

@@ -1,0 +1,263 @@
+package protocol
+
+import (
+	"fmt"
+	"net/netip"
+	"time"
+
+	"github.com/dysco/dysco/internal/wire"
+)
+
+// Event is an input of the Agent.
+type Event interface{ event() }
+
+// SideInfo describes one side of a session at an agent.
+type SideInfo struct {
+	Peer netip.Addr // the agent at the other end of the subsession
+	Sub  wire.Tuple // the subsession, written as its SYN went (left to right)
+	// Delta is what this agent adds to sequence numbers (and timestamps) of
+	// packets arriving on this side, and subtracts from the acks (and echoed
+	// timestamps) it sends on it: non-zero after this agent was an anchor
+	// (§3.4, Figure 6).
+	Delta Delta
+	// SendWScale is the window scale this host's side of the TCP session
+	// announced on this side; PeerWScale the one it received (§4.2).
+	SendWScale, PeerWScale uint8
+}
+
+// SessionUp announces an established session (its chain is set up, §2.1).
+// Left is nil at the chain's first agent, Right at its last.
+type SessionUp struct {
+	Session SessionID
+	Tuple   wire.Tuple
+	Nonce   [wire.NonceLen]byte
+	Left    *SideInfo
+	Right   *SideInfo
+	App     AppDelta
+}
+
+// SetAppDelta changes what the middlebox application does to the byte
+// streams of a session (§3.4): known through an API, libdysco's splice, or
+// reconstructed.
+type SetAppDelta struct {
+	Session SessionID
+	App     AppDelta
+}
+
+// MessageIn is a control message received from the network (UDP payload).
+type MessageIn struct {
+	From netip.Addr
+	Data []byte
+}
+
+// Reconfigure is an operator's (or a middlebox's) request that this agent,
+// as left anchor, replace the segment between itself and RightAnchor by a
+// new path through Chain (§3.1): empty Chain deletes every middlebox in
+// between; Chain must not name this agent or the right anchor. Token is
+// echoed in the Result.
+type Reconfigure struct {
+	Session     SessionID
+	RightAnchor netip.Addr
+	Chain       []netip.Addr
+	Token       uint64
+}
+
+// TimerFired reports that a timer set by SetTimer expired.
+type TimerFired struct{ ID TimerID }
+
+// TwoPathProgress reports the datapath's two-path variables of an anchor's
+// side after they changed, or after the datapath started the two-path phase
+// by itself (an armed new subsession received its first packet).
+type TwoPathProgress struct {
+	Session SessionID
+	Side    Side
+	Vars    TwoPath
+}
+
+// SessionEnd reports that the TCP session ended at this agent (RST, FIN in
+// both directions, idle): all its protocol state goes, locks included.
+type SessionEnd struct {
+	Session SessionID
+	Cause   string
+}
+
+func (SessionUp) event()       {}
+func (SetAppDelta) event()     {}
+func (MessageIn) event()       {}
+func (Reconfigure) event()     {}
+func (TimerFired) event()      {}
+func (TwoPathProgress) event() {}
+func (SessionEnd) event()      {}
+
+// TimerKind says what a timer is for.
+type TimerKind uint8
+
+// Timers.
+const (
+	TimerRequest TimerKind = iota + 1 // retransmit requestLock (left anchor)
+	TimerSyn                          // retransmit the new path's SYN (left anchor)
+	TimerCancel                       // retransmit cancelLock (left anchor)
+	TimerFin                          // retransmit the UDP FIN (either anchor)
+	TimerLease                        // release a lock nobody resolves (middle agents, right anchor before switching)
+	TimerLinger                       // free the old path's state after teardown
+)
+
+func (k TimerKind) String() string {
+	switch k {
+	case TimerRequest:
+		return "request"
+	case TimerSyn:
+		return "syn"
+	case TimerCancel:
+		return "cancel"
+	case TimerFin:
+		return "fin"
+	case TimerLease:
+		return "lease"
+	case TimerLinger:
+		return "linger"
+	}
+	return fmt.Sprintf("timer-%d", uint8(k))
+}
+
+// TimerID names a timer; setting a timer with the ID of a running one
+// moves it.
+type TimerID struct {
+	Session SessionID
+	Kind    TimerKind
+	Req     ReqKey
+}
+
+func (t TimerID) String() string { return fmt.Sprintf("%s/%d/%s", t.Kind, t.Session, t.Req) }
+
+// Action is an output of the Agent, for the caller to carry out in order.
+type Action interface{ action() }
+
+// Send sends a control message (UDP) to an agent. Msg is the decoded form,
+// for logs and traces; Data is what goes on the wire.
+type Send struct {
+	To   netip.Addr
+	Msg  *Message
+	Data []byte
+}
+
+// SetTimer asks for a TimerFired event at time At.
+type SetTimer struct {
+	ID TimerID
+	At time.Duration
+}
+
+// CancelTimer cancels a timer; a TimerFired for it after this is ignored.
+type CancelTimer struct{ ID TimerID }
+
+// AddSubsession installs the flows of a new-path subsession on one side of
+// an anchor: packets arriving on Sub are translated to the session (seq +=
+// Delta.Seq, TSval += Delta.TS, window rescaled from WScaleIn to
+// WScaleOut), and packets sent on it get ack -= Delta.Seq (and SACK edges),
+// TSecr -= Delta.TS. The side keeps sending on its current subsession until
+// StartTwoPath; if Armed, the datapath starts the two-path phase by itself
+// when the first packet arrives on Sub, and reports TwoPathProgress.
+type AddSubsession struct {
+	Session             SessionID
+	Side                Side
+	Sub                 wire.Tuple
+	Peer                netip.Addr
+	Delta               Delta
+	WScaleIn, WScaleOut uint8
+	Armed               bool
+}
+
+// JoinSession creates a session at a middlebox on a new path (§3.1, the
+// SYN carries the address list so that it joins): flows between Left.Sub,
+// the session tuple and Right.Sub, no deltas.
+type JoinSession struct {
+	Session     SessionID
+	Tuple       wire.Tuple
+	Nonce       [wire.NonceLen]byte
+	Left, Right SideInfo
+}
+
+// StartTwoPath starts the two-path phase on a side (§3.5): the datapath
+// takes the cut-off from its marks (CutOff), sends every outgoing packet as
+// Decide says, updates the variables with Observe for incoming ones, and
+// reports TwoPathProgress when they change. A no-op if already started.
+type StartTwoPath struct {
+	Session  SessionID
+	Side     Side
+	Old, New wire.Tuple
+}
+
+// EndTwoPath ends the two-path phase: everything goes on the new
+// subsession, which becomes the side's only one for sending; the old one
+// still accepts late packets until RemoveSubsession.
+type EndTwoPath struct {
+	Session SessionID
+	Side    Side
+	New     wire.Tuple
+}
+
+// RemoveSubsession deletes the flows of a subsession.
+type RemoveSubsession struct {
+	Session SessionID
+	Side    Side
+	Sub     wire.Tuple
+}
+
+// SetWindowClamp limits the receive window advertised on a side to Bytes
+// (after scaling): min(window, 64 KB) during reconfiguration (§5.3); 0
+// removes the limit.
+type SetWindowClamp struct {
+	Session SessionID
+	Side    Side
+	Bytes   uint32
+}
+
+// FreeSession deletes a session and all its flows at this agent: it left
+// the path (a middlebox of a torn-down old path, §3.5).
+type FreeSession struct{ Session SessionID }
+
+// Result reports the end of a reconfiguration request at its left anchor.
+type Result struct {
+	Session SessionID
+	Token   uint64
+	Req     ReqKey
+	Outcome Outcome
+	Reason  Reason
+	// Blocker is the request that held the lock (contention refusals).
+	Blocker ReqKey
+	// Unconfirmed: the old path was torn down without a FIN-ACK from the
+	// other anchor after every retransmission.
+	Unconfirmed bool
+}
+
+// Rejected reports a control message this agent refused, for counters.
+type Rejected struct {
+	Reason RejectReason
+	Type   MsgType
+	From   netip.Addr
+	Detail string
+}
+
+// Progress reports a change of stage of a reconfiguration at this agent,
+// for logs, traces and the model.
+type Progress struct {
+	Session SessionID
+	Req     ReqKey
+	Role    Role
+	Stage   Stage
+	Note    string
+}
+
+func (Send) action()             {}
+func (SetTimer) action()         {}
+func (CancelTimer) action()      {}
+func (AddSubsession) action()    {}
+func (JoinSession) action()      {}
+func (StartTwoPath) action()     {}
+func (EndTwoPath) action()       {}
+func (RemoveSubsession) action() {}
+func (SetWindowClamp) action()   {}
+func (FreeSession) action()      {}
+func (Result) action()           {}
+func (Rejected) action()         {}
+func (Progress) action()         {}

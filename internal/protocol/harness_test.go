@@ -1,0 +1,230 @@
+package protocol
+
+import (
+	"fmt"
+	"net/netip"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/dysco/dysco/internal/wire"
+)
+
+// harness runs agents over a perfect in-order network with a fake
+// datapath, one message at a time, so that tests can interleave steps.
+type harness struct {
+	t      *testing.T
+	now    time.Duration
+	key    []byte
+	agents map[netip.Addr]*Agent
+	order  []netip.Addr
+	queue  []envelope
+	timers map[timerKey]time.Duration
+	dead   map[netip.Addr]bool
+
+	results  []Result
+	rejected []Rejected
+	log      []string
+	// datapath view per agent
+	adds   map[netip.Addr][]AddSubsession
+	joins  map[netip.Addr][]JoinSession
+	starts map[netip.Addr][]StartTwoPath
+	ends   map[netip.Addr][]EndTwoPath
+	frees  map[netip.Addr][]SessionID
+	clamps map[netip.Addr][]SetWindowClamp
+	// vars reported when a side starts its two-path phase
+	vars func(at netip.Addr, side Side) TwoPath
+	// hold back two-path reports (to test the FIN exchange by hand)
+	holdVars bool
+}
+
+type envelope struct {
+	from, to netip.Addr
+	data     []byte
+	msg      *Message
+}
+
+type timerKey struct {
+	agent netip.Addr
+	id    TimerID
+}
+
+func addr(i int) netip.Addr { return netip.AddrFrom4([4]byte{10, 0, 0, byte(i)}) }
+
+var testKey = []byte("deployment key for tests")
+
+var testNonce = [wire.NonceLen]byte{1, 2, 3, 4, 5, 6, 7, 8}
+
+var sessionTuple = wire.Tuple{Src: addr(1), Dst: addr(9), SrcPort: 33000, DstPort: 80}
+
+const sid SessionID = 7
+
+func newHarness(t *testing.T, n int) *harness {
+	h := &harness{t: t, key: testKey, agents: map[netip.Addr]*Agent{}, timers: map[timerKey]time.Duration{},
+		dead: map[netip.Addr]bool{}, adds: map[netip.Addr][]AddSubsession{}, joins: map[netip.Addr][]JoinSession{},
+		starts: map[netip.Addr][]StartTwoPath{}, ends: map[netip.Addr][]EndTwoPath{}, frees: map[netip.Addr][]SessionID{},
+		clamps: map[netip.Addr][]SetWindowClamp{}}
+	h.vars = func(netip.Addr, Side) TwoPath {
+		return TwoPath{OldSent: 1000, OldSentAcked: 1000, OldRcvd: 5000, OldRcvdAcked: 5000, NewRcvd: true, FirstNewRcvd: 5000}
+	}
+	for i := 1; i <= n; i++ {
+		cfg := DefaultConfig(addr(i), testKey)
+		h.agents[addr(i)] = New(cfg)
+		h.order = append(h.order, addr(i))
+	}
+	return h
+}
+
+// chain sets up a session through agents from..to (inclusive) with the
+// given middlebox deltas (index = agent number).
+func (h *harness) chain(ids []int, app map[int]AppDelta) {
+	for i, id := range ids {
+		up := SessionUp{Session: sid, Tuple: sessionTuple, Nonce: testNonce, App: app[id]}
+		if i > 0 {
+			up.Left = &SideInfo{Peer: addr(ids[i-1]), Sub: subTuple(ids[i-1], id)}
+		}
+		if i < len(ids)-1 {
+			up.Right = &SideInfo{Peer: addr(ids[i+1]), Sub: subTuple(id, ids[i+1])}
+		}
+		h.deliver(addr(id), up)
+	}
+}
+
+func subTuple(a, b int) wire.Tuple {
+	return wire.Tuple{Src: addr(a), Dst: addr(b), SrcPort: uint16(1000 + a), DstPort: uint16(2000 + b)}
+}
+
+func (h *harness) deliver(at netip.Addr, ev Event) {
+	for _, act := range h.agents[at].Handle(h.now, ev) {
+		h.apply(at, act)
+	}
+}
+
+func (h *harness) apply(at netip.Addr, act Action) {
+	switch x := act.(type) {
+	case Send:
+		h.log = append(h.log, fmt.Sprintf("%s -> %s %s", at, x.To, x.Msg))
+		if !h.dead[x.To] && !h.dead[at] {
+			h.queue = append(h.queue, envelope{from: at, to: x.To, data: x.Data, msg: x.Msg})
+		}
+	case SetTimer:
+		h.timers[timerKey{at, x.ID}] = x.At
+	case CancelTimer:
+		delete(h.timers, timerKey{at, x.ID})
+	case Result:
+		h.log = append(h.log, fmt.Sprintf("%s result %s %s %s blocker=%s", at, x.Req, x.Outcome, x.Reason, x.Blocker))
+		h.results = append(h.results, x)
+	case Rejected:
+		h.log = append(h.log, fmt.Sprintf("%s rejected %s %s: %s", at, x.Type, x.Reason, x.Detail))
+		h.rejected = append(h.rejected, x)
+	case AddSubsession:
+		h.adds[at] = append(h.adds[at], x)
+	case JoinSession:
+		h.joins[at] = append(h.joins[at], x)
+	case StartTwoPath:
+		h.starts[at] = append(h.starts[at], x)
+		if !h.holdVars {
+			h.deliver(at, TwoPathProgress{Session: x.Session, Side: x.Side, Vars: h.vars(at, x.Side)})
+		}
+	case EndTwoPath:
+		h.ends[at] = append(h.ends[at], x)
+	case FreeSession:
+		h.frees[at] = append(h.frees[at], x.Session)
+	case SetWindowClamp:
+		h.clamps[at] = append(h.clamps[at], x)
+	case Progress:
+		h.log = append(h.log, fmt.Sprintf("%s %s %s %s %s", at, x.Req, x.Role, x.Stage, x.Note))
+	}
+}
+
+// step delivers the next message; false when none is queued.
+func (h *harness) step() bool {
+	if len(h.queue) == 0 {
+		return false
+	}
+	e := h.queue[0]
+	h.queue = h.queue[1:]
+	h.deliver(e.to, MessageIn{From: e.from, Data: e.data})
+	return true
+}
+
+// stepType delivers the first queued message of type t (out of order).
+func (h *harness) stepType(t MsgType, to netip.Addr) {
+	for i, e := range h.queue {
+		if e.msg.Type == t && e.to == to {
+			h.queue = append(h.queue[:i:i], h.queue[i+1:]...)
+			h.deliver(e.to, MessageIn{From: e.from, Data: e.data})
+			return
+		}
+	}
+	h.t.Fatalf("no %s queued for %s\n%s", t, to, h.trace())
+}
+
+// run delivers messages and fires timers until nothing is left.
+func (h *harness) run() {
+	for i := 0; i < 100000; i++ {
+		if h.step() {
+			continue
+		}
+		if !h.fireNext() {
+			return
+		}
+	}
+	h.t.Fatalf("no quiescence\n%s", h.trace())
+}
+
+// runMessages delivers messages only (no timers).
+func (h *harness) runMessages() {
+	for h.step() {
+	}
+}
+
+func (h *harness) fireNext() bool {
+	if len(h.timers) == 0 {
+		return false
+	}
+	keys := make([]timerKey, 0, len(h.timers))
+	for k := range h.timers {
+		keys = append(keys, k)
+	}
+	sort.Slice(keys, func(i, j int) bool {
+		a, b := h.timers[keys[i]], h.timers[keys[j]]
+		if a != b {
+			return a < b
+		}
+		return keys[i].id.String()+keys[i].agent.String() < keys[j].id.String()+keys[j].agent.String()
+	})
+	k := keys[0]
+	if at := h.timers[k]; at > h.now {
+		h.now = at
+	}
+	delete(h.timers, k)
+	h.deliver(k.agent, TimerFired{ID: k.id})
+	return true
+}
+
+func (h *harness) reconfigure(at int, ra int, chain []int, token uint64) {
+	var c []netip.Addr
+	for _, x := range chain {
+		c = append(c, addr(x))
+	}
+	h.deliver(addr(at), Reconfigure{Session: sid, RightAnchor: addr(ra), Chain: c, Token: token})
+}
+
+func (h *harness) result(token uint64) Result {
+	for _, r := range h.results {
+		if r.Token == token {
+			return r
+		}
+	}
+	h.t.Fatalf("no result for token %d\n%s", token, h.trace())
+	return Result{}
+}
+
+func (h *harness) trace() string { return strings.Join(h.log, "\n") }
+
+// view returns agent i's view of the session (or of the only joined one).
+func (h *harness) view(i int) (SessionView, bool) {
+	return h.agents[addr(i)].View(sid)
+}

@@ -1,0 +1,360 @@
+package protocol
+
+import (
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net/netip"
+
+	"github.com/dysco/dysco/internal/wire"
+)
+
+// MsgType is the type of a control message (§3.1–§3.6, Figure 4).
+type MsgType uint8
+
+// Control message types, named as in the paper. The lock messages and
+// cancelLock/ackCancel, UDP FIN/FIN-ACK travel on the old path, hop by hop
+// through the agents of the segment; SYN, SYN-ACK and ACK set up the new
+// path hop by hop (§3.3).
+const (
+	MsgRequestLock MsgType = iota + 1 // left anchor → right anchor, old path (§3.2)
+	MsgAckLock                        // right anchor → left anchor, old path
+	MsgNackLock                       // refusal, towards the left anchor
+	MsgCancelLock                     // left anchor → right anchor, releases the locks (§3.6)
+	MsgAckCancel                      // right anchor (or first agent not locked) → left anchor
+	MsgSyn                            // left anchor → right anchor, new path, carries the address list
+	MsgSynAck                         // right anchor → left anchor, new path
+	MsgAck                            // left anchor → right anchor, new path
+	MsgFin                            // anchor → anchor on the old path: all my old-path data is acknowledged; carries my cut-off
+	MsgFinAck                         // answer: I have received and acknowledged everything you sent on the old path
+)
+
+// MsgTypes lists every message type, for comparison with the model.
+var MsgTypes = []MsgType{MsgRequestLock, MsgAckLock, MsgNackLock, MsgCancelLock, MsgAckCancel,
+	MsgSyn, MsgSynAck, MsgAck, MsgFin, MsgFinAck}
+
+func (t MsgType) String() string {
+	switch t {
+	case MsgRequestLock:
+		return "requestLock"
+	case MsgAckLock:
+		return "ackLock"
+	case MsgNackLock:
+		return "nackLock"
+	case MsgCancelLock:
+		return "cancelLock"
+	case MsgAckCancel:
+		return "ackCancel"
+	case MsgSyn:
+		return "syn"
+	case MsgSynAck:
+		return "synAck"
+	case MsgAck:
+		return "ack"
+	case MsgFin:
+		return "fin"
+	case MsgFinAck:
+		return "finAck"
+	}
+	return fmt.Sprintf("msg-%d", uint8(t))
+}
+
+// Wire constants of control messages.
+const (
+	// MsgMagic opens every control message ("DYSR").
+	MsgMagic = 0x44595352
+	// MsgVersion is the version this code writes and accepts.
+	MsgVersion = 1
+	// MsgHeaderLen is the fixed part before the hops.
+	MsgHeaderLen = 156
+	// MACLen is the length of the truncated HMAC-SHA256 that ends a message.
+	MACLen = 16
+	// MaxMsgLen is the longest message.
+	MaxMsgLen = MsgHeaderLen + wire.MaxHops*wire.AddrLen + MACLen
+)
+
+// Message flags.
+const (
+	// FlagLeftward marks a fin or finAck travelling from the right anchor
+	// to the left anchor (they travel both ways).
+	FlagLeftward = 1 << 0
+	// FlagNewPath marks a cancelLock sent on the new path, to free the
+	// middleboxes that joined it (best effort).
+	FlagNewPath = 1 << 1
+	knownFlags  = FlagLeftward | FlagNewPath
+)
+
+// Message is a decoded control message.
+//
+// Layout (network byte order; addresses IPv4-mapped as in the SYN block):
+//
+//	0   magic (4)        4 version (1)   5 type (1)   6 flags (1)   7 reason (1)
+//	8   nonce (8): the session nonce from the SYN block (§2.3)
+//	16  subsession: src addr (16), dst addr (16), src port (2), dst port (2)
+//	52  session:    src addr (16), dst addr (16), src port (2), dst port (2)
+//	88  request: left anchor (16), id (4)
+//	108 right anchor (16)
+//	124 blocker request: left anchor (16), id (4)   (nackLock)
+//	144 delta seq (4), delta ts (4): rightDelta (requestLock), leftDelta
+//	    (ackLock), the sender's cut-off oldSent (fin)
+//	152 window scale (1)   153 hop count (1)   154 reserved (2)
+//	156 hops, 16 bytes each (syn: the addresses after the receiver, ending
+//	    with the right anchor)
+//	end HMAC-SHA256 under the deployment key of everything before it,
+//	    truncated to 16 bytes
+type Message struct {
+	Type    MsgType
+	Flags   uint8
+	Reason  Reason
+	Nonce   [wire.NonceLen]byte
+	Sub     wire.Tuple // the subsession the message travels on, written as the SYN that made it went (left to right)
+	Session wire.Tuple
+	Req     ReqKey
+	// RightAnchor is the right anchor of Req.
+	RightAnchor netip.Addr
+	// Blocker is the request that holds the lock a nackLock reports.
+	Blocker ReqKey
+	Delta   Delta
+	WScale  uint8
+	Hops    []netip.Addr
+}
+
+// RejectReason classifies a message the agent refused; agents count them.
+type RejectReason uint8
+
+// Reject reasons.
+const (
+	RejectMalformed      RejectReason = iota + 1 // wrong length, unknown type, bad field
+	RejectMagic                                  // not a Dysco control message
+	RejectVersion                                // a version this code does not speak
+	RejectMAC                                    // HMAC mismatch: forged or corrupted
+	RejectNonce                                  // nonce differs from the session's: off-path forgery or another session
+	RejectUnknownSession                         // no session has that subsession (ended, or never existed)
+	RejectWrongPeer                              // not sent by the agent at the other end of the subsession
+	RejectReplay                                 // an older request from the same left anchor: replay or stale retransmission
+	RejectUnexpected                             // valid but meaningless in the current state (stale, duplicate of a finished exchange)
+)
+
+// RejectReasons lists every reject reason, for counters.
+var RejectReasons = []RejectReason{RejectMalformed, RejectMagic, RejectVersion, RejectMAC,
+	RejectNonce, RejectUnknownSession, RejectWrongPeer, RejectReplay, RejectUnexpected}
+
+func (r RejectReason) String() string {
+	switch r {
+	case RejectMalformed:
+		return "malformed"
+	case RejectMagic:
+		return "bad_magic"
+	case RejectVersion:
+		return "bad_version"
+	case RejectMAC:
+		return "bad_mac"
+	case RejectNonce:
+		return "bad_nonce"
+	case RejectUnknownSession:
+		return "unknown_session"
+	case RejectWrongPeer:
+		return "wrong_peer"
+	case RejectReplay:
+		return "replay"
+	case RejectUnexpected:
+		return "unexpected"
+	}
+	return fmt.Sprintf("reject-%d", uint8(r))
+}
+
+// DecodeError is returned by Decode; Reason says what to count.
+type DecodeError struct {
+	Reason RejectReason
+	Detail string
+}
+
+func (e *DecodeError) Error() string {
+	return fmt.Sprintf("dysco control message: %s: %s", e.Reason, e.Detail)
+}
+
+func decodeErr(r RejectReason, format string, args ...any) error {
+	return &DecodeError{Reason: r, Detail: fmt.Sprintf(format, args...)}
+}
+
+// ErrTooManyHops is returned by Encode for an address list longer than wire.MaxHops.
+var ErrTooManyHops = errors.New("dysco control message: too many hops")
+
+// Encode returns m in wire format, authenticated under key.
+func (m *Message) Encode(key []byte) ([]byte, error) {
+	if len(m.Hops) > wire.MaxHops {
+		return nil, ErrTooManyHops
+	}
+	b := make([]byte, MsgHeaderLen, MsgHeaderLen+len(m.Hops)*wire.AddrLen+MACLen)
+	binary.BigEndian.PutUint32(b[0:], MsgMagic)
+	b[4] = MsgVersion
+	b[5] = byte(m.Type)
+	b[6] = m.Flags
+	b[7] = byte(m.Reason)
+	copy(b[8:16], m.Nonce[:])
+	putTuple(b[16:52], m.Sub)
+	putTuple(b[52:88], m.Session)
+	putAddr(b[88:104], m.Req.LeftAnchor)
+	binary.BigEndian.PutUint32(b[104:], m.Req.ID)
+	putAddr(b[108:124], m.RightAnchor)
+	putAddr(b[124:140], m.Blocker.LeftAnchor)
+	binary.BigEndian.PutUint32(b[140:], m.Blocker.ID)
+	binary.BigEndian.PutUint32(b[144:], m.Delta.Seq)
+	binary.BigEndian.PutUint32(b[148:], m.Delta.TS)
+	b[152] = m.WScale
+	b[153] = byte(len(m.Hops))
+	for _, h := range m.Hops {
+		a := h.As16()
+		b = append(b, a[:]...)
+	}
+	return append(b, mac(key, b)...), nil
+}
+
+// Decode authenticates and parses a message. Errors are *DecodeError.
+func Decode(key, b []byte) (*Message, error) {
+	if len(b) < 5 {
+		return nil, decodeErr(RejectMalformed, "%d bytes", len(b))
+	}
+	if binary.BigEndian.Uint32(b) != MsgMagic {
+		return nil, decodeErr(RejectMagic, "magic %#x", binary.BigEndian.Uint32(b))
+	}
+	if b[4] != MsgVersion {
+		return nil, decodeErr(RejectVersion, "version %d, want %d", b[4], MsgVersion)
+	}
+	if len(b) < MsgHeaderLen+MACLen {
+		return nil, decodeErr(RejectMalformed, "%d bytes, shorter than a header", len(b))
+	}
+	n := int(b[153])
+	if n > wire.MaxHops {
+		return nil, decodeErr(RejectMalformed, "%d hops, at most %d", n, wire.MaxHops)
+	}
+	if want := MsgHeaderLen + n*wire.AddrLen + MACLen; len(b) != want {
+		return nil, decodeErr(RejectMalformed, "%d bytes, %d hops need %d", len(b), n, want)
+	}
+	body := b[:len(b)-MACLen]
+	if !hmac.Equal(b[len(b)-MACLen:], mac(key, body)) {
+		return nil, decodeErr(RejectMAC, "HMAC mismatch")
+	}
+	m := &Message{
+		Type:   MsgType(b[5]),
+		Flags:  b[6],
+		Reason: Reason(b[7]),
+	}
+	if m.Type < MsgRequestLock || m.Type > MsgFinAck {
+		return nil, decodeErr(RejectMalformed, "unknown type %d", b[5])
+	}
+	if m.Flags&^knownFlags != 0 || b[154] != 0 || b[155] != 0 {
+		return nil, decodeErr(RejectMalformed, "reserved bits set")
+	}
+	copy(m.Nonce[:], b[8:16])
+	m.Sub = getTuple(b[16:52])
+	m.Session = getTuple(b[52:88])
+	m.Req = ReqKey{LeftAnchor: getAddr(b[88:104]), ID: binary.BigEndian.Uint32(b[104:])}
+	m.RightAnchor = getAddr(b[108:124])
+	m.Blocker = ReqKey{LeftAnchor: getAddr(b[124:140]), ID: binary.BigEndian.Uint32(b[140:])}
+	if !m.Blocker.LeftAnchor.IsValid() {
+		m.Blocker = ReqKey{}
+	}
+	m.Delta = Delta{Seq: binary.BigEndian.Uint32(b[144:]), TS: binary.BigEndian.Uint32(b[148:])}
+	m.WScale = b[152]
+	for i := 0; i < n; i++ {
+		off := MsgHeaderLen + i*wire.AddrLen
+		m.Hops = append(m.Hops, getAddr(b[off:off+wire.AddrLen]))
+	}
+	if err := m.validate(); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+func (m *Message) validate() error {
+	if !validTuple(m.Sub) {
+		return decodeErr(RejectMalformed, "invalid subsession %s", m.Sub)
+	}
+	if !validTuple(m.Session) {
+		return decodeErr(RejectMalformed, "invalid session %s", m.Session)
+	}
+	if !m.Req.LeftAnchor.IsValid() || !m.RightAnchor.IsValid() {
+		return decodeErr(RejectMalformed, "missing anchor")
+	}
+	if m.Reason > ReasonStale {
+		return decodeErr(RejectMalformed, "unknown reason %d", m.Reason)
+	}
+	for i, h := range m.Hops {
+		if !h.IsValid() || h.IsUnspecified() {
+			return decodeErr(RejectMalformed, "hop %d invalid", i)
+		}
+	}
+	if m.Type == MsgSyn && (len(m.Hops) == 0 || m.Hops[len(m.Hops)-1] != m.RightAnchor) {
+		// The receiver of a syn is the packet's destination; the list
+		// names the hops after it and always ends with the right anchor,
+		// unless the receiver is the right anchor itself.
+		if len(m.Hops) != 0 || m.Sub.Dst != m.RightAnchor {
+			return decodeErr(RejectMalformed, "syn address list does not end with the right anchor")
+		}
+	}
+	return nil
+}
+
+func validTuple(t wire.Tuple) bool {
+	return t.Src.IsValid() && t.Dst.IsValid() && !t.Src.IsUnspecified() && !t.Dst.IsUnspecified() &&
+		t.SrcPort != 0 && t.DstPort != 0
+}
+
+func mac(key, body []byte) []byte {
+	h := hmac.New(sha256.New, key)
+	h.Write(body)
+	return h.Sum(nil)[:MACLen]
+}
+
+func putAddr(b []byte, a netip.Addr) {
+	if !a.IsValid() {
+		return // all zero
+	}
+	s := a.As16()
+	copy(b, s[:])
+}
+
+func getAddr(b []byte) netip.Addr {
+	var a [16]byte
+	copy(a[:], b)
+	if a == [16]byte{} {
+		return netip.Addr{}
+	}
+	return netip.AddrFrom16(a).Unmap()
+}
+
+func putTuple(b []byte, t wire.Tuple) {
+	putAddr(b[0:16], t.Src)
+	putAddr(b[16:32], t.Dst)
+	binary.BigEndian.PutUint16(b[32:], t.SrcPort)
+	binary.BigEndian.PutUint16(b[34:], t.DstPort)
+}
+
+func getTuple(b []byte) wire.Tuple {
+	return wire.Tuple{Src: getAddr(b[0:16]), Dst: getAddr(b[16:32]),
+		SrcPort: binary.BigEndian.Uint16(b[32:]), DstPort: binary.BigEndian.Uint16(b[34:])}
+}
+
+func (m *Message) String() string {
+	s := fmt.Sprintf("%s req=%s ra=%s sub=%s", m.Type, m.Req, m.RightAnchor, m.Sub)
+	switch m.Type {
+	case MsgRequestLock, MsgAckLock:
+		s += " delta=" + m.Delta.String()
+	case MsgNackLock:
+		s += fmt.Sprintf(" reason=%q blocker=%s", m.Reason, m.Blocker)
+	case MsgFin:
+		s += fmt.Sprintf(" cutoff=%d", m.Delta.Seq)
+	case MsgSyn:
+		s += fmt.Sprintf(" hops=%v", m.Hops)
+	}
+	if m.Flags&FlagLeftward != 0 {
+		s += " leftward"
+	}
+	if m.Flags&FlagNewPath != 0 {
+		s += " newpath"
+	}
+	return s
+}

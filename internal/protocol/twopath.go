@@ -1,0 +1,323 @@
+package protocol
+
+import "fmt"
+
+// TCP flags of a Packet.
+const (
+	TCPFin = 1 << 0
+	TCPSyn = 1 << 1
+	TCPRst = 1 << 2
+	TCPAck = 1 << 4
+)
+
+// Packet summarises a TCP segment at an anchor, in the anchor's session
+// sequence space: deltas are already applied to incoming packets and not
+// yet applied to outgoing ones (§3.5, last paragraph of the tables).
+type Packet struct {
+	Seq   uint32
+	Ack   uint32
+	Len   uint32 // payload bytes
+	Flags uint8  // TCP* bits
+}
+
+// End returns the sequence number after the packet: payload plus one for
+// a FIN (and for a SYN).
+func (p Packet) End() uint32 {
+	e := p.Seq + p.Len
+	if p.Flags&TCPFin != 0 {
+		e++
+	}
+	if p.Flags&TCPSyn != 0 {
+		e++
+	}
+	return e
+}
+
+func (p Packet) String() string {
+	f := ""
+	for _, x := range []struct {
+		b uint8
+		s string
+	}{{TCPSyn, "S"}, {TCPFin, "F"}, {TCPRst, "R"}, {TCPAck, "."}} {
+		if p.Flags&x.b != 0 {
+			f += x.s
+		}
+	}
+	return fmt.Sprintf("[%s] seq=%d len=%d ack=%d", f, p.Seq, p.Len, p.Ack)
+}
+
+// seqLT compares sequence numbers modulo 2^32 (RFC 793 §3.3).
+func seqLT(a, b uint32) bool { return int32(a-b) < 0 }
+
+func seqLEQ(a, b uint32) bool { return int32(a-b) <= 0 }
+
+func seqMax(a, b uint32) uint32 {
+	if seqLT(a, b) {
+		return b
+	}
+	return a
+}
+
+// Marks are what the datapath records of one side of a session at all
+// times, so that an anchor knows its variables at the cut-off: the highest
+// sequence number sent and received (plus one) and the highest ack sent and
+// received, in session space. The datapath starts them from the handshake.
+type Marks struct {
+	SndNxt  uint32 // highest sequence number sent, plus one
+	RcvNxt  uint32 // highest sequence number received, plus one
+	AckRcvd uint32 // highest acknowledgment received
+	AckSent uint32 // highest acknowledgment sent
+}
+
+// Out records a packet sent on the side.
+func (m Marks) Out(p Packet) Marks {
+	if e := p.End(); e != p.Seq {
+		m.SndNxt = seqMax(m.SndNxt, e)
+	}
+	if p.Flags&TCPAck != 0 {
+		m.AckSent = seqMax(m.AckSent, p.Ack)
+	}
+	return m
+}
+
+// In records a packet received on the side.
+func (m Marks) In(p Packet) Marks {
+	if e := p.End(); e != p.Seq {
+		m.RcvNxt = seqMax(m.RcvNxt, e)
+	}
+	if p.Flags&TCPAck != 0 {
+		m.AckRcvd = seqMax(m.AckRcvd, p.Ack)
+	}
+	return m
+}
+
+// TwoPath holds an anchor's variables for the side being reconfigured
+// during the two-path phase (§3.5). All are in session space.
+type TwoPath struct {
+	OldSent      uint32 // highest sequence number sent on the old path, plus one: the cut-off, fixed
+	OldRcvd      uint32 // highest sequence number received on the old path, plus one
+	OldSentAcked uint32 // highest sequence number sent on the old path and acknowledged, plus one
+	OldRcvdAcked uint32 // highest sequence number received on the old path and acknowledged, plus one
+	FirstNewRcvd uint32 // lowest sequence number received on the new path, if NewRcvd
+	NewRcvd      bool   // something was received on the new path
+}
+
+func (v TwoPath) String() string {
+	f := "-"
+	if v.NewRcvd {
+		f = fmt.Sprint(v.FirstNewRcvd)
+	}
+	return fmt.Sprintf("oldSent=%d oldRcvd=%d oldSentAcked=%d oldRcvdAcked=%d firstNewRcvd=%s",
+		v.OldSent, v.OldRcvd, v.OldSentAcked, v.OldRcvdAcked, f)
+}
+
+// CutOff starts the two-path phase from the side's marks: from now on no
+// new data goes on the old path, so oldSent is known (§3.5).
+func CutOff(m Marks) TwoPath {
+	v := TwoPath{OldSent: m.SndNxt, OldRcvd: m.RcvNxt, OldSentAcked: m.AckRcvd, OldRcvdAcked: m.AckSent}
+	if seqLT(v.OldSent, v.OldSentAcked) {
+		v.OldSentAcked = v.OldSent
+	}
+	if seqLT(v.OldRcvd, v.OldRcvdAcked) {
+		v.OldRcvdAcked = v.OldRcvd
+	}
+	return v
+}
+
+// SendDone reports whether everything the anchor sent on the old path has
+// been acknowledged: oldSentAcked = oldSent.
+func (v TwoPath) SendDone() bool { return v.OldSentAcked == v.OldSent }
+
+// RecvDone reports whether the anchor has received and acknowledged
+// everything the other anchor sent on the old path (§3.5):
+// oldRcvdAcked = oldRcvd ∧ oldRcvd = firstNewRcvd. When the other anchor's
+// cut-off is known (it comes in its UDP FIN), oldRcvd = cutoff is the same
+// fact without waiting for new data; this matters when the other anchor has
+// nothing more to send.
+func (v TwoPath) RecvDone(cutoff uint32, haveCutoff bool) bool {
+	if v.OldRcvdAcked != v.OldRcvd {
+		return false
+	}
+	return v.NewRcvd && v.FirstNewRcvd == v.OldRcvd || haveCutoff && cutoff == v.OldRcvd
+}
+
+// Piece is one packet an outgoing packet becomes in the two-path phase. Its
+// payload is bytes [Seq-p.Seq, Seq-p.Seq+Len) of the original payload.
+type Piece struct {
+	Path  Path
+	Seq   uint32
+	Len   uint32 // payload bytes (a FIN is in Flags)
+	Ack   uint32
+	Flags uint8
+}
+
+func (c Piece) String() string {
+	return fmt.Sprintf("%s%s", c.Path, Packet{Seq: c.Seq, Ack: c.Ack, Len: c.Len, Flags: c.Flags})
+}
+
+// Decision says where an outgoing packet goes in the two-path phase: one to
+// three pieces, in the order to send them.
+type Decision struct {
+	N      int
+	Pieces [3]Piece
+}
+
+func (d *Decision) add(c Piece) {
+	d.Pieces[d.N] = c
+	d.N++
+}
+
+// List returns the pieces.
+func (d Decision) List() []Piece { return d.Pieces[:d.N] }
+
+// Decide applies the cut-off tables of §3.5 to a packet the anchor sends on
+// the side being reconfigured, and returns where its parts go and the
+// variables after sending them.
+//
+// Bytes: byteSeq < oldSent → old path; byteSeq ≥ oldSent → new path; a
+// packet with both is split at oldSent (a FIN goes with the last byte).
+//
+// Acks:
+//
+//	ack ≤ oldRcvd                       → old path
+//	ack > oldRcvd ∧ oldRcvd = oldRcvdAcked → new path
+//	ack > oldRcvd ∧ oldRcvd > oldRcvdAcked → new path, and ack oldRcvd on the old path
+//
+// The paper's first row also asks ack > oldRcvdAcked; an ack that does not
+// advance (a duplicate ack, a window update) still concerns old data, so it
+// goes on the old path too. When data and ack go to different paths the
+// packet is divided: a data piece on the old path acks min(ack, oldRcvd); a
+// data piece on the new path keeps the packet's ack, and a pure ack carries
+// it on the old path when it belongs there. A RST goes on both paths.
+func Decide(v TwoPath, p Packet) (Decision, TwoPath) { return decide(v, p, 0) }
+
+// DecideFault is Decide with deliberate faults, for the simulation's
+// broken variants.
+func DecideFault(v TwoPath, p Packet, f Fault) (Decision, TwoPath) { return decide(v, p, f) }
+
+func decide(v TwoPath, p Packet, f Fault) (Decision, TwoPath) {
+	var d Decision
+	if p.Flags&TCPRst != 0 {
+		d.add(Piece{Path: PathOld, Seq: p.Seq, Ack: p.Ack, Flags: p.Flags &^ TCPFin})
+		d.add(Piece{Path: PathNew, Seq: p.Seq, Ack: p.Ack, Flags: p.Flags &^ TCPFin})
+		return d, v
+	}
+	hasAck := p.Flags&TCPAck != 0
+	fin := p.Flags & TCPFin
+	end := p.End()
+	payEnd := p.Seq + p.Len // end of the payload, before the FIN
+
+	// §3.5 ack table.
+	ackPath, extraOld := Path(0), false
+	if hasAck {
+		switch {
+		case f&FaultAcksOnOldPath != 0:
+			ackPath = PathOld
+		case seqLEQ(p.Ack, v.OldRcvd):
+			ackPath = PathOld
+		default:
+			ackPath = PathNew
+			extraOld = seqLT(v.OldRcvdAcked, v.OldRcvd)
+		}
+	}
+	flagsNoFin := p.Flags &^ (TCPFin | TCPSyn)
+
+	// §3.5 byte table: [seq, oldSent) old, [oldSent, end) new.
+	var oldPiece, newPiece bool
+	if end != p.Seq && seqLT(p.Seq, v.OldSent) {
+		oldEnd := end
+		if seqLT(v.OldSent, oldEnd) {
+			oldEnd = v.OldSent
+		}
+		c := Piece{Path: PathOld, Seq: p.Seq, Flags: flagsNoFin}
+		c.Len = oldEnd - p.Seq
+		if fin != 0 && oldEnd == end {
+			c.Len-- // the FIN is the old piece's last sequence number
+			c.Flags |= TCPFin
+		}
+		if hasAck {
+			c.Ack = p.Ack
+			if ackPath == PathNew {
+				c.Ack = v.OldRcvd // the ack belongs on the new path; this piece acks what the old path carried
+			}
+		}
+		d.add(c)
+		oldPiece = true
+	}
+	if end != p.Seq && seqLT(v.OldSent, end) {
+		start := p.Seq
+		if seqLT(start, v.OldSent) {
+			start = v.OldSent
+		}
+		// start < end, so start ≤ payEnd: the FIN, if any, is the last
+		// sequence number and always in this piece.
+		c := Piece{Path: PathNew, Seq: start, Len: payEnd - start, Flags: flagsNoFin | fin, Ack: p.Ack}
+		d.add(c)
+		newPiece = true
+	}
+	switch {
+	case ackPath == PathOld && !oldPiece:
+		d.add(Piece{Path: PathOld, Seq: seqOld(p, v), Ack: p.Ack, Flags: flagsNoFin})
+	case ackPath == PathNew && !newPiece:
+		d.add(Piece{Path: PathNew, Seq: seqNew(p, v), Ack: p.Ack, Flags: flagsNoFin})
+	}
+	if extraOld && !oldPiece {
+		d.add(Piece{Path: PathOld, Seq: seqOld(p, v), Ack: v.OldRcvd, Flags: flagsNoFin})
+	}
+	if d.N == 0 {
+		// No data and no ack (never seen on an established session).
+		d.add(Piece{Path: PathNew, Seq: p.Seq, Ack: p.Ack, Flags: p.Flags})
+	}
+	for _, c := range d.List() {
+		if c.Path == PathOld && c.Flags&TCPAck != 0 {
+			v.OldRcvdAcked = seqMax(v.OldRcvdAcked, c.Ack)
+		}
+	}
+	return d, v
+}
+
+// seqOld is the sequence number of a pure ack on the old path: never beyond
+// what the old path carried.
+func seqOld(p Packet, v TwoPath) uint32 {
+	if seqLT(v.OldSent, p.Seq) {
+		return v.OldSent
+	}
+	return p.Seq
+}
+
+// seqNew is the sequence number of a pure ack on the new path.
+func seqNew(p Packet, v TwoPath) uint32 {
+	if seqLT(p.Seq, v.OldSent) {
+		return v.OldSent
+	}
+	return p.Seq
+}
+
+// Observe updates the variables for a packet the anchor received on path
+// (already translated to session space).
+func Observe(v TwoPath, path Path, p Packet) TwoPath {
+	if p.Flags&TCPRst != 0 {
+		return v
+	}
+	if end := p.End(); end != p.Seq {
+		switch path {
+		case PathOld:
+			v.OldRcvd = seqMax(v.OldRcvd, end)
+		case PathNew:
+			if !v.NewRcvd || seqLT(p.Seq, v.FirstNewRcvd) {
+				v.FirstNewRcvd = p.Seq
+				v.NewRcvd = true
+			}
+		}
+	}
+	if p.Flags&TCPAck != 0 {
+		// An ack received on either path covers the old bytes below it:
+		// an ack of new data on the new path implies the old data arrived.
+		a := p.Ack
+		if seqLT(v.OldSent, a) {
+			a = v.OldSent
+		}
+		v.OldSentAcked = seqMax(v.OldSentAcked, a)
+	}
+	return v
+}

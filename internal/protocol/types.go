@@ -1,0 +1,274 @@
+package protocol
+
+import (
+	"fmt"
+	"net/netip"
+)
+
+// SessionID names a session in one agent. The agent chooses the ids of the
+// sessions it announces with SessionUp; ids of sessions the protocol creates
+// itself (a middlebox joining a new path, §3.1) have the high bit set.
+type SessionID uint64
+
+// joinedIDBit marks session ids allocated by the protocol.
+const joinedIDBit SessionID = 1 << 63
+
+// Side is one of the two sides of a session at an agent: the subsession to
+// its left (towards the session's initiator) or to its right.
+type Side uint8
+
+// The two sides of a session at an agent.
+const (
+	SideLeft Side = iota
+	SideRight
+)
+
+// Other returns the opposite side.
+func (s Side) Other() Side { return 1 - s }
+
+func (s Side) String() string {
+	if s == SideLeft {
+		return "left"
+	}
+	return "right"
+}
+
+// Path tells which of an anchor's two paths a packet uses in the two-path
+// phase of a reconfiguration (§3.5).
+type Path uint8
+
+// The two paths of an anchor during reconfiguration.
+const (
+	PathOld Path = 1
+	PathNew Path = 2
+)
+
+func (p Path) String() string {
+	switch p {
+	case PathOld:
+		return "old"
+	case PathNew:
+		return "new"
+	}
+	return fmt.Sprintf("path-%d", uint8(p))
+}
+
+// LockState is the state of the subsession to an agent's right, kept by
+// that agent (§3.2).
+type LockState uint8
+
+// Lock states, named as in the paper and the Promela model.
+const (
+	Unlocked LockState = iota
+	LockPending
+	Locked
+)
+
+// LockStates lists every lock state, for comparison with the model.
+var LockStates = []LockState{Unlocked, LockPending, Locked}
+
+func (s LockState) String() string {
+	switch s {
+	case Unlocked:
+		return "unlocked"
+	case LockPending:
+		return "lockPending"
+	case Locked:
+		return "locked"
+	}
+	return fmt.Sprintf("lockState-%d", uint8(s))
+}
+
+// ReqKey identifies one reconfiguration request: the left anchor that
+// initiated it and a number that anchor never reuses (it only grows).
+type ReqKey struct {
+	LeftAnchor netip.Addr
+	ID         uint32
+}
+
+// IsZero reports whether k names no request.
+func (k ReqKey) IsZero() bool { return !k.LeftAnchor.IsValid() && k.ID == 0 }
+
+func (k ReqKey) String() string {
+	if k.IsZero() {
+		return "-"
+	}
+	return fmt.Sprintf("%s#%d", k.LeftAnchor, k.ID)
+}
+
+// Delta is a sequence-space translation for one direction of a byte
+// stream (§3.4): Seq is added to sequence numbers (and subtracted from the
+// acknowledgments and SACK edges that refer to them), TS likewise to
+// timestamps (§4.2). Arithmetic is modulo 2^32, so a negative delta is its
+// two's complement.
+type Delta struct {
+	Seq uint32
+	TS  uint32
+}
+
+// Add returns the composition of two deltas.
+func (d Delta) Add(e Delta) Delta { return Delta{Seq: d.Seq + e.Seq, TS: d.TS + e.TS} }
+
+// IsZero reports whether d changes nothing.
+func (d Delta) IsZero() bool { return d == Delta{} }
+
+func (d Delta) String() string { return fmt.Sprintf("seq%+d/ts%+d", int32(d.Seq), int32(d.TS)) }
+
+// AppDelta is what a middlebox application does to the two byte streams
+// passing through it (§3.4): Right for the stream flowing left to right,
+// Left for the stream flowing right to left. Bytes leave the middlebox with
+// sequence number = arrival sequence number + delta. It is an input of the
+// agent (an API, libdysco, or reconstructed), assumed not to change once the
+// middlebox is ready to be deleted.
+type AppDelta struct {
+	Right Delta
+	Left  Delta
+}
+
+// Role is an agent's part in one reconfiguration.
+type Role uint8
+
+// Roles in a reconfiguration (§2.3, Figure 3).
+const (
+	RoleLeftAnchor Role = iota + 1
+	RoleRightAnchor
+	RoleMiddle   // on the old path between the anchors
+	RoleNewHop   // a middlebox joining on the new path
+	RoleObserver // none of the above
+)
+
+func (r Role) String() string {
+	switch r {
+	case RoleLeftAnchor:
+		return "leftAnchor"
+	case RoleRightAnchor:
+		return "rightAnchor"
+	case RoleMiddle:
+		return "middle"
+	case RoleNewHop:
+		return "newHop"
+	}
+	return "observer"
+}
+
+// Stage is the progress of a reconfiguration at one of its anchors.
+type Stage uint8
+
+// Anchor stages. The left anchor goes Locking → SettingUp → TwoPath → Done,
+// or to Cancelling when the new path cannot be set up (§3.6); the right
+// anchor goes WaitSyn → WaitAck → TwoPath → Done.
+const (
+	StageLocking    Stage = iota + 1 // requestLock sent, waiting for ackLock/nackLock
+	StageSettingUp                   // locked; UDP SYN sent on the new path
+	StageWaitSyn                     // right anchor: ackLock sent, waiting for the SYN
+	StageWaitAck                     // right anchor: SYN-ACK sent, waiting for the ACK
+	StageTwoPath                     // both paths in use (§3.5)
+	StageCancelling                  // cancelLock sent, waiting for ackCancel (§3.6)
+	StageDone                        // old path torn down, or request resolved
+)
+
+// Stages lists every anchor stage, for comparison with the model.
+var Stages = []Stage{StageLocking, StageSettingUp, StageWaitSyn, StageWaitAck, StageTwoPath, StageCancelling, StageDone}
+
+func (s Stage) String() string {
+	switch s {
+	case StageLocking:
+		return "locking"
+	case StageSettingUp:
+		return "settingUp"
+	case StageWaitSyn:
+		return "waitSyn"
+	case StageWaitAck:
+		return "waitAck"
+	case StageTwoPath:
+		return "twoPath"
+	case StageCancelling:
+		return "cancelling"
+	case StageDone:
+		return "done"
+	}
+	return fmt.Sprintf("stage-%d", uint8(s))
+}
+
+// Reason explains a refusal or failure. It travels in nackLock and is
+// reported in Result.
+type Reason uint8
+
+// Reasons.
+const (
+	ReasonNone         Reason = iota
+	ReasonLocked              // a subsession of the segment is locked by another reconfiguration (§3.2)
+	ReasonBusy                // an agent of the segment is still completing an earlier reconfiguration
+	ReasonNotOnPath           // the right anchor is not on the session's path to the right
+	ReasonInvalid             // the request itself is wrong (empty session, bad address list)
+	ReasonNoSession           // no such session, or it has no subsession to the right
+	ReasonTimeout             // no answer to requestLock after every retransmission
+	ReasonSetupFailed         // the new path could not be set up; cancelled (§3.6)
+	ReasonSessionEnded        // the TCP session ended (FIN, RST, idle) first
+	ReasonStale               // an answer to a request that is already resolved
+)
+
+func (r Reason) String() string {
+	switch r {
+	case ReasonNone:
+		return "none"
+	case ReasonLocked:
+		return "segment locked by another reconfiguration"
+	case ReasonBusy:
+		return "an anchor is still completing an earlier reconfiguration"
+	case ReasonNotOnPath:
+		return "right anchor not on the session's path"
+	case ReasonInvalid:
+		return "invalid request"
+	case ReasonNoSession:
+		return "no such session or no subsession to the right"
+	case ReasonTimeout:
+		return "no answer to requestLock"
+	case ReasonSetupFailed:
+		return "new path could not be set up"
+	case ReasonSessionEnded:
+		return "session ended"
+	case ReasonStale:
+		return "stale request"
+	}
+	return fmt.Sprintf("reason-%d", uint8(r))
+}
+
+// Contention reports whether r is a refusal caused by another request.
+func (r Reason) Contention() bool { return r == ReasonLocked || r == ReasonBusy }
+
+// Outcome is the final result of a reconfiguration request.
+type Outcome uint8
+
+// Outcomes.
+const (
+	Succeeded Outcome = iota + 1 // the new path carries the session, the old one is gone
+	Refused                      // never locked: contention, bad request, right anchor not found
+	Failed                       // locked but not completed: setup failed (cancelled), timeout, session ended
+)
+
+func (o Outcome) String() string {
+	switch o {
+	case Succeeded:
+		return "succeeded"
+	case Refused:
+		return "refused"
+	case Failed:
+		return "failed"
+	}
+	return fmt.Sprintf("outcome-%d", uint8(o))
+}
+
+// Fault deliberately breaks the protocol, to show that the simulation's
+// checkers catch mistakes. Never set outside tests.
+type Fault uint32
+
+// Faults.
+const (
+	// FaultSkipLock: agents forward requestLock whatever the state of the
+	// subsession to their right, and take the lock over (§3.2 ignored).
+	FaultSkipLock Fault = 1 << iota
+	// FaultAcksOnOldPath: in the two-path phase every acknowledgment goes on
+	// the old path (§3.5 ack table ignored).
+	FaultAcksOnOldPath
+)

@@ -1,0 +1,88 @@
+package protocol
+
+import (
+	"net/netip"
+	"sort"
+
+	"github.com/dysco/dysco/internal/wire"
+)
+
+// SessionView is a read-only copy of a session's protocol state, for
+// status commands, checkers and tests.
+type SessionView struct {
+	ID        SessionID
+	Tuple     wire.Tuple
+	Sides     [2]*SideInfo // nil where the chain ends
+	App       AppDelta
+	Joined    bool // created by a new path's SYN
+	Lock      LockState
+	Requestor ReqKey
+	Queued    int
+	Left      *AnchorView // this agent is the left anchor of a reconfiguration
+	Right     *AnchorView // this agent is the right anchor of a reconfiguration
+	Cancels   int         // cancelLock exchanges in progress
+	Lingering int         // torn-down old subsessions kept to answer FINs
+	Teardown  bool        // a middle agent of an old path being torn down
+}
+
+// AnchorView is a read-only copy of an anchor's state.
+type AnchorView struct {
+	Req         ReqKey
+	Role        Role
+	Stage       Stage
+	RightAnchor netip.Addr
+	NewSub      wire.Tuple
+	NewPeer     netip.Addr
+	Delta       Delta // leftDelta (left anchor) or rightDelta (right anchor)
+	NewDelta    Delta // what the new subsession applies
+	Vars        TwoPath
+	FinSent     bool
+	FinAcked    bool
+	FinAckSent  bool
+	GotFin      bool
+}
+
+// Sessions returns the ids of the agent's sessions, sorted.
+func (a *Agent) Sessions() []SessionID {
+	ids := make([]SessionID, 0, len(a.sessions))
+	for id := range a.sessions {
+		ids = append(ids, id)
+	}
+	sort.Slice(ids, func(i, j int) bool { return ids[i] < ids[j] })
+	return ids
+}
+
+// Lookup finds the session and side of a subsession (current, new or
+// lingering).
+func (a *Agent) Lookup(sub wire.Tuple) (SessionID, Side, bool) {
+	r, ok := a.subs[sub]
+	return r.id, r.side, ok
+}
+
+// View returns a copy of a session's state.
+func (a *Agent) View(id SessionID) (SessionView, bool) {
+	s := a.sessions[id]
+	if s == nil {
+		return SessionView{}, false
+	}
+	v := SessionView{ID: s.id, Tuple: s.tuple, App: s.app, Joined: !s.joinReq.IsZero(), Lock: s.lock,
+		Requestor: s.requestor, Queued: len(s.queue), Cancels: len(s.cancels), Lingering: len(s.tombs),
+		Teardown: s.teardown != nil}
+	for i, sd := range s.sides {
+		if sd != nil {
+			c := *sd
+			v.Sides[i] = &c
+		}
+	}
+	v.Left, v.Right = viewAnchor(s.left), viewAnchor(s.right)
+	return v, true
+}
+
+func viewAnchor(an *anchor) *AnchorView {
+	if an == nil {
+		return nil
+	}
+	return &AnchorView{Req: an.req, Role: an.role, Stage: an.stage, RightAnchor: an.rightAnchor,
+		NewSub: an.newSub, NewPeer: an.newPeer, Delta: an.delta, NewDelta: an.newDelta, Vars: an.vars,
+		FinSent: an.finSent, FinAcked: an.finAcked, FinAckSent: an.finAckSent, GotFin: an.gotFin}
+}
