@@ -105,6 +105,7 @@ enum role {
 #define FL_REV (1 << 5)      /* packet travels against the SYN's direction */
 #define FL_INGRESS (1 << 6)  /* applies on ingress; every other flow on egress */
 #define FL_EST (1 << 7)      /* session established: no state to track on plain packets */
+#define FL_ROUTED (1 << 8)   /* the agent decided FL_REROUTE from the routes (not read here) */
 
 /* policy hop kinds */
 #define HOP_ADDR 1

@@ -75,6 +75,10 @@ type Agent struct {
 	typeIndex  map[string]int
 
 	tapActive atomic.Bool
+
+	// Collector-goroutine state for re-routing decisions (reroute.go).
+	routeCache     map[routeKey]bool
+	rerouteCleared atomic.Uint64
 }
 
 // Defaults fills unset fields.
@@ -123,7 +127,7 @@ func netnsID() string {
 // Run runs the agent until ctx is cancelled.
 func Run(ctx context.Context, cfg Config) error {
 	cfg.defaults()
-	a := &Agent{cfg: cfg, log: cfg.Log.With("agent", cfg.Name), started: time.Now(), ifaces: map[string]bool{}}
+	a := &Agent{cfg: cfg, log: cfg.Log.With("agent", cfg.Name), started: time.Now(), ifaces: map[string]bool{}, routeCache: map[routeKey]bool{}}
 	if err := claimStateDir(cfg.StateDir, a.log); err != nil {
 		return err
 	}
@@ -173,6 +177,10 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	if err := netlink.AddrSubscribe(addrCh, done); err != nil {
 		return fmt.Errorf("agent: watch addresses: %w", err)
+	}
+	routeCh := make(chan netlink.RouteUpdate, 64)
+	if err := netlink.RouteSubscribe(routeCh, done); err != nil {
+		return fmt.Errorf("agent: watch routes: %w", err)
 	}
 	// Policies go in before the programs are swapped into the links: the
 	// program array of a new load starts empty, and a session a policy
@@ -253,6 +261,12 @@ func Run(ctx context.Context, cfg Config) error {
 			if err := a.syncAddrs(); err != nil {
 				a.log.Warn("addresses", "err", err)
 			}
+		case <-routeCh:
+			// Drain a burst of changes, then decide once.
+			for len(routeCh) > 0 {
+				<-routeCh
+			}
+			a.routesChanged()
 		case <-gc.C:
 			a.collect()
 		case <-tapTick:

@@ -85,6 +85,7 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 		writeErr(w, 500, err)
 		return
 	}
+	st["agent_reroutes_settled"] = a.rerouteCleared.Load()
 	sess, _ := a.dp.Sessions()
 	a.mu.Lock()
 	out := api.Status{

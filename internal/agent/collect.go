@@ -19,7 +19,11 @@ import (
 func (a *Agent) collect() {
 	// Last activity by session, from the flows.
 	last := map[uint32]uint64{}
-	if err := a.dp.EachFlow(func(_ *datapath.Tuple, f *datapath.Flow) {
+	var reroutes []datapath.FlowEntry
+	if err := a.dp.EachFlow(func(k *datapath.Tuple, f *datapath.Flow) {
+		if f.Flags&(datapath.FlReroute|datapath.FlRouted|datapath.FlIngress) == datapath.FlReroute {
+			reroutes = append(reroutes, datapath.FlowEntry{Key: *k, Flow: *f})
+		}
 		if f.LastNs > last[f.SessId] {
 			last[f.SessId] = f.LastNs
 		} else if _, ok := last[f.SessId]; !ok {
@@ -29,6 +33,7 @@ func (a *Agent) collect() {
 		a.log.Warn("collector: list flows", "err", err)
 		return
 	}
+	a.settleReroutes(reroutes)
 	now := datapath.Monotonic()
 	var dead []uint32
 	if err := a.dp.EachSession(func(id uint32, s *datapath.Session) {

@@ -48,6 +48,7 @@ const (
 	FlRev      = 1 << 5
 	FlIngress  = 1 << 6
 	FlEst      = 1 << 7
+	FlRouted   = 1 << 8
 
 	hopAddr = 1
 	hopType = 2
@@ -485,4 +486,18 @@ func (d *Datapath) PrependHops(id uint32, hops []netip.Addr) ([]netip.Addr, erro
 		out = append(out, netip.AddrFrom16(a).Unmap())
 	}
 	return out, nil
+}
+
+// SetFlowFlags sets and clears flags of a flow. The read and write race with
+// the datapath's updates of the same entry: a packet counted in between may
+// be lost from the counters, and a cached FL_EST set in between is set
+// again by the next packet. Flags that steer packets are only ever changed
+// here, by the agent.
+func (d *Datapath) SetFlowFlags(k Tuple, set, clear uint16) error {
+	var f Flow
+	if err := d.objs.DyscoFlows.Lookup(k, &f); err != nil {
+		return err
+	}
+	f.Flags = f.Flags&^clear | set
+	return d.objs.DyscoFlows.Update(k, f, ebpf.UpdateExist)
 }

@@ -84,6 +84,7 @@ type session struct {
 	sides   [2]*SideInfo
 	app     AppDelta
 	joinReq ReqKey // set when a new-path SYN created the session
+	ready   bool   // the datapath knows the marks (always, unless joined)
 
 	// §3.2: the state of the subsession to the right, kept here.
 	lock      LockState
@@ -223,6 +224,10 @@ func (a *Agent) Handle(now time.Duration, ev Event) []Action {
 		a.onTimer(e.ID)
 	case TwoPathProgress:
 		a.onProgress(e)
+	case DatapathReady:
+		if s := a.sessions[e.Session]; s != nil {
+			s.ready = true
+		}
 	case SessionEnd:
 		if s := a.sessions[e.Session]; s != nil {
 			a.endSession(s)
@@ -256,7 +261,7 @@ func (a *Agent) onSessionUp(e SessionUp) {
 		a.endSession(old)
 	}
 	s := a.newSession(e.Session, e.Tuple, e.Nonce)
-	s.app = e.App
+	s.app, s.ready = e.App, true
 	if e.Left != nil {
 		l := *e.Left
 		s.sides[SideLeft] = &l
@@ -434,6 +439,10 @@ func (a *Agent) onReconfigure(e Reconfigure) {
 	}
 	if s.left != nil {
 		refuse(ReasonBusy, s.left.req) // one reconfiguration at a time per left anchor
+		return
+	}
+	if !s.ready {
+		refuse(ReasonBusy, s.joinReq) // joined a new path; the datapath has not seen traffic yet
 		return
 	}
 	a.nextReq++
@@ -664,6 +673,10 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 		return
 	}
 	if m.RightAnchor == a.cfg.Self {
+		if !s.ready {
+			a.nack(s, m, ReasonBusy, s.joinReq)
+			return
+		}
 		r := &anchor{role: RoleRightAnchor, req: k, stage: StageWaitSyn, rightAnchor: a.cfg.Self,
 			delta: m.Delta, peerWS: m.WScale}
 		s.right = r

@@ -81,6 +81,13 @@ type SessionEnd struct {
 	Cause   string
 }
 
+// DatapathReady reports that the datapath has seen packets in both
+// directions of a session the protocol created (JoinSession), so its marks
+// are known: until then the session cannot be an anchor (it refuses with
+// ReasonBusy).
+type DatapathReady struct{ Session SessionID }
+
+func (DatapathReady) event()   {}
 func (SessionUp) event()       {}
 func (SetAppDelta) event()     {}
 func (MessageIn) event()       {}

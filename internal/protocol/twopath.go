@@ -14,10 +14,10 @@ const (
 // sequence space: deltas are already applied to incoming packets and not
 // yet applied to outgoing ones (§3.5, last paragraph of the tables).
 type Packet struct {
-	Seq   uint32
-	Ack   uint32
-	Len   uint32 // payload bytes
-	Flags uint8  // TCP* bits
+	Seq   uint32 `json:"seq"`
+	Ack   uint32 `json:"ack"`
+	Len   uint32 `json:"len"`   // payload bytes
+	Flags uint8  `json:"flags"` // TCP* bits
 }
 
 // End returns the sequence number after the packet: payload plus one for
@@ -61,19 +61,25 @@ func seqMax(a, b uint32) uint32 {
 // Marks are what the datapath records of one side of a session at all
 // times, so that an anchor knows its variables at the cut-off: the highest
 // sequence number sent and received (plus one) and the highest ack sent and
-// received, in session space. The datapath starts them from the handshake.
+// received, in session space. The datapath starts them from the handshake
+// (Sent and Rcvd true); a middlebox that joined a new path starts with none
+// and learns them from the first packet each way (every segment's sequence
+// number is the sender's next one, and it carries an ack).
 type Marks struct {
-	SndNxt  uint32 // highest sequence number sent, plus one
-	RcvNxt  uint32 // highest sequence number received, plus one
-	AckRcvd uint32 // highest acknowledgment received
-	AckSent uint32 // highest acknowledgment sent
+	SndNxt  uint32 `json:"sndNxt"`  // highest sequence number sent, plus one
+	AckSent uint32 `json:"ackSent"` // highest acknowledgment sent
+	RcvNxt  uint32 `json:"rcvNxt"`  // highest sequence number received, plus one
+	AckRcvd uint32 `json:"ackRcvd"` // highest acknowledgment received
+	Sent    bool   `json:"sent"`    // SndNxt and AckSent are known
+	Rcvd    bool   `json:"rcvd"`    // RcvNxt and AckRcvd are known
 }
 
 // Out records a packet sent on the side.
 func (m Marks) Out(p Packet) Marks {
-	if e := p.End(); e != p.Seq {
-		m.SndNxt = seqMax(m.SndNxt, e)
+	if !m.Sent {
+		m.SndNxt, m.AckSent, m.Sent = p.Seq, p.Ack, true
 	}
+	m.SndNxt = seqMax(m.SndNxt, p.End())
 	if p.Flags&TCPAck != 0 {
 		m.AckSent = seqMax(m.AckSent, p.Ack)
 	}
@@ -82,24 +88,29 @@ func (m Marks) Out(p Packet) Marks {
 
 // In records a packet received on the side.
 func (m Marks) In(p Packet) Marks {
-	if e := p.End(); e != p.Seq {
-		m.RcvNxt = seqMax(m.RcvNxt, e)
+	if !m.Rcvd {
+		m.RcvNxt, m.AckRcvd, m.Rcvd = p.Seq, p.Ack, true
 	}
+	m.RcvNxt = seqMax(m.RcvNxt, p.End())
 	if p.Flags&TCPAck != 0 {
 		m.AckRcvd = seqMax(m.AckRcvd, p.Ack)
 	}
 	return m
 }
 
+// Ready reports whether both directions are known: only then can the side
+// be cut over (the protocol waits for DatapathReady on joined sessions).
+func (m Marks) Ready() bool { return m.Sent && m.Rcvd }
+
 // TwoPath holds an anchor's variables for the side being reconfigured
 // during the two-path phase (§3.5). All are in session space.
 type TwoPath struct {
-	OldSent      uint32 // highest sequence number sent on the old path, plus one: the cut-off, fixed
-	OldRcvd      uint32 // highest sequence number received on the old path, plus one
-	OldSentAcked uint32 // highest sequence number sent on the old path and acknowledged, plus one
-	OldRcvdAcked uint32 // highest sequence number received on the old path and acknowledged, plus one
-	FirstNewRcvd uint32 // lowest sequence number received on the new path, if NewRcvd
-	NewRcvd      bool   // something was received on the new path
+	OldSent      uint32 `json:"oldSent"`      // highest sequence number sent on the old path, plus one: the cut-off, fixed
+	OldRcvd      uint32 `json:"oldRcvd"`      // highest sequence number received on the old path, plus one
+	OldSentAcked uint32 `json:"oldSentAcked"` // highest sequence number sent on the old path and acknowledged, plus one
+	OldRcvdAcked uint32 `json:"oldRcvdAcked"` // highest sequence number received on the old path and acknowledged, plus one
+	FirstNewRcvd uint32 `json:"firstNewRcvd"` // lowest sequence number received on the new path, if NewRcvd
+	NewRcvd      bool   `json:"newRcvd"`      // something was received on the new path
 }
 
 func (v TwoPath) String() string {
@@ -144,11 +155,11 @@ func (v TwoPath) RecvDone(cutoff uint32, haveCutoff bool) bool {
 // Piece is one packet an outgoing packet becomes in the two-path phase. Its
 // payload is bytes [Seq-p.Seq, Seq-p.Seq+Len) of the original payload.
 type Piece struct {
-	Path  Path
-	Seq   uint32
-	Len   uint32 // payload bytes (a FIN is in Flags)
-	Ack   uint32
-	Flags uint8
+	Path  Path   `json:"path"` // 1 old, 2 new
+	Seq   uint32 `json:"seq"`
+	Len   uint32 `json:"len"` // payload bytes (a FIN is in Flags)
+	Ack   uint32 `json:"ack"`
+	Flags uint8  `json:"flags"`
 }
 
 func (c Piece) String() string {

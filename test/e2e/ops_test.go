@@ -1,6 +1,8 @@
 package e2e
 
 import (
+	"bytes"
+	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
 	"io"
@@ -326,4 +328,75 @@ func (e *env) sendRawSYN(host string, src, dst netip.Addr, sport, dport uint16, 
 	if err != nil {
 		e.t.Fatalf("raw send from %s: %v", host, err)
 	}
+}
+
+// TestRerouteSettled: on a host that does not forward, the agent finds from
+// the routes that a subsession leaves by the same next hop as its session,
+// and stops the per-packet re-routing; a route change makes it decide again.
+// Data flows throughout.
+func TestRerouteSettled(t *testing.T) {
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server")})
+	dst := e.addr("server", false)
+	e.policy("client", "s", "tcp dst port 9900", e.addr("mb1", false).String())
+	ln := e.listen("server", netip.AddrPortFrom(dst, 9900))
+	srvErr := make(chan error, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			srvErr <- err
+			return
+		}
+		defer c.Close()
+		for i := uint64(0); i < 3; i++ {
+			if err := transferOnce(c, 100+i, 200+i, mib); err != nil {
+				srvErr <- err
+				return
+			}
+		}
+		srvErr <- nil
+	}()
+	c, err := e.dial("client", netip.AddrPortFrom(dst, 9900), 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	step := func(i uint64) {
+		t.Helper()
+		if err := transferOnce(c, 200+i, 100+i, mib); err != nil {
+			t.Fatalf("exchange %d: %v", i, err)
+		}
+	}
+	step(0)
+	settled := func() uint64 { return e.status("client").Counters["agent_reroutes_settled"] }
+	eventually(t, 10*time.Second, "the client's agent to settle the re-routing", func() bool { return settled() >= 1 })
+	step(1)
+	before := settled()
+	e.run("client", "ip", "route", "add", e.addr("mb1", false).String()+"/32", "via", e.host("client").Gateway4.String())
+	eventually(t, 10*time.Second, "the client's agent to decide again after the route change", func() bool { return settled() > before })
+	step(2)
+	if err := <-srvErr; err != nil {
+		t.Fatal(err)
+	}
+}
+
+// transferOnce sends n bytes of stream sendSeed and reads n bytes that must
+// hash like stream recvSeed, on a connection that stays open.
+func transferOnce(c net.Conn, sendSeed, recvSeed uint64, n int64) error {
+	werr := make(chan error, 1)
+	go func() {
+		_, err := io.Copy(c, io.LimitReader(newStream(sendSeed), n))
+		werr <- err
+	}()
+	h := sha256.New()
+	if _, err := io.CopyN(h, c, n); err != nil {
+		return err
+	}
+	if err := <-werr; err != nil {
+		return err
+	}
+	want := streamHash(recvSeed, n)
+	if !bytes.Equal(h.Sum(nil), want[:]) {
+		return fmt.Errorf("received %d bytes that differ from what was sent", n)
+	}
+	return nil
 }

@@ -1,0 +1,164 @@
+package protocol
+
+import (
+	"encoding/binary"
+	"errors"
+	"net/netip"
+	"reflect"
+	"testing"
+
+	"github.com/dysco/dysco/internal/wire"
+)
+
+func sampleMessage() *Message {
+	return &Message{
+		Type:        MsgSyn,
+		Flags:       FlagLeftward,
+		Reason:      ReasonLocked,
+		Nonce:       testNonce,
+		Sub:         wire.Tuple{Src: addr(1), Dst: addr(6), SrcPort: 40000, DstPort: 80},
+		Session:     sessionTuple,
+		Req:         ReqKey{LeftAnchor: addr(1), ID: 42},
+		RightAnchor: addr(4),
+		Blocker:     ReqKey{LeftAnchor: addr(2), ID: 7},
+		Delta:       Delta{Seq: neg(-12345), TS: 99},
+		WScale:      7,
+		Hops:        []netip.Addr{addr(7), addr(4)},
+	}
+}
+
+func TestMessageRoundTrip(t *testing.T) {
+	v6 := sampleMessage()
+	v6.Sub = wire.Tuple{Src: netip.MustParseAddr("2001:db8::1"), Dst: netip.MustParseAddr("2001:db8::6"), SrcPort: 1, DstPort: 2}
+	for _, typ := range MsgTypes {
+		for _, base := range []*Message{sampleMessage(), v6} {
+			m := *base
+			m.Type = typ
+			if typ != MsgSyn {
+				m.Hops = nil
+			}
+			b, err := m.Encode(testKey)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(b) != MsgHeaderLen+len(m.Hops)*wire.AddrLen+MACLen {
+				t.Errorf("%s: %d bytes", typ, len(b))
+			}
+			got, err := Decode(testKey, b)
+			if err != nil {
+				t.Fatalf("%s: %v", typ, err)
+			}
+			if !reflect.DeepEqual(got, &m) {
+				t.Errorf("%s: round trip\n got %+v\nwant %+v", typ, got, &m)
+			}
+		}
+	}
+}
+
+// remac recomputes the MAC after a test edits the body: the message is then
+// authentic but malformed, so that the later checks are exercised.
+func remac(b []byte) []byte {
+	body := b[:len(b)-MACLen]
+	return append(append([]byte(nil), body...), mac(testKey, body)...)
+}
+
+func TestMessageRejects(t *testing.T) {
+	good, err := sampleMessage().Encode(testKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	edit := func(f func(b []byte) []byte) []byte {
+		return f(append([]byte(nil), good...))
+	}
+	for _, tc := range []struct {
+		name string
+		b    []byte
+		key  []byte
+		want RejectReason
+	}{
+		{"empty", nil, testKey, RejectMalformed},
+		{"truncated", good[:100], testKey, RejectMalformed},
+		{"bad magic", edit(func(b []byte) []byte { b[0] ^= 1; return b }), testKey, RejectMagic},
+		{"future version", edit(func(b []byte) []byte { b[4] = 2; return remac(b) }), testKey, RejectVersion},
+		{"forged field", edit(func(b []byte) []byte { b[144] ^= 0x80; return b }), testKey, RejectMAC},
+		{"forged mac", edit(func(b []byte) []byte { b[len(b)-1] ^= 1; return b }), testKey, RejectMAC},
+		{"other deployment", good, []byte("another key"), RejectMAC},
+		{"extra byte", append(append([]byte(nil), good...), 0), testKey, RejectMalformed},
+		{"hop count too big", edit(func(b []byte) []byte { b[153] = 9; return b }), testKey, RejectMalformed},
+		{"hop count mismatch", edit(func(b []byte) []byte { b[153] = 1; return remac(b) }), testKey, RejectMalformed},
+		{"unknown type", edit(func(b []byte) []byte { b[5] = 99; return remac(b) }), testKey, RejectMalformed},
+		{"reserved flag", edit(func(b []byte) []byte { b[6] |= 0x80; return remac(b) }), testKey, RejectMalformed},
+		{"reserved bytes", edit(func(b []byte) []byte { b[154] = 1; return remac(b) }), testKey, RejectMalformed},
+		{"zero port", edit(func(b []byte) []byte { binary.BigEndian.PutUint16(b[48:], 0); return remac(b) }), testKey, RejectMalformed},
+		{"syn list not ending at right anchor", edit(func(b []byte) []byte {
+			b[MsgHeaderLen+2*wire.AddrLen-1] = 99 // last hop 10.0.0.99
+			return remac(b)
+		}), testKey, RejectMalformed},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := Decode(tc.key, tc.b)
+			var de *DecodeError
+			if !errors.As(err, &de) || de.Reason != tc.want {
+				t.Fatalf("got %v, want %s", err, tc.want)
+			}
+		})
+	}
+}
+
+// Agent-level rejections: replays, wrong nonce, wrong sender, unknown
+// session; none of them changes any state.
+func TestAgentRejects(t *testing.T) {
+	h := newHarness(t, 4)
+	h.chain([]int{1, 2, 3, 4}, nil)
+	h.reconfigure(1, 3, nil, 1)
+	first := h.queue[0] // requestLock #1 from 1 to 2
+	h.run()
+	h.reconfigure(1, 4, nil, 2)
+	h.run()
+	if h.result(1).Outcome != Succeeded || h.result(2).Outcome != Succeeded {
+		t.Fatalf("setup\n%s", h.trace())
+	}
+	// Build messages on the live subsession 1 -> 4 (after both requests).
+	v1, _ := h.view(1)
+	sub := v1.Sides[SideRight].Sub
+	mk := func(mut func(m *Message)) []byte {
+		m := &Message{Type: MsgRequestLock, Nonce: testNonce, Sub: sub, Session: sessionTuple,
+			Req: ReqKey{LeftAnchor: addr(1), ID: 1}, RightAnchor: addr(4)}
+		mut(m)
+		b, err := m.Encode(testKey)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	for _, tc := range []struct {
+		name string
+		from netip.Addr
+		to   netip.Addr
+		b    []byte
+		want RejectReason
+	}{
+		{"replayed old request", addr(1), addr(4), mk(func(*Message) {}), RejectReplay},
+		{"wrong nonce", addr(1), addr(4), mk(func(m *Message) { m.Nonce[0] ^= 1; m.Req.ID = 9 }), RejectNonce},
+		{"wrong sender", addr(2), addr(4), mk(func(m *Message) { m.Req.ID = 9 }), RejectWrongPeer},
+		{"unknown subsession", addr(1), addr(2), first.data, RejectUnknownSession},
+		{"wrong direction", addr(4), addr(1), mk(func(m *Message) { m.Req.ID = 9 }), RejectUnexpected},
+		{"forged", addr(1), addr(4), append(mk(func(m *Message) { m.Req.ID = 9 })[:MsgHeaderLen], make([]byte, MACLen)...), RejectMAC},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			before, _ := h.agents[tc.to].View(sid)
+			h.rejected = nil
+			h.deliver(tc.to, MessageIn{From: tc.from, Data: tc.b})
+			if len(h.rejected) != 1 || h.rejected[0].Reason != tc.want {
+				t.Fatalf("rejected %+v, want %s", h.rejected, tc.want)
+			}
+			if len(h.queue) != 0 {
+				t.Fatalf("answered: %v", h.queue[0].msg)
+			}
+			after, _ := h.agents[tc.to].View(sid)
+			if !reflect.DeepEqual(before, after) {
+				t.Fatalf("state changed\n%+v\n%+v", before, after)
+			}
+		})
+	}
+}

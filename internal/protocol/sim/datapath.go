@@ -1,0 +1,378 @@
+package sim
+
+import (
+	"fmt"
+	"net/netip"
+	"time"
+
+	"github.com/dysco/dysco/internal/protocol"
+	"github.com/dysco/dysco/internal/wire"
+)
+
+// The datapath model: what the eBPF programs and the agent's collector do
+// with each packet and each protocol action, at one host.
+
+// dpSess is a session at one host: its flows, deltas, two-path state.
+type dpSess struct {
+	h      *host
+	id     protocol.SessionID
+	sess   *simSession
+	sides  [2]*dpSide
+	app    protocol.AppDelta // a middlebox's own deltas
+	end    *tcpEnd           // set on end hosts
+	joined bool
+	ready  bool
+	gone   bool
+
+	// collector
+	lastActive time.Duration
+	finSeen    [2]bool
+	finOff     [2]uint32
+	finAcked   [2]bool
+	ending     bool
+
+	// stateful middlebox check: the highest sequence number (plus one)
+	// seen arriving in each direction, in the arrival side's session space.
+	seenMax [2]uint32
+	seen    [2]bool
+}
+
+type dpSide struct {
+	cur   *dpSub // where packets leave (the only subsession outside reconfiguration)
+	old   *dpSub // the old subsession during and just after the two-path phase
+	neu   *dpSub // the new subsession until EndTwoPath
+	armed bool
+	tp    *protocol.TwoPath
+	marks protocol.Marks
+	clamp uint32
+}
+
+type dpSub struct {
+	ds    *dpSess
+	side  protocol.Side
+	tuple wire.Tuple
+	peer  netip.Addr
+	delta protocol.Delta
+}
+
+// pkt is a TCP segment. The tags never change on the way: they are what
+// the sending TCP meant, so that receivers can check every rewrite.
+type pkt struct {
+	sess   *simSession
+	dir    int // 0: left to right, 1: right to left
+	seq    uint32
+	ack    uint32
+	len    uint32
+	flags  uint8
+	tsval  uint32
+	tsecr  uint32
+	off    uint32 // stream offset of seq at the sender (seq - ISS)
+	ackOff uint32 // stream offset acknowledged (rcvNxt - IRS at the sender)
+	tsTag  uint32 // the sender's clock in TSval
+	ecrTag uint32 // the clock value echoed in TSecr
+	hasEcr bool
+}
+
+func (p pkt) packet() protocol.Packet {
+	return protocol.Packet{Seq: p.seq, Ack: p.ack, Len: p.len, Flags: p.flags}
+}
+
+func (p pkt) String() string {
+	return fmt.Sprintf("s%d %s off=%d ackOff=%d", p.sess.idx, p.packet(), p.off, p.ackOff)
+}
+
+func seqLT(a, b uint32) bool { return int32(a-b) < 0 }
+
+// receive handles a packet arriving from the network on subsession t.
+func (h *host) receive(t wire.Tuple, p pkt) {
+	w := h.w
+	sub := h.subs[t]
+	if sub == nil || sub.ds.gone {
+		w.tracef("%s drop %s: no flow for %s", h, p, t)
+		return
+	}
+	ds := sub.ds
+	sd := ds.sides[sub.side]
+	if (sub.side == protocol.SideLeft) != (p.dir == 0) {
+		w.fail("%s: %s arrived on the %s side", h, p, sub.side)
+		return
+	}
+	// Ingress translation (§3.4 table: in, add to the sequence number).
+	p.seq += sub.delta.Seq
+	p.tsval += sub.delta.TS
+	pp := p.packet()
+	if sub == sd.neu && sd.tp == nil && sd.armed {
+		h.startTwoPath(ds, sub.side) // the first packet on an armed new path switches it
+	}
+	sd.marks = sd.marks.In(pp)
+	if sd.tp != nil {
+		path := protocol.PathOld
+		if sub == sd.neu {
+			path = protocol.PathNew
+		}
+		if nv := protocol.Observe(*sd.tp, path, pp); nv != *sd.tp {
+			*sd.tp = nv
+			h.report(ds, sub.side)
+		}
+	}
+	w.tracef("%s in  %s on %s", h, p, t)
+	ds.observe(p)
+	if ds.end != nil {
+		ds.end.receive(p)
+		return
+	}
+	// A middlebox: remember what it forwards, apply its deltas, pass it on.
+	if end := pp.End(); p.flags&protocol.TCPRst == 0 {
+		if !ds.seen[p.dir] || seqLT(ds.seenMax[p.dir], end) {
+			ds.seenMax[p.dir], ds.seen[p.dir] = end, true
+		}
+	}
+	stream, other := ds.app.Right, ds.app.Left
+	if p.dir == 1 {
+		stream, other = ds.app.Left, ds.app.Right
+	}
+	p.seq += stream.Seq
+	p.tsval += stream.TS
+	p.ack -= other.Seq
+	p.tsecr -= other.TS
+	h.send(ds, sub.side.Other(), p)
+}
+
+// send handles a packet leaving the host on side: the two-path rules, the
+// egress translation (§3.4 table: out, subtract from the ack), the network.
+func (h *host) send(ds *dpSess, side protocol.Side, p pkt) {
+	w := h.w
+	sd := ds.sides[side]
+	if sd == nil || sd.cur == nil {
+		w.fail("%s: session %d has no %s side for %s", h, ds.id, side, p)
+		return
+	}
+	if ds.end == nil && p.flags&protocol.TCPAck != 0 && p.flags&protocol.TCPRst == 0 && ds.seen[1-p.dir] &&
+		seqLT(ds.seenMax[1-p.dir], p.ack) {
+		// §3.1: middleboxes may reject acks for data they did not send.
+		w.fail("%s (s%d): forwards ack %d beyond the data it forwarded (%d)", h, ds.sess.idx, p.ack, ds.seenMax[1-p.dir])
+		return
+	}
+	pp := p.packet()
+	sd.marks = sd.marks.Out(pp)
+	ds.observe(p)
+	type piece struct {
+		c   protocol.Piece
+		sub *dpSub
+	}
+	var pieces []piece
+	if sd.tp != nil {
+		d, nv := protocol.DecideFault(*sd.tp, pp, w.opts.Faults)
+		for _, c := range d.List() {
+			sub := sd.old
+			if c.Path == protocol.PathNew {
+				sub = sd.neu
+			}
+			pieces = append(pieces, piece{c, sub})
+		}
+		if nv != *sd.tp {
+			*sd.tp = nv
+			h.report(ds, side)
+		}
+	} else {
+		pieces = []piece{{protocol.Piece{Seq: p.seq, Len: p.len, Ack: p.ack, Flags: p.flags}, sd.cur}}
+	}
+	for _, pc := range pieces {
+		if pc.sub == nil {
+			w.fail("%s: no subsession for the %s path", h, pc.c.Path)
+			return
+		}
+		q := p
+		q.off = p.off + (pc.c.Seq - p.seq)
+		q.ackOff = p.ackOff - (p.ack - pc.c.Ack)
+		q.seq, q.len, q.ack, q.flags = pc.c.Seq, pc.c.Len, pc.c.Ack, pc.c.Flags
+		q.ack -= pc.sub.delta.Seq
+		q.tsecr -= pc.sub.delta.TS
+		to := w.byAddr[pc.sub.peer]
+		t := pc.sub.tuple
+		w.stats.DataSent++
+		w.tracef("%s out %s on %s", h, q, t)
+		w.deliver(h, to, "data", func() { to.receive(t, q) })
+	}
+}
+
+// observe is the collector's view of a packet: FIN, RST, activity; and,
+// for a joined session, whether its marks are known yet.
+func (ds *dpSess) observe(p pkt) {
+	w := ds.h.w
+	ds.lastActive = w.now
+	if p.flags&protocol.TCPRst != 0 {
+		if !ds.ending {
+			ds.ending = true
+			w.after(rstLinger, func() { ds.h.endSession(ds, "rst") })
+		}
+		return
+	}
+	if p.flags&protocol.TCPFin != 0 {
+		ds.finSeen[p.dir], ds.finOff[p.dir] = true, p.off+p.len
+	}
+	if o := 1 - p.dir; p.flags&protocol.TCPAck != 0 && ds.finSeen[o] && !seqLT(p.ackOff, ds.finOff[o]+1) {
+		ds.finAcked[o] = true
+	}
+	if ds.finAcked[0] && ds.finAcked[1] && !ds.ending {
+		ds.ending = true
+		w.after(closeLinger, func() { ds.h.endSession(ds, "fin") })
+	}
+	if ds.joined && !ds.ready {
+		l, r := ds.sides[protocol.SideLeft], ds.sides[protocol.SideRight]
+		if l.marks.Ready() && r.marks.Ready() {
+			ds.ready = true
+			w.after(0, func() {
+				if !ds.gone {
+					ds.h.handle(protocol.DatapathReady{Session: ds.id})
+				}
+			})
+		}
+	}
+}
+
+func (h *host) startTwoPath(ds *dpSess, side protocol.Side) {
+	sd := ds.sides[side]
+	if sd.tp != nil {
+		return
+	}
+	if !sd.marks.Ready() {
+		h.w.fail("%s: cut-off on the %s side of s%d with unknown marks", h, side, ds.sess.idx)
+		return
+	}
+	if sd.neu == nil {
+		h.w.fail("%s: two-path phase without a new subsession", h)
+		return
+	}
+	v := protocol.CutOff(sd.marks)
+	sd.tp, sd.old, sd.armed = &v, sd.cur, false
+	h.w.tracef("%s cut-off %s side s%d: %s", h, side, ds.sess.idx, v)
+	h.report(ds, side)
+}
+
+// report tells the agent the two-path variables changed.
+func (h *host) report(ds *dpSess, side protocol.Side) {
+	v := *ds.sides[side].tp
+	h.w.after(0, func() {
+		if ds.gone {
+			return
+		}
+		h.handle(protocol.TwoPathProgress{Session: ds.id, Side: side, Vars: v})
+		h.w.checkLocks()
+	})
+}
+
+func (h *host) applyDatapath(act protocol.Action) {
+	w := h.w
+	switch x := act.(type) {
+	case protocol.AddSubsession:
+		ds := h.dp[x.Session]
+		sub := &dpSub{ds: ds, side: x.Side, tuple: x.Sub, peer: x.Peer, delta: x.Delta}
+		sd := ds.sides[x.Side]
+		sd.neu, sd.armed = sub, x.Armed
+		h.addSub(sub)
+		w.tracef("%s add %s subsession %s delta %s armed=%v", h, x.Side, x.Sub, x.Delta, x.Armed)
+	case protocol.JoinSession:
+		var s *simSession
+		for _, c := range w.sessions {
+			if c.nonce == x.Nonce {
+				s = c
+			}
+		}
+		ds := &dpSess{h: h, id: x.Session, sess: s, joined: true, lastActive: w.now}
+		for i, info := range []protocol.SideInfo{x.Left, x.Right} {
+			sub := &dpSub{ds: ds, side: protocol.Side(i), tuple: info.Sub, peer: info.Peer}
+			ds.sides[i] = &dpSide{cur: sub}
+			h.addSub(sub)
+		}
+		h.dp[ds.id] = ds
+		h.idleCheck(ds)
+		w.tracef("%s joined s%d as session %d", h, s.idx, ds.id)
+	case protocol.StartTwoPath:
+		if ds := h.dp[x.Session]; ds != nil {
+			if ds.sides[x.Side].tp == nil && ds.sides[x.Side].cur.tuple != x.Old {
+				w.fail("%s: StartTwoPath old %s, datapath sends on %s", h, x.Old, ds.sides[x.Side].cur.tuple)
+				return
+			}
+			h.startTwoPath(ds, x.Side)
+		}
+	case protocol.EndTwoPath:
+		ds := h.dp[x.Session]
+		sd := ds.sides[x.Side]
+		if sd.neu == nil || sd.neu.tuple != x.New {
+			w.fail("%s: EndTwoPath for %s, new subsession %v", h, x.New, sd.neu)
+			return
+		}
+		sd.cur, sd.neu, sd.tp = sd.neu, nil, nil
+		w.tracef("%s end two-path %s side s%d", h, x.Side, ds.sess.idx)
+	case protocol.RemoveSubsession:
+		sub := h.subs[x.Sub]
+		if sub == nil {
+			return
+		}
+		delete(h.subs, x.Sub)
+		sd := sub.ds.sides[sub.side]
+		if sd.old == sub {
+			sd.old = nil
+		}
+		if sd.neu == sub {
+			sd.neu, sd.armed = nil, false
+		}
+		if sd.cur == sub {
+			w.fail("%s: removing the subsession in use %s", h, x.Sub)
+		}
+	case protocol.SetWindowClamp:
+		if ds := h.dp[x.Session]; ds != nil {
+			ds.sides[x.Side].clamp = x.Bytes
+		}
+	case protocol.FreeSession:
+		if ds := h.dp[x.Session]; ds != nil {
+			w.tracef("%s free session %d (s%d)", h, ds.id, ds.sess.idx)
+			h.freeDP(ds)
+		}
+	default:
+		panic(fmt.Sprintf("sim: unknown action %T", act))
+	}
+}
+
+func (h *host) addSub(sub *dpSub) {
+	if old := h.subs[sub.tuple]; old != nil && !old.ds.gone {
+		h.w.fail("%s: subsession %s installed twice", h, sub.tuple)
+	}
+	h.subs[sub.tuple] = sub
+}
+
+func (h *host) freeDP(ds *dpSess) {
+	ds.gone = true
+	for t, sub := range h.subs {
+		if sub.ds == ds {
+			delete(h.subs, t)
+		}
+	}
+	delete(h.dp, ds.id)
+}
+
+// endSession is the collector ending a session (§3.7: FIN or RST in any
+// state): the agent drops its state, then the datapath its flows.
+func (h *host) endSession(ds *dpSess, cause string) {
+	if ds.gone {
+		return
+	}
+	h.w.tracef("%s collector ends session %d (s%d): %s", h, ds.id, ds.sess.idx, cause)
+	h.handle(protocol.SessionEnd{Session: ds.id, Cause: cause})
+	h.freeDP(ds)
+	h.w.checkLocks()
+}
+
+func (h *host) idleCheck(ds *dpSess) {
+	h.w.at(ds.lastActive+idleTimeout, func() {
+		if ds.gone {
+			return
+		}
+		if h.w.now-ds.lastActive >= idleTimeout {
+			h.endSession(ds, "idle")
+			return
+		}
+		h.idleCheck(ds)
+	})
+}

@@ -1,0 +1,450 @@
+// Package sim is a deterministic discrete-event simulation of Dysco agents
+// running the reconfiguration protocol (package protocol) over a network
+// that loses, duplicates, delays and reorders control and data packets.
+//
+// Each run builds hosts (end hosts and middleboxes, some of which apply
+// sequence and timestamp deltas to the streams they forward, like a proxy),
+// sets up TCP sessions through chains of middleboxes, transfers data in
+// both directions with a simplified TCP, and fires reconfiguration requests
+// at random, several at once on overlapping segments, through middleboxes
+// that are sometimes dead, while end hosts close or reset their sessions at
+// any time. A model of the datapath carries out the agents' actions (flows,
+// deltas, the two-path rules of protocol.Decide and protocol.Observe), and a
+// model of the agent's collector ends sessions after FIN, RST or idleness.
+//
+// Invariants (paper §3.7) are checked as the run goes and at its end: when
+// overlapping requests contend exactly one wins (a contention refusal names
+// a request that went on to lock the segment, and a locked segment is
+// locked at every agent of its old path); the end hosts receive each byte
+// stream in order and complete, with correct sequence, ack and timestamp
+// numbers; stateful middleboxes never see an ack for data they did not
+// forward; a reconfiguration whose new path works succeeds; sessions end and
+// no agent keeps any state or lock. Everything follows from the seed.
+package sim
+
+import (
+	"container/heap"
+	"fmt"
+	"math/rand/v2"
+	"net/netip"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/dysco/dysco/internal/protocol"
+	"github.com/dysco/dysco/internal/wire"
+)
+
+// Options selects a run. Everything not given is drawn from the seed.
+type Options struct {
+	Seed int64
+	// Faults breaks the protocol on purpose, to show the checkers fail.
+	Faults protocol.Fault
+	// Trace records a readable trace of every event.
+	Trace bool
+}
+
+// Report is the outcome of one run.
+type Report struct {
+	Seed  int64
+	Err   error    // the first invariant violated, nil if none
+	Trace []string // with Options.Trace
+	Stats Stats
+}
+
+// Stats counts what happened in a run.
+type Stats struct {
+	Sessions, Hosts                     int
+	Requests, Succeeded, Refused, Failed int
+	Contended                           int // refused because of another request
+	SetupFailed                         int // new path through a dead middlebox: cancelled
+	Unconfirmed                         int
+	Resets                              int
+	ControlSent, DataSent               int
+	Lost, Duplicated                    int
+	Rejected                            map[string]int
+	SimTime                             time.Duration
+	Events                              int
+}
+
+// Add accumulates another run's counts.
+func (s *Stats) Add(o Stats) {
+	s.Sessions += o.Sessions
+	s.Hosts += o.Hosts
+	s.Requests += o.Requests
+	s.Succeeded += o.Succeeded
+	s.Refused += o.Refused
+	s.Failed += o.Failed
+	s.Contended += o.Contended
+	s.SetupFailed += o.SetupFailed
+	s.Unconfirmed += o.Unconfirmed
+	s.Resets += o.Resets
+	s.ControlSent += o.ControlSent
+	s.DataSent += o.DataSent
+	s.Lost += o.Lost
+	s.Duplicated += o.Duplicated
+	s.SimTime += o.SimTime
+	s.Events += o.Events
+	if s.Rejected == nil {
+		s.Rejected = map[string]int{}
+	}
+	for k, v := range o.Rejected {
+		s.Rejected[k] += v
+	}
+}
+
+func (s Stats) String() string {
+	keys := make([]string, 0, len(s.Rejected))
+	for k := range s.Rejected {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	var rej []string
+	for _, k := range keys {
+		rej = append(rej, fmt.Sprintf("%s=%d", k, s.Rejected[k]))
+	}
+	return fmt.Sprintf("sessions=%d requests=%d succeeded=%d refused=%d (contention %d) failed=%d (dead new path %d) "+
+		"unconfirmed=%d resets=%d control=%d data=%d lost=%d dup=%d rejected[%s] simtime=%s events=%d",
+		s.Sessions, s.Requests, s.Succeeded, s.Refused, s.Contended, s.Failed, s.SetupFailed, s.Unconfirmed,
+		s.Resets, s.ControlSent, s.DataSent, s.Lost, s.Duplicated, strings.Join(rej, " "), s.SimTime, s.Events)
+}
+
+// Fixed parameters of the simulated deployment.
+const (
+	mss          = 1000
+	tcpWindow    = 8 * mss
+	tcpRTO       = 150 * time.Millisecond
+	tcpMaxRTO    = 2 * time.Second
+	tcpMaxTries  = 25
+	closeLinger  = 2 * time.Second // collector: after FINs both ways are acked
+	rstLinger    = 1 * time.Second // collector: after a RST
+	idleTimeout  = 60 * time.Second
+	horizon      = 20 * time.Minute // a run that lasts longer did not terminate
+	maxEvents    = 2_000_000
+	traceTailLen = 400
+)
+
+var deploymentKey = []byte("dysco simulation deployment key")
+
+// Run simulates one seed.
+func Run(opts Options) *Report {
+	w := newWorld(opts)
+	w.build()
+	w.loop()
+	w.finish()
+	r := &Report{Seed: opts.Seed, Err: w.err, Trace: w.trace, Stats: w.stats}
+	r.Stats.SimTime = w.now
+	return r
+}
+
+// TraceTail returns the last lines of a trace.
+func TraceTail(tr []string, n int) []string {
+	if len(tr) > n {
+		return append([]string{fmt.Sprintf("... %d earlier lines", len(tr)-n)}, tr[len(tr)-n:]...)
+	}
+	return tr
+}
+
+type world struct {
+	opts  Options
+	rng   *rand.Rand
+	now   time.Duration
+	q     eventQueue
+	seq   uint64
+	err   error
+	trace []string
+	stats Stats
+
+	hosts    []*host
+	byAddr   map[netip.Addr]*host
+	sessions []*simSession
+	reqs     []*request
+	byToken  map[uint64]*request
+	byReq    map[protocol.ReqKey]*request
+
+	loss, dup        float64
+	delayMin, jitter time.Duration
+	nextSessID       protocol.SessionID
+}
+
+func newWorld(opts Options) *world {
+	w := &world{opts: opts, rng: rand.New(rand.NewPCG(uint64(opts.Seed), 0x9e3779b97f4a7c15)),
+		byAddr: map[netip.Addr]*host{}, byToken: map[uint64]*request{}, byReq: map[protocol.ReqKey]*request{}}
+	w.stats.Rejected = map[string]int{}
+	return w
+}
+
+func (w *world) tracef(format string, args ...any) {
+	if w.opts.Trace {
+		w.trace = append(w.trace, fmt.Sprintf("%9.4fs ", w.now.Seconds())+fmt.Sprintf(format, args...))
+	}
+}
+
+// fail records the first invariant violation; the run stops.
+func (w *world) fail(format string, args ...any) {
+	if w.err == nil {
+		w.err = fmt.Errorf("t=%.4fs: %s", w.now.Seconds(), fmt.Sprintf(format, args...))
+		w.tracef("VIOLATION: %v", w.err)
+	}
+}
+
+// ---- events ----
+
+type event struct {
+	at        time.Duration
+	seq       uint64
+	fn        func()
+	cancelled bool
+}
+
+type eventQueue []*event
+
+func (q eventQueue) Len() int { return len(q) }
+func (q eventQueue) Less(i, j int) bool {
+	if q[i].at != q[j].at {
+		return q[i].at < q[j].at
+	}
+	return q[i].seq < q[j].seq
+}
+func (q eventQueue) Swap(i, j int) { q[i], q[j] = q[j], q[i] }
+func (q *eventQueue) Push(x any)   { *q = append(*q, x.(*event)) }
+func (q *eventQueue) Pop() any {
+	old := *q
+	e := old[len(old)-1]
+	*q = old[:len(old)-1]
+	return e
+}
+
+func (w *world) at(t time.Duration, fn func()) *event {
+	if t < w.now {
+		t = w.now
+	}
+	w.seq++
+	e := &event{at: t, seq: w.seq, fn: fn}
+	heap.Push(&w.q, e)
+	return e
+}
+
+func (w *world) after(d time.Duration, fn func()) *event { return w.at(w.now+d, fn) }
+
+func (w *world) loop() {
+	for w.q.Len() > 0 && w.err == nil {
+		e := heap.Pop(&w.q).(*event)
+		if e.cancelled {
+			continue
+		}
+		w.now = e.at
+		w.stats.Events++
+		if w.now > horizon || w.stats.Events > maxEvents {
+			w.fail("the run does not terminate (%d events)", w.stats.Events)
+			return
+		}
+		e.fn()
+	}
+}
+
+// ---- network ----
+
+// deliver sends something from one host to another through the network:
+// lost, duplicated, delayed (which reorders) at random.
+func (w *world) deliver(from, to *host, what string, fn func()) {
+	if from.dead || to.dead {
+		w.tracef("%s -> %s %s: dead host, dropped", from, to, what)
+		return
+	}
+	if w.rng.Float64() < w.loss {
+		w.stats.Lost++
+		w.tracef("%s -> %s %s: LOST", from, to, what)
+		return
+	}
+	copies := 1
+	if w.rng.Float64() < w.dup {
+		copies = 2
+		w.stats.Duplicated++
+	}
+	for i := 0; i < copies; i++ {
+		d := w.delayMin + time.Duration(w.rng.Int64N(int64(w.jitter)+1))
+		w.after(d, func() {
+			if to.dead {
+				return
+			}
+			fn()
+		})
+	}
+}
+
+// ---- hosts ----
+
+type host struct {
+	w     *world
+	name  string
+	addr  netip.Addr
+	dead  bool
+	mbox  bool
+	agent *protocol.Agent
+	dp    map[protocol.SessionID]*dpSess
+	subs  map[wire.Tuple]*dpSub
+	tmr   map[protocol.TimerID]*event
+}
+
+func (h *host) String() string { return h.name }
+
+func (w *world) newHost(name string, mbox bool) *host {
+	a := netip.AddrFrom4([4]byte{10, 0, byte(len(w.hosts) / 250), byte(len(w.hosts)%250 + 1)})
+	cfg := protocol.Config{
+		Self: a, Key: deploymentKey,
+		RTO: 30 * time.Millisecond, MaxRTO: time.Second, MaxTries: 16,
+		Linger: 3 * time.Second, LockLease: 40 * time.Second,
+		PortBase: 20000, PortCount: 40000,
+		Faults: w.opts.Faults,
+	}
+	h := &host{w: w, name: name, addr: a, mbox: mbox, agent: protocol.New(cfg),
+		dp: map[protocol.SessionID]*dpSess{}, subs: map[wire.Tuple]*dpSub{}, tmr: map[protocol.TimerID]*event{}}
+	w.hosts = append(w.hosts, h)
+	w.byAddr[a] = h
+	return h
+}
+
+// handle gives an event to the host's agent and carries out its actions.
+func (h *host) handle(ev protocol.Event) {
+	for _, act := range h.agent.Handle(h.w.now, ev) {
+		h.apply(act)
+	}
+}
+
+func (h *host) apply(act protocol.Action) {
+	w := h.w
+	switch x := act.(type) {
+	case protocol.Send:
+		to := w.byAddr[x.To]
+		w.stats.ControlSent++
+		w.tracef("%s -> %s %s", h, to, x.Msg)
+		data := x.Data
+		w.deliver(h, to, x.Msg.Type.String(), func() {
+			to.handle(protocol.MessageIn{From: h.addr, Data: data})
+			w.checkLocks()
+		})
+	case protocol.SetTimer:
+		if e := h.tmr[x.ID]; e != nil {
+			e.cancelled = true
+		}
+		id := x.ID
+		h.tmr[id] = w.at(x.At, func() {
+			delete(h.tmr, id)
+			w.tracef("%s timer %s", h, id)
+			h.handle(protocol.TimerFired{ID: id})
+			w.checkLocks()
+		})
+	case protocol.CancelTimer:
+		if e := h.tmr[x.ID]; e != nil {
+			e.cancelled = true
+			delete(h.tmr, x.ID)
+		}
+	case protocol.Result:
+		w.onResult(h, x)
+	case protocol.Rejected:
+		w.stats.Rejected[x.Reason.String()]++
+		w.tracef("%s rejected %s from %s: %s: %s", h, x.Type, x.From, x.Reason, x.Detail)
+	case protocol.Progress:
+		w.tracef("%s %s %s %s %s %s", h, x.Req, x.Role, x.Stage, x.Note, h.sessName(x.Session))
+	default:
+		h.applyDatapath(act)
+	}
+}
+
+func (h *host) sessName(id protocol.SessionID) string {
+	if ds := h.dp[id]; ds != nil {
+		return fmt.Sprintf("(s%d)", ds.sess.idx)
+	}
+	return ""
+}
+
+// ---- sessions and requests ----
+
+type simSession struct {
+	idx    int
+	tuple  wire.Tuple
+	nonce  [wire.NonceLen]byte
+	ends   [2]*tcpEnd // [0] the initiator (left), [1] the responder (right)
+	rst    bool       // an end host reset the session
+	closed bool       // FINs were exchanged (the session is ending)
+}
+
+type request struct {
+	token      uint64
+	sess       *simSession
+	left       *host
+	right      *host
+	chain      []*host
+	deadChain  bool
+	issued     time.Duration
+	res        *protocol.Result
+	resAt      time.Duration
+	key        protocol.ReqKey
+	contention bool // issued as part of a burst of overlapping requests
+}
+
+func (r *request) String() string {
+	var c []string
+	for _, h := range r.chain {
+		c = append(c, h.name)
+	}
+	return fmt.Sprintf("req#%d s%d %s..%s via [%s]", r.token, r.sess.idx, r.left, r.right, strings.Join(c, " "))
+}
+
+func (w *world) onResult(h *host, x protocol.Result) {
+	r := w.byToken[x.Token]
+	if r == nil {
+		w.fail("%s: result for unknown token %d", h, x.Token)
+		return
+	}
+	if r.res != nil {
+		w.fail("%s: two results for %s: %s then %s", h, r, r.res.Outcome, x.Outcome)
+		return
+	}
+	r.res, r.resAt, r.key = &x, w.now, x.Req
+	w.byReq[x.Req] = r
+	w.tracef("%s RESULT %s %s: %s %s blocker=%s unconfirmed=%v", h, r, x.Req, x.Outcome, x.Reason, x.Blocker, x.Unconfirmed)
+	switch x.Outcome {
+	case protocol.Succeeded:
+		w.stats.Succeeded++
+	case protocol.Refused:
+		w.stats.Refused++
+		if x.Reason.Contention() {
+			w.stats.Contended++
+		}
+	case protocol.Failed:
+		w.stats.Failed++
+		if x.Reason == protocol.ReasonSetupFailed && r.deadChain {
+			w.stats.SetupFailed++
+		}
+	}
+	if x.Unconfirmed {
+		w.stats.Unconfirmed++
+	}
+}
+
+// path returns the hosts a session's packets traverse now, left to right,
+// with the datapath state at each, as the datapath's egress flows say.
+func (w *world) path(s *simSession) ([]*host, []*dpSess) {
+	e := s.ends[0]
+	if e == nil || e.ds.gone {
+		return nil, nil
+	}
+	hs, ds := []*host{e.h}, []*dpSess{e.ds}
+	cur := e.ds
+	for i := 0; i < 16; i++ {
+		sd := cur.sides[protocol.SideRight]
+		if sd == nil || sd.cur == nil {
+			return hs, ds
+		}
+		peer := w.byAddr[sd.cur.peer]
+		sub := peer.subs[sd.cur.tuple]
+		if sub == nil || sub.ds.gone {
+			return hs, ds
+		}
+		cur = sub.ds
+		hs, ds = append(hs, peer), append(ds, cur)
+	}
+	return hs, ds
+}
