@@ -216,22 +216,10 @@ func (a *Agent) handlePutPolicy(w http.ResponseWriter, r *http.Request) {
 		writeErr(w, 400, err)
 		return
 	}
-	a.mu.Lock()
-	replaced := false
-	for i := range a.local.Policies {
-		if a.local.Policies[i].Name == p.Name {
-			a.local.Policies[i] = p
-			replaced = true
-		}
-	}
-	if !replaced {
-		a.local.Policies = append(a.local.Policies, p)
-	}
-	err := a.saveLocal()
-	a.mu.Unlock()
-	if err == nil {
-		err = a.applyPolicies()
-	}
+	err := a.changeLocal(func(l *api.PolicySet) bool {
+		l.Policies = upsert(l.Policies, p, func(p api.Policy) string { return p.Name })
+		return true
+	})
 	if err != nil {
 		writeErr(w, 500, err)
 		return
@@ -250,28 +238,14 @@ func hopsString(hs []api.Hop) string {
 
 func (a *Agent) handleDeletePolicy(w http.ResponseWriter, r *http.Request) {
 	name := r.PathValue("name")
-	a.mu.Lock()
-	found := false
-	kept := a.local.Policies[:0]
-	for _, p := range a.local.Policies {
-		if p.Name == name {
-			found = true
-			continue
-		}
-		kept = append(kept, p)
-	}
-	a.local.Policies = kept
-	var err error
-	if found {
-		err = a.saveLocal()
-	}
-	a.mu.Unlock()
-	if !found {
-		writeErr(w, 404, fmt.Errorf("policy %q: no such local policy (policies from the policy server are removed there)", name))
+	err := a.changeLocal(func(l *api.PolicySet) (found bool) {
+		l.Policies, found = without(l.Policies, name, func(p api.Policy) string { return p.Name })
+		return found
+	})
+	if err == errNotFound {
+		err = fmt.Errorf("policy %q: no such local policy (policies from the policy server are removed there)", name)
+		writeErr(w, 404, err)
 		return
-	}
-	if err == nil {
-		err = a.applyPolicies()
 	}
 	if err != nil {
 		writeErr(w, 500, err)
@@ -297,22 +271,10 @@ func (a *Agent) handlePutType(w http.ResponseWriter, r *http.Request) {
 		writeErr(w, 400, err)
 		return
 	}
-	a.mu.Lock()
-	replaced := false
-	for i := range a.local.Types {
-		if a.local.Types[i].Name == t.Name {
-			a.local.Types[i] = t
-			replaced = true
-		}
-	}
-	if !replaced {
-		a.local.Types = append(a.local.Types, t)
-	}
-	err := a.saveLocal()
-	a.mu.Unlock()
-	if err == nil {
-		err = a.applyPolicies()
-	}
+	err := a.changeLocal(func(l *api.PolicySet) bool {
+		l.Types = upsert(l.Types, t, func(t api.MiddleboxType) string { return t.Name })
+		return true
+	})
 	if err != nil {
 		writeErr(w, 500, err)
 		return
@@ -322,34 +284,64 @@ func (a *Agent) handlePutType(w http.ResponseWriter, r *http.Request) {
 
 func (a *Agent) handleDeleteType(w http.ResponseWriter, r *http.Request) {
 	name := r.PathValue("name")
-	a.mu.Lock()
-	found := false
-	kept := a.local.Types[:0]
-	for _, t := range a.local.Types {
-		if t.Name == name {
-			found = true
-			continue
-		}
-		kept = append(kept, t)
-	}
-	a.local.Types = kept
-	var err error
-	if found {
-		err = a.saveLocal()
-	}
-	a.mu.Unlock()
-	if !found {
+	err := a.changeLocal(func(l *api.PolicySet) (found bool) {
+		l.Types, found = without(l.Types, name, func(t api.MiddleboxType) string { return t.Name })
+		return found
+	})
+	if err == errNotFound {
 		writeErr(w, 404, fmt.Errorf("type %q: no such local type", name))
 		return
-	}
-	if err == nil {
-		err = a.applyPolicies()
 	}
 	if err != nil {
 		writeErr(w, 500, err)
 		return
 	}
 	w.WriteHeader(204)
+}
+
+// errNotFound is changeLocal's answer when its change found nothing to do.
+var errNotFound = errors.New("not found")
+
+// changeLocal applies change to the local policies and types under the lock;
+// if it changed something (returned true), it saves them and applies the
+// effective set to the datapath.
+func (a *Agent) changeLocal(change func(*api.PolicySet) bool) error {
+	a.mu.Lock()
+	if !change(&a.local) {
+		a.mu.Unlock()
+		return errNotFound
+	}
+	err := a.saveLocal()
+	a.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	return a.applyPolicies()
+}
+
+// upsert replaces the item of list with item's name, or appends item.
+func upsert[T any](list []T, item T, name func(T) string) []T {
+	for i := range list {
+		if name(list[i]) == name(item) {
+			list[i] = item
+			return list
+		}
+	}
+	return append(list, item)
+}
+
+// without removes the item called n from list.
+func without[T any](list []T, n string, name func(T) string) ([]T, bool) {
+	kept := list[:0]
+	found := false
+	for _, x := range list {
+		if name(x) == n {
+			found = true
+			continue
+		}
+		kept = append(kept, x)
+	}
+	return kept, found
 }
 
 // handlePrepend lets a middlebox (a classifier) choose the next middleboxes

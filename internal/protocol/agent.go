@@ -89,7 +89,6 @@ type session struct {
 	// §3.2: the state of the subsession to the right, kept here.
 	lock      LockState
 	requestor ReqKey
-	held      *Message // the requestLock this agent forwarded (to forward again)
 	queue     []queued // requests blocked by a lockPending subsession
 
 	left  *anchor // this agent is the left anchor of a reconfiguration of its right side
@@ -449,7 +448,7 @@ func (a *Agent) onReconfigure(e Reconfigure) {
 	l := &anchor{role: RoleLeftAnchor, req: ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq}, token: e.Token,
 		rightAnchor: e.RightAnchor, chain: append([]netip.Addr(nil), e.Chain...)}
 	switch {
-	case s.lock == Unlocked:
+	case s.lock == Unlocked || a.cfg.Faults&FaultSkipLock != 0:
 		a.startLeft(s, l)
 	case s.lock == LockPending:
 		// Blocked behind a request passing through, like a request from
@@ -482,7 +481,7 @@ func (a *Agent) checkChain(ra netip.Addr, chain []netip.Addr) error {
 func (a *Agent) startLeft(s *session, l *anchor) {
 	s.left = l
 	l.stage = StageLocking
-	s.lock, s.requestor, s.held = LockPending, l.req, nil
+	s.lock, s.requestor = LockPending, l.req
 	a.maxSeen(s, l.req)
 	a.progress(s, l.req, RoleLeftAnchor, StageLocking, "")
 	a.sendRequestLock(s, l)
@@ -648,13 +647,6 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 		}
 		return
 	}
-	if k.ID < s.maxID[k.LeftAnchor] {
-		if !fromQueue {
-			a.reject(RejectReplay, m, from, "request %s older than %d", k, s.maxID[k.LeftAnchor])
-		}
-		return
-	}
-	a.maxSeen(s, k)
 	if r := s.right; r != nil && r.req == k {
 		a.sendAckLock(s, r) // duplicate at the right anchor
 		return
@@ -666,6 +658,17 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 	if s.queuedReq(k) {
 		return
 	}
+	// A left anchor numbers its requests upwards and has one at a time: a
+	// request that is neither active here nor newer than every one seen
+	// from that anchor is a replay or a stale retransmission. (A request
+	// released from the queue was the newest when it arrived.)
+	if max := s.maxID[k.LeftAnchor]; k.ID < max || k.ID == max && !fromQueue {
+		if !fromQueue {
+			a.reject(RejectReplay, m, from, "request %s not newer than %d", k, max)
+		}
+		return
+	}
+	a.maxSeen(s, k)
 	if r := s.right; r != nil {
 		// Our left side is still being reconfigured (we are its right
 		// anchor): it cannot be part of another segment yet.
@@ -690,13 +693,12 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 		a.nack(s, m, ReasonNotOnPath, ReqKey{})
 		return
 	}
-	if a.cfg.Faults&FaultSkipLock != 0 && s.lock != Unlocked && s.left == nil {
+	if a.cfg.Faults&FaultSkipLock != 0 && s.lock != Unlocked {
 		s.lock = Unlocked // broken on purpose: take the lock over
 	}
 	switch s.lock {
 	case Unlocked:
 		s.lock, s.requestor = LockPending, k
-		s.held = m
 		a.forwardRequest(s, m)
 	case LockPending:
 		s.queue = append(s.queue, queued{msg: m, from: from})
@@ -824,7 +826,7 @@ func (a *Agent) onNackLock(s *session, m *Message) {
 		return
 	}
 	if s.lock == LockPending && s.requestor == k {
-		s.lock, s.requestor, s.held = Unlocked, ReqKey{}, nil
+		s.lock, s.requestor = Unlocked, ReqKey{}
 		a.cancelTimer(s, TimerLease, k)
 		s.resolve(resolution{req: k, kind: resNacked, reason: m.Reason, blocker: m.Blocker})
 		f := *m
@@ -857,7 +859,7 @@ func (a *Agent) onLease(s *session, k ReqKey) {
 		return
 	}
 	if s.lock != Unlocked && s.requestor == k && s.left == nil {
-		s.lock, s.requestor, s.held = Unlocked, ReqKey{}, nil
+		s.lock, s.requestor = Unlocked, ReqKey{}
 		s.resolve(resolution{req: k, kind: resExpired})
 		a.progress(s, k, RoleMiddle, StageDone, "lock lease expired")
 		a.releaseQueue(s)
@@ -935,7 +937,7 @@ func (a *Agent) onCancelLock(s *session, m *Message) {
 	r, ok := s.resolved(k)
 	if held || ok && r.kind == resCancelled {
 		if held {
-			s.lock, s.requestor, s.held = Unlocked, ReqKey{}, nil
+			s.lock, s.requestor = Unlocked, ReqKey{}
 			a.cancelTimer(s, TimerLease, k)
 			s.resolve(resolution{req: k, kind: resCancelled})
 		}

@@ -128,3 +128,40 @@ func TestMiddleboxTypes(t *testing.T) {
 		}
 	}
 }
+
+// TestLocalPolicies: the local API adds, lists and removes policies and
+// types, refuses bad ones with a clear error, and a removed policy no longer
+// chains new sessions.
+func TestLocalPolicies(t *testing.T) {
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server")})
+	dst := e.addr("server", false)
+	mb1 := e.addr("mb1", false).String()
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"policy", "add", "bad", "--chain", mb1, "tcp dst prot 80"}, `policy "bad": filter "tcp dst prot 80"`},
+		{[]string{"policy", "add", "notype", "--chain", "scrubber", "tcp"}, `middlebox type "scrubber" is not defined`},
+		{[]string{"policy", "rm", "nosuch"}, `no such local policy`},
+		{[]string{"type", "rm", "nosuch"}, `no such local type`},
+	} {
+		out, err := e.lab.Command(t.Context(), "client", append([]string{dyscoBin}, c.args...)...).CombinedOutput()
+		if err == nil || !strings.Contains(string(out), c.want) {
+			t.Errorf("dysco %s: err %v, output %q, want an error saying %q", strings.Join(c.args, " "), err, out, c.want)
+		}
+	}
+	e.dysco("client", "type", "add", "fw", mb1)
+	e.policy("client", "p", "tcp dst portrange 9950-9951", "fw")
+	if out := e.dysco("client", "policy", "list"); !strings.Contains(out, "tcp dst portrange 9950-9951") {
+		t.Errorf("policy list:\n%s", out)
+	}
+	e.exchange("client", "server", dst, 9950, 64<<10)
+	if n := e.status("mb1").Counters["setup_cont"]; n != 1 {
+		t.Fatalf("mb1 continued %d chains, want 1", n)
+	}
+	e.dysco("client", "policy", "rm", "p")
+	e.exchange("client", "server", dst, 9951, 64<<10)
+	if n := e.status("mb1").Counters["setup_cont"]; n != 1 {
+		t.Errorf("after policy rm, a new session still went through mb1")
+	}
+}

@@ -110,6 +110,13 @@ func (h *host) receive(t wire.Tuple, p pkt) {
 		if sub == sd.neu {
 			path = protocol.PathNew
 		}
+		if pp.End() != pp.Seq {
+			if path == protocol.PathOld {
+				w.stats.OldPathData++
+			} else {
+				w.stats.NewPathData++
+			}
+		}
 		if nv := protocol.Observe(*sd.tp, path, pp); nv != *sd.tp {
 			*sd.tp = nv
 			h.report(ds, sub.side)
@@ -147,9 +154,12 @@ func (h *host) send(ds *dpSess, side protocol.Side, p pkt) {
 		w.fail("%s: session %d has no %s side for %s", h, ds.id, side, p)
 		return
 	}
-	if ds.end == nil && p.flags&protocol.TCPAck != 0 && p.flags&protocol.TCPRst == 0 && ds.seen[1-p.dir] &&
-		seqLT(ds.seenMax[1-p.dir], p.ack) {
-		// §3.1: middleboxes may reject acks for data they did not send.
+	if ds.end == nil && !ds.joined && p.flags&protocol.TCPAck != 0 && p.flags&protocol.TCPRst == 0 &&
+		ds.seen[1-p.dir] && seqLT(ds.seenMax[1-p.dir], p.ack) {
+		// §3.1: middleboxes may reject acks for data they did not send;
+		// acks go on the old path so that its middleboxes never see one.
+		// (A middlebox that joined a new path picks the stream up in the
+		// middle, like conntrack in loose mode: not checked.)
 		w.fail("%s (s%d): forwards ack %d beyond the data it forwarded (%d)", h, ds.sess.idx, p.ack, ds.seenMax[1-p.dir])
 		return
 	}
@@ -163,6 +173,17 @@ func (h *host) send(ds *dpSess, side protocol.Side, p pkt) {
 	var pieces []piece
 	if sd.tp != nil {
 		d, nv := protocol.DecideFault(*sd.tp, pp, w.opts.Faults)
+		var data [3]bool
+		for _, c := range d.List() {
+			if c.Len > 0 || c.Flags&protocol.TCPFin != 0 {
+				data[c.Path] = true
+			} else if c.Path == protocol.PathOld && c.Ack == sd.tp.OldRcvd && pp.Ack != c.Ack {
+				w.stats.ExtraOldAcks++
+			}
+		}
+		if data[protocol.PathOld] && data[protocol.PathNew] {
+			w.stats.Splits++
+		}
 		for _, c := range d.List() {
 			sub := sd.old
 			if c.Path == protocol.PathNew {
@@ -203,7 +224,7 @@ func (ds *dpSess) observe(p pkt) {
 	ds.lastActive = w.now
 	if p.flags&protocol.TCPRst != 0 {
 		if !ds.ending {
-			ds.ending = true
+			ds.ending, ds.sess.ending = true, true
 			w.after(rstLinger, func() { ds.h.endSession(ds, "rst") })
 		}
 		return
@@ -215,7 +236,7 @@ func (ds *dpSess) observe(p pkt) {
 		ds.finAcked[o] = true
 	}
 	if ds.finAcked[0] && ds.finAcked[1] && !ds.ending {
-		ds.ending = true
+		ds.ending, ds.sess.ending = true, true
 		w.after(closeLinger, func() { ds.h.endSession(ds, "fin") })
 	}
 	if ds.joined && !ds.ready {
@@ -246,6 +267,7 @@ func (h *host) startTwoPath(ds *dpSess, side protocol.Side) {
 	}
 	v := protocol.CutOff(sd.marks)
 	sd.tp, sd.old, sd.armed = &v, sd.cur, false
+	h.w.stats.CutOffs++
 	h.w.tracef("%s cut-off %s side s%d: %s", h, side, ds.sess.idx, v)
 	h.report(ds, side)
 }

@@ -42,6 +42,9 @@ type Options struct {
 	Faults protocol.Fault
 	// Trace records a readable trace of every event.
 	Trace bool
+	// noLockWalk turns the continuous lock check off, to show that the
+	// end-of-run checks catch broken locking on their own.
+	noLockWalk bool
 }
 
 // Report is the outcome of one run.
@@ -54,17 +57,22 @@ type Report struct {
 
 // Stats counts what happened in a run.
 type Stats struct {
-	Sessions, Hosts                     int
+	Sessions, Hosts                      int
 	Requests, Succeeded, Refused, Failed int
-	Contended                           int // refused because of another request
-	SetupFailed                         int // new path through a dead middlebox: cancelled
-	Unconfirmed                         int
-	Resets                              int
-	ControlSent, DataSent               int
-	Lost, Duplicated                    int
-	Rejected                            map[string]int
-	SimTime                             time.Duration
-	Events                              int
+	Contended                            int // refused because of another request
+	SetupFailed                          int // new path through a dead middlebox: cancelled
+	Unconfirmed                          int
+	Resets                               int
+	ControlSent, DataSent                int
+	Lost, Duplicated                     int
+	Rejected                             map[string]int
+	Outcomes                             map[string]int // outcome: reason
+	// The two-path phase at work (§3.5): cut-offs, packets split at
+	// oldSent, extra acks of oldRcvd on the old path, data received on
+	// each path after a cut-off.
+	CutOffs, Splits, ExtraOldAcks, OldPathData, NewPathData int
+	SimTime                                                 time.Duration
+	Events                                                  int
 }
 
 // Add accumulates another run's counts.
@@ -85,28 +93,41 @@ func (s *Stats) Add(o Stats) {
 	s.Duplicated += o.Duplicated
 	s.SimTime += o.SimTime
 	s.Events += o.Events
+	s.CutOffs += o.CutOffs
+	s.Splits += o.Splits
+	s.ExtraOldAcks += o.ExtraOldAcks
+	s.OldPathData += o.OldPathData
+	s.NewPathData += o.NewPathData
 	if s.Rejected == nil {
-		s.Rejected = map[string]int{}
+		s.Rejected, s.Outcomes = map[string]int{}, map[string]int{}
 	}
 	for k, v := range o.Rejected {
 		s.Rejected[k] += v
 	}
+	for k, v := range o.Outcomes {
+		s.Outcomes[k] += v
+	}
 }
 
 func (s Stats) String() string {
-	keys := make([]string, 0, len(s.Rejected))
-	for k := range s.Rejected {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	var rej []string
-	for _, k := range keys {
-		rej = append(rej, fmt.Sprintf("%s=%d", k, s.Rejected[k]))
+	list := func(m map[string]int) string {
+		keys := make([]string, 0, len(m))
+		for k := range m {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		var l []string
+		for _, k := range keys {
+			l = append(l, fmt.Sprintf("%s=%d", k, m[k]))
+		}
+		return strings.Join(l, " ")
 	}
 	return fmt.Sprintf("sessions=%d requests=%d succeeded=%d refused=%d (contention %d) failed=%d (dead new path %d) "+
-		"unconfirmed=%d resets=%d control=%d data=%d lost=%d dup=%d rejected[%s] simtime=%s events=%d",
+		"unconfirmed=%d resets=%d\n  outcomes[%s]\n  two-path: cut-offs=%d splits=%d extra-old-acks=%d old-path-data=%d new-path-data=%d\n"+
+		"  control=%d data=%d lost=%d dup=%d rejected[%s] simtime=%s events=%d",
 		s.Sessions, s.Requests, s.Succeeded, s.Refused, s.Contended, s.Failed, s.SetupFailed, s.Unconfirmed,
-		s.Resets, s.ControlSent, s.DataSent, s.Lost, s.Duplicated, strings.Join(rej, " "), s.SimTime, s.Events)
+		s.Resets, list(s.Outcomes), s.CutOffs, s.Splits, s.ExtraOldAcks, s.OldPathData, s.NewPathData,
+		s.ControlSent, s.DataSent, s.Lost, s.Duplicated, list(s.Rejected), s.SimTime, s.Events)
 }
 
 // Fixed parameters of the simulated deployment.
@@ -114,10 +135,10 @@ const (
 	mss          = 1000
 	tcpWindow    = 8 * mss
 	tcpRTO       = 150 * time.Millisecond
-	tcpMaxRTO    = 2 * time.Second
+	tcpMaxRTO    = time.Second
 	tcpMaxTries  = 25
-	closeLinger  = 2 * time.Second // collector: after FINs both ways are acked
-	rstLinger    = 1 * time.Second // collector: after a RST
+	closeLinger  = 10 * time.Second // collector: after FINs both ways are acked (as the agent's --close-linger)
+	rstLinger    = 1 * time.Second  // collector: after a RST
 	idleTimeout  = 60 * time.Second
 	horizon      = 20 * time.Minute // a run that lasts longer did not terminate
 	maxEvents    = 2_000_000
@@ -165,12 +186,23 @@ type world struct {
 	loss, dup        float64
 	delayMin, jitter time.Duration
 	nextSessID       protocol.SessionID
+	portSeq          uint16
+	tokens           uint64
+	locked           map[protocol.ReqKey]lockRec // when each request locked its segment, and the segment
+}
+
+// lockRec is a request's segment (the subsessions of the path between its
+// anchors) when its left anchor got ackLock.
+type lockRec struct {
+	at    time.Duration
+	edges map[[2]*dpSess]bool
 }
 
 func newWorld(opts Options) *world {
 	w := &world{opts: opts, rng: rand.New(rand.NewPCG(uint64(opts.Seed), 0x9e3779b97f4a7c15)),
-		byAddr: map[netip.Addr]*host{}, byToken: map[uint64]*request{}, byReq: map[protocol.ReqKey]*request{}}
-	w.stats.Rejected = map[string]int{}
+		byAddr: map[netip.Addr]*host{}, byToken: map[uint64]*request{}, byReq: map[protocol.ReqKey]*request{},
+		locked: map[protocol.ReqKey]lockRec{}}
+	w.stats.Rejected, w.stats.Outcomes = map[string]int{}, map[string]int{}
 	return w
 }
 
@@ -347,6 +379,9 @@ func (h *host) apply(act protocol.Action) {
 		w.tracef("%s rejected %s from %s: %s: %s", h, x.Type, x.From, x.Reason, x.Detail)
 	case protocol.Progress:
 		w.tracef("%s %s %s %s %s %s", h, x.Req, x.Role, x.Stage, x.Note, h.sessName(x.Session))
+		if x.Role == protocol.RoleLeftAnchor && x.Stage == protocol.StageSettingUp {
+			w.recordLock(h, x)
+		}
 	default:
 		h.applyDatapath(act)
 	}
@@ -366,8 +401,8 @@ type simSession struct {
 	tuple  wire.Tuple
 	nonce  [wire.NonceLen]byte
 	ends   [2]*tcpEnd // [0] the initiator (left), [1] the responder (right)
-	rst    bool       // an end host reset the session
-	closed bool       // FINs were exchanged (the session is ending)
+	rst    bool       // an end host reset the session (or gave up)
+	ending bool       // a collector saw the session end (FINs both ways acknowledged, or RST)
 }
 
 type request struct {
@@ -447,4 +482,26 @@ func (w *world) path(s *simSession) ([]*host, []*dpSess) {
 		hs, ds = append(hs, peer), append(ds, cur)
 	}
 	return hs, ds
+}
+
+// recordLock remembers the segment a request holds from now on.
+func (w *world) recordLock(h *host, x protocol.Progress) {
+	ds := h.dp[x.Session]
+	v, ok := h.agent.View(x.Session)
+	if ds == nil || !ok || v.Left == nil {
+		return
+	}
+	hs, dss := w.path(ds.sess)
+	rec := lockRec{at: w.now, edges: map[[2]*dpSess]bool{}}
+	in := false
+	for i := 0; i+1 < len(hs); i++ {
+		in = in || dss[i] == ds // a host may be on the path twice: compare its session state
+		if in {
+			rec.edges[[2]*dpSess{dss[i], dss[i+1]}] = true
+			if hs[i+1].addr == v.Left.RightAnchor {
+				break
+			}
+		}
+	}
+	w.locked[x.Req] = rec
 }

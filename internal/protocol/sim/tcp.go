@@ -26,7 +26,7 @@ type tcpEnd struct {
 	sndNxt     uint32
 	finSent    bool
 	finAcked   bool
-	rcvOff     uint32     // bytes of the peer's stream received in order (FIN included)
+	rcvOff     uint32      // bytes of the peer's stream received in order (FIN included)
 	segs       [][2]uint32 // out-of-order ranges of offsets
 	finAt      uint32
 	haveFin    bool

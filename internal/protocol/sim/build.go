@@ -1,0 +1,225 @@
+package sim
+
+import (
+	"fmt"
+	"net/netip"
+	"time"
+
+	"github.com/dysco/dysco/internal/protocol"
+	"github.com/dysco/dysco/internal/wire"
+)
+
+// build draws a deployment from the seed: middlebox hosts (some dead),
+// sessions through chains of live ones, their traffic, the requests and
+// resets to come.
+func (w *world) build() {
+	r := w.rng
+	w.loss = []float64{0, 0.01, 0.03, 0.05}[r.IntN(4)]
+	w.dup = []float64{0, 0.01, 0.03}[r.IntN(3)]
+	w.delayMin = time.Millisecond
+	w.jitter = []time.Duration{0, 2 * time.Millisecond, 6 * time.Millisecond}[r.IntN(3)]
+	nM := 3 + r.IntN(4)
+	var live []*host
+	for i := 0; i < nM; i++ {
+		h := w.newHost(fmt.Sprintf("m%d", i), true)
+		if r.Float64() < 0.2 {
+			h.dead = true // never in a first chain; new paths through it fail (§3.6)
+		} else {
+			live = append(live, h)
+		}
+	}
+	nS := 1 + r.IntN(3)
+	for i := 0; i < nS; i++ {
+		w.newSession(i, live)
+	}
+	w.stats.Sessions, w.stats.Hosts = nS, len(w.hosts)
+	w.tracef("seed %d: loss %.2f dup %.2f jitter %s, %d middleboxes, %d sessions", w.opts.Seed, w.loss, w.dup, w.jitter, nM, nS)
+	for _, h := range w.hosts {
+		w.tracef("host %s %s dead=%v", h, h.addr, h.dead)
+	}
+}
+
+func (w *world) randDelta() protocol.Delta {
+	r := w.rng
+	var d protocol.Delta
+	switch r.IntN(4) {
+	case 1:
+		d.Seq = uint32(int32(r.IntN(2001) - 1000))
+	case 2, 3:
+		d.Seq = r.Uint32()
+	}
+	if r.IntN(2) == 1 {
+		d.TS = r.Uint32()
+	}
+	return d
+}
+
+func (w *world) newSession(i int, live []*host) {
+	r := w.rng
+	c := w.newHost(fmt.Sprintf("c%d", i), false)
+	sv := w.newHost(fmt.Sprintf("s%d", i), false)
+	k := r.IntN(min(4, len(live)) + 1)
+	hosts := []*host{c}
+	for _, j := range r.Perm(len(live))[:k] {
+		hosts = append(hosts, live[j])
+	}
+	hosts = append(hosts, sv)
+	n := len(hosts)
+	s := &simSession{idx: i, tuple: wire.Tuple{Src: c.addr, Dst: sv.addr, SrcPort: uint16(30000 + i), DstPort: 80}}
+	for j := range s.nonce {
+		s.nonce[j] = byte(r.IntN(256))
+	}
+	w.sessions = append(w.sessions, s)
+
+	apps := make([]protocol.AppDelta, n)
+	for j := 1; j < n-1; j++ {
+		apps[j] = protocol.AppDelta{Right: w.randDelta(), Left: w.randDelta()}
+	}
+	// Sequence and timestamp spaces where each stream arrives at each host.
+	issA, issB, tsA, tsB := r.Uint32(), r.Uint32(), r.Uint32(), r.Uint32()
+	rIn, lIn := make([]protocol.Delta, n), make([]protocol.Delta, n)
+	rIn[0] = protocol.Delta{Seq: issA, TS: tsA}
+	for j := 1; j < n; j++ {
+		rIn[j] = rIn[j-1].Add(apps[j-1].Right)
+	}
+	lIn[n-1] = protocol.Delta{Seq: issB, TS: tsB}
+	for j := n - 2; j >= 0; j-- {
+		lIn[j] = lIn[j+1].Add(apps[j+1].Left)
+	}
+	rOut := func(j int) uint32 { return rIn[j].Seq + apps[j].Right.Seq }
+	lOut := func(j int) uint32 { return lIn[j].Seq + apps[j].Left.Seq }
+
+	subs := make([]wire.Tuple, n-1)
+	for j := range subs {
+		w.portSeq++
+		subs[j] = wire.Tuple{Src: hosts[j].addr, Dst: hosts[j+1].addr, SrcPort: 1000 + w.portSeq, DstPort: 80}
+	}
+	var dss []*dpSess
+	for j, h := range hosts {
+		w.nextSessID++
+		ds := &dpSess{h: h, id: w.nextSessID, sess: s, app: apps[j], ready: true}
+		ds.seenMax = [2]uint32{rIn[j].Seq, lIn[j].Seq}
+		ds.seen = [2]bool{true, true}
+		up := protocol.SessionUp{Session: ds.id, Tuple: s.tuple, Nonce: s.nonce, App: apps[j]}
+		if j > 0 {
+			sub := &dpSub{ds: ds, side: protocol.SideLeft, tuple: subs[j-1], peer: hosts[j-1].addr}
+			ds.sides[protocol.SideLeft] = &dpSide{cur: sub, marks: protocol.Marks{
+				SndNxt: lOut(j), AckRcvd: lOut(j), RcvNxt: rIn[j].Seq, AckSent: rIn[j].Seq, Sent: true, Rcvd: true}}
+			h.addSub(sub)
+			up.Left = &protocol.SideInfo{Peer: sub.peer, Sub: sub.tuple}
+		}
+		if j < n-1 {
+			sub := &dpSub{ds: ds, side: protocol.SideRight, tuple: subs[j], peer: hosts[j+1].addr}
+			ds.sides[protocol.SideRight] = &dpSide{cur: sub, marks: protocol.Marks{
+				SndNxt: rOut(j), AckRcvd: rOut(j), RcvNxt: lIn[j].Seq, AckSent: lIn[j].Seq, Sent: true, Rcvd: true}}
+			h.addSub(sub)
+			up.Right = &protocol.SideInfo{Peer: sub.peer, Sub: sub.tuple}
+		}
+		h.dp[ds.id] = ds
+		h.handle(up)
+		h.idleCheck(ds)
+		dss = append(dss, ds)
+	}
+	sizes := []uint32{0, uint32(r.IntN(3000)), uint32(r.IntN(40000)), uint32(r.IntN(150000))}
+	totA, totB := sizes[r.IntN(4)], sizes[r.IntN(4)]
+	a := &tcpEnd{w: w, h: c, ds: dss[0], sess: s, side: protocol.SideRight, dir: 0, name: fmt.Sprintf("%s(s%d)", c, i),
+		iss: issA, irs: lIn[0].Seq, total: totA, peerTotal: totB, tsOff: tsA, peerTSBase: lIn[0].TS}
+	b := &tcpEnd{w: w, h: sv, ds: dss[n-1], sess: s, side: protocol.SideLeft, dir: 1, name: fmt.Sprintf("%s(s%d)", sv, i),
+		iss: issB, irs: rIn[n-1].Seq, total: totB, peerTotal: totA, tsOff: tsB, peerTSBase: rIn[n-1].TS}
+	for _, e := range []*tcpEnd{a, b} {
+		e.sndUna, e.sndNxt = e.iss, e.iss
+		dss[0].end, dss[n-1].end = a, b
+		e := e
+		w.after(time.Duration(r.IntN(200))*time.Millisecond, func() { w.write(e) })
+	}
+	s.ends = [2]*tcpEnd{a, b}
+	var names []string
+	for j, h := range hosts {
+		names = append(names, fmt.Sprintf("%s%s", h, apps[j]))
+	}
+	w.tracef("session s%d: %v, %d bytes right, %d bytes left", i, names, totA, totB)
+
+	// Reconfiguration requests, alone and in bursts on overlapping
+	// segments; a reset now and then.
+	for k := r.IntN(4); k > 0; k-- {
+		w.after(time.Duration(20+r.IntN(3000))*time.Millisecond, func() { w.issue(s, 1) })
+	}
+	if r.Float64() < 0.6 {
+		w.after(time.Duration(20+r.IntN(2500))*time.Millisecond, func() { w.issue(s, 2+w.rng.IntN(2)) })
+	}
+	if r.Float64() < 0.15 {
+		e := s.ends[r.IntN(2)]
+		w.after(time.Duration(r.IntN(3000))*time.Millisecond, e.reset)
+	}
+}
+
+// write is the application writing its stream in chunks, sometimes pausing.
+func (w *world) write(e *tcpEnd) {
+	if e.state != tcpOpen || e.ds.gone {
+		return
+	}
+	e.avail = min(e.total, e.avail+uint32(1+w.rng.IntN(2000)))
+	e.pump()
+	if e.avail < e.total {
+		gap := time.Duration(w.rng.IntN(60)) * time.Millisecond
+		if w.rng.IntN(10) == 0 {
+			gap = time.Duration(w.rng.IntN(1000)) * time.Millisecond
+		}
+		w.after(gap, func() { w.write(e) })
+	}
+}
+
+// issue asks n left anchors at once to reconfigure segments of s that all
+// contain one subsession of the current path (n = 1: any segment).
+func (w *world) issue(s *simSession, n int) {
+	r := w.rng
+	hs, dss := w.path(s)
+	if len(hs) < 2 || s.rst || s.ending {
+		return
+	}
+	core := r.IntN(len(hs) - 1) // the subsession hs[core] → hs[core+1]
+	if n > 1 && core == 0 && len(hs) > 2 {
+		core = 1 + r.IntN(len(hs)-2) // leave room for different left anchors
+	}
+	lefts := r.Perm(core + 1) // distinct left anchors while there are enough
+	for k := 0; k < n; k++ {
+		li, ri := r.IntN(len(hs)-1), 0
+		if n > 1 {
+			li = lefts[k%len(lefts)]
+			ri = core + 1 + r.IntN(len(hs)-core-1)
+		} else {
+			ri = li + 1 + r.IntN(len(hs)-li-1)
+		}
+		// New middleboxes: hosts with no state of this session at all.
+		var cand []*host
+		for _, h := range w.hosts {
+			if !h.mbox {
+				continue
+			}
+			busy := false
+			for _, ds := range h.dp {
+				busy = busy || ds.sess == s
+			}
+			if !busy {
+				cand = append(cand, h)
+			}
+		}
+		var chain []*host
+		var addrs []netip.Addr
+		dead := false
+		for _, j := range r.Perm(len(cand))[:min(len(cand), r.IntN(3))] {
+			chain = append(chain, cand[j])
+			addrs = append(addrs, cand[j].addr)
+			dead = dead || cand[j].dead
+		}
+		w.tokens++
+		req := &request{token: w.tokens, sess: s, left: hs[li], right: hs[ri], chain: chain, deadChain: dead,
+			issued: w.now, contention: n > 1}
+		w.reqs = append(w.reqs, req)
+		w.byToken[req.token] = req
+		w.stats.Requests++
+		w.tracef("OPERATOR %s", req)
+		hs[li].handle(protocol.Reconfigure{Session: dss[li].id, RightAnchor: hs[ri].addr, Chain: addrs, Token: req.token})
+		w.checkLocks()
+	}
+}
