@@ -2,6 +2,7 @@ package protocol
 
 import (
 	"net/netip"
+	"strings"
 	"testing"
 )
 
@@ -387,5 +388,33 @@ func TestTeardownWaitsForOldPath(t *testing.T) {
 	}
 	if _, ok := h.view(2); ok {
 		t.Error("middlebox not freed")
+	}
+}
+
+// The enumerations the Promela model mirrors have distinct paper names.
+func TestEnumerationsNamed(t *testing.T) {
+	seen := map[string]bool{}
+	var names []string
+	for _, m := range MsgTypes {
+		names = append(names, m.String())
+	}
+	for _, l := range LockStates {
+		names = append(names, l.String())
+	}
+	for _, s := range Stages {
+		names = append(names, s.String())
+	}
+	for _, r := range RejectReasons {
+		names = append(names, r.String())
+	}
+	for _, n := range names {
+		if seen[n] || strings.Contains(n, "-") {
+			t.Errorf("name %q repeated or unnamed", n)
+		}
+		seen[n] = true
+	}
+	want := "requestLock ackLock nackLock cancelLock ackCancel syn synAck ack fin finAck unlocked lockPending locked"
+	if got := strings.Join(names[:13], " "); got != want {
+		t.Errorf("names %q, want %q", got, want)
 	}
 }

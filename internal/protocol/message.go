@@ -287,11 +287,15 @@ func (m *Message) validate() error {
 			return decodeErr(RejectMalformed, "hop %d invalid", i)
 		}
 	}
-	if m.Type == MsgSyn && (len(m.Hops) == 0 || m.Hops[len(m.Hops)-1] != m.RightAnchor) {
+	if m.Type == MsgSyn {
 		// The receiver of a syn is the packet's destination; the list
-		// names the hops after it and always ends with the right anchor,
-		// unless the receiver is the right anchor itself.
-		if len(m.Hops) != 0 || m.Sub.Dst != m.RightAnchor {
+		// names the hops after it and ends with the right anchor, or is
+		// empty when the receiver is the right anchor itself.
+		last := m.Sub.Dst
+		if len(m.Hops) > 0 {
+			last = m.Hops[len(m.Hops)-1]
+		}
+		if last != m.RightAnchor {
 			return decodeErr(RejectMalformed, "syn address list does not end with the right anchor")
 		}
 	}

@@ -124,15 +124,20 @@ func (v TwoPath) String() string {
 
 // CutOff starts the two-path phase from the side's marks: from now on no
 // new data goes on the old path, so oldSent is known (§3.5).
+//
+// A byte acknowledged through this side counts as sent and received here
+// even if it never passed: a middlebox that joined a new path may have
+// learned its marks from a retransmission, below bytes that went on the
+// path before it joined (and were all acknowledged before that
+// reconfiguration completed). Without this, oldRcvd would wait forever for
+// bytes that will not come.
 func CutOff(m Marks) TwoPath {
-	v := TwoPath{OldSent: m.SndNxt, OldRcvd: m.RcvNxt, OldSentAcked: m.AckRcvd, OldRcvdAcked: m.AckSent}
-	if seqLT(v.OldSent, v.OldSentAcked) {
-		v.OldSentAcked = v.OldSent
+	return TwoPath{
+		OldSent:      seqMax(m.SndNxt, m.AckRcvd),
+		OldRcvd:      seqMax(m.RcvNxt, m.AckSent),
+		OldSentAcked: m.AckRcvd,
+		OldRcvdAcked: m.AckSent,
 	}
-	if seqLT(v.OldRcvd, v.OldRcvdAcked) {
-		v.OldRcvdAcked = v.OldRcvd
-	}
-	return v
 }
 
 // SendDone reports whether everything the anchor sent on the old path has

@@ -10,6 +10,15 @@ import (
 
 var update = flag.Bool("update", false, "rewrite testdata/twopath_vectors.json")
 
+// The simulation's flags (package sim), defined here too so that
+// go test ./internal/protocol/... -run Sim -seed N works for both packages.
+var (
+	_ = flag.Int64("seed", -1, "simulation seed (package sim)")
+	_ = flag.Int("seeds", 0, "number of simulation seeds (package sim)")
+	_ = flag.Int64("first-seed", 1, "first simulation seed (package sim)")
+	_ = flag.Bool("simtrace", false, "print the simulation trace (package sim)")
+)
+
 // Vector is one shared test vector of the two-path rules, for this package
 // and for the datapath's fixtures (which must give the same pieces).
 type vector struct {
@@ -197,6 +206,18 @@ func TestPredicates(t *testing.T) {
 	m = m.Out(Packet{Seq: 100, Len: 10, Ack: 200, Flags: ack | TCPFin}).In(Packet{Seq: 200, Len: 5, Ack: 111, Flags: ack})
 	if got := CutOff(m); got != (TwoPath{OldSent: 111, OldSentAcked: 111, OldRcvd: 205, OldRcvdAcked: 200}) {
 		t.Errorf("CutOff %+v", got)
+	}
+	// A joined middlebox whose first packet each way was a retransmission
+	// (data up to 5822) and an ack of everything (6027): the acked bytes
+	// count as received, or oldRcvd = cut-off would never hold.
+	var j Marks
+	j = j.In(Packet{Seq: 4822, Len: 1000, Ack: 77, Flags: ack}).Out(Packet{Seq: 77, Ack: 6027, Flags: ack})
+	if got := CutOff(j); got.OldRcvd != 6027 || got.OldRcvdAcked != 6027 || !got.RecvDone(6027, true) {
+		t.Errorf("CutOff of a joined middlebox %+v", got)
+	}
+	j = Marks{}.Out(Packet{Seq: 4822, Len: 1000, Ack: 77, Flags: ack}).In(Packet{Seq: 77, Ack: 6027, Flags: ack})
+	if got := CutOff(j); got.OldSent != 6027 || !got.SendDone() {
+		t.Errorf("CutOff of a joined middlebox, sending side %+v", got)
 	}
 }
 

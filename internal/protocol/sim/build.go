@@ -190,6 +190,9 @@ func (w *world) issue(s *simSession, n int) {
 		} else {
 			ri = li + 1 + r.IntN(len(hs)-li-1)
 		}
+		if hs[ri] == hs[li] {
+			continue // a host on the path twice (two new paths through it): it cannot anchor both ends
+		}
 		// New middleboxes: hosts with no state of this session at all.
 		var cand []*host
 		for _, h := range w.hosts {

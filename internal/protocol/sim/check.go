@@ -151,8 +151,8 @@ func (w *world) unjustified(r *request, depth int) string {
 	ending := r.sess.rst || r.sess.ending
 	switch res.Outcome {
 	case protocol.Succeeded:
-		if res.Unconfirmed && !ending {
-			return "old path torn down without a FIN-ACK"
+		if res.Unconfirmed && !(r.sess.ending && r.sess.endingAt <= r.resAt) {
+			return "old path torn down without a FIN-ACK while the other anchor was there"
 		}
 		return ""
 	case protocol.Failed:

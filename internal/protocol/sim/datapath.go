@@ -224,7 +224,8 @@ func (ds *dpSess) observe(p pkt) {
 	ds.lastActive = w.now
 	if p.flags&protocol.TCPRst != 0 {
 		if !ds.ending {
-			ds.ending, ds.sess.ending = true, true
+			ds.ending = true
+			ds.sess.markEnding(w.now)
 			w.after(rstLinger, func() { ds.h.endSession(ds, "rst") })
 		}
 		return
@@ -236,7 +237,8 @@ func (ds *dpSess) observe(p pkt) {
 		ds.finAcked[o] = true
 	}
 	if ds.finAcked[0] && ds.finAcked[1] && !ds.ending {
-		ds.ending, ds.sess.ending = true, true
+		ds.ending = true
+		ds.sess.markEnding(w.now)
 		w.after(closeLinger, func() { ds.h.endSession(ds, "fin") })
 	}
 	if ds.joined && !ds.ready {
@@ -381,6 +383,17 @@ func (h *host) endSession(ds *dpSess, cause string) {
 		return
 	}
 	h.w.tracef("%s collector ends session %d (s%d): %s", h, ds.id, ds.sess.idx, cause)
+	ds.sess.markEnding(h.w.now)
+	// §3.7: a reconfiguration completes unless its new path fails; one
+	// still going when the session ends must not be stuck (after a reset,
+	// agents that missed the RST wait for their idle timeout).
+	if v, ok := h.agent.View(ds.id); ok && !ds.sess.rst {
+		for _, an := range []*protocol.AnchorView{v.Left, v.Right} {
+			if an != nil && h.w.now-h.w.started[an.Req] > stuckAfter {
+				h.w.fail("%s: reconfiguration %s stuck in %s for %s", h, an.Req, an.Stage, h.w.now-h.w.started[an.Req])
+			}
+		}
+	}
 	h.handle(protocol.SessionEnd{Session: ds.id, Cause: cause})
 	h.freeDP(ds)
 	h.w.checkLocks()
@@ -397,4 +410,10 @@ func (h *host) idleCheck(ds *dpSess) {
 		}
 		h.idleCheck(ds)
 	})
+}
+
+func (s *simSession) markEnding(now time.Duration) {
+	if !s.ending {
+		s.ending, s.endingAt = true, now
+	}
 }

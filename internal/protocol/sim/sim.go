@@ -140,6 +140,7 @@ const (
 	closeLinger  = 10 * time.Second // collector: after FINs both ways are acked (as the agent's --close-linger)
 	rstLinger    = 1 * time.Second  // collector: after a RST
 	idleTimeout  = 60 * time.Second
+	stuckAfter   = 45 * time.Second // a reconfiguration still going after this is stuck
 	horizon      = 20 * time.Minute // a run that lasts longer did not terminate
 	maxEvents    = 2_000_000
 	traceTailLen = 400
@@ -189,6 +190,7 @@ type world struct {
 	portSeq          uint16
 	tokens           uint64
 	locked           map[protocol.ReqKey]lockRec // when each request locked its segment, and the segment
+	started          map[protocol.ReqKey]time.Duration
 }
 
 // lockRec is a request's segment (the subsessions of the path between its
@@ -201,7 +203,7 @@ type lockRec struct {
 func newWorld(opts Options) *world {
 	w := &world{opts: opts, rng: rand.New(rand.NewPCG(uint64(opts.Seed), 0x9e3779b97f4a7c15)),
 		byAddr: map[netip.Addr]*host{}, byToken: map[uint64]*request{}, byReq: map[protocol.ReqKey]*request{},
-		locked: map[protocol.ReqKey]lockRec{}}
+		locked: map[protocol.ReqKey]lockRec{}, started: map[protocol.ReqKey]time.Duration{}}
 	w.stats.Rejected, w.stats.Outcomes = map[string]int{}, map[string]int{}
 	return w
 }
@@ -379,6 +381,9 @@ func (h *host) apply(act protocol.Action) {
 		w.tracef("%s rejected %s from %s: %s: %s", h, x.Type, x.From, x.Reason, x.Detail)
 	case protocol.Progress:
 		w.tracef("%s %s %s %s %s %s", h, x.Req, x.Role, x.Stage, x.Note, h.sessName(x.Session))
+		if _, ok := w.started[x.Req]; !ok {
+			w.started[x.Req] = w.now
+		}
 		if x.Role == protocol.RoleLeftAnchor && x.Stage == protocol.StageSettingUp {
 			w.recordLock(h, x)
 		}
@@ -397,12 +402,13 @@ func (h *host) sessName(id protocol.SessionID) string {
 // ---- sessions and requests ----
 
 type simSession struct {
-	idx    int
-	tuple  wire.Tuple
-	nonce  [wire.NonceLen]byte
-	ends   [2]*tcpEnd // [0] the initiator (left), [1] the responder (right)
-	rst    bool       // an end host reset the session (or gave up)
-	ending bool       // a collector saw the session end (FINs both ways acknowledged, or RST)
+	idx      int
+	tuple    wire.Tuple
+	nonce    [wire.NonceLen]byte
+	ends     [2]*tcpEnd    // [0] the initiator (left), [1] the responder (right)
+	rst      bool          // an end host reset the session (or gave up)
+	ending   bool          // a collector saw the session end (FINs both ways acknowledged, or RST)
+	endingAt time.Duration // when it first did
 }
 
 type request struct {
