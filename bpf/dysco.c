@@ -286,6 +286,43 @@ static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct 
 	return TC_ACT_OK;
 }
 
+/* ended tells whether the session of flow f is over, or past its handshake:
+ * a SYN on one of its tuples then starts a new session that reuses the
+ * tuple (a client port reused soon after a close), not a retransmission. */
+static __always_inline int ended(const struct flow_val *f)
+{
+	struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &f->sess_id);
+
+	if (!s)
+		return 1;
+	return (s->state & (ST_RST | ST_EST)) ||
+	       (s->state & (ST_FIN_FWD | ST_FIN_REV)) == (ST_FIN_FWD | ST_FIN_REV);
+}
+
+/* reclaim frees the flow at key, with its reverse flow, session and set-up
+ * state, if it belongs to a session that has ended: its tuple is being
+ * reused. The collector removes the session's other flows. Returns 1 if the
+ * key is free now. */
+static __attribute__((noinline)) int reclaim(const struct dysco_tuple *key)
+{
+	struct flow_val *f = bpf_map_lookup_elem(&dysco_flows, key);
+	struct dysco_tuple rk;
+	__u32 id;
+
+	if (!f)
+		return 1;
+	if (!ended(f))
+		return 0;
+	id = f->sess_id;
+	reverse(&rk, &f->out);
+	bpf_map_delete_elem(&dysco_flows, &rk);
+	bpf_map_delete_elem(&dysco_flows, key);
+	bpf_map_delete_elem(&dysco_sessions, &id);
+	bpf_map_delete_elem(&dysco_syns, &id);
+	stat_inc(STAT_REUSED);
+	return 1;
+}
+
 /* strip_block removes the SYN's address-list block and turns the marking
  * option into a local tag (keep_tag) or removes it, so that the middlebox or
  * the end host sees a plain SYN of the session (§2.1, §4.2 tagging). */
@@ -448,6 +485,7 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		in->packets = 1;
 		in->bytes = skb->len;
 		in->last_ns = s->created_ns;
+		reclaim(rkey);
 		if (bpf_map_update_elem(&dysco_flows, &p->t, in, BPF_NOEXIST) ||
 		    bpf_map_update_elem(&dysco_flows, rkey, out, BPF_NOEXIST)) {
 			bpf_map_delete_elem(&dysco_flows, &p->t);
@@ -708,6 +746,7 @@ static __always_inline int emit_syn(struct __sk_buff *skb, struct pkt *p, __u32 
 		fwd->packets = 1;
 		fwd->bytes = skb->len;
 		fwd->last_ns = bpf_ktime_get_coarse_ns();
+		reclaim(&p->t);
 		if (bpf_map_update_elem(&dysco_flows, &p->t, fwd, BPF_NOEXIST)) {
 			bpf_map_delete_elem(&dysco_flows, rkey);
 			stat_inc(STAT_DROP_FLOWS_FULL);
@@ -946,6 +985,9 @@ int dysco_egress(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	f = bpf_map_lookup_elem(&dysco_flows, &p.t);
 	if (f && (f->flags & FL_INGRESS))
+		f = 0;
+	/* A SYN on the tuple of a session that has ended begins a new one. */
+	if ((p.flags & (TH_SYN | TH_ACK)) == TH_SYN && f && (f->flags & FL_SYN_EMIT) && ended(f) && reclaim(&p.t))
 		f = 0;
 	if ((p.flags & (TH_SYN | TH_ACK)) == TH_SYN && (!f || (f->flags & FL_SYN_EMIT))) {
 		int otype = dysco_opt(skb, &p, opt);

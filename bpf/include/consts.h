@@ -76,6 +76,7 @@ enum stat {
 	STAT_RST,
 	STAT_DELTA,              /* packets with sequence deltas applied */
 	STAT_ICMP,               /* ICMP errors about subsessions translated */
+	STAT_REUSED,             /* ended sessions freed early: a new SYN reused their tuple */
 	STAT_MAX,
 };
 

@@ -22,7 +22,7 @@ var StatNames = []string{
 	"drop_sessions_full", "drop_flows_full", "drop_no_port", "drop_no_route",
 	"drop_option_space", "drop_syn_data", "drop_no_setup", "drop_bad_policy",
 	"drop_no_syn_state", "drop_helper",
-	"fin", "rst", "delta", "icmp",
+	"fin", "rst", "delta", "icmp", "reused",
 }
 
 // Session roles and state bits, mirrors of consts.h.

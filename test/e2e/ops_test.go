@@ -13,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -399,4 +400,71 @@ func transferOnce(c net.Conn, sendSeed, recvSeed uint64, n int64) error {
 		return fmt.Errorf("received %d bytes that differ from what was sent", n)
 	}
 	return nil
+}
+
+// TestTupleReuse: a client that reuses its port right after a session ended
+// (the server closed first, so the client has no TIME_WAIT) gets a new
+// chained session at once, not a SYN taken for a retransmission of the old
+// one and dropped.
+func TestTupleReuse(t *testing.T) {
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server")})
+	dst := e.addr("server", false)
+	e.policy("client", "reuse", "tcp dst port 9990", e.addr("mb1", false).String())
+	ln := e.listen("server", netip.AddrPortFrom(dst, 9990))
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				c.Write([]byte("hello"))
+				// Outlive the agents' close linger (1 s here) and a
+				// collector pass: a session mistaken for the ended one
+				// would be collected under the live connection.
+				time.Sleep(2500 * time.Millisecond)
+				c.Write([]byte("world"))
+				c.Close() // the server closes first
+			}()
+		}
+	}()
+	local := netip.AddrPortFrom(e.addr("client", false), 45678)
+	for i := 0; i < 3; i++ {
+		var c net.Conn
+		start := time.Now()
+		err := e.inNS("client", func() error {
+			d := net.Dialer{Timeout: 5 * time.Second, LocalAddr: net.TCPAddrFromAddrPort(local),
+				Control: func(_, _ string, rc syscall.RawConn) error {
+					var serr error
+					rc.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEADDR, 1) })
+					return serr
+				}}
+			var err error
+			c, err = d.Dial("tcp", netip.AddrPortFrom(dst, 9990).String())
+			return err
+		})
+		if err != nil {
+			t.Fatalf("connection %d from %s: %v", i, local, err)
+		}
+		b, _ := io.ReadAll(c)
+		c.Close()
+		if string(b) != "helloworld" {
+			t.Fatalf("connection %d read %q", i, b)
+		}
+		if took := time.Since(start); took > 3500*time.Millisecond {
+			t.Errorf("connection %d took %v: its SYN was not taken at once", i, took)
+		}
+		// Wait until the client's agent has seen both FINs of this session.
+		eventually(t, 5*time.Second, "the session to close", func() bool {
+			for _, s := range e.sessions("client") {
+				if s.State != "closed" && s.State != "reset" {
+					return false
+				}
+			}
+			return true
+		})
+	}
+	if n := e.status("client").Counters["reused"]; n < 2 {
+		t.Errorf("the client's agent freed %d ended sessions for reuse, want 2", n)
+	}
 }
