@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin/dysco
 export CGO_ENABLED := 1
 
-.PHONY: all build deps generate check-generate vet test test-unit test-e2e demo bench clean lab-clean
+.PHONY: all build deps generate check-generate vet test demo bench soak clean lab-clean
 
 all: build
 
@@ -37,6 +37,11 @@ demo: build
 
 bench: build
 	scripts/bench.sh
+
+# The reconfiguration protocol's simulation over many seeds (make soak SEEDS=1000000).
+SEEDS ?= 100000
+soak:
+	$(GO) test -count=1 -timeout 0 -run Sim ./internal/protocol/sim -seeds $(SEEDS)
 
 # Remove lab namespaces left by an interrupted run.
 lab-clean:
