@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/dysco/dysco/internal/datapath"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
@@ -40,8 +41,8 @@ type dpCollector struct{ a *Agent }
 var (
 	descCounter  = prometheus.NewDesc("dysco_datapath_events_total", "Datapath events by kind (set-ups, rewrites, drops by reason).", []string{"event"}, nil)
 	descSessions = prometheus.NewDesc("dysco_sessions", "Live sessions on this host by role and state.", []string{"role", "state"}, nil)
-	descHop      = prometheus.NewDesc("dysco_hop_packets_total", "Packets of live sessions by direction.", []string{"direction"}, nil)
-	descHopBytes = prometheus.NewDesc("dysco_hop_bytes_total", "Bytes of live sessions by direction.", []string{"direction"}, nil)
+	descHop      = prometheus.NewDesc("dysco_hop_packets", "Packets of live sessions exchanged with each neighbouring hop of their chains (to: sent on a subsession to it; from: received on one from it).", []string{"hop", "direction"}, nil)
+	descHopBytes = prometheus.NewDesc("dysco_hop_bytes", "Bytes of live sessions exchanged with each neighbouring hop of their chains.", []string{"hop", "direction"}, nil)
 )
 
 func (c *dpCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -63,19 +64,30 @@ func (c *dpCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	type rs struct{ role, state string }
 	counts := map[rs]int{}
-	var pf, pr, bf, br uint64
 	for _, s := range sess {
 		counts[rs{s.Role, s.State}]++
-		pf += s.PacketsFwd
-		pr += s.PacketsRev
-		bf += s.BytesFwd
-		br += s.BytesRev
 	}
 	for k, n := range counts {
 		ch <- prometheus.MustNewConstMetric(descSessions, prometheus.GaugeValue, float64(n), k.role, k.state)
 	}
-	ch <- prometheus.MustNewConstMetric(descHop, prometheus.CounterValue, float64(pf), "forward")
-	ch <- prometheus.MustNewConstMetric(descHop, prometheus.CounterValue, float64(pr), "reverse")
-	ch <- prometheus.MustNewConstMetric(descHopBytes, prometheus.CounterValue, float64(bf), "forward")
-	ch <- prometheus.MustNewConstMetric(descHopBytes, prometheus.CounterValue, float64(br), "reverse")
+	// Per hop: subsession flows, by the neighbour at their other end.
+	type hd struct{ hop, dir string }
+	pk, by := map[hd]uint64{}, map[hd]uint64{}
+	_ = c.a.dp.EachFlow(func(k *datapath.Tuple, f *datapath.Flow) {
+		var key hd
+		switch {
+		case f.Flags&datapath.FlIngress != 0 && f.Flags&(datapath.FlSYNStrip|datapath.FlRev) != 0:
+			key = hd{k.Wire().Src.String(), "from"}
+		case f.Flags&datapath.FlIngress == 0 && k.Daddr != f.Out.Daddr:
+			key = hd{f.Out.Wire().Dst.String(), "to"}
+		default:
+			return
+		}
+		pk[key] += f.Packets
+		by[key] += f.Bytes
+	})
+	for k, v := range pk {
+		ch <- prometheus.MustNewConstMetric(descHop, prometheus.GaugeValue, float64(v), k.hop, k.dir)
+		ch <- prometheus.MustNewConstMetric(descHopBytes, prometheus.GaugeValue, float64(by[k]), k.hop, k.dir)
+	}
 }

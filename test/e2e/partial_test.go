@@ -165,3 +165,39 @@ func TestLocalPolicies(t *testing.T) {
 		t.Errorf("after policy rm, a new session still went through mb1")
 	}
 }
+
+// TestMetrics: the agent's Prometheus endpoint reports set-ups and the
+// traffic exchanged with each neighbouring hop.
+func TestMetrics(t *testing.T) {
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server"), agentArgs: []string{"--metrics", "127.0.0.1:9017"}})
+	dst := e.addr("server", false)
+	mb1 := e.addr("mb1", false).String()
+	e.policy("client", "m", "tcp dst port 9960", mb1)
+	ln := e.listen("server", netip.AddrPortFrom(dst, 9960))
+	go func() {
+		c, err := ln.Accept()
+		if err == nil {
+			transferOnce(c, 2, 1, mib)
+			defer c.Close()
+		}
+	}()
+	c, err := e.dial("client", netip.AddrPortFrom(dst, 9960), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if err := transferOnce(c, 1, 2, mib); err != nil {
+		t.Fatal(err)
+	}
+	out := e.run("client", "curl", "-sS", "--max-time", "5", "http://127.0.0.1:9017/metrics")
+	for _, want := range []string{
+		`dysco_datapath_events_total{event="setup_start"} 1`,
+		`dysco_sessions{role="start",state=`,
+		`dysco_hop_bytes{direction="to",hop="` + mb1 + `"}`,
+		`dysco_hop_bytes{direction="from",hop="` + mb1 + `"}`,
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("metrics lack %s", want)
+		}
+	}
+}
