@@ -10,6 +10,7 @@ import (
 	"crypto/sha256"
 	"encoding/json"
 	"fmt"
+	"hash"
 	"io"
 	"math/rand/v2"
 	"net"
@@ -334,7 +335,12 @@ func transfer(c net.Conn, sendSeed, recvSeed uint64, n int64) error {
 	if got != n {
 		return fmt.Errorf("received %d bytes, want %d", got, n)
 	}
-	want := streamHash(recvSeed, n)
+	return checkStream(h, recvSeed, n)
+}
+
+// checkStream tells whether h hashed the first n bytes of stream seed.
+func checkStream(h hash.Hash, seed uint64, n int64) error {
+	want := streamHash(seed, n)
 	if !bytes.Equal(h.Sum(nil), want[:]) {
 		return fmt.Errorf("received %d bytes whose hash differs from what was sent", n)
 	}
