@@ -247,34 +247,10 @@ func waitListening(ctx context.Context, l *lab.Lab, ap netip.AddrPort) error {
 }
 
 func writeNginx(dir string, addr netip.Addr) error {
-	cfg := fmt.Sprintf(`user root;
-worker_processes 1;
-daemon off;
-pid %[1]s/nginx.pid;
-error_log stderr warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path %[1]s/body;
-  proxy_temp_path %[1]s/proxy;
-  fastcgi_temp_path %[1]s/fastcgi;
-  uwsgi_temp_path %[1]s/uwsgi;
-  scgi_temp_path %[1]s/scgi;
-  sendfile on;
-  keepalive_requests 1000000;
-  server {
-    listen %[2]s:%[3]d;
-    root %[1]s/www;
-  }
-}
-`, dir, addr, httpPort)
-	if err := os.MkdirAll(filepath.Join(dir, "www"), 0o755); err != nil {
+	if _, err := lab.WriteNginxConfig(dir, httpPort, addr); err != nil {
 		return err
 	}
-	if err := os.WriteFile(filepath.Join(dir, "www", smallFile), []byte(strings.Repeat("dysco-bench\n", 86)[:1024]), 0o644); err != nil {
-		return err
-	}
-	return os.WriteFile(filepath.Join(dir, "nginx.conf"), []byte(cfg), 0o644)
+	return os.WriteFile(filepath.Join(dir, "www", smallFile), []byte(strings.Repeat("dysco-bench\n", 86)[:1024]), 0o644)
 }
 
 // run runs argv in a lab host and returns its stdout; a failure carries

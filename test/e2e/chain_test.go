@@ -32,32 +32,8 @@ func transferSize() int64 {
 func (e *env) nginx(host, dir string) {
 	e.t.Helper()
 	h := e.host(host)
-	conf := filepath.Join(dir, "nginx.conf")
-	cfg := fmt.Sprintf(`user root;
-worker_processes 1;
-daemon off;
-pid %[1]s/nginx.pid;
-error_log stderr warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path %[1]s/body;
-  proxy_temp_path %[1]s/proxy;
-  fastcgi_temp_path %[1]s/fastcgi;
-  uwsgi_temp_path %[1]s/uwsgi;
-  scgi_temp_path %[1]s/scgi;
-  sendfile on;
-  server {
-    listen %[2]s:80;
-    listen [%[3]s]:80;
-    root %[1]s/www;
-  }
-}
-`, dir, h.Addr4, h.Addr6)
-	if err := os.MkdirAll(filepath.Join(dir, "www"), 0o755); err != nil {
-		e.t.Fatal(err)
-	}
-	if err := os.WriteFile(conf, []byte(cfg), 0o644); err != nil {
+	conf, err := lab.WriteNginxConfig(dir, 80, h.Addr4, h.Addr6)
+	if err != nil {
 		e.t.Fatal(err)
 	}
 	if _, err := e.lab.Start(host, "nginx", "nginx", "-c", conf, "-p", dir); err != nil {
