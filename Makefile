@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin/dysco
 export CGO_ENABLED := 1
 
-.PHONY: all build deps generate check-generate vet test demo bench soak clean lab-clean
+.PHONY: all build deps generate check-generate vet test demo bench soak verify clean lab-clean
 
 all: build
 
@@ -31,12 +31,19 @@ vet:
 test: build check-generate vet lab-clean
 	$(GO) test -count=1 -timeout 25m -p 2 ./...
 	@$(MAKE) --no-print-directory lab-clean
+	model/verify.sh --quick
 
 demo: build
 	scripts/demo.sh
 
 bench: build
 	scripts/bench.sh
+
+# Every Spin configuration of the protocol model, exhaustively (docs/verification.md),
+# and the simulation of the Go protocol core.
+verify: deps
+	model/verify.sh
+	$(GO) test -count=1 -run Sim ./internal/protocol/sim
 
 # The reconfiguration protocol's simulation over many seeds (make soak SEEDS=1000000).
 SEEDS ?= 100000

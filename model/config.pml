@@ -1,0 +1,123 @@
+/*
+ * Configurations: an initial chain and the reconfigurations attempted.
+ * Agent 0 is the left end host (client), agent NA-1 the right one (server).
+ * Each request r (1..NR) has a left anchor la[r], a right anchor ra[r] and
+ * the middleboxes of its new path hop[r][0..nh[r]-1].
+ *
+ *   DELETE        0-1-2,   r1: 0 deletes 1 (0→2, new path [])
+ *   INSERT        0-2,     r1: 0 inserts 1 (0→2, [1])
+ *   REPLACE       0-1-3,   r1: 0 replaces 1 by 2 (0→3, [2])
+ *   DELETE_DELTA  0-1-2,   as DELETE, middlebox 1 has AppDelta right +1, left +2
+ *   CONTEND       0-1-2-3, r1: 0 deletes 1 (0→2); r2: 1 deletes 2 (1→3), concurrently
+ *   CONTEND_SAME  0-1-2-3, r1: 0 deletes 1 and 2 (0→3); r2: 1 deletes 2 (1→3), same right anchor
+ *   CANCEL        0-2,     r1: 0 inserts 1, 1 is dead: SYN unanswered, cancelLock/ackCancel
+ *   INSERT2       0-3,     r1: 0 inserts 1 and 2 (0→3, [1,2])
+ *   REPLACE2BY1   0-1-2-4, r1: 0 replaces 1,2 by 3 (0→4, [3]), deltas on 1 and 2
+ *   INSERT_RIGHT  0-1-3,   r1: 1 inserts 2 right of middlebox 1 (1→3, [2]), delta on 1
+ *
+ * Data: NDR bytes left to right, NDL right to left (1 sequence number
+ * each, one segment per byte); with FINS each host closes (TCP FIN) at a
+ * nondeterministic moment after its data, so FINs fall in every phase.
+ */
+
+#ifndef NDR
+#define NDR 1
+#endif
+#ifndef NDL
+#define NDL 1
+#endif
+#ifndef QS
+#define QS 8
+#endif
+#ifndef MAXTRIES
+#define MAXTRIES 2
+#endif
+
+#if defined(DELETE) || defined(DELETE_DELTA)
+#define NA 3
+#define NR 1
+#define NC 3
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=2
+#define REQS la[1]=0; ra[1]=2; nh[1]=0
+#ifdef DELETE_DELTA
+#define APPD appR[1]=1; appL[1]=2
+#endif
+#endif
+
+#ifdef INSERT
+#define NA 3
+#define NR 1
+#define NC 2
+#define CHAIN chain[0]=0; chain[1]=2
+#define REQS la[1]=0; ra[1]=2; nh[1]=1; hop[2]=1
+#endif
+
+#ifdef CANCEL
+#define NA 3
+#define NR 1
+#define NC 2
+#define CHAIN chain[0]=0; chain[1]=2
+#define REQS la[1]=0; ra[1]=2; nh[1]=1; hop[2]=1
+#define DEAD dead[1]=1
+#endif
+
+#ifdef REPLACE
+#define NA 4
+#define NR 1
+#define NC 3
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=3
+#define REQS la[1]=0; ra[1]=3; nh[1]=1; hop[2]=2
+#endif
+
+#ifdef INSERT2
+#define NA 4
+#define NR 1
+#define NC 2
+#define CHAIN chain[0]=0; chain[1]=3
+#define REQS la[1]=0; ra[1]=3; nh[1]=2; hop[2]=1; hop[3]=2
+#endif
+
+#ifdef REPLACE2BY1
+#define NA 5
+#define NR 1
+#define NC 4
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=2; chain[3]=4
+#define REQS la[1]=0; ra[1]=4; nh[1]=1; hop[2]=3
+#define APPD appR[1]=1; appL[2]=1
+#endif
+
+#ifdef INSERT_RIGHT
+#define NA 4
+#define NR 1
+#define NC 3
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=3
+#define REQS la[1]=1; ra[1]=3; nh[1]=1; hop[2]=2
+#define APPD appR[1]=1; appL[1]=1
+#endif
+
+#if defined(CONTEND) || defined(CONTEND_SAME)
+#define NA 4
+#define NR 2
+#define NC 4
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=2; chain[3]=3
+#ifdef CONTEND
+#define REQS la[1]=0; ra[1]=2; nh[1]=0; la[2]=1; ra[2]=3; nh[2]=0
+#else
+#define REQS la[1]=0; ra[1]=3; nh[1]=0; la[2]=1; ra[2]=3; nh[2]=0
+#endif
+#endif
+
+#ifndef NA
+#error "choose a configuration: -DDELETE, -DINSERT, -DREPLACE, ..."
+#endif
+#ifndef APPD
+#define APPD skip
+#endif
+#ifndef DEAD
+#define DEAD skip
+#endif
+
+byte chain[NC];
+byte la[NR+1], ra[NR+1], nh[NR+1];
+byte hop[2*NR+2];               /* hop[2r+i]: i-th middlebox of r's new path */
+byte TDR, TDL;                  /* end-to-end deltas, constant across reconfigurations */
