@@ -538,7 +538,6 @@ static __attribute__((noinline)) int ingress_icmp(struct __sk_buff *skb)
 	hdr = sc->buf;
 	kp = &sc->next;
 	__builtin_memset(kp, 0, sizeof(*kp));
-#define key (*kp)
 
 	if (bpf_skb_load_bytes(skb, 12, &proto, 2))
 		return TC_ACT_OK;
@@ -555,8 +554,8 @@ static __attribute__((noinline)) int ingress_icmp(struct __sk_buff *skb)
 		ihl = (hdr[0] & 0xf) * 4;
 		if (ihl < 20 || ihl > 60)
 			return TC_ACT_OK;
-		map4(key.daddr, *(__u32 *)&hdr[12]); /* key = reverse of the quote */
-		map4(key.saddr, *(__u32 *)&hdr[16]);
+		map4(kp->daddr, *(__u32 *)&hdr[12]); /* key = reverse of the quote */
+		map4(kp->saddr, *(__u32 *)&hdr[16]);
 		in4 = in3 + ihl;
 	} else if (proto == bpf_htons(ETH_P_IPV6)) {
 		if (bpf_skb_load_bytes(skb, l3, hdr, 40) || hdr[6] != IPPROTO_ICMPV6)
@@ -568,34 +567,34 @@ static __attribute__((noinline)) int ingress_icmp(struct __sk_buff *skb)
 		in3 = icmp + 8;
 		if (bpf_skb_load_bytes(skb, in3, hdr, 40) || hdr[6] != IPPROTO_TCP)
 			return TC_ACT_OK;
-		__builtin_memcpy(key.daddr, &hdr[8], 16);
-		__builtin_memcpy(key.saddr, &hdr[24], 16);
+		__builtin_memcpy(kp->daddr, &hdr[8], 16);
+		__builtin_memcpy(kp->saddr, &hdr[24], 16);
 		in4 = in3 + 40;
 	} else {
 		return TC_ACT_OK;
 	}
 	if (bpf_skb_load_bytes(skb, in4, hdr, 4))
 		return TC_ACT_OK;
-	key.dport = *(__be16 *)&hdr[0];
-	key.sport = *(__be16 *)&hdr[2];
-	key.proto = IPPROTO_TCP;
-	f = bpf_map_lookup_elem(&dysco_flows, &key);
+	kp->dport = *(__be16 *)&hdr[0];
+	kp->sport = *(__be16 *)&hdr[2];
+	kp->proto = IPPROTO_TCP;
+	f = bpf_map_lookup_elem(&dysco_flows, kp);
 	if (!f || !(f->flags & FL_INGRESS))
 		return TC_ACT_OK;
 	/* The quote becomes reverse(f->out): the session as this host sees it
-	 * on the side the packet was going. key.d*, key.s* hold the quote's
+	 * on the side the packet was going. kp holds the quote's
 	 * source and destination swapped. */
 	{
 		__u32 icsum = icmp + 2;
-		__be16 nports[2] = {f->out.dport, f->out.sport}, oports[2] = {key.dport, key.sport};
+		__be16 nports[2] = {f->out.dport, f->out.sport}, oports[2] = {kp->dport, kp->sport};
 		__u8 nsrc[16], ndst[16];
 
 		__builtin_memcpy(nsrc, f->out.daddr, 16);
 		__builtin_memcpy(ndst, f->out.saddr, 16);
 		if (!v6) {
 			__u32 *oa = (__u32 *)(sc->buf + 48), *na = (__u32 *)(sc->buf + 112);
-			__builtin_memcpy(&oa[0], key.daddr + 12, 4);
-			__builtin_memcpy(&oa[1], key.saddr + 12, 4);
+			__builtin_memcpy(&oa[0], kp->daddr + 12, 4);
+			__builtin_memcpy(&oa[1], kp->saddr + 12, 4);
 			__builtin_memcpy(&na[0], nsrc + 12, 4);
 			__builtin_memcpy(&na[1], ndst + 12, 4);
 			/* The quoted header's checksum absorbs the address change,
@@ -606,8 +605,8 @@ static __attribute__((noinline)) int ingress_icmp(struct __sk_buff *skb)
 				goto fail;
 		} else {
 			__u32 *oa = (__u32 *)(sc->buf + 48), *na = (__u32 *)(sc->buf + 112);
-			__builtin_memcpy(&oa[0], key.daddr, 16);
-			__builtin_memcpy(&oa[4], key.saddr, 16);
+			__builtin_memcpy(&oa[0], kp->daddr, 16);
+			__builtin_memcpy(&oa[4], kp->saddr, 16);
 			__builtin_memcpy(&na[0], nsrc, 16);
 			__builtin_memcpy(&na[4], ndst, 16);
 			diff = bpf_csum_diff(oa, 32, na, 32, 0);
@@ -643,7 +642,6 @@ static __attribute__((noinline)) int ingress_icmp(struct __sk_buff *skb)
 fail:
 	stat_inc(STAT_DROP_HELPER);
 	return TC_ACT_SHOT;
-#undef key
 }
 
 SEC("tc")

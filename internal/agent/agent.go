@@ -252,8 +252,7 @@ func Run(ctx context.Context, cfg Config) error {
 		case <-ctx.Done():
 			a.log.Info("agent stopping; pinned datapath keeps live sessions")
 			return nil
-		case u := <-linkCh:
-			_ = u
+		case <-linkCh:
 			if err := a.syncInterfaces(); err != nil {
 				a.log.Warn("interfaces", "err", err)
 			}

@@ -24,11 +24,7 @@ func (a *Agent) collect() {
 		if f.Flags&(datapath.FlReroute|datapath.FlRouted|datapath.FlIngress) == datapath.FlReroute {
 			reroutes = append(reroutes, datapath.FlowEntry{Key: *k, Flow: *f})
 		}
-		if f.LastNs > last[f.SessId] {
-			last[f.SessId] = f.LastNs
-		} else if _, ok := last[f.SessId]; !ok {
-			last[f.SessId] = 0
-		}
+		last[f.SessId] = max(last[f.SessId], f.LastNs) // also marks the session as having flows
 	}); err != nil {
 		a.log.Warn("collector: list flows", "err", err)
 		return

@@ -408,9 +408,6 @@ func Monotonic() time.Duration {
 	return time.Duration(ts.Nano())
 }
 
-// ErrNotFound is returned for missing map entries.
-var ErrNotFound = errors.New("not found")
-
 // Maps gives tests and benchmarks direct access to the maps.
 func (d *Datapath) Maps() map[string]*ebpf.Map {
 	return map[string]*ebpf.Map{
