@@ -21,6 +21,7 @@
 #include "include/maps.h"
 #include "include/parsing.h"
 #include "include/rewrite.h"
+#include "include/twopath.h"
 
 #ifndef AF_INET
 #define AF_INET 2
@@ -241,20 +242,217 @@ static __always_inline int tap_on(void)
 	return cfg && cfg->tap_active;
 }
 
+/* handshake records a SYN's or SYN-ACK's initial sequence number, window
+ * scale and timestamp in the session (index 0: the SYN's direction). */
+struct hsopt {
+	struct __sk_buff *skb;
+	__u32 off;
+	__u32 end;
+	__u32 tsval;
+	__u32 tsecr;
+	__u8 ws;
+	__u8 has_ts;
+};
+
+static long hs_step(__u32 idx, void *ctx)
+{
+	struct hsopt *o = ctx;
+	__u8 h[2];
+	__be32 v[2];
+
+	if (o->off >= o->end || o->off > 0xffff)
+		return 1;
+	if (bpf_skb_load_bytes(o->skb, o->off, h, 1) || h[0] == 0)
+		return 1;
+	if (h[0] == 1) {
+		o->off++;
+		return 0;
+	}
+	if (o->off + 2 > o->end || bpf_skb_load_bytes(o->skb, o->off, h, 2) || h[1] < 2)
+		return 1;
+	if (h[0] == 3 && h[1] == 3 && o->off + 3 <= o->end) {
+		if (!bpf_skb_load_bytes(o->skb, o->off + 2, h, 1))
+			o->ws = h[0] > 14 ? 14 : h[0];
+	} else if (h[0] == 8 && h[1] == 10 && o->off + 10 <= o->end) {
+		if (!bpf_skb_load_bytes(o->skb, o->off + 2, v, 8)) {
+			o->tsval = bpf_ntohl(v[0]);
+			o->tsecr = bpf_ntohl(v[1]);
+			o->has_ts = 1;
+		}
+	}
+	o->off += h[1];
+	return 0;
+}
+
+/* handshake records a SYN's or SYN-ACK's initial sequence number, window
+ * scale and timestamp in the session (index 0: the SYN's direction), for
+ * the agent to translate options between sessions (§4.2). */
+static __attribute__((noinline)) int handshake(struct __sk_buff *skb, struct pkt *p, struct session_val *s)
+{
+	struct hsopt o = {.skb = skb, .off = p->l4 + 20, .end = p->l4 + p->doff, .ws = 0xff};
+	__u64 now = bpf_ktime_get_ns();
+	__u32 tsval, tsecr, has_ts;
+	__u8 ws;
+
+	bpf_loop(40, hs_step, &o, 0);
+	ws = o.ws;
+	tsval = o.has_ts ? o.tsval : 0;
+	tsecr = o.tsecr;
+	has_ts = o.has_ts;
+	if (p->flags & TH_ACK) {
+		s->isn[1] = p->seq;
+		s->ws[1] = ws;
+		s->tsval[1] = tsval;
+		s->ts_ns[1] = now;
+		if (!s->ts_ns[0]) {
+			s->isn[0] = p->ack - 1;
+			s->tsval[0] = has_ts ? tsecr : 0;
+			s->ts_ns[0] = s->created_ns;
+		}
+	} else {
+		s->isn[0] = p->seq;
+		s->ws[0] = ws;
+		s->tsval[0] = tsval;
+		s->ts_ns[0] = now;
+	}
+	return 0;
+}
+
+/* What forward() keeps of a flow (the entry itself is read in place). */
+struct fwd_flow {
+	__u32 sess_id;
+	__u32 flags;
+	__u8 dir;
+};
+
+/* clamp_window limits the window a packet advertises to clamp bytes (§5.3:
+ * min(window, 64 KB) while a side is being reconfigured). */
+static __always_inline int clamp_window(struct __sk_buff *skb, struct pkt *p, __u32 clamp, __u8 ws)
+{
+	__be16 old, new;
+	__u32 w;
+
+	if (p->flags & TH_SYN)
+		return 0;
+	if (bpf_skb_load_bytes(skb, p->l4 + 14, &old, 2))
+		return -1;
+	w = (__u32)bpf_ntohs(old) << (ws & 15);
+	if (w <= clamp)
+		return 0;
+	new = bpf_htons(clamp >> (ws & 15));
+	stat_inc(STAT_TP_CLAMP);
+	if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), old, new, 2) || bpf_skb_store_bytes(skb, p->l4 + 14, &new, 2, 0))
+		return -1;
+	return 0;
+}
+
+/* tp_egress sends a packet of a side in its two-path phase (§3.5): on the
+ * old path with the flow's own delta, or on the new path with the new
+ * subsession's. Returns -1 to let forward() go on as without a record. */
+static __attribute__((noinline)) int tp_egress(struct __sk_buff *skb, struct pkt *p, __u32 sess_id, __u8 dir,
+					       __u32 fflags)
+{
+	struct tp_key k = {.sess_id = sess_id, .side = dir ? SIDE_LEFT : SIDE_RIGHT};
+	struct tp_val *tp = bpf_map_lookup_elem(&dysco_tp, &k);
+	struct dysco_tuple *out;
+	struct delta_val *dv = 0;
+	__u32 st, seq_to, ack_to, end;
+	int path = TPD_OLD, reroute;
+
+	if (!tp)
+		return -1;
+	st = tp->state;
+	end = seq_end(p->seq, p->payload, p->flags);
+	if (st == TP_NEW)
+		path = TPD_NEW;
+	else if (st == TP_ACTIVE) {
+		path = tp_decide(tp, p->seq, p->ack, end, p->flags, &seq_to, &ack_to);
+		if (seq_to != p->seq && replace_u32(skb, p, p->l4 + 4, seq_to - p->seq))
+			goto fail;
+		if (ack_to != p->ack && replace_u32(skb, p, p->l4 + 8, ack_to - p->ack))
+			goto fail;
+		tp_report(tp, &k);
+	}
+	if (tp->clamp && clamp_window(skb, p, tp->clamp, tp->snd_ws))
+		goto fail;
+	if (path == TPD_NEW) {
+		dv = &tp->nd;
+		out = &tp->new_out;
+		reroute = tp->reroute_new;
+		tp->to_new++;
+		stat_inc(STAT_TP_NEW);
+	} else {
+		if (fflags & FL_DELTA)
+			dv = bpf_map_lookup_elem(&dysco_deltas, &p->t);
+		out = &tp->old_out;
+		reroute = tp->reroute_old;
+		tp->to_old++;
+		stat_inc(STAT_TP_OLD);
+	}
+	if (dv && (dv->seq || dv->ack || dv->tsval || dv->tsecr || dv->ws_on) && apply_delta(skb, p, dv))
+		goto fail;
+	if (rewrite_tuple(skb, p, out))
+		goto fail;
+	stat_inc(STAT_REWRITE_OUT);
+	if (reroute)
+		return redirect_to(skb, out, p->v6);
+	return TC_ACT_OK;
+fail:
+	stat_inc(STAT_DROP_HELPER);
+	return TC_ACT_SHOT;
+}
+
+/* tp_ingress records a packet received on the old or the new subsession of
+ * a side in its two-path phase; the first packet on an armed new
+ * subsession starts the phase (the right anchor, §3.5, if the ACK of the
+ * new path's handshake is lost). */
+static __attribute__((noinline)) void tp_ingress(const struct fwd_flow *f, const struct pkt *p, __u32 seq, __u32 ack)
+{
+	struct tp_key k = {.sess_id = f->sess_id, .side = f->dir ? SIDE_RIGHT : SIDE_LEFT};
+	struct tp_val *tp = bpf_map_lookup_elem(&dysco_tp, &k);
+	int new_path = !!(f->flags & FL_TP_NEW);
+	__u8 flags = p->flags;
+	__u32 end = seq_end(seq, p->payload, flags);
+
+	if (!tp)
+		return;
+	if (new_path && tp->armed && tp->state == TP_IDLE)
+		tp_start(tp, &k);
+	if (tp->state != TP_ACTIVE)
+		return;
+	tp_observe(tp, new_path, seq, ack, end, flags);
+	tp_report(tp, &k);
+}
+
 /* forward applies a flow to a packet: the steady-state path. One lookup (the
  * flow); the session only for packets that can change its state. */
 static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct flow_val *fp, int egress)
 {
-	struct flow_val f = *fp;
+	struct fwd_flow f = {.sess_id = fp->sess_id, .flags = fp->flags, .dir = fp->dir};
 	struct dysco_tuple key = p->t;
+	__u32 sseq = p->seq, sack = p->ack;
 
 	count(fp, skb->len);
+	if (f.flags & FL_DROP) {
+		stat_inc(STAT_DROP_ORPHAN);
+		return TC_ACT_SHOT;
+	}
 	if ((p->flags & (TH_SYN | TH_FIN | TH_RST)) || !(f.flags & FL_EST)) {
 		struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &f.sess_id);
 		if (s) {
 			track_state(s, p, f.dir);
+			if ((p->flags & (TH_SYN | TH_ACK)) == (TH_SYN | TH_ACK))
+				handshake(skb, p, s);
 			if (s->state & ST_EST)
 				fp->flags = f.flags | FL_EST;
+		}
+	}
+	if (egress) {
+		mark(fp, sseq, sack, seq_end(sseq, p->payload, p->flags), p->flags);
+		if (f.flags & FL_TP_OUT) {
+			int rc = tp_egress(skb, p, f.sess_id, f.dir, f.flags);
+			if (rc >= 0)
+				return rc;
 		}
 	}
 	if (f.flags & FL_DELTA) {
@@ -266,16 +464,26 @@ static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct 
 				return TC_ACT_SHOT;
 			}
 			stat_inc(STAT_DELTA);
+			if (!egress) {
+				sseq += dv.seq;
+				sack += dv.ack;
+			}
 		}
 	}
-	if (rewrite_tuple(skb, p, &f.out)) {
+	if (!egress) {
+		__u32 end = seq_end(sseq, p->payload, p->flags);
+		mark(fp, sseq, sack, end, p->flags);
+		if (f.flags & (FL_TP_OLD | FL_TP_NEW))
+			tp_ingress(&f, p, sseq, sack);
+	}
+	if (rewrite_tuple(skb, p, &fp->out)) {
 		stat_inc(STAT_DROP_HELPER);
 		return TC_ACT_SHOT;
 	}
 	if (egress) {
 		stat_inc(STAT_REWRITE_OUT);
 		if (f.flags & FL_REROUTE)
-			return redirect_to(skb, &f.out, p->v6);
+			return redirect_to(skb, &fp->out, p->v6);
 		return TC_ACT_OK;
 	}
 	stat_inc(STAT_REWRITE_IN);
@@ -472,6 +680,7 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		s->state = ST_SYN;
 		s->role = n > 0 ? ROLE_MIDDLE : (local_dst ? ROLE_END : ROLE_END_FWD);
 		s->is_v6 = p->v6;
+		handshake(skb, p, s);
 		if (alloc_session(s, &id))
 			return TC_ACT_SHOT;
 		in->out = st->session;
@@ -929,6 +1138,7 @@ int dysco_setup(struct __sk_buff *skb)
 		s->policy = slot;
 		s->role = ROLE_START;
 		s->is_v6 = p.v6;
+		handshake(skb, &p, s);
 		if (alloc_session(s, &id))
 			return TC_ACT_SHOT;
 		stat_inc(STAT_SETUP_START);
@@ -1013,4 +1223,47 @@ SEC("tc")
 int dysco_tap_drop(struct __sk_buff *skb)
 {
 	return TC_ACT_SHOT;
+}
+
+/* dysco_ctl carries out a command of the agent inside the kernel, where it
+ * is atomic with respect to the datapath's own updates of the same entries
+ * (a map update from user space would replace the entry and lose the
+ * counters and marks the datapath wrote meanwhile). Run with BPF_PROG_RUN;
+ * the return value is 0 or a negative errno. */
+SEC("syscall")
+int dysco_ctl(struct ctl_args *a)
+{
+	struct dysco_tuple key;
+	struct tp_key tk;
+	struct flow_val *fp;
+	struct tp_val *tp;
+	__u32 op = a->op, arg = a->arg;
+
+	__builtin_memcpy(&key, &a->key, sizeof(key));
+	__builtin_memcpy(&tk, &a->tp, sizeof(tk));
+	if (op == CTL_FLAGS_SET || op == CTL_FLAGS_CLEAR) {
+		fp = bpf_map_lookup_elem(&dysco_flows, &key);
+		if (!fp)
+			return -2; /* ENOENT */
+		if (op == CTL_FLAGS_SET)
+			__sync_fetch_and_or(&fp->flags, arg);
+		else
+			__sync_fetch_and_and(&fp->flags, ~arg);
+		return 0;
+	}
+	tp = bpf_map_lookup_elem(&dysco_tp, &tk);
+	if (!tp)
+		return -2;
+	switch (op) {
+	case CTL_TP_START:
+		return tp_start(tp, &tk) ? -16 /* EBUSY */ : 0;
+	case CTL_TP_STATE:
+		__sync_lock_test_and_set(&tp->state, arg);
+		tp_report(tp, &tk);
+		return 0;
+	case CTL_TP_CLAMP:
+		tp->clamp = arg;
+		return 0;
+	}
+	return -22; /* EINVAL */
 }

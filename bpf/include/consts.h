@@ -27,6 +27,9 @@
 #define MAX_DELTAS 65536
 #endif
 
+#ifndef MAX_TWOPATH
+#define MAX_TWOPATH 16384 /* sides with a new subsession (reconfigured sessions) */
+#endif
 /* Session ids double as the 24-bit local tag of SYNs inside a middlebox host
  * (paper §4.2 "Tagging SYN packets"), so they stay below 2^24. */
 #define SESS_ID_MASK 0xffffff
@@ -77,6 +80,12 @@ enum stat {
 	STAT_DELTA,              /* packets with sequence deltas applied */
 	STAT_ICMP,               /* ICMP errors about subsessions translated */
 	STAT_REUSED,             /* ended sessions freed early: a new SYN reused their tuple */
+	STAT_TP_OLD,             /* two-path phase: packets sent on the old path */
+	STAT_TP_NEW,             /* two-path phase: packets sent on the new path */
+	STAT_TP_STRADDLE,        /* two-path phase: data straddling the cut-off, sent whole on the old path */
+	STAT_TP_CLAMP,           /* windows clamped during reconfiguration (§5.3) */
+	STAT_DROP_ORPHAN,        /* packets of a proxy's sockets after it left the path */
+	STAT_EVENTS_LOST,        /* notices to the agent lost (ring buffer full) */
 	STAT_MAX,
 };
 
@@ -107,6 +116,31 @@ enum role {
 #define FL_INGRESS (1 << 6)  /* applies on ingress; every other flow on egress */
 #define FL_EST (1 << 7)      /* session established: no state to track on plain packets */
 #define FL_ROUTED (1 << 8)   /* the agent decided FL_REROUTE from the routes (not read here) */
+#define FL_TP_OUT (1 << 9)   /* egress flow of a side with a two-path record (dysco_tp) */
+#define FL_TP_OLD (1 << 10)  /* ingress flow of the old subsession of such a side */
+#define FL_TP_NEW (1 << 11)  /* ingress flow of the new subsession of such a side */
+#define FL_DROP (1 << 12)    /* drop: a proxy's socket after the proxy left the path */
+
+/* tp_val.state */
+#define TP_IDLE 0      /* new subsession installed; everything still on the old path */
+#define TP_STARTING 1  /* the cut-off is being taken */
+#define TP_ACTIVE 2    /* two paths: cut-off tables (§3.5) */
+#define TP_NEW 3       /* everything on the new path */
+
+/* tp_event.kind and bits */
+#define EV_PROGRESS 1
+#define TPB_ACTIVE (1 << 0)   /* the phase started */
+#define TPB_SEND_DONE (1 << 1) /* oldSentAcked = oldSent */
+#define TPB_RCVD_ACKED (1 << 2) /* oldRcvdAcked = oldRcvd */
+#define TPB_NEW_RCVD (1 << 3) /* something arrived on the new path */
+#define TPB_NEW_AT_OLD (1 << 4) /* firstNewRcvd <= oldRcvd */
+
+/* dysco_ctl operations */
+#define CTL_FLAGS_SET 1   /* flow key: flags |= arg */
+#define CTL_FLAGS_CLEAR 2 /* flow key: flags &= ~arg */
+#define CTL_TP_START 3    /* tp: take the cut-off and start the two-path phase */
+#define CTL_TP_STATE 4    /* tp: state = arg */
+#define CTL_TP_CLAMP 5    /* tp: clamp = arg */
 
 /* policy hop kinds */
 #define HOP_ADDR 1

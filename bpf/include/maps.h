@@ -127,6 +127,23 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } dysco_config SEC(".maps");
 
+/* Two-path state of the sides being reconfigured (paper §3.5). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_TWOPATH);
+	__type(key, struct tp_key);
+	__type(value, struct tp_val);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_tp SEC(".maps");
+
+/* Notices to the agent (two-path progress). */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 1 << 16);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_events SEC(".maps");
+
 static __always_inline void stat_inc(__u32 s)
 {
 	__u64 *v = bpf_map_lookup_elem(&dysco_stats, &s);

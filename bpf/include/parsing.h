@@ -25,6 +25,8 @@ struct pkt {
 	__u32 l3_len; /* IP total length (IPv6: 40 + payload length) */
 	__u32 doff;   /* TCP header length, bytes */
 	__u32 payload;
+	__u32 seq;    /* TCP sequence number, host order */
+	__u32 ack;    /* TCP acknowledgment number, host order */
 	__u8 v6;
 	__u8 flags;   /* TCP flag byte */
 	__u8 pad[2];
@@ -95,6 +97,8 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 	p->t.dport = th->dest;
 	p->doff = th->doff * 4;
 	p->flags = ((__u8 *)th)[13];
+	p->seq = bpf_ntohl(th->seq);
+	p->ack = bpf_ntohl(th->ack_seq);
 	if (p->doff < sizeof(*th) || p->l3_len < p->l4 - p->l3 + p->doff)
 		return -1;
 	p->payload = p->l3_len - (p->l4 - p->l3) - p->doff;

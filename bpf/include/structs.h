@@ -22,9 +22,16 @@ struct dysco_tuple {
 struct flow_val {
 	struct dysco_tuple out;
 	__u32 sess_id;
-	__u16 flags; /* FL_* */
+	__u32 flags; /* FL_*; 32 bits so that the agent can change them atomically */
 	__u8 dir;    /* 0: the SYN's direction, 1: the reverse */
-	__u8 pad;
+	__u8 mk_ok;  /* the marks below are known */
+	__u16 pad;
+	/* Marks (paper §3.5; protocol.Marks), in session space: on an egress
+	 * flow the highest sequence number sent plus one and the highest ack
+	 * sent; on an ingress flow the same received. An anchor's cut-off is
+	 * taken from them. */
+	__u32 mk_seq;
+	__u32 mk_ack;
 	/* Counters live in the flow, not the session: the steady-state path
 	 * then needs one lookup, and each direction writes its own entry. */
 	__u64 packets;
@@ -42,8 +49,14 @@ struct session_val {
 	__u32 policy;             /* policy slot + 1 at the chain start, else 0 */
 	__u8 role;                /* ROLE_* */
 	__u8 is_v6;
-	__u8 pad[2];
-	__u32 pad2;
+	/* Handshake, by direction (0: the SYN's): window scale announced
+	 * (0xff: none), initial sequence number, and TSval with the time it
+	 * was seen (0: no timestamps). The agent joins a proxy's two sessions
+	 * and translates options from them (§4.2). */
+	__u8 ws[2];
+	__u32 isn[2];
+	__u32 tsval[2];
+	__u64 ts_ns[2];
 };
 
 /* What a SYN needs until the handshake is complete: the rest of the address
@@ -92,6 +105,47 @@ struct config {
 	__u32 pad;
 };
 
+/* Two-path phase of one side of a session at an anchor (paper §3.5): keyed
+ * by session id and side, written by the agent (AddSubsession), driven by
+ * the datapath. Variables in session space, as protocol.TwoPath. */
+struct tp_key {
+	__u32 sess_id;
+	__u32 side; /* 0 left, 1 right */
+};
+struct tp_val {
+	__u32 state;   /* TP_* */
+	__u32 armed;   /* the first packet on the new subsession starts the phase */
+	struct dysco_tuple eg_key;  /* the egress flow of the side */
+	struct dysco_tuple in_old;  /* the ingress flow of the old subsession */
+	struct dysco_tuple old_out; /* egress rewrite on the old path */
+	struct dysco_tuple new_out; /* egress rewrite on the new path */
+	struct delta_val nd;        /* applied to packets sent on the new path */
+	__u32 old_sent, old_rcvd, old_sent_acked, old_rcvd_acked, first_new_rcvd;
+	__u32 new_rcvd;
+	__u32 clamp;   /* advertised window limit in bytes, 0: none (§5.3) */
+	__u8 snd_ws;   /* this host's window scale on the side, for the clamp */
+	__u8 reroute_old, reroute_new;
+	__u8 pad;
+	__u32 reported; /* progress bits last reported to the agent */
+	__u64 to_old, to_new, straddled;
+};
+/* A notice to the agent on the dysco_events ring buffer. */
+struct tp_event {
+	__u32 sess_id;
+	__u32 side;
+	__u32 bits;
+	__u32 kind; /* EV_* */
+};
+/* A command of the agent, run by dysco_ctl (BPF_PROG_RUN of a syscall
+ * program): flag changes are atomic with respect to the datapath. */
+struct ctl_args {
+	__u32 op;   /* CTL_* */
+	__u32 arg;
+	__s32 ret;
+	__u32 pad;
+	struct dysco_tuple key;
+	struct tp_key tp;
+};
 /* Scratch space for building a SYN's option and block (too big for the stack). */
 struct scratch {
 	__u8 buf[DYSCO_OPT_LEN + DYSCO_MAX_BLOCK_LEN];

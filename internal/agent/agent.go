@@ -54,7 +54,12 @@ type Config struct {
 	// Trusted, when not empty, is the set of prefixes Dysco SYNs are
 	// accepted from.
 	Trusted []netip.Prefix
-	Log     *slog.Logger
+	// ControlPort is the UDP port of the reconfiguration protocol (§3.3).
+	ControlPort int
+	// ControlKey is the deployment key authenticating control messages;
+	// empty disables reconfiguration at this agent.
+	ControlKey []byte
+	Log        *slog.Logger
 }
 
 // Agent is a running agent.
@@ -75,6 +80,9 @@ type Agent struct {
 	typeIndex  map[string]int
 
 	tapActive atomic.Bool
+
+	// ctl is the reconfiguration machinery (control.go); nil when disabled.
+	ctl *control
 
 	// Collector-goroutine state for re-routing decisions (reroute.go).
 	routeCache     map[routeKey]bool
@@ -106,6 +114,9 @@ func (c *Config) defaults() {
 	}
 	if c.GCInterval == 0 {
 		c.GCInterval = time.Second
+	}
+	if c.ControlPort == 0 {
+		c.ControlPort = DefaultControlPort
 	}
 	if c.Log == nil {
 		c.Log = slog.Default()
@@ -202,6 +213,16 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 
+	if len(cfg.ControlKey) > 0 {
+		ctl, err := newControl(a, cfg.ControlPort, cfg.ControlKey)
+		if err != nil {
+			return err
+		}
+		a.ctl = ctl
+		go ctl.run(ctx)
+	} else {
+		a.log.Info("reconfiguration disabled: no control key")
+	}
 	a.metrics = newMetrics(a)
 	srv, err := a.serveAPI()
 	if err != nil {

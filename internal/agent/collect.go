@@ -52,6 +52,12 @@ func (a *Agent) collect() {
 	}
 	for _, id := range dead {
 		a.dp.DeleteSession(id)
+		for side := uint32(0); side < 2; side++ {
+			a.dp.DeleteTwoPath(datapath.TPKey{SessId: id, Side: side})
+		}
+	}
+	if a.ctl != nil && len(dead) > 0 {
+		a.ctl.sessionsEnded(dead)
 	}
 	// Set-up state is small and short-lived: drop it once the session is
 	// established (or gone).
@@ -84,6 +90,7 @@ func (a *Agent) collect() {
 		})
 		for _, k := range keys {
 			a.dp.DeleteFlow(k)
+			a.dp.DeleteDelta(k)
 		}
 		stale = len(keys)
 	}

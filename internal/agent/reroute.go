@@ -51,7 +51,7 @@ func (a *Agent) settleReroutes(flows []datapath.FlowEntry) {
 	for _, f := range flows {
 		old := f.Key.Wire().Dst
 		now := f.Out.Wire().Dst
-		clear := uint16(0)
+		clear := uint32(0)
 		if old == now || a.sameRoute(old, now) {
 			clear = datapath.FlReroute
 			a.rerouteCleared.Add(1)

@@ -36,7 +36,9 @@ type Client struct {
 	target string // what error messages call the peer
 	hc     *http.Client
 	// Timeout bounds each request whose context has no deadline; zero means
-	// DefaultTimeout. Watch is bounded by its wait instead.
+	// DefaultTimeout. Watch is bounded by its wait instead, and the
+	// reconfiguration requests (Reconfig, Middlebox, Splice with Wait) by
+	// the agent's own wait plus ReconfigSlack when that is longer.
 	Timeout time.Duration
 }
 
@@ -251,4 +253,70 @@ func (c *Client) Prepend(ctx context.Context, req PrependRequest) (PrependReply,
 	var out PrependReply
 	err := c.do(ctx, http.MethodPost, "/v1/sessions/prepend", req, &out)
 	return out, err
+}
+
+// ReconfigSlack is how much longer than a reconfiguration request's
+// TimeoutMS a Client waits for the agent's answer: the agent answers when
+// its own wait ends, and the answer needs time to arrive.
+const ReconfigSlack = 5 * time.Second
+
+// DefaultReconfigWait bounds a reconfiguration request that leaves the wait
+// to the agent (TimeoutMS 0, or a Splice with Wait), whose default the
+// client cannot know; agents' defaults must stay well below it.
+const DefaultReconfigWait = time.Minute
+
+// Reconfig asks the agent, as left anchor, to reconfigure every live session
+// matching req.Match between itself and req.To (paper §3.1); the reply has
+// one result per session. The call lasts until the agent has every result
+// or its wait (req.TimeoutMS) ends; an HTTP error carries the agent's
+// message (bad filter, bad addresses).
+func (c *Client) Reconfig(ctx context.Context, req ReconfigRequest) (ReconfigReply, error) {
+	ctx, cancel := c.reconfigContext(ctx, req.TimeoutMS)
+	defer cancel()
+	var out ReconfigReply
+	err := c.do(ctx, http.MethodPost, "/v1/reconfig", req, &out)
+	return out, err
+}
+
+// Middlebox asks the agent of a middlebox host to take the host out of
+// (req.With empty), or replace it in, every matching session passing
+// through it (paper §2.3); the reply has one result per session.
+func (c *Client) Middlebox(ctx context.Context, req MiddleboxRequest) (ReconfigReply, error) {
+	ctx, cancel := c.reconfigContext(ctx, req.TimeoutMS)
+	defer cancel()
+	var out ReconfigReply
+	err := c.do(ctx, http.MethodPost, "/v1/middlebox", req, &out)
+	return out, err
+}
+
+// Splice hands the agent the two sockets a session-terminating proxy is
+// splicing (paper §2.4, §4.2), so that the proxy leaves the session's path.
+// With req.Wait the call lasts until the removal is over and the reply
+// carries its result.
+func (c *Client) Splice(ctx context.Context, req SpliceRequest) (SpliceReply, error) {
+	if req.Wait {
+		var cancel context.CancelFunc
+		ctx, cancel = c.reconfigContext(ctx, 0)
+		defer cancel()
+	}
+	var out SpliceReply
+	err := c.do(ctx, http.MethodPost, "/v1/sessions/splice", req, &out)
+	return out, err
+}
+
+// reconfigContext bounds a request on which the agent itself waits up to
+// timeoutMS milliseconds (0: its default): the client waits that long plus
+// ReconfigSlack (DefaultReconfigWait when timeoutMS is not positive), or
+// c.Timeout if that is longer. A shorter deadline of ctx still applies.
+func (c *Client) reconfigContext(ctx context.Context, timeoutMS int) (context.Context, context.CancelFunc) {
+	wait := DefaultReconfigWait
+	if timeoutMS > 0 {
+		// Beyond a day, the agent's wait is no bound worth keeping
+		// (and time.Duration would overflow for absurd values).
+		wait = time.Duration(min(int64(timeoutMS), int64(24*time.Hour/time.Millisecond)))*time.Millisecond + ReconfigSlack
+	}
+	if c.Timeout > wait {
+		wait = c.Timeout
+	}
+	return context.WithTimeout(ctx, wait)
 }

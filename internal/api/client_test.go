@@ -212,3 +212,151 @@ func TestClientTimeout(t *testing.T) {
 		t.Fatalf("err = %v, want deadline exceeded", err)
 	}
 }
+
+func TestClientReconfigRoutes(t *testing.T) {
+	type call struct{ method, path, body string }
+	calls := make(chan call, 10)
+	record := func(r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		calls <- call{r.Method, r.URL.EscapedPath(), string(b)}
+	}
+	res := ReconfigResult{ID: 4, Session: "10.0.0.1:40000 -> 10.0.0.3:80", Outcome: "succeeded", Micros: 1234}
+	refused := ReconfigResult{ID: 5, Session: "10.0.0.1:40001 -> 10.0.0.3:80", Outcome: "refused", Reason: "locked", Blocker: "10.0.0.2#7", Micros: 80}
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/reconfig", func(w http.ResponseWriter, r *http.Request) {
+		record(r)
+		writeJSON(w, 200, ReconfigReply{Results: []ReconfigResult{res, refused}})
+	})
+	mux.HandleFunc("POST /v1/middlebox", func(w http.ResponseWriter, r *http.Request) {
+		record(r)
+		writeJSON(w, 200, ReconfigReply{Results: []ReconfigResult{res}})
+	})
+	mux.HandleFunc("POST /v1/sessions/splice", func(w http.ResponseWriter, r *http.Request) {
+		record(r)
+		writeJSON(w, 200, SpliceReply{ID: 9, Result: &res})
+	})
+	c := NewUnixClient(serveUnix(t, mux))
+	ctx := t.Context()
+	a := netip.MustParseAddr
+
+	rreq := ReconfigRequest{Match: "tcp dst port 80", To: a("10.0.0.3"), Chain: []netip.Addr{a("10.0.1.2"), a("10.0.1.3")}, TimeoutMS: 2500}
+	rep, err := c.Reconfig(ctx, rreq)
+	if err != nil || !reflect.DeepEqual(rep.Results, []ReconfigResult{res, refused}) {
+		t.Fatalf("Reconfig = %+v, %v", rep, err)
+	}
+	got := <-calls
+	var sentR ReconfigRequest
+	if err := json.Unmarshal([]byte(got.body), &sentR); err != nil || got.method != "POST" || got.path != "/v1/reconfig" || !reflect.DeepEqual(sentR, rreq) {
+		t.Fatalf("Reconfig sent %+v (%v)", got, err)
+	}
+	if want := `{"match":"tcp dst port 80","to":"10.0.0.3","chain":["10.0.1.2","10.0.1.3"],"timeout_ms":2500}`; got.body != want {
+		t.Errorf("Reconfig body = %s\nwant %s", got.body, want)
+	}
+
+	mreq := MiddleboxRequest{With: []netip.Addr{a("2001:db8::5")}}
+	rep, err = c.Middlebox(ctx, mreq)
+	if err != nil || !reflect.DeepEqual(rep.Results, []ReconfigResult{res}) {
+		t.Fatalf("Middlebox = %+v, %v", rep, err)
+	}
+	got = <-calls
+	if want := `{"match":"","with":["2001:db8::5"]}`; got.method != "POST" || got.path != "/v1/middlebox" || got.body != want {
+		t.Fatalf("Middlebox sent %+v, want body %s", got, want)
+	}
+
+	sreq := SpliceRequest{
+		In:    SocketPair{Local: netip.MustParseAddrPort("10.0.0.2:80"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")},
+		Out:   SocketPair{Local: netip.MustParseAddrPort("10.0.0.2:41000"), Remote: netip.MustParseAddrPort("10.0.0.3:8080")},
+		Delta: -12, DeltaRev: 30, Wait: true,
+	}
+	srep, err := c.Splice(ctx, sreq)
+	if err != nil || srep.ID != 9 || srep.Result == nil || *srep.Result != res {
+		t.Fatalf("Splice = %+v, %v", srep, err)
+	}
+	got = <-calls
+	var sentS SpliceRequest
+	if err := json.Unmarshal([]byte(got.body), &sentS); err != nil || got.method != "POST" || got.path != "/v1/sessions/splice" || sentS != sreq {
+		t.Fatalf("Splice sent %+v (%v)", got, err)
+	}
+}
+
+func TestClientReconfigErrors(t *testing.T) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/reconfig", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, 400, Error{Error: `match "tcp dst prot 80": can't parse filter expression: syntax error`})
+	})
+	mux.HandleFunc("POST /v1/middlebox", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, 409, Error{Error: "this host is no middlebox of any session"})
+	})
+	c := NewUnixClient(serveUnix(t, mux))
+	_, err := c.Reconfig(t.Context(), ReconfigRequest{Match: "tcp dst prot 80", To: netip.MustParseAddr("10.0.0.3")})
+	var he *HTTPError
+	if !errors.As(err, &he) || he.StatusCode != 400 || err.Error() != `match "tcp dst prot 80": can't parse filter expression: syntax error` {
+		t.Fatalf("Reconfig error = %v, want the agent's message", err)
+	}
+	_, err = c.Middlebox(t.Context(), MiddleboxRequest{})
+	if !errors.As(err, &he) || he.StatusCode != 409 || err.Error() != "this host is no middlebox of any session" {
+		t.Fatalf("Middlebox error = %v, want the agent's message", err)
+	}
+	// A route the agent lacks (an older agent) names it.
+	_, err = c.Splice(t.Context(), SpliceRequest{})
+	if !IsNotFound(err) || !strings.Contains(err.Error(), "POST /v1/sessions/splice: 404") {
+		t.Fatalf("Splice on an agent without the route = %v", err)
+	}
+	_, err = NewUnixClient(uniqueSocket(t)).Reconfig(t.Context(), ReconfigRequest{TimeoutMS: 100})
+	if !errors.Is(err, ErrNoAgent) {
+		t.Fatalf("Reconfig with no agent = %v, want ErrNoAgent", err)
+	}
+}
+
+// TestClientReconfigOutwaitsAgent: a reconfiguration request waits for the
+// agent's own wait plus a margin, even when the client's Timeout is shorter.
+func TestClientReconfigOutwaitsAgent(t *testing.T) {
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		time.Sleep(300 * time.Millisecond) // the agent waits for results
+		writeJSON(w, 200, ReconfigReply{Results: []ReconfigResult{{ID: 1, Outcome: "failed", Reason: "timeout"}}})
+	})
+	c := NewUnixClient(serveUnix(t, h))
+	c.Timeout = 50 * time.Millisecond
+	rep, err := c.Reconfig(context.Background(), ReconfigRequest{TimeoutMS: 250})
+	if err != nil || len(rep.Results) != 1 {
+		t.Fatalf("Reconfig = %+v, %v; want the agent's answer after its 250ms wait", rep, err)
+	}
+	if _, err := c.Middlebox(context.Background(), MiddleboxRequest{TimeoutMS: 250}); err != nil {
+		t.Fatalf("Middlebox: %v", err)
+	}
+	// Other requests keep the client's Timeout.
+	if _, err := c.Status(context.Background()); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Status = %v, want deadline exceeded", err)
+	}
+	// The caller's shorter deadline still wins.
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	if _, err := c.Reconfig(ctx, ReconfigRequest{TimeoutMS: 250}); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Reconfig under a 50ms context = %v, want deadline exceeded", err)
+	}
+}
+
+func TestReconfigContextDeadline(t *testing.T) {
+	c := NewUnixClient(uniqueSocket(t))
+	for _, tc := range []struct {
+		timeoutMS int
+		clientTO  time.Duration
+		want      time.Duration
+	}{
+		{10000, 0, 10*time.Second + ReconfigSlack},
+		{1, 0, time.Millisecond + ReconfigSlack},
+		{0, 0, DefaultReconfigWait},
+		{-5, 0, DefaultReconfigWait},
+		{1000, 2 * time.Minute, 2 * time.Minute},
+		{1 << 62, 0, 24*time.Hour + ReconfigSlack},
+	} {
+		c.Timeout = tc.clientTO
+		start := time.Now()
+		ctx, cancel := c.reconfigContext(context.Background(), tc.timeoutMS)
+		dl, ok := ctx.Deadline()
+		cancel()
+		if got := dl.Sub(start); !ok || got < tc.want || got > tc.want+time.Second {
+			t.Errorf("TimeoutMS %d, Timeout %v: deadline in %v, want %v", tc.timeoutMS, tc.clientTO, got, tc.want)
+		}
+	}
+}

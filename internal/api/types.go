@@ -117,3 +117,80 @@ type PolicySet struct {
 	Policies []Policy        `json:"policies"`
 	Types    []MiddleboxType `json:"types"`
 }
+
+// ReconfigRequest asks the agent, as left anchor, to replace the segment of
+// every live session matching Match between itself and the right anchor To
+// by a new path through Chain (paper §3.1): an empty Chain deletes every
+// middlebox in between. Insert, delete and replace are uses of it.
+type ReconfigRequest struct {
+	// Match is a tcpdump filter tested against each session's tuple (as
+	// the session's first SYN).
+	Match string       `json:"match"`
+	To    netip.Addr   `json:"to"`
+	Chain []netip.Addr `json:"chain,omitempty"`
+	// TimeoutMS bounds the wait for the results (0: the agent's default).
+	TimeoutMS int `json:"timeout_ms,omitempty"`
+}
+
+// ReconfigResult is the outcome of the reconfiguration of one session.
+type ReconfigResult struct {
+	ID      uint32 `json:"id"`
+	Session string `json:"session"`
+	// Outcome is "succeeded", "refused" (never locked: contention, bad
+	// request, right anchor not on the path) or "failed" (locked but not
+	// completed; the session goes on on its old path).
+	Outcome string `json:"outcome"`
+	Reason  string `json:"reason,omitempty"`
+	// Blocker is the request that held the lock, for contention refusals.
+	Blocker string `json:"blocker,omitempty"`
+	// Micros is the time from the request to the old path no longer being
+	// used (the left anchor's completion).
+	Micros int64 `json:"micros"`
+}
+
+// ReconfigReply lists the results, one per matching session this agent can
+// be the left anchor of.
+type ReconfigReply struct {
+	Results []ReconfigResult `json:"results"`
+}
+
+// SocketPair names one TCP socket by its two ends.
+type SocketPair struct {
+	Local  netip.AddrPort `json:"local"`
+	Remote netip.AddrPort `json:"remote"`
+}
+
+// SpliceRequest comes from libdysco inside a session-terminating proxy
+// (paper §2.4, §4.2 "Triggering a reconfiguration using splice"): the proxy
+// hands the byte streams of two sockets to each other and wants to leave the
+// path. In is the socket data comes from, Out the one it goes to. Delta is
+// the number of bytes the proxy added to (positive) or removed from
+// (negative) the In → Out stream before splicing; DeltaRev the same for the
+// Out → In stream.
+type SpliceRequest struct {
+	In       SocketPair `json:"in"`
+	Out      SocketPair `json:"out"`
+	Delta    int64      `json:"delta"`
+	DeltaRev int64      `json:"delta_rev"`
+	// Wait makes the call return only when the removal is over.
+	Wait bool `json:"wait,omitempty"`
+}
+
+// SpliceReply tells what became of a splice request.
+type SpliceReply struct {
+	// Session is the joined session's id at this agent.
+	ID uint32 `json:"id"`
+	// Result is set when the request waited.
+	Result *ReconfigResult `json:"result,omitempty"`
+}
+
+// MiddleboxRequest is a middlebox host's request about the sessions passing
+// through it (paper §2.3 use cases): with With empty, remove this host from
+// every matching session; otherwise replace it by the hops in With. The
+// agent asks each session's left neighbour to reconfigure the segment
+// around this host, and the reply holds one result per session.
+type MiddleboxRequest struct {
+	Match     string       `json:"match"` // tcpdump filter on the session tuple; empty matches all
+	With      []netip.Addr `json:"with,omitempty"`
+	TimeoutMS int          `json:"timeout_ms,omitempty"`
+}

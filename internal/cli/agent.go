@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"encoding/hex"
 	"fmt"
 	"log/slog"
 	"net/netip"
@@ -19,7 +20,7 @@ func newAgentCmd() *cobra.Command {
 	var cfg agent.Config
 	var trusted []string
 	var reset, debug bool
-	var ports string
+	var ports, keyFile string
 	cmd := &cobra.Command{
 		Use:   "agent",
 		Short: "Run the Dysco agent of this host (network namespace)",
@@ -56,6 +57,13 @@ under --pin-dir. 'dysco agent --reset' removes it (every session on the host end
 				}
 				cfg.PortLo, cfg.PortN = lo, hi-lo+1
 			}
+			if keyFile != "" {
+				k, err := readControlKey(keyFile)
+				if err != nil {
+					return err
+				}
+				cfg.ControlKey = k
+			}
 			return agent.Run(cmd.Context(), cfg)
 		},
 	}
@@ -74,6 +82,8 @@ under --pin-dir. 'dysco agent --reset' removes it (every session on the host end
 	f.StringSliceVar(&trusted, "trusted", nil, "accept Dysco SYNs only from these prefixes (default: from anyone)")
 	f.BoolVar(&reset, "reset", false, "remove the pinned datapath under --pin-dir and exit")
 	f.BoolVar(&debug, "debug", false, "debug logging")
+	f.IntVar(&cfg.ControlPort, "control-port", agent.DefaultControlPort, "UDP port of the reconfiguration protocol")
+	f.StringVar(&keyFile, "control-key-file", "", "file holding the deployment key that authenticates reconfiguration messages (hex, at least 16 bytes); without it reconfiguration is disabled")
 	return cmd
 }
 
@@ -91,4 +101,21 @@ func parsePrefix(s string) (netip.Prefix, error) {
 		return netip.Prefix{}, fmt.Errorf("%q: %w", s, err)
 	}
 	return p.Masked(), nil
+}
+
+// readControlKey reads a deployment key: hex digits (whitespace ignored),
+// at least 16 bytes.
+func readControlKey(path string) ([]byte, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("--control-key-file: %w", err)
+	}
+	k, err := hex.DecodeString(strings.Join(strings.Fields(string(b)), ""))
+	if err != nil {
+		return nil, fmt.Errorf("--control-key-file %s: not hex: %w", path, err)
+	}
+	if len(k) < 16 {
+		return nil, fmt.Errorf("--control-key-file %s: key of %d bytes, at least 16 needed", path, len(k))
+	}
+	return k, nil
 }

@@ -19,6 +19,16 @@ type dyscoConfig struct {
 	Pad       uint32
 }
 
+type dyscoCtlArgs struct {
+	_   structs.HostLayout
+	Op  uint32
+	Arg uint32
+	Ret int32
+	Pad uint32
+	Key dyscoDyscoTuple
+	Tp  dyscoTpKey
+}
+
 type dyscoDeltaVal struct {
 	_     structs.HostLayout
 	Seq   int32
@@ -45,9 +55,13 @@ type dyscoFlowVal struct {
 	_       structs.HostLayout
 	Out     dyscoDyscoTuple
 	SessId  uint32
-	Flags   uint16
+	Flags   uint32
 	Dir     uint8
-	Pad     uint8
+	MkOk    uint8
+	Pad     uint16
+	MkSeq   uint32
+	MkAck   uint32
+	_       [4]byte
 	Packets uint64
 	Bytes   uint64
 	LastNs  uint64
@@ -86,8 +100,11 @@ type dyscoSessionVal struct {
 	Policy    uint32
 	Role      uint8
 	IsV6      uint8
-	Pad       [2]uint8
-	Pad2      uint32
+	Ws        [2]uint8
+	Isn       [2]uint32
+	Tsval     [2]uint32
+	_         [4]byte
+	TsNs      [2]uint64
 }
 
 type dyscoSynState struct {
@@ -98,6 +115,38 @@ type dyscoSynState struct {
 	N_hops  uint8
 	Emitted uint8
 	Pad     [6]uint8
+}
+
+type dyscoTpKey struct {
+	_      structs.HostLayout
+	SessId uint32
+	Side   uint32
+}
+
+type dyscoTpVal struct {
+	_            structs.HostLayout
+	State        uint32
+	Armed        uint32
+	EgKey        dyscoDyscoTuple
+	InOld        dyscoDyscoTuple
+	OldOut       dyscoDyscoTuple
+	NewOut       dyscoDyscoTuple
+	Nd           dyscoDeltaVal
+	OldSent      uint32
+	OldRcvd      uint32
+	OldSentAcked uint32
+	OldRcvdAcked uint32
+	FirstNewRcvd uint32
+	NewRcvd      uint32
+	Clamp        uint32
+	SndWs        uint8
+	RerouteOld   uint8
+	RerouteNew   uint8
+	Pad          uint8
+	Reported     uint32
+	ToOld        uint64
+	ToNew        uint64
+	Straddled    uint64
 }
 
 type dyscoTrustedKey struct {
@@ -119,6 +168,7 @@ type dyscoTypeVal struct {
 const (
 	dyscoMapDyscoConfig    = "dysco_config"
 	dyscoMapDyscoDeltas    = "dysco_deltas"
+	dyscoMapDyscoEvents    = "dysco_events"
 	dyscoMapDyscoFlows     = "dysco_flows"
 	dyscoMapDyscoIds       = "dysco_ids"
 	dyscoMapDyscoLocal     = "dysco_local"
@@ -128,8 +178,10 @@ const (
 	dyscoMapDyscoSessions  = "dysco_sessions"
 	dyscoMapDyscoStats     = "dysco_stats"
 	dyscoMapDyscoSyns      = "dysco_syns"
+	dyscoMapDyscoTp        = "dysco_tp"
 	dyscoMapDyscoTrusted   = "dysco_trusted"
 	dyscoMapDyscoTypes     = "dysco_types"
+	dyscoProgDyscoCtl      = "dysco_ctl"
 	dyscoProgDyscoEgress   = "dysco_egress"
 	dyscoProgDyscoIngress  = "dysco_ingress"
 	dyscoProgDyscoSetup    = "dysco_setup"
@@ -182,6 +234,7 @@ type dyscoSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type dyscoProgramSpecs struct {
+	DyscoCtl     *ebpf.ProgramSpec `ebpf:"dysco_ctl"`
 	DyscoEgress  *ebpf.ProgramSpec `ebpf:"dysco_egress"`
 	DyscoIngress *ebpf.ProgramSpec `ebpf:"dysco_ingress"`
 	DyscoSetup   *ebpf.ProgramSpec `ebpf:"dysco_setup"`
@@ -194,6 +247,7 @@ type dyscoProgramSpecs struct {
 type dyscoMapSpecs struct {
 	DyscoConfig   *ebpf.MapSpec `ebpf:"dysco_config"`
 	DyscoDeltas   *ebpf.MapSpec `ebpf:"dysco_deltas"`
+	DyscoEvents   *ebpf.MapSpec `ebpf:"dysco_events"`
 	DyscoFlows    *ebpf.MapSpec `ebpf:"dysco_flows"`
 	DyscoIds      *ebpf.MapSpec `ebpf:"dysco_ids"`
 	DyscoLocal    *ebpf.MapSpec `ebpf:"dysco_local"`
@@ -203,6 +257,7 @@ type dyscoMapSpecs struct {
 	DyscoSessions *ebpf.MapSpec `ebpf:"dysco_sessions"`
 	DyscoStats    *ebpf.MapSpec `ebpf:"dysco_stats"`
 	DyscoSyns     *ebpf.MapSpec `ebpf:"dysco_syns"`
+	DyscoTp       *ebpf.MapSpec `ebpf:"dysco_tp"`
 	DyscoTrusted  *ebpf.MapSpec `ebpf:"dysco_trusted"`
 	DyscoTypes    *ebpf.MapSpec `ebpf:"dysco_types"`
 }
@@ -239,6 +294,7 @@ func (o *dyscoObjects) Close() error {
 type dyscoMaps struct {
 	DyscoConfig   *ebpf.Map `ebpf:"dysco_config"`
 	DyscoDeltas   *ebpf.Map `ebpf:"dysco_deltas"`
+	DyscoEvents   *ebpf.Map `ebpf:"dysco_events"`
 	DyscoFlows    *ebpf.Map `ebpf:"dysco_flows"`
 	DyscoIds      *ebpf.Map `ebpf:"dysco_ids"`
 	DyscoLocal    *ebpf.Map `ebpf:"dysco_local"`
@@ -248,6 +304,7 @@ type dyscoMaps struct {
 	DyscoSessions *ebpf.Map `ebpf:"dysco_sessions"`
 	DyscoStats    *ebpf.Map `ebpf:"dysco_stats"`
 	DyscoSyns     *ebpf.Map `ebpf:"dysco_syns"`
+	DyscoTp       *ebpf.Map `ebpf:"dysco_tp"`
 	DyscoTrusted  *ebpf.Map `ebpf:"dysco_trusted"`
 	DyscoTypes    *ebpf.Map `ebpf:"dysco_types"`
 }
@@ -256,6 +313,7 @@ func (m *dyscoMaps) Close() error {
 	return _DyscoClose(
 		m.DyscoConfig,
 		m.DyscoDeltas,
+		m.DyscoEvents,
 		m.DyscoFlows,
 		m.DyscoIds,
 		m.DyscoLocal,
@@ -265,6 +323,7 @@ func (m *dyscoMaps) Close() error {
 		m.DyscoSessions,
 		m.DyscoStats,
 		m.DyscoSyns,
+		m.DyscoTp,
 		m.DyscoTrusted,
 		m.DyscoTypes,
 	)
@@ -284,6 +343,7 @@ type dyscoVariables struct {
 //
 // It can be passed to loadDyscoObjects or ebpf.CollectionSpec.LoadAndAssign.
 type dyscoPrograms struct {
+	DyscoCtl     *ebpf.Program `ebpf:"dysco_ctl"`
 	DyscoEgress  *ebpf.Program `ebpf:"dysco_egress"`
 	DyscoIngress *ebpf.Program `ebpf:"dysco_ingress"`
 	DyscoSetup   *ebpf.Program `ebpf:"dysco_setup"`
@@ -292,6 +352,7 @@ type dyscoPrograms struct {
 
 func (p *dyscoPrograms) Close() error {
 	return _DyscoClose(
+		p.DyscoCtl,
 		p.DyscoEgress,
 		p.DyscoIngress,
 		p.DyscoSetup,

@@ -384,9 +384,9 @@ func (fx *fixture) expectFlows(tb testing.TB, want map[Tuple]Flow) {
 	}
 }
 
-func flagNames(f uint16) string {
+func flagNames(f uint32) string {
 	s := ""
-	for i, n := range []string{"reroute", "syn-strip", "syn-emit", "tap", "delta", "rev", "tag"} {
+	for i, n := range []string{"reroute", "syn-strip", "syn-emit", "tap", "delta", "rev", "ingress", "est", "routed", "tp-out", "tp-old", "tp-new", "drop"} {
 		if f&(1<<i) != 0 {
 			s += n + "|"
 		}
@@ -397,7 +397,7 @@ func flagNames(f uint16) string {
 	return s[:len(s)-1]
 }
 
-func flow(out wire.Tuple, id uint32, flags uint16, dir uint8) Flow {
+func flow(out wire.Tuple, id uint32, flags uint32, dir uint8) Flow {
 	return Flow{Out: TupleFrom(out), SessId: id, Flags: flags, Dir: dir}
 }
 

@@ -23,6 +23,7 @@ var StatNames = []string{
 	"drop_option_space", "drop_syn_data", "drop_no_setup", "drop_bad_policy",
 	"drop_no_syn_state", "drop_helper",
 	"fin", "rst", "delta", "icmp", "reused",
+	"tp_old", "tp_new", "tp_straddle", "tp_clamp", "drop_orphan", "events_lost",
 }
 
 // Session roles and state bits, mirrors of consts.h.
@@ -49,6 +50,10 @@ const (
 	FlIngress  = 1 << 6
 	FlEst      = 1 << 7
 	FlRouted   = 1 << 8
+	FlTPOut    = 1 << 9
+	FlTPOld    = 1 << 10
+	FlTPNew    = 1 << 11
+	FlDrop     = 1 << 12
 
 	hopAddr = 1
 	hopType = 2
@@ -485,16 +490,17 @@ func (d *Datapath) PrependHops(id uint32, hops []netip.Addr) ([]netip.Addr, erro
 	return out, nil
 }
 
-// SetFlowFlags sets and clears flags of a flow. The read and write race with
-// the datapath's updates of the same entry: a packet counted in between may
-// be lost from the counters, and a cached FL_EST set in between is set
-// again by the next packet. Flags that steer packets are only ever changed
-// here, by the agent.
-func (d *Datapath) SetFlowFlags(k Tuple, set, clear uint16) error {
-	var f Flow
-	if err := d.objs.DyscoFlows.Lookup(k, &f); err != nil {
-		return err
+// SetFlowFlags sets and clears flags of a flow, atomically with respect to
+// the datapath's own updates of the entry (dysco_ctl runs in the kernel).
+// Flags that steer packets are only ever changed here, by the agent.
+func (d *Datapath) SetFlowFlags(k Tuple, set, clear uint32) error {
+	if set != 0 {
+		if err := d.ctl(ctlFlagsSet, &k, nil, set); err != nil {
+			return err
+		}
 	}
-	f.Flags = f.Flags&^clear | set
-	return d.objs.DyscoFlows.Update(k, f, ebpf.UpdateExist)
+	if clear != 0 {
+		return d.ctl(ctlFlagsClear, &k, nil, clear)
+	}
+	return nil
 }

@@ -340,7 +340,7 @@ func TestEgressContinuation(t *testing.T) {
 				}
 				// The flow routes again only if the next hop's route
 				// differs from the session destination's (same_route).
-				emit := uint16(FlSYNEmit)
+				emit := uint32(FlSYNEmit)
 				if !sameRoute(c.leave.Dst, c.next) {
 					emit |= FlReroute
 				}

@@ -20,7 +20,7 @@ func TestIngressDyscoSYN(t *testing.T) {
 		tag    bool         // a local tag replaces the marking option
 		hops   []netip.Addr // set-up state kept for egress; nil: none
 		stat   string
-		inFlag uint16 // flags of the ingress flow
+		inFlag uint32 // flags of the ingress flow
 	}
 	cases := []struct {
 		name   string

@@ -2,6 +2,8 @@ package lab
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -49,6 +51,9 @@ func (l *Lab) agentArgv(h *Host, ready string) []string {
 		"--pin-dir", PinDir(h.Namespace),
 		// Local policies live and die with the lab.
 		"--state-dir", filepath.Join(l.runDir, h.Name+".state"),
+		// One deployment key per lab: reconfiguration messages between
+		// its agents are authenticated with it.
+		"--control-key-file", l.controlKeyFile(),
 	}
 	if h.Role == RoleMiddlebox {
 		argv = append(argv, "--tap", TapName)
@@ -178,4 +183,17 @@ func (l *Lab) RestartAgent(host string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), l.cfg.ReadyTimeout)
 	defer cancel()
 	return waitReady(ctx, []*Proc{p}, l.cfg.ReadyTimeout)
+}
+
+// controlKeyFile returns the lab's deployment key file, creating it with a
+// random key the first time.
+func (l *Lab) controlKeyFile() string {
+	p := filepath.Join(l.runDir, "control.key")
+	if _, err := os.Stat(p); err == nil {
+		return p
+	}
+	k := make([]byte, 32)
+	_, _ = rand.Read(k)
+	_ = os.WriteFile(p, []byte(hex.EncodeToString(k)+"\n"), 0o600)
+	return p
 }

@@ -146,19 +146,21 @@ func (v TwoPath) SendDone() bool { return v.OldSentAcked == v.OldSent }
 
 // RecvDone reports whether the anchor has received and acknowledged
 // everything the other anchor sent on the old path (§3.5):
-// oldRcvdAcked = oldRcvd ∧ oldRcvd = firstNewRcvd. When the other anchor's
-// cut-off is known (it comes in its UDP FIN), oldRcvd = cutoff is the same
+// oldRcvdAcked = oldRcvd ∧ oldRcvd ≥ firstNewRcvd. When the other anchor's
+// cut-off is known (it comes in its UDP FIN), oldRcvd ≥ cutoff is the same
 // fact without waiting for new data; this matters when the other anchor has
-// nothing more to send.
+// nothing more to send. The paper asks equality; old-path data can end
+// beyond the cut-off here because a straddling packet is sent whole (Decide).
 func (v TwoPath) RecvDone(cutoff uint32, haveCutoff bool) bool {
 	if v.OldRcvdAcked != v.OldRcvd {
 		return false
 	}
-	return v.NewRcvd && v.FirstNewRcvd == v.OldRcvd || haveCutoff && cutoff == v.OldRcvd
+	return v.NewRcvd && seqLEQ(v.FirstNewRcvd, v.OldRcvd) || haveCutoff && seqLEQ(cutoff, v.OldRcvd)
 }
 
-// Piece is one packet an outgoing packet becomes in the two-path phase. Its
-// payload is bytes [Seq-p.Seq, Seq-p.Seq+Len) of the original payload.
+// Piece is where an outgoing packet goes in the two-path phase, and the
+// sequence and ack numbers it leaves with. Its payload is the whole
+// packet's: the datapath never splits a packet (see Decide).
 type Piece struct {
 	Path  Path   `json:"path"` // 1 old, 2 new
 	Seq   uint32 `json:"seq"`
@@ -171,8 +173,8 @@ func (c Piece) String() string {
 	return fmt.Sprintf("%s%s", c.Path, Packet{Seq: c.Seq, Ack: c.Ack, Len: c.Len, Flags: c.Flags})
 }
 
-// Decision says where an outgoing packet goes in the two-path phase: one to
-// three pieces, in the order to send them.
+// Decision says where an outgoing packet goes in the two-path phase. It
+// always holds one piece (N = 1); the type keeps room for more.
 type Decision struct {
 	N      int
 	Pieces [3]Piece
@@ -187,24 +189,30 @@ func (d *Decision) add(c Piece) {
 func (d Decision) List() []Piece { return d.Pieces[:d.N] }
 
 // Decide applies the cut-off tables of §3.5 to a packet the anchor sends on
-// the side being reconfigured, and returns where its parts go and the
-// variables after sending them.
+// the side being reconfigured, and returns where it goes and the variables
+// after sending it. bpf/include/twopath.h does the same in the datapath.
 //
-// Bytes: byteSeq < oldSent → old path; byteSeq ≥ oldSent → new path; a
-// packet with both is split at oldSent (a FIN goes with the last byte).
+// Bytes: byteSeq < oldSent → old path; byteSeq ≥ oldSent → new path.
+// Acks: ack ≤ oldRcvd → old path; ack > oldRcvd → new path.
 //
-// Acks:
+// Where the paper splits a packet, this sends it whole, so that the
+// datapath never has to cut or copy a packet:
+//   - data that straddles oldSent (only a retransmission that TCP collapsed
+//     can) goes whole on the old path; the receiving anchor's completion
+//     test accepts old-path data beyond the cut-off (RecvDone);
+//   - a packet whose data belongs to the old path but whose ack belongs to
+//     the new one goes on the old path acknowledging oldRcvd (the ack is
+//     repeated by the next packet, on the new path);
+//   - the paper's extra ack of oldRcvd on the old path is not sent: an ack
+//     on either path counts as acknowledging the old-path data below it
+//     (oldRcvdAcked), as the other anchor counts acks on either path
+//     (Observe). Old-path middleboxes that terminate TCP (a proxy being
+//     removed) may then miss their last acks; they leave the path anyway.
 //
-//	ack ≤ oldRcvd                       → old path
-//	ack > oldRcvd ∧ oldRcvd = oldRcvdAcked → new path
-//	ack > oldRcvd ∧ oldRcvd > oldRcvdAcked → new path, and ack oldRcvd on the old path
-//
-// The paper's first row also asks ack > oldRcvdAcked; an ack that does not
-// advance (a duplicate ack, a window update) still concerns old data, so it
-// goes on the old path too. When data and ack go to different paths the
-// packet is divided: a data piece on the old path acks min(ack, oldRcvd); a
-// data piece on the new path keeps the packet's ack, and a pure ack carries
-// it on the old path when it belongs there. A RST goes on both paths.
+// An ack that does not advance (a duplicate ack, a window update) still
+// concerns old data when ack ≤ oldRcvd, and goes on the old path; a pure
+// ack there never names a sequence number beyond oldSent. A RST goes on
+// the new path.
 func Decide(v TwoPath, p Packet) (Decision, TwoPath) { return decide(v, p, 0) }
 
 // DecideFault is Decide with deliberate faults, for the simulation's
@@ -213,100 +221,38 @@ func DecideFault(v TwoPath, p Packet, f Fault) (Decision, TwoPath) { return deci
 
 func decide(v TwoPath, p Packet, f Fault) (Decision, TwoPath) {
 	var d Decision
-	if p.Flags&TCPRst != 0 {
-		d.add(Piece{Path: PathOld, Seq: p.Seq, Ack: p.Ack, Flags: p.Flags &^ TCPFin})
-		d.add(Piece{Path: PathNew, Seq: p.Seq, Ack: p.Ack, Flags: p.Flags &^ TCPFin})
-		return d, v
-	}
+	c := Piece{Seq: p.Seq, Len: p.Len, Ack: p.Ack, Flags: p.Flags}
 	hasAck := p.Flags&TCPAck != 0
-	fin := p.Flags & TCPFin
-	end := p.End()
-	payEnd := p.Seq + p.Len // end of the payload, before the FIN
-
-	// §3.5 ack table.
-	ackPath, extraOld := Path(0), false
-	if hasAck {
-		switch {
-		case f&FaultAcksOnOldPath != 0:
-			ackPath = PathOld
-		case seqLEQ(p.Ack, v.OldRcvd):
-			ackPath = PathOld
-		default:
-			ackPath = PathNew
-			extraOld = seqLT(v.OldRcvdAcked, v.OldRcvd)
-		}
-	}
-	flagsNoFin := p.Flags &^ (TCPFin | TCPSyn)
-
-	// §3.5 byte table: [seq, oldSent) old, [oldSent, end) new.
-	var oldPiece, newPiece bool
-	if end != p.Seq && seqLT(p.Seq, v.OldSent) {
-		oldEnd := end
-		if seqLT(v.OldSent, oldEnd) {
-			oldEnd = v.OldSent
-		}
-		c := Piece{Path: PathOld, Seq: p.Seq, Flags: flagsNoFin}
-		c.Len = oldEnd - p.Seq
-		if fin != 0 && oldEnd == end {
-			c.Len-- // the FIN is the old piece's last sequence number
-			c.Flags |= TCPFin
-		}
-		if hasAck {
-			c.Ack = p.Ack
-			if ackPath == PathNew {
-				c.Ack = v.OldRcvd // the ack belongs on the new path; this piece acks what the old path carried
-			}
-		}
-		d.add(c)
-		oldPiece = true
-	}
-	if end != p.Seq && seqLT(v.OldSent, end) {
-		start := p.Seq
-		if seqLT(start, v.OldSent) {
-			start = v.OldSent
-		}
-		// start < end, so start ≤ payEnd: the FIN, if any, is the last
-		// sequence number and always in this piece.
-		c := Piece{Path: PathNew, Seq: start, Len: payEnd - start, Flags: flagsNoFin | fin, Ack: p.Ack}
-		d.add(c)
-		newPiece = true
-	}
+	data := p.End() != p.Seq
 	switch {
-	case ackPath == PathOld && !oldPiece:
-		d.add(Piece{Path: PathOld, Seq: seqOld(p, v), Ack: p.Ack, Flags: flagsNoFin})
-	case ackPath == PathNew && !newPiece:
-		d.add(Piece{Path: PathNew, Seq: seqNew(p, v), Ack: p.Ack, Flags: flagsNoFin})
-	}
-	if extraOld && !oldPiece {
-		d.add(Piece{Path: PathOld, Seq: seqOld(p, v), Ack: v.OldRcvd, Flags: flagsNoFin})
-	}
-	if d.N == 0 {
-		// No data and no ack (never seen on an established session).
-		d.add(Piece{Path: PathNew, Seq: p.Seq, Ack: p.Ack, Flags: p.Flags})
-	}
-	for _, c := range d.List() {
-		if c.Path == PathOld && c.Flags&TCPAck != 0 {
-			v.OldRcvdAcked = seqMax(v.OldRcvdAcked, c.Ack)
+	case p.Flags&TCPRst != 0:
+		c.Path = PathNew
+		d.add(c)
+		return d, v
+	case data && seqLT(p.Seq, v.OldSent):
+		c.Path = PathOld
+		if hasAck && seqLT(v.OldRcvd, p.Ack) && f&FaultAcksOnOldPath == 0 {
+			c.Ack = v.OldRcvd
 		}
+	case data:
+		c.Path = PathNew
+	case hasAck && (seqLEQ(p.Ack, v.OldRcvd) || f&FaultAcksOnOldPath != 0):
+		c.Path = PathOld
+		if seqLT(v.OldSent, p.Seq) {
+			c.Seq = v.OldSent
+		}
+	default:
+		c.Path = PathNew
 	}
+	if hasAck {
+		a := c.Ack
+		if seqLT(v.OldRcvd, a) {
+			a = v.OldRcvd
+		}
+		v.OldRcvdAcked = seqMax(v.OldRcvdAcked, a)
+	}
+	d.add(c)
 	return d, v
-}
-
-// seqOld is the sequence number of a pure ack on the old path: never beyond
-// what the old path carried.
-func seqOld(p Packet, v TwoPath) uint32 {
-	if seqLT(v.OldSent, p.Seq) {
-		return v.OldSent
-	}
-	return p.Seq
-}
-
-// seqNew is the sequence number of a pure ack on the new path.
-func seqNew(p Packet, v TwoPath) uint32 {
-	if seqLT(p.Seq, v.OldSent) {
-		return v.OldSent
-	}
-	return p.Seq
 }
 
 // Observe updates the variables for a packet the anchor received on path

@@ -48,11 +48,11 @@ func vectorCases() []vector {
 		// §3.5 byte table.
 		{Name: "retransmission below oldSent goes old, ack in old range", Vars: base, Dir: "out",
 			Packet: Packet{Seq: 900, Len: 100, Ack: 4500, Flags: ack}},
-		{Name: "new data at oldSent goes new, ack oldRcvd goes old as a pure ack", Vars: base, Dir: "out",
+		{Name: "new data at oldSent goes new with its ack", Vars: base, Dir: "out",
 			Packet: Packet{Seq: 1000, Len: 100, Ack: 5000, Flags: ack}},
-		{Name: "straddling packet with FIN is split at oldSent", Vars: base, Dir: "out",
+		{Name: "straddling packet with FIN goes whole on old, ack lowered", Vars: base, Dir: "out",
 			Packet: Packet{Seq: 950, Len: 100, Ack: 6000, Flags: ack | TCPFin}},
-		{Name: "straddling packet, ack in old range", Vars: base, Dir: "out",
+		{Name: "straddling packet, ack in old range, whole on old", Vars: base, Dir: "out",
 			Packet: Packet{Seq: 990, Len: 20, Ack: 4800, Flags: ack}},
 		{Name: "FIN alone at oldSent goes new", Vars: base, Dir: "out",
 			Packet: Packet{Seq: 1000, Len: 0, Ack: 5000, Flags: ack | TCPFin}},
@@ -68,13 +68,13 @@ func vectorCases() []vector {
 		{Name: "ack > oldRcvd, oldRcvd = oldRcvdAcked: new path only",
 			Vars: with(func(v *TwoPath) { v.OldRcvdAcked = 5000 }), Dir: "out",
 			Packet: Packet{Seq: 1200, Ack: 6000, Flags: ack}},
-		{Name: "ack > oldRcvd, oldRcvd > oldRcvdAcked: new path, and ack oldRcvd on old", Vars: base, Dir: "out",
+		{Name: "ack > oldRcvd, oldRcvd > oldRcvdAcked: new path, counts for oldRcvdAcked", Vars: base, Dir: "out",
 			Packet: Packet{Seq: 1200, Ack: 6000, Flags: ack}},
-		{Name: "new data with ack > oldRcvd: one piece on new, old ack oldRcvd", Vars: base, Dir: "out",
+		{Name: "new data with ack > oldRcvd: new", Vars: base, Dir: "out",
 			Packet: Packet{Seq: 1100, Len: 500, Ack: 6000, Flags: ack}},
-		{Name: "old data with ack > oldRcvd: old piece acks oldRcvd, pure ack on new", Vars: base, Dir: "out",
+		{Name: "old data with ack > oldRcvd: old, acking oldRcvd", Vars: base, Dir: "out",
 			Packet: Packet{Seq: 800, Len: 100, Ack: 6000, Flags: ack}},
-		{Name: "RST goes on both paths", Vars: base, Dir: "out",
+		{Name: "RST goes on the new path", Vars: base, Dir: "out",
 			Packet: Packet{Seq: 1200, Ack: 6000, Flags: ack | TCPRst}},
 		{Name: "sequence numbers wrap", Vars: TwoPath{OldSent: 10, OldSentAcked: 10, OldRcvd: 0xfffffff0, OldRcvdAcked: 0xffffff00},
 			Dir: "out", Packet: Packet{Seq: 0xfffffffa, Len: 32, Ack: 20, Flags: ack}},
@@ -162,14 +162,16 @@ func TestDecideTables(t *testing.T) {
 	check("byteSeq < oldSent: old", base, Packet{Seq: 900, Len: 100, Ack: 4500, Flags: ack},
 		[]Piece{{Path: PathOld, Seq: 900, Len: 100, Ack: 4500, Flags: ack}}, 4500)
 	check("byteSeq ≥ oldSent: new; ack ≤ oldRcvd: old", base, Packet{Seq: 1000, Len: 100, Ack: 5000, Flags: ack},
-		[]Piece{{Path: PathNew, Seq: 1000, Len: 100, Ack: 5000, Flags: ack}, {Path: PathOld, Seq: 1000, Ack: 5000, Flags: ack}}, 5000)
-	check("split at oldSent, FIN with the last byte", base, Packet{Seq: 950, Len: 100, Ack: 6000, Flags: ack | TCPFin},
-		[]Piece{{Path: PathOld, Seq: 950, Len: 50, Ack: 5000, Flags: ack}, {Path: PathNew, Seq: 1000, Len: 50, Ack: 6000, Flags: ack | TCPFin}}, 5000)
+		[]Piece{{Path: PathNew, Seq: 1000, Len: 100, Ack: 5000, Flags: ack}}, 5000)
+	check("straddling oldSent: whole on old, ack lowered to oldRcvd", base, Packet{Seq: 950, Len: 100, Ack: 6000, Flags: ack | TCPFin},
+		[]Piece{{Path: PathOld, Seq: 950, Len: 100, Ack: 5000, Flags: ack | TCPFin}}, 5000)
 	check("ack > oldRcvd, oldRcvd = oldRcvdAcked: new only", with(func(v *TwoPath) { v.OldRcvdAcked = 5000 }),
 		Packet{Seq: 1200, Ack: 6000, Flags: ack}, []Piece{{Path: PathNew, Seq: 1200, Ack: 6000, Flags: ack}}, 5000)
-	check("ack > oldRcvd, oldRcvd > oldRcvdAcked: new, and oldRcvd on old", base,
+	check("ack > oldRcvd, oldRcvd > oldRcvdAcked: new, counted as acking oldRcvd", base,
 		Packet{Seq: 1200, Ack: 6000, Flags: ack},
-		[]Piece{{Path: PathNew, Seq: 1200, Ack: 6000, Flags: ack}, {Path: PathOld, Seq: 1000, Ack: 5000, Flags: ack}}, 5000)
+		[]Piece{{Path: PathNew, Seq: 1200, Ack: 6000, Flags: ack}}, 5000)
+	check("pure ack on old never beyond oldSent", base, Packet{Seq: 1200, Ack: 4800, Flags: ack},
+		[]Piece{{Path: PathOld, Seq: 1000, Ack: 4800, Flags: ack}}, 4800)
 }
 
 func TestDecideFaultAcksOnOldPath(t *testing.T) {
@@ -190,9 +192,16 @@ func TestPredicates(t *testing.T) {
 	if !v.RecvDone(50, true) || v.RecvDone(60, true) {
 		t.Error("RecvDone with the other anchor's cut-off")
 	}
+	if !v.RecvDone(40, true) {
+		t.Error("RecvDone with old-path data beyond the cut-off (a straddling packet)")
+	}
 	v.NewRcvd, v.FirstNewRcvd = true, 60 // data after a hole: a byte is missing
 	if v.RecvDone(0, false) {
 		t.Error("RecvDone with firstNewRcvd > oldRcvd")
+	}
+	v.FirstNewRcvd = 45
+	if !v.RecvDone(0, false) {
+		t.Error("RecvDone with firstNewRcvd < oldRcvd")
 	}
 	v.FirstNewRcvd = 50
 	if !v.RecvDone(0, false) {

@@ -185,7 +185,12 @@ type countingConn struct {
 
 func (c countingConn) CloseWrite() error { return c.Conn.(*net.TCPConn).CloseWrite() }
 
-func (c pacedConn) CloseWrite() error { return c.Conn.(*net.TCPConn).CloseWrite() }
+func (c pacedConn) CloseWrite() error {
+	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return nil
+}
 
 func (c countingConn) Read(p []byte) (int, error) {
 	n, err := c.Conn.Read(p)

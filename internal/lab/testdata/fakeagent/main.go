@@ -41,6 +41,7 @@ func main() {
 	ready := fs.String("ready-file", "", "file to write when ready")
 	pinDir := fs.String("pin-dir", "", "BPF pin directory")
 	fs.String("state-dir", "", "agent state directory")
+	fs.String("control-key-file", "", "deployment key file")
 	tap := fs.String("tap", "", "session-view tap")
 	extra := fs.String("extra", "", "an extra argument, echoed into the ready file")
 	exitEarly := fs.String("exit-early", "", "print this to stderr and exit 1 before ready")

@@ -1,0 +1,683 @@
+package agent
+
+// The agent's half of dynamic reconfiguration (paper §3, §4.1 "Daemon"): a
+// UDP socket for control messages, timers, and the translation between the
+// protocol core (internal/protocol, a pure state machine) and the datapath's
+// maps. One goroutine owns the protocol agents; everything else posts
+// closures to it.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/dysco/dysco/internal/datapath"
+	"github.com/dysco/dysco/internal/protocol"
+	"github.com/dysco/dysco/internal/wire"
+)
+
+// DefaultControlPort is the UDP port of the reconfiguration protocol.
+const DefaultControlPort = 4790
+
+// controlPortBase and controlPortCount bound the ports of subsessions made
+// by reconfigurations, apart from the datapath's set-up range.
+const (
+	controlPortBase  = 61000
+	controlPortCount = 4000
+)
+
+// control is the reconfiguration machinery of one agent.
+type control struct {
+	a    *Agent
+	conn *net.UDPConn
+	port int
+	key  []byte
+
+	// Everything below is owned by the loop goroutine.
+	protos      map[bool]*protocol.Agent // by "is IPv6"
+	timers      map[timerKey]*time.Timer
+	joinedDP    map[protocol.SessionID]uint32 // protocol-made sessions → datapath id
+	pidOf       map[uint32]protocol.SessionID // datapath id → protocol id, for every session the protocol knows
+	famOf       map[uint32]bool
+	notReady    map[protocol.SessionID]uint32 // joined sessions waiting for packets both ways
+	waiters     map[uint64]chan protocol.Result
+	active      map[datapath.TPKey]bool // sides in their two-path phase (polled as a safety net)
+	prevTP      map[datapath.TPKey]datapath.TPVal
+	triggers    map[uint64]*trigger
+	trigAnswers map[triggerKey][]byte // nil value: request still running
+	token       uint64
+
+	ev chan func()
+
+	rejected sync.Map // reason string → *atomic.Uint64
+	msgsIn   atomic.Uint64
+	msgsOut  atomic.Uint64
+}
+
+type timerKey struct {
+	v6 bool
+	id protocol.TimerID
+}
+
+// newControl opens the control socket. key is the deployment key.
+func newControl(a *Agent, port int, key []byte) (*control, error) {
+	conn, err := net.ListenUDP("udp", &net.UDPAddr{IP: net.IPv6unspecified, Port: port})
+	if err != nil {
+		return nil, fmt.Errorf("agent: control socket on UDP port %d: %w", port, err)
+	}
+	c := &control{a: a, conn: conn, port: port, key: key,
+		protos: map[bool]*protocol.Agent{}, timers: map[timerKey]*time.Timer{},
+		joinedDP: map[protocol.SessionID]uint32{}, pidOf: map[uint32]protocol.SessionID{}, famOf: map[uint32]bool{},
+		notReady: map[protocol.SessionID]uint32{}, waiters: map[uint64]chan protocol.Result{},
+		active: map[datapath.TPKey]bool{}, prevTP: map[datapath.TPKey]datapath.TPVal{},
+		triggers: map[uint64]*trigger{}, trigAnswers: map[triggerKey][]byte{}, ev: make(chan func(), 1024)}
+	return c, nil
+}
+
+// proto returns the protocol agent of a family, creating it with this
+// host's first address of the family; nil if the host has none.
+func (c *control) proto(v6 bool) *protocol.Agent {
+	if p := c.protos[v6]; p != nil {
+		return p
+	}
+	self := c.a.selfAddr(v6)
+	if !self.IsValid() {
+		return nil
+	}
+	cfg := protocol.DefaultConfig(self, c.key)
+	cfg.PortBase, cfg.PortCount = controlPortBase, controlPortCount
+	cfg.RTO = 50 * time.Millisecond
+	cfg.MaxRTO = time.Second
+	cfg.Linger = 3 * time.Second
+	cfg.LockLease = 30 * time.Second
+	p := protocol.New(cfg)
+	c.protos[v6] = p
+	return p
+}
+
+// run serves until ctx ends.
+func (c *control) run(ctx context.Context) {
+	go c.readLoop()
+	if er, err := c.a.dp.EventReader(); err == nil {
+		go c.eventLoop(er)
+		defer er.Close()
+	} else {
+		c.a.log.Warn("control: no datapath events; polling only", "err", err)
+	}
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	defer c.conn.Close()
+	for {
+		select {
+		case <-ctx.Done():
+			for _, t := range c.timers {
+				t.Stop()
+			}
+			return
+		case f := <-c.ev:
+			f()
+		case <-tick.C:
+			c.poll()
+		}
+	}
+}
+
+// post runs f on the loop goroutine.
+func (c *control) post(f func()) { c.ev <- f }
+
+func (c *control) readLoop() {
+	buf := make([]byte, 64<<10)
+	for {
+		n, from, err := c.conn.ReadFromUDPAddrPort(buf)
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			continue
+		}
+		data := append([]byte(nil), buf[:n]...)
+		src := from.Addr().Unmap()
+		c.msgsIn.Add(1)
+		c.post(func() { c.onPacket(src, data) })
+	}
+}
+
+func (c *control) eventLoop(er *datapath.EventReader) {
+	for {
+		ev, err := er.Read()
+		if err != nil {
+			return
+		}
+		k := datapath.TPKey{SessId: ev.SessID, Side: ev.Side}
+		c.post(func() { c.progress(k) })
+	}
+}
+
+// now is the protocol's clock.
+func now() time.Duration { return datapath.Monotonic() }
+
+// handle feeds an event to a protocol agent and carries out its actions.
+func (c *control) handle(v6 bool, ev protocol.Event) {
+	p := c.proto(v6)
+	if p == nil {
+		return
+	}
+	for _, act := range p.Handle(now(), ev) {
+		if err := c.do(v6, act); err != nil {
+			c.a.log.Warn("control: action failed", "action", fmt.Sprintf("%T", act), "err", err)
+		}
+	}
+}
+
+func (c *control) onPacket(from netip.Addr, data []byte) {
+	if isTrigger(data) {
+		c.onTrigger(from, data)
+		return
+	}
+	v6 := from.Is6()
+	p := c.proto(v6)
+	if p == nil {
+		c.countReject("no address of the family")
+		return
+	}
+	// A message about a session the protocol does not know yet: announce
+	// the session from the datapath first (sessions are announced lazily,
+	// when a reconfiguration first concerns them).
+	if m, err := protocol.Decode(c.key, data); err == nil && m.Type != protocol.MsgSyn {
+		if _, _, ok := p.Lookup(m.Sub); !ok {
+			if id, ok := c.sessionBySub(m.Sub); ok {
+				_ = c.announce(id)
+			}
+		}
+	}
+	c.handle(v6, protocol.MessageIn{From: from, Data: data})
+}
+
+// sessionBySub finds the datapath session that has subsession sub (as its
+// SYN went) on one of its sides at this host.
+func (c *control) sessionBySub(sub wire.Tuple) (uint32, bool) {
+	for _, k := range []wire.Tuple{sub, sub.Reverse()} {
+		if f, ok := c.a.dp.Flow(datapath.TupleFrom(k)); ok && f.Flags&datapath.FlIngress != 0 {
+			return f.SessId, true
+		}
+	}
+	return 0, false
+}
+
+// announce tells the protocol about a datapath session (SessionUp), unless
+// it knows it already.
+func (c *control) announce(id uint32) error {
+	if _, ok := c.pidOf[id]; ok {
+		return nil
+	}
+	s, ok := c.a.dp.Session(id)
+	if !ok {
+		return fmt.Errorf("no session %d", id)
+	}
+	if s.State&datapath.StEst == 0 || s.State&(datapath.StRST|datapath.StFINFwd|datapath.StFINRev) != 0 {
+		return fmt.Errorf("session %d is not established", id)
+	}
+	t := s.Tuple.Wire()
+	up := protocol.SessionUp{Session: protocol.SessionID(id), Tuple: t, Nonce: s.Nonce}
+	ws := func(i int) uint8 {
+		if s.Ws[i] == 0xff {
+			return 0
+		}
+		return s.Ws[i]
+	}
+	// Right side: the egress flow of the SYN's direction.
+	if s.Role == datapath.RoleStart || s.Role == datapath.RoleMiddle {
+		if sub, ok := c.currentSub(id, t, protocol.SideRight); ok {
+			up.Right = &protocol.SideInfo{Peer: sub.Dst, Sub: sub, SendWScale: ws(0), PeerWScale: ws(1)}
+		}
+	}
+	if s.Role != datapath.RoleStart {
+		if sub, ok := c.currentSub(id, t, protocol.SideLeft); ok {
+			up.Left = &protocol.SideInfo{Peer: sub.Src, Sub: sub, SendWScale: ws(1), PeerWScale: ws(0)}
+		}
+	}
+	if up.Left == nil && up.Right == nil {
+		return fmt.Errorf("session %d has no subsession at this host", id)
+	}
+	v6 := t.Dst.Is6() && !t.Dst.Is4In6()
+	c.pidOf[id], c.famOf[id] = protocol.SessionID(id), v6
+	c.handle(v6, up)
+	return nil
+}
+
+// currentSub returns the subsession a side of a session sends on, written
+// as its SYN went.
+func (c *control) currentSub(id uint32, t wire.Tuple, side protocol.Side) (wire.Tuple, bool) {
+	eg := t
+	if side == protocol.SideLeft {
+		eg = t.Reverse()
+	}
+	var out wire.Tuple
+	if tp, ok := c.a.dp.TwoPath(datapath.TPKey{SessId: id, Side: uint32(side)}); ok && tp.State == datapath.TPNew {
+		out = tp.NewOut.Wire()
+	} else if f, ok := c.a.dp.Flow(datapath.TupleFrom(eg)); ok && f.SessId == id && f.Flags&datapath.FlIngress == 0 {
+		out = f.Out.Wire()
+	} else {
+		return wire.Tuple{}, false
+	}
+	if side == protocol.SideLeft {
+		return out.Reverse(), true
+	}
+	return out, true
+}
+
+// dpID maps a protocol session to its datapath session.
+func (c *control) dpID(pid protocol.SessionID) uint32 {
+	if id, ok := c.joinedDP[pid]; ok {
+		return id
+	}
+	return uint32(pid)
+}
+
+// progress feeds the datapath's two-path variables of a side to the
+// protocol.
+func (c *control) progress(k datapath.TPKey) {
+	tp, ok := c.a.dp.TwoPath(k)
+	if !ok || tp.State != datapath.TPActive {
+		return
+	}
+	pid, ok := c.pidOf[k.SessId]
+	if !ok {
+		return
+	}
+	c.handle(c.famOf[k.SessId], protocol.TwoPathProgress{Session: pid, Side: protocol.Side(k.Side), Vars: varsOf(tp)})
+}
+
+func varsOf(tp datapath.TPVal) protocol.TwoPath {
+	return protocol.TwoPath{OldSent: tp.OldSent, OldRcvd: tp.OldRcvd, OldSentAcked: tp.OldSentAcked,
+		OldRcvdAcked: tp.OldRcvdAcked, FirstNewRcvd: tp.FirstNewRcvd, NewRcvd: tp.NewRcvd != 0}
+}
+
+// poll is the safety net of the event ring: sides in their two-path phase,
+// armed sides that switched by themselves, joined sessions becoming ready.
+func (c *control) poll() {
+	for k := range c.active {
+		tp, ok := c.a.dp.TwoPath(k)
+		if !ok || tp.State == datapath.TPNew {
+			delete(c.active, k)
+			continue
+		}
+		c.progress(k)
+	}
+	for pid, id := range c.notReady {
+		in0, in1 := false, false
+		_ = c.a.dp.EachFlowOf(id, func(k datapath.Tuple, f datapath.Flow) {
+			if f.Flags&datapath.FlIngress != 0 && f.MkOk != 0 {
+				if f.Dir == 0 {
+					in0 = true
+				} else {
+					in1 = true
+				}
+			}
+		})
+		if in0 && in1 {
+			delete(c.notReady, pid)
+			c.handle(c.famOf[id], protocol.DatapathReady{Session: pid})
+		}
+	}
+}
+
+// sessionsEnded is called by the collector with the sessions it ended.
+func (c *control) sessionsEnded(ids []uint32) {
+	c.post(func() {
+		for _, id := range ids {
+			pid, ok := c.pidOf[id]
+			if !ok {
+				continue
+			}
+			c.handle(c.famOf[id], protocol.SessionEnd{Session: pid, Cause: "ended"})
+			c.forget(id, pid)
+		}
+	})
+}
+
+func (c *control) forget(id uint32, pid protocol.SessionID) {
+	delete(c.pidOf, id)
+	delete(c.famOf, id)
+	delete(c.joinedDP, pid)
+	delete(c.notReady, pid)
+	for side := uint32(0); side < 2; side++ {
+		k := datapath.TPKey{SessId: id, Side: side}
+		delete(c.active, k)
+		delete(c.prevTP, k)
+		c.a.dp.DeleteTwoPath(k)
+	}
+}
+
+func (c *control) countReject(reason string) {
+	v, _ := c.rejected.LoadOrStore(reason, new(atomic.Uint64))
+	v.(*atomic.Uint64).Add(1)
+}
+
+// rejectedCounts returns the refused control messages by reason.
+func (c *control) rejectedCounts() map[string]uint64 {
+	out := map[string]uint64{}
+	c.rejected.Range(func(k, v any) bool {
+		out[k.(string)] = v.(*atomic.Uint64).Load()
+		return true
+	})
+	return out
+}
+
+// ---- actions ----
+
+func (c *control) do(v6 bool, act protocol.Action) error {
+	dp := c.a.dp
+	switch x := act.(type) {
+	case protocol.Send:
+		c.msgsOut.Add(1)
+		_, err := c.conn.WriteToUDPAddrPort(x.Data, netip.AddrPortFrom(x.To, uint16(c.port)))
+		return err
+	case protocol.SetTimer:
+		k := timerKey{v6, x.ID}
+		if t := c.timers[k]; t != nil {
+			t.Stop()
+		}
+		d := x.At - now()
+		c.timers[k] = time.AfterFunc(max(d, 0), func() {
+			c.post(func() {
+				if c.timers[k] == nil {
+					return
+				}
+				delete(c.timers, k)
+				c.handle(v6, protocol.TimerFired{ID: x.ID})
+			})
+		})
+	case protocol.CancelTimer:
+		k := timerKey{v6, x.ID}
+		if t := c.timers[k]; t != nil {
+			t.Stop()
+			delete(c.timers, k)
+		}
+	case protocol.AddSubsession:
+		return c.addSub(x)
+	case protocol.StartTwoPath:
+		k := datapath.TPKey{SessId: c.dpID(x.Session), Side: uint32(x.Side)}
+		if err := dp.StartTwoPath(k); err != nil && !errors.Is(err, errBusy) {
+			return err
+		}
+		c.active[k] = true
+		// The variables at the cut-off: enough to finish at once when
+		// nothing was in flight.
+		c.post(func() { c.progress(k) })
+	case protocol.EndTwoPath:
+		k := datapath.TPKey{SessId: c.dpID(x.Session), Side: uint32(x.Side)}
+		delete(c.active, k)
+		delete(c.prevTP, k)
+		return dp.SetTwoPathState(k, datapath.TPNew)
+	case protocol.RemoveSubsession:
+		return c.removeSub(x)
+	case protocol.SetWindowClamp:
+		k := datapath.TPKey{SessId: c.dpID(x.Session), Side: uint32(x.Side)}
+		if _, ok := dp.TwoPath(k); !ok {
+			return nil
+		}
+		return dp.SetWindowClamp(k, x.Bytes)
+	case protocol.JoinSession:
+		return c.join(v6, x)
+	case protocol.FreeSession:
+		id := c.dpID(x.Session)
+		c.free(id)
+		c.forget(id, x.Session)
+	case protocol.Result:
+		if ch, ok := c.waiters[x.Token]; ok {
+			delete(c.waiters, x.Token)
+			ch <- x
+		}
+		c.a.log.Info("reconfiguration", "session", x.Session, "req", x.Req.String(), "outcome", x.Outcome.String(),
+			"reason", x.Reason.String(), "blocker", x.Blocker.String())
+	case protocol.Rejected:
+		c.countReject(x.Reason.String())
+		c.a.log.Debug("control message refused", "reason", x.Reason.String(), "type", x.Type.String(), "from", x.From, "detail", x.Detail)
+	case protocol.Progress:
+		c.a.log.Debug("reconfiguration progress", "session", x.Session, "req", x.Req.String(), "role", x.Role.String(), "stage", x.Stage.String(), "note", x.Note)
+	}
+	return nil
+}
+
+var errBusy = errors.New("device or resource busy")
+
+// addSub installs a new subsession on a side (protocol.AddSubsession): its
+// ingress flow with the side's translation, and the side's two-path record,
+// then points the side's flows at the record.
+func (c *control) addSub(x protocol.AddSubsession) error {
+	dp := c.a.dp
+	id := c.dpID(x.Session)
+	s, ok := dp.Session(id)
+	if !ok {
+		return fmt.Errorf("no datapath session %d", id)
+	}
+	t := s.Tuple.Wire()
+	eg, newOut, inFlow := t, x.Sub, datapath.Flow{Out: datapath.TupleFrom(t.Reverse()), SessId: id,
+		Flags: datapath.FlIngress | datapath.FlRev | datapath.FlEst | datapath.FlTPNew | datapath.FlDelta, Dir: 1}
+	sndWS := s.Ws[0]
+	if x.Side == protocol.SideLeft {
+		eg, newOut = t.Reverse(), x.Sub.Reverse()
+		inFlow.Out, inFlow.Flags, inFlow.Dir = datapath.TupleFrom(t), datapath.FlIngress|datapath.FlEst|datapath.FlTPNew|datapath.FlDelta, 0
+		sndWS = s.Ws[1]
+	}
+	if sndWS == 0xff {
+		sndWS = 0
+	}
+	egKey := datapath.TupleFrom(eg)
+	k := datapath.TPKey{SessId: id, Side: uint32(x.Side)}
+	tp := datapath.TPVal{State: datapath.TPIdle, EgKey: egKey, NewOut: datapath.TupleFrom(newOut), SndWs: sndWS}
+	if x.Armed {
+		tp.Armed = 1
+	}
+	if old, ok := dp.TwoPath(k); ok {
+		if old.State != datapath.TPNew {
+			return fmt.Errorf("side %s of session %d is already in a reconfiguration", x.Side, id)
+		}
+		// A second reconfiguration: the previous new path is the old
+		// one now, with its translation.
+		c.prevTP[k] = old
+		tp.OldOut, tp.RerouteOld = old.NewOut, old.RerouteNew
+		if err := dp.PutDelta(egKey, old.Nd); err != nil {
+			return err
+		}
+		if err := dp.SetFlowFlags(egKey, datapath.FlDelta, 0); err != nil {
+			return err
+		}
+	} else {
+		f, ok := dp.Flow(egKey)
+		if !ok || f.SessId != id {
+			return fmt.Errorf("session %d has no egress flow %s", id, eg)
+		}
+		tp.OldOut = f.Out
+		if f.Flags&datapath.FlReroute != 0 {
+			tp.RerouteOld = 1
+		}
+	}
+	tp.InOld = datapath.TupleFrom(tp.OldOut.Wire().Reverse())
+	if !c.a.sameRoute(eg.Dst, newOut.Dst) {
+		tp.RerouteNew = 1
+	}
+	tp.Nd = datapath.Delta{Ack: -int32(x.Delta.Seq), Tsecr: -int32(x.Delta.TS)}
+	in := datapath.Delta{Seq: int32(x.Delta.Seq), Tsval: int32(x.Delta.TS), WsIn: x.WScaleIn, WsOut: x.WScaleOut}
+	if x.WScaleIn != x.WScaleOut {
+		in.WsOn = 1
+	}
+	newIn := datapath.TupleFrom(newOut.Reverse())
+	if err := dp.PutTwoPath(k, tp); err != nil {
+		return err
+	}
+	if err := dp.PutDelta(newIn, in); err != nil {
+		return err
+	}
+	if err := dp.AddFlow(newIn, inFlow); err != nil {
+		return err
+	}
+	if err := dp.SetFlowFlags(egKey, datapath.FlTPOut, 0); err != nil {
+		return err
+	}
+	return dp.SetFlowFlags(tp.InOld, datapath.FlTPOld, 0)
+}
+
+// removeSub deletes a subsession's ingress flow. Removing the new one of a
+// side that has not switched to it is a cancellation (§3.6): the side goes
+// back to what it was.
+func (c *control) removeSub(x protocol.RemoveSubsession) error {
+	dp := c.a.dp
+	id := c.dpID(x.Session)
+	k := datapath.TPKey{SessId: id, Side: uint32(x.Side)}
+	out := x.Sub
+	if x.Side == protocol.SideLeft {
+		out = x.Sub.Reverse()
+	}
+	in := datapath.TupleFrom(out.Reverse())
+	dp.DeleteFlow(in)
+	dp.DeleteDelta(in)
+	tp, ok := dp.TwoPath(k)
+	if !ok || tp.NewOut != datapath.TupleFrom(out) || tp.State == datapath.TPNew {
+		return nil
+	}
+	delete(c.active, k)
+	_ = dp.SetFlowFlags(tp.InOld, 0, datapath.FlTPOld)
+	if prev, ok := c.prevTP[k]; ok {
+		delete(c.prevTP, k)
+		_ = dp.SetFlowFlags(tp.EgKey, 0, datapath.FlDelta)
+		dp.DeleteDelta(tp.EgKey)
+		return dp.PutTwoPath(k, prev) // hash map update: the variables are not in use
+	}
+	if err := dp.SetFlowFlags(tp.EgKey, 0, datapath.FlTPOut); err != nil {
+		return err
+	}
+	dp.DeleteTwoPath(k)
+	return nil
+}
+
+// join creates the state of a middlebox joining a new path (§3.1): a
+// session with the tuple of the session and its two subsessions.
+func (c *control) join(v6 bool, x protocol.JoinSession) error {
+	dp := c.a.dp
+	t, l, r := x.Tuple, x.Left.Sub, x.Right.Sub
+	sess := datapath.Session{Tuple: datapath.TupleFrom(t), Nonce: x.Nonce, Role: datapath.RoleMiddle,
+		State: datapath.StSYN | datapath.StSYNACK | datapath.StEst | datapath.StSetupDone}
+	if v6 {
+		sess.IsV6 = 1
+	}
+	sess.Ws = [2]uint8{0xff, 0xff}
+	sess.CreatedNs = uint64(datapath.Monotonic())
+	sess.LastNs = sess.CreatedNs
+	id, err := dp.InsertSession(sess)
+	if err != nil {
+		return err
+	}
+	reroute := func(from, to netip.Addr) uint32 {
+		if from == to || c.a.sameRoute(from, to) {
+			return 0
+		}
+		return datapath.FlReroute | datapath.FlRouted
+	}
+	tap := uint32(0)
+	if c.a.cfg.Tap != "" {
+		tap = datapath.FlTap
+	}
+	flows := []struct {
+		k datapath.Tuple
+		f datapath.Flow
+	}{
+		{datapath.TupleFrom(l), datapath.Flow{Out: datapath.TupleFrom(t), SessId: id, Flags: datapath.FlIngress | datapath.FlEst | tap}},
+		{datapath.TupleFrom(t), datapath.Flow{Out: datapath.TupleFrom(r), SessId: id, Flags: datapath.FlEst | reroute(t.Dst, r.Dst)}},
+		{datapath.TupleFrom(r.Reverse()), datapath.Flow{Out: datapath.TupleFrom(t.Reverse()), SessId: id, Flags: datapath.FlIngress | datapath.FlRev | datapath.FlEst | tap, Dir: 1}},
+		{datapath.TupleFrom(t.Reverse()), datapath.Flow{Out: datapath.TupleFrom(l.Reverse()), SessId: id, Flags: datapath.FlRev | datapath.FlEst | reroute(t.Src, l.Src), Dir: 1}},
+	}
+	for i, fl := range flows {
+		if err := dp.AddFlow(fl.k, fl.f); err != nil {
+			for _, g := range flows[:i] {
+				dp.DeleteFlow(g.k)
+			}
+			dp.DeleteSession(id)
+			return err
+		}
+	}
+	c.joinedDP[x.Session] = id
+	c.pidOf[id], c.famOf[id] = x.Session, v6
+	c.notReady[x.Session] = id
+	return nil
+}
+
+// free deletes a session and everything of it at this host.
+func (c *control) free(id uint32) {
+	dp := c.a.dp
+	var keys []datapath.Tuple
+	_ = dp.EachFlowOf(id, func(k datapath.Tuple, f datapath.Flow) { keys = append(keys, k) })
+	for _, k := range keys {
+		dp.DeleteFlow(k)
+		dp.DeleteDelta(k)
+	}
+	for side := uint32(0); side < 2; side++ {
+		dp.DeleteTwoPath(datapath.TPKey{SessId: id, Side: side})
+	}
+	dp.DeleteSynState(id)
+	dp.DeleteSession(id)
+}
+
+// ---- requests from the local API ----
+
+// reconfigure runs a reconfiguration of each session in ids, as left
+// anchor, and waits for the results (or the deadline).
+func (c *control) reconfigure(ctx context.Context, ids []uint32, to netip.Addr, chain []netip.Addr) []reconfigOutcome {
+	type pending struct {
+		id    uint32
+		ch    chan protocol.Result
+		start time.Time
+		err   error
+	}
+	ps := make([]*pending, len(ids))
+	done := make(chan struct{})
+	c.post(func() {
+		for i, id := range ids {
+			p := &pending{id: id, ch: make(chan protocol.Result, 1), start: time.Now()}
+			ps[i] = p
+			if err := c.announce(id); err != nil {
+				p.err = err
+				continue
+			}
+			c.token++
+			c.waiters[c.token] = p.ch
+			c.handle(c.famOf[id], protocol.Reconfigure{Session: c.pidOf[id], RightAnchor: to, Chain: chain, Token: c.token})
+		}
+		close(done)
+	})
+	select {
+	case <-done:
+	case <-ctx.Done():
+		return nil
+	}
+	out := make([]reconfigOutcome, len(ps))
+	for i, p := range ps {
+		out[i].id = p.id
+		if p.err != nil {
+			out[i].outcome, out[i].reason = "refused", p.err.Error()
+			continue
+		}
+		select {
+		case r := <-p.ch:
+			out[i].res = &r
+			out[i].took = time.Since(p.start)
+		case <-ctx.Done():
+			out[i].outcome, out[i].reason = "failed", "no result before the deadline"
+		}
+	}
+	return out
+}
+
+type reconfigOutcome struct {
+	id      uint32
+	res     *protocol.Result
+	took    time.Duration
+	outcome string
+	reason  string
+}

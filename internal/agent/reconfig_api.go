@@ -1,0 +1,222 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/netip"
+	"time"
+
+	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/datapath"
+	"github.com/dysco/dysco/internal/policy"
+	"github.com/dysco/dysco/internal/protocol"
+	"github.com/vishvananda/netlink"
+)
+
+const (
+	defaultReconfigWait = 10 * time.Second
+	maxReconfigWait     = 5 * time.Minute
+)
+
+var errNoControl = errors.New("reconfiguration is disabled on this agent: start it with --control-key-file (every agent of a deployment needs the same key)")
+
+func reconfigWait(ms int) time.Duration {
+	if ms <= 0 {
+		return defaultReconfigWait
+	}
+	return min(time.Duration(ms)*time.Millisecond, maxReconfigWait)
+}
+
+// liveSessions returns the established sessions matching m for which this
+// host has the sides the caller needs.
+func (a *Agent) liveSessions(m *policy.SessionMatcher, needLeft, needRight bool) ([]datapath.SessionEntry, error) {
+	all, err := a.dp.Sessions()
+	if err != nil {
+		return nil, err
+	}
+	var out []datapath.SessionEntry
+	for _, s := range all {
+		if s.State&datapath.StEst == 0 || s.State&(datapath.StRST|datapath.StFINFwd|datapath.StFINRev) != 0 {
+			continue
+		}
+		hasRight := s.Role == datapath.RoleStart || s.Role == datapath.RoleMiddle
+		hasLeft := s.Role != datapath.RoleStart
+		if needLeft && !hasLeft || needRight && !hasRight {
+			continue
+		}
+		if !m.Match(s.Tuple.Wire()) {
+			continue
+		}
+		out = append(out, s)
+	}
+	return out, nil
+}
+
+func (a *Agent) handleReconfig(w http.ResponseWriter, r *http.Request) {
+	if a.ctl == nil {
+		writeErr(w, 503, errNoControl)
+		return
+	}
+	var req api.ReconfigRequest
+	if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<16)).Decode(&req); err != nil {
+		writeErr(w, 400, fmt.Errorf("reconfig: bad JSON: %w", err))
+		return
+	}
+	if !req.To.IsValid() {
+		writeErr(w, 400, errors.New("reconfig: no right anchor (to)"))
+		return
+	}
+	to := req.To.Unmap()
+	chain := make([]netip.Addr, 0, len(req.Chain))
+	for _, h := range req.Chain {
+		if h.Unmap() == to {
+			writeErr(w, 400, fmt.Errorf("reconfig: the right anchor %s is in the chain", to))
+			return
+		}
+		chain = append(chain, h.Unmap())
+	}
+	m, err := policy.CompileMatch(req.Match)
+	if err != nil {
+		writeErr(w, 400, err)
+		return
+	}
+	sessions, err := a.liveSessions(m, false, true)
+	if err != nil {
+		writeErr(w, 500, err)
+		return
+	}
+	ids := make([]uint32, len(sessions))
+	tuples := map[uint32]string{}
+	for i, s := range sessions {
+		ids[i] = s.ID
+		tuples[s.ID] = s.Tuple.Wire().String()
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), reconfigWait(req.TimeoutMS))
+	defer cancel()
+	rep := api.ReconfigReply{Results: []api.ReconfigResult{}}
+	for _, o := range a.ctl.reconfigure(ctx, ids, to, chain) {
+		res := api.ReconfigResult{ID: o.id, Session: tuples[o.id], Outcome: o.outcome, Reason: o.reason}
+		if o.res != nil {
+			res.Outcome, res.Reason, res.Blocker = o.res.Outcome.String(), reasonText(*o.res), blockerText(*o.res)
+			res.Micros = o.took.Microseconds()
+		}
+		rep.Results = append(rep.Results, res)
+	}
+	writeJSON(w, 200, rep)
+}
+
+// handleMiddlebox asks the left neighbour of each matching session through
+// this host to remove this host from it, or replace it (§2.3).
+func (a *Agent) handleMiddlebox(w http.ResponseWriter, r *http.Request) {
+	if a.ctl == nil {
+		writeErr(w, 503, errNoControl)
+		return
+	}
+	var req api.MiddleboxRequest
+	if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<16)).Decode(&req); err != nil {
+		writeErr(w, 400, fmt.Errorf("middlebox: bad JSON: %w", err))
+		return
+	}
+	m, err := policy.CompileMatch(req.Match)
+	if err != nil {
+		writeErr(w, 400, err)
+		return
+	}
+	sessions, err := a.liveSessions(m, true, true)
+	if err != nil {
+		writeErr(w, 500, err)
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), reconfigWait(req.TimeoutMS))
+	defer cancel()
+	rep := api.ReconfigReply{Results: []api.ReconfigResult{}}
+	for _, o := range a.ctl.removeSelf(ctx, sessions, req.With) {
+		rep.Results = append(rep.Results, o)
+	}
+	writeJSON(w, 200, rep)
+}
+
+// removeSelf sends a trigger per session and collects the results.
+func (c *control) removeSelf(ctx context.Context, sessions []datapath.SessionEntry, with []netip.Addr) []api.ReconfigResult {
+	type pending struct {
+		res api.ReconfigResult
+		ch  chan triggerMsg
+		at  time.Time
+	}
+	ps := make([]*pending, len(sessions))
+	done := make(chan struct{})
+	c.post(func() {
+		defer close(done)
+		for i, s := range sessions {
+			p := &pending{res: api.ReconfigResult{ID: s.ID, Session: s.Tuple.Wire().String()}, at: time.Now()}
+			ps[i] = p
+			t := s.Tuple.Wire()
+			left, ok1 := c.currentSub(s.ID, t, protocol.SideLeft)
+			right, ok2 := c.currentSub(s.ID, t, protocol.SideRight)
+			if !ok1 || !ok2 {
+				p.res.Outcome, p.res.Reason = "refused", "this host is not in the middle of the session"
+				continue
+			}
+			var chain []netip.Addr
+			for _, h := range with {
+				chain = append(chain, h.Unmap())
+			}
+			ch, err := c.sendTrigger(left.Src, triggerMsg{Sub: &left, RightAnchor: right.Dst, Chain: chain})
+			if err != nil {
+				p.res.Outcome, p.res.Reason = "failed", err.Error()
+				continue
+			}
+			p.ch = ch
+		}
+	})
+	select {
+	case <-done:
+	case <-ctx.Done():
+		return nil
+	}
+	out := make([]api.ReconfigResult, 0, len(ps))
+	for _, p := range ps {
+		if p.ch != nil {
+			select {
+			case m := <-p.ch:
+				p.res.Outcome, p.res.Reason, p.res.Blocker = m.Outcome, m.Reason, m.Blocker
+				p.res.Micros = m.Micros
+			case <-ctx.Done():
+				p.res.Outcome, p.res.Reason = "failed", "no result before the deadline"
+			}
+		}
+		out = append(out, p.res)
+	}
+	return out
+}
+
+// selfAddr returns this host's first global address of a family: the
+// address other agents name it by in address lists.
+func (a *Agent) selfAddr(v6 bool) netip.Addr {
+	fam := netlink.FAMILY_V4
+	if v6 {
+		fam = netlink.FAMILY_V6
+	}
+	addrs, err := netlink.AddrList(nil, fam)
+	if err != nil {
+		return netip.Addr{}
+	}
+	var best netip.Addr
+	for _, ad := range addrs {
+		ip, ok := netip.AddrFromSlice(ad.IP)
+		if !ok {
+			continue
+		}
+		ip = ip.Unmap()
+		if ip.Is6() != v6 || !ip.IsGlobalUnicast() {
+			continue
+		}
+		if !best.IsValid() || ip.Less(best) {
+			best = ip
+		}
+	}
+	return best
+}

@@ -1,0 +1,228 @@
+package agent
+
+// Triggers: a middlebox host asks the left neighbour of one of its sessions
+// to reconfigure the segment around it (paper §2.3: "a middlebox can ask to
+// be removed"; §4.2: a proxy removes itself). The reconfiguration protocol
+// proper starts at the left anchor (§3.1); a trigger only asks for it, and
+// the answer comes back when the left anchor's request ends.
+//
+// Wire format (UDP, same port as the protocol): "DYST", version 1, kind
+// (1 request, 2 result), then a JSON body, then HMAC-SHA256 (16 bytes) of
+// everything before it under the deployment key. Requests carry their send
+// time and are refused when older than triggerMaxAge, and a request token
+// is answered once (retransmissions get the same answer).
+
+import (
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/json"
+	"fmt"
+	"net/netip"
+	"time"
+
+	"github.com/dysco/dysco/internal/protocol"
+	"github.com/dysco/dysco/internal/wire"
+)
+
+const (
+	triggerMagic   = "DYST"
+	triggerVersion = 1
+	triggerRequest = 1
+	triggerResult  = 2
+	triggerMACLen  = 16
+	triggerMaxAge  = 30 * time.Second
+)
+
+// triggerMsg is a trigger request or its result.
+type triggerMsg struct {
+	Token uint64 `json:"token"`
+	// Request: the subsession from the left neighbour to the sender (as its
+	// SYN went), the right anchor and the new chain.
+	Sub         *wire.Tuple  `json:"sub,omitempty"`
+	RightAnchor netip.Addr   `json:"right_anchor,omitzero"`
+	Chain       []netip.Addr `json:"chain,omitempty"`
+	SentUnixMS  int64        `json:"sent_unix_ms,omitempty"`
+	// Result.
+	Outcome string `json:"outcome,omitempty"`
+	Reason  string `json:"reason,omitempty"`
+	Blocker string `json:"blocker,omitempty"`
+	Micros  int64  `json:"micros,omitempty"`
+}
+
+// trigger is a request this agent sent, waiting for its result.
+type trigger struct {
+	to    netip.Addr
+	data  []byte
+	ch    chan triggerMsg
+	tries int
+	timer *time.Timer
+}
+
+func isTrigger(b []byte) bool { return len(b) >= 6 && string(b[:4]) == triggerMagic }
+
+func encodeTrigger(key []byte, kind byte, m triggerMsg) ([]byte, error) {
+	body, err := json.Marshal(m)
+	if err != nil {
+		return nil, err
+	}
+	b := append([]byte(triggerMagic), triggerVersion, kind)
+	b = append(b, body...)
+	h := hmac.New(sha256.New, key)
+	h.Write(b)
+	return append(b, h.Sum(nil)[:triggerMACLen]...), nil
+}
+
+func decodeTrigger(key, b []byte) (byte, triggerMsg, error) {
+	var m triggerMsg
+	if len(b) < 6+triggerMACLen {
+		return 0, m, fmt.Errorf("trigger too short")
+	}
+	if b[4] != triggerVersion {
+		return 0, m, fmt.Errorf("trigger version %d", b[4])
+	}
+	body, tag := b[:len(b)-triggerMACLen], b[len(b)-triggerMACLen:]
+	h := hmac.New(sha256.New, key)
+	h.Write(body)
+	if !hmac.Equal(h.Sum(nil)[:triggerMACLen], tag) {
+		return 0, m, fmt.Errorf("trigger MAC mismatch")
+	}
+	if err := json.Unmarshal(body[6:], &m); err != nil {
+		return 0, m, fmt.Errorf("trigger body: %v", err)
+	}
+	return b[5], m, nil
+}
+
+// answered remembers the results of trigger requests, by sender and token.
+type triggerKey struct {
+	from  netip.Addr
+	token uint64
+}
+
+// onTrigger handles a trigger request or result (loop goroutine).
+func (c *control) onTrigger(from netip.Addr, data []byte) {
+	kind, m, err := decodeTrigger(c.key, data)
+	if err != nil {
+		c.countReject("trigger: " + err.Error())
+		return
+	}
+	switch kind {
+	case triggerResult:
+		t := c.triggers[m.Token]
+		if t == nil || t.to != from {
+			c.countReject("trigger: unexpected result")
+			return
+		}
+		delete(c.triggers, m.Token)
+		t.timer.Stop()
+		t.ch <- m
+	case triggerRequest:
+		k := triggerKey{from, m.Token}
+		if res, ok := c.trigAnswers[k]; ok {
+			if res != nil {
+				_, _ = c.conn.WriteToUDPAddrPort(res, netip.AddrPortFrom(from, uint16(c.port)))
+			}
+			return // a retransmission: answered, or still running
+		}
+		age := time.Since(time.UnixMilli(m.SentUnixMS))
+		if m.Sub == nil || age > triggerMaxAge || age < -triggerMaxAge {
+			c.countReject("trigger: stale or malformed request")
+			return
+		}
+		answer := func(r triggerMsg) {
+			r.Token = m.Token
+			b, err := encodeTrigger(c.key, triggerResult, r)
+			if err != nil {
+				return
+			}
+			c.trigAnswers[k] = b
+			time.AfterFunc(2*triggerMaxAge, func() { c.post(func() { delete(c.trigAnswers, k) }) })
+			_, _ = c.conn.WriteToUDPAddrPort(b, netip.AddrPortFrom(from, uint16(c.port)))
+		}
+		// The sender must be the right end of the subsession it names.
+		if m.Sub.Dst != from {
+			answer(triggerMsg{Outcome: "refused", Reason: "the subsession does not lead to the sender"})
+			return
+		}
+		id, ok := c.sessionBySub(*m.Sub)
+		if !ok {
+			answer(triggerMsg{Outcome: "refused", Reason: protocol.ReasonNoSession.String()})
+			return
+		}
+		c.trigAnswers[k] = nil
+		start := time.Now()
+		if err := c.announce(id); err != nil {
+			answer(triggerMsg{Outcome: "refused", Reason: err.Error()})
+			return
+		}
+		c.token++
+		ch := make(chan protocol.Result, 1)
+		c.waiters[c.token] = ch
+		c.handle(c.famOf[id], protocol.Reconfigure{Session: c.pidOf[id], RightAnchor: m.RightAnchor, Chain: m.Chain, Token: c.token})
+		go func() {
+			r := <-ch
+			c.post(func() {
+				answer(triggerMsg{Outcome: r.Outcome.String(), Reason: reasonText(r), Blocker: blockerText(r),
+					Micros: time.Since(start).Microseconds()})
+			})
+		}()
+	default:
+		c.countReject("trigger: unknown kind")
+	}
+}
+
+// sendTrigger asks from's left neighbour to reconfigure; the result
+// arrives on the returned channel. Loop goroutine.
+func (c *control) sendTrigger(to netip.Addr, m triggerMsg) (chan triggerMsg, error) {
+	c.token++
+	m.Token = c.token
+	m.SentUnixMS = time.Now().UnixMilli()
+	b, err := encodeTrigger(c.key, triggerRequest, m)
+	if err != nil {
+		return nil, err
+	}
+	t := &trigger{to: to, data: b, ch: make(chan triggerMsg, 1)}
+	c.triggers[m.Token] = t
+	token := m.Token
+	var send func()
+	send = func() {
+		t.tries++
+		_, _ = c.conn.WriteToUDPAddrPort(t.data, netip.AddrPortFrom(to, uint16(c.port)))
+		if t.tries >= 10 {
+			t.timer = time.AfterFunc(time.Second, func() {
+				c.post(func() {
+					if c.triggers[token] == t {
+						delete(c.triggers, token)
+						t.ch <- triggerMsg{Outcome: "failed", Reason: "no answer from the left neighbour " + to.String()}
+					}
+				})
+			})
+			return
+		}
+		t.timer = time.AfterFunc(time.Duration(50<<min(t.tries, 4))*time.Millisecond, func() {
+			c.post(func() {
+				if c.triggers[token] == t {
+					send()
+				}
+			})
+		})
+	}
+	send()
+	return t.ch, nil
+}
+
+func reasonText(r protocol.Result) string {
+	if r.Outcome == protocol.Succeeded {
+		if r.Unconfirmed {
+			return "old path torn down without confirmation"
+		}
+		return ""
+	}
+	return r.Reason.String()
+}
+
+func blockerText(r protocol.Result) string {
+	if r.Blocker.IsZero() {
+		return ""
+	}
+	return r.Blocker.String()
+}

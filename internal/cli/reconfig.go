@@ -1,0 +1,391 @@
+package cli
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/policy"
+)
+
+func init() {
+	register(newReconfigCmd)
+	register(newMiddleboxCmd)
+}
+
+// defaultReconfigTimeout is the default of --timeout: how long the agent
+// waits for the results of a reconfiguration request.
+const defaultReconfigTimeout = 10 * time.Second
+
+const matchSemantics = `FILTER is a tcpdump filter tested against each session's first SYN as the
+client sent it: the session's addresses and ports (not those of its
+subsessions), TCP, TTL 64, SYN only, no options, no payload: "tcp dst port
+80", "src net 10.1.0.0/16 and dst host 10.0.9.1", "tcp and ip6".`
+
+const outcomeSemantics = `Each matching session gets one line: its id at this agent, its tuple, the
+outcome, the reason (and, when another reconfiguration holds part of the
+path, that request as "blocked by ANCHOR#ID") and the time taken. The
+outcome is
+  succeeded  the session runs on the new path; the old one is gone;
+  refused    nothing changed: part of the path was locked by another
+             reconfiguration (§3.2), an anchor was busy, the request does
+             not fit the session, or the right anchor is not on its path;
+  failed     the reconfiguration started but could not complete (the new
+             path could not be set up, no answer in time, the session
+             ended); the session goes on on its old path.
+A summary line follows. The exit status is 0 only if every matching session
+succeeded; it is 1 if any did not, or if no session matched. --json prints
+the agent's reply as JSON instead (same exit status).`
+
+func newReconfigCmd() *cobra.Command {
+	var (
+		match   string
+		to      string
+		chain   []string
+		timeout time.Duration
+		asJSON  bool
+	)
+	cmd := &cobra.Command{
+		Use:   "reconfig --match 'FILTER' --to RIGHT_ANCHOR [--chain HOP[,HOP...]] [--timeout 10s] [--json]",
+		Short: "Insert, delete or replace middleboxes in live sessions, from this host",
+		Long: `Reconfigure the live sessions at this host that match FILTER (paper §3.1).
+For each of them whose path goes on from this host to RIGHT_ANCHOR, this
+host, the left anchor, replaces the segment of the path between itself and
+RIGHT_ANCHOR (the right anchor) by a new segment through the hops of --chain,
+in order. The middleboxes strictly between the two anchors leave the path;
+the endpoints and the middleboxes kept see the same TCP session go on,
+unbroken.
+
+RIGHT_ANCHOR is a host after this one on the session's path (a middlebox of
+its chain, or the session's destination) and runs an agent. The hops of
+--chain are middlebox addresses (no type names), of the session's address
+family, running agents; neither anchor may appear among them. The three
+operations are uses of this one primitive:
+
+  insert   --to the current next hop, --chain the new middlebox(es): they
+           go between this host and its next hop;
+  delete   --to the first host to keep after the ones deleted, no --chain
+           (or --chain ''): every middlebox between this host and
+           RIGHT_ANCHOR leaves the path;
+  replace  --to the host after the middlebox(es) replaced, --chain the
+           replacement(s).
+
+The sessions this host can reconfigure are those it starts a chain for or
+forwards as a middlebox: it must have a next hop. To act from a middlebox on
+the sessions passing through it, see "dysco middlebox".
+
+` + matchSemantics + `
+
+` + outcomeSemantics,
+		Example: `  # insert the IDS 10.0.2.5 before the next hop 10.0.3.2 of web sessions
+  dysco reconfig --match 'tcp dst port 80' --to 10.0.3.2 --chain 10.0.2.5
+  # delete every middlebox between this host and the server 10.0.9.1
+  dysco reconfig --match 'tcp dst port 80 and dst host 10.0.9.1' --to 10.0.9.1
+  # replace the middlebox before 10.0.3.2 by two others, waiting up to 30s
+  dysco reconfig --match tcp --to 10.0.3.2 --chain 10.0.2.6,10.0.2.7 --timeout 30s`,
+		Args: noArgsUse("give the filter with --match 'FILTER'"),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if !cmd.Flags().Changed("match") {
+				return errors.New(`--match is required: a tcpdump filter selecting the sessions ("tcp" selects every session)`)
+			}
+			if strings.TrimSpace(match) == "" {
+				return errors.New(`--match "": empty filter (use --match tcp to reconfigure every session with a path to --to)`)
+			}
+			if err := checkMatch(match); err != nil {
+				return err
+			}
+			if !cmd.Flags().Changed("to") {
+				return errors.New("--to is required: the right anchor, a host after this one on the sessions' path (the current next hop, to insert)")
+			}
+			right, err := parseAddr("--to", to)
+			if err != nil {
+				return err
+			}
+			hops, err := parseHops("--chain", chain)
+			if err != nil {
+				return err
+			}
+			for _, h := range hops {
+				if h == right {
+					return fmt.Errorf("--chain: %s is the right anchor (--to); the chain lists the middleboxes before it", h)
+				}
+				if h.Is4() != right.Is4() {
+					return fmt.Errorf("--chain: %s and --to %s are of different address families", h, right)
+				}
+			}
+			tms, err := timeoutMS(timeout)
+			if err != nil {
+				return err
+			}
+			req := api.ReconfigRequest{Match: match, To: right, Chain: hops, TimeoutMS: tms}
+			rep, err := agentClient().Reconfig(cmd.Context(), req)
+			if err != nil {
+				return err
+			}
+			return reportResults(cmd.OutOrStdout(), rep, asJSON,
+				fmt.Sprintf("no live session at this host matches %q with a path to %s", match, right))
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&match, "match", "", "tcpdump filter selecting the sessions, tested against their first SYN (required)")
+	f.StringVar(&to, "to", "", "right anchor: the host after this one on the sessions' path where the new segment ends (required)")
+	f.StringSliceVar(&chain, "chain", nil, "middleboxes of the new segment, in order: IP addresses, comma-separated; empty deletes every middlebox up to --to")
+	f.DurationVar(&timeout, "timeout", defaultReconfigTimeout, "how long the agent waits for the sessions' results")
+	f.BoolVar(&asJSON, "json", false, "print the agent's reply as JSON")
+	return cmd
+}
+
+func newMiddleboxCmd() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "middlebox",
+		Short: "Take this middlebox host out of live sessions, or replace it in them",
+		Long: `Run on a middlebox host: reconfigure the live sessions passing through it
+(paper §2.3), for example before taking the middlebox down for maintenance,
+to shed load onto other instances, or to leave sessions it no longer needs
+to see. For each session the agent asks its left neighbour on the path to
+reconfigure the segment around this host (paper §3.1: the left neighbour is
+the left anchor, this host's right neighbour the right anchor).`,
+	}
+	cmd.AddCommand(newMiddleboxRemoveCmd(), newMiddleboxReplaceCmd())
+	return cmd
+}
+
+func newMiddleboxRemoveCmd() *cobra.Command {
+	var (
+		match   string
+		timeout time.Duration
+		asJSON  bool
+	)
+	cmd := &cobra.Command{
+		Use:     "remove [--match FILTER] [--timeout 10s] [--json]",
+		Aliases: []string{"rm"},
+		Short:   "Take this host out of every matching session passing through it",
+		Long: `Take this middlebox host out of every live session passing through it that
+matches FILTER (every such session without --match): the session goes on
+straight from this host's left neighbour to its right neighbour on the path
+(paper §2.3, a deletion in the sense of §3.1). Sessions this host starts or
+ends are not affected.
+
+` + matchSemantics + `
+
+` + outcomeSemantics,
+		Example: `  dysco middlebox remove
+  dysco middlebox remove --match 'tcp dst port 443' --timeout 30s`,
+		Args: noArgsUse("give the filter with --match 'FILTER'"),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return runMiddlebox(cmd, match, nil, timeout, asJSON)
+		},
+	}
+	addMiddleboxFlags(cmd, &match, &timeout, &asJSON)
+	return cmd
+}
+
+func newMiddleboxReplaceCmd() *cobra.Command {
+	var (
+		match   string
+		with    []string
+		timeout time.Duration
+		asJSON  bool
+	)
+	cmd := &cobra.Command{
+		Use:   "replace --with HOP[,HOP...] [--match FILTER] [--timeout 10s] [--json]",
+		Short: "Replace this host by other middleboxes in every matching session passing through it",
+		Long: `Replace this middlebox host, in every live session passing through it that
+matches FILTER (every such session without --match), by the hops of --with,
+in order: the session goes from this host's left neighbour through them to
+its right neighbour (paper §2.3, a replacement in the sense of §3.1). The
+hops are middlebox addresses (no type names) of one address family, running
+agents; this host must not be among them. Sessions this host starts or ends
+are not affected.
+
+` + matchSemantics + `
+
+` + outcomeSemantics,
+		Example: `  dysco middlebox replace --with 10.0.2.6
+  dysco middlebox replace --with 10.0.2.6,10.0.2.7 --match 'src net 10.1.0.0/16'`,
+		Args: noArgsUse("give the replacement hops with --with HOP[,HOP...] and the filter with --match 'FILTER'"),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			hops, err := parseHops("--with", with)
+			if err != nil {
+				return err
+			}
+			if len(hops) == 0 {
+				return errors.New(`--with is required: the middleboxes to replace this host by (to take this host out without a replacement, use "dysco middlebox remove")`)
+			}
+			for _, h := range hops[1:] {
+				if h.Is4() != hops[0].Is4() {
+					return fmt.Errorf("--with: %s and %s are of different address families", hops[0], h)
+				}
+			}
+			return runMiddlebox(cmd, match, hops, timeout, asJSON)
+		},
+	}
+	cmd.Flags().StringSliceVar(&with, "with", nil, "middleboxes to put in this host's place, in order: IP addresses, comma-separated (required)")
+	addMiddleboxFlags(cmd, &match, &timeout, &asJSON)
+	return cmd
+}
+
+func addMiddleboxFlags(cmd *cobra.Command, match *string, timeout *time.Duration, asJSON *bool) {
+	f := cmd.Flags()
+	f.StringVar(match, "match", "", "tcpdump filter selecting the sessions, tested against their first SYN (default: every session through this host)")
+	f.DurationVar(timeout, "timeout", defaultReconfigTimeout, "how long the agent waits for the sessions' results")
+	f.BoolVar(asJSON, "json", false, "print the agent's reply as JSON")
+}
+
+func runMiddlebox(cmd *cobra.Command, match string, with []netip.Addr, timeout time.Duration, asJSON bool) error {
+	if err := checkMatch(match); err != nil {
+		return err
+	}
+	tms, err := timeoutMS(timeout)
+	if err != nil {
+		return err
+	}
+	rep, err := agentClient().Middlebox(cmd.Context(), api.MiddleboxRequest{Match: match, With: with, TimeoutMS: tms})
+	if err != nil {
+		return err
+	}
+	none := "no live session passes through this host"
+	if strings.TrimSpace(match) != "" {
+		none = fmt.Sprintf("no live session passing through this host matches %q", match)
+	}
+	return reportResults(cmd.OutOrStdout(), rep, asJSON, none)
+}
+
+// noArgsUse refuses positional arguments with a hint: a filter given
+// without --match is the likely mistake.
+func noArgsUse(hint string) cobra.PositionalArgs {
+	return func(cmd *cobra.Command, args []string) error {
+		if len(args) > 0 {
+			return fmt.Errorf("unexpected argument %q: %s", strings.Join(args, " "), hint)
+		}
+		return nil
+	}
+}
+
+// checkMatch compiles a --match filter here, so that a mistake is reported
+// before the agent is asked; empty matches everything.
+func checkMatch(match string) error {
+	if _, err := policy.CompileMatch(match); err != nil {
+		return fmt.Errorf("--match: %w", err)
+	}
+	return nil
+}
+
+// parseAddr reads the IP address given to flag.
+func parseAddr(flag, s string) (netip.Addr, error) {
+	a, err := netip.ParseAddr(strings.TrimSpace(s))
+	if err != nil {
+		return netip.Addr{}, fmt.Errorf("%s: %q is not an IP address", flag, s)
+	}
+	return a.Unmap(), nil
+}
+
+// parseHops reads the addresses given to flag (comma-separated, or the flag
+// repeated), skipping blanks; they must be distinct and at most
+// api.MaxChain.
+func parseHops(flag string, vals []string) ([]netip.Addr, error) {
+	var hops []netip.Addr
+	for _, v := range vals {
+		if strings.TrimSpace(v) == "" {
+			continue
+		}
+		a, err := parseAddr(flag, v)
+		if err != nil {
+			return nil, err
+		}
+		for _, h := range hops {
+			if h == a {
+				return nil, fmt.Errorf("%s: %s appears twice (the path would loop)", flag, a)
+			}
+		}
+		hops = append(hops, a)
+	}
+	if len(hops) > api.MaxChain {
+		return nil, fmt.Errorf("%s: %d hops, at most %d are allowed", flag, len(hops), api.MaxChain)
+	}
+	return hops, nil
+}
+
+// timeoutMS converts --timeout for the request.
+func timeoutMS(d time.Duration) (int, error) {
+	if d < time.Millisecond {
+		return 0, fmt.Errorf("--timeout %v: must be at least 1ms", d)
+	}
+	if d > 24*time.Hour {
+		return 0, fmt.Errorf("--timeout %v: at most 24h", d)
+	}
+	return int(d.Milliseconds()), nil
+}
+
+// Outcomes of api.ReconfigResult.
+const (
+	outcomeSucceeded = "succeeded"
+	outcomeRefused   = "refused"
+	outcomeFailed    = "failed"
+)
+
+// reportResults prints the reply (a table and a summary line, or JSON) and
+// returns the command's verdict: an error saying none when no session
+// matched, exit status 1 when some session did not succeed.
+func reportResults(w io.Writer, rep api.ReconfigReply, asJSON bool, none string) error {
+	if asJSON {
+		if rep.Results == nil {
+			rep.Results = []api.ReconfigResult{}
+		}
+		if err := writeJSONOut(w, rep); err != nil {
+			return err
+		}
+	}
+	if len(rep.Results) == 0 {
+		return errors.New(none)
+	}
+	var ok, refused, failed int
+	for _, r := range rep.Results {
+		switch r.Outcome {
+		case outcomeSucceeded:
+			ok++
+		case outcomeRefused:
+			refused++
+		default:
+			// "failed", or an outcome this CLI does not know: it did
+			// not succeed.
+			failed++
+		}
+	}
+	if !asJSON {
+		if err := printResults(w, rep.Results); err != nil {
+			return err
+		}
+		if _, err := fmt.Fprintf(w, "%d succeeded, %d refused, %d failed\n", ok, refused, failed); err != nil {
+			return err
+		}
+	}
+	if ok != len(rep.Results) {
+		return exitError(1)
+	}
+	return nil
+}
+
+func printResults(w io.Writer, rs []api.ReconfigResult) error {
+	tw := newTabWriter(w)
+	fmt.Fprintln(tw, "ID\tSESSION\tOUTCOME\tREASON\tTIME")
+	for _, r := range rs {
+		reason := r.Reason
+		if r.Blocker != "" {
+			reason = strings.TrimSpace(reason + " (blocked by " + r.Blocker + ")")
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\n", r.ID, orDash(r.Session), orDash(r.Outcome), orDash(reason), formatMicros(r.Micros))
+	}
+	return tw.Flush()
+}
+
+// formatMicros writes a duration in microseconds as milliseconds: 12.3ms.
+func formatMicros(us int64) string {
+	return fmt.Sprintf("%.1fms", float64(us)/1000)
+}

@@ -1,0 +1,200 @@
+package datapath
+
+import (
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"syscall"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/ringbuf"
+)
+
+// Two-path phase of a reconfiguration (paper §3.5): mirrors of consts.h.
+const (
+	TPIdle     = 0 // new subsession installed; everything still on the old path
+	TPStarting = 1 // the cut-off is being taken
+	TPActive   = 2 // two paths: the cut-off tables
+	TPNew      = 3 // everything on the new path
+
+	// Progress bits of a TPEvent.
+	TPBActive    = 1 << 0
+	TPBSendDone  = 1 << 1
+	TPBRcvdAcked = 1 << 2
+	TPBNewRcvd   = 1 << 3
+	TPBNewAtOld  = 1 << 4
+
+	ctlFlagsSet   = 1
+	ctlFlagsClear = 2
+	ctlTPStart    = 3
+	ctlTPState    = 4
+	ctlTPClamp    = 5
+
+	evProgress = 1
+)
+
+// TPKey names one side of a session (0 left, 1 right).
+type TPKey = dyscoTpKey
+
+// TPVal is the two-path record of a side.
+type TPVal = dyscoTpVal
+
+// TPEvent is a notice from the datapath: the progress summary of a side in
+// its two-path phase changed.
+type TPEvent struct {
+	SessID uint32
+	Side   uint32
+	Bits   uint32
+}
+
+// ctl runs a command of dysco_ctl in the kernel.
+func (d *Datapath) ctl(op uint32, k *Tuple, tp *TPKey, arg uint32) error {
+	a := dyscoCtlArgs{Op: op, Arg: arg}
+	if k != nil {
+		a.Key = *k
+	}
+	if tp != nil {
+		a.Tp = *tp
+	}
+	ctx := make([]byte, binary.Size(a))
+	if _, err := binary.Encode(ctx, binary.NativeEndian, &a); err != nil {
+		return err
+	}
+	ret, err := d.objs.DyscoCtl.Run(&ebpf.RunOptions{Context: ctx})
+	if err != nil {
+		return fmt.Errorf("datapath: control program: %w", err)
+	}
+	if r := int32(ret); r < 0 {
+		return syscall.Errno(-r)
+	}
+	return nil
+}
+
+// Flow returns the flow at key k.
+func (d *Datapath) Flow(k Tuple) (Flow, bool) {
+	var f Flow
+	err := d.objs.DyscoFlows.Lookup(k, &f)
+	return f, err == nil
+}
+
+// AddFlow installs a new flow; an existing flow at k is an error.
+func (d *Datapath) AddFlow(k Tuple, f Flow) error {
+	if err := d.objs.DyscoFlows.Update(k, f, ebpf.UpdateNoExist); err != nil {
+		if errors.Is(err, ebpf.ErrKeyExist) {
+			return fmt.Errorf("datapath: flow %s exists", k)
+		}
+		return fmt.Errorf("datapath: add flow %s: %w", k, err)
+	}
+	return nil
+}
+
+// PutDelta sets the sequence translation of the flow at k (applied when
+// the flow has FlDelta).
+func (d *Datapath) PutDelta(k Tuple, v Delta) error {
+	return d.objs.DyscoDeltas.Update(k, v, ebpf.UpdateAny)
+}
+
+// DeleteDelta removes the translation of the flow at k.
+func (d *Datapath) DeleteDelta(k Tuple) { _ = d.objs.DyscoDeltas.Delete(k) }
+
+// PutTwoPath writes a side's two-path record. Only before the side's flows
+// point at it (FlTPOut, FlTPOld, FlTPNew); afterwards the datapath owns the
+// variables and the agent changes the record through StartTwoPath,
+// SetTwoPathState and SetWindowClamp only.
+func (d *Datapath) PutTwoPath(k TPKey, v TPVal) error {
+	return d.objs.DyscoTp.Update(k, v, ebpf.UpdateAny)
+}
+
+// TwoPath reads a side's two-path record.
+func (d *Datapath) TwoPath(k TPKey) (TPVal, bool) {
+	var v TPVal
+	err := d.objs.DyscoTp.Lookup(k, &v)
+	return v, err == nil
+}
+
+// DeleteTwoPath removes a side's two-path record.
+func (d *Datapath) DeleteTwoPath(k TPKey) { _ = d.objs.DyscoTp.Delete(k) }
+
+// StartTwoPath takes the cut-off from the side's marks and starts the
+// two-path phase, unless it started already (EBUSY when another start is
+// half-way).
+func (d *Datapath) StartTwoPath(k TPKey) error { return d.ctl(ctlTPStart, nil, &k, 0) }
+
+// SetTwoPathState changes the state of a side's two-path record (TPNew
+// ends the phase: everything goes on the new path).
+func (d *Datapath) SetTwoPathState(k TPKey, state uint32) error {
+	return d.ctl(ctlTPState, nil, &k, state)
+}
+
+// SetWindowClamp limits the window the side advertises (0: no limit).
+func (d *Datapath) SetWindowClamp(k TPKey, bytes uint32) error {
+	return d.ctl(ctlTPClamp, nil, &k, bytes)
+}
+
+// EventReader returns a reader of the datapath's notices; Read blocks
+// until one arrives or the reader is closed.
+func (d *Datapath) EventReader() (*EventReader, error) {
+	r, err := ringbuf.NewReader(d.objs.DyscoEvents)
+	if err != nil {
+		return nil, fmt.Errorf("datapath: events: %w", err)
+	}
+	return &EventReader{r: r}, nil
+}
+
+// EventReader reads TPEvents.
+type EventReader struct{ r *ringbuf.Reader }
+
+// Read returns the next event.
+func (e *EventReader) Read() (TPEvent, error) {
+	for {
+		rec, err := e.r.Read()
+		if err != nil {
+			return TPEvent{}, err
+		}
+		if len(rec.RawSample) < 16 {
+			continue
+		}
+		b := rec.RawSample
+		if binary.NativeEndian.Uint32(b[12:]) != evProgress {
+			continue
+		}
+		return TPEvent{SessID: binary.NativeEndian.Uint32(b), Side: binary.NativeEndian.Uint32(b[4:]),
+			Bits: binary.NativeEndian.Uint32(b[8:])}, nil
+	}
+}
+
+// Close stops the reader; a blocked Read returns an error.
+func (e *EventReader) Close() error { return e.r.Close() }
+
+// EachFlowOf calls fn for every flow of session id (a walk of the flow map).
+func (d *Datapath) EachFlowOf(id uint32, fn func(k Tuple, f Flow)) error {
+	return d.EachFlow(func(k *Tuple, f *Flow) {
+		if f.SessId == id {
+			fn(*k, *f)
+		}
+	})
+}
+
+// InsertSession stores a session the agent creates (a middlebox joining a
+// new path, §3.1) under a fresh id below 2^24, as the datapath does.
+func (d *Datapath) InsertSession(s Session) (uint32, error) {
+	for range 16 {
+		var b [4]byte
+		if _, err := rand.Read(b[:]); err != nil {
+			return 0, err
+		}
+		id := binary.LittleEndian.Uint32(b[:]) & 0xffffff
+		if id == 0 {
+			continue
+		}
+		err := d.objs.DyscoSessions.Update(id, s, ebpf.UpdateNoExist)
+		if err == nil {
+			return id, nil
+		}
+		if !errors.Is(err, ebpf.ErrKeyExist) {
+			return 0, fmt.Errorf("datapath: insert session: %w", err)
+		}
+	}
+	return 0, errors.New("datapath: no free session id")
+}
