@@ -142,4 +142,3 @@ func reconfigure(t *testing.T, off bool) {
 	carries("mb1")
 	lt.wait(t)
 }
-
