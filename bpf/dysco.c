@@ -443,8 +443,8 @@ static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct 
 			track_state(s, p, f.dir);
 			if ((p->flags & (TH_SYN | TH_ACK)) == (TH_SYN | TH_ACK))
 				handshake(skb, p, s);
-			if (s->state & ST_EST)
-				fp->flags = f.flags | FL_EST;
+			if ((s->state & ST_EST) && !(f.flags & FL_EST))
+				__sync_fetch_and_or(&fp->flags, FL_EST);
 		}
 	}
 	if (egress) {

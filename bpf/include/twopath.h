@@ -167,8 +167,10 @@ static __always_inline int tp_decide(struct tp_val *tp, __u32 seq, __u32 ack, __
 	if (end != seq) {
 		if (seq_lt(seq, tp->old_sent)) {
 			path = TPD_OLD;
-			if (seq_lt(tp->old_sent, end))
+			if (seq_lt(tp->old_sent, end)) {
 				tp->straddled++;
+				stat_inc(STAT_TP_STRADDLE);
+			}
 			if (has_ack && seq_lt(tp->old_rcvd, ack))
 				*ack_to = a = tp->old_rcvd;
 		} else {

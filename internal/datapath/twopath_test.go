@@ -1,0 +1,891 @@
+package datapath
+
+// Fixture tests of the two-path phase of a reconfiguration (paper §3.5) in
+// the datapath: the shared vectors of internal/protocol (Decide, Observe),
+// the marks (protocol.Marks), the cut-off (protocol.CutOff) taken by
+// dysco_ctl or by the first packet on an armed new subsession, the end of
+// the phase (everything on the new path with its delta), the window clamp,
+// progress events, orphan drops and flag changes on live flows.
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/gopacket/gopacket/layers"
+
+	"github.com/dysco/dysco/internal/protocol"
+	"github.com/dysco/dysco/internal/wire"
+)
+
+// tpVector is one shared vector (internal/protocol/twopath_test.go).
+type tpVector struct {
+	Name   string           `json:"name"`
+	Vars   protocol.TwoPath `json:"vars"`
+	Dir    string           `json:"dir"`  // "out": Decide; "in": Observe
+	Path   string           `json:"path"` // "old"/"new" for "in"
+	Packet protocol.Packet  `json:"packet"`
+	Pieces []protocol.Piece `json:"pieces"`
+	After  protocol.TwoPath `json:"after"`
+}
+
+func loadTPVectors(t *testing.T) []tpVector {
+	t.Helper()
+	b, err := os.ReadFile("../protocol/testdata/twopath_vectors.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var vs []tpVector
+	if err := json.Unmarshal(b, &vs); err != nil {
+		t.Fatal(err)
+	}
+	if len(vs) == 0 {
+		t.Fatal("no vectors")
+	}
+	return vs
+}
+
+// tpSide is one side of a session at an anchor, with its old and new
+// subsessions.
+type tpSide struct {
+	id             uint32
+	side           uint32     // 0 left, 1 right
+	sess           wire.Tuple // the session tuple of packets sent toward the side: the egress flow's key
+	oldSub, newSub wire.Tuple // egress rewrites on the old and the new path
+}
+
+// The right side of a left anchor (IPv4), and the left side of a right
+// anchor (IPv6): egress flows of direction 0 and 1.
+var (
+	tpRight4 = tpSide{
+		id: 0x123, side: 1,
+		sess:   tup(ap("10.1.0.1:40000"), ap("10.9.0.5:80")),
+		oldSub: tup(ap("10.1.0.1:41001"), ap("10.1.0.30:41002")),
+		newSub: tup(ap("10.1.0.1:41003"), ap("10.1.0.31:41004")),
+	}
+	tpLeft6 = tpSide{
+		id: 0xabcdef, side: 0,
+		sess:   tup(ap("[fd00:9::5]:443"), ap("[fd00:5::7]:40000")),
+		oldSub: tup(ap("[fd00:1::1]:41005"), ap("[fd00:1::30]:41006")),
+		newSub: tup(ap("[fd00:1::1]:41007"), ap("[fd00:1::20]:41008")),
+	}
+)
+
+func (s tpSide) key() TPKey   { return TPKey{SessId: s.id, Side: s.side} }
+func (s tpSide) egKey() Tuple { return TupleFrom(s.sess) }
+func (s tpSide) inOld() Tuple { return TupleFrom(s.oldSub.Reverse()) }
+func (s tpSide) inNew() Tuple { return TupleFrom(s.newSub.Reverse()) }
+
+// dirOut is the direction of packets sent toward the side (the egress
+// flow's), dirIn of packets received from it.
+func (s tpSide) dirOut() uint8 { return uint8(1 - s.side) }
+func (s tpSide) dirIn() uint8  { return uint8(s.side) }
+
+func revFlag(dir uint8) uint32 {
+	if dir == 1 {
+		return FlRev
+	}
+	return 0
+}
+
+// flows are the side's flows as the agent installs them for the phase.
+func (s tpSide) flows() map[Tuple]Flow {
+	in := Flow{Out: TupleFrom(s.sess.Reverse()), SessId: s.id, Dir: s.dirIn(), Flags: FlIngress | FlEst | revFlag(s.dirIn())}
+	old, nw := in, in
+	old.Flags |= FlTPOld
+	nw.Flags |= FlTPNew
+	return map[Tuple]Flow{
+		s.egKey(): {Out: TupleFrom(s.oldSub), SessId: s.id, Dir: s.dirOut(), Flags: FlTPOut | FlEst | revFlag(s.dirOut())},
+		s.inOld(): old,
+		s.inNew(): nw,
+	}
+}
+
+// record is the side's two-path record in state with variables v.
+func (s tpSide) record(state uint32, v protocol.TwoPath) TPVal {
+	r := TPVal{State: state, EgKey: s.egKey(), InOld: s.inOld(), OldOut: TupleFrom(s.oldSub), NewOut: TupleFrom(s.newSub)}
+	setVars(&r, v)
+	return r
+}
+
+// install empties the fixture's session state and installs rec and the
+// side's flows; a flow with a delta gets FlDelta.
+func (s tpSide) install(tb testing.TB, fx *fixture, rec TPVal, deltas map[Tuple]Delta) {
+	tb.Helper()
+	fx.reset(tb)
+	clearHash(tb, fx.d.objs.DyscoTp)
+	if err := fx.d.PutTwoPath(s.key(), rec); err != nil {
+		tb.Fatal(err)
+	}
+	for k, f := range s.flows() {
+		if d, ok := deltas[k]; ok {
+			f.Flags |= FlDelta
+			if err := fx.d.PutDelta(k, d); err != nil {
+				tb.Fatal(err)
+			}
+		}
+		if err := fx.d.AddFlow(k, f); err != nil {
+			tb.Fatal(err)
+		}
+	}
+}
+
+func setVars(r *TPVal, v protocol.TwoPath) {
+	r.OldSent, r.OldRcvd, r.OldSentAcked, r.OldRcvdAcked = v.OldSent, v.OldRcvd, v.OldSentAcked, v.OldRcvdAcked
+	r.FirstNewRcvd, r.NewRcvd = v.FirstNewRcvd, uint32(boolInt(v.NewRcvd))
+}
+
+func varsOf(r TPVal) protocol.TwoPath {
+	return protocol.TwoPath{OldSent: r.OldSent, OldRcvd: r.OldRcvd, OldSentAcked: r.OldSentAcked,
+		OldRcvdAcked: r.OldRcvdAcked, FirstNewRcvd: r.FirstNewRcvd, NewRcvd: r.NewRcvd != 0}
+}
+
+// tpFlags spells protocol TCP flags for pkt.
+func tpFlags(tb testing.TB, f uint8) string {
+	tb.Helper()
+	s := ""
+	for _, x := range []struct {
+		b uint8
+		c string
+	}{{protocol.TCPSyn, "S"}, {protocol.TCPAck, "A"}, {protocol.TCPFin, "F"}, {protocol.TCPRst, "R"}} {
+		if f&x.b != 0 {
+			s += x.c
+			f &^= x.b
+		}
+	}
+	if f != 0 {
+		tb.Fatalf("unknown protocol TCP flags %#x", f)
+	}
+	return s
+}
+
+// tpPkt is the segment p on tuple t: window 1000, no options, p.Len bytes
+// of payload.
+func tpPkt(tb testing.TB, t wire.Tuple, p protocol.Packet) pkt {
+	tb.Helper()
+	payload := make([]byte, p.Len)
+	for i := range payload {
+		payload[i] = byte('a' + i%26)
+	}
+	return pkt{seq: p.Seq, ack: p.Ack, flags: tpFlags(tb, p.Flags), win: 1000, payload: payload}.with(t)
+}
+
+// translated is p with delta d applied as the datapath does: seq always,
+// the ack only on a segment with ACK.
+func translated(p protocol.Packet, d Delta) protocol.Packet {
+	p.Seq += uint32(d.Seq)
+	if p.Flags&protocol.TCPAck != 0 {
+		p.Ack += uint32(d.Ack)
+	}
+	return p
+}
+
+func negated(d Delta) Delta {
+	return Delta{Seq: -d.Seq, Ack: -d.Ack}
+}
+
+func (fx *fixture) twoPath(tb testing.TB, k TPKey) TPVal {
+	tb.Helper()
+	r, ok := fx.d.TwoPath(k)
+	if !ok {
+		tb.Fatalf("no two-path record %+v", k)
+	}
+	return r
+}
+
+func (fx *fixture) flow(tb testing.TB, k Tuple) Flow {
+	tb.Helper()
+	f, ok := fx.d.Flow(k)
+	if !ok {
+		tb.Fatalf("no flow %v", k)
+	}
+	return f
+}
+
+// sendTP runs the session-space segment p through egress on the side's
+// egress flow and returns the verdict and output.
+func (fx *fixture) sendTP(tb testing.TB, s tpSide, p protocol.Packet) (uint32, []byte) {
+	tb.Helper()
+	return fx.run(tb, fx.egress, tpPkt(tb, s.sess, p).frame(tb))
+}
+
+// recvTP runs p through ingress on the subsession sub (from the side), with the flow's delta d undone first so that the datapath sees p
+// in session space after translating it. It checks that the packet leaves
+// as p on the session tuple.
+func (fx *fixture) recvTP(tb testing.TB, s tpSide, sub wire.Tuple, d Delta, p protocol.Packet) {
+	tb.Helper()
+	wirePkt := translated(p, negated(d))
+	verdict, out := fx.run(tb, fx.ingress, tpPkt(tb, sub.Reverse(), wirePkt).frame(tb))
+	if verdict != tcActOK {
+		tb.Fatalf("ingress verdict %d, want OK", verdict)
+	}
+	expectFrame(tb, out, tpPkt(tb, s.sess.Reverse(), p))
+}
+
+// counterMoves checks counters that must have moved by exactly the
+// amounts given (others are not checked).
+func (fx *fixture) counterMoves(tb testing.TB, before map[string]uint64, want map[string]uint64) {
+	tb.Helper()
+	after := fx.stats(tb)
+	for name, w := range want {
+		if d := after[name] - before[name]; d != w {
+			tb.Errorf("counter %s moved by %d, want %d", name, d, w)
+		}
+	}
+}
+
+// TestTwoPathVectors runs the shared vectors of internal/protocol through
+// the datapath: "out" vectors on egress (the packet leaves on the old or
+// the new path as the piece says, with the piece's sequence and ack
+// numbers), "in" vectors on ingress on the old or the new subsession; the
+// record's variables afterwards must be the vector's.
+func TestTwoPathVectors(t *testing.T) {
+	vecs := loadTPVectors(t)
+	fx := newFixture(t)
+	variants := []struct {
+		name   string
+		s      tpSide
+		eg, nd Delta // egress: the old path's (the flow's own), the new path's
+		inOld  Delta // ingress deltas of the old and the new subsession
+		inNew  Delta
+	}{
+		{name: "v4", s: tpRight4},
+		{name: "v6 deltas", s: tpLeft6,
+			eg: Delta{Seq: 7000, Ack: -300}, nd: Delta{Seq: -123456, Ack: 0x7fff0000},
+			inOld: Delta{Seq: 1000, Ack: -77}, inNew: Delta{Seq: -5000, Ack: 333}},
+	}
+	for _, vr := range variants {
+		for _, v := range vecs {
+			t.Run(vr.name+"/"+v.Name, func(t *testing.T) {
+				s := vr.s
+				rec := s.record(TPActive, v.Vars)
+				rec.Nd = vr.nd
+				deltas := map[Tuple]Delta{}
+				if vr.eg != (Delta{}) {
+					deltas[s.egKey()] = vr.eg
+				}
+				if vr.inOld != (Delta{}) {
+					deltas[s.inOld()] = vr.inOld
+				}
+				if vr.inNew != (Delta{}) {
+					deltas[s.inNew()] = vr.inNew
+				}
+				s.install(t, fx, rec, deltas)
+				before := fx.stats(t)
+				var wantOld, wantNew, wantStraddle uint64
+				switch v.Dir {
+				case "out":
+					if len(v.Pieces) != 1 {
+						t.Fatalf("%d pieces: the datapath sends every packet whole", len(v.Pieces))
+					}
+					pc := v.Pieces[0]
+					verdict, out := fx.sendTP(t, s, v.Packet)
+					if verdict != tcActOK {
+						t.Fatalf("egress verdict %d, want OK", verdict)
+					}
+					to, d := s.oldSub, vr.eg
+					switch pc.Path {
+					case protocol.PathOld:
+						wantOld = 1
+					case protocol.PathNew:
+						to, d = s.newSub, vr.nd
+						wantNew = 1
+					default:
+						t.Fatalf("piece on path %v", pc.Path)
+					}
+					want := translated(protocol.Packet{Seq: pc.Seq, Ack: pc.Ack, Len: pc.Len, Flags: pc.Flags}, d)
+					expectFrame(t, out, tpPkt(t, to, want))
+					p := v.Packet
+					if pc.Path == protocol.PathOld && p.End() != p.Seq && int32(p.Seq-v.Vars.OldSent) < 0 &&
+						int32(v.Vars.OldSent-p.End()) < 0 {
+						wantStraddle = 1
+					}
+					fx.counterMoves(t, before, map[string]uint64{"tp_old": wantOld, "tp_new": wantNew,
+						"rewrite_out": 1, "drop_helper": 0})
+				case "in":
+					sub, d := s.oldSub, vr.inOld
+					switch v.Path {
+					case "old":
+					case "new":
+						sub, d = s.newSub, vr.inNew
+					default:
+						t.Fatalf("path %q", v.Path)
+					}
+					fx.recvTP(t, s, sub, d, v.Packet)
+					fx.counterMoves(t, before, map[string]uint64{"tp_old": 0, "tp_new": 0, "rewrite_in": 1, "drop_helper": 0})
+				default:
+					t.Fatalf("dir %q", v.Dir)
+				}
+				got := fx.twoPath(t, s.key())
+				if g := varsOf(got); g != v.After {
+					t.Errorf("variables after:\n got %v\nwant %v", g, v.After)
+				}
+				if got.State != TPActive {
+					t.Errorf("state %d, want active", got.State)
+				}
+				if got.ToOld != wantOld || got.ToNew != wantNew || got.Straddled != wantStraddle {
+					t.Errorf("record counted to_old %d to_new %d straddled %d, want %d %d %d",
+						got.ToOld, got.ToNew, got.Straddled, wantOld, wantNew, wantStraddle)
+				}
+			})
+		}
+	}
+}
+
+// TestTwoPathStraddleCounted: data straddling the cut-off, sent whole on
+// the old path, moves the tp_straddle counter (consts.h
+// STAT_TP_STRADDLE) as well as the record's own count.
+func TestTwoPathStraddleCounted(t *testing.T) {
+	fx := newFixture(t)
+	s := tpRight4
+	vars := protocol.TwoPath{OldSent: 1000, OldSentAcked: 900, OldRcvd: 5000, OldRcvdAcked: 4000}
+	s.install(t, fx, s.record(TPActive, vars), nil)
+	p := protocol.Packet{Seq: 990, Len: 20, Ack: 4800, Flags: protocol.TCPAck}
+	d, _ := protocol.Decide(vars, p)
+	if d.N != 1 || d.Pieces[0].Path != protocol.PathOld {
+		t.Fatalf("protocol.Decide: %v", d.List())
+	}
+	before := fx.stats(t)
+	if verdict, _ := fx.sendTP(t, s, p); verdict != tcActOK {
+		t.Fatalf("verdict %d", verdict)
+	}
+	if r := fx.twoPath(t, s.key()); r.Straddled != 1 {
+		t.Errorf("record counted %d straddling packets, want 1", r.Straddled)
+	}
+	fx.counterMoves(t, before, map[string]uint64{"tp_straddle": 1, "tp_old": 1})
+}
+
+// marksOf reads a flow's marks as protocol.Marks: an egress flow's are
+// what was sent, an ingress flow's what was received.
+func marksOf(f Flow, ingress bool) protocol.Marks {
+	if ingress {
+		return protocol.Marks{RcvNxt: f.MkSeq, AckRcvd: f.MkAck, Rcvd: f.MkOk != 0}
+	}
+	return protocol.Marks{SndNxt: f.MkSeq, AckSent: f.MkAck, Sent: f.MkOk != 0}
+}
+
+// TestTwoPathMarks: every flow keeps the marks of protocol.Marks in session
+// space: before the egress delta, after the ingress one.
+func TestTwoPathMarks(t *testing.T) {
+	fx := newFixture(t)
+	s := tpRight4
+	out := []protocol.Packet{
+		{Seq: 0xfffffff0, Ack: 77, Flags: protocol.TCPAck},             // a pure ack: seq is the next byte
+		{Seq: 0xfffffff0, Len: 0x20, Ack: 500, Flags: protocol.TCPAck}, // wraps
+		{Seq: 0xfffffff8, Len: 8, Ack: 400, Flags: protocol.TCPAck},    // retransmission, stale ack
+		{Seq: 0x10, Ack: 610, Flags: protocol.TCPAck | protocol.TCPFin},
+		{Seq: 0x11, Ack: 0x7777, Flags: protocol.TCPRst}, // no ACK: its ack field means nothing
+	}
+	in := []protocol.Packet{
+		{Seq: 500, Len: 10, Ack: 0xfffffff0, Flags: protocol.TCPAck},
+		{Seq: 510, Len: 100, Ack: 0x10, Flags: protocol.TCPAck},
+		{Seq: 400, Len: 10, Ack: 0x8, Flags: protocol.TCPAck}, // retransmission, stale ack
+		{Seq: 610, Ack: 0x11, Flags: protocol.TCPAck | protocol.TCPFin},
+		{Seq: 0xfffffff0, Len: 0x30, Ack: 0x12, Flags: protocol.TCPAck}, // far behind: wraps, not the highest
+	}
+	for _, c := range []struct {
+		name      string
+		s         tpSide
+		eg, inOld Delta
+	}{
+		{name: "v4 no deltas", s: s},
+		{name: "v4 deltas", s: s, eg: Delta{Seq: 99, Ack: -5}, inOld: Delta{Seq: 0x1000, Ack: -0x20}},
+		{name: "v6 deltas", s: tpLeft6, eg: Delta{Seq: -0x7000000, Ack: 12345}, inOld: Delta{Seq: 3, Ack: 0x40000000}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s := c.s
+			fx.reset(t)
+			clearHash(t, fx.d.objs.DyscoTp)
+			// Plain flows: marks are kept with or without a two-path record.
+			eg := Flow{Out: TupleFrom(s.oldSub), SessId: s.id, Dir: s.dirOut(), Flags: FlEst | revFlag(s.dirOut())}
+			ing := Flow{Out: TupleFrom(s.sess.Reverse()), SessId: s.id, Dir: s.dirIn(), Flags: FlIngress | FlEst | revFlag(s.dirIn())}
+			if c.eg != (Delta{}) {
+				eg.Flags |= FlDelta
+				if err := fx.d.PutDelta(s.egKey(), c.eg); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if c.inOld != (Delta{}) {
+				ing.Flags |= FlDelta
+				if err := fx.d.PutDelta(s.inOld(), c.inOld); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := fx.d.AddFlow(s.egKey(), eg); err != nil {
+				t.Fatal(err)
+			}
+			if err := fx.d.AddFlow(s.inOld(), ing); err != nil {
+				t.Fatal(err)
+			}
+			if m := marksOf(fx.flow(t, s.egKey()), false); m.Sent {
+				t.Fatalf("new egress flow has marks %+v", m)
+			}
+			var wantOut, wantIn protocol.Marks
+			for i := range out {
+				verdict, o := fx.sendTP(t, s, out[i])
+				if verdict != tcActOK {
+					t.Fatalf("egress verdict %d", verdict)
+				}
+				expectFrame(t, o, tpPkt(t, s.oldSub, translated(out[i], c.eg)))
+				wantOut = wantOut.Out(out[i])
+				if got := marksOf(fx.flow(t, s.egKey()), false); got != wantOut {
+					t.Errorf("after sending %v: egress marks %+v, want %+v", out[i], got, wantOut)
+				}
+				fx.recvTP(t, s, s.oldSub, c.inOld, in[i])
+				wantIn = wantIn.In(in[i])
+				if got := marksOf(fx.flow(t, s.inOld()), true); got != wantIn {
+					t.Errorf("after receiving %v: ingress marks %+v, want %+v", in[i], got, wantIn)
+				}
+			}
+		})
+	}
+}
+
+// tpMarkPackets sends and receives on the old path of s, in session space,
+// and returns the side's marks as protocol.Marks computes them. The
+// ingress ack passes the highest sequence number sent (as a middlebox that
+// joined a path can see) and the highest ack sent passes the highest
+// sequence number received, so that both maxima of CutOff matter.
+func tpMarkPackets(tb testing.TB, fx *fixture, s tpSide, inOld Delta) protocol.Marks {
+	tb.Helper()
+	var m protocol.Marks
+	out := []protocol.Packet{
+		{Seq: 1000, Len: 100, Ack: 5000, Flags: protocol.TCPAck},
+		{Seq: 1100, Len: 50, Ack: 5100, Flags: protocol.TCPAck},
+		{Seq: 1150, Ack: 5300, Flags: protocol.TCPAck},
+	}
+	in := []protocol.Packet{
+		{Seq: 5000, Len: 200, Ack: 1200, Flags: protocol.TCPAck},
+		{Seq: 5200, Ack: 1100, Flags: protocol.TCPAck},
+	}
+	for i, p := range out {
+		verdict, o := fx.sendTP(tb, s, p)
+		if verdict != tcActOK {
+			tb.Fatalf("egress verdict %d", verdict)
+		}
+		// Before the phase starts, everything goes on the old path.
+		expectFrame(tb, o, tpPkt(tb, s.oldSub, p))
+		m = m.Out(p)
+		if i < len(in) {
+			fx.recvTP(tb, s, s.oldSub, inOld, in[i])
+			m = m.In(in[i])
+		}
+	}
+	return m
+}
+
+// TestStartTwoPath: dysco_ctl takes the cut-off from the marks of the
+// side's egress flow and old ingress flow (protocol.CutOff); a second start
+// changes nothing.
+func TestStartTwoPath(t *testing.T) {
+	fx := newFixture(t)
+	for _, s := range []tpSide{tpRight4, tpLeft6} {
+		t.Run(s.sess.String(), func(t *testing.T) {
+			// Stale variables in the record are replaced by the cut-off.
+			rec := s.record(TPIdle, protocol.TwoPath{OldSent: 1, OldRcvd: 2, OldSentAcked: 3, OldRcvdAcked: 4})
+			inOld := Delta{Seq: 0x100000, Ack: -0x2000}
+			s.install(t, fx, rec, map[Tuple]Delta{s.inOld(): inOld})
+			m := tpMarkPackets(t, fx, s, inOld)
+			want := protocol.CutOff(m)
+			if want.OldSent != 1200 || want.OldRcvd != 5300 {
+				t.Fatalf("test packets do not exercise CutOff's maxima: %v", want)
+			}
+			if r := fx.twoPath(t, s.key()); r.State != TPIdle || varsOf(r) != varsOf(rec) {
+				t.Fatalf("record changed before the start: state %d %v", r.State, varsOf(r))
+			}
+			if err := fx.d.StartTwoPath(s.key()); err != nil {
+				t.Fatal(err)
+			}
+			r := fx.twoPath(t, s.key())
+			if r.State != TPActive {
+				t.Errorf("state %d, want active", r.State)
+			}
+			if got := varsOf(r); got != want {
+				t.Errorf("cut-off\n got %v\nwant %v (marks %+v)", got, want, m)
+			}
+			if err := fx.d.StartTwoPath(s.key()); err != nil {
+				t.Errorf("second start: %v", err)
+			}
+			if r2 := fx.twoPath(t, s.key()); r2 != r {
+				t.Errorf("second start changed the record:\n got %+v\nwant %+v", r2, r)
+			}
+			// The phase runs from the cut-off: new data goes on the new path.
+			p := protocol.Packet{Seq: want.OldSent, Len: 10, Ack: want.OldRcvd, Flags: protocol.TCPAck}
+			d, after := protocol.Decide(want, p)
+			_, o := fx.sendTP(t, s, p)
+			pc := d.Pieces[0]
+			to := s.oldSub
+			if pc.Path == protocol.PathNew {
+				to = s.newSub
+			}
+			expectFrame(t, o, tpPkt(t, to, protocol.Packet{Seq: pc.Seq, Ack: pc.Ack, Len: pc.Len, Flags: pc.Flags}))
+			if got := varsOf(fx.twoPath(t, s.key())); got != after {
+				t.Errorf("after the first packet of the phase\n got %v\nwant %v", got, after)
+			}
+		})
+	}
+	if err := fx.d.StartTwoPath(TPKey{SessId: 999, Side: 1}); !errors.Is(err, syscall.ENOENT) {
+		t.Errorf("start of a side without a record: %v, want ENOENT", err)
+	}
+}
+
+// TestTwoPathArmedStart: the first packet on the new subsession of an armed
+// side starts the phase from the marks (and is observed on the new path);
+// packets on the old subsession, or on the new one of a side not armed, do
+// not.
+func TestTwoPathArmedStart(t *testing.T) {
+	fx := newFixture(t)
+	first := protocol.Packet{Seq: 5300, Len: 10, Ack: 1250, Flags: protocol.TCPAck}
+	inNew := Delta{Seq: -0x3000, Ack: 0x44}
+	for _, s := range []tpSide{tpRight4, tpLeft6} {
+		t.Run(s.sess.String()+"/armed", func(t *testing.T) {
+			rec := s.record(TPIdle, protocol.TwoPath{})
+			rec.Armed = 1
+			s.install(t, fx, rec, map[Tuple]Delta{s.inNew(): inNew})
+			m := tpMarkPackets(t, fx, s, Delta{})
+			// More on the old subsession: still idle.
+			old := protocol.Packet{Seq: 5200, Len: 100, Ack: 1150, Flags: protocol.TCPAck}
+			fx.recvTP(t, s, s.oldSub, Delta{}, old)
+			m = m.In(old)
+			if r := fx.twoPath(t, s.key()); r.State != TPIdle {
+				t.Fatalf("a packet on the old subsession changed the state to %d", r.State)
+			}
+			fx.recvTP(t, s, s.newSub, inNew, first)
+			want := protocol.Observe(protocol.CutOff(m), protocol.PathNew, first)
+			r := fx.twoPath(t, s.key())
+			if r.State != TPActive {
+				t.Fatalf("state %d after the first packet on the new subsession, want active", r.State)
+			}
+			if got := varsOf(r); got != want {
+				t.Errorf("variables\n got %v\nwant %v (marks %+v)", got, want, m)
+			}
+			wantBits := tpBits(TPActive, want)
+			if r.Reported != wantBits {
+				t.Errorf("reported bits %#x, want %#x", r.Reported, wantBits)
+			}
+		})
+		t.Run(s.sess.String()+"/not armed", func(t *testing.T) {
+			s.install(t, fx, s.record(TPIdle, protocol.TwoPath{}), map[Tuple]Delta{s.inNew(): inNew})
+			tpMarkPackets(t, fx, s, Delta{})
+			fx.recvTP(t, s, s.newSub, inNew, first)
+			r := fx.twoPath(t, s.key())
+			if r.State != TPIdle || varsOf(r) != (protocol.TwoPath{}) {
+				t.Errorf("a side not armed started: state %d %v", r.State, varsOf(r))
+			}
+		})
+	}
+}
+
+// TestTwoPathNew: once the phase ends (TPNew), every packet goes on the new
+// path with the new subsession's delta, ack and SACK edges included.
+func TestTwoPathNew(t *testing.T) {
+	fx := newFixture(t)
+	for _, s := range []tpSide{tpRight4, tpLeft6} {
+		t.Run(s.sess.String(), func(t *testing.T) {
+			vars := protocol.TwoPath{OldSent: 1000, OldSentAcked: 900, OldRcvd: 5000, OldRcvdAcked: 4000}
+			rec := s.record(TPActive, vars)
+			rec.Nd = Delta{Seq: 3, Ack: int32(-500), Tsecr: -7}
+			s.install(t, fx, rec, nil)
+			if err := fx.d.SetTwoPathState(s.key(), TPNew); err != nil {
+				t.Fatal(err)
+			}
+			nop := optNOP()
+			// A retransmission below oldSent, acking old-path data: the
+			// cut-off tables would send it on the old path.
+			in := pkt{seq: 900, ack: 4500, flags: "A", win: 1000, payload: []byte("0123456789"),
+				opts: []layers.TCPOption{nop, nop, optTS(111, 222), nop, nop, optSACK(4600, 4700, 4800, 4900)}}
+			want := in.withOpts(nop, nop, optTS(111, 215), nop, nop, optSACK(4100, 4200, 4300, 4400))
+			want.seq, want.ack = 903, 4000
+			before := fx.stats(t)
+			verdict, out := fx.run(t, fx.egress, in.with(s.sess).frame(t))
+			if verdict != tcActOK {
+				t.Fatalf("verdict %d", verdict)
+			}
+			expectFrame(t, out, want.with(s.newSub))
+			fx.counterMoves(t, before, map[string]uint64{"tp_new": 1, "tp_old": 0, "rewrite_out": 1})
+			r := fx.twoPath(t, s.key())
+			if r.State != TPNew || r.ToNew != 1 || r.ToOld != 0 {
+				t.Errorf("state %d to_new %d to_old %d, want %d 1 0", r.State, r.ToNew, r.ToOld, TPNew)
+			}
+			if varsOf(r) != vars {
+				t.Errorf("variables changed after the phase: %v", varsOf(r))
+			}
+		})
+	}
+}
+
+// TestTwoPathWindowClamp: while a clamp is set, the side advertises at most
+// the clamp (in bytes, after its window scale), with the checksum right.
+func TestTwoPathWindowClamp(t *testing.T) {
+	fx := newFixture(t)
+	for _, s := range []tpSide{tpRight4, tpLeft6} {
+		for _, state := range []uint32{TPIdle, TPActive, TPNew} {
+			t.Run(fmt.Sprintf("%s/state %d", s.sess, state), func(t *testing.T) {
+				vars := protocol.TwoPath{OldSent: 1000, OldSentAcked: 1000, OldRcvd: 5000, OldRcvdAcked: 5000}
+				rec := s.record(state, vars)
+				rec.SndWs = 7
+				s.install(t, fx, rec, nil)
+				if err := fx.d.SetWindowClamp(s.key(), 65535); err != nil {
+					t.Fatal(err)
+				}
+				if r := fx.twoPath(t, s.key()); r.Clamp != 65535 {
+					t.Fatalf("clamp %d", r.Clamp)
+				}
+				p := protocol.Packet{Seq: 1000, Len: 10, Ack: 5000, Flags: protocol.TCPAck}
+				to := s.newSub
+				if state == TPIdle {
+					to = s.oldSub
+				}
+				try := func(win, wantWin uint16, clamped uint64) {
+					t.Helper()
+					in := tpPkt(t, s.sess, p)
+					in.win = win
+					want := tpPkt(t, to, p)
+					want.win = wantWin
+					before := fx.stats(t)
+					verdict, out := fx.run(t, fx.egress, in.frame(t))
+					if verdict != tcActOK {
+						t.Fatalf("verdict %d", verdict)
+					}
+					expectFrame(t, out, want)
+					fx.counterMoves(t, before, map[string]uint64{"tp_clamp": clamped})
+				}
+				try(1000, 65535>>7, 1) // 128000 bytes
+				try(512, 511, 1)       // 65536 bytes
+				try(511, 511, 0)       // 65408 bytes: within the clamp
+				try(300, 300, 0)
+				if err := fx.d.SetWindowClamp(s.key(), 0); err != nil {
+					t.Fatal(err)
+				}
+				try(1000, 1000, 0)
+			})
+		}
+	}
+}
+
+// tpBits is the progress summary the datapath reports for variables v.
+func tpBits(state uint32, v protocol.TwoPath) uint32 {
+	var b uint32
+	if state == TPActive {
+		b |= TPBActive
+	}
+	if v.SendDone() {
+		b |= TPBSendDone
+	}
+	if v.OldRcvdAcked == v.OldRcvd {
+		b |= TPBRcvdAcked
+	}
+	if v.NewRcvd {
+		b |= TPBNewRcvd
+		if int32(v.FirstNewRcvd-v.OldRcvd) <= 0 {
+			b |= TPBNewAtOld
+		}
+	}
+	return b
+}
+
+// readEvent waits up to d for an event.
+func readEvent(t *testing.T, r *EventReader, d time.Duration) (TPEvent, bool) {
+	t.Helper()
+	r.r.SetDeadline(time.Now().Add(d))
+	ev, err := r.Read()
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		return TPEvent{}, false
+	}
+	if err != nil {
+		t.Fatalf("read event: %v", err)
+	}
+	return ev, true
+}
+
+// TestTwoPathEvents: every change of a side's progress summary, and only a
+// change, sends an event with the side and the new bits.
+func TestTwoPathEvents(t *testing.T) {
+	fx := newFixture(t)
+	r, err := fx.d.EventReader()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	for _, s := range []tpSide{tpRight4, tpLeft6} {
+		t.Run(s.sess.String(), func(t *testing.T) {
+			s.install(t, fx, s.record(TPIdle, protocol.TwoPath{}), nil)
+			expect := func(what string, state uint32, v protocol.TwoPath) {
+				t.Helper()
+				if got := varsOf(fx.twoPath(t, s.key())); got != v {
+					t.Errorf("%s: variables\n got %v\nwant %v", what, got, v)
+				}
+				want := TPEvent{SessID: s.id, Side: s.side, Bits: tpBits(state, v)}
+				ev, ok := readEvent(t, r, 2*time.Second)
+				if !ok {
+					t.Errorf("%s: no event, want %+v", what, want)
+					return
+				}
+				if ev != want {
+					t.Errorf("%s: event %+v, want %+v", what, ev, want)
+				}
+			}
+			none := func(what string) {
+				t.Helper()
+				if ev, ok := readEvent(t, r, 100*time.Millisecond); ok {
+					t.Errorf("%s: unexpected event %+v", what, ev)
+				}
+			}
+			none("install")
+			var m protocol.Marks
+			o := protocol.Packet{Seq: 1000, Len: 100, Ack: 5000, Flags: protocol.TCPAck}
+			i := protocol.Packet{Seq: 5000, Ack: 1000, Flags: protocol.TCPAck}
+			fx.sendTP(t, s, o)
+			fx.recvTP(t, s, s.oldSub, Delta{}, i)
+			m = m.Out(o).In(i)
+			none("packets before the phase")
+			if err := fx.d.StartTwoPath(s.key()); err != nil {
+				t.Fatal(err)
+			}
+			v := protocol.CutOff(m)
+			expect("start", TPActive, v)
+			if err := fx.d.StartTwoPath(s.key()); err != nil {
+				t.Fatal(err)
+			}
+			none("second start")
+
+			// A pure ack on the old path that changes no bit.
+			o = protocol.Packet{Seq: 1100, Ack: 5000, Flags: protocol.TCPAck}
+			_, v = protocol.Decide(v, o)
+			fx.sendTP(t, s, o)
+			none("duplicate ack")
+			// The old data acknowledged: send done.
+			i = protocol.Packet{Seq: 5000, Ack: 1100, Flags: protocol.TCPAck}
+			v = protocol.Observe(v, protocol.PathOld, i)
+			fx.recvTP(t, s, s.oldSub, Delta{}, i)
+			expect("old data acknowledged", TPActive, v)
+			// Old-path data not yet acknowledged.
+			i = protocol.Packet{Seq: 5000, Len: 50, Ack: 1100, Flags: protocol.TCPAck}
+			v = protocol.Observe(v, protocol.PathOld, i)
+			fx.recvTP(t, s, s.oldSub, Delta{}, i)
+			expect("old data received", TPActive, v)
+			// New-path data beyond it: a hole.
+			i = protocol.Packet{Seq: 5100, Len: 10, Ack: 1100, Flags: protocol.TCPAck}
+			v = protocol.Observe(v, protocol.PathNew, i)
+			fx.recvTP(t, s, s.newSub, Delta{}, i)
+			expect("new data after a hole", TPActive, v)
+			// The hole filled on the old path, and acknowledged by data
+			// sent on the new path.
+			i = protocol.Packet{Seq: 5050, Len: 50, Ack: 1100, Flags: protocol.TCPAck}
+			v = protocol.Observe(v, protocol.PathOld, i)
+			fx.recvTP(t, s, s.oldSub, Delta{}, i)
+			expect("hole filled", TPActive, v)
+			o = protocol.Packet{Seq: 1100, Len: 10, Ack: 5110, Flags: protocol.TCPAck}
+			d, after := protocol.Decide(v, o)
+			if d.Pieces[0].Path != protocol.PathNew {
+				t.Fatalf("protocol.Decide: %v", d.List())
+			}
+			v = after
+			fx.sendTP(t, s, o)
+			expect("old data acknowledged on the new path", TPActive, v)
+			if err := fx.d.SetTwoPathState(s.key(), TPNew); err != nil {
+				t.Fatal(err)
+			}
+			expect("phase ended", TPNew, v)
+		})
+	}
+	if st := fx.stats(t); st["events_lost"] != 0 {
+		t.Errorf("%d events lost", st["events_lost"])
+	}
+}
+
+// TestFlowDrop: a packet of a flow marked FlDrop (a proxy's socket after
+// the proxy left the path) is dropped and counted, at either hook.
+func TestFlowDrop(t *testing.T) {
+	fx := newFixture(t)
+	for _, egress := range []bool{true, false} {
+		name, prog, in := "ingress", fx.ingress, dataPkt(subIn4)
+		f := Flow{Out: TupleFrom(sess4), SessId: 5, Flags: FlDrop | FlIngress | FlEst}
+		if egress {
+			name, prog, in = "egress", fx.egress, dataPkt(sess4)
+			f = Flow{Out: TupleFrom(subOut4), SessId: 5, Flags: FlDrop | FlEst}
+		}
+		t.Run(name, func(t *testing.T) {
+			fx.reset(t)
+			if err := fx.d.AddFlow(in.key(), f); err != nil {
+				t.Fatal(err)
+			}
+			before := fx.stats(t)
+			if verdict, _ := fx.run(t, prog, in.frame(t)); verdict != tcActShot {
+				t.Errorf("verdict %d, want SHOT", verdict)
+			}
+			fx.expectStats(t, before, map[string]uint64{"drop_orphan": 1})
+			if g := fx.flow(t, in.key()); g.Packets != 1 {
+				t.Errorf("flow counted %d packets, want 1", g.Packets)
+			}
+		})
+	}
+}
+
+// TestSetFlowFlags: flags of a live flow are set and cleared in the kernel
+// without losing what the datapath wrote into the entry (counters, marks).
+func TestSetFlowFlags(t *testing.T) {
+	fx := newFixture(t)
+	in := dataPkt(sess4)
+	k := in.key()
+	if err := fx.d.AddFlow(k, Flow{Out: TupleFrom(subOut4), SessId: 5, Flags: FlEst}); err != nil {
+		t.Fatal(err)
+	}
+	frame := in.frame(t)
+	send := func(want uint32) {
+		t.Helper()
+		if verdict, _ := fx.run(t, fx.egress, frame); verdict != want {
+			t.Fatalf("verdict %d, want %d", verdict, want)
+		}
+	}
+	for i := 0; i < 3; i++ {
+		send(tcActOK)
+	}
+	f0 := fx.flow(t, k)
+	if f0.Packets != 3 || f0.Bytes != 3*uint64(len(frame)) || f0.MkOk == 0 {
+		t.Fatalf("flow before: packets %d bytes %d marks %d", f0.Packets, f0.Bytes, f0.MkOk)
+	}
+	check := func(what string, flags uint32, packets uint64) {
+		t.Helper()
+		f := fx.flow(t, k)
+		if f.Flags != flags {
+			t.Errorf("%s: flags %s, want %s", what, flagNames(f.Flags), flagNames(flags))
+		}
+		if f.Packets != packets || f.Bytes != packets*uint64(len(frame)) || f.LastNs < f0.LastNs {
+			t.Errorf("%s: counters packets %d bytes %d, want %d %d", what, f.Packets, f.Bytes, packets, packets*uint64(len(frame)))
+		}
+		if f.MkOk != f0.MkOk || f.MkSeq != f0.MkSeq || f.MkAck != f0.MkAck {
+			t.Errorf("%s: marks %d %#x %#x, want %d %#x %#x", what, f.MkOk, f.MkSeq, f.MkAck, f0.MkOk, f0.MkSeq, f0.MkAck)
+		}
+		if f.Out != f0.Out || f.SessId != f0.SessId || f.Dir != f0.Dir {
+			t.Errorf("%s: flow changed: %+v", what, f)
+		}
+	}
+	if err := fx.d.SetFlowFlags(k, FlDrop, 0); err != nil {
+		t.Fatal(err)
+	}
+	check("drop set", FlEst|FlDrop, 3)
+	send(tcActShot)
+	check("dropped packet", FlEst|FlDrop, 4)
+	if err := fx.d.SetFlowFlags(k, FlTap|FlRouted, FlDrop); err != nil {
+		t.Fatal(err)
+	}
+	check("drop cleared", FlEst|FlTap|FlRouted, 4)
+	send(tcActOK)
+	check("forwarded again", FlEst|FlTap|FlRouted, 5)
+	if err := fx.d.SetFlowFlags(k, 0, FlTap|FlRouted); err != nil {
+		t.Fatal(err)
+	}
+	check("cleared", FlEst, 5)
+	err := fx.d.SetFlowFlags(TupleFrom(sess6), FlDrop, 0)
+	if !errors.Is(err, syscall.ENOENT) {
+		t.Errorf("flags of a missing flow: %v, want ENOENT", err)
+	}
+	if _, ok := fx.d.Flow(TupleFrom(sess6)); ok {
+		t.Error("setting flags created a flow")
+	}
+}
