@@ -134,10 +134,15 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 	}
 	counts := make(map[uint32]*tally, len(sessions))
 	for _, f := range flows {
+		// The ingress flow of the SYN's direction comes from the left
+		// subsession; the egress flow of that direction goes to the right
+		// one (a reconfigured side's current subsession is in its two-path
+		// record, below).
 		switch {
-		case f.Flags&datapath.FlSYNStrip != 0:
+		case f.Dir != 0 || f.Flags&(datapath.FlTPNew|datapath.FlDrop) != 0:
+		case f.Flags&datapath.FlIngress != 0:
 			left[f.SessId] = f.Key.String()
-		case f.Flags&datapath.FlSYNEmit != 0:
+		default:
 			right[f.SessId] = f.Out.String()
 		}
 		t := counts[f.SessId]
@@ -160,6 +165,12 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 		t := counts[s.ID]
 		if t == nil {
 			t = &tally{}
+		}
+		if tp, ok := a.dp.TwoPath(datapath.TPKey{SessId: s.ID, Side: 0}); ok && tp.State == datapath.TPNew {
+			left[s.ID] = tp.NewOut.Wire().Reverse().String()
+		}
+		if tp, ok := a.dp.TwoPath(datapath.TPKey{SessId: s.ID, Side: 1}); ok && tp.State == datapath.TPNew {
+			right[s.ID] = tp.NewOut.String()
 		}
 		as := api.Session{
 			ID: s.ID, Session: s.Tuple.String(), Left: left[s.ID], Right: right[s.ID],

@@ -48,6 +48,7 @@ type control struct {
 	waiters     map[uint64]chan protocol.Result
 	active      map[datapath.TPKey]bool // sides in their two-path phase (polled as a safety net)
 	prevTP      map[datapath.TPKey]datapath.TPVal
+	spliced     map[protocol.SessionID]splicedPair
 	triggers    map[uint64]*trigger
 	trigAnswers map[triggerKey][]byte // nil value: request still running
 	token       uint64
@@ -74,7 +75,7 @@ func newControl(a *Agent, port int, key []byte) (*control, error) {
 		protos: map[bool]*protocol.Agent{}, timers: map[timerKey]*time.Timer{},
 		joinedDP: map[protocol.SessionID]uint32{}, pidOf: map[uint32]protocol.SessionID{}, famOf: map[uint32]bool{},
 		notReady: map[protocol.SessionID]uint32{}, waiters: map[uint64]chan protocol.Result{},
-		active: map[datapath.TPKey]bool{}, prevTP: map[datapath.TPKey]datapath.TPVal{},
+		active: map[datapath.TPKey]bool{}, prevTP: map[datapath.TPKey]datapath.TPVal{}, spliced: map[protocol.SessionID]splicedPair{},
 		triggers: map[uint64]*trigger{}, trigAnswers: map[triggerKey][]byte{}, ev: make(chan func(), 1024)}
 	return c, nil
 }
@@ -426,6 +427,13 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 	case protocol.JoinSession:
 		return c.join(v6, x)
 	case protocol.FreeSession:
+		if p, ok := c.spliced[x.Session]; ok {
+			delete(c.spliced, x.Session)
+			c.freeSpliced(p)
+			c.forget(p.client, x.Session)
+			c.forget(p.server, x.Session)
+			return nil
+		}
 		id := c.dpID(x.Session)
 		c.free(id)
 		c.forget(id, x.Session)

@@ -74,7 +74,11 @@ type subRef struct {
 	id   SessionID
 	side Side
 	peer netip.Addr
-	tomb bool // an old path after teardown, kept to answer FINs
+	// nonce is what messages on this subsession carry: the nonce of the
+	// session the subsession was made for (one session end to end, or one
+	// half of a proxy's two joined sessions, §2.4).
+	nonce [wire.NonceLen]byte
+	tomb  bool // an old path after teardown, kept to answer FINs
 }
 
 type session struct {
@@ -137,6 +141,7 @@ type anchor struct {
 	tries       int
 	delta       Delta // leftDelta at the left anchor, rightDelta at the right anchor (§3.4)
 	peerWS      uint8
+	anchorNonce [wire.NonceLen]byte // the nonce of the new path (the left anchor's)
 	newSub      wire.Tuple
 	newPeer     netip.Addr
 	newDelta    Delta
@@ -263,13 +268,19 @@ func (a *Agent) onSessionUp(e SessionUp) {
 	s.app, s.ready = e.App, true
 	if e.Left != nil {
 		l := *e.Left
+		if l.Nonce == ([wire.NonceLen]byte{}) {
+			l.Nonce = e.Nonce
+		}
 		s.sides[SideLeft] = &l
-		a.subs[l.Sub] = subRef{id: s.id, side: SideLeft, peer: l.Peer}
+		a.subs[l.Sub] = subRef{id: s.id, side: SideLeft, peer: l.Peer, nonce: l.Nonce}
 	}
 	if e.Right != nil {
 		r := *e.Right
+		if r.Nonce == ([wire.NonceLen]byte{}) {
+			r.Nonce = e.Nonce
+		}
 		s.sides[SideRight] = &r
-		a.subs[r.Sub] = subRef{id: s.id, side: SideRight, peer: r.Peer}
+		a.subs[r.Sub] = subRef{id: s.id, side: SideRight, peer: r.Peer, nonce: r.Nonce}
 	}
 }
 
@@ -496,7 +507,11 @@ func (a *Agent) maxSeen(s *session, k ReqKey) {
 // ---- messages ----
 
 func (a *Agent) msg(s *session, t MsgType, sub wire.Tuple, req ReqKey, ra netip.Addr) *Message {
-	return &Message{Type: t, Nonce: s.nonce, Sub: sub, Session: s.tuple, Req: req, RightAnchor: ra}
+	nonce := s.nonce
+	if r, ok := a.subs[sub]; ok && r.id == s.id {
+		nonce = r.nonce
+	}
+	return &Message{Type: t, Nonce: nonce, Sub: sub, Session: s.tuple, Req: req, RightAnchor: ra}
 }
 
 func (a *Agent) send(to netip.Addr, m *Message) {
@@ -511,6 +526,7 @@ func (a *Agent) send(to netip.Addr, m *Message) {
 func (a *Agent) sendSide(s *session, side Side, m *Message) {
 	sd := s.sides[side]
 	m.Sub = sd.Sub
+	m.Nonce = sd.Nonce
 	a.send(sd.Peer, m)
 }
 
@@ -549,7 +565,7 @@ func (a *Agent) onMessage(e MessageIn) {
 		return
 	}
 	s := a.sessions[ref.id]
-	if m.Nonce != s.nonce {
+	if m.Nonce != ref.nonce {
 		a.reject(RejectNonce, m, e.From, "session %d", s.id)
 		return
 	}
@@ -681,7 +697,7 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 			return
 		}
 		r := &anchor{role: RoleRightAnchor, req: k, stage: StageWaitSyn, rightAnchor: a.cfg.Self,
-			delta: m.Delta, peerWS: m.WScale}
+			delta: m.Delta, peerWS: m.WScale, anchorNonce: m.AnchorNonce}
 		s.right = r
 		a.rightReq[k] = s.id
 		a.progress(s, k, RoleRightAnchor, StageWaitSyn, "rightDelta "+m.Delta.String())
@@ -719,6 +735,10 @@ func (a *Agent) forwardRequest(s *session, m *Message) {
 func (a *Agent) sendRequestLock(s *session, l *anchor) {
 	m := a.msg(s, MsgRequestLock, wire.Tuple{}, l.req, l.rightAnchor)
 	m.WScale = s.sides[SideRight].SendWScale
+	// The new path will carry the left anchor's nonce: the right anchor
+	// checks its SYN against it (the two differ when a proxy joined two
+	// sessions).
+	m.AnchorNonce = s.sides[SideRight].Nonce
 	a.sendSide(s, SideRight, m)
 	l.tries++
 	a.setTimer(s, TimerRequest, l.req, a.backoff(l.tries))
@@ -1001,7 +1021,7 @@ func (a *Agent) beginSetup(s *session, l *anchor) {
 	// middleboxes added, on top of what this side already applied.
 	side := s.sides[SideRight]
 	l.newDelta = side.Delta.Add(l.delta)
-	a.subs[l.newSub] = subRef{id: s.id, side: SideRight, peer: l.newPeer}
+	a.subs[l.newSub] = subRef{id: s.id, side: SideRight, peer: l.newPeer, nonce: side.Nonce}
 	a.emit(AddSubsession{Session: s.id, Side: SideRight, Sub: l.newSub, Peer: l.newPeer, Delta: l.newDelta,
 		WScaleIn: l.peerWS, WScaleOut: side.PeerWScale})
 	l.stage, l.tries = StageSettingUp, 0
@@ -1033,11 +1053,11 @@ func (a *Agent) onNewSyn(from netip.Addr, m *Message) {
 			return
 		}
 		s := a.sessions[id]
-		if m.Nonce != s.nonce {
+		r := s.right
+		if r == nil || m.Nonce != r.anchorNonce {
 			a.reject(RejectNonce, m, from, "session %d", s.id)
 			return
 		}
-		r := s.right
 		if r.stage != StageWaitSyn {
 			a.reject(RejectUnexpected, m, from, "syn for %s in stage %s", m.Req, r.stage)
 			return
@@ -1045,7 +1065,7 @@ func (a *Agent) onNewSyn(from netip.Addr, m *Message) {
 		side := s.sides[SideLeft]
 		r.newSub, r.newPeer = m.Sub, from
 		r.newDelta = side.Delta.Add(r.delta)
-		a.subs[m.Sub] = subRef{id: s.id, side: SideLeft, peer: from}
+		a.subs[m.Sub] = subRef{id: s.id, side: SideLeft, peer: from, nonce: m.Nonce}
 		// Armed: the first packet on the new path switches this side even
 		// if the ACK is lost.
 		a.emit(AddSubsession{Session: s.id, Side: SideLeft, Sub: m.Sub, Peer: from, Delta: r.newDelta,
@@ -1064,11 +1084,11 @@ func (a *Agent) onNewSyn(from netip.Addr, m *Message) {
 	s := a.newSession(a.nextJoin, m.Session, m.Nonce)
 	s.joinReq = m.Req
 	next := m.Hops[0]
-	left := SideInfo{Peer: from, Sub: m.Sub}
-	right := SideInfo{Peer: next, Sub: a.allocPort(next, m.Session.DstPort)}
+	left := SideInfo{Peer: from, Sub: m.Sub, Nonce: m.Nonce}
+	right := SideInfo{Peer: next, Sub: a.allocPort(next, m.Session.DstPort), Nonce: m.Nonce}
 	s.sides[SideLeft], s.sides[SideRight] = &left, &right
-	a.subs[left.Sub] = subRef{id: s.id, side: SideLeft, peer: from}
-	a.subs[right.Sub] = subRef{id: s.id, side: SideRight, peer: next}
+	a.subs[left.Sub] = subRef{id: s.id, side: SideLeft, peer: from, nonce: m.Nonce}
+	a.subs[right.Sub] = subRef{id: s.id, side: SideRight, peer: next, nonce: m.Nonce}
 	a.emit(JoinSession{Session: s.id, Tuple: s.tuple, Nonce: s.nonce, Left: left, Right: right})
 	a.progress(s, m.Req, RoleNewHop, StageSettingUp, "joined")
 	a.forwardSyn(s, m)
@@ -1308,10 +1328,11 @@ func (a *Agent) complete(s *session, an *anchor) {
 	a.cancelTimer(s, TimerFin, an.req)
 	a.emit(EndTwoPath{Session: s.id, Side: side, New: an.newSub})
 	a.emit(SetWindowClamp{Session: s.id, Side: side, Bytes: 0})
-	a.subs[old] = subRef{id: s.id, side: side, peer: sd.Peer, tomb: true}
+	a.subs[old] = subRef{id: s.id, side: side, peer: sd.Peer, nonce: sd.Nonce, tomb: true}
 	s.tombs = append(s.tombs, tomb{sub: old, side: side, req: an.req})
 	a.setTimer(s, TimerLinger, an.req, a.cfg.Linger)
 	sd.Sub, sd.Peer, sd.Delta = an.newSub, an.newPeer, an.newDelta
+	sd.Nonce = a.subs[an.newSub].nonce
 	if an.role == RoleLeftAnchor {
 		s.lock, s.requestor = Unlocked, ReqKey{}
 		a.finishLeft(s, Succeeded, ReasonNone, ReqKey{})

@@ -23,6 +23,10 @@ type SideInfo struct {
 	// SendWScale is the window scale this host's side of the TCP session
 	// announced on this side; PeerWScale the one it received (§4.2).
 	SendWScale, PeerWScale uint8
+	// Nonce is the nonce of the session this side's subsession belongs
+	// to; zero means the session's (SessionUp.Nonce). The two sides of a
+	// proxy's joined sessions have different ones (§2.4).
+	Nonce [wire.NonceLen]byte
 }
 
 // SessionUp announces an established session (its chain is set up, §2.1).

@@ -68,7 +68,7 @@ const (
 	// MsgVersion is the version this code writes and accepts.
 	MsgVersion = 1
 	// MsgHeaderLen is the fixed part before the hops.
-	MsgHeaderLen = 156
+	MsgHeaderLen = 164
 	// MACLen is the length of the truncated HMAC-SHA256 that ends a message.
 	MACLen = 16
 	// MaxMsgLen is the longest message.
@@ -118,7 +118,10 @@ type Message struct {
 	Blocker ReqKey
 	Delta   Delta
 	WScale  uint8
-	Hops    []netip.Addr
+	// AnchorNonce (requestLock) is the left anchor's nonce, which the new
+	// path will carry: middle agents pass it on unchanged.
+	AnchorNonce [wire.NonceLen]byte
+	Hops        []netip.Addr
 }
 
 // RejectReason classifies a message the agent refused; agents count them.
@@ -205,6 +208,7 @@ func (m *Message) Encode(key []byte) ([]byte, error) {
 	binary.BigEndian.PutUint32(b[148:], m.Delta.TS)
 	b[152] = m.WScale
 	b[153] = byte(len(m.Hops))
+	copy(b[156:164], m.AnchorNonce[:])
 	for _, h := range m.Hops {
 		a := h.As16()
 		b = append(b, a[:]...)
@@ -259,6 +263,7 @@ func Decode(key, b []byte) (*Message, error) {
 	}
 	m.Delta = Delta{Seq: binary.BigEndian.Uint32(b[144:]), TS: binary.BigEndian.Uint32(b[148:])}
 	m.WScale = b[152]
+	copy(m.AnchorNonce[:], b[156:164])
 	for i := 0; i < n; i++ {
 		off := MsgHeaderLen + i*wire.AddrLen
 		m.Hops = append(m.Hops, getAddr(b[off:off+wire.AddrLen]))

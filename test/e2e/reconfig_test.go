@@ -22,8 +22,16 @@ type liveTransfer struct {
 
 func (e *env) startTransfer(client, server string, dst netip.Addr, port uint16, total, rate int64) *liveTransfer {
 	e.t.Helper()
+	ap := netip.AddrPortFrom(dst, port)
+	return e.startTransferVia(client, server, ap, ap, total, rate)
+}
+
+// startTransferVia is startTransfer with the server listening on listen and
+// the client dialling dial (a proxy in between).
+func (e *env) startTransferVia(client, server string, listen, dial netip.AddrPort, total, rate int64) *liveTransfer {
+	e.t.Helper()
 	lt := &liveTransfer{clientErr: make(chan error, 1), serverErr: make(chan error, 1)}
-	ln := e.listen(server, netip.AddrPortFrom(dst, port))
+	ln := e.listen(server, listen)
 	go func() {
 		c, err := ln.Accept()
 		if err != nil {
@@ -33,7 +41,7 @@ func (e *env) startTransfer(client, server string, dst netip.Addr, port uint16, 
 		defer c.Close()
 		lt.serverErr <- transfer(pacedConn{countingConn{c, &lt.received}, rate}, 2, 1, total)
 	}()
-	c, err := e.dial(client, netip.AddrPortFrom(dst, port), 10*time.Second)
+	c, err := e.dial(client, dial, 10*time.Second)
 	if err != nil {
 		e.t.Fatal(err)
 	}
