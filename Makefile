@@ -12,8 +12,16 @@ all: build
 deps:
 	@scripts/deps.sh
 
-build: deps
+build: deps lib/libdysco.so
 	$(GO) build -o $(BIN) ./cmd/dysco
+
+# libdysco: the proxy-side library (docs/libdysco.md), for LD_PRELOAD or -ldysco.
+# Built under a temporary name and renamed: test packages running in parallel
+# may build it at the same time.
+LIBDYSCO_SRC := $(wildcard libdysco/*.c)
+lib/libdysco.so: $(LIBDYSCO_SRC) $(wildcard libdysco/*.h) include/dysco.h
+	@mkdir -p lib
+	$(CC) -O2 -Wall -Wextra -Werror -fPIC -shared -Iinclude -o $@.$$$$.tmp $(LIBDYSCO_SRC) -ldl -lpthread && mv -f $@.$$$$.tmp $@
 
 # Regenerate the committed eBPF objects and the C wire header.
 generate: deps
@@ -55,4 +63,4 @@ lab-clean:
 	@-$(BIN) lab down --all >/dev/null 2>&1 || true
 
 clean:
-	rm -rf bin
+	rm -rf bin lib

@@ -1241,6 +1241,31 @@ int dysco_ctl(struct ctl_args *a)
 
 	__builtin_memcpy(&key, &a->key, sizeof(key));
 	__builtin_memcpy(&tk, &a->tp, sizeof(tk));
+	if (op == CTL_MARKS_MERGE) {
+		/* Marks are in session space, whatever the subsession: a side's
+		 * new ingress flow inherits the old one's (a later cut-off must
+		 * know what arrived on every earlier path). */
+		struct dysco_tuple key2;
+		struct flow_val *dst;
+		__builtin_memcpy(&key2, &a->key2, sizeof(key2));
+		fp = bpf_map_lookup_elem(&dysco_flows, &key);
+		dst = bpf_map_lookup_elem(&dysco_flows, &key2);
+		if (!fp || !dst)
+			return -2;
+		if (!fp->mk_ok)
+			return 0;
+		if (!dst->mk_ok) {
+			dst->mk_seq = fp->mk_seq;
+			dst->mk_ack = fp->mk_ack;
+			dst->mk_ok = 1;
+			return 0;
+		}
+		if (seq_lt(dst->mk_seq, fp->mk_seq))
+			dst->mk_seq = fp->mk_seq;
+		if (seq_lt(dst->mk_ack, fp->mk_ack))
+			dst->mk_ack = fp->mk_ack;
+		return 0;
+	}
 	if (op == CTL_FLAGS_SET || op == CTL_FLAGS_CLEAR) {
 		fp = bpf_map_lookup_elem(&dysco_flows, &key);
 		if (!fp)

@@ -141,6 +141,7 @@ enum role {
 #define CTL_TP_START 3    /* tp: take the cut-off and start the two-path phase */
 #define CTL_TP_STATE 4    /* tp: state = arg */
 #define CTL_TP_CLAMP 5    /* tp: clamp = arg */
+#define CTL_MARKS_MERGE 6 /* flow key2's marks = max(its own, flow key's) */
 
 /* policy hop kinds */
 #define HOP_ADDR 1

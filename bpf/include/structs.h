@@ -145,6 +145,7 @@ struct ctl_args {
 	__u32 pad;
 	struct dysco_tuple key;
 	struct tp_key tp;
+	struct dysco_tuple key2;
 };
 /* Scratch space for building a SYN's option and block (too big for the stack). */
 struct scratch {

@@ -89,6 +89,15 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	st["agent_reroutes_settled"] = a.rerouteCleared.Load()
+	if a.ctl != nil {
+		// Control messages refused, by reason (forged, replayed,
+		// malformed, ...), and messages in and out (§3.3).
+		for r, n := range a.ctl.rejectedCounts() {
+			st["control_rejected_"+r] = n
+		}
+		st["control_messages_in"] = a.ctl.msgsIn.Load()
+		st["control_messages_out"] = a.ctl.msgsOut.Load()
+	}
 	sess, _ := a.dp.Sessions()
 	a.mu.Lock()
 	out := api.Status{

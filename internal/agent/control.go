@@ -183,7 +183,7 @@ func (c *control) onPacket(from netip.Addr, data []byte) {
 	v6 := from.Is6()
 	p := c.proto(v6)
 	if p == nil {
-		c.countReject("no address of the family")
+		c.countReject("no_address")
 		return
 	}
 	// A message about a session the protocol does not know yet: announce
@@ -415,6 +415,10 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 		k := datapath.TPKey{SessId: c.dpID(x.Session), Side: uint32(x.Side)}
 		delete(c.active, k)
 		delete(c.prevTP, k)
+		if tp, ok := dp.TwoPath(k); ok {
+			// The new ingress flow inherits what arrived on the old path.
+			_ = dp.MergeMarks(tp.InOld, datapath.TupleFrom(tp.NewOut.Wire().Reverse()))
+		}
 		return dp.SetTwoPathState(k, datapath.TPNew)
 	case protocol.RemoveSubsession:
 		return c.removeSub(x)
@@ -544,9 +548,13 @@ func (c *control) removeSub(x protocol.RemoveSubsession) error {
 		out = x.Sub.Reverse()
 	}
 	in := datapath.TupleFrom(out.Reverse())
+	tp, ok := dp.TwoPath(k)
+	if ok && tp.State == datapath.TPNew && tp.NewOut != datapath.TupleFrom(out) {
+		// The old path goes: what arrived on it late still counts.
+		_ = dp.MergeMarks(in, datapath.TupleFrom(tp.NewOut.Wire().Reverse()))
+	}
 	dp.DeleteFlow(in)
 	dp.DeleteDelta(in)
-	tp, ok := dp.TwoPath(k)
 	if !ok || tp.NewOut != datapath.TupleFrom(out) || tp.State == datapath.TPNew {
 		return nil
 	}

@@ -16,6 +16,7 @@ import (
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/netip"
 	"time"
@@ -58,6 +59,8 @@ type trigger struct {
 	timer *time.Timer
 }
 
+var errTriggerMAC = errors.New("trigger MAC mismatch")
+
 func isTrigger(b []byte) bool { return len(b) >= 6 && string(b[:4]) == triggerMagic }
 
 func encodeTrigger(key []byte, kind byte, m triggerMsg) ([]byte, error) {
@@ -84,7 +87,7 @@ func decodeTrigger(key, b []byte) (byte, triggerMsg, error) {
 	h := hmac.New(sha256.New, key)
 	h.Write(body)
 	if !hmac.Equal(h.Sum(nil)[:triggerMACLen], tag) {
-		return 0, m, fmt.Errorf("trigger MAC mismatch")
+		return 0, m, errTriggerMAC
 	}
 	if err := json.Unmarshal(body[6:], &m); err != nil {
 		return 0, m, fmt.Errorf("trigger body: %v", err)
@@ -102,14 +105,19 @@ type triggerKey struct {
 func (c *control) onTrigger(from netip.Addr, data []byte) {
 	kind, m, err := decodeTrigger(c.key, data)
 	if err != nil {
-		c.countReject("trigger: " + err.Error())
+		reason := "trigger_malformed"
+		if errors.Is(err, errTriggerMAC) {
+			reason = "trigger_bad_mac"
+		}
+		c.countReject(reason)
+		c.a.log.Debug("trigger refused", "from", from, "err", err)
 		return
 	}
 	switch kind {
 	case triggerResult:
 		t := c.triggers[m.Token]
 		if t == nil || t.to != from {
-			c.countReject("trigger: unexpected result")
+			c.countReject("trigger_unexpected")
 			return
 		}
 		delete(c.triggers, m.Token)
@@ -125,7 +133,7 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 		}
 		age := time.Since(time.UnixMilli(m.SentUnixMS))
 		if m.Sub == nil || age > triggerMaxAge || age < -triggerMaxAge {
-			c.countReject("trigger: stale or malformed request")
+			c.countReject("trigger_stale")
 			return
 		}
 		answer := func(r triggerMsg) {
@@ -166,7 +174,7 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 			})
 		}()
 	default:
-		c.countReject("trigger: unknown kind")
+		c.countReject("trigger_malformed")
 	}
 }
 

@@ -20,13 +20,14 @@ type dyscoConfig struct {
 }
 
 type dyscoCtlArgs struct {
-	_   structs.HostLayout
-	Op  uint32
-	Arg uint32
-	Ret int32
-	Pad uint32
-	Key dyscoDyscoTuple
-	Tp  dyscoTpKey
+	_    structs.HostLayout
+	Op   uint32
+	Arg  uint32
+	Ret  int32
+	Pad  uint32
+	Key  dyscoDyscoTuple
+	Tp   dyscoTpKey
+	Key2 dyscoDyscoTuple
 }
 
 type dyscoDeltaVal struct {

@@ -30,6 +30,7 @@ const (
 	ctlTPStart    = 3
 	ctlTPState    = 4
 	ctlTPClamp    = 5
+	ctlMarksMerge = 6
 
 	evProgress = 1
 )
@@ -48,6 +49,12 @@ type TPEvent struct {
 	Bits   uint32
 }
 
+// MergeMarks raises the marks of flow to to those of flow from (both in
+// session space): a side's new ingress flow inherits what its old one saw.
+func (d *Datapath) MergeMarks(from, to Tuple) error {
+	return d.ctlArgs(dyscoCtlArgs{Op: ctlMarksMerge, Key: from, Key2: to})
+}
+
 // ctl runs a command of dysco_ctl in the kernel.
 func (d *Datapath) ctl(op uint32, k *Tuple, tp *TPKey, arg uint32) error {
 	a := dyscoCtlArgs{Op: op, Arg: arg}
@@ -57,6 +64,10 @@ func (d *Datapath) ctl(op uint32, k *Tuple, tp *TPKey, arg uint32) error {
 	if tp != nil {
 		a.Tp = *tp
 	}
+	return d.ctlArgs(a)
+}
+
+func (d *Datapath) ctlArgs(a dyscoCtlArgs) error {
 	ctx := make([]byte, binary.Size(a))
 	if _, err := binary.Encode(ctx, binary.NativeEndian, &a); err != nil {
 		return err

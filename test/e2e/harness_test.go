@@ -33,6 +33,9 @@ import (
 // dyscoBin is the binary under test, built once by TestMain.
 var dyscoBin string
 
+// libdysco is the path of lib/libdysco.so, built by TestMain.
+var libdysco string
+
 func TestMain(m *testing.M) {
 	if addr := os.Getenv("DYSCO_E2E_ECHO"); addr != "" {
 		echoServer(addr) // a child process started by a test: see echoServer
@@ -52,6 +55,12 @@ func TestMain(m *testing.M) {
 		fmt.Fprintf(os.Stderr, "e2e: building dysco: %v\n%s", err, out)
 		os.Exit(1)
 	}
+	// libdysco, for the proxy-removal tests (LD_PRELOAD into HAProxy).
+	if out, err := exec.Command("make", "-s", "-C", "../..", "lib/libdysco.so").CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "e2e: building libdysco: %v\n%s", err, out)
+		os.Exit(1)
+	}
+	libdysco, _ = filepath.Abs("../../lib/libdysco.so")
 	code := m.Run()
 	os.RemoveAll(dir)
 	os.Exit(code)
