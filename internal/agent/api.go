@@ -12,6 +12,7 @@ import (
 
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/datapath"
+	"github.com/dysco/dysco/internal/protocol"
 	"github.com/dysco/dysco/internal/policy"
 	"github.com/dysco/dysco/internal/wire"
 	"golang.org/x/sys/unix"
@@ -168,6 +169,10 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 	a.mu.Lock()
 	eff := a.effective
 	a.mu.Unlock()
+	var views map[uint32]protocol.SessionView
+	if a.ctl != nil {
+		views = a.ctl.views()
+	}
 	now := datapath.Monotonic()
 	out := make([]api.Session, 0, len(sessions))
 	for _, s := range sessions {
@@ -187,6 +192,14 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 			PacketsFwd: t.packets[0], BytesFwd: t.bytes[0], PacketsRev: t.packets[1], BytesRev: t.bytes[1],
 			AgeSeconds:  (now - time.Duration(s.CreatedNs)).Seconds(),
 			IdleSeconds: (now - time.Duration(max(s.LastNs, t.last))).Seconds(),
+		}
+		if v, ok := views[s.ID]; ok {
+			as.Lock, as.Queued = v.Lock.String(), v.Queued
+			for _, an := range []*protocol.AnchorView{v.Left, v.Right} {
+				if an != nil {
+					as.Reconfig = an.Role.String() + ":" + an.Stage.String()
+				}
+			}
 		}
 		if s.Policy > 0 && int(s.Policy) <= len(eff) {
 			as.Policy = eff[s.Policy-1].Name

@@ -272,10 +272,13 @@ func (c *control) currentSub(id uint32, t wire.Tuple, side protocol.Side) (wire.
 	return out, true
 }
 
-// dpID maps a protocol session to its datapath session.
+// dpID maps a protocol session to its datapath session (0: none).
 func (c *control) dpID(pid protocol.SessionID) uint32 {
 	if id, ok := c.joinedDP[pid]; ok {
 		return id
+	}
+	if pid&(1<<63) != 0 {
+		return 0 // a joined session whose datapath state is gone
 	}
 	return uint32(pid)
 }
@@ -370,6 +373,24 @@ func (c *control) rejectedCounts() map[string]uint64 {
 	return out
 }
 
+// views returns the protocol's view of the sessions it knows, by datapath id.
+func (c *control) views() map[uint32]protocol.SessionView {
+	out := map[uint32]protocol.SessionView{}
+	done := make(chan struct{})
+	c.post(func() {
+		defer close(done)
+		for id, pid := range c.pidOf {
+			if p := c.protos[c.famOf[id]]; p != nil {
+				if v, ok := p.View(pid); ok {
+					out[id] = v
+				}
+			}
+		}
+	})
+	<-done
+	return out
+}
+
 // ---- actions ----
 
 func (c *control) do(v6 bool, act protocol.Action) error {
@@ -439,6 +460,9 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 			return nil
 		}
 		id := c.dpID(x.Session)
+		if id == 0 || c.pidOf[id] != x.Session {
+			return nil // freed already (a new path through this host took its place)
+		}
 		c.free(id)
 		c.forget(id, x.Session)
 	case protocol.Result:
@@ -599,6 +623,24 @@ func (c *control) join(v6 bool, x protocol.JoinSession) error {
 	tap := uint32(0)
 	if c.a.cfg.Tap != "" {
 		tap = datapath.FlTap
+	}
+	// This host may still hold the session from an old path being torn
+	// down (it lingers to pass retransmissions): the new path replaces it.
+	for _, k := range []wire.Tuple{l, t, r.Reverse(), t.Reverse()} {
+		f, ok := dp.Flow(datapath.TupleFrom(k))
+		if !ok {
+			continue
+		}
+		old := f.SessId
+		pid, known := c.pidOf[old]
+		if known {
+			if v, ok := c.protos[c.famOf[old]].View(pid); ok && !v.Teardown && v.Sides[0] != nil && v.Sides[1] != nil && v.Lingering == 0 {
+				return fmt.Errorf("join: session %s is already on a live path through this host", t)
+			}
+			c.forget(old, pid)
+		}
+		c.a.log.Info("join: the old path's state of the session gives way to the new path", "session", t.String(), "old_id", old)
+		c.free(old)
 	}
 	flows := []struct {
 		k datapath.Tuple

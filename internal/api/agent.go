@@ -56,6 +56,13 @@ type Session struct {
 	BytesRev    uint64   `json:"bytes_rev"`
 	AgeSeconds  float64  `json:"age_seconds"`
 	IdleSeconds float64  `json:"idle_seconds"`
+	// Reconfiguration state (§3.2), when the reconfiguration protocol
+	// knows the session: the lock of its right side ("unlocked",
+	// "lockPending", "locked"), requests queued behind it, and the stage
+	// of a reconfiguration this host anchors ("leftAnchor:twoPath", ...).
+	Lock     string `json:"lock,omitempty"`
+	Queued   int    `json:"queued,omitempty"`
+	Reconfig string `json:"reconfig,omitempty"`
 }
 
 // PrependRequest asks a middlebox host's agent to put hops at the head of the

@@ -1,9 +1,15 @@
 package e2e
 
 import (
+	"bytes"
+	"context"
 	"encoding/json"
+	"fmt"
+	"io"
+	"net"
 	"net/netip"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -149,4 +155,235 @@ func reconfigure(t *testing.T, off bool) {
 	step("insert mb1", mb1)
 	carries("mb1")
 	lt.wait(t)
+}
+
+// holdSession opens a session from client to server on port and keeps it
+// open until the test ends; check sends a message each way through it.
+func (e *env) holdSession(client, server string, dst netip.Addr, port uint16) (check func() error) {
+	e.t.Helper()
+	ln := e.listen(server, netip.AddrPortFrom(dst, port))
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			close(accepted)
+			return
+		}
+		accepted <- c
+	}()
+	c, err := e.dial(client, netip.AddrPortFrom(dst, port), 10*time.Second)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	s, ok := <-accepted
+	if !ok {
+		e.t.Fatal("accept failed")
+	}
+	e.t.Cleanup(func() { c.Close(); s.Close() })
+	return func() error {
+		for _, p := range [][2]net.Conn{{c, s}, {s, c}} {
+			msg := []byte("ping " + p[0].LocalAddr().String())
+			if _, err := p[0].Write(msg); err != nil {
+				return err
+			}
+			buf := make([]byte, len(msg))
+			p[1].SetReadDeadline(time.Now().Add(10 * time.Second))
+			if _, err := io.ReadFull(p[1], buf); err != nil {
+				return err
+			}
+			if !bytes.Equal(buf, msg) {
+				return fmt.Errorf("got %q, want %q", buf, msg)
+			}
+		}
+		return nil
+	}
+}
+
+// TestReconfigureContention: two left anchors ask for overlapping segments
+// of the same session at the same moment (§3.2): the client (segment
+// client..server) and mb1 (segment mb1..server). Exactly one wins each
+// time, the other is refused cleanly, and no lock is left behind: the
+// session can be reconfigured again at once and still carries data.
+func TestReconfigureContention(t *testing.T) {
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "server")})
+	dst := e.addr("server", false)
+	mb1, mb2 := e.addr("mb1", false), e.addr("mb2", false)
+	e.policy("client", "r", "tcp dst portrange 9500-9599", mb1.String(), mb2.String())
+
+	wins := map[string]int{}
+	for i := range 8 {
+		port := uint16(9500 + i)
+		check := e.holdSession("client", "server", dst, port)
+		if err := check(); err != nil {
+			t.Fatalf("session %d before: %v", i, err)
+		}
+		match := fmt.Sprintf("tcp port %d", port)
+		// Both requests must meet: mb2 drops control messages until
+		// mb1 holds one request (its right side lockPending) and has
+		// queued the other.
+		drop := []string{"-p", "udp", "--dport", "4790", "-j", "DROP"}
+		e.run("mb2", append([]string{"iptables", "-I", "INPUT"}, drop...)...)
+		var wg sync.WaitGroup
+		res := map[string][]api.ReconfigResult{}
+		var mu sync.Mutex
+		for _, h := range []string{"client", "mb1"} {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				r := e.reconfig(h, match, dst)
+				mu.Lock()
+				res[h] = r
+				mu.Unlock()
+			}()
+		}
+		eventually(t, 20*time.Second, "both requests to meet at mb1", func() bool {
+			for _, s := range e.sessions("mb1") {
+				if strings.HasSuffix(s.Session, fmt.Sprintf(":%d", port)) {
+					return s.Lock == "lockPending" && s.Queued == 1
+				}
+			}
+			return false
+		})
+		e.run("mb2", append([]string{"iptables", "-D", "INPUT"}, drop...)...)
+		wg.Wait()
+		won := ""
+		for h, r := range res {
+			if len(r) != 1 {
+				t.Fatalf("round %d: %s: %d results: %+v", i, h, len(r), r)
+			}
+			switch r[0].Outcome {
+			case "succeeded":
+				if won != "" {
+					t.Fatalf("round %d: both %s and %s won: %+v", i, won, h, res)
+				}
+				won = h
+			case "refused":
+			default:
+				t.Fatalf("round %d: %s: %+v (want succeeded or refused)", i, h, r[0])
+			}
+		}
+		if won == "" {
+			t.Fatalf("round %d: nobody won: %+v", i, res)
+		}
+		loser := "mb1"
+		if won == "mb1" {
+			loser = "client"
+		}
+		t.Logf("round %d: %s won; %s refused: %s %s", i, won, loser, res[loser][0].Reason, res[loser][0].Blocker)
+		wins[won]++
+		// No lock left: the client reconfigures the session again at once.
+		var again []api.ReconfigResult
+		if won == "client" {
+			again = e.reconfig("client", match, dst, mb2) // insert mb2 into the direct session
+		} else {
+			again = e.reconfig("client", match, dst) // delete mb1
+		}
+		if len(again) != 1 || again[0].Outcome != "succeeded" {
+			t.Fatalf("round %d: reconfiguration after the contest: %+v", i, again)
+		}
+		if err := check(); err != nil {
+			t.Fatalf("round %d: session after: %v", i, err)
+		}
+	}
+	t.Logf("wins: %v", wins)
+}
+
+// TestReconfigureCancel: the new path cannot be set up (its middlebox is
+// down: nothing answers at its address). The left anchor cancels (§3.6),
+// the session goes on on its old path, and every lock is released: a later
+// reconfiguration succeeds.
+func TestReconfigureCancel(t *testing.T) {
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server")})
+	dst := e.addr("server", false)
+	mb1 := e.addr("mb1", false)
+	e.policy("client", "r", "tcp dst port 9600", mb1.String())
+	const total = 48 * mib
+	lt := e.startTransfer("client", "server", dst, 9600, total, 3*mib)
+	eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > mib })
+	b := dst.As4()
+	b[3] = 250 // an address of the lab's network that no host has
+	dead := netip.AddrFrom4(b)
+	res := e.reconfig("client", "tcp port 9600", dst, dead)
+	if len(res) != 1 || res[0].Outcome != "failed" || !strings.Contains(res[0].Reason, "new path") {
+		t.Fatalf("reconfiguration through a dead middlebox: %+v (want failed: new path could not be set up)", res)
+	}
+	if lt.received.Load() >= total {
+		t.Fatal("the transfer ended before the cancellation: pace it slower")
+	}
+	before := rewrites(e.status("mb1"))
+	eventually(t, 10*time.Second, "mb1 to go on carrying the session", func() bool { return rewrites(e.status("mb1")) > before+50 })
+	res = e.reconfig("client", "tcp port 9600", dst)
+	if len(res) != 1 || res[0].Outcome != "succeeded" {
+		t.Fatalf("reconfiguration after the cancellation: %+v", res)
+	}
+	lt.wait(t)
+}
+
+// TestReconfigureMonitor: a tcpdump monitor is inserted into a live iperf3
+// session and sees it on its session-view tap; two middleboxes are replaced
+// by one, and the monitor is deleted again. iperf3 finishes without error.
+func TestReconfigureMonitor(t *testing.T) {
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "mb3", "server")})
+	dst := e.addr("server", false)
+	mb1, mb2, mon := e.addr("mb1", false), e.addr("mb2", false), e.addr("mb3", false)
+	e.policy("client", "r", "tcp dst port 5301", mb1.String(), mb2.String())
+	e.iperfServer("server", 5301)
+	stop := e.capture("mb3", "dysco-tap", "tcp port 5301")
+
+	done := make(chan string, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		out, err := e.lab.Command(ctx, "client", "iperf3", "-J", "-c", dst.String(), "-p", "5301", "-t", "8").CombinedOutput()
+		if err != nil {
+			done <- fmt.Sprintf("iperf3: %v\n%s", err, out)
+			return
+		}
+		done <- string(out)
+	}()
+	eventually(t, 20*time.Second, "iperf3 data to flow through mb2", func() bool {
+		return rewrites(e.status("mb2")) > 2000
+	})
+	step := func(what string, chain ...netip.Addr) {
+		t.Helper()
+		res := e.reconfig("client", "tcp port 5301", dst, chain...)
+		if len(res) == 0 {
+			t.Fatalf("%s: no session matched", what)
+		}
+		for _, r := range res {
+			if r.Outcome != "succeeded" {
+				t.Fatalf("%s: %+v", what, res)
+			}
+		}
+		t.Logf("%s: %d sessions", what, len(res))
+	}
+	step("replace mb1, mb2 by the monitor", mon)
+	eventually(t, 10*time.Second, "mb1 and mb2 to leave", func() bool { return len(e.sessions("mb1"))+len(e.sessions("mb2")) == 0 })
+	before := rewrites(e.status("mb3"))
+	eventually(t, 10*time.Second, "the monitor to carry the session", func() bool { return rewrites(e.status("mb3")) > before+1000 })
+	step("delete the monitor")
+	eventually(t, 10*time.Second, "the monitor to leave", func() bool { return len(e.sessions("mb3")) == 0 })
+	seen := stop()
+	n := 0
+	for _, l := range seen {
+		if strings.Contains(l, dst.String()+".5301") {
+			n++
+		}
+	}
+	if n < 100 {
+		t.Errorf("the monitor's tap showed %d packets of the session, want many:\n%s", n, strings.Join(head(seen, 5), "\n"))
+	}
+	out := <-done
+	var r struct {
+		End struct {
+			SumReceived struct {
+				Bytes float64 `json:"bytes"`
+			} `json:"sum_received"`
+		} `json:"end"`
+		Error string `json:"error"`
+	}
+	if err := json.Unmarshal([]byte(out), &r); err != nil || r.Error != "" || r.End.SumReceived.Bytes == 0 {
+		t.Fatalf("iperf3 across the reconfigurations: %v %s\n%s", err, r.Error, out)
+	}
+	t.Logf("iperf3 moved %.0f MB; the monitor saw %d packets", r.End.SumReceived.Bytes/1e6, n)
 }
