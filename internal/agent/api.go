@@ -12,8 +12,8 @@ import (
 
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/datapath"
-	"github.com/dysco/dysco/internal/protocol"
 	"github.com/dysco/dysco/internal/policy"
+	"github.com/dysco/dysco/internal/protocol"
 	"github.com/dysco/dysco/internal/wire"
 	"golang.org/x/sys/unix"
 )
