@@ -1,9 +1,15 @@
 package e2e
 
 import (
+	"bufio"
+	"bytes"
+	"crypto/sha256"
 	"fmt"
+	"io"
+	"net"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -107,4 +113,92 @@ func clientGoesDirect(e *env, server netip.Addr) bool {
 		}
 	}
 	return false
+}
+
+// TestProxyRemovalDelta: a proxy modified for Dysco changes the length of
+// the client's stream (it prefixes the first line with 7 bytes) before it
+// calls dysco_splice with that delta (§4.2); after its removal every byte
+// still arrives where it belongs, in both directions.
+func TestProxyRemovalDelta(t *testing.T) {
+	bin := filepath.Join(t.TempDir(), "lenproxy")
+	root, _ := filepath.Abs("../..")
+	lib := filepath.Dir(libdysco)
+	out, err := exec.Command("cc", "-O2", "-Wall", "-I", filepath.Join(root, "include"), "-o", bin,
+		filepath.Join(root, "test/libdysco/testdata/lenproxy.c"), "-L", lib, "-ldysco", "-Wl,-rpath,"+lib).CombinedOutput()
+	if err != nil {
+		t.Fatalf("building lenproxy: %v\n%s", err, out)
+	}
+	e := newLab(t, labOpts{topology: lab.Star("client", "proxy", "server")})
+	proxy, server := e.addr("proxy", false), e.addr("server", false)
+	e.policy("client", "to-proxy", "tcp and dst host "+proxy.String())
+	e.policy("proxy", "to-server", "tcp dst port 9701")
+
+	const n = 24 * mib
+	const rate = 6 * mib
+	line := "GET /hello HTTP/1.0\n"
+	ln := e.listen("server", netip.AddrPortFrom(server, 9701))
+	serverErr := make(chan error, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			serverErr <- err
+			return
+		}
+		defer c.Close()
+		go func() {
+			_, _ = io.Copy(pacedConn{c, rate}, io.LimitReader(newStream(2), n))
+			c.(*net.TCPConn).CloseWrite()
+		}()
+		br := bufio.NewReader(c)
+		got, err := br.ReadString('\n')
+		if err != nil || got != "X-Len: "+line {
+			serverErr <- fmt.Errorf("first line %q (%v), want %q", got, err, "X-Len: "+line)
+			return
+		}
+		h := sha256.New()
+		if m, err := io.Copy(h, br); err != nil || m != n {
+			serverErr <- fmt.Errorf("server received %d bytes after the line (%v), want %d", m, err, n)
+			return
+		}
+		serverErr <- checkStream(h, 1, n)
+	}()
+
+	cmd := e.lab.Command(t.Context(), "proxy", bin, proxy.String(), server.String(), "9701", "add")
+	stdout, _ := cmd.StdoutPipe()
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	var port uint16
+	if _, err := fmt.Fscan(stdout, &port); err != nil {
+		t.Fatalf("lenproxy did not say its port: %v\n%s", err, stderr.String())
+	}
+
+	c, err := e.dial("client", netip.AddrPortFrom(proxy, port), 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	go func() {
+		pc := pacedConn{c, rate}
+		pc.Write([]byte(line))
+		io.Copy(pc, io.LimitReader(newStream(1), n))
+		c.(*net.TCPConn).CloseWrite()
+	}()
+	eventually(t, 20*time.Second, "the proxy to leave the path", func() bool { return clientGoesDirect(e, server) })
+	h := sha256.New()
+	if m, err := io.Copy(h, c); err != nil || m != n {
+		t.Fatalf("client received %d bytes (%v), want %d", m, err, n)
+	}
+	if err := checkStream(h, 2, n); err != nil {
+		t.Fatalf("client: %v", err)
+	}
+	if err := <-serverErr; err != nil {
+		t.Fatalf("server: %v", err)
+	}
+	if !strings.Contains(stderr.String(), "dysco_splice: ok") {
+		t.Errorf("lenproxy: %s", stderr.String())
+	}
 }
