@@ -38,6 +38,7 @@ func (a *Agent) serveAPI() (*http.Server, error) {
 	mux.HandleFunc("DELETE /v1/types/{name}", a.handleDeleteType)
 	mux.HandleFunc("POST /v1/sessions/prepend", a.handlePrepend)
 	mux.HandleFunc("POST /v1/reconfig", a.handleReconfig)
+	mux.HandleFunc("GET /v1/reconfig/history", a.handleReconfigHistory)
 	mux.HandleFunc("POST /v1/middlebox", a.handleMiddlebox)
 	mux.HandleFunc("POST /v1/sessions/splice", a.handleSplice)
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}

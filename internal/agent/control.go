@@ -16,6 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/datapath"
 	"github.com/dysco/dysco/internal/protocol"
 	"github.com/dysco/dysco/internal/wire"
@@ -46,6 +47,8 @@ type control struct {
 	famOf       map[uint32]bool
 	notReady    map[protocol.SessionID]uint32 // joined sessions waiting for packets both ways
 	waiters     map[uint64]chan protocol.Result
+	started     map[uint64]time.Time    // when each request (token) began
+	history     []api.ReconfigResult    // the last historyLen results at this left anchor
 	active      map[datapath.TPKey]bool // sides in their two-path phase (polled as a safety net)
 	prevTP      map[datapath.TPKey]datapath.TPVal
 	spliced     map[protocol.SessionID]splicedPair
@@ -74,7 +77,7 @@ func newControl(a *Agent, port int, key []byte) (*control, error) {
 	c := &control{a: a, conn: conn, port: port, key: key,
 		protos: map[bool]*protocol.Agent{}, timers: map[timerKey]*time.Timer{},
 		joinedDP: map[protocol.SessionID]uint32{}, pidOf: map[uint32]protocol.SessionID{}, famOf: map[uint32]bool{},
-		notReady: map[protocol.SessionID]uint32{}, waiters: map[uint64]chan protocol.Result{},
+		notReady: map[protocol.SessionID]uint32{}, waiters: map[uint64]chan protocol.Result{}, started: map[uint64]time.Time{},
 		active: map[datapath.TPKey]bool{}, prevTP: map[datapath.TPKey]datapath.TPVal{}, spliced: map[protocol.SessionID]splicedPair{},
 		triggers: map[uint64]*trigger{}, trigAnswers: map[triggerKey][]byte{}, ev: make(chan func(), 1024)}
 	return c, nil
@@ -391,6 +394,37 @@ func (c *control) views() map[uint32]protocol.SessionView {
 	return out
 }
 
+// historyLen bounds the results kept for `dysco reconfig history`.
+const historyLen = 4096
+
+// record keeps a result (loop goroutine).
+func (c *control) record(x protocol.Result) {
+	r := api.ReconfigResult{ID: c.dpID(x.Session), Outcome: x.Outcome.String(), Reason: reasonText(x), Blocker: blockerText(x)}
+	if s, ok := c.a.dp.Session(r.ID); ok {
+		r.Session = s.Tuple.Wire().String()
+	}
+	if at, ok := c.started[x.Token]; ok {
+		r.Micros = time.Since(at).Microseconds()
+		delete(c.started, x.Token)
+	}
+	if len(c.history) >= historyLen {
+		c.history = append(c.history[:0], c.history[len(c.history)-historyLen/2:]...)
+	}
+	c.history = append(c.history, r)
+}
+
+// reconfigHistory returns the results kept.
+func (c *control) reconfigHistory() []api.ReconfigResult {
+	var out []api.ReconfigResult
+	done := make(chan struct{})
+	c.post(func() {
+		out = append([]api.ReconfigResult{}, c.history...)
+		close(done)
+	})
+	<-done
+	return out
+}
+
 // ---- actions ----
 
 func (c *control) do(v6 bool, act protocol.Action) error {
@@ -466,6 +500,7 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 		c.free(id)
 		c.forget(id, x.Session)
 	case protocol.Result:
+		c.record(x)
 		if ch, ok := c.waiters[x.Token]; ok {
 			delete(c.waiters, x.Token)
 			ch <- x
@@ -705,6 +740,7 @@ func (c *control) reconfigure(ctx context.Context, ids []uint32, to netip.Addr, 
 			}
 			c.token++
 			c.waiters[c.token] = p.ch
+			c.started[c.token] = p.start
 			c.handle(c.famOf[id], protocol.Reconfigure{Session: c.pidOf[id], RightAnchor: to, Chain: chain, Token: c.token})
 		}
 		close(done)

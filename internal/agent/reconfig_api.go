@@ -108,6 +108,16 @@ func (a *Agent) handleReconfig(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, 200, rep)
 }
 
+// handleReconfigHistory lists the last reconfigurations this agent ran as
+// left anchor (requested here or triggered by a middlebox), oldest first.
+func (a *Agent) handleReconfigHistory(w http.ResponseWriter, r *http.Request) {
+	if a.ctl == nil {
+		writeErr(w, 503, errNoControl)
+		return
+	}
+	writeJSON(w, 200, api.ReconfigReply{Results: a.ctl.reconfigHistory()})
+}
+
 // handleMiddlebox asks the left neighbour of each matching session through
 // this host to remove this host from it, or replace it (§2.3).
 func (a *Agent) handleMiddlebox(w http.ResponseWriter, r *http.Request) {

@@ -165,6 +165,7 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 		c.token++
 		ch := make(chan protocol.Result, 1)
 		c.waiters[c.token] = ch
+		c.started[c.token] = start
 		c.handle(c.famOf[id], protocol.Reconfigure{Session: c.pidOf[id], RightAnchor: m.RightAnchor, Chain: m.Chain, Token: c.token})
 		go func() {
 			r := <-ch

@@ -278,6 +278,14 @@ func (c *Client) Reconfig(ctx context.Context, req ReconfigRequest) (ReconfigRep
 	return out, err
 }
 
+// ReconfigHistory lists the last reconfigurations the agent ran as left
+// anchor, oldest first.
+func (c *Client) ReconfigHistory(ctx context.Context) (ReconfigReply, error) {
+	var out ReconfigReply
+	err := c.do(ctx, http.MethodGet, "/v1/reconfig/history", nil, &out)
+	return out, err
+}
+
 // Middlebox asks the agent of a middlebox host to take the host out of
 // (req.With empty), or replace it in, every matching session passing
 // through it (paper §2.3); the reply has one result per session.

@@ -138,6 +138,40 @@ the sessions passing through it, see "dysco middlebox".
 	f.StringSliceVar(&chain, "chain", nil, "middleboxes of the new segment, in order: IP addresses, comma-separated; empty deletes every middlebox up to --to")
 	f.DurationVar(&timeout, "timeout", defaultReconfigTimeout, "how long the agent waits for the sessions' results")
 	f.BoolVar(&asJSON, "json", false, "print the agent's reply as JSON")
+	cmd.AddCommand(newReconfigHistoryCmd())
+	return cmd
+}
+
+func newReconfigHistoryCmd() *cobra.Command {
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "history [--json]",
+		Short: "List the last reconfigurations this host ran as left anchor",
+		Long: `List the reconfigurations this host's agent ran as left anchor, oldest
+first: requested here with 'dysco reconfig', or asked for by a middlebox
+(a proxy removing itself, 'dysco middlebox remove'). TIME is from the request
+at this host to the old path no longer being used. The agent keeps the last
+few thousand.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			rep, err := agentClient().ReconfigHistory(cmd.Context())
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				if rep.Results == nil {
+					rep.Results = []api.ReconfigResult{}
+				}
+				return writeJSONOut(cmd.OutOrStdout(), rep)
+			}
+			if len(rep.Results) == 0 {
+				_, err := fmt.Fprintln(cmd.OutOrStdout(), "no reconfigurations yet")
+				return err
+			}
+			return printResults(cmd.OutOrStdout(), rep.Results)
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print the agent's reply as JSON")
 	return cmd
 }
 
