@@ -93,7 +93,11 @@ type session struct {
 	// §3.2: the state of the subsession to the right, kept here.
 	lock      LockState
 	requestor ReqKey
-	queue     []queued // requests blocked by a lockPending subsession
+	// reqSub and reqPeer are where the requestor's requestLock came from:
+	// its answers go back that way (the left side may change meanwhile).
+	reqSub  wire.Tuple
+	reqPeer netip.Addr
+	queue   []queued // requests blocked by a lockPending subsession
 
 	left  *anchor // this agent is the left anchor of a reconfiguration of its right side
 	right *anchor // this agent is the right anchor of a reconfiguration of its left side
@@ -657,7 +661,7 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 	k := m.Req
 	if r, ok := s.resolved(k); ok {
 		if r.kind == resNacked {
-			a.sendNack(s, m, r.reason, r.blocker) // a retransmission: same answer
+			a.sendNack(s, m, from, r.reason, r.blocker) // a retransmission: same answer
 		} else if !fromQueue {
 			a.reject(RejectUnexpected, m, from, "request %s already resolved", k)
 		}
@@ -688,12 +692,12 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 	if r := s.right; r != nil {
 		// Our left side is still being reconfigured (we are its right
 		// anchor): it cannot be part of another segment yet.
-		a.nack(s, m, ReasonBusy, r.req)
+		a.nack(s, m, from, ReasonBusy, r.req)
 		return
 	}
 	if m.RightAnchor == a.cfg.Self {
 		if !s.ready {
-			a.nack(s, m, ReasonBusy, s.joinReq)
+			a.nack(s, m, from, ReasonBusy, s.joinReq)
 			return
 		}
 		r := &anchor{role: RoleRightAnchor, req: k, stage: StageWaitSyn, rightAnchor: a.cfg.Self,
@@ -706,7 +710,7 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 		return
 	}
 	if s.sides[SideRight] == nil {
-		a.nack(s, m, ReasonNotOnPath, ReqKey{})
+		a.nack(s, m, from, ReasonNotOnPath, ReqKey{})
 		return
 	}
 	if a.cfg.Faults&FaultSkipLock != 0 && s.lock != Unlocked {
@@ -715,11 +719,12 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 	switch s.lock {
 	case Unlocked:
 		s.lock, s.requestor = LockPending, k
+		s.reqSub, s.reqPeer = m.Sub, from
 		a.forwardRequest(s, m)
 	case LockPending:
 		s.queue = append(s.queue, queued{msg: m, from: from})
 	case Locked:
-		a.nack(s, m, ReasonLocked, s.requestor)
+		a.nack(s, m, from, ReasonLocked, s.requestor)
 	}
 }
 
@@ -751,15 +756,38 @@ func (a *Agent) sendAckLock(s *session, r *anchor) {
 }
 
 // nack refuses a request from the left and remembers the answer.
-func (a *Agent) nack(s *session, m *Message, r Reason, blocker ReqKey) {
+// nack refuses a request from the left and remembers the answer. The answer
+// goes back the way the request came (its subsession and sender), which is
+// the left side unless the left side was reconfigured while the request
+// waited in the queue (as in the Promela model).
+func (a *Agent) nack(s *session, m *Message, from netip.Addr, r Reason, blocker ReqKey) {
 	s.resolve(resolution{req: m.Req, kind: resNacked, reason: r, blocker: blocker})
-	a.sendNack(s, m, r, blocker)
+	a.sendNack(s, m, from, r, blocker)
 }
 
-func (a *Agent) sendNack(s *session, m *Message, r Reason, blocker ReqKey) {
+func (a *Agent) sendNack(s *session, m *Message, from netip.Addr, r Reason, blocker ReqKey) {
 	n := a.msg(s, MsgNackLock, wire.Tuple{}, m.Req, m.RightAnchor)
 	n.Reason, n.Blocker = r, blocker
-	a.sendSide(s, SideLeft, n)
+	a.sendOn(s, m.Sub, from, n)
+}
+
+// sendOn sends m on subsession sub to peer, with that subsession's nonce.
+func (a *Agent) sendOn(s *session, sub wire.Tuple, peer netip.Addr, m *Message) {
+	m.Sub = sub
+	if r, ok := a.subs[sub]; ok && r.id == s.id {
+		m.Nonce = r.nonce
+	}
+	a.send(peer, m)
+}
+
+// sendRequestor sends an answer for the request holding the lock of the
+// right side back the way that request came.
+func (a *Agent) sendRequestor(s *session, m *Message) {
+	if s.reqPeer.IsValid() {
+		a.sendOn(s, s.reqSub, s.reqPeer, m)
+		return
+	}
+	a.sendSide(s, SideLeft, m)
 }
 
 func (a *Agent) onAckLock(s *session, m *Message) {
@@ -793,7 +821,7 @@ func (a *Agent) onAckLock(s *session, m *Message) {
 		}
 		f := *m
 		f.Delta = m.Delta.Add(s.contribution(SideLeft))
-		a.sendSide(s, SideLeft, &f)
+		a.sendRequestor(s, &f)
 		a.setTimer(s, TimerLease, k, a.cfg.LockLease)
 		return
 	}
@@ -810,7 +838,7 @@ func (a *Agent) nackQueue(s *session) {
 				Reason: ReasonLocked, Blocker: s.requestor})
 			continue
 		}
-		a.nack(s, b.msg, ReasonLocked, s.requestor)
+		a.nack(s, b.msg, b.from, ReasonLocked, s.requestor)
 	}
 }
 
@@ -850,7 +878,7 @@ func (a *Agent) onNackLock(s *session, m *Message) {
 		a.cancelTimer(s, TimerLease, k)
 		s.resolve(resolution{req: k, kind: resNacked, reason: m.Reason, blocker: m.Blocker})
 		f := *m
-		a.sendSide(s, SideLeft, &f)
+		a.sendRequestor(s, &f)
 		a.releaseQueue(s)
 		return
 	}
