@@ -21,7 +21,6 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -138,10 +137,12 @@ func (e *env) ctlMustSession(host string, port uint16) api.Session {
 	return s
 }
 
-// ctlSameSession compares what a session is at a host (not its counters).
+// ctlSameSession compares what a session is at a host: not its counters,
+// and not the rest of its address list, which is shown only until the
+// collector drops the set-up state of the established session.
 func ctlSameSession(a, b api.Session) bool {
 	return a.ID == b.ID && a.Session == b.Session && a.Left == b.Left && a.Right == b.Right &&
-		a.Role == b.Role && a.State == b.State && a.Policy == b.Policy && slices.Equal(a.Chain, b.Chain)
+		a.Role == b.Role && a.State == b.State && a.Policy == b.Policy
 }
 
 func ctlTuple(t *testing.T, s string) wire.Tuple {
