@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/dysco/dysco/internal/api"
 )
 
 func TestQuantile(t *testing.T) {
@@ -94,7 +96,7 @@ func TestPlan(t *testing.T) {
 		names = append(names, p.name)
 	}
 	got := strings.Join(names, "|")
-	for _, want := range []string{"labs, 1 mb|goodput, 1 mb|", "memory per session|teardown, 1 mb|labs, 4 mb|nginx+wrk, 4 mb|", "teardown, 4 mb"} {
+	for _, want := range []string{"labs, 1 mb|goodput, 1 mb|", "memory per session|teardown, 1 mb|labs, 4 mb|nginx+wrk, 4 mb|", "teardown, 4 mb|labs, proxy removal|proxy removal, 60 sessions|teardown, proxy removal"} {
 		if !strings.Contains(got, want) {
 			t.Errorf("plan %q lacks %q", got, want)
 		}
@@ -114,6 +116,20 @@ func TestPlan(t *testing.T) {
 	if o, _ := parseFlags([]string{"--agent-arg=--tap="}); o.Markdown != "" || o.mode() != "partial" {
 		t.Errorf("a run with agent arguments writes %q (mode %s)", o.Markdown, o.mode())
 	}
+	o, _ = parseFlags([]string{"--only", "reconfig"})
+	names = nil
+	for _, p := range plan(o) {
+		names = append(names, p.name)
+	}
+	if got := strings.Join(names, "|"); got != "labs, proxy removal|proxy removal, 600 sessions|teardown, proxy removal" {
+		t.Errorf("--only reconfig plans %q", got)
+	}
+	if o.Markdown != "" || o.ReconfigWindow != 5*time.Second || o.ReconfigReps != 3 || o.ReconfigSessions != 600 {
+		t.Errorf("--only reconfig: markdown %q, window %v, %d repetitions of %d sessions", o.Markdown, o.ReconfigWindow, o.ReconfigReps, o.ReconfigSessions)
+	}
+	if o, _ := parseFlags([]string{"--quick", "--only", "reconfig"}); o.ReconfigReps != 1 || o.ReconfigSessions != 60 || o.ReconfigWindow != 2*time.Second {
+		t.Errorf("--quick --only reconfig: %d repetitions of %d sessions, window %v", o.ReconfigReps, o.ReconfigSessions, o.ReconfigWindow)
+	}
 	if _, err := parseFlags([]string{"--only", "nonsense"}); err == nil {
 		t.Error("unknown benchmark accepted")
 	}
@@ -129,7 +145,7 @@ func TestQuick(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root (network namespaces, eBPF)")
 	}
-	for _, tool := range []string{"iperf3", "wrk", "nginx", "ethtool"} {
+	for _, tool := range []string{"iperf3", "wrk", "nginx", "ethtool", "haproxy"} {
 		if _, err := exec.LookPath(tool); err != nil {
 			t.Skipf("%s is not installed (scripts/deps.sh installs it)", tool)
 		}
@@ -139,7 +155,12 @@ func TestQuick(t *testing.T) {
 	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/dysco").CombinedOutput(); err != nil {
 		t.Fatalf("building dysco: %v\n%s", err, out)
 	}
-	o, err := parseFlags([]string{"--quick", "--dysco", bin, "--out", filepath.Join(dir, "out")})
+	// libdysco, preloaded into HAProxy by the reconfig benchmark.
+	if out, err := exec.Command("make", "-s", "-C", "..", "lib/libdysco.so").CombinedOutput(); err != nil {
+		t.Fatalf("building libdysco: %v\n%s", err, out)
+	}
+	lib, _ := filepath.Abs("../lib/libdysco.so")
+	o, err := parseFlags([]string{"--quick", "--dysco", bin, "--libdysco", lib, "--out", filepath.Join(dir, "out")})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -162,7 +183,8 @@ func TestQuick(t *testing.T) {
 	want := []string{"goodput-1mb-P1", "goodput-1mb-P100", "rps-1mb", "rps-4mb",
 		"bpf-dysco_ingress-iperf3", "bpf-dysco_egress-wrk",
 		"connect-1mb-offload-on", "connect-1mb-offload-off", "connect-4mb-offload-on", "connect-4mb-offload-off",
-		"memory-all-mb1", "memory-all-client", "memory-fixed-client"}
+		"memory-all-mb1", "memory-all-client", "memory-fixed-client",
+		"reconfig-proxy-removal", "reconfig-goodput"}
 	got := map[string]*Figure{}
 	for _, f := range rep.Figures {
 		got[f.Key] = f
@@ -195,5 +217,49 @@ func TestQuick(t *testing.T) {
 		if strings.HasPrefix(l, rep.RunID) {
 			t.Errorf("lab namespace left over: %s", l)
 		}
+	}
+}
+
+func TestSummarize(t *testing.T) {
+	res := []api.ReconfigResult{
+		{Session: "10.0.0.1:1000 -> 10.0.0.2:9400", Outcome: "succeeded", Micros: 500},
+		{Session: "10.0.0.1:1001 -> 10.0.0.2:9400", Outcome: "succeeded", Micros: 1500},
+		{Session: "10.0.0.1:1002 -> 10.0.0.2:9400", Outcome: "succeeded", Micros: 3000},
+		{Session: "10.0.0.9:1 -> 10.0.0.2:9400", Outcome: "failed", Reason: "timeout", Micros: 9000},
+	}
+	locals := map[string]bool{"10.0.0.1:1000": true, "10.0.0.1:1001": true, "10.0.0.1:1002": true}
+	s := summarize(res, 5, locals)
+	if s.Results != 4 || s.Succeeded != 3 || s.Named != 3 || s.Reasons["failed: timeout"] != 1 {
+		t.Errorf("summarize = %+v", s)
+	}
+	if s.P50ms != 1.5 || s.MaxMs != 3 || s.Under2ms != 2.0/5 || s.Under4ms != 3.0/5 {
+		t.Errorf("summarize times = p50 %v max %v under2 %v under4 %v", s.P50ms, s.MaxMs, s.Under2ms, s.Under4ms)
+	}
+}
+
+func TestGoodputWindow(t *testing.T) {
+	t0 := time.Now()
+	a := snapshot{at: t0, clients: []int64{0, 10}, servers: []int64{5, 5}}
+	b := snapshot{at: t0.Add(2 * time.Second), clients: []int64{1e9, 10}, servers: []int64{5 + 5e8, 5 + 5e8}}
+	w := goodput(a, b)
+	if w.StalledClients != 1 || w.StalledServers != 0 || w.DownGbps != 4 || w.UpGbps != 4 || w.TotalGbps != 8 {
+		t.Errorf("goodput = %+v", w)
+	}
+}
+
+func TestNewResults(t *testing.T) {
+	r := func(id uint32) api.ReconfigResult {
+		return api.ReconfigResult{ID: id, Outcome: "succeeded", Micros: int64(id)}
+	}
+	prev := []api.ReconfigResult{r(1), r(2)}
+	if got := newResults(prev, []api.ReconfigResult{r(1), r(2), r(3), r(4)}); len(got) != 2 || got[0] != r(3) {
+		t.Errorf("newResults = %v", got)
+	}
+	// The agent trimmed the oldest entries.
+	if got := newResults(prev, []api.ReconfigResult{r(2), r(3)}); len(got) != 1 || got[0] != r(3) {
+		t.Errorf("newResults after a trim = %v", got)
+	}
+	if got := newResults(nil, []api.ReconfigResult{r(1)}); len(got) != 1 {
+		t.Errorf("newResults with no earlier reading = %v", got)
 	}
 }

@@ -15,6 +15,9 @@
 //	          offload on and off
 //	bpfstats  run time per packet of the TC programs (kernel BPF stats)
 //	memory    memory per session at 100,000 sessions (maps + agent)
+//	reconfig  an unmodified HAProxy under libdysco removed from 600 live
+//	          sessions: reconfiguration time at the left anchor, goodput
+//	          through the proxy and after its removal (own star lab)
 //
 // Results go to out/bench/*.json (raw) and, for full runs, to the results
 // section of BENCHMARKS.md. Progress goes to stderr. Labs are always torn
@@ -42,15 +45,25 @@ type Options struct {
 	WrkTime   time.Duration `json:"wrk_time"`   // wrk -d
 	Connects  int           `json:"connects"`   // connect() calls per variant per setting
 	Sessions  int           `json:"sessions"`   // sessions for the memory benchmark
-	Only      []string      `json:"only"`       // benchmarks to run
-	OutDir    string        `json:"out_dir"`    // raw JSON results
-	Markdown  string        `json:"markdown"`   // file whose results section is rewritten, "" for none
-	AgentArgs []string      `json:"agent_args"` // extra arguments for every agent
-	Args      []string      `json:"args"`       // the command line, for the report
+	// ReconfigSessions are the concurrent sessions whose proxy is removed.
+	ReconfigSessions int `json:"reconfig_sessions"`
+	// ReconfigWindow is each goodput window of the reconfig benchmark.
+	ReconfigWindow time.Duration `json:"reconfig_window"`
+	// ReconfigReps are the repetitions of the reconfig benchmark.
+	ReconfigReps int `json:"reconfig_reps"`
+	// ReconfigOpenRate spaces the dials of the reconfig benchmark's
+	// sessions (sessions/s; 0: back to back).
+	ReconfigOpenRate float64  `json:"reconfig_open_rate"`
+	Libdysco         string   `json:"libdysco"`   // lib/libdysco.so, preloaded into HAProxy
+	Only             []string `json:"only"`       // benchmarks to run
+	OutDir           string   `json:"out_dir"`    // raw JSON results
+	Markdown         string   `json:"markdown"`   // file whose results section is rewritten, "" for none
+	AgentArgs        []string `json:"agent_args"` // extra arguments for every agent
+	Args             []string `json:"args"`       // the command line, for the report
 }
 
 // Benchmark names, in run order.
-var allBenchmarks = []string{"goodput", "rps", "connect", "bpfstats", "memory"}
+var allBenchmarks = []string{"goodput", "rps", "connect", "bpfstats", "memory", "reconfig"}
 
 func (o *Options) wants(name string) bool {
 	for _, b := range o.Only {
@@ -65,7 +78,7 @@ func parseFlags(args []string) (*Options, error) {
 	o := &Options{Args: args}
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "usage: bench [flags]\n\nRuns Dysco's benchmarks against a plain-routing baseline (see BENCHMARKS.md).\nNeeds root, iperf3, wrk and nginx.\n\nflags:\n")
+		fmt.Fprintf(fs.Output(), "usage: bench [flags]\n\nRuns Dysco's benchmarks against a plain-routing baseline (see BENCHMARKS.md).\nNeeds root, iperf3, wrk, nginx and (reconfig) haproxy.\n\nflags:\n")
 		fs.PrintDefaults()
 	}
 	only := fs.String("only", strings.Join(allBenchmarks, ","), "benchmarks to run, comma-separated: "+strings.Join(allBenchmarks, ","))
@@ -76,6 +89,11 @@ func parseFlags(args []string) (*Options, error) {
 	fs.DurationVar(&o.WrkTime, "wrk-time", 0, "wrk duration (default 6s, quick 1s)")
 	fs.IntVar(&o.Connects, "connects", 0, "connect() calls per variant, topology and offload setting (default 2000, quick 100)")
 	fs.IntVar(&o.Sessions, "sessions", 100000, "sessions for the memory benchmark")
+	fs.IntVar(&o.ReconfigSessions, "reconfig-sessions", 0, "concurrent sessions whose proxy is removed, reconfig benchmark (default 600, quick 60)")
+	fs.DurationVar(&o.ReconfigWindow, "reconfig-window", 0, "goodput window before and after the proxy removal, reconfig benchmark (default 5s, quick 2s)")
+	fs.IntVar(&o.ReconfigReps, "reconfig-reps", 0, "repetitions of the reconfig benchmark, each through the proxy then removing it (default 3, quick 1)")
+	fs.Float64Var(&o.ReconfigOpenRate, "reconfig-open-rate", 0, "sessions opened per second by the reconfig benchmark (0: back to back, so that their removals overlap)")
+	fs.StringVar(&o.Libdysco, "libdysco", "lib/libdysco.so", "libdysco, preloaded into HAProxy by the reconfig benchmark")
 	fs.StringVar(&o.OutDir, "out", "out/bench", "directory for the raw JSON results")
 	md := fs.String("markdown", "", "rewrite the results section of this file (default: BENCHMARKS.md for a full run of every benchmark with default agents, none otherwise); \"-\" for none")
 	fs.Func("agent-arg", "extra argument for every agent of the Dysco labs (repeat for several; e.g. --agent-arg=--tap= to run middlebox hosts without the session-view tap)", func(v string) error {
@@ -153,8 +171,14 @@ func (o *Options) defaults() {
 	def(&o.Reps, 5, 1)
 	def(&o.Connects, 2000, 100)
 	def(&o.Sessions, 100000, 100000)
+	def(&o.ReconfigSessions, 600, 60)
+	def(&o.ReconfigReps, 3, 1)
 	defd(&o.IperfTime, 6*time.Second, time.Second)
 	defd(&o.WrkTime, 6*time.Second, time.Second)
+	defd(&o.ReconfigWindow, 5*time.Second, 2*time.Second)
+	if o.Libdysco == "" {
+		o.Libdysco = "lib/libdysco.so"
+	}
 	if len(o.Only) == 0 {
 		o.Only = append([]string(nil), allBenchmarks...)
 	}

@@ -22,7 +22,11 @@ func Run(ctx context.Context, o *Options, log io.Writer) (rep *Report, err error
 	if o.Dysco, err = filepath.Abs(bin); err != nil {
 		return nil, err
 	}
-	for _, tool := range []string{"iperf3", "wrk", "nginx", "ethtool", "ip"} {
+	tools := []string{"iperf3", "wrk", "nginx", "ethtool", "ip"}
+	if o.wants("reconfig") {
+		tools = append(tools, "haproxy")
+	}
+	for _, tool := range tools {
 		if _, err := exec.LookPath(tool); err != nil {
 			return nil, fmt.Errorf("%s is missing: run scripts/deps.sh (%w)", tool, err)
 		}
@@ -102,24 +106,66 @@ func Run(ctx context.Context, o *Options, log io.Writer) (rep *Report, err error
 			r.fail(teardown, err)
 		}
 	}
+	if o.wants("reconfig") {
+		runReconfig(ctx, o, set, prefix, r, pr, step)
+	}
 	if ctx.Err() != nil {
 		return r, ctx.Err()
 	}
 	return r, nil
 }
 
+// Phases of the reconfig benchmark, which builds its own lab.
+const (
+	reconfigLabs     = "labs, proxy removal"
+	reconfigTeardown = "teardown, proxy removal"
+)
+
+// runReconfig builds the reconfig benchmark's lab, runs the benchmark and
+// tears the lab down.
+func runReconfig(ctx context.Context, o *Options, set *labSet, prefix string, r *Report, pr *progress, step func(string, func() error)) {
+	name := reconfigPhaseName(o)
+	if ctx.Err() != nil {
+		r.fail(name, errors.New("not run: interrupted"))
+		return
+	}
+	pr.begin(reconfigLabs)
+	rl, err := upReconfigLab(ctx, o, set, prefix, pr)
+	if err != nil {
+		r.fail(reconfigLabs, err)
+		pr.logf("%s FAILED: %v", reconfigLabs, err)
+		pr.skip(name)
+		r.fail(name, fmt.Errorf("not run: the lab could not be built"))
+	} else {
+		step(name, func() error { return benchReconfig(ctx, o, rl, r, pr) })
+		rl.close()
+	}
+	pr.begin(reconfigTeardown)
+	if err := set.down(); err != nil {
+		r.fail(reconfigTeardown, err)
+	}
+}
+
 func describe(o *Options) string {
 	mode := o.mode()
-	return fmt.Sprintf("%s run of %v, %d repetitions, iperf3 %v, wrk %v, %d connects, %d sessions",
-		mode, o.Only, o.Reps, o.IperfTime, o.WrkTime, o.Connects, o.Sessions)
+	return fmt.Sprintf("%s run of %v, %d repetitions, iperf3 %v, wrk %v, %d connects, %d sessions, proxy removal of %d sessions (opened %s) with %v goodput windows, %d repetition(s)",
+		mode, o.Only, o.Reps, o.IperfTime, o.WrkTime, o.Connects, o.Sessions, o.ReconfigSessions, openRate(o.ReconfigOpenRate), o.ReconfigWindow, o.ReconfigReps)
+}
+
+func openRate(r float64) string {
+	if r <= 0 {
+		return "at once"
+	}
+	return fmt.Sprintf("at %g/s", r)
 }
 
 // planned is a phase of the run: a benchmark on one pair of labs, or the
-// building or teardown of the labs.
+// building or teardown of the labs; the reconfig benchmark (nmb 0) has a
+// lab of its own.
 type planned struct {
 	phase
 	bench string // "" for lab phases
-	nmb   int
+	nmb   int    // 0: not on a pair of labs
 	run   func(ctx context.Context, o *Options, p *pair, r *Report, pr *progress) error
 }
 
@@ -168,6 +214,12 @@ func plan(o *Options) []planned {
 		down := planned{phase: phase{fmt.Sprintf("teardown, %d mb", nmb), 3 * time.Second}, nmb: nmb}
 		i := len(out) - len(benches)
 		out = append(out[:i], append([]planned{labs}, append(benches, down)...)...)
+	}
+	if o.wants("reconfig") {
+		out = append(out,
+			planned{phase: phase{reconfigLabs, 5 * time.Second}},
+			planned{phase: phase{reconfigPhaseName(o), reconfigEst(o)}, bench: "reconfig"},
+			planned{phase: phase{reconfigTeardown, 3 * time.Second}})
 	}
 	return out
 }
