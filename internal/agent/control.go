@@ -55,6 +55,7 @@ type control struct {
 	triggers    map[uint64]*trigger
 	trigAnswers map[triggerKey][]byte // nil value: request still running
 	token       uint64
+	ticks       uint64
 
 	ev chan func()
 
@@ -305,28 +306,72 @@ func varsOf(tp datapath.TPVal) protocol.TwoPath {
 		OldRcvdAcked: tp.OldRcvdAcked, FirstNewRcvd: tp.FirstNewRcvd, NewRcvd: tp.NewRcvd != 0}
 }
 
+// flowKeysOf returns the keys of a session's flows at this host, found
+// from its tuple without walking the flow map: the egress flow of each
+// direction, the ingress flow of the subsession each sends on, and the
+// subsessions of its two-path records.
+func (c *control) flowKeysOf(id uint32) []datapath.Tuple {
+	s, ok := c.a.dp.Session(id)
+	if !ok {
+		return nil
+	}
+	seen := map[datapath.Tuple]bool{}
+	var out []datapath.Tuple
+	add := func(k datapath.Tuple) {
+		if seen[k] {
+			return
+		}
+		seen[k] = true
+		if f, ok := c.a.dp.Flow(k); ok && f.SessId == id {
+			out = append(out, k)
+		}
+	}
+	t := s.Tuple.Wire()
+	for _, eg := range []wire.Tuple{t, t.Reverse()} {
+		k := datapath.TupleFrom(eg)
+		if f, ok := c.a.dp.Flow(k); ok && f.SessId == id {
+			add(k)
+			add(datapath.TupleFrom(f.Out.Wire().Reverse()))
+		}
+	}
+	for side := uint32(0); side < 2; side++ {
+		if tp, ok := c.a.dp.TwoPath(datapath.TPKey{SessId: id, Side: side}); ok {
+			add(tp.InOld)
+			add(datapath.TupleFrom(tp.NewOut.Wire().Reverse()))
+		}
+	}
+	return out
+}
+
 // poll is the safety net of the event ring: sides in their two-path phase,
 // armed sides that switched by themselves, joined sessions becoming ready.
+// The ring reports every change of the progress bits; the polling of
+// active sides runs every tenth tick only, so that hundreds of concurrent
+// reconfigurations do not cost a lookup each per tick.
 func (c *control) poll() {
-	for k := range c.active {
-		tp, ok := c.a.dp.TwoPath(k)
-		if !ok || tp.State == datapath.TPNew {
-			delete(c.active, k)
-			continue
+	c.ticks++
+	if c.ticks%10 == 0 {
+		for k := range c.active {
+			tp, ok := c.a.dp.TwoPath(k)
+			if !ok || tp.State == datapath.TPNew {
+				delete(c.active, k)
+				continue
+			}
+			c.progress(k)
 		}
-		c.progress(k)
 	}
 	for pid, id := range c.notReady {
 		in0, in1 := false, false
-		_ = c.a.dp.EachFlowOf(id, func(k datapath.Tuple, f datapath.Flow) {
-			if f.Flags&datapath.FlIngress != 0 && f.MkOk != 0 {
+		for _, k := range c.flowKeysOf(id) {
+			f, ok := c.a.dp.Flow(k)
+			if ok && f.Flags&datapath.FlIngress != 0 && f.MkOk != 0 {
 				if f.Dir == 0 {
 					in0 = true
 				} else {
 					in1 = true
 				}
 			}
-		})
+		}
 		if in0 && in1 {
 			delete(c.notReady, pid)
 			c.handle(c.famOf[id], protocol.DatapathReady{Session: pid})
@@ -704,9 +749,7 @@ func (c *control) join(v6 bool, x protocol.JoinSession) error {
 // free deletes a session and everything of it at this host.
 func (c *control) free(id uint32) {
 	dp := c.a.dp
-	var keys []datapath.Tuple
-	_ = dp.EachFlowOf(id, func(k datapath.Tuple, f datapath.Flow) { keys = append(keys, k) })
-	for _, k := range keys {
+	for _, k := range c.flowKeysOf(id) {
 		dp.DeleteFlow(k)
 		dp.DeleteDelta(k)
 	}

@@ -205,13 +205,13 @@ func (c *control) freeSpliced(p splicedPair) {
 	dp := c.a.dp
 	for _, id := range []uint32{p.client, p.server} {
 		var in, out []datapath.Tuple
-		_ = dp.EachFlowOf(id, func(k datapath.Tuple, f datapath.Flow) {
-			if f.Flags&datapath.FlIngress != 0 {
+		for _, k := range c.flowKeysOf(id) {
+			if f, ok := dp.Flow(k); ok && f.Flags&datapath.FlIngress != 0 {
 				in = append(in, k)
 			} else {
 				out = append(out, k)
 			}
-		})
+		}
 		for _, k := range in {
 			dp.DeleteFlow(k)
 			dp.DeleteDelta(k)
