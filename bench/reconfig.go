@@ -1122,3 +1122,23 @@ func (rl *reconfigLab) saveLogs(dir string) (string, error) {
 	}
 	return dir, nil
 }
+
+// MarshalJSON writes the figures that have no value (no removal succeeded)
+// as null: encoding/json refuses NaN.
+func (s removalStats) MarshalJSON() ([]byte, error) {
+	type plain removalStats
+	num := func(v float64) *float64 {
+		if math.IsNaN(v) || math.IsInf(v, 0) {
+			return nil
+		}
+		return &v
+	}
+	return json.Marshal(struct {
+		plain
+		P50ms    *float64 `json:"p50_ms"`
+		P99ms    *float64 `json:"p99_ms"`
+		MaxMs    *float64 `json:"max_ms"`
+		Under2ms *float64 `json:"under_2ms"`
+		Under4ms *float64 `json:"under_4ms"`
+	}{plain(s), num(s.P50ms), num(s.P99ms), num(s.MaxMs), num(s.Under2ms), num(s.Under4ms)})
+}

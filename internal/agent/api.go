@@ -144,7 +144,11 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 		last           uint64
 	}
 	counts := make(map[uint32]*tally, len(sessions))
+	reconfigured := map[uint32]bool{} // sessions with a two-path record
 	for _, f := range flows {
+		if f.Flags&datapath.FlTPOut != 0 {
+			reconfigured[f.SessId] = true
+		}
 		// The ingress flow of the SYN's direction comes from the left
 		// subsession; the egress flow of that direction goes to the right
 		// one (a reconfigured side's current subsession is in its two-path
@@ -181,11 +185,13 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 		if t == nil {
 			t = &tally{}
 		}
-		if tp, ok := a.dp.TwoPath(datapath.TPKey{SessId: s.ID, Side: 0}); ok && tp.State == datapath.TPNew {
-			left[s.ID] = tp.NewOut.Wire().Reverse().String()
-		}
-		if tp, ok := a.dp.TwoPath(datapath.TPKey{SessId: s.ID, Side: 1}); ok && tp.State == datapath.TPNew {
-			right[s.ID] = tp.NewOut.String()
+		if reconfigured[s.ID] {
+			if tp, ok := a.dp.TwoPath(datapath.TPKey{SessId: s.ID, Side: 0}); ok && tp.State == datapath.TPNew {
+				left[s.ID] = tp.NewOut.Wire().Reverse().String()
+			}
+			if tp, ok := a.dp.TwoPath(datapath.TPKey{SessId: s.ID, Side: 1}); ok && tp.State == datapath.TPNew {
+				right[s.ID] = tp.NewOut.String()
+			}
 		}
 		as := api.Session{
 			ID: s.ID, Session: s.Tuple.String(), Left: left[s.ID], Right: right[s.ID],

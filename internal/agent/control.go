@@ -20,6 +20,7 @@ import (
 	"github.com/dysco/dysco/internal/datapath"
 	"github.com/dysco/dysco/internal/protocol"
 	"github.com/dysco/dysco/internal/wire"
+	"golang.org/x/sys/unix"
 )
 
 // DefaultControlPort is the UDP port of the reconfiguration protocol.
@@ -31,6 +32,9 @@ const (
 	controlPortBase  = 61000
 	controlPortCount = 4000
 )
+
+// controlRcvBuf is the control socket's receive buffer.
+const controlRcvBuf = 8 << 20
 
 // control is the reconfiguration machinery of one agent.
 type control struct {
@@ -74,6 +78,17 @@ func newControl(a *Agent, port int, key []byte) (*control, error) {
 	conn, err := net.ListenUDP("udp", &net.UDPAddr{IP: net.IPv6unspecified, Port: port})
 	if err != nil {
 		return nil, fmt.Errorf("agent: control socket on UDP port %d: %w", port, err)
+	}
+	// Hundreds of reconfigurations can start at once (a proxy splicing
+	// all its sessions): a receive buffer far beyond the default keeps
+	// the burst from overflowing it (SO_RCVBUFFORCE: root may exceed
+	// net.core.rmem_max).
+	if raw, err := conn.SyscallConn(); err == nil {
+		_ = raw.Control(func(fd uintptr) {
+			if unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUFFORCE, controlRcvBuf) != nil {
+				_ = conn.SetReadBuffer(controlRcvBuf)
+			}
+		})
 	}
 	c := &control{a: a, conn: conn, port: port, key: key,
 		protos: map[bool]*protocol.Agent{}, timers: map[timerKey]*time.Timer{},
@@ -247,7 +262,15 @@ func (c *control) announce(id uint32) error {
 		}
 	}
 	if up.Left == nil && up.Right == nil {
-		return fmt.Errorf("session %d has no subsession at this host", id)
+		detail := ""
+		for _, k := range []wire.Tuple{t, t.Reverse()} {
+			if f, ok := c.a.dp.Flow(datapath.TupleFrom(k)); ok {
+				detail += fmt.Sprintf("; flow %s: session %d flags %#x -> %s", k, f.SessId, f.Flags, f.Out.Wire())
+			} else {
+				detail += fmt.Sprintf("; no flow %s", k)
+			}
+		}
+		return fmt.Errorf("session %d (%s, %s) has no subsession at this host%s", id, t, datapath.RoleName(s.Role), detail)
 	}
 	v6 := t.Dst.Is6() && !t.Dst.Is4In6()
 	c.pidOf[id], c.famOf[id] = protocol.SessionID(id), v6
