@@ -102,7 +102,7 @@ inline checkTwoPath() {
 		/* 2. answer the other's fin once all its old data is in and acked */
 		if
 		:: haveCut[me] && !answered[me] && oldRcvdAcked[me] == oldRcvd[me] &&
-		   ((newRcvd[me] && firstNewRcvd[me] == oldRcvd[me]) || oldRcvd[me] == cutoff[me] + dNew[me]) ->
+		   ((newRcvd[me] && firstNewRcvd[me] <= oldRcvd[me]) || oldRcvd[me] >= cutoff[me] + dNew[me]) ->
 			answered[me] = 1; CTL(oldN[me], finAck, r, 0)
 		:: else
 		fi;
@@ -251,7 +251,7 @@ inline control() {
 proctype agent(byte me) {
 	Msg m;
 	byte r, q, side, path, d, ao, hx, hs, hb, rq, dd, nb2, hh, hside, sq, hat;
-	bool dataOld, dataNew, ackOld, extraOld;
+	bool dataOld, dataNew, ackOld;
 
 	if
 	:: dead[me] ->

@@ -48,7 +48,11 @@ inline egress(side, es, ea, ex, est, eat) {
 	ackSent[M(me, side)] = MAX(ackSent[M(me, side)], ea);
 	if
 	:: tp[me] && tpSide[me] == side ->
-		/* Decide: bytes below oldSent old, others new */
+		/* Decide (twopath.go): one path per packet, never split.
+		 * Bytes below oldSent old, others new; a packet without data
+		 * goes where its ack belongs (ack <= oldRcvd: old). Data on the
+		 * old path acknowledges at most oldRcvd. Any ack, on either
+		 * path, raises oldRcvdAcked up to oldRcvd. */
 		dataOld = (ex != 0 && es < oldSent[me]);
 		dataNew = (ex != 0 && es >= oldSent[me]);
 #ifdef BROKEN_ACKS_OLD
@@ -56,38 +60,22 @@ inline egress(side, es, ea, ex, est, eat) {
 #else
 		ackOld = (ea <= oldRcvd[me]);
 #endif
-		extraOld = (!ackOld && oldRcvdAcked[me] < oldRcvd[me]);
+		ao = ea;
 		if
 		:: dataOld ->
 			ao = (ackOld -> ea : oldRcvd[me]);
 			dd = SIDED(me, side);
-			put(oldN[me], dd, es, ao, ex, est, eat + ao - ea);
-			oldRcvdAcked[me] = MAX(oldRcvdAcked[me], ao)
-		:: else
-		fi;
-		if
-		:: dataNew -> put(newN[me], dNew[me], es, ea, ex, est, eat)
-		:: else
-		fi;
-		if
-		:: ackOld && !dataOld ->
+			put(oldN[me], dd, es, ao, ex, est, eat + ao - ea)
+		:: dataNew ->
+			put(newN[me], dNew[me], es, ea, ex, est, eat)
+		:: ex == 0 && ackOld ->
 			dd = SIDED(me, side);
 			sq = MIN(es, oldSent[me]);
-			put(oldN[me], dd, sq, ea, 0, 0, eat);
-			oldRcvdAcked[me] = MAX(oldRcvdAcked[me], ea)
-		:: !ackOld && !dataNew ->
-			sq = MAX(es, oldSent[me]);
-			put(newN[me], dNew[me], sq, ea, 0, 0, eat)
-		:: else
+			put(oldN[me], dd, sq, ea, 0, 0, eat)
+		:: ex == 0 && !ackOld ->
+			put(newN[me], dNew[me], es, ea, 0, 0, eat)
 		fi;
-		if
-		:: extraOld && !dataOld ->
-			dd = SIDED(me, side);
-			sq = MIN(es, oldSent[me]);
-			put(oldN[me], dd, sq, oldRcvd[me], 0, 0, eat + oldRcvd[me] - ea);
-			oldRcvdAcked[me] = oldRcvd[me]
-		:: else
-		fi
+		oldRcvdAcked[me] = MAX(oldRcvdAcked[me], MIN(ao, oldRcvd[me]))
 	:: else ->
 		dd = SIDED(me, side); nb2 = SIDEN(me, side);
 		put(nb2, dd, es, ea, ex, est, eat)

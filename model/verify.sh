@@ -40,6 +40,8 @@ CONFIGS=(
 	"insert2|-DINSERT2|ok"
 	"replace2by1|-DREPLACE2BY1|ok"
 	"insert-right|-DINSERT_RIGHT|ok"
+	"replace-fin|-DREPLACE -DFINS=1|ok"
+	"contend-fin|-DCONTEND -DFINS=1|ok"
 	"broken-skip-lock|-DCONTEND -DBROKEN_SKIP_LOCK|error"
 	"broken-acks-old|-DDELETE -DBROKEN_ACKS_OLD|error"
 )
