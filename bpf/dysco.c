@@ -302,18 +302,26 @@ static __attribute__((noinline)) int handshake(struct __sk_buff *skb, struct pkt
 	if (p->flags & TH_ACK) {
 		s->isn[1] = p->seq;
 		s->ws[1] = ws;
-		s->tsval[1] = tsval;
-		s->ts_ns[1] = now;
-		if (!s->ts_ns[0]) {
-			s->isn[0] = p->ack - 1;
-			s->tsval[0] = has_ts ? tsecr : 0;
-			s->ts_ns[0] = s->created_ns;
+		if (has_ts) {
+			s->tsoff[1] = tsval - (__u32)(now / 1000000);
+			s->has_ts |= HS_TS1;
+			if (!(s->has_ts & HS_SYN_SEEN) && tsecr) {
+				/* The SYN's TSval, echoed, at the time the SYN was
+				 * seen (the coarse clock: one tick of error). */
+				s->tsoff[0] = tsecr - (__u32)(s->created_ns / 1000000);
+				s->has_ts |= HS_TS0;
+			}
 		}
+		if (!(s->has_ts & HS_SYN_SEEN))
+			s->isn[0] = p->ack - 1;
 	} else {
 		s->isn[0] = p->seq;
 		s->ws[0] = ws;
-		s->tsval[0] = tsval;
-		s->ts_ns[0] = now;
+		s->has_ts |= HS_SYN_SEEN;
+		if (has_ts) {
+			s->tsoff[0] = tsval - (__u32)(now / 1000000);
+			s->has_ts |= HS_TS0;
+		}
 	}
 	return 0;
 }

@@ -106,6 +106,11 @@ enum role {
 #define ST_RST (1 << 5)
 #define ST_SETUP_DONE (1 << 6) /* set-up state (syn_state) can be collected */
 
+/* session_val.has_ts */
+#define HS_TS0 (1 << 0)      /* tsoff[0] is known */
+#define HS_TS1 (1 << 1)      /* tsoff[1] is known */
+#define HS_SYN_SEEN (1 << 2) /* the SYN went through here (isn[0], ws[0]) */
+
 /* flow_val.flags */
 #define FL_REROUTE (1 << 0)  /* destination changed on egress: route again */
 #define FL_SYN_STRIP (1 << 1) /* SYNs on this ingress flow carry a block */

@@ -50,13 +50,16 @@ struct session_val {
 	__u8 role;                /* ROLE_* */
 	__u8 is_v6;
 	/* Handshake, by direction (0: the SYN's): window scale announced
-	 * (0xff: none), initial sequence number, and TSval with the time it
-	 * was seen (0: no timestamps). The agent joins a proxy's two sessions
-	 * and translates options from them (§4.2). */
+	 * (0xff: none), initial sequence number, and the sender's TCP
+	 * timestamp clock offset (TSval minus the monotonic clock in ms when
+	 * it was seen; has_ts bit d tells that direction d has timestamps).
+	 * The agent joins a proxy's two sessions and translates options from
+	 * them (§4.2). Kept to 96 bytes: one allocation size class. */
 	__u8 ws[2];
 	__u32 isn[2];
-	__u32 tsval[2];
-	__u64 ts_ns[2];
+	__u32 tsoff[2];
+	__u8 has_ts;
+	__u8 pad[3];
 };
 
 /* What a SYN needs until the handshake is complete: the rest of the address

@@ -30,7 +30,7 @@ import (
 // translated TSvals run a little ahead of the proxy's own, never behind
 // (PAWS would drop the packets, RFC 7323 §5); echoes are translated back
 // exactly.
-const tsMarginMS = 8
+const tsMarginMS = 16
 
 // splicedPair is a joined session's two datapath sessions: the one the
 // client opened to the proxy (this host its end) and the one the proxy
@@ -191,10 +191,10 @@ func (c *control) splice(req api.SpliceRequest) (uint32, chan triggerMsg, error)
 // Linux's TCP timestamps are milliseconds of the monotonic clock plus a
 // per-connection offset (RFC 7323 §5.4). Zero when the session has none.
 func tsOffset(s datapath.Session, dir int) uint32 {
-	if s.Tsval[dir] == 0 || s.TsNs[dir] == 0 {
+	if s.HasTs&(1<<dir) == 0 {
 		return 0
 	}
-	return s.Tsval[dir] - uint32(s.TsNs[dir]/uint64(time.Millisecond))
+	return s.Tsoff[dir]
 }
 
 // freeSpliced cuts a proxy off its two sessions once the old path through

@@ -103,9 +103,9 @@ type dyscoSessionVal struct {
 	IsV6      uint8
 	Ws        [2]uint8
 	Isn       [2]uint32
-	Tsval     [2]uint32
-	_         [4]byte
-	TsNs      [2]uint64
+	Tsoff     [2]uint32
+	HasTs     uint8
+	Pad       [3]uint8
 }
 
 type dyscoSynState struct {

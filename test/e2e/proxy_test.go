@@ -90,6 +90,16 @@ func proxyRemoval(t *testing.T, off bool) {
 	if lt.received.Load() >= total {
 		t.Fatal("the transfer ended before the proxy left: pace it slower")
 	}
+	// The old path through the proxy lingers a few seconds for late
+	// packets; then the proxy's sessions are cut off (no subsessions).
+	eventually(t, 20*time.Second, "the old path through the proxy to be torn down", func() bool {
+		for _, s := range e.sessions("proxy") {
+			if s.Left != "" || s.Right != "" {
+				return false
+			}
+		}
+		return true
+	})
 	at := rewrites(e.status("proxy"))
 	n := lt.received.Load()
 	eventually(t, 30*time.Second, "more data", func() bool { return lt.received.Load() > n+4*mib })
