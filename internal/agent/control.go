@@ -14,6 +14,7 @@ import (
 	"net/netip"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/dysco/dysco/internal/api"
@@ -527,7 +528,9 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 		return c.addSub(x)
 	case protocol.StartTwoPath:
 		k := datapath.TPKey{SessId: c.dpID(x.Session), Side: uint32(x.Side)}
-		if err := dp.StartTwoPath(k); err != nil && !errors.Is(err, errBusy) {
+		// EBUSY: the side's first new-path packet is starting it right
+		// now (an armed record); it reports progress itself.
+		if err := dp.StartTwoPath(k); err != nil && !errors.Is(err, syscall.EBUSY) {
 			return err
 		}
 		c.active[k] = true
@@ -583,8 +586,6 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 	}
 	return nil
 }
-
-var errBusy = errors.New("device or resource busy")
 
 // addSub installs a new subsession on a side (protocol.AddSubsession): its
 // ingress flow with the side's translation, and the side's two-path record,

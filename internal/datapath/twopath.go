@@ -178,15 +178,6 @@ func (e *EventReader) Read() (TPEvent, error) {
 // Close stops the reader; a blocked Read returns an error.
 func (e *EventReader) Close() error { return e.r.Close() }
 
-// EachFlowOf calls fn for every flow of session id (a walk of the flow map).
-func (d *Datapath) EachFlowOf(id uint32, fn func(k Tuple, f Flow)) error {
-	return d.EachFlow(func(k *Tuple, f *Flow) {
-		if f.SessId == id {
-			fn(*k, *f)
-		}
-	})
-}
-
 // InsertSession stores a session the agent creates (a middlebox joining a
 // new path, §3.1) under a fresh id below 2^24, as the datapath does.
 func (d *Datapath) InsertSession(s Session) (uint32, error) {
