@@ -96,22 +96,21 @@ func rewrites(st api.Status) uint64 { return st.Counters["rewrite_in"] + st.Coun
 // session goes direct), mb1 inserted again. Every byte arrives, and a
 // middlebox that left the path sees none of the session's packets.
 func TestReconfigure(t *testing.T) {
-	for _, off := range []bool{false, true} {
-		name := "offload"
-		if off {
-			name = "tx-csum-off"
-		}
-		t.Run(name, func(t *testing.T) { reconfigure(t, off) })
+	for _, c := range []struct {
+		name    string
+		off, v6 bool
+	}{{"offload", false, false}, {"tx-csum-off", true, false}, {"ipv6", false, true}} {
+		t.Run(c.name, func(t *testing.T) { reconfigure(t, c.off, c.v6) })
 	}
 }
 
-func reconfigure(t *testing.T, off bool) {
+func reconfigure(t *testing.T, off, v6 bool) {
 	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "server")})
 	if off {
 		e.txOff("client", "mb1", "mb2", "server")
 	}
-	dst := e.addr("server", false)
-	mb1, mb2 := e.addr("mb1", false), e.addr("mb2", false)
+	dst := e.addr("server", v6)
+	mb1, mb2 := e.addr("mb1", v6), e.addr("mb2", v6)
 	e.policy("client", "r", "tcp dst port 9300", mb1.String())
 
 	const total = 96 * mib
