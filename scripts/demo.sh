@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # make demo: a lab with real programs, sessions steered through a chain of
 # two unmodified middleboxes (an iptables firewall whose FORWARD policy is
-# DROP, and a tcpdump monitor on the session-view tap), then teardown.
+# DROP, and a tcpdump monitor on the session-view tap); a live download whose
+# middleboxes are deleted while it runs; an unmodified HAProxy that removes
+# itself from the session it relays (libdysco); then teardown.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=bin/dysco
@@ -64,6 +66,45 @@ on mb1 conntrack -L -p tcp --dport 80 2>/dev/null | head -3 | sed 's/^/  /'
 
 say "Datapath counters on mb1"
 on mb1 $D status | sed -n '/counters/,$p' | awk '$2 != 0' | sed 's/^/  /'
+
+say "Live reconfiguration (§3): a slow download through mb1 and mb2; the client deletes both from the session while it runs"
+on client curl -s --limit-rate 12M -o "$work/live.bin" http://$SERVER/blob &
+dl=$!
+for _ in $(seq 100); do on mb1 $D sessions | grep -q established && break; sleep 0.05; done
+sleep 1
+on client $D reconfig --match 'tcp dst port 80' --to $SERVER | sed 's/^/  /'
+before=$(on mb1 $D status -o json | grep -o '"rewrite_in": *[0-9]*' | grep -o '[0-9]*$')
+wait $dl
+[ "$(sha256sum < "$work/live.bin" | cut -d' ' -f1)" = "$want" ] && echo "  download finished after the reconfiguration: 50 MB, sha256 matches" || { echo "  live download: MISMATCH"; exit 1; }
+after=$(on mb1 $D status -o json | grep -o '"rewrite_in": *[0-9]*' | grep -o '[0-9]*$')
+echo "  packets mb1 rewrote after the reconfiguration: $((after - before)) (stragglers of the old path at most)"
+
+say "Proxy removal (§2.4): HAProxy on mb2 (TCP mode, splicing) under LD_PRELOAD=lib/libdysco.so relays port 8080 to the server, then leaves the path"
+cat > "$work/haproxy.cfg" <<CONF
+global
+    maxconn 100
+defaults
+    mode tcp
+    timeout connect 5s
+    timeout client 60s
+    timeout server 60s
+    option splice-request
+    option splice-response
+listen relay
+    bind $MB2:8080
+    server backend $SERVER:80
+CONF
+on mb2 env LD_PRELOAD="$PWD/lib/libdysco.so" haproxy -D -p "$work/haproxy.pid" -f "$work/haproxy.cfg"
+# Both TCP sessions must be Dysco sessions (a policy with no chain) so that
+# they can be joined and the proxy removed.
+on client $D policy add to-proxy 'tcp dst port 8080' | sed 's/^/  client: /'
+on mb2 $D policy add to-server 'tcp dst port 80' | sed 's/^/  mb2: /'
+for _ in $(seq 100); do on client bash -c "exec 3<>/dev/tcp/$MB2/8080" 2>/dev/null && break; sleep 0.05; done
+got=$(on client curl -s --limit-rate 12M http://$MB2:8080/blob | sha256sum | cut -d' ' -f1)
+[ "$got" = "$want" ] && echo "  download through HAProxy: 50 MB, sha256 matches" || { echo "  download through HAProxy: MISMATCH"; exit 1; }
+echo "  the client's agent removed the proxy (time from its request to the old path no longer used):"
+on client $D reconfig history | tail -n +2 | tail -3 | sed 's/^/    /'
+kill "$(cat "$work/haproxy.pid")" 2>/dev/null || true
 
 say "Teardown: sessions end with their TCP sessions (FIN), state is collected"
 for _ in $(seq 150); do
