@@ -96,7 +96,7 @@ func TestPlan(t *testing.T) {
 		names = append(names, p.name)
 	}
 	got := strings.Join(names, "|")
-	for _, want := range []string{"labs, 1 mb|goodput, 1 mb|", "memory per session|teardown, 1 mb|labs, 4 mb|nginx+wrk, 4 mb|", "teardown, 4 mb|labs, proxy removal|proxy removal, 60 sessions|teardown, proxy removal"} {
+	for _, want := range []string{"labs, 1 mb|goodput, 1 mb|", "memory per session|teardown, 1 mb|labs, 4 mb|nginx+wrk, 4 mb|", "teardown, 4 mb|labs, proxy removal|proxy removal, 60 sessions|teardown, proxy removal|labs, disruption|disruption of one session by a reconfiguration, 4s, SACK on and off|teardown, disruption"} {
 		if !strings.Contains(got, want) {
 			t.Errorf("plan %q lacks %q", got, want)
 		}
@@ -129,6 +129,23 @@ func TestPlan(t *testing.T) {
 	}
 	if o, _ := parseFlags([]string{"--quick", "--only", "reconfig"}); o.ReconfigReps != 1 || o.ReconfigSessions != 60 || o.ReconfigWindow != 2*time.Second {
 		t.Errorf("--quick --only reconfig: %d repetitions of %d sessions, window %v", o.ReconfigReps, o.ReconfigSessions, o.ReconfigWindow)
+	}
+	o, _ = parseFlags([]string{"--only", "disruption"})
+	names = nil
+	for _, p := range plan(o) {
+		names = append(names, p.name)
+	}
+	if got := strings.Join(names, "|"); got != "labs, disruption|disruption of one session by a reconfiguration, 8s, SACK on and off|teardown, disruption" {
+		t.Errorf("--only disruption plans %q", got)
+	}
+	if o.Markdown != "" || o.DisruptionTime != 8*time.Second || disruptionAt(o) != 3*time.Second {
+		t.Errorf("--only disruption: markdown %q, session of %v, reconfiguration at %v", o.Markdown, o.DisruptionTime, disruptionAt(o))
+	}
+	if o, _ := parseFlags([]string{"--quick", "--only", "disruption"}); o.DisruptionTime != 4*time.Second || disruptionAt(o) != 1500*time.Millisecond {
+		t.Errorf("--quick --only disruption: session of %v, reconfiguration at %v", o.DisruptionTime, disruptionAt(o))
+	}
+	if _, err := parseFlags([]string{"--only", "disruption", "--disruption-time", "2s"}); err == nil {
+		t.Error("--disruption-time 2s accepted")
 	}
 	if _, err := parseFlags([]string{"--only", "nonsense"}); err == nil {
 		t.Error("unknown benchmark accepted")
@@ -184,7 +201,8 @@ func TestQuick(t *testing.T) {
 		"bpf-dysco_ingress-iperf3", "bpf-dysco_egress-wrk",
 		"connect-1mb-offload-on", "connect-1mb-offload-off", "connect-4mb-offload-on", "connect-4mb-offload-off",
 		"memory-all-mb1", "memory-all-client", "memory-fixed-client",
-		"reconfig-proxy-removal", "reconfig-goodput"}
+		"reconfig-proxy-removal", "reconfig-goodput",
+		"disruption-sack-on", "disruption-sack-off"}
 	got := map[string]*Figure{}
 	for _, f := range rep.Figures {
 		got[f.Key] = f
@@ -261,5 +279,46 @@ func TestNewResults(t *testing.T) {
 	}
 	if got := newResults(nil, []api.ReconfigResult{r(1)}); len(got) != 1 {
 		t.Errorf("newResults with no earlier reading = %v", got)
+	}
+}
+
+func TestSummarizeDisruption(t *testing.T) {
+	// 50 ms bins of 62.5 MB (10 Gbit/s) from 0.05 s to 4 s; the
+	// reconfiguration runs from 1.5 to 1.52 s; the bin ending at 2 s
+	// carries a quarter, the one at 2.55 s (after the window) nothing.
+	var xs []disruptionSample
+	var retrans, ooo uint32
+	for i := 1; i <= 80; i++ {
+		x := disruptionSample{T: float64(i) * 0.05, Bytes: 62_500_000, Cwnd: 1000}
+		switch i {
+		case 25: // 1.25 s
+			retrans += 3
+		case 35: // 1.75 s
+			retrans += 5
+			ooo += 7
+			x.Cwnd = 400
+		case 40: // 2.0 s
+			x.Bytes /= 4
+		case 51: // 2.55 s
+			x.Bytes = 0
+			retrans += 100
+		}
+		x.Retrans, x.RcvOoo = retrans, ooo
+		x.Gbps = float64(x.Bytes) * 8 / 0.05 / 1e9
+		xs = append(xs, x)
+	}
+	s := summarizeDisruption(xs, 1.5, 1.52, time.Second)
+	near := func(a, b float64) bool { return math.Abs(a-b) < 1e-6 }
+	if s.BeforeBins != 20 || s.AfterBins != 20 || !near(s.BeforeGbps, 10) || !near(s.BeforeMinGbps, 10) || !near(s.BeforeRatio, 1) {
+		t.Errorf("before: %+v", s)
+	}
+	if !near(s.AfterMinGbps, 2.5) || !near(s.AfterMinAt, 2.0) || !near(s.Ratio, 0.25) || s.StallBins != 0 {
+		t.Errorf("after: %+v", s)
+	}
+	if s.RetransBefore != 3 || s.RetransWindow != 5 || s.RcvOooWindow != 7 || s.CwndAfterMin != 400 || s.CwndBefore != 1000 || s.CwndAfterEnd != 1000 {
+		t.Errorf("counters: %+v", s)
+	}
+	if _, err := json.Marshal(summarizeDisruption(nil, 1.5, 1.52, time.Second)); err != nil {
+		t.Errorf("an empty summary does not marshal: %v", err)
 	}
 }

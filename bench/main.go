@@ -18,6 +18,9 @@
 //	reconfig  an unmodified HAProxy under libdysco removed from 600 live
 //	          sessions: reconfiguration time at the left anchor, goodput
 //	          through the proxy and after its removal (own star lab)
+//	disruption  one greedy session across a live reconfiguration (mb1
+//	          replaced by mb2), SACK on and off: goodput and congestion
+//	          window every 50 ms (own star lab)
 //
 // Results go to out/bench/*.json (raw) and, for full runs, to the results
 // section of BENCHMARKS.md. Progress goes to stderr. Labs are always torn
@@ -60,10 +63,14 @@ type Options struct {
 	Markdown         string   `json:"markdown"`   // file whose results section is rewritten, "" for none
 	AgentArgs        []string `json:"agent_args"` // extra arguments for every agent
 	Args             []string `json:"args"`       // the command line, for the report
+
+	// DisruptionTime is how long the disruption benchmark's session
+	// sends; the reconfiguration starts at 3/8 of it.
+	DisruptionTime time.Duration `json:"disruption_time"`
 }
 
 // Benchmark names, in run order.
-var allBenchmarks = []string{"goodput", "rps", "connect", "bpfstats", "memory", "reconfig"}
+var allBenchmarks = []string{"goodput", "rps", "connect", "bpfstats", "memory", "reconfig", "disruption"}
 
 func (o *Options) wants(name string) bool {
 	for _, b := range o.Only {
@@ -93,6 +100,7 @@ func parseFlags(args []string) (*Options, error) {
 	fs.DurationVar(&o.ReconfigWindow, "reconfig-window", 0, "goodput window before and after the proxy removal, reconfig benchmark (default 5s, quick 2s)")
 	fs.IntVar(&o.ReconfigReps, "reconfig-reps", 0, "repetitions of the reconfig benchmark, each through the proxy then removing it (default 3, quick 1)")
 	fs.Float64Var(&o.ReconfigOpenRate, "reconfig-open-rate", 0, "sessions opened per second by the reconfig benchmark (0: back to back, so that their removals overlap)")
+	fs.DurationVar(&o.DisruptionTime, "disruption-time", 0, "how long the disruption benchmark's session sends, sampled every 50 ms; mb1 is replaced by mb2 at 3/8 of it (default 8s, quick 4s)")
 	fs.StringVar(&o.Libdysco, "libdysco", "lib/libdysco.so", "libdysco, preloaded into HAProxy by the reconfig benchmark")
 	fs.StringVar(&o.OutDir, "out", "out/bench", "directory for the raw JSON results")
 	md := fs.String("markdown", "", "rewrite the results section of this file (default: BENCHMARKS.md for a full run of every benchmark with default agents, none otherwise); \"-\" for none")
@@ -121,6 +129,9 @@ func parseFlags(args []string) (*Options, error) {
 		o.Only = append(o.Only, b)
 	}
 	o.defaults()
+	if o.wants("disruption") && o.DisruptionTime < 4*time.Second {
+		return nil, fmt.Errorf("--disruption-time %v: at least 4s, so that a second before the reconfiguration (at 3/8) and a second after it fit after the session's start", o.DisruptionTime)
+	}
 	switch *md {
 	case "":
 		if o.complete() {
@@ -176,6 +187,7 @@ func (o *Options) defaults() {
 	defd(&o.IperfTime, 6*time.Second, time.Second)
 	defd(&o.WrkTime, 6*time.Second, time.Second)
 	defd(&o.ReconfigWindow, 5*time.Second, 2*time.Second)
+	defd(&o.DisruptionTime, 8*time.Second, 4*time.Second)
 	if o.Libdysco == "" {
 		o.Libdysco = "lib/libdysco.so"
 	}

@@ -26,6 +26,9 @@ func Run(ctx context.Context, o *Options, log io.Writer) (rep *Report, err error
 	if o.wants("reconfig") {
 		tools = append(tools, "haproxy")
 	}
+	if o.wants("disruption") {
+		tools = append(tools, "sysctl")
+	}
 	for _, tool := range tools {
 		if _, err := exec.LookPath(tool); err != nil {
 			return nil, fmt.Errorf("%s is missing: run scripts/deps.sh (%w)", tool, err)
@@ -109,6 +112,9 @@ func Run(ctx context.Context, o *Options, log io.Writer) (rep *Report, err error
 	if o.wants("reconfig") {
 		runReconfig(ctx, o, set, prefix, r, pr, step)
 	}
+	if o.wants("disruption") {
+		runDisruption(ctx, o, set, prefix, r, pr, step)
+	}
 	if ctx.Err() != nil {
 		return r, ctx.Err()
 	}
@@ -146,10 +152,40 @@ func runReconfig(ctx context.Context, o *Options, set *labSet, prefix string, r 
 	}
 }
 
+// Phases of the disruption benchmark, which builds its own lab.
+const (
+	disruptionLabs     = "labs, disruption"
+	disruptionTeardown = "teardown, disruption"
+)
+
+// runDisruption builds the disruption benchmark's lab, runs the benchmark
+// and tears the lab down.
+func runDisruption(ctx context.Context, o *Options, set *labSet, prefix string, r *Report, pr *progress, step func(string, func() error)) {
+	name := disruptionPhaseName(o)
+	if ctx.Err() != nil {
+		r.fail(name, errors.New("not run: interrupted"))
+		return
+	}
+	pr.begin(disruptionLabs)
+	dl, err := upDisruptionLab(ctx, o, set, prefix, pr)
+	if err != nil {
+		r.fail(disruptionLabs, err)
+		pr.logf("%s FAILED: %v", disruptionLabs, err)
+		pr.skip(name)
+		r.fail(name, fmt.Errorf("not run: the lab could not be built"))
+	} else {
+		step(name, func() error { return benchDisruption(ctx, o, dl, r, pr) })
+	}
+	pr.begin(disruptionTeardown)
+	if err := set.down(); err != nil {
+		r.fail(disruptionTeardown, err)
+	}
+}
+
 func describe(o *Options) string {
 	mode := o.mode()
-	return fmt.Sprintf("%s run of %v, %d repetitions, iperf3 %v, wrk %v, %d connects, %d sessions, proxy removal of %d sessions (opened %s) with %v goodput windows, %d repetition(s)",
-		mode, o.Only, o.Reps, o.IperfTime, o.WrkTime, o.Connects, o.Sessions, o.ReconfigSessions, openRate(o.ReconfigOpenRate), o.ReconfigWindow, o.ReconfigReps)
+	return fmt.Sprintf("%s run of %v, %d repetitions, iperf3 %v, wrk %v, %d connects, %d sessions, proxy removal of %d sessions (opened %s) with %v goodput windows, %d repetition(s), disruption session of %v",
+		mode, o.Only, o.Reps, o.IperfTime, o.WrkTime, o.Connects, o.Sessions, o.ReconfigSessions, openRate(o.ReconfigOpenRate), o.ReconfigWindow, o.ReconfigReps, o.DisruptionTime)
 }
 
 func openRate(r float64) string {
@@ -160,8 +196,8 @@ func openRate(r float64) string {
 }
 
 // planned is a phase of the run: a benchmark on one pair of labs, or the
-// building or teardown of the labs; the reconfig benchmark (nmb 0) has a
-// lab of its own.
+// building or teardown of the labs; the reconfig and disruption
+// benchmarks (nmb 0) have a lab of their own each.
 type planned struct {
 	phase
 	bench string // "" for lab phases
@@ -220,6 +256,12 @@ func plan(o *Options) []planned {
 			planned{phase: phase{reconfigLabs, 5 * time.Second}},
 			planned{phase: phase{reconfigPhaseName(o), reconfigEst(o)}, bench: "reconfig"},
 			planned{phase: phase{reconfigTeardown, 3 * time.Second}})
+	}
+	if o.wants("disruption") {
+		out = append(out,
+			planned{phase: phase{disruptionLabs, 5 * time.Second}},
+			planned{phase: phase{disruptionPhaseName(o), disruptionEst(o)}, bench: "disruption"},
+			planned{phase: phase{disruptionTeardown, 3 * time.Second}})
 	}
 	return out
 }
