@@ -640,8 +640,13 @@ func (dl *disruptionLab) once(ctx context.Context, o *Options, sack bool, pr *pr
 	if lastBytes == 0 {
 		x.problem("the session stalled: nothing received in the last %v of the sampling", disruptionWin)
 	}
-	if sum.StallBins > 0 {
-		x.problem("%d of the %d bins of the reconfiguration window received nothing", sum.StallBins, sum.AfterBins)
+	// Empty bins are a dip, which is what the figure measures; only a
+	// window with nothing at all is a stall.
+	switch {
+	case sum.AfterBins > 0 && sum.StallBins == sum.AfterBins:
+		x.problem("the session stalled: all %d bins of the reconfiguration window received nothing", sum.AfterBins)
+	case sum.StallBins > 0:
+		x.Notes = append(x.Notes, fmt.Sprintf("%d of the %d bins of the reconfiguration window received nothing", sum.StallBins, sum.AfterBins))
 	}
 	tl := time.Now()
 	for {
