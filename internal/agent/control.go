@@ -61,6 +61,7 @@ type control struct {
 	trigAnswers map[triggerKey][]byte // nil value: request still running
 	token       uint64
 	ticks       uint64
+	deferred    []func() // work of the loop itself, run after the current event's actions
 
 	ev chan func()
 
@@ -148,7 +149,8 @@ func (c *control) run(ctx context.Context) {
 	}
 }
 
-// post runs f on the loop goroutine.
+// post runs f on the loop goroutine. Never from the loop goroutine itself
+// (c.deferred is for that).
 func (c *control) post(f func()) { c.ev <- f }
 
 func (c *control) readLoop() {
@@ -192,6 +194,11 @@ func (c *control) handle(v6 bool, ev protocol.Event) {
 		if err := c.do(v6, act); err != nil {
 			c.a.log.Warn("control: action failed", "action", fmt.Sprintf("%T", act), "err", err)
 		}
+	}
+	for len(c.deferred) > 0 {
+		f := c.deferred[0]
+		c.deferred = c.deferred[1:]
+		f()
 	}
 }
 
@@ -535,8 +542,10 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 		}
 		c.active[k] = true
 		// The variables at the cut-off: enough to finish at once when
-		// nothing was in flight.
-		c.post(func() { c.progress(k) })
+		// nothing was in flight. After the current actions (never
+		// c.post from the loop itself: with its channel full it would
+		// wait for itself).
+		c.deferred = append(c.deferred, func() { c.progress(k) })
 	case protocol.EndTwoPath:
 		k := datapath.TPKey{SessId: c.dpID(x.Session), Side: uint32(x.Side)}
 		delete(c.active, k)
