@@ -237,12 +237,7 @@ type disruptionSummary struct {
 // MarshalJSON writes NaN as null.
 func (s disruptionSummary) MarshalJSON() ([]byte, error) {
 	type plain disruptionSummary
-	num := func(v float64) *float64 {
-		if math.IsNaN(v) || math.IsInf(v, 0) {
-			return nil
-		}
-		return &v
-	}
+	num := jsonNum
 	return json.Marshal(struct {
 		plain
 		BeforeGbps    *float64 `json:"before_gbps"`

@@ -1127,12 +1127,7 @@ func (rl *reconfigLab) saveLogs(dir string) (string, error) {
 // as null: encoding/json refuses NaN.
 func (s removalStats) MarshalJSON() ([]byte, error) {
 	type plain removalStats
-	num := func(v float64) *float64 {
-		if math.IsNaN(v) || math.IsInf(v, 0) {
-			return nil
-		}
-		return &v
-	}
+	num := jsonNum
 	return json.Marshal(struct {
 		plain
 		P50ms    *float64 `json:"p50_ms"`

@@ -79,13 +79,17 @@ func (f *Figure) MarshalJSON() ([]byte, error) {
 		Ratio    *float64 `json:"ratio"`
 		Measured *float64 `json:"measured"`
 	}
-	p := func(v float64) *float64 {
-		if math.IsNaN(v) || math.IsInf(v, 0) {
-			return nil
-		}
-		return &v
-	}
+	p := jsonNum
 	return json.Marshal(withNulls{(*plain)(f), p(f.Dysco), p(f.Baseline), p(f.Ratio), p(f.Measured)})
+}
+
+// jsonNum is v for encoding/json, or nil (null) when v is NaN or infinite,
+// which encoding/json refuses.
+func jsonNum(v float64) *float64 {
+	if math.IsNaN(v) || math.IsInf(v, 0) {
+		return nil
+	}
+	return &v
 }
 
 func metStr(ok bool) string {

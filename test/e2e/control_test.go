@@ -225,20 +225,7 @@ type ctlPaced struct {
 	rate *atomic.Int64
 }
 
-func (c ctlPaced) Write(p []byte) (int, error) {
-	const chunk = 64 << 10
-	done := 0
-	for done < len(p) {
-		end := min(done+chunk, len(p))
-		n, err := c.Conn.Write(p[done:end])
-		done += n
-		if err != nil {
-			return done, err
-		}
-		time.Sleep(time.Duration(int64(n) * int64(time.Second) / c.rate.Load()))
-	}
-	return done, nil
-}
+func (c ctlPaced) Write(p []byte) (int, error) { return pacedWrite(c.Conn, p, c.rate.Load) }
 
 func (c ctlPaced) CloseWrite() error {
 	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {

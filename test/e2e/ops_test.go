@@ -206,16 +206,22 @@ type pacedConn struct {
 }
 
 func (c pacedConn) Write(p []byte) (int, error) {
+	return pacedWrite(c.Conn, p, func() int64 { return c.rate })
+}
+
+// pacedWrite writes p in 64 KiB chunks at about rate() bytes per second
+// (rate is read before each chunk, so that it may change meanwhile).
+func pacedWrite(c net.Conn, p []byte, rate func() int64) (int, error) {
 	const chunk = 64 << 10
 	done := 0
 	for done < len(p) {
 		end := min(done+chunk, len(p))
-		n, err := c.Conn.Write(p[done:end])
+		n, err := c.Write(p[done:end])
 		done += n
 		if err != nil {
 			return done, err
 		}
-		time.Sleep(time.Duration(int64(n) * int64(time.Second) / c.rate))
+		time.Sleep(time.Duration(int64(n) * int64(time.Second) / rate()))
 	}
 	return done, nil
 }
