@@ -29,6 +29,10 @@ type Config struct {
 	// left anchor died, every cancelLock was lost). It must exceed the
 	// longest exchange: MaxTries retransmissions.
 	LockLease time.Duration
+	// GateTimeout bounds the wait of a gated request for Proceed
+	// (Reconfigure.Gate): then it aborts by itself, well before the locks'
+	// leases expire. At most LockLease/2; default LockLease/4.
+	GateTimeout time.Duration
 	// WindowClamp is the largest window advertised by an anchor during the
 	// two-path phase (§5.3: 64 KB).
 	WindowClamp uint32
@@ -155,6 +159,10 @@ type anchor struct {
 	finSent, finAcked, finAckSent, gotFin bool
 	peerCutoff                            uint32
 	unconfirmed                           bool
+	// gate: wait for Proceed between the SYN-ACK and the ACK
+	// (Reconfigure.Gate); gated: waiting now.
+	gate, gated bool
+	aborted     bool // the agent aborted the gated request
 }
 
 type cancelJob struct {
@@ -194,6 +202,9 @@ func New(cfg Config) *Agent {
 	if cfg.LockLease == 0 {
 		cfg.LockLease = d.LockLease
 	}
+	if cfg.GateTimeout <= 0 || cfg.GateTimeout > cfg.LockLease/2 {
+		cfg.GateTimeout = cfg.LockLease / 4
+	}
 	if cfg.WindowClamp == 0 {
 		cfg.WindowClamp = d.WindowClamp
 	}
@@ -228,6 +239,8 @@ func (a *Agent) Handle(now time.Duration, ev Event) []Action {
 		a.onMessage(e)
 	case Reconfigure:
 		a.onReconfigure(e)
+	case Proceed:
+		a.onProceed(e)
 	case TimerFired:
 		a.onTimer(e.ID)
 	case TwoPathProgress:
@@ -429,6 +442,10 @@ func (a *Agent) onTimer(id TimerID) {
 		a.sendFin(s, an)
 	case TimerLease:
 		a.onLease(s, id.Req)
+	case TimerGate:
+		if l := s.left; l != nil && l.req == id.Req && l.gated {
+			a.onProceed(Proceed{Session: s.id, Req: l.req, Abort: "no Proceed within the gate timeout"})
+		}
 	case TimerLinger:
 		a.onLinger(s, id.Req)
 	}
@@ -461,7 +478,7 @@ func (a *Agent) onReconfigure(e Reconfigure) {
 	}
 	a.nextReq++
 	l := &anchor{role: RoleLeftAnchor, req: ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq}, token: e.Token,
-		rightAnchor: e.RightAnchor, chain: append([]netip.Addr(nil), e.Chain...)}
+		rightAnchor: e.RightAnchor, chain: append([]netip.Addr(nil), e.Chain...), gate: e.Gate}
 	switch {
 	case s.lock == Unlocked || a.cfg.Faults&FaultSkipLock != 0:
 		a.startLeft(s, l)
@@ -933,9 +950,36 @@ func (a *Agent) cancelDone(s *session, j *cancelJob) {
 	a.cancelTimer(s, TimerCancel, j.req)
 	if l := j.anchor; l != nil && s.left == l {
 		s.lock, s.requestor = Unlocked, ReqKey{}
-		a.finishLeft(s, Failed, ReasonSetupFailed, ReqKey{})
+		r := ReasonSetupFailed
+		if l.aborted {
+			r = ReasonAborted
+		}
+		a.finishLeft(s, Failed, r, ReqKey{})
 		a.releaseQueue(s)
 	}
+}
+
+// onProceed ends the wait of a gated request: switch, or abandon the new
+// path as when it does not answer (§3.6).
+func (a *Agent) onProceed(e Proceed) {
+	s := a.sessions[e.Session]
+	if s == nil {
+		return
+	}
+	l := s.left
+	if l == nil || l.req != e.Req || l.stage != StageSettingUp || !l.gated {
+		return
+	}
+	l.gated = false
+	a.cancelTimer(s, TimerGate, l.req)
+	if e.Abort != "" {
+		a.progress(s, l.req, RoleLeftAnchor, StageCancelling, "aborted: "+e.Abort)
+		l.aborted = true
+		a.abortSetup(s, l)
+		return
+	}
+	a.send(l.newPeer, a.msg(s, MsgAck, l.newSub, l.req, l.rightAnchor))
+	a.switchPaths(s, l, SideRight)
 }
 
 // abortSetup gives up a new path that does not answer (§3.6): the session
@@ -1143,12 +1187,22 @@ func (a *Agent) onSynDup(s *session, ref subRef, m *Message) {
 
 func (a *Agent) onSynAck(s *session, ref subRef, m *Message) {
 	if l := s.left; l != nil && l.req == m.Req && l.newSub == m.Sub {
-		switch l.stage {
-		case StageSettingUp:
+		switch {
+		case l.stage == StageSettingUp && l.gated:
+			// A retransmitted SYN-ACK while the agent works: it waits.
+		case l.stage == StageSettingUp && l.gate:
+			a.cancelTimer(s, TimerSyn, l.req)
+			l.gated = true
+			a.setTimer(s, TimerGate, l.req, a.cfg.GateTimeout)
+			a.progress(s, l.req, RoleLeftAnchor, StageSettingUp, "new path ready; waiting for the agent")
+			a.emit(NewPathReady{Session: s.id, Token: l.token, Req: l.req, RightAnchor: l.rightAnchor,
+				Chain: append([]netip.Addr(nil), l.chain...), OldPeer: s.sides[SideRight].Peer, NewPeer: l.newPeer,
+				OldSub: s.sides[SideRight].Sub, NewSub: l.newSub, LeftDelta: l.delta})
+		case l.stage == StageSettingUp:
 			a.cancelTimer(s, TimerSyn, l.req)
 			a.send(l.newPeer, a.msg(s, MsgAck, l.newSub, l.req, l.rightAnchor))
 			a.switchPaths(s, l, SideRight)
-		case StageTwoPath:
+		case l.stage == StageTwoPath:
 			a.send(l.newPeer, a.msg(s, MsgAck, l.newSub, l.req, l.rightAnchor)) // our ACK was lost
 		}
 		return

@@ -64,6 +64,21 @@ type Reconfigure struct {
 	RightAnchor netip.Addr
 	Chain       []netip.Addr
 	Token       uint64
+	// Gate holds the switch to the new path: once the new path answered
+	// (SYN-ACK), the left anchor emits NewPathReady and waits for Proceed
+	// before it sends the ACK and starts the two-path phase. The agent
+	// moves middlebox state meanwhile (§3.5 last paragraph, §5.3).
+	Gate bool
+}
+
+// Proceed ends the wait of a gated request (Reconfigure.Gate) at its left
+// anchor: with Abort empty the switch happens; otherwise the new path is
+// abandoned as when it does not answer (§3.6), the session stays on the old
+// path, and the request fails with ReasonAborted.
+type Proceed struct {
+	Session SessionID
+	Req     ReqKey
+	Abort   string
 }
 
 // TimerFired reports that a timer set by SetTimer expired.
@@ -99,6 +114,7 @@ func (Reconfigure) event()     {}
 func (TimerFired) event()      {}
 func (TwoPathProgress) event() {}
 func (SessionEnd) event()      {}
+func (Proceed) event()         {}
 
 // TimerKind says what a timer is for.
 type TimerKind uint8
@@ -111,6 +127,7 @@ const (
 	TimerFin                          // retransmit the UDP FIN (either anchor)
 	TimerLease                        // release a lock nobody resolves (middle agents, right anchor before switching)
 	TimerLinger                       // free the old path's state after teardown
+	TimerGate                         // abort a gated request the agent never let proceed (left anchor)
 )
 
 func (k TimerKind) String() string {
@@ -127,6 +144,8 @@ func (k TimerKind) String() string {
 		return "lease"
 	case TimerLinger:
 		return "linger"
+	case TimerGate:
+		return "gate"
 	}
 	return fmt.Sprintf("timer-%d", uint8(k))
 }
@@ -223,6 +242,24 @@ type SetWindowClamp struct {
 	Bytes   uint32
 }
 
+// NewPathReady tells the agent that the new path of a gated request
+// (Reconfigure.Gate) is set up to the right anchor and nothing uses it
+// yet; the left anchor waits for Proceed. OldPeer is the agent after this
+// one on the old path, NewPeer the first on the new path; OldSub and NewSub
+// are the two subsessions from here (as their SYNs went).
+type NewPathReady struct {
+	Session          SessionID
+	Token            uint64
+	Req              ReqKey
+	RightAnchor      netip.Addr
+	Chain            []netip.Addr
+	OldPeer, NewPeer netip.Addr
+	OldSub, NewSub   wire.Tuple
+	// LeftDelta is what the old segment's middleboxes do to the byte
+	// streams (§3.4): non-zero when one of them changed their length.
+	LeftDelta Delta
+}
+
 // FreeSession deletes a session and all its flows at this agent: it left
 // the path (a middlebox of a torn-down old path, §3.5).
 type FreeSession struct{ Session SessionID }
@@ -269,6 +306,7 @@ func (EndTwoPath) action()       {}
 func (RemoveSubsession) action() {}
 func (SetWindowClamp) action()   {}
 func (FreeSession) action()      {}
+func (NewPathReady) action()     {}
 func (Result) action()           {}
 func (Rejected) action()         {}
 func (Progress) action()         {}

@@ -33,6 +33,7 @@ type harness struct {
 	ends   map[netip.Addr][]EndTwoPath
 	frees  map[netip.Addr][]SessionID
 	clamps map[netip.Addr][]SetWindowClamp
+	ready  map[netip.Addr][]NewPathReady
 	// vars reported when a side starts its two-path phase
 	vars func(at netip.Addr, side Side) TwoPath
 	// hold back two-path reports (to test the FIN exchange by hand)
@@ -64,7 +65,7 @@ func newHarness(t *testing.T, n int) *harness {
 	h := &harness{t: t, key: testKey, agents: map[netip.Addr]*Agent{}, timers: map[timerKey]time.Duration{},
 		dead: map[netip.Addr]bool{}, adds: map[netip.Addr][]AddSubsession{}, joins: map[netip.Addr][]JoinSession{},
 		starts: map[netip.Addr][]StartTwoPath{}, ends: map[netip.Addr][]EndTwoPath{}, frees: map[netip.Addr][]SessionID{},
-		clamps: map[netip.Addr][]SetWindowClamp{}}
+		clamps: map[netip.Addr][]SetWindowClamp{}, ready: map[netip.Addr][]NewPathReady{}}
 	h.vars = func(netip.Addr, Side) TwoPath {
 		return TwoPath{OldSent: 1000, OldSentAcked: 1000, OldRcvd: 5000, OldRcvdAcked: 5000, NewRcvd: true, FirstNewRcvd: 5000}
 	}
@@ -133,6 +134,9 @@ func (h *harness) apply(at netip.Addr, act Action) {
 		h.frees[at] = append(h.frees[at], x.Session)
 	case SetWindowClamp:
 		h.clamps[at] = append(h.clamps[at], x)
+	case NewPathReady:
+		h.log = append(h.log, fmt.Sprintf("%s new path ready %s", at, x.Req))
+		h.ready[at] = append(h.ready[at], x)
 	case Progress:
 		h.log = append(h.log, fmt.Sprintf("%s %s %s %s %s", at, x.Req, x.Role, x.Stage, x.Note))
 	}

@@ -87,6 +87,7 @@ func TestModelReasonsAndOutcomes(t *testing.T) {
 		"ReasonSetupFailed":  int(ReasonSetupFailed),
 		"ReasonSessionEnded": int(ReasonSessionEnded),
 		"ReasonStale":        int(ReasonStale),
+		"ReasonAborted":      int(ReasonAborted),
 		"Succeeded":          int(Succeeded),
 		"Refused":            int(Refused),
 		"Failed":             int(Failed),

@@ -206,6 +206,7 @@ const (
 	ReasonSetupFailed         // the new path could not be set up; cancelled (§3.6)
 	ReasonSessionEnded        // the TCP session ended (FIN, RST, idle) first
 	ReasonStale               // an answer to a request that is already resolved
+	ReasonAborted             // the agent aborted a gated request before the switch (Proceed.Abort)
 )
 
 func (r Reason) String() string {
@@ -230,6 +231,8 @@ func (r Reason) String() string {
 		return "session ended"
 	case ReasonStale:
 		return "stale request"
+	case ReasonAborted:
+		return "aborted before the switch"
 	}
 	return fmt.Sprintf("reason-%d", uint8(r))
 }
