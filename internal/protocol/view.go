@@ -86,3 +86,10 @@ func viewAnchor(an *anchor) *AnchorView {
 		NewSub: an.newSub, NewPeer: an.newPeer, Delta: an.delta, NewDelta: an.newDelta, Vars: an.vars,
 		FinSent: an.finSent, FinAcked: an.finAcked, FinAckSent: an.finAckSent, GotFin: an.gotFin}
 }
+
+// RightAnchorOf returns the session this agent is the right anchor of for
+// request k, while that request is in progress here.
+func (a *Agent) RightAnchorOf(k ReqKey) (SessionID, bool) {
+	id, ok := a.rightReq[k]
+	return id, ok
+}

@@ -218,11 +218,14 @@ func (w *world) issue(s *simSession, n int) {
 		w.tokens++
 		req := &request{token: w.tokens, sess: s, left: hs[li], right: hs[ri], chain: chain, deadChain: dead,
 			issued: w.now, contention: n > 1}
+		if r.IntN(3) == 0 {
+			req.gate, req.abort = true, r.IntN(3) == 0
+		}
 		w.reqs = append(w.reqs, req)
 		w.byToken[req.token] = req
 		w.stats.Requests++
 		w.tracef("OPERATOR %s", req)
-		hs[li].handle(protocol.Reconfigure{Session: dss[li].id, RightAnchor: hs[ri].addr, Chain: addrs, Token: req.token})
+		hs[li].handle(protocol.Reconfigure{Session: dss[li].id, RightAnchor: hs[ri].addr, Chain: addrs, Token: req.token, Gate: req.gate})
 		w.checkLocks()
 	}
 }

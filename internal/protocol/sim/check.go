@@ -161,6 +161,8 @@ func (w *world) unjustified(r *request, depth int) string {
 			return ""
 		case res.Reason == protocol.ReasonSetupFailed && r.deadChain:
 			return ""
+		case res.Reason == protocol.ReasonAborted && r.abort:
+			return ""
 		}
 		return "a reconfiguration whose new path works must succeed"
 	}

@@ -376,6 +376,23 @@ func (h *host) apply(act protocol.Action) {
 		}
 	case protocol.Result:
 		w.onResult(h, x)
+	case protocol.NewPathReady:
+		// The agent moves state meanwhile: it answers after a while, or
+		// aborts (an export that fails).
+		r := w.byToken[x.Token]
+		if r == nil || !r.gate {
+			w.fail("%s: NewPathReady for a request that is not gated (%d)", h, x.Token)
+			return
+		}
+		abort := ""
+		if r.abort {
+			abort = "simulated export failure"
+		}
+		w.tracef("%s GATE %s abort=%q", h, x.Req, abort)
+		w.after(time.Duration(w.rng.Int64N(int64(20*time.Millisecond))), func() {
+			h.handle(protocol.Proceed{Session: x.Session, Req: x.Req, Abort: abort})
+			w.checkLocks()
+		})
 	case protocol.Rejected:
 		w.stats.Rejected[x.Reason.String()]++
 		w.tracef("%s rejected %s from %s: %s: %s", h, x.Type, x.From, x.Reason, x.Detail)
@@ -423,6 +440,9 @@ type request struct {
 	resAt      time.Duration
 	key        protocol.ReqKey
 	contention bool // issued as part of a burst of overlapping requests
+	// gate: the request is gated (state migration); abort: the simulated
+	// agent aborts it at the gate.
+	gate, abort bool
 }
 
 func (r *request) String() string {
