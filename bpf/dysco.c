@@ -22,6 +22,7 @@
 #include "include/parsing.h"
 #include "include/rewrite.h"
 #include "include/twopath.h"
+#include "include/hold.h"
 
 #ifndef AF_INET
 #define AF_INET 2
@@ -440,6 +441,12 @@ static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct 
 	struct dysco_tuple key = p->t;
 	__u32 sseq = p->seq, sack = p->ack;
 
+	/* Holding (hold.h) comes first: a held packet is not sent now, so it
+	 * must move neither the counters, the session state nor the marks, and
+	 * its copy stays in session space, untranslated, for whatever path the
+	 * session uses when it is re-injected. */
+	if (egress && (f.flags & (FL_HOLD_DATA | FL_HOLD_ALL)) && hold_wanted(skb, fp, f.flags, p))
+		return hold_copy(skb, f.sess_id, p->v6);
 	count(fp, skb->len);
 	if (f.flags & FL_DROP) {
 		stat_inc(STAT_DROP_ORPHAN);

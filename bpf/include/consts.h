@@ -86,6 +86,9 @@ enum stat {
 	STAT_TP_CLAMP,           /* windows clamped during reconfiguration (§5.3) */
 	STAT_DROP_ORPHAN,        /* packets of a proxy's sockets after it left the path */
 	STAT_EVENTS_LOST,        /* notices to the agent lost (ring buffer full) */
+	STAT_HOLD_PKTS,          /* packets held for the agent (FL_HOLD_*) */
+	STAT_HOLD_BYTES,         /* their bytes, link-layer header included */
+	STAT_HOLD_DROP,          /* packets to hold that did not fit (too long, ring full): dropped */
 	STAT_MAX,
 };
 
@@ -125,6 +128,8 @@ enum role {
 #define FL_TP_OLD (1 << 10)  /* ingress flow of the old subsession of such a side */
 #define FL_TP_NEW (1 << 11)  /* ingress flow of the new subsession of such a side */
 #define FL_DROP (1 << 12)    /* drop: a proxy's socket after the proxy left the path */
+#define FL_HOLD_DATA (1 << 13) /* egress: hold packets with new data (beyond mk_seq), see hold.h */
+#define FL_HOLD_ALL (1 << 14)  /* egress: hold every packet of the flow */
 
 /* tp_val.state */
 #define TP_IDLE 0      /* new subsession installed; everything still on the old path */
@@ -147,6 +152,23 @@ enum role {
 #define CTL_TP_STATE 4    /* tp: state = arg */
 #define CTL_TP_CLAMP 5    /* tp: clamp = arg */
 #define CTL_MARKS_MERGE 6 /* flow key2's marks = max(its own, flow key's) */
+
+/* Packet holding (hold.h). The agent re-injects held packets through an
+ * AF_PACKET socket with this socket mark; the datapath never holds a packet
+ * that carries it. */
+#define DYSCO_REINJECT_MARK 0x0d5c0001
+/* Longest frame that can be held: an IPv6 GSO packet of 64 KiB with its
+ * Ethernet header. */
+#ifndef HOLD_MAX_FRAME
+#define HOLD_MAX_FRAME 65600
+#endif
+/* Entries of the copy buffer, one per possible CPU; the loader sets the
+ * real count. */
+#ifndef HOLD_CPUS
+#define HOLD_CPUS 64
+#endif
+#define HOLD_RING_BYTES (4 << 20)
+#define HOLD_F_V6 (1 << 0) /* hold_hdr.flags: an IPv6 packet */
 
 /* policy hop kinds */
 #define HOP_ADDR 1

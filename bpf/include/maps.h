@@ -144,11 +144,33 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } dysco_events SEC(".maps");
 
-static __always_inline void stat_inc(__u32 s)
+/* Held packets for the agent (hold.h). Pinned: packets held when an agent
+ * dies are still there for the next one to re-inject. */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, HOLD_RING_BYTES);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_hold SEC(".maps");
+
+/* One hold_buf per CPU; max_entries is set by the loader to the number of
+ * possible CPUs. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, HOLD_CPUS);
+	__type(key, __u32);
+	__type(value, struct hold_buf);
+} dysco_hold_buf SEC(".maps");
+
+static __always_inline void stat_add(__u32 s, __u64 n)
 {
 	__u64 *v = bpf_map_lookup_elem(&dysco_stats, &s);
 	if (v)
-		*v += 1;
+		*v += n;
+}
+
+static __always_inline void stat_inc(__u32 s)
+{
+	stat_add(s, 1);
 }
 
 #endif

@@ -150,6 +150,21 @@ struct ctl_args {
 	struct tp_key tp;
 	struct dysco_tuple key2;
 };
+/* A held packet on the dysco_hold ring buffer: this header, then len bytes
+ * of the frame from its Ethernet header (a GSO packet whole). */
+struct hold_hdr {
+	__u32 sess_id;  /* the flow's session */
+	__u32 ifindex;  /* the interface it was leaving by */
+	__u32 len;      /* frame bytes that follow */
+	__u16 gso_size; /* segment size of a GSO packet, 0 for a plain one */
+	__u16 flags;    /* HOLD_F_* */
+};
+/* Where a held packet is assembled before it is copied to the ring: one per
+ * CPU (an ARRAY indexed by CPU, as per-CPU values are limited to 32 KiB). */
+struct hold_buf {
+	struct hold_hdr h;
+	__u8 frame[HOLD_MAX_FRAME];
+};
 /* Scratch space for building a SYN's option and block (too big for the stack). */
 struct scratch {
 	__u8 buf[DYSCO_OPT_LEN + DYSCO_MAX_BLOCK_LEN];

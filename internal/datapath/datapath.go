@@ -76,6 +76,12 @@ func Load(cfg Config) (*Datapath, error) {
 			return nil, fmt.Errorf("datapath: set %s: %w", name, err)
 		}
 	}
+	// One hold buffer per possible CPU (the datapath indexes it by CPU).
+	ncpu, err := ebpf.PossibleCPU()
+	if err != nil {
+		return nil, fmt.Errorf("datapath: possible CPUs: %w", err)
+	}
+	spec.Maps["dysco_hold_buf"].MaxEntries = uint32(ncpu)
 	if err := resetForeignPins(cfg.PinDir); err != nil {
 		return nil, err
 	}

@@ -68,6 +68,19 @@ type dyscoFlowVal struct {
 	LastNs  uint64
 }
 
+type dyscoHoldBuf struct {
+	_ structs.HostLayout
+	H struct {
+		_       structs.HostLayout
+		SessId  uint32
+		Ifindex uint32
+		Len     uint32
+		GsoSize uint16
+		Flags   uint16
+	}
+	Frame [65600]uint8
+}
+
 type dyscoPolicyVal struct {
 	_      structs.HostLayout
 	N_hops uint8
@@ -171,6 +184,8 @@ const (
 	dyscoMapDyscoDeltas    = "dysco_deltas"
 	dyscoMapDyscoEvents    = "dysco_events"
 	dyscoMapDyscoFlows     = "dysco_flows"
+	dyscoMapDyscoHold      = "dysco_hold"
+	dyscoMapDyscoHoldBuf   = "dysco_hold_buf"
 	dyscoMapDyscoIds       = "dysco_ids"
 	dyscoMapDyscoLocal     = "dysco_local"
 	dyscoMapDyscoPolicies  = "dysco_policies"
@@ -250,6 +265,8 @@ type dyscoMapSpecs struct {
 	DyscoDeltas   *ebpf.MapSpec `ebpf:"dysco_deltas"`
 	DyscoEvents   *ebpf.MapSpec `ebpf:"dysco_events"`
 	DyscoFlows    *ebpf.MapSpec `ebpf:"dysco_flows"`
+	DyscoHold     *ebpf.MapSpec `ebpf:"dysco_hold"`
+	DyscoHoldBuf  *ebpf.MapSpec `ebpf:"dysco_hold_buf"`
 	DyscoIds      *ebpf.MapSpec `ebpf:"dysco_ids"`
 	DyscoLocal    *ebpf.MapSpec `ebpf:"dysco_local"`
 	DyscoPolicies *ebpf.MapSpec `ebpf:"dysco_policies"`
@@ -297,6 +314,8 @@ type dyscoMaps struct {
 	DyscoDeltas   *ebpf.Map `ebpf:"dysco_deltas"`
 	DyscoEvents   *ebpf.Map `ebpf:"dysco_events"`
 	DyscoFlows    *ebpf.Map `ebpf:"dysco_flows"`
+	DyscoHold     *ebpf.Map `ebpf:"dysco_hold"`
+	DyscoHoldBuf  *ebpf.Map `ebpf:"dysco_hold_buf"`
 	DyscoIds      *ebpf.Map `ebpf:"dysco_ids"`
 	DyscoLocal    *ebpf.Map `ebpf:"dysco_local"`
 	DyscoPolicies *ebpf.Map `ebpf:"dysco_policies"`
@@ -316,6 +335,8 @@ func (m *dyscoMaps) Close() error {
 		m.DyscoDeltas,
 		m.DyscoEvents,
 		m.DyscoFlows,
+		m.DyscoHold,
+		m.DyscoHoldBuf,
 		m.DyscoIds,
 		m.DyscoLocal,
 		m.DyscoPolicies,

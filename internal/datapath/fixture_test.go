@@ -386,7 +386,7 @@ func (fx *fixture) expectFlows(tb testing.TB, want map[Tuple]Flow) {
 
 func flagNames(f uint32) string {
 	s := ""
-	for i, n := range []string{"reroute", "syn-strip", "syn-emit", "tap", "delta", "rev", "ingress", "est", "routed", "tp-out", "tp-old", "tp-new", "drop"} {
+	for i, n := range []string{"reroute", "syn-strip", "syn-emit", "tap", "delta", "rev", "ingress", "est", "routed", "tp-out", "tp-old", "tp-new", "drop", "hold-data", "hold-all"} {
 		if f&(1<<i) != 0 {
 			s += n + "|"
 		}

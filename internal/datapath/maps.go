@@ -24,6 +24,7 @@ var StatNames = []string{
 	"drop_no_syn_state", "drop_helper",
 	"fin", "rst", "delta", "icmp", "reused",
 	"tp_old", "tp_new", "tp_straddle", "tp_clamp", "drop_orphan", "events_lost",
+	"hold_pkts", "hold_bytes", "hold_drop",
 }
 
 // Session roles and state bits, mirrors of consts.h.
@@ -54,6 +55,8 @@ const (
 	FlTPOld    = 1 << 10
 	FlTPNew    = 1 << 11
 	FlDrop     = 1 << 12
+	FlHoldData = FlagHoldData // hold.go
+	FlHoldAll  = FlagHoldAll
 
 	hopAddr = 1
 	hopType = 2

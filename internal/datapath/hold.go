@@ -1,0 +1,322 @@
+package datapath
+
+// Packet holding at an anchor while a session's middlebox state migrates
+// (paper §3.5, last paragraph; M2M draft §5.2-5.3). The datapath copies each
+// held packet to the dysco_hold ring buffer and swallows it (bpf/include/
+// hold.h); the agent reads the copies with a HoldReader and, once the new
+// path is ready, sends them again with a Reinjector. Re-injected packets
+// carry ReinjectMark, which the datapath never holds, and take the ordinary
+// egress path (translation, two paths, reroute) as any packet of the
+// session.
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"time"
+
+	"github.com/cilium/ebpf/ringbuf"
+	"golang.org/x/sys/unix"
+)
+
+// ReinjectMark is the socket mark of re-injected packets (consts.h
+// DYSCO_REINJECT_MARK).
+const ReinjectMark uint32 = 0x0d5c0001
+
+// Flow flags that hold an egress flow's packets, set and cleared with
+// SetFlowFlags (consts.h FL_HOLD_*).
+const (
+	// FlagHoldData holds packets that carry new data: payload or FIN that
+	// ends beyond the flow's mark (retransmissions and pure ACKs go on).
+	FlagHoldData uint32 = 1 << 13
+	// FlagHoldAll holds every packet of the flow, ACKs included.
+	FlagHoldAll uint32 = 1 << 14
+)
+
+// holdHdrLen is the size of struct hold_hdr; holdFlagV6 is HOLD_F_V6.
+const (
+	holdHdrLen = 16
+	holdFlagV6 = 1 << 0
+)
+
+// HeldPacket is a packet the datapath held: the frame from its Ethernet
+// header, as it was leaving by interface Ifindex, in session space. A GSO
+// packet comes whole, with its segment size.
+type HeldPacket struct {
+	Session uint32
+	Ifindex int
+	GSOSize uint16
+	IPv6    bool
+	Frame   []byte
+}
+
+// HoldReader reads held packets in the order they were held.
+type HoldReader struct{ r *ringbuf.Reader }
+
+// HoldReader returns a reader of the held packets.
+func (d *Datapath) HoldReader() (*HoldReader, error) {
+	r, err := ringbuf.NewReader(d.objs.DyscoHold)
+	if err != nil {
+		return nil, fmt.Errorf("datapath: held packets: %w", err)
+	}
+	return &HoldReader{r: r}, nil
+}
+
+// Read blocks until a held packet is there. After Close it returns an error
+// that matches ringbuf.ErrClosed; past a deadline one that matches
+// os.ErrDeadlineExceeded.
+func (r *HoldReader) Read() (HeldPacket, error) {
+	for {
+		rec, err := r.r.Read()
+		if err != nil {
+			return HeldPacket{}, err
+		}
+		p, err := parseHeld(rec.RawSample)
+		if err != nil {
+			continue // not written by this datapath; cannot happen
+		}
+		return p, nil
+	}
+}
+
+func parseHeld(b []byte) (HeldPacket, error) {
+	if len(b) < holdHdrLen {
+		return HeldPacket{}, errors.New("short record")
+	}
+	n := binary.NativeEndian.Uint32(b[8:])
+	if uint64(n) > uint64(len(b)-holdHdrLen) {
+		return HeldPacket{}, errors.New("record shorter than its frame")
+	}
+	return HeldPacket{
+		Session: binary.NativeEndian.Uint32(b),
+		Ifindex: int(binary.NativeEndian.Uint32(b[4:])),
+		GSOSize: binary.NativeEndian.Uint16(b[12:]),
+		IPv6:    binary.NativeEndian.Uint16(b[14:])&holdFlagV6 != 0,
+		Frame:   append([]byte(nil), b[holdHdrLen:holdHdrLen+int(n)]...),
+	}, nil
+}
+
+// SetDeadline makes Read return os.ErrDeadlineExceeded once t has passed
+// with nothing to read (the zero time: no deadline), so that the agent can
+// drain the ring.
+func (r *HoldReader) SetDeadline(t time.Time) { r.r.SetDeadline(t) }
+
+// Close stops the reader; a blocked Read returns.
+func (r *HoldReader) Close() error { return r.r.Close() }
+
+// Reinjector sends held packets again: one AF_PACKET socket per interface,
+// opened on first use, with the socket mark ReinjectMark, so that the
+// datapath's egress program translates them and never holds them again.
+// Frames longer than the interface's MTU (GSO packets) are segmented.
+// It is safe for use by one goroutine.
+type Reinjector struct {
+	socks map[int]reinjectSock
+}
+
+type reinjectSock struct {
+	fd  int
+	mtu int
+}
+
+// NewReinjector returns a Reinjector with no socket open yet. Sockets are
+// opened in the caller's network namespace.
+func NewReinjector() *Reinjector { return &Reinjector{socks: map[int]reinjectSock{}} }
+
+func (r *Reinjector) sock(ifindex int) (reinjectSock, error) {
+	if s, ok := r.socks[ifindex]; ok {
+		return s, nil
+	}
+	ifc, err := net.InterfaceByIndex(ifindex)
+	if err != nil {
+		return reinjectSock{}, fmt.Errorf("datapath: re-inject on interface %d: %w", ifindex, err)
+	}
+	// Protocol 0: the socket sends only, it receives nothing.
+	fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return reinjectSock{}, fmt.Errorf("datapath: re-inject on %s: packet socket: %w", ifc.Name, err)
+	}
+	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, int(ReinjectMark)); err != nil {
+		unix.Close(fd)
+		return reinjectSock{}, fmt.Errorf("datapath: re-inject on %s: SO_MARK (needs CAP_NET_ADMIN): %w", ifc.Name, err)
+	}
+	s := reinjectSock{fd: fd, mtu: ifc.MTU}
+	r.socks[ifindex] = s
+	return s, nil
+}
+
+// Send sends a held packet on its interface, segmented to the interface's
+// MTU if it is longer, with every TCP checksum computed in full (a held
+// packet's checksum may be partial: CHECKSUM_PARTIAL).
+func (r *Reinjector) Send(p HeldPacket) error {
+	s, err := r.sock(p.Ifindex)
+	if err != nil {
+		return err
+	}
+	frames, err := segment(p.Frame, int(p.GSOSize), s.mtu)
+	if err != nil {
+		return fmt.Errorf("datapath: re-inject packet of session %d: %w", p.Session, err)
+	}
+	for _, f := range frames {
+		sa := &unix.SockaddrLinklayer{Ifindex: p.Ifindex, Protocol: htons(binary.BigEndian.Uint16(f[12:]))}
+		if err := unix.Sendto(s.fd, f, 0, sa); err != nil {
+			return fmt.Errorf("datapath: re-inject packet of session %d on interface %d: %w", p.Session, p.Ifindex, err)
+		}
+	}
+	return nil
+}
+
+// Close closes the sockets.
+func (r *Reinjector) Close() error {
+	var errs []error
+	for i, s := range r.socks {
+		errs = append(errs, unix.Close(s.fd))
+		delete(r.socks, i)
+	}
+	return errors.Join(errs...)
+}
+
+const (
+	ethHdrLen   = 14
+	etherIPv4   = 0x0800
+	etherIPv6   = 0x86dd
+	tcpFIN      = 0x01
+	tcpPSH      = 0x08
+	tcpCWR      = 0x80
+	ipv4HdrMin  = 20
+	ipv6HdrLen  = 40
+	tcpHdrMin   = 20
+	ipProtoTCP  = 6
+	ipv4MFOrOff = 0x3fff
+)
+
+// segment splits an Ethernet + IPv4/IPv6 + TCP frame into frames whose IP
+// packets fit mtu, as the kernel's TCP segmentation offload would: payload
+// in mss-byte segments (gsoSize, or what the MTU leaves), sequence numbers
+// advanced, IPv4 total length, id and header checksum and IPv6 payload
+// length fixed, FIN and PSH on the last segment only, CWR on the first only.
+// Every frame, segmented or not, gets its TCP checksum computed in full.
+func segment(frame []byte, gsoSize, mtu int) ([][]byte, error) {
+	if len(frame) < ethHdrLen {
+		return nil, fmt.Errorf("frame of %d bytes", len(frame))
+	}
+	var l3Len, ipHdr int
+	ip := frame[ethHdrLen:]
+	v6 := false
+	switch et := binary.BigEndian.Uint16(frame[12:]); et {
+	case etherIPv4:
+		if len(ip) < ipv4HdrMin || ip[0]>>4 != 4 {
+			return nil, errors.New("truncated or bad IPv4 header")
+		}
+		ipHdr = int(ip[0]&0xf) * 4
+		l3Len = int(binary.BigEndian.Uint16(ip[2:]))
+		if ipHdr < ipv4HdrMin || ip[9] != ipProtoTCP {
+			return nil, fmt.Errorf("IPv4 packet with header length %d, protocol %d: only TCP is held", ipHdr, ip[9])
+		}
+		if binary.BigEndian.Uint16(ip[6:])&ipv4MFOrOff != 0 {
+			return nil, errors.New("IPv4 fragment: cannot be held")
+		}
+	case etherIPv6:
+		v6 = true
+		if len(ip) < ipv6HdrLen || ip[0]>>4 != 6 {
+			return nil, errors.New("truncated or bad IPv6 header")
+		}
+		ipHdr = ipv6HdrLen
+		l3Len = ipv6HdrLen + int(binary.BigEndian.Uint16(ip[4:]))
+		if ip[6] != ipProtoTCP {
+			return nil, fmt.Errorf("IPv6 next header %d: extension headers are not supported, only TCP directly after the IPv6 header", ip[6])
+		}
+	default:
+		return nil, fmt.Errorf("ethertype %#04x: only IPv4 and IPv6 are held", et)
+	}
+	if l3Len > len(ip) || l3Len < ipHdr+tcpHdrMin {
+		return nil, fmt.Errorf("IP length %d does not fit the frame's %d bytes", l3Len, len(ip))
+	}
+	tcpHdr := int(ip[ipHdr+12]>>4) * 4
+	if tcpHdr < tcpHdrMin || ipHdr+tcpHdr > l3Len {
+		return nil, fmt.Errorf("TCP header length %d does not fit the IP length %d", tcpHdr, l3Len)
+	}
+	hdrs := ethHdrLen + ipHdr + tcpHdr
+	payload := frame[hdrs : ethHdrLen+l3Len] // without link-layer padding
+	mss := mtu - ipHdr - tcpHdr
+	if gsoSize > 0 && gsoSize < mss {
+		mss = gsoSize
+	}
+	if mss <= 0 {
+		return nil, fmt.Errorf("MTU %d leaves no room for TCP payload", mtu)
+	}
+	n := 1
+	if l3Len > mtu && len(payload) > mss {
+		n = (len(payload) + mss - 1) / mss
+	}
+	out := make([][]byte, 0, n)
+	seq := binary.BigEndian.Uint32(frame[ethHdrLen+ipHdr+4:])
+	flags := frame[ethHdrLen+ipHdr+13]
+	var id uint16
+	if !v6 {
+		id = binary.BigEndian.Uint16(ip[4:])
+	}
+	for i := 0; i < n; i++ {
+		chunk := payload
+		if n > 1 {
+			lo := i * mss
+			chunk = payload[lo:min(lo+mss, len(payload))]
+		}
+		f := make([]byte, hdrs+len(chunk))
+		copy(f, frame[:hdrs])
+		copy(f[hdrs:], chunk)
+		fip := f[ethHdrLen:]
+		th := fip[ipHdr:]
+		if v6 {
+			binary.BigEndian.PutUint16(fip[4:], uint16(tcpHdr+len(chunk)))
+		} else {
+			binary.BigEndian.PutUint16(fip[2:], uint16(ipHdr+tcpHdr+len(chunk)))
+			binary.BigEndian.PutUint16(fip[4:], id+uint16(i))
+			fip[10], fip[11] = 0, 0
+			binary.BigEndian.PutUint16(fip[10:], ^fold16(sum16be(fip[:ipHdr], 0)))
+		}
+		if n > 1 {
+			binary.BigEndian.PutUint32(th[4:], seq+uint32(i*mss))
+			fl := flags
+			if i < n-1 {
+				fl &^= tcpFIN | tcpPSH
+			}
+			if i > 0 {
+				fl &^= tcpCWR
+			}
+			th[13] = fl
+		}
+		seg := th[:tcpHdr+len(chunk)]
+		var pseudo uint32
+		if v6 {
+			pseudo = sum16be(fip[8:40], 0)
+		} else {
+			pseudo = sum16be(fip[12:20], 0)
+		}
+		pseudo += ipProtoTCP + uint32(len(seg))
+		th[16], th[17] = 0, 0
+		binary.BigEndian.PutUint16(th[16:], ^fold16(sum16be(seg, pseudo)))
+		out = append(out, f)
+	}
+	return out, nil
+}
+
+// sum16be adds b as big-endian 16-bit words to s (one's complement sum,
+// not folded).
+func sum16be(b []byte, s uint32) uint32 {
+	for len(b) >= 2 {
+		s += uint32(b[0])<<8 | uint32(b[1])
+		b = b[2:]
+	}
+	if len(b) == 1 {
+		s += uint32(b[0]) << 8
+	}
+	return s
+}
+
+func fold16(s uint32) uint16 {
+	for s>>16 != 0 {
+		s = s&0xffff + s>>16
+	}
+	return uint16(s)
+}
