@@ -23,6 +23,7 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/datapath"
+	"github.com/dysco/dysco/internal/migrate"
 	"github.com/dysco/dysco/internal/policy"
 	"github.com/dysco/dysco/internal/policyserver"
 	"github.com/vishvananda/netlink"
@@ -59,7 +60,12 @@ type Config struct {
 	// ControlKey is the deployment key authenticating control messages;
 	// empty disables reconfiguration at this agent.
 	ControlKey []byte
-	Log        *slog.Logger
+	// StatePlugins are the state migration plug-ins (internal/migrate)
+	// this agent exports and imports with; StateFailExport and
+	// StateFailImport make one of them fail (tests).
+	StatePlugins                     []string
+	StateFailExport, StateFailImport string
+	Log                              *slog.Logger
 }
 
 // Agent is a running agent.
@@ -83,6 +89,9 @@ type Agent struct {
 
 	// ctl is the reconfiguration machinery (control.go); nil when disabled.
 	ctl *control
+	// providers are the middleboxes that registered their state with the
+	// local API (the "api" state plug-in).
+	providers *migrate.Providers
 
 	// Collector-goroutine state for re-routing decisions (reroute.go).
 	routeCache     map[routeKey]bool
@@ -219,6 +228,9 @@ func Run(ctx context.Context, cfg Config) error {
 			return err
 		}
 		a.ctl = ctl
+		if err := a.setupMigration(ctl); err != nil {
+			return err
+		}
 		go ctl.run(ctx)
 	} else {
 		a.log.Info("reconfiguration disabled: no control key")

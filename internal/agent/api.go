@@ -41,6 +41,9 @@ func (a *Agent) serveAPI() (*http.Server, error) {
 	mux.HandleFunc("GET /v1/reconfig/history", a.handleReconfigHistory)
 	mux.HandleFunc("POST /v1/middlebox", a.handleMiddlebox)
 	mux.HandleFunc("POST /v1/sessions/splice", a.handleSplice)
+	if a.providers != nil {
+		mux.Handle("/v1/state/", a.providers.Handler())
+	}
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go srv.Serve(rootOnly{ln})
 	return srv, nil
@@ -99,6 +102,13 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 		}
 		st["control_messages_in"] = a.ctl.msgsIn.Load()
 		st["control_messages_out"] = a.ctl.msgsOut.Load()
+		if hs := a.ctl.holds; hs != nil {
+			// Held packets sent on again, failures, and packets that
+			// arrived for no hold (sent on at once).
+			hs.injMu.Lock()
+			st["hold_reinjected"], st["hold_reinject_errors"], st["hold_stray"] = uint64(hs.injected), uint64(hs.injectErrs), uint64(hs.stray)
+			hs.injMu.Unlock()
+		}
 	}
 	sess, _ := a.dp.Sessions()
 	a.mu.Lock()

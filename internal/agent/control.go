@@ -19,6 +19,7 @@ import (
 
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/datapath"
+	"github.com/dysco/dysco/internal/migrate"
 	"github.com/dysco/dysco/internal/protocol"
 	"github.com/dysco/dysco/internal/wire"
 	"golang.org/x/sys/unix"
@@ -63,6 +64,17 @@ type control struct {
 	ticks       uint64
 	deferred    []func() // work of the loop itself, run after the current event's actions
 
+	// State migration (migrate.go).
+	holds      *holds // nil: the datapath cannot hold packets
+	states     *migrate.Set
+	migrations map[uint64]*migration // by token, at the left anchor
+	migReports map[uint64]api.MigrationReport
+	migCalls   map[uint64]*migCall
+	migAnswers map[triggerKey][]byte
+	rightHolds map[datapath.TPKey]*rightHold
+	exported   map[uint32]wire.Tuple // sessions whose state this host exported
+	migOut     map[uint64]chan api.MigrationReport
+
 	ev chan func()
 
 	rejected sync.Map // reason string → *atomic.Uint64
@@ -97,7 +109,10 @@ func newControl(a *Agent, port int, key []byte) (*control, error) {
 		joinedDP: map[protocol.SessionID]uint32{}, pidOf: map[uint32]protocol.SessionID{}, famOf: map[uint32]bool{},
 		notReady: map[protocol.SessionID]uint32{}, waiters: map[uint64]chan protocol.Result{}, started: map[uint64]time.Time{},
 		active: map[datapath.TPKey]bool{}, prevTP: map[datapath.TPKey]datapath.TPVal{}, spliced: map[protocol.SessionID]splicedPair{},
-		triggers: map[uint64]*trigger{}, trigAnswers: map[triggerKey][]byte{}, ev: make(chan func(), 1024)}
+		triggers: map[uint64]*trigger{}, trigAnswers: map[triggerKey][]byte{}, ev: make(chan func(), 1024),
+		migrations: map[uint64]*migration{}, migReports: map[uint64]api.MigrationReport{}, migCalls: map[uint64]*migCall{},
+		migAnswers: map[triggerKey][]byte{}, rightHolds: map[datapath.TPKey]*rightHold{}, exported: map[uint32]wire.Tuple{},
+		migOut: map[uint64]chan api.MigrationReport{}}
 	return c, nil
 }
 
@@ -205,6 +220,10 @@ func (c *control) handle(v6 bool, ev protocol.Event) {
 func (c *control) onPacket(from netip.Addr, data []byte) {
 	if isTrigger(data) {
 		c.onTrigger(from, data)
+		return
+	}
+	if isMig(data) {
+		c.onMig(from, data)
 		return
 	}
 	v6 := from.Is6()
@@ -474,8 +493,14 @@ func (c *control) views() map[uint32]protocol.SessionView {
 const historyLen = 4096
 
 // record keeps a result (loop goroutine).
-func (c *control) record(x protocol.Result) {
+func (c *control) record(x protocol.Result, rep api.MigrationReport, hasRep bool) {
 	r := api.ReconfigResult{ID: c.dpID(x.Session), Outcome: x.Outcome.String(), Reason: reasonText(x), Blocker: blockerText(x)}
+	if hasRep {
+		r.Migration = &rep
+		if rep.Error != "" {
+			r.Reason = joinNote(r.Reason, rep.Error)
+		}
+	}
 	if s, ok := c.a.dp.Session(r.ID); ok {
 		r.Session = s.Tuple.Wire().String()
 	}
@@ -541,6 +566,11 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 			return err
 		}
 		c.active[k] = true
+		if c.rightHolds[k] != nil {
+			// A right anchor that held its packets for a state migration:
+			// they go on the new path now.
+			c.deferred = append(c.deferred, func() { c.releaseRightHold(k) })
+		}
 		// The variables at the cut-off: enough to finish at once when
 		// nothing was in flight. After the current actions (never
 		// c.post from the loop itself: with its channel full it would
@@ -556,7 +586,14 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 		}
 		return dp.SetTwoPathState(k, datapath.TPNew)
 	case protocol.RemoveSubsession:
+		if x.Side == protocol.SideLeft {
+			// A right anchor's request ended before the switch.
+			k := datapath.TPKey{SessId: c.dpID(x.Session), Side: uint32(x.Side)}
+			c.deferred = append(c.deferred, func() { c.releaseRightHold(k) })
+		}
 		return c.removeSub(x)
+	case protocol.NewPathReady:
+		c.onNewPathReady(v6, x)
 	case protocol.SetWindowClamp:
 		k := datapath.TPKey{SessId: c.dpID(x.Session), Side: uint32(x.Side)}
 		if _, ok := dp.TwoPath(k); !ok {
@@ -577,10 +614,22 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 		if id == 0 || c.pidOf[id] != x.Session {
 			return nil // freed already (a new path through this host took its place)
 		}
+		c.releaseExported(id)
+		for _, side := range []uint32{0, 1} {
+			k := datapath.TPKey{SessId: id, Side: side}
+			c.deferred = append(c.deferred, func() { c.releaseRightHold(k) })
+		}
 		c.free(id)
 		c.forget(id, x.Session)
 	case protocol.Result:
-		c.record(x)
+		c.migrationEnded(x.Token)
+		rep, hasRep := c.migReports[x.Token]
+		delete(c.migReports, x.Token)
+		c.record(x, rep, hasRep)
+		if ch, ok := c.migOut[x.Token]; ok {
+			delete(c.migOut, x.Token)
+			ch <- rep
+		}
 		if ch, ok := c.waiters[x.Token]; ok {
 			delete(c.waiters, x.Token)
 			ch <- x
@@ -797,10 +846,11 @@ func (c *control) free(id uint32) {
 
 // reconfigure runs a reconfiguration of each session in ids, as left
 // anchor, and waits for the results (or the deadline).
-func (c *control) reconfigure(ctx context.Context, ids []uint32, to netip.Addr, chain []netip.Addr) []reconfigOutcome {
+func (c *control) reconfigure(ctx context.Context, ids []uint32, to netip.Addr, chain []netip.Addr, mig *MigrateOptions) []reconfigOutcome {
 	type pending struct {
 		id    uint32
 		ch    chan protocol.Result
+		mig   chan api.MigrationReport
 		start time.Time
 		err   error
 	}
@@ -817,7 +867,11 @@ func (c *control) reconfigure(ctx context.Context, ids []uint32, to netip.Addr, 
 			c.token++
 			c.waiters[c.token] = p.ch
 			c.started[c.token] = p.start
-			c.handle(c.famOf[id], protocol.Reconfigure{Session: c.pidOf[id], RightAnchor: to, Chain: chain, Token: c.token})
+			if mig != nil {
+				p.mig = make(chan api.MigrationReport, 1)
+				c.startMigration(c.token, *mig, p.start, p.mig)
+			}
+			c.handle(c.famOf[id], protocol.Reconfigure{Session: c.pidOf[id], RightAnchor: to, Chain: chain, Token: c.token, Gate: mig != nil})
 		}
 		close(done)
 	})
@@ -837,6 +891,10 @@ func (c *control) reconfigure(ctx context.Context, ids []uint32, to netip.Addr, 
 		case r := <-p.ch:
 			out[i].res = &r
 			out[i].took = time.Since(p.start)
+			if p.mig != nil {
+				rep := <-p.mig // sent with the result
+				out[i].mig = &rep
+			}
 		case <-ctx.Done():
 			out[i].outcome, out[i].reason = "failed", "no result before the deadline"
 		}
@@ -845,6 +903,7 @@ func (c *control) reconfigure(ctx context.Context, ids []uint32, to netip.Addr, 
 }
 
 type reconfigOutcome struct {
+	mig     *api.MigrationReport
 	id      uint32
 	res     *protocol.Result
 	took    time.Duration

@@ -78,6 +78,11 @@ func (a *Agent) handleReconfig(w http.ResponseWriter, r *http.Request) {
 		}
 		chain = append(chain, h.Unmap())
 	}
+	mig, err := migrateOptions(req.Migrate, len(chain))
+	if err != nil {
+		writeErr(w, 400, err)
+		return
+	}
 	m, err := policy.CompileMatch(req.Match)
 	if err != nil {
 		writeErr(w, 400, err)
@@ -97,15 +102,36 @@ func (a *Agent) handleReconfig(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), reconfigWait(req.TimeoutMS))
 	defer cancel()
 	rep := api.ReconfigReply{Results: []api.ReconfigResult{}}
-	for _, o := range a.ctl.reconfigure(ctx, ids, to, chain) {
+	for _, o := range a.ctl.reconfigure(ctx, ids, to, chain, mig) {
 		res := api.ReconfigResult{ID: o.id, Session: tuples[o.id], Outcome: o.outcome, Reason: o.reason}
 		if o.res != nil {
 			res.Outcome, res.Reason, res.Blocker = o.res.Outcome.String(), reasonText(*o.res), blockerText(*o.res)
 			res.Micros = o.took.Microseconds()
 		}
+		if o.mig != nil {
+			res.Migration = o.mig
+			if o.mig.Error != "" {
+				res.Reason = joinNote(res.Reason, o.mig.Error)
+			}
+		}
 		rep.Results = append(rep.Results, res)
 	}
 	writeJSON(w, 200, rep)
+}
+
+// migrateOptions checks a request's state migration part.
+func migrateOptions(spec *api.MigrateSpec, hops int) (*MigrateOptions, error) {
+	if spec == nil {
+		return nil, nil
+	}
+	o := &MigrateOptions{Semantics: spec.Semantics, HoldLimit: spec.HoldLimit, Timeout: time.Duration(spec.TimeoutMS) * time.Millisecond}
+	if err := o.normalize(); err != nil {
+		return nil, fmt.Errorf("migrate: %w", err)
+	}
+	if hops != 1 {
+		return nil, fmt.Errorf("migrate: state migration replaces one middlebox by one: the new chain has %d", hops)
+	}
+	return o, nil
 }
 
 // handleReconfigHistory lists the last reconfigurations this agent ran as
@@ -130,6 +156,10 @@ func (a *Agent) handleMiddlebox(w http.ResponseWriter, r *http.Request) {
 		writeErr(w, 400, fmt.Errorf("middlebox: bad JSON: %w", err))
 		return
 	}
+	if _, err := migrateOptions(req.Migrate, len(req.With)); err != nil {
+		writeErr(w, 400, err)
+		return
+	}
 	m, err := policy.CompileMatch(req.Match)
 	if err != nil {
 		writeErr(w, 400, err)
@@ -143,14 +173,14 @@ func (a *Agent) handleMiddlebox(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), reconfigWait(req.TimeoutMS))
 	defer cancel()
 	rep := api.ReconfigReply{Results: []api.ReconfigResult{}}
-	for _, o := range a.ctl.removeSelf(ctx, sessions, req.With) {
+	for _, o := range a.ctl.removeSelf(ctx, sessions, req.With, req.Migrate) {
 		rep.Results = append(rep.Results, o)
 	}
 	writeJSON(w, 200, rep)
 }
 
 // removeSelf sends a trigger per session and collects the results.
-func (c *control) removeSelf(ctx context.Context, sessions []datapath.SessionEntry, with []netip.Addr) []api.ReconfigResult {
+func (c *control) removeSelf(ctx context.Context, sessions []datapath.SessionEntry, with []netip.Addr, mig *api.MigrateSpec) []api.ReconfigResult {
 	type pending struct {
 		res api.ReconfigResult
 		ch  chan triggerMsg
@@ -174,7 +204,7 @@ func (c *control) removeSelf(ctx context.Context, sessions []datapath.SessionEnt
 			for _, h := range with {
 				chain = append(chain, h.Unmap())
 			}
-			ch, err := c.sendTrigger(left.Src, triggerMsg{Sub: &left, RightAnchor: right.Dst, Chain: chain})
+			ch, err := c.sendTrigger(left.Src, triggerMsg{Sub: &left, RightAnchor: right.Dst, Chain: chain, Migrate: mig})
 			if err != nil {
 				p.res.Outcome, p.res.Reason = "failed", err.Error()
 				continue
@@ -194,6 +224,7 @@ func (c *control) removeSelf(ctx context.Context, sessions []datapath.SessionEnt
 			case m := <-p.ch:
 				p.res.Outcome, p.res.Reason, p.res.Blocker = m.Outcome, m.Reason, m.Blocker
 				p.res.Micros = m.Micros
+				p.res.Migration = m.Migration
 			case <-ctx.Done():
 				p.res.Outcome, p.res.Reason = "failed", "no result before the deadline"
 			}

@@ -21,6 +21,7 @@ import (
 	"net/netip"
 	"time"
 
+	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/protocol"
 	"github.com/dysco/dysco/internal/wire"
 )
@@ -43,11 +44,15 @@ type triggerMsg struct {
 	RightAnchor netip.Addr   `json:"right_anchor,omitzero"`
 	Chain       []netip.Addr `json:"chain,omitempty"`
 	SentUnixMS  int64        `json:"sent_unix_ms,omitempty"`
+	// Migrate asks for state migration (migrate.go).
+	Migrate *api.MigrateSpec `json:"migrate,omitempty"`
 	// Result.
 	Outcome string `json:"outcome,omitempty"`
 	Reason  string `json:"reason,omitempty"`
 	Blocker string `json:"blocker,omitempty"`
 	Micros  int64  `json:"micros,omitempty"`
+	// Migration reports a state migration.
+	Migration *api.MigrationReport `json:"migration,omitempty"`
 }
 
 // trigger is a request this agent sent, waiting for its result.
@@ -156,6 +161,11 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 			answer(triggerMsg{Outcome: "refused", Reason: protocol.ReasonNoSession.String()})
 			return
 		}
+		mig, err := migrateOptions(m.Migrate, len(m.Chain))
+		if err != nil {
+			answer(triggerMsg{Outcome: "refused", Reason: err.Error()})
+			return
+		}
 		c.trigAnswers[k] = nil
 		start := time.Now()
 		if err := c.announce(id); err != nil {
@@ -166,12 +176,26 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 		ch := make(chan protocol.Result, 1)
 		c.waiters[c.token] = ch
 		c.started[c.token] = start
-		c.handle(c.famOf[id], protocol.Reconfigure{Session: c.pidOf[id], RightAnchor: m.RightAnchor, Chain: m.Chain, Token: c.token})
+		var migc chan api.MigrationReport
+		if mig != nil {
+			migc = make(chan api.MigrationReport, 1)
+			c.startMigration(c.token, *mig, start, migc)
+		}
+		c.handle(c.famOf[id], protocol.Reconfigure{Session: c.pidOf[id], RightAnchor: m.RightAnchor, Chain: m.Chain, Token: c.token, Gate: mig != nil})
 		go func() {
 			r := <-ch
+			var rep *api.MigrationReport
+			if migc != nil {
+				x := <-migc
+				rep = &x
+			}
 			c.post(func() {
-				answer(triggerMsg{Outcome: r.Outcome.String(), Reason: reasonText(r), Blocker: blockerText(r),
-					Micros: time.Since(start).Microseconds()})
+				res := triggerMsg{Outcome: r.Outcome.String(), Reason: reasonText(r), Blocker: blockerText(r),
+					Micros: time.Since(start).Microseconds(), Migration: rep}
+				if rep != nil && rep.Error != "" {
+					res.Reason = joinNote(res.Reason, rep.Error)
+				}
+				answer(res)
 			})
 		}()
 	default:

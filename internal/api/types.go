@@ -130,6 +130,44 @@ type ReconfigRequest struct {
 	Chain []netip.Addr `json:"chain,omitempty"`
 	// TimeoutMS bounds the wait for the results (0: the agent's default).
 	TimeoutMS int `json:"timeout_ms,omitempty"`
+	// Migrate moves the replaced middlebox's per-session state to its
+	// replacement before the new path carries a packet (paper §3.5, §5.3).
+	Migrate *MigrateSpec `json:"migrate,omitempty"`
+}
+
+// MigrateSpec asks for state migration (docs/state-migration.md).
+type MigrateSpec struct {
+	// Semantics of the cut-over: "loss-free" (default), "order" or
+	// "substream" (M2M §5).
+	Semantics string `json:"semantics,omitempty"`
+	// HoldLimit bounds the bytes each anchor holds meanwhile (0: 8 MiB);
+	// reaching it cancels the replacement.
+	HoldLimit int64 `json:"hold_limit,omitempty"`
+	// TimeoutMS bounds freeze, drain, export and import (0: 5 s).
+	TimeoutMS int `json:"timeout_ms,omitempty"`
+}
+
+// MigrationReport tells how a state migration went, at the left anchor.
+type MigrationReport struct {
+	Semantics string `json:"semantics"`
+	// Error is why it was cancelled; empty when the state moved.
+	Error string `json:"error,omitempty"`
+	Note  string `json:"note,omitempty"`
+	// Plugins that exported state, and its size.
+	Plugins    []string `json:"plugins,omitempty"`
+	StateBytes int      `json:"state_bytes"`
+	// Packets and bytes the left anchor held; dropped past twice the bound.
+	HeldPackets int64 `json:"held_packets"`
+	HeldBytes   int64 `json:"held_bytes"`
+	HoldDropped int64 `json:"hold_dropped,omitempty"`
+	// Times from the request's start: the left anchor froze, then the
+	// drain, export and import took so long, and the new path was let go
+	// (SwitchMicros: the reconfiguration time with state transfer).
+	FreezeMicros int64 `json:"freeze_us"`
+	DrainMicros  int64 `json:"drain_us"`
+	ExportMicros int64 `json:"export_us"`
+	ImportMicros int64 `json:"import_us"`
+	SwitchMicros int64 `json:"switch_us"`
 }
 
 // ReconfigResult is the outcome of the reconfiguration of one session.
@@ -146,6 +184,8 @@ type ReconfigResult struct {
 	// Micros is the time from the request to the old path no longer being
 	// used (the left anchor's completion).
 	Micros int64 `json:"micros"`
+	// Migration is set for requests with state migration.
+	Migration *MigrationReport `json:"migration,omitempty"`
 }
 
 // ReconfigReply lists the results, one per matching session this agent can
@@ -193,4 +233,7 @@ type MiddleboxRequest struct {
 	Match     string       `json:"match"` // tcpdump filter on the session tuple; empty matches all
 	With      []netip.Addr `json:"with,omitempty"`
 	TimeoutMS int          `json:"timeout_ms,omitempty"`
+	// Migrate moves this host's state of each session to the (single)
+	// replacement in With.
+	Migrate *MigrateSpec `json:"migrate,omitempty"`
 }

@@ -83,6 +83,9 @@ under --pin-dir. 'dysco agent --reset' removes it (every session on the host end
 	f.BoolVar(&reset, "reset", false, "remove the pinned datapath under --pin-dir and exit")
 	f.BoolVar(&debug, "debug", false, "debug logging")
 	f.IntVar(&cfg.ControlPort, "control-port", agent.DefaultControlPort, "UDP port of the reconfiguration protocol")
+	f.StringSliceVar(&cfg.StatePlugins, "state-plugins", []string{"conntrack", "api"}, "middlebox state this agent exports and imports for state migration (conntrack, api; empty: none)")
+	f.StringVar(&cfg.StateFailExport, "state-fail-export", "", "test aid: this state plug-in's exports fail")
+	f.StringVar(&cfg.StateFailImport, "state-fail-import", "", "test aid: this state plug-in's imports fail")
 	f.StringVar(&keyFile, "control-key-file", "", "file holding the deployment key that authenticates reconfiguration messages (hex, at least 16 bytes); without it reconfiguration is disabled")
 	return cmd
 }

@@ -50,6 +50,7 @@ func newReconfigCmd() *cobra.Command {
 		chain   []string
 		timeout time.Duration
 		asJSON  bool
+		mig     migFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "reconfig --match 'FILTER' --to RIGHT_ANCHOR [--chain HOP[,HOP...]] [--timeout 10s] [--json]",
@@ -88,7 +89,9 @@ the sessions passing through it, see "dysco middlebox".
   # delete every middlebox between this host and the server 10.0.9.1
   dysco reconfig --match 'tcp dst port 80 and dst host 10.0.9.1' --to 10.0.9.1
   # replace the middlebox before 10.0.3.2 by two others, waiting up to 30s
-  dysco reconfig --match tcp --to 10.0.3.2 --chain 10.0.2.6,10.0.2.7 --timeout 30s`,
+  dysco reconfig --match tcp --to 10.0.3.2 --chain 10.0.2.6,10.0.2.7 --timeout 30s
+  # replace the firewall before 10.0.3.2 by 10.0.2.6, moving its conntrack state
+  dysco reconfig --match tcp --to 10.0.3.2 --chain 10.0.2.6 --migrate-state --semantics substream`,
 		Args: noArgsUse("give the filter with --match 'FILTER'"),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if !cmd.Flags().Changed("match") {
@@ -124,6 +127,9 @@ the sessions passing through it, see "dysco middlebox".
 				return err
 			}
 			req := api.ReconfigRequest{Match: match, To: right, Chain: hops, TimeoutMS: tms}
+			if req.Migrate, err = mig.spec(cmd, len(hops), "--chain"); err != nil {
+				return err
+			}
 			rep, err := agentClient().Reconfig(cmd.Context(), req)
 			if err != nil {
 				return err
@@ -138,6 +144,7 @@ the sessions passing through it, see "dysco middlebox".
 	f.StringSliceVar(&chain, "chain", nil, "middleboxes of the new segment, in order: IP addresses, comma-separated; empty deletes every middlebox up to --to")
 	f.DurationVar(&timeout, "timeout", defaultReconfigTimeout, "how long the agent waits for the sessions' results")
 	f.BoolVar(&asJSON, "json", false, "print the agent's reply as JSON")
+	mig.flags(cmd)
 	cmd.AddCommand(newReconfigHistoryCmd())
 	return cmd
 }
@@ -213,7 +220,7 @@ ends are not affected.
   dysco middlebox remove --match 'tcp dst port 443' --timeout 30s`,
 		Args: noArgsUse("give the filter with --match 'FILTER'"),
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return runMiddlebox(cmd, match, nil, timeout, asJSON)
+			return runMiddlebox(cmd, match, nil, timeout, asJSON, nil)
 		},
 	}
 	addMiddleboxFlags(cmd, &match, &timeout, &asJSON)
@@ -226,6 +233,7 @@ func newMiddleboxReplaceCmd() *cobra.Command {
 		with    []string
 		timeout time.Duration
 		asJSON  bool
+		mig     migFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "replace --with HOP[,HOP...] [--match FILTER] [--timeout 10s] [--json]",
@@ -257,10 +265,15 @@ are not affected.
 					return fmt.Errorf("--with: %s and %s are of different address families", hops[0], h)
 				}
 			}
-			return runMiddlebox(cmd, match, hops, timeout, asJSON)
+			spec, err := mig.spec(cmd, len(hops), "--with")
+			if err != nil {
+				return err
+			}
+			return runMiddlebox(cmd, match, hops, timeout, asJSON, spec)
 		},
 	}
 	cmd.Flags().StringSliceVar(&with, "with", nil, "middleboxes to put in this host's place, in order: IP addresses, comma-separated (required)")
+	mig.flags(cmd)
 	addMiddleboxFlags(cmd, &match, &timeout, &asJSON)
 	return cmd
 }
@@ -272,7 +285,7 @@ func addMiddleboxFlags(cmd *cobra.Command, match *string, timeout *time.Duration
 	f.BoolVar(asJSON, "json", false, "print the agent's reply as JSON")
 }
 
-func runMiddlebox(cmd *cobra.Command, match string, with []netip.Addr, timeout time.Duration, asJSON bool) error {
+func runMiddlebox(cmd *cobra.Command, match string, with []netip.Addr, timeout time.Duration, asJSON bool, spec *api.MigrateSpec) error {
 	if err := checkMatch(match); err != nil {
 		return err
 	}
@@ -280,7 +293,7 @@ func runMiddlebox(cmd *cobra.Command, match string, with []netip.Addr, timeout t
 	if err != nil {
 		return err
 	}
-	rep, err := agentClient().Middlebox(cmd.Context(), api.MiddleboxRequest{Match: match, With: with, TimeoutMS: tms})
+	rep, err := agentClient().Middlebox(cmd.Context(), api.MiddleboxRequest{Match: match, With: with, TimeoutMS: tms, Migrate: spec})
 	if err != nil {
 		return err
 	}
@@ -289,6 +302,50 @@ func runMiddlebox(cmd *cobra.Command, match string, with []netip.Addr, timeout t
 		none = fmt.Sprintf("no live session passing through this host matches %q", match)
 	}
 	return reportResults(cmd.OutOrStdout(), rep, asJSON, none)
+}
+
+// migFlags are the state migration flags of reconfig and middlebox replace.
+type migFlags struct {
+	on        bool
+	semantics string
+	holdLimit int64
+	timeout   time.Duration
+}
+
+func (m *migFlags) flags(cmd *cobra.Command) {
+	f := cmd.Flags()
+	f.BoolVar(&m.on, "migrate-state", false, "move the replaced middlebox's per-session state (conntrack entries, state of middleboxes registered with the agent) to its replacement before the new path carries a packet; one middlebox replaced by one")
+	f.StringVar(&m.semantics, "semantics", "loss-free", "cut-over semantics with --migrate-state: loss-free, order or substream (docs/state-migration.md)")
+	f.Int64Var(&m.holdLimit, "hold-limit", 0, "bytes each anchor may hold during the cut-over with --migrate-state; reaching it cancels (default 8 MiB)")
+	f.DurationVar(&m.timeout, "migrate-timeout", 5*time.Second, "bound on freeze, drain, export and import with --migrate-state; exceeding it cancels")
+}
+
+// spec checks the flags and returns the request's migration part.
+func (m *migFlags) spec(cmd *cobra.Command, hops int, hopsFlag string) (*api.MigrateSpec, error) {
+	f := cmd.Flags()
+	if !m.on {
+		for _, n := range []string{"semantics", "hold-limit", "migrate-timeout"} {
+			if f.Changed(n) {
+				return nil, fmt.Errorf("--%s needs --migrate-state", n)
+			}
+		}
+		return nil, nil
+	}
+	if hops != 1 {
+		return nil, fmt.Errorf("--migrate-state replaces one middlebox by one: %s must name exactly one (it names %d)", hopsFlag, hops)
+	}
+	switch m.semantics {
+	case "loss-free", "order", "substream":
+	default:
+		return nil, fmt.Errorf("--semantics %q: want loss-free, order or substream", m.semantics)
+	}
+	if m.holdLimit < 0 {
+		return nil, fmt.Errorf("--hold-limit %d: must not be negative", m.holdLimit)
+	}
+	if m.timeout <= 0 || m.timeout > 5*time.Minute {
+		return nil, fmt.Errorf("--migrate-timeout %s: want more than 0 and at most 5m", m.timeout)
+	}
+	return &api.MigrateSpec{Semantics: m.semantics, HoldLimit: m.holdLimit, TimeoutMS: int(m.timeout.Milliseconds())}, nil
 }
 
 // noArgsUse refuses positional arguments with a hint: a filter given
@@ -416,7 +473,21 @@ func printResults(w io.Writer, rs []api.ReconfigResult) error {
 		}
 		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\n", r.ID, orDash(r.Session), orDash(r.Outcome), orDash(reason), formatMicros(r.Micros))
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	for _, r := range rs {
+		if m := r.Migration; m != nil && m.Error == "" {
+			fmt.Fprintf(w, "%d: state %s (%d B, %s) moved in %s: drain %s, export %s, import %s; held %d packets (%d B)",
+				r.ID, m.Semantics, m.StateBytes, orDash(strings.Join(m.Plugins, "+")), formatMicros(m.SwitchMicros),
+				formatMicros(m.DrainMicros), formatMicros(m.ExportMicros), formatMicros(m.ImportMicros), m.HeldPackets, m.HeldBytes)
+			if m.Note != "" {
+				fmt.Fprintf(w, "; %s", m.Note)
+			}
+			fmt.Fprintln(w)
+		}
+	}
+	return nil
 }
 
 // formatMicros writes a duration in microseconds as milliseconds: 12.3ms.

@@ -75,7 +75,9 @@ type env struct {
 type labOpts struct {
 	topology  lab.Topology
 	agentArgs []string
-	noAgents  bool
+	// hostArgs are added to agentArgs on the named hosts.
+	hostArgs map[string][]string
+	noAgents bool
 }
 
 // newLab builds a lab whose name is unique to this run; it is torn down when
@@ -87,7 +89,7 @@ func newLab(t *testing.T, o labOpts) *env {
 	if !o.noAgents {
 		cfg.AgentBinary = dyscoBin
 		args := append([]string{"--close-linger", "1s", "--half-open-timeout", "3s"}, o.agentArgs...)
-		cfg.AgentArgs = func(*lab.Host) []string { return args }
+		cfg.AgentArgs = func(h *lab.Host) []string { return append(append([]string(nil), args...), o.hostArgs[h.Name]...) }
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -367,10 +369,11 @@ func (e *env) txOff(hosts ...string) {
 
 // capture runs tcpdump on a host's interface until stop is called, and
 // returns the lines it printed.
-func (e *env) capture(host, iface, filter string) (stop func() []string) {
+func (e *env) capture(host, iface, filter string, extra ...string) (stop func() []string) {
 	e.t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	cmd := e.lab.Command(ctx, host, "tcpdump", "-l", "-n", "-i", iface, filter)
+	argv := append(append([]string{"tcpdump", "-l", "-n", "-i", iface}, extra...), filter)
+	cmd := e.lab.Command(ctx, host, argv...)
 	var out bytes.Buffer
 	var mu sync.Mutex
 	cmd.Stdout = writerFunc(func(p []byte) (int, error) { mu.Lock(); defer mu.Unlock(); return out.Write(p) })
