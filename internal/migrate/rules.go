@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"slices"
 	"strings"
+	"sync"
 )
 
 // A conntrack entry lets a session through a firewall only together with
@@ -46,8 +47,53 @@ func saveCommand(v4 bool) string {
 // errNoIptables: the host has no iptables-save; its rules are not recorded.
 var errNoIptables = errors.New("iptables-save not installed")
 
-// hostRules runs the save command and returns every rule, normalized.
+// ruleReads coalesces concurrent reads of the rules: a burst of exports
+// (a firewall replaced under a hundred sessions) runs the save command once
+// per family at a time instead of once per session. A caller that arrives
+// while a read runs shares it, so the rules it gets may be older than its
+// request by at most that read's duration (milliseconds). The caller that
+// starts a read runs it on its own thread: tests switch network namespaces
+// per thread.
+var ruleReads struct {
+	mu      sync.Mutex
+	running [2]*ruleRead // by family
+}
+
+type ruleRead struct {
+	done  chan struct{}
+	rules []fwRule
+	err   error
+}
+
+// hostRules returns every rule of the host, normalized.
 func hostRules(ctx context.Context, v4 bool) ([]fwRule, error) {
+	fam := 0
+	if v4 {
+		fam = 1
+	}
+	ruleReads.mu.Lock()
+	if r := ruleReads.running[fam]; r != nil {
+		ruleReads.mu.Unlock()
+		select {
+		case <-r.done:
+			return r.rules, r.err
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	r := &ruleRead{done: make(chan struct{})}
+	ruleReads.running[fam] = r
+	ruleReads.mu.Unlock()
+	r.rules, r.err = readRules(ctx, v4)
+	ruleReads.mu.Lock()
+	ruleReads.running[fam] = nil
+	ruleReads.mu.Unlock()
+	close(r.done)
+	return r.rules, r.err
+}
+
+// readRules runs the save command and returns every rule, normalized.
+func readRules(ctx context.Context, v4 bool) ([]fwRule, error) {
 	name := saveCommand(v4)
 	path, err := exec.LookPath(name)
 	if err != nil {
