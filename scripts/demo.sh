@@ -3,7 +3,9 @@
 # two unmodified middleboxes (an iptables firewall whose FORWARD policy is
 # DROP, and a tcpdump monitor on the session-view tap); a live download whose
 # middleboxes are deleted while it runs; an unmodified HAProxy that removes
-# itself from the session it relays (libdysco); then teardown.
+# itself from the session it relays (libdysco); then teardown; and last the
+# paper's proxy-removal experiment (`dysco lab run proxy-removal --quick`):
+# a hundred live sessions (--quick; --full: 600), goodput and the proxy's CPU, nothing lost.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=bin/dysco
@@ -114,3 +116,10 @@ done
 for h in client mb1 mb2 server; do printf '  %-6s %s\n' $h "$(on $h $D sessions)"; done
 
 say "Removing the lab"
+$D lab down --name "$LAB" >/dev/null
+
+say "The paper's Figures 12 and 13: bundles of live sessions through HAProxy (libdysco), the proxy removed one bundle at a time"
+echo "  dysco lab run proxy-removal --quick   (progress below; raw data, plots and report in out/experiments/proxy-removal)"
+$D lab run proxy-removal --quick --out out/experiments/proxy-removal > "$work/result.txt"
+say "Results"
+cat "$work/result.txt"

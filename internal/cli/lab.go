@@ -27,7 +27,7 @@ line (Fig. 1). Each host runs a Dysco agent unless --no-agents is given.
 Run programs in a host with 'dysco lab exec' or 'ip netns exec <lab>-<host>'.
 The lab stays up until 'dysco lab down'.`,
 	}
-	cmd.AddCommand(newLabUpCmd(), newLabDownCmd(), newLabStatusCmd(), newLabExecCmd())
+	cmd.AddCommand(newLabUpCmd(), newLabDownCmd(), newLabStatusCmd(), newLabExecCmd(), newLabRunCmd())
 	return cmd
 }
 

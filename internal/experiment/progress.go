@@ -1,4 +1,4 @@
-package main
+package experiment
 
 import (
 	"fmt"
@@ -12,6 +12,7 @@ import (
 // what is left of the current phase plus the phases still to come.
 type progress struct {
 	w     io.Writer
+	tag   string // starts every line
 	start time.Time
 
 	mu       sync.Mutex
@@ -26,7 +27,7 @@ type phase struct {
 }
 
 func newProgress(w io.Writer, plan []phase) *progress {
-	return &progress{w: w, start: time.Now(), plan: plan, cur: -1}
+	return &progress{w: w, tag: "bench", start: time.Now(), plan: plan, cur: -1}
 }
 
 // begin starts the named phase (phases may be skipped, never revisited).
@@ -71,8 +72,8 @@ func (p *progress) left() time.Duration {
 func (p *progress) logf(format string, args ...any) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	fmt.Fprintf(p.w, "bench [%s elapsed, ~%s left] %s\n",
-		fmtClock(time.Since(p.start)), fmtClock(p.left()), fmt.Sprintf(format, args...))
+	fmt.Fprintf(p.w, "%s [%s elapsed, ~%s left] %s\n",
+		p.tag, fmtClock(time.Since(p.start)), fmtClock(p.left()), fmt.Sprintf(format, args...))
 }
 
 func fmtClock(d time.Duration) string {

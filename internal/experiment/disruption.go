@@ -1,4 +1,4 @@
-package main
+package experiment
 
 // Benchmark "disruption": what a live reconfiguration does to one TCP
 // session (paper §5.3, Figure 14: goodput and congestion window of a session

@@ -1,4 +1,4 @@
-package main
+package experiment
 
 // Benchmark "reconfig": an unmodified HAProxy removed from live sessions
 // (paper §5.3, Figures 12 and 13). Its own lab, a star of client, proxy and
@@ -88,8 +88,11 @@ type reconfigLab struct {
 	cfg                   string
 	ln                    net.Listener
 	cur                   atomic.Pointer[flowSet] // where accepted connections go
-	haproxy               *lab.Proc
-	closed                sync.Once
+	// accept, if set, takes the server's connections instead of cur
+	// (the proxy-removal experiment).
+	accept  atomic.Pointer[func(net.Conn)]
+	haproxy *lab.Proc
+	closed  sync.Once
 }
 
 func reconfigPhaseName(o *Options) string {
@@ -197,7 +200,9 @@ func (rl *reconfigLab) serve() {
 		if err != nil {
 			return
 		}
-		if fs := rl.cur.Load(); fs != nil {
+		if h := rl.accept.Load(); h != nil {
+			(*h)(c)
+		} else if fs := rl.cur.Load(); fs != nil {
 			fs.add(c, false)
 		} else {
 			c.Close()

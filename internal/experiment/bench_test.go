@@ -1,4 +1,4 @@
-package main
+package experiment
 
 import (
 	"context"
@@ -87,7 +87,7 @@ func TestUpdateMarkdown(t *testing.T) {
 }
 
 func TestPlan(t *testing.T) {
-	o, err := parseFlags([]string{"--quick"})
+	o, err := ParseFlags([]string{"--quick"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -101,7 +101,7 @@ func TestPlan(t *testing.T) {
 			t.Errorf("plan %q lacks %q", got, want)
 		}
 	}
-	o, _ = parseFlags([]string{"--only", "memory"})
+	o, _ = ParseFlags([]string{"--only", "memory"})
 	for _, p := range plan(o) {
 		if p.nmb == 4 {
 			t.Errorf("--only memory plans %q", p.name)
@@ -110,13 +110,13 @@ func TestPlan(t *testing.T) {
 	if o.Markdown != "" {
 		t.Errorf("a partial run writes %s by default", o.Markdown)
 	}
-	if o, _ := parseFlags(nil); o.Markdown != "BENCHMARKS.md" || o.mode() != "full" {
+	if o, _ := ParseFlags(nil); o.Markdown != "BENCHMARKS.md" || o.mode() != "full" {
 		t.Errorf("a full run writes %q (mode %s)", o.Markdown, o.mode())
 	}
-	if o, _ := parseFlags([]string{"--agent-arg=--tap="}); o.Markdown != "" || o.mode() != "partial" {
+	if o, _ := ParseFlags([]string{"--agent-arg=--tap="}); o.Markdown != "" || o.mode() != "partial" {
 		t.Errorf("a run with agent arguments writes %q (mode %s)", o.Markdown, o.mode())
 	}
-	o, _ = parseFlags([]string{"--only", "reconfig"})
+	o, _ = ParseFlags([]string{"--only", "reconfig"})
 	names = nil
 	for _, p := range plan(o) {
 		names = append(names, p.name)
@@ -127,10 +127,10 @@ func TestPlan(t *testing.T) {
 	if o.Markdown != "" || o.ReconfigWindow != 5*time.Second || o.ReconfigReps != 3 || o.ReconfigSessions != 600 {
 		t.Errorf("--only reconfig: markdown %q, window %v, %d repetitions of %d sessions", o.Markdown, o.ReconfigWindow, o.ReconfigReps, o.ReconfigSessions)
 	}
-	if o, _ := parseFlags([]string{"--quick", "--only", "reconfig"}); o.ReconfigReps != 1 || o.ReconfigSessions != 60 || o.ReconfigWindow != 2*time.Second {
+	if o, _ := ParseFlags([]string{"--quick", "--only", "reconfig"}); o.ReconfigReps != 1 || o.ReconfigSessions != 60 || o.ReconfigWindow != 2*time.Second {
 		t.Errorf("--quick --only reconfig: %d repetitions of %d sessions, window %v", o.ReconfigReps, o.ReconfigSessions, o.ReconfigWindow)
 	}
-	o, _ = parseFlags([]string{"--only", "disruption"})
+	o, _ = ParseFlags([]string{"--only", "disruption"})
 	names = nil
 	for _, p := range plan(o) {
 		names = append(names, p.name)
@@ -141,13 +141,13 @@ func TestPlan(t *testing.T) {
 	if o.Markdown != "" || o.DisruptionTime != 8*time.Second || disruptionAt(o) != 3*time.Second {
 		t.Errorf("--only disruption: markdown %q, session of %v, reconfiguration at %v", o.Markdown, o.DisruptionTime, disruptionAt(o))
 	}
-	if o, _ := parseFlags([]string{"--quick", "--only", "disruption"}); o.DisruptionTime != 4*time.Second || disruptionAt(o) != 1500*time.Millisecond {
+	if o, _ := ParseFlags([]string{"--quick", "--only", "disruption"}); o.DisruptionTime != 4*time.Second || disruptionAt(o) != 1500*time.Millisecond {
 		t.Errorf("--quick --only disruption: session of %v, reconfiguration at %v", o.DisruptionTime, disruptionAt(o))
 	}
-	if _, err := parseFlags([]string{"--only", "disruption", "--disruption-time", "2s"}); err == nil {
+	if _, err := ParseFlags([]string{"--only", "disruption", "--disruption-time", "2s"}); err == nil {
 		t.Error("--disruption-time 2s accepted")
 	}
-	if _, err := parseFlags([]string{"--only", "nonsense"}); err == nil {
+	if _, err := ParseFlags([]string{"--only", "nonsense"}); err == nil {
 		t.Error("unknown benchmark accepted")
 	}
 }
@@ -169,15 +169,15 @@ func TestQuick(t *testing.T) {
 	}
 	dir := t.TempDir()
 	bin := filepath.Join(dir, "dysco")
-	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/dysco").CombinedOutput(); err != nil {
+	if out, err := exec.Command("go", "build", "-o", bin, "../../cmd/dysco").CombinedOutput(); err != nil {
 		t.Fatalf("building dysco: %v\n%s", err, out)
 	}
 	// libdysco, preloaded into HAProxy by the reconfig benchmark.
-	if out, err := exec.Command("make", "-s", "-C", "..", "lib/libdysco.so").CombinedOutput(); err != nil {
+	if out, err := exec.Command("make", "-s", "-C", "../..", "lib/libdysco.so").CombinedOutput(); err != nil {
 		t.Fatalf("building libdysco: %v\n%s", err, out)
 	}
-	lib, _ := filepath.Abs("../lib/libdysco.so")
-	o, err := parseFlags([]string{"--quick", "--dysco", bin, "--libdysco", lib, "--out", filepath.Join(dir, "out")})
+	lib, _ := filepath.Abs("../../lib/libdysco.so")
+	o, err := ParseFlags([]string{"--quick", "--dysco", bin, "--libdysco", lib, "--out", filepath.Join(dir, "out")})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -188,7 +188,7 @@ func TestQuick(t *testing.T) {
 	if rep == nil {
 		t.Fatalf("Run: %v\n%s", err, log.String())
 	}
-	if werr := writeOutputs(o, rep, &log); werr != nil {
+	if werr := WriteOutputs(o, rep, &log); werr != nil {
 		t.Error(werr)
 	}
 	if err != nil {

@@ -1,4 +1,4 @@
-package main
+package experiment
 
 import (
 	"bytes"
@@ -22,7 +22,7 @@ type Report struct {
 	RunID    string    `json:"run_id"`
 	Started  time.Time `json:"started"`
 	Finished time.Time `json:"finished"`
-	Env      Env       `json:"env"`
+	Env      EnvInfo   `json:"env"`
 	Options  *Options  `json:"options"`
 	Figures  []*Figure `json:"figures"`
 	// Errors are the benchmarks that could not run, with why.
@@ -31,8 +31,8 @@ type Report struct {
 	Details map[string]any `json:"details"`
 }
 
-// Env describes the machine.
-type Env struct {
+// EnvInfo describes the machine.
+type EnvInfo struct {
 	Kernel   string `json:"kernel"`
 	Nproc    int    `json:"nproc"`
 	CPU      string `json:"cpu"`
@@ -109,8 +109,8 @@ func (r *Report) fail(bench string, err error) {
 	r.Errors = append(r.Errors, fmt.Sprintf("%s: %v", bench, err))
 }
 
-func environment() Env {
-	var e Env
+func environment() EnvInfo {
+	var e EnvInfo
 	var u unix.Utsname
 	if unix.Uname(&u) == nil {
 		e.Kernel = unix.ByteSliceToString(u.Release[:])
@@ -149,8 +149,8 @@ func environment() Env {
 	return e
 }
 
-// writeOutputs writes the raw JSON and, if asked, the Markdown results.
-func writeOutputs(o *Options, r *Report, log io.Writer) error {
+// WriteOutputs writes the raw JSON and, if asked, the Markdown results.
+func WriteOutputs(o *Options, r *Report, log io.Writer) error {
 	if r.Finished.IsZero() {
 		r.Finished = time.Now().UTC()
 	}

@@ -1,0 +1,214 @@
+package experiment
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// testBinaries builds dysco and libdysco once for the package's lab tests.
+var testBinaries = sync.OnceValues(func() ([2]string, error) {
+	dir, err := os.MkdirTemp("", "dysco-experiment-test-")
+	if err != nil {
+		return [2]string{}, err
+	}
+	bin := filepath.Join(dir, "dysco")
+	if out, err := exec.Command("go", "build", "-o", bin, "../../cmd/dysco").CombinedOutput(); err != nil {
+		return [2]string{}, &buildError{"dysco", err, out}
+	}
+	if out, err := exec.Command("make", "-s", "-C", "../..", "lib/libdysco.so").CombinedOutput(); err != nil {
+		return [2]string{}, &buildError{"libdysco", err, out}
+	}
+	lib, _ := filepath.Abs("../../lib/libdysco.so")
+	return [2]string{bin, lib}, nil
+})
+
+type buildError struct {
+	what string
+	err  error
+	out  []byte
+}
+
+func (e *buildError) Error() string {
+	return "building " + e.what + ": " + e.err.Error() + "\n" + string(e.out)
+}
+
+func needLab(t *testing.T, tools ...string) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (network namespaces, eBPF)")
+	}
+	for _, tool := range tools {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("%s is not installed (scripts/deps.sh installs it)", tool)
+		}
+	}
+}
+
+// TestRegistry checks that every experiment the issue names is registered
+// with phases for every size.
+func TestRegistry(t *testing.T) {
+	for _, n := range []string{"setup-latency", "goodput", "nginx", "proxy-removal", "disruption"} {
+		e, err := Lookup(n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, s := range []Size{Tiny, Quick, Full} {
+			if len(e.Phases(s)) == 0 {
+				t.Errorf("%s: no phases for %s", n, s)
+			}
+		}
+	}
+	if _, err := Lookup("nonsense"); err == nil || !strings.Contains(err.Error(), "proxy-removal") {
+		t.Errorf("Lookup of an unknown name: %v", err)
+	}
+}
+
+// TestExperimentsTiny runs every experiment in its tiny size with real
+// labs, agents and programs, and checks that each writes its files and
+// that its figures are plausible.
+func TestExperimentsTiny(t *testing.T) {
+	needLab(t, "iperf3", "wrk", "nginx", "ethtool", "haproxy", "sysctl")
+	bins, err := testBinaries()
+	if err != nil {
+		t.Fatal(err)
+	}
+	checks := map[string]func(t *testing.T, r *Result){
+		"setup-latency": func(t *testing.T, r *Result) {
+			all := r.Data.([]*connectResult)
+			if len(all) != 4 {
+				t.Fatalf("%d settings, want 4", len(all))
+			}
+			for _, c := range all {
+				if len(c.Dysco) < setupConnects(Tiny)-5 || len(c.Baseline) < setupConnects(Tiny)-5 {
+					t.Errorf("%d mb, offload %v: %d/%d samples", c.Middleboxes, c.TxOffload, len(c.Dysco), len(c.Baseline))
+				}
+				for _, m := range []float64{median(c.Dysco), median(c.Baseline)} {
+					if !(m > 0 && m < 10_000) {
+						t.Errorf("%d mb: median connect() %v µs", c.Middleboxes, m)
+					}
+				}
+			}
+			// Through 4 middleboxes Dysco's set-up work is several
+			// times the baseline's round trip.
+			if c := all[2]; median(c.Dysco) <= median(c.Baseline) {
+				t.Errorf("4 mb: Dysco %v µs not above baseline %v µs", median(c.Dysco), median(c.Baseline))
+			}
+		},
+		"goodput": func(t *testing.T, r *Result) {
+			pts := *r.Data.(*[]*goodputPoint)
+			if len(pts) != len(goodputSizes(Tiny).counts) {
+				t.Fatalf("%d points", len(pts))
+			}
+			for _, p := range pts {
+				for _, s := range p.Samples {
+					if !(s.Value > 0.01 && s.Value < 1000) {
+						t.Errorf("%d sessions, %s: %v Gbit/s", p.Sessions, s.Variant, s.Value)
+					}
+				}
+			}
+		},
+		"nginx": func(t *testing.T, r *Result) {
+			d := r.Data.(map[string][]sample)
+			for _, k := range []string{"1mb", "4mb"} {
+				if len(d[k]) != 2 {
+					t.Errorf("%s: %d samples", k, len(d[k]))
+				}
+				for _, s := range d[k] {
+					if s.Value < 100 {
+						t.Errorf("%s %s: %v req/s", k, s.Variant, s.Value)
+					}
+				}
+			}
+		},
+		"proxy-removal": func(t *testing.T, r *Result) {
+			d := r.Data.(*prData)
+			n := d.Size.Bundles * d.Size.PerBundle
+			if d.Removal.Succeeded != n || d.Direct != n {
+				t.Errorf("%d removals succeeded, %d sessions direct, of %d", d.Removal.Succeeded, d.Direct, n)
+			}
+			if len(d.Lost) > 0 || d.BytesUp == 0 || d.BytesDown == 0 {
+				t.Errorf("lost %v; %d bytes up, %d down", d.Lost, d.BytesUp, d.BytesDown)
+			}
+			if !(d.AfterGbps > d.BeforeGbps) {
+				t.Errorf("goodput after the removals %v Gbit/s, not above %v before", d.AfterGbps, d.BeforeGbps)
+			}
+			if !(d.CPUAfter < d.CPUBefore/2) {
+				t.Errorf("HAProxy's CPU %v %% after the removals, %v %% before", d.CPUAfter, d.CPUBefore)
+			}
+			if len(d.Triggers) != d.Size.Bundles {
+				t.Errorf("%d bundles triggered of %d", len(d.Triggers), d.Size.Bundles)
+			}
+		},
+		"disruption": func(t *testing.T, r *Result) {
+			d := r.Data.(*disruptionDetails)
+			if len(d.Runs) != 2 {
+				t.Fatalf("%d runs", len(d.Runs))
+			}
+			for _, x := range d.Runs {
+				if len(x.Samples) < 40 || x.Summary == nil || !(x.Summary.AfterGbps > 0) {
+					t.Errorf("SACK %v: %d samples, summary %+v", x.SACK, len(x.Samples), x.Summary)
+				}
+			}
+		},
+	}
+	for _, name := range Names() {
+		check := checks[name]
+		if check == nil {
+			continue // an experiment with its own test
+		}
+		t.Run(name, func(t *testing.T) {
+			out := t.TempDir()
+			var log bytes.Buffer
+			ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+			defer cancel()
+			t0 := time.Now()
+			res, err := RunExperiment(ctx, name, Config{Dysco: bins[0], Libdysco: bins[1], Size: Tiny, OutDir: out, Log: &log, Command: "test"})
+			t.Logf("%s: %v", name, time.Since(t0).Round(time.Second))
+			if err != nil {
+				t.Fatalf("%v\n%s", err, log.String())
+			}
+			if !strings.Contains(log.String(), "left]") {
+				t.Error("no progress lines")
+			}
+			for _, f := range append([]string{"report.md", "data.json"}, res.Files...) {
+				if st, err := os.Stat(filepath.Join(out, f)); err != nil || st.Size() == 0 {
+					t.Errorf("file %s: %v", f, err)
+				}
+			}
+			if len(res.Plots) == 0 || len(res.Comparisons) == 0 || len(res.Headline) < 3 {
+				t.Errorf("%d plots, %d comparisons, %d headline lines", len(res.Plots), len(res.Comparisons), len(res.Headline))
+			}
+			for _, p := range res.Plots {
+				b, err := os.ReadFile(filepath.Join(out, p.File))
+				if err != nil || !bytes.HasPrefix(b, []byte("\x89PNG")) || len(b) < 5000 {
+					t.Errorf("plot %s: not a PNG with content (%d bytes, %v)", p.File, len(b), err)
+				}
+			}
+			md, _ := os.ReadFile(filepath.Join(out, "report.md"))
+			for _, want := range []string{"## Set-up", "## Our figures and the paper's", "## Plots", res.Paper} {
+				if !bytes.Contains(md, []byte(want)) {
+					t.Errorf("report.md lacks %q", want)
+				}
+			}
+			var back map[string]any
+			if b, err := os.ReadFile(filepath.Join(out, "data.json")); err != nil || json.Unmarshal(b, &back) != nil {
+				t.Errorf("data.json does not read back: %v", err)
+			}
+			check(t, res)
+			out2, _ := exec.Command("ip", "netns", "list").Output()
+			for _, l := range strings.Split(string(out2), "\n") {
+				if strings.HasPrefix(l, "x") && len(l) > 5 && strings.Contains(l, "-") && strings.Contains(log.String(), "labs "+l[:5]) {
+					t.Errorf("lab namespace left over: %s", l)
+				}
+			}
+		})
+	}
+}

@@ -1,0 +1,144 @@
+package experiment
+
+// Byte streams whose every byte is checked: the sender writes a known
+// pattern, the receiver compares what it reads with it. At the end the
+// sender half-closes and the receiver reads to EOF, so that "nothing lost"
+// is a byte count and a byte-by-byte comparison, not an assumption.
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// patLen is the period of the pattern: not a power of two, so that writes
+// and reads do not line up with it.
+const patLen = 65521
+
+// pattern2 is the pattern twice, so that any window of up to patLen bytes
+// starting at an offset mod patLen is one slice.
+var pattern2 = func() []byte {
+	r := rand.New(rand.NewPCG(1, 2))
+	b := make([]byte, 2*patLen)
+	for i := range patLen {
+		b[i] = byte(r.Uint32())
+	}
+	copy(b[patLen:], b[:patLen])
+	return b
+}()
+
+// end is one socket of a session, with what it sent and received.
+type end struct {
+	c      *net.TCPConn
+	tx, rx atomic.Int64
+	eof    atomic.Bool  // the peer's FIN arrived
+	bad    atomic.Int64 // offset+1 of the first byte that differed
+	err    atomic.Pointer[error]
+}
+
+func newEnd(c net.Conn) *end { return &end{c: c.(*net.TCPConn)} }
+
+func (e *end) fail(err error) { e.err.CompareAndSwap(nil, &err) }
+
+// Err is the first error of the end's reader or writer.
+func (e *end) Err() error {
+	if p := e.err.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// send writes the pattern until stop, as fast as TCP lets (rate 0) or at
+// rate bytes a second in 100 ms steps, then half-closes (FIN).
+func (e *end) send(stop *atomic.Bool, rate int64) {
+	const tick = 100 * time.Millisecond
+	chunk := 60000 // at most patLen
+	if rate > 0 {
+		chunk = max(int(rate*int64(tick)/int64(time.Second)), 1)
+	}
+	next := time.Now()
+	for !stop.Load() {
+		if rate > 0 {
+			if d := time.Until(next); d > 0 {
+				time.Sleep(min(d, tick))
+				continue
+			}
+			next = next.Add(tick)
+		}
+		off := int(e.tx.Load() % patLen)
+		n, err := e.c.Write(pattern2[off : off+chunk])
+		e.tx.Add(int64(n))
+		if err != nil {
+			e.fail(fmt.Errorf("write after %d bytes: %w", e.tx.Load(), err))
+			return
+		}
+	}
+	if err := e.c.CloseWrite(); err != nil {
+		e.fail(fmt.Errorf("half-close: %w", err))
+	}
+}
+
+// recv reads to EOF, checking every byte against the pattern.
+func (e *end) recv() {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := e.c.Read(buf)
+		if n > 0 {
+			off := int(e.rx.Load() % patLen)
+			if e.bad.Load() == 0 && !bytes.Equal(buf[:n], pattern2[off:off+n]) {
+				i := 0
+				for i < n && buf[i] == pattern2[off+i] {
+					i++
+				}
+				e.bad.Store(e.rx.Load() + int64(i) + 1)
+			}
+			e.rx.Add(int64(n))
+		}
+		if errors.Is(err, io.EOF) {
+			e.eof.Store(true)
+			return
+		}
+		if err != nil {
+			e.fail(fmt.Errorf("read after %d bytes: %w", e.rx.Load(), err))
+			return
+		}
+	}
+}
+
+// abort closes the socket with an RST (no TIME_WAIT left behind).
+func (e *end) abort() {
+	e.c.SetLinger(0)
+	e.c.Close()
+}
+
+// lossCheck compares what a sender sent with what its receiver got, once
+// the receiver has seen EOF; it returns "" if every byte arrived intact.
+func lossCheck(what string, snd, rcv *end) string {
+	switch {
+	case !rcv.eof.Load():
+		return fmt.Sprintf("%s: no EOF after %d of %d bytes (%v)", what, rcv.rx.Load(), snd.tx.Load(), errors.Join(rcv.Err(), snd.Err()))
+	case rcv.rx.Load() != snd.tx.Load():
+		return fmt.Sprintf("%s: %d bytes sent, %d received", what, snd.tx.Load(), rcv.rx.Load())
+	case rcv.bad.Load() != 0:
+		return fmt.Sprintf("%s: byte %d differs from what was sent", what, rcv.bad.Load()-1)
+	}
+	return ""
+}
+
+// waitAll waits for wg up to d; it tells whether it returned in time.
+func waitAll(wg *sync.WaitGroup, d time.Duration) bool {
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+		return true
+	case <-time.After(d):
+		return false
+	}
+}
