@@ -449,9 +449,17 @@ func setAttrs(e *ctEntry, status uint32) attrs {
 		a = a.add(ctaLabelsMask, mask)
 	}
 	if e.TCP != nil {
+		// BE_LIBERAL on both directions, as conntrackd does for the
+		// entries it injects ("TCPWindowTracking Off"): ctnetlink cannot
+		// carry the window edges, and the tracker's mid-stream pick-up
+		// takes the receiver's window from the first packet it sees, so
+		// a burst of data in flight at the switch (held packets released
+		// at once) falls outside it and would be dropped as INVALID. The
+		// entry still admits only this connection's tuples; its sequence
+		// numbers are no longer checked against the windows.
 		t := attrs(nil).u8(ctaTCPState, e.TCP.State).
-			add(ctaTCPFlagsO, []byte{e.TCP.FlagsOrig & tcpFlagsCarried, 0xff}).
-			add(ctaTCPFlagsR, []byte{e.TCP.FlagsReply & tcpFlagsCarried, 0xff}).
+			add(ctaTCPFlagsO, []byte{e.TCP.FlagsOrig&tcpFlagsCarried | tcpFlagBeLiberal, 0xff}).
+			add(ctaTCPFlagsR, []byte{e.TCP.FlagsReply&tcpFlagsCarried | tcpFlagBeLiberal, 0xff}).
 			u8(ctaTCPWscaleO, e.TCP.WscaleOrig).
 			u8(ctaTCPWscaleR, e.TCP.WscaleReply)
 		a = a.nest(ctaProtoinfo, attrs(nil).nest(ctaProtoinfoTCP, t))
