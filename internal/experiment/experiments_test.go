@@ -55,7 +55,7 @@ func needLab(t *testing.T, tools ...string) {
 // TestRegistry checks that every experiment the issue names is registered
 // with phases for every size.
 func TestRegistry(t *testing.T) {
-	for _, n := range []string{"setup-latency", "goodput", "nginx", "proxy-removal", "disruption"} {
+	for _, n := range []string{"setup-latency", "goodput", "nginx", "proxy-removal", "disruption", "firewall-migration"} {
 		e, err := Lookup(n)
 		if err != nil {
 			t.Fatal(err)
@@ -145,6 +145,23 @@ func TestExperimentsTiny(t *testing.T) {
 			}
 			if len(d.Triggers) != d.Size.Bundles {
 				t.Errorf("%d bundles triggered of %d", len(d.Triggers), d.Size.Bundles)
+			}
+		},
+		"firewall-migration": func(t *testing.T, r *Result) {
+			d := r.Data.(*fwData)
+			if len(d.Moves) != len(fwSemantics) {
+				t.Fatalf("%d moves, want %d", len(d.Moves), len(fwSemantics))
+			}
+			for _, mv := range d.Moves {
+				if mv.Succeeded != d.Size.PerBundle || !(mv.SwitchP50 > 0) {
+					t.Errorf("%s: %d of %d moved, switch p50 %v ms (%v)", mv.Semantics, mv.Succeeded, d.Size.PerBundle, mv.SwitchP50, mv.Reasons)
+				}
+			}
+			if d.Mb2Drops != 0 || len(d.Lost) > 0 || d.BytesUp == 0 || d.BytesDown == 0 {
+				t.Errorf("mb2 dropped %d; lost %v; %d bytes up, %d down", d.Mb2Drops, d.Lost, d.BytesUp, d.BytesDown)
+			}
+			if d.Mb1After != 0 {
+				t.Errorf("%d sessions still on mb1 after every bundle moved", d.Mb1After)
 			}
 		},
 		"disruption": func(t *testing.T, r *Result) {
