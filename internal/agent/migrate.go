@@ -7,7 +7,7 @@ package agent
 // gated (protocol.Reconfigure.Gate): once the new path answered, and before
 // anything uses it,
 //
-//  1. freeze: each anchor holds, in its datapath, the packets it would send
+//  1. freeze (order, substream): each anchor holds, in its datapath, the packets it would send
 //     on the old path (FlHoldData: those carrying new data; FlHoldAll:
 //     every packet), so that the old instance's state stops changing
 //     (the right anchor does so on the left anchor's "freeze" request);
@@ -27,9 +27,12 @@ package agent
 //
 // Semantics (M2M §5, our reading for a session protocol; docs/protocol.md):
 //
-//   - loss-free: hold new data; export at once. No packet reaches the new
-//     instance before its state, none is lost; the old instance may still
-//     see acknowledgments and retransmissions after the export.
+//   - loss-free (M2M §5.1, make before break): hold nothing; export and
+//     import while the old path carries the session, then switch. No
+//     packet reaches the new instance before its state, none is lost; the
+//     old instance's state may change after the export (packets it
+//     processes until the switch, and after it retransmissions and
+//     acknowledgments of bytes it carried), which the copy does not have.
 //   - order: hold every packet; wait until everything each anchor sent on
 //     the old path before the freeze has reached the other anchor (so it
 //     crossed the old instance), bounded by the drain timeout; then export.
@@ -452,6 +455,13 @@ func (c *control) onNewPathReady(v6 bool, x protocol.NewPathReady) {
 		fail(errors.New("the session's two-path record is missing"))
 		return
 	}
+	m.rep.FreezeMicros = time.Since(m.start).Microseconds()
+	if m.opts.Semantics == SemLossFree {
+		// Loss-free (M2M §5.1): make before break, nothing held; the
+		// state moves while the old path carries the session.
+		go c.runMigration(m, marks{}, datapath.Tuple{})
+		return
+	}
 	h, err := c.holds.start(m.id, datapath.Tuple(tp.EgKey), m.opts.holdFlags(), m.opts.HoldLimit, func() {
 		c.post(func() {
 			c.migrationDone(m, fmt.Errorf("hold buffer full at the left anchor (over %d bytes)", m.opts.HoldLimit))
@@ -462,7 +472,6 @@ func (c *control) onNewPathReady(v6 bool, x protocol.NewPathReady) {
 		return
 	}
 	m.hold = h
-	m.rep.FreezeMicros = time.Since(m.start).Microseconds()
 	own := c.flowMarks(datapath.Tuple(tp.EgKey))
 	inOld := datapath.Tuple(tp.InOld)
 	go c.runMigration(m, own, inOld)
@@ -521,9 +530,10 @@ func (c *control) runMigration(m *migration, own marks, inOld datapath.Tuple) {
 	c.post(func() { c.migrationDone(m, err) })
 }
 
-func (c *control) migrateSteps(ctx context.Context, m *migration, own marks, inOld datapath.Tuple) error {
+// freezeAndDrain has the right anchor hold its packets too and waits for
+// the old path to drain as the semantics says.
+func (c *control) freezeAndDrain(ctx context.Context, m *migration, own marks, inOld datapath.Tuple) error {
 	x := m.ready
-	t0 := time.Now()
 	// 1. The right anchor freezes too (and, for the semantics that need
 	// it, waits until its side of the old path drained).
 	ans, err := c.migCall(ctx, x.RightAnchor, migMsg{Op: "freeze", ReqLeft: x.Req.LeftAnchor, ReqID: x.Req.ID,
@@ -552,14 +562,25 @@ func (c *control) migrateSteps(ctx context.Context, m *migration, own marks, inO
 			m.rep.Note = joinNote(m.rep.Note, "left anchor: drain timeout: a packet sent before the freeze did not arrive (lost or late)")
 		}
 	}
-	m.rep.DrainMicros = time.Since(t0).Microseconds()
+	return nil
+}
+
+func (c *control) migrateSteps(ctx context.Context, m *migration, own marks, inOld datapath.Tuple) error {
+	x := m.ready
+	if m.opts.Semantics != SemLossFree {
+		t0 := time.Now()
+		if err := c.freezeAndDrain(ctx, m, own, inOld); err != nil {
+			return err
+		}
+		m.rep.DrainMicros = time.Since(t0).Microseconds()
+	}
 	if m.ended.Load() {
 		return errors.New("aborted")
 	}
 	// 3. Export at the old middlebox.
 	t1 := time.Now()
 	oldSub := x.OldSub
-	ans, err = c.migCall(ctx, x.OldPeer, migMsg{Op: "export", Sub: &oldSub, RightAnchor: x.RightAnchor})
+	ans, err := c.migCall(ctx, x.OldPeer, migMsg{Op: "export", Sub: &oldSub, RightAnchor: x.RightAnchor})
 	if err != nil {
 		return fmt.Errorf("export at %s: %w", x.OldPeer, err)
 	}
@@ -880,8 +901,16 @@ func (c *control) onImport(from netip.Addr, m migMsg, answer, answerLater func(m
 			answerLater(migMsg{Err: err.Error()})
 			return
 		}
-		// If this new path is abandoned, the state goes with it.
-		c.post(func() { c.exported[id] = t })
+		// If this new path is abandoned, the state goes with it; if it
+		// was abandoned while the import ran, at once.
+		c.post(func() {
+			if _, ok := c.a.dp.Session(id); ok && c.pidOf[id] != 0 {
+				c.exported[id] = t
+				return
+			}
+			c.exported[id] = t
+			c.releaseExported(id)
+		})
 		answerLater(migMsg{})
 	}()
 }

@@ -16,19 +16,28 @@ import (
 func (e *env) iperf(client string, dst netip.Addr, port int, seconds int) (fwd, rev float64) {
 	e.t.Helper()
 	get := func(args ...string) float64 {
-		out := e.run(client, append([]string{"iperf3", "-J", "-c", dst.String(), "-p", fmt.Sprint(port), "-t", fmt.Sprint(seconds)}, args...)...)
-		var r struct {
-			End struct {
-				SumReceived struct {
-					Bytes float64 `json:"bytes"`
-				} `json:"sum_received"`
-			} `json:"end"`
-			Error string `json:"error"`
+		for try := 1; ; try++ {
+			out := e.run(client, append([]string{"iperf3", "-J", "-c", dst.String(), "-p", fmt.Sprint(port), "-t", fmt.Sprint(seconds)}, args...)...)
+			var r struct {
+				End struct {
+					SumReceived struct {
+						Bytes float64 `json:"bytes"`
+					} `json:"sum_received"`
+				} `json:"end"`
+				Error string `json:"error"`
+			}
+			err := json.Unmarshal([]byte(out), &r)
+			// The server says it is still finishing the previous test:
+			// its not-ready signal; ask again.
+			if err == nil && strings.Contains(r.Error, "server is busy") && try < 50 {
+				time.Sleep(100 * time.Millisecond)
+				continue
+			}
+			if err != nil || r.Error != "" {
+				e.t.Fatalf("iperf3 %v: %v %s", args, err, r.Error)
+			}
+			return r.End.SumReceived.Bytes
 		}
-		if err := json.Unmarshal([]byte(out), &r); err != nil || r.Error != "" {
-			e.t.Fatalf("iperf3 %v: %v %s", args, err, r.Error)
-		}
-		return r.End.SumReceived.Bytes
 	}
 	return get(), get("-R")
 }
