@@ -48,8 +48,6 @@ package agent
 
 import (
 	"context"
-	"crypto/hmac"
-	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -82,7 +80,6 @@ const (
 	migVersion          = 1
 	migRequest          = 1
 	migAnswer           = 2
-	migMACLen           = 16
 	migMaxAge           = 30 * time.Second
 )
 
@@ -164,38 +161,14 @@ type marks struct {
 
 func isMig(b []byte) bool { return len(b) >= 6 && string(b[:4]) == migMagic }
 
-var errMigMAC = errors.New("migration message MAC mismatch")
-
 func encodeMig(key []byte, kind byte, m migMsg) ([]byte, error) {
-	body, err := json.Marshal(m)
-	if err != nil {
-		return nil, err
-	}
-	b := append([]byte(migMagic), migVersion, kind)
-	b = append(b, body...)
-	h := hmac.New(sha256.New, key)
-	h.Write(b)
-	return append(b, h.Sum(nil)[:migMACLen]...), nil
+	return sealJSON(key, migMagic, migVersion, kind, m)
 }
 
 func decodeMig(key, b []byte) (byte, migMsg, error) {
 	var m migMsg
-	if len(b) < 6+migMACLen {
-		return 0, m, errors.New("migration message too short")
-	}
-	if b[4] != migVersion {
-		return 0, m, fmt.Errorf("migration message version %d", b[4])
-	}
-	body, tag := b[:len(b)-migMACLen], b[len(b)-migMACLen:]
-	h := hmac.New(sha256.New, key)
-	h.Write(body)
-	if !hmac.Equal(h.Sum(nil)[:migMACLen], tag) {
-		return 0, m, errMigMAC
-	}
-	if err := json.Unmarshal(body[6:], &m); err != nil {
-		return 0, m, fmt.Errorf("migration message body: %v", err)
-	}
-	return b[5], m, nil
+	kind, err := openJSON(key, b, migVersion, &m)
+	return kind, m, err
 }
 
 // setupMigration gives the control machinery its state plug-ins and its
@@ -664,7 +637,7 @@ func (c *control) onMig(from netip.Addr, data []byte) {
 	kind, m, err := decodeMig(c.key, data)
 	if err != nil {
 		reason := "migration_malformed"
-		if errors.Is(err, errMigMAC) {
+		if errors.Is(err, errSealMAC) {
 			reason = "migration_bad_mac"
 		}
 		c.countReject(reason)

@@ -31,7 +31,6 @@ const (
 	triggerVersion = 1
 	triggerRequest = 1
 	triggerResult  = 2
-	triggerMACLen  = 16
 	triggerMaxAge  = 30 * time.Second
 )
 
@@ -69,35 +68,56 @@ var errTriggerMAC = errors.New("trigger MAC mismatch")
 func isTrigger(b []byte) bool { return len(b) >= 6 && string(b[:4]) == triggerMagic }
 
 func encodeTrigger(key []byte, kind byte, m triggerMsg) ([]byte, error) {
-	body, err := json.Marshal(m)
-	if err != nil {
-		return nil, err
-	}
-	b := append([]byte(triggerMagic), triggerVersion, kind)
-	b = append(b, body...)
-	h := hmac.New(sha256.New, key)
-	h.Write(b)
-	return append(b, h.Sum(nil)[:triggerMACLen]...), nil
+	return sealJSON(key, triggerMagic, triggerVersion, kind, m)
 }
 
 func decodeTrigger(key, b []byte) (byte, triggerMsg, error) {
 	var m triggerMsg
-	if len(b) < 6+triggerMACLen {
-		return 0, m, fmt.Errorf("trigger too short")
+	kind, err := openJSON(key, b, triggerVersion, &m)
+	if errors.Is(err, errSealMAC) {
+		err = errTriggerMAC
 	}
-	if b[4] != triggerVersion {
-		return 0, m, fmt.Errorf("trigger version %d", b[4])
+	return kind, m, err
+}
+
+// sealJSON frames the agent-level control messages (triggers, migration):
+// magic (4 bytes), version, kind, a JSON body, then HMAC-SHA256 (16 bytes)
+// of everything before it under the deployment key.
+func sealJSON(key []byte, magic string, version, kind byte, v any) ([]byte, error) {
+	body, err := json.Marshal(v)
+	if err != nil {
+		return nil, err
 	}
-	body, tag := b[:len(b)-triggerMACLen], b[len(b)-triggerMACLen:]
+	b := append([]byte(magic), version, kind)
+	b = append(b, body...)
+	h := hmac.New(sha256.New, key)
+	h.Write(b)
+	return append(b, h.Sum(nil)[:sealMACLen]...), nil
+}
+
+const sealMACLen = 16
+
+var errSealMAC = errors.New("MAC mismatch")
+
+// openJSON checks a sealJSON frame and decodes its body into v; it returns
+// the kind.
+func openJSON(key, b []byte, version byte, v any) (byte, error) {
+	if len(b) < 6+sealMACLen {
+		return 0, errors.New("message too short")
+	}
+	if b[4] != version {
+		return 0, fmt.Errorf("message version %d", b[4])
+	}
+	body, tag := b[:len(b)-sealMACLen], b[len(b)-sealMACLen:]
 	h := hmac.New(sha256.New, key)
 	h.Write(body)
-	if !hmac.Equal(h.Sum(nil)[:triggerMACLen], tag) {
-		return 0, m, errTriggerMAC
+	if !hmac.Equal(h.Sum(nil)[:sealMACLen], tag) {
+		return 0, errSealMAC
 	}
-	if err := json.Unmarshal(body[6:], &m); err != nil {
-		return 0, m, fmt.Errorf("trigger body: %v", err)
+	if err := json.Unmarshal(body[6:], v); err != nil {
+		return 0, fmt.Errorf("message body: %v", err)
 	}
-	return b[5], m, nil
+	return b[5], nil
 }
 
 // answered remembers the results of trigger requests, by sender and token.
