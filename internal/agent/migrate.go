@@ -48,7 +48,6 @@ package agent
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -75,7 +74,6 @@ const (
 	DefaultHoldLimit    = 8 << 20
 	defaultMigTimeout   = 5 * time.Second
 	defaultDrainTimeout = 200 * time.Millisecond
-	maxStateBytes       = 60000
 	migMagic            = "DYSM"
 	migVersion          = 1
 	migRequest          = 1
@@ -147,9 +145,8 @@ type migMsg struct {
 	State       migrate.Bundle `json:"state,omitempty"`
 
 	// answer
-	Err     string `json:"err,omitempty"`
-	Note    string `json:"note,omitempty"`
-	Drained bool   `json:"drained,omitempty"`
+	Err  string `json:"err,omitempty"`
+	Note string `json:"note,omitempty"`
 }
 
 // marks are what a side has sent on the old path (session space).
@@ -756,7 +753,7 @@ func (c *control) onFreeze(from netip.Addr, m migMsg, answer, answerLater func(m
 	}
 	inOld := datapath.Tuple(tp.InOld)
 	if opts.Semantics == SemLossFree {
-		answer(migMsg{Marks: &own, Drained: true})
+		answer(migMsg{Marks: &own})
 		return
 	}
 	go func() {
@@ -769,7 +766,7 @@ func (c *control) onFreeze(from netip.Addr, m migMsg, answer, answerLater func(m
 		cancel()
 		switch {
 		case ok:
-			answerLater(migMsg{Marks: &own, Drained: true})
+			answerLater(migMsg{Marks: &own})
 		case opts.Semantics == SemOrder:
 			answerLater(migMsg{Marks: &own, Note: "drain timeout: a packet sent before the freeze did not arrive (lost or late)"})
 		default:
@@ -802,40 +799,43 @@ func (c *control) releaseRightHold(k datapath.TPKey) {
 	go c.holds.release(rh.h)
 }
 
-// onExport: the old middlebox exports the session's state.
-func (c *control) onExport(from netip.Addr, m migMsg, answer, answerLater func(migMsg)) {
+// stateSession finds the session a state request names by the subsession
+// from the left anchor to this host (as its SYN went), which the sender
+// must be the left end of.
+func (c *control) stateSession(from netip.Addr, m migMsg) (uint32, wire.Tuple, string) {
 	if m.Sub == nil || m.Sub.Src != from {
-		answer(migMsg{Err: "export must come from the left end of the named subsession"})
-		return
+		return 0, wire.Tuple{}, m.Op + " must come from the left end of the named subsession"
 	}
 	id, ok := c.sessionBySub(*m.Sub)
 	if !ok {
-		answer(migMsg{Err: "no session on subsession " + m.Sub.String()})
-		return
+		return 0, wire.Tuple{}, "no session on subsession " + m.Sub.String()
 	}
 	s, ok := c.a.dp.Session(id)
 	if !ok {
-		answer(migMsg{Err: "session gone"})
-		return
-	}
-	t := s.Tuple.Wire()
-	if right, ok := c.currentSub(id, t, protocol.SideRight); !ok || right.Dst != m.RightAnchor {
-		answer(migMsg{Err: fmt.Sprintf("the old segment has more than this middlebox before the right anchor %s: state migration replaces one middlebox by one", m.RightAnchor)})
-		return
+		return 0, wire.Tuple{}, "session gone"
 	}
 	if c.states == nil {
-		answer(migMsg{Err: "state migration is disabled on this agent (no --state-plugins)"})
+		return 0, wire.Tuple{}, "state migration is disabled on this agent (no --state-plugins)"
+	}
+	return id, s.Tuple.Wire(), ""
+}
+
+// onExport: the old middlebox exports the session's state (the plug-ins'
+// Set refuses a bundle too large for one control message).
+func (c *control) onExport(from netip.Addr, m migMsg, answer, answerLater func(migMsg)) {
+	id, t, bad := c.stateSession(from, m)
+	if bad != "" {
+		answer(migMsg{Err: bad})
+		return
+	}
+	if right, ok := c.currentSub(id, t, protocol.SideRight); !ok || right.Dst != m.RightAnchor {
+		answer(migMsg{Err: fmt.Sprintf("the old segment has more than this middlebox before the right anchor %s: state migration replaces one middlebox by one", m.RightAnchor)})
 		return
 	}
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), defaultMigTimeout)
 		defer cancel()
 		b, err := c.states.Export(ctx, migrate.Session{Tuple: t, Proto: 6})
-		if err == nil {
-			if raw, _ := json.Marshal(b); len(raw) > maxStateBytes {
-				err = fmt.Errorf("the session's state is %d bytes encoded, over the %d a control message carries", len(raw), maxStateBytes)
-			}
-		}
 		if err != nil {
 			answerLater(migMsg{Err: err.Error()})
 			return
@@ -848,25 +848,11 @@ func (c *control) onExport(from netip.Addr, m migMsg, answer, answerLater func(m
 // onImport: the new middlebox installs the state before any packet of the
 // session reaches it.
 func (c *control) onImport(from netip.Addr, m migMsg, answer, answerLater func(migMsg)) {
-	if m.Sub == nil || m.Sub.Src != from {
-		answer(migMsg{Err: "import must come from the left end of the named subsession"})
+	id, t, bad := c.stateSession(from, m)
+	if bad != "" {
+		answer(migMsg{Err: bad})
 		return
 	}
-	id, ok := c.sessionBySub(*m.Sub)
-	if !ok {
-		answer(migMsg{Err: "no session on subsession " + m.Sub.String()})
-		return
-	}
-	s, ok := c.a.dp.Session(id)
-	if !ok {
-		answer(migMsg{Err: "session gone"})
-		return
-	}
-	if c.states == nil {
-		answer(migMsg{Err: "state migration is disabled on this agent (no --state-plugins)"})
-		return
-	}
-	t := s.Tuple.Wire()
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), defaultMigTimeout)
 		defer cancel()
@@ -877,12 +863,10 @@ func (c *control) onImport(from netip.Addr, m migMsg, answer, answerLater func(m
 		// If this new path is abandoned, the state goes with it; if it
 		// was abandoned while the import ran, at once.
 		c.post(func() {
-			if _, ok := c.a.dp.Session(id); ok && c.pidOf[id] != 0 {
-				c.exported[id] = t
-				return
-			}
 			c.exported[id] = t
-			c.releaseExported(id)
+			if _, ok := c.a.dp.Session(id); !ok || c.pidOf[id] == 0 {
+				c.releaseExported(id)
+			}
 		})
 		answerLater(migMsg{})
 	}()

@@ -252,19 +252,8 @@ func runFirewallMigration(ctx context.Context, env *Env) (*Result, error) {
 		go func() { defer wg.Done(); s.cl.send(&stop, 0) }()
 		go func() { defer wg.Done(); s.cl.recv() }()
 	}
-	for deadline := time.Now().Add(30 * time.Second); ; {
-		mu.Lock()
-		a := accepted
-		mu.Unlock()
-		if a == n {
-			break
-		}
-		if time.Now().After(deadline) {
-			return res, fmt.Errorf("the server got %d of the %d sessions through mb1's firewall in 30 s", a, n)
-		}
-		if err := sleepCtx(ctx, 20*time.Millisecond); err != nil {
-			return res, err
-		}
+	if a, err := waitAccepted(ctx, &mu, &accepted, n); err != nil {
+		return res, fmt.Errorf("the server got %d of the %d sessions through mb1's firewall: %w", a, n, err)
 	}
 	env.Logf("%d sessions in %d bundles through mb1's firewall: client → server as fast as TCP lets, server → client at %d KiB/s", n, nb, reconfigRate>>10)
 

@@ -211,19 +211,8 @@ func runProxyRemoval(ctx context.Context, env *Env) (*Result, error) {
 		go func() { defer wg.Done(); s.cl.send(&stop, 0) }()
 		go func() { defer wg.Done(); s.cl.recv() }()
 	}
-	for deadline := time.Now().Add(30 * time.Second); ; {
-		mu.Lock()
-		a := accepted
-		mu.Unlock()
-		if a == n {
-			break
-		}
-		if time.Now().After(deadline) {
-			return res, fmt.Errorf("the server got %d of the %d sessions relayed by HAProxy in 30 s (HAProxy log: %s)", a, n, rl.haproxy.Log)
-		}
-		if err := sleepCtx(ctx, 20*time.Millisecond); err != nil {
-			return res, err
-		}
+	if a, err := waitAccepted(ctx, &mu, &accepted, n); err != nil {
+		return res, fmt.Errorf("the server got %d of the %d sessions relayed by HAProxy (HAProxy log: %s): %w", a, n, rl.haproxy.Log, err)
 	}
 	env.Logf("%d sessions in %d bundles through HAProxy (pid %d), client → server as fast as TCP lets", n, z.Bundles, rl.haproxy.Pid())
 

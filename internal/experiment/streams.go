@@ -7,6 +7,7 @@ package experiment
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -140,5 +141,24 @@ func waitAll(wg *sync.WaitGroup, d time.Duration) bool {
 		return true
 	case <-time.After(d):
 		return false
+	}
+}
+
+// waitAccepted waits until the runner's server has accepted n sessions
+// (*accepted, under mu), for at most 30 s; it returns how many it got.
+func waitAccepted(ctx context.Context, mu *sync.Mutex, accepted *int, n int) (int, error) {
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		mu.Lock()
+		a := *accepted
+		mu.Unlock()
+		if a == n {
+			return a, nil
+		}
+		if time.Now().After(deadline) {
+			return a, errors.New("not all within 30 s")
+		}
+		if err := sleepCtx(ctx, 20*time.Millisecond); err != nil {
+			return a, err
+		}
 	}
 }
