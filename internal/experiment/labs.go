@@ -56,6 +56,9 @@ func (p *pair) both() []*variant { return []*variant{p.dysco, p.base} }
 type labSet struct {
 	mu   sync.Mutex
 	labs []*lab.Lab
+	// logDir, when set, receives a copy of every lab's logs (agents and
+	// programs) before the lab goes: LOGDIR/LAB/HOST.NAME.log.
+	logDir string
 }
 
 func (s *labSet) add(l *lab.Lab) {
@@ -72,9 +75,34 @@ func (s *labSet) down() error {
 	s.mu.Unlock()
 	var errs []error
 	for _, l := range labs {
+		if s.logDir != "" {
+			if err := copyLogs(l.RunDir(), filepath.Join(s.logDir, l.Name())); err != nil {
+				errs = append(errs, fmt.Errorf("lab %s logs: %w", l.Name(), err))
+			}
+		}
 		if err := l.Down(); err != nil {
 			errs = append(errs, fmt.Errorf("lab %s down: %w", l.Name(), err))
 		}
+	}
+	return errors.Join(errs...)
+}
+
+// copyLogs copies the *.log files of a lab's run directory to dst.
+func copyLogs(runDir, dst string) error {
+	logs, err := filepath.Glob(filepath.Join(runDir, "*.log"))
+	if err != nil || len(logs) == 0 {
+		return err
+	}
+	if err := os.MkdirAll(dst, 0o755); err != nil {
+		return err
+	}
+	var errs []error
+	for _, f := range logs {
+		data, err := os.ReadFile(f)
+		if err == nil {
+			err = os.WriteFile(filepath.Join(dst, filepath.Base(f)), data, 0o644)
+		}
+		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
 }

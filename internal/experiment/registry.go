@@ -243,7 +243,13 @@ func RunExperiment(ctx context.Context, name string, cfg Config) (res *Result, e
 	o.Quick = cfg.Size == Tiny
 	prefix := runID()
 	prefix = "x" + prefix[1:]
-	env := &Env{Config: cfg, O: o, rep: newReport(o), set: &labSet{}, Prefix: prefix}
+	// The labs' logs are kept while the run goes and removed when it
+	// succeeds: a failed run leaves them next to its report.
+	logDir := filepath.Join(cfg.OutDir, "logs")
+	if err := os.RemoveAll(logDir); err != nil {
+		return nil, err
+	}
+	env := &Env{Config: cfg, O: o, rep: newReport(o), set: &labSet{logDir: logDir}, Prefix: prefix}
 	var phases []phase
 	for _, p := range e.Phases(cfg.Size) {
 		phases = append(phases, phase{p.Name, p.Est})
@@ -271,6 +277,11 @@ func RunExperiment(ctx context.Context, name string, cfg Config) (res *Result, e
 		}
 		if err == nil && len(res.Problems) > 0 {
 			err = fmt.Errorf("%s: %d check(s) failed: %s", name, len(res.Problems), strings.Join(res.Problems, "; "))
+		}
+		if err == nil {
+			err = os.RemoveAll(logDir)
+		} else if _, serr := os.Stat(logDir); serr == nil {
+			env.Logf("the labs' logs (agents and programs) are in %s", logDir)
 		}
 		env.Logf("done in %s: report %s", fmtClock(res.Finished.Sub(started)), filepath.Join(cfg.OutDir, "report.md"))
 	}()
