@@ -195,12 +195,22 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 		if t == nil {
 			t = &tally{}
 		}
+		var sides []api.TwoPathSide
 		if reconfigured[s.ID] {
-			if tp, ok := a.dp.TwoPath(datapath.TPKey{SessId: s.ID, Side: 0}); ok && tp.State == datapath.TPNew {
-				left[s.ID] = tp.NewOut.Wire().Reverse().String()
-			}
-			if tp, ok := a.dp.TwoPath(datapath.TPKey{SessId: s.ID, Side: 1}); ok && tp.State == datapath.TPNew {
-				right[s.ID] = tp.NewOut.String()
+			for side := uint32(0); side < 2; side++ {
+				tp, ok := a.dp.TwoPath(datapath.TPKey{SessId: s.ID, Side: side})
+				if !ok {
+					continue
+				}
+				if tp.State == datapath.TPNew {
+					if side == 0 {
+						left[s.ID] = tp.NewOut.Wire().Reverse().String()
+					} else {
+						right[s.ID] = tp.NewOut.String()
+					}
+					continue
+				}
+				sides = append(sides, twoPathSide(side, tp))
 			}
 		}
 		as := api.Session{
@@ -209,6 +219,7 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 			PacketsFwd: t.packets[0], BytesFwd: t.bytes[0], PacketsRev: t.packets[1], BytesRev: t.bytes[1],
 			AgeSeconds:  (now - time.Duration(s.CreatedNs)).Seconds(),
 			IdleSeconds: (now - time.Duration(max(s.LastNs, t.last))).Seconds(),
+			TwoPath:     sides,
 		}
 		if v, ok := views[s.ID]; ok {
 			as.Lock, as.Queued = v.Lock.String(), v.Queued
@@ -230,6 +241,22 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
 	return out, nil
+}
+
+// twoPathSide reports a side's two-path record (not yet TPNew).
+func twoPathSide(side uint32, tp datapath.TPVal) api.TwoPathSide {
+	st := "idle"
+	switch {
+	case tp.State == datapath.TPActive:
+		st = "active"
+	case tp.State == datapath.TPStarting:
+		st = "starting"
+	case tp.Armed != 0:
+		st = "armed"
+	}
+	return api.TwoPathSide{Side: protocol.Side(side).String(), State: st,
+		OldSent: tp.OldSent, OldRcvd: tp.OldRcvd, OldSentAcked: tp.OldSentAcked, OldRcvdAcked: tp.OldRcvdAcked,
+		FirstNewRcvd: tp.FirstNewRcvd, NewRcvd: tp.NewRcvd != 0, ToOld: tp.ToOld, ToNew: tp.ToNew}
 }
 
 func (a *Agent) handlePolicies(w http.ResponseWriter, r *http.Request) {

@@ -63,6 +63,27 @@ type Session struct {
 	Lock     string `json:"lock,omitempty"`
 	Queued   int    `json:"queued,omitempty"`
 	Reconfig string `json:"reconfig,omitempty"`
+	// TwoPath is the datapath's record of each side in a two-path phase
+	// (§3.5), what an anchor's completion waits for.
+	TwoPath []TwoPathSide `json:"two_path,omitempty"`
+}
+
+// TwoPathSide is one side of a session in its two-path phase (§3.5), in
+// session sequence space: OldSent is the cut-off; the side is done sending
+// when OldSentAcked reaches it, and done receiving when OldRcvdAcked =
+// OldRcvd and the other anchor's cut-off (or the first byte on the new
+// path) is below OldRcvd.
+type TwoPathSide struct {
+	Side         string `json:"side"`  // "left" or "right"
+	State        string `json:"state"` // "idle", "armed", "starting", "active"
+	OldSent      uint32 `json:"old_sent"`
+	OldRcvd      uint32 `json:"old_rcvd"`
+	OldSentAcked uint32 `json:"old_sent_acked"`
+	OldRcvdAcked uint32 `json:"old_rcvd_acked"`
+	FirstNewRcvd uint32 `json:"first_new_rcvd,omitempty"`
+	NewRcvd      bool   `json:"new_rcvd"`
+	ToOld        uint64 `json:"to_old"` // packets sent on the old path in the phase
+	ToNew        uint64 `json:"to_new"`
 }
 
 // PrependRequest asks a middlebox host's agent to put hops at the head of the
