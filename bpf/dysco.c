@@ -414,8 +414,9 @@ fail:
 /* tp_ingress records a packet received on the old or the new subsession of
  * a side in its two-path phase; the first packet on an armed new
  * subsession starts the phase (the right anchor, §3.5, if the ACK of the
- * new path's handshake is lost). */
-static __attribute__((noinline)) void tp_ingress(const struct fwd_flow *f, const struct pkt *p, __u32 seq, __u32 ack)
+ * new path's handshake is lost). It returns the ack the packet is to be
+ * handed on with (tp_deliver). */
+static __attribute__((noinline)) __u32 tp_ingress(const struct fwd_flow *f, const struct pkt *p, __u32 seq, __u32 ack)
 {
 	struct tp_key k = {.sess_id = f->sess_id, .side = f->dir ? SIDE_RIGHT : SIDE_LEFT};
 	struct tp_val *tp = bpf_map_lookup_elem(&dysco_tp, &k);
@@ -424,13 +425,14 @@ static __attribute__((noinline)) void tp_ingress(const struct fwd_flow *f, const
 	__u32 end = seq_end(seq, p->payload, flags);
 
 	if (!tp)
-		return;
+		return ack;
 	if (new_path && tp->armed && tp->state == TP_IDLE)
 		tp_start(tp, &k);
 	if (tp->state != TP_ACTIVE)
-		return;
+		return ack;
 	tp_observe(tp, new_path, seq, ack, end, flags);
 	tp_report(tp, &k);
+	return tp_deliver(tp, new_path, ack, flags);
 }
 
 /* forward applies a flow to a packet: the steady-state path. One lookup (the
@@ -488,8 +490,13 @@ static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct 
 	if (!egress) {
 		__u32 end = seq_end(sseq, p->payload, p->flags);
 		mark(fp, sseq, sack, end, p->flags);
-		if (f.flags & (FL_TP_OLD | FL_TP_NEW))
-			tp_ingress(&f, p, sseq, sack);
+		if (f.flags & (FL_TP_OLD | FL_TP_NEW)) {
+			__u32 ack_to = tp_ingress(&f, p, sseq, sack);
+			if (ack_to != sack && replace_u32(skb, p, p->l4 + 8, ack_to - sack)) {
+				stat_inc(STAT_DROP_HELPER);
+				return TC_ACT_SHOT;
+			}
+		}
 	}
 	if (rewrite_tuple(skb, p, &fp->out)) {
 		stat_inc(STAT_DROP_HELPER);

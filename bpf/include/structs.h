@@ -130,6 +130,9 @@ struct tp_val {
 	__u8 reroute_old, reroute_new;
 	__u8 pad;
 	__u32 reported; /* progress bits last reported to the agent */
+	__u32 ack_hi;   /* highest ack received on either path, if ack_hi_ok */
+	__u8 ack_hi_ok;
+	__u8 pad2[3];
 	__u64 to_old, to_new, straddled;
 };
 /* A notice to the agent on the dysco_events ring buffer. */

@@ -115,6 +115,8 @@ static __always_inline int tp_start(struct tp_val *tp, const struct tp_key *k)
 	tp->old_rcvd = seq_lt(rcv, ack_sent) ? ack_sent : rcv;
 	tp->old_sent_acked = ack_rcvd;
 	tp->old_rcvd_acked = ack_sent;
+	tp->ack_hi = ack_rcvd;
+	tp->ack_hi_ok = in && in->mk_ok;
 	tp->new_rcvd = 0;
 	__sync_lock_test_and_set(&tp->state, TP_ACTIVE);
 	tp_report(tp, k);
@@ -140,7 +142,24 @@ static __always_inline void tp_observe(struct tp_val *tp, int new_path, __u32 se
 		__u32 a = seq_lt(tp->old_sent, ack) ? tp->old_sent : ack;
 		if (seq_lt(tp->old_sent_acked, a))
 			tp->old_sent_acked = a;
+		if (!tp->ack_hi_ok || seq_lt(tp->ack_hi, ack)) {
+			tp->ack_hi = ack;
+			tp->ack_hi_ok = 1;
+		}
 	}
+}
+
+/* tp_deliver returns the ack a packet received on the old path is handed
+ * on with (protocol.Deliver): at least the highest ack received on either
+ * path. A late old-path packet's own ack can be more than a window behind
+ * what the host has had acknowledged on the new path, and a TCP receiver
+ * discards such a segment whole (RFC 5961 §5.2), so the old data would
+ * never arrive. */
+static __always_inline __u32 tp_deliver(const struct tp_val *tp, int new_path, __u32 ack, __u8 flags)
+{
+	if (!new_path && (flags & TH_ACK_) && !(flags & TH_RST_) && tp->ack_hi_ok && seq_lt(ack, tp->ack_hi))
+		return tp->ack_hi;
+	return ack;
 }
 
 /* Where tp_decide sends a packet. */

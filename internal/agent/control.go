@@ -353,7 +353,8 @@ func (c *control) progress(k datapath.TPKey) {
 
 func varsOf(tp datapath.TPVal) protocol.TwoPath {
 	return protocol.TwoPath{OldSent: tp.OldSent, OldRcvd: tp.OldRcvd, OldSentAcked: tp.OldSentAcked,
-		OldRcvdAcked: tp.OldRcvdAcked, FirstNewRcvd: tp.FirstNewRcvd, NewRcvd: tp.NewRcvd != 0}
+		OldRcvdAcked: tp.OldRcvdAcked, FirstNewRcvd: tp.FirstNewRcvd, NewRcvd: tp.NewRcvd != 0,
+		AckHi: tp.AckHi, AckHiOK: tp.AckHiOk != 0}
 }
 
 // flowKeysOf returns the keys of a session's flows at this host, found

@@ -158,6 +158,9 @@ type dyscoTpVal struct {
 	RerouteNew   uint8
 	Pad          uint8
 	Reported     uint32
+	AckHi        uint32
+	AckHiOk      uint8
+	Pad2         [3]uint8
 	ToOld        uint64
 	ToNew        uint64
 	Straddled    uint64

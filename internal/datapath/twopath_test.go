@@ -30,7 +30,9 @@ type tpVector struct {
 	Path   string           `json:"path"` // "old"/"new" for "in"
 	Packet protocol.Packet  `json:"packet"`
 	Pieces []protocol.Piece `json:"pieces"`
-	After  protocol.TwoPath `json:"after"`
+	// Delivered is an "in" packet as the anchor hands it on.
+	Delivered *protocol.Packet `json:"delivered"`
+	After     protocol.TwoPath `json:"after"`
 }
 
 func loadTPVectors(t *testing.T) []tpVector {
@@ -137,11 +139,13 @@ func (s tpSide) install(tb testing.TB, fx *fixture, rec TPVal, deltas map[Tuple]
 func setVars(r *TPVal, v protocol.TwoPath) {
 	r.OldSent, r.OldRcvd, r.OldSentAcked, r.OldRcvdAcked = v.OldSent, v.OldRcvd, v.OldSentAcked, v.OldRcvdAcked
 	r.FirstNewRcvd, r.NewRcvd = v.FirstNewRcvd, uint32(boolInt(v.NewRcvd))
+	r.AckHi, r.AckHiOk = v.AckHi, uint8(boolInt(v.AckHiOK))
 }
 
 func varsOf(r TPVal) protocol.TwoPath {
 	return protocol.TwoPath{OldSent: r.OldSent, OldRcvd: r.OldRcvd, OldSentAcked: r.OldSentAcked,
-		OldRcvdAcked: r.OldRcvdAcked, FirstNewRcvd: r.FirstNewRcvd, NewRcvd: r.NewRcvd != 0}
+		OldRcvdAcked: r.OldRcvdAcked, FirstNewRcvd: r.FirstNewRcvd, NewRcvd: r.NewRcvd != 0,
+		AckHi: r.AckHi, AckHiOK: r.AckHiOk != 0}
 }
 
 // tpFlags spells protocol TCP flags for pkt.
@@ -216,14 +220,21 @@ func (fx *fixture) sendTP(tb testing.TB, s tpSide, p protocol.Packet) (uint32, [
 // recvTP runs p through ingress on the subsession sub (from the side), with the flow's delta d undone first so that the datapath sees p
 // in session space after translating it. It checks that the packet leaves
 // as p on the session tuple.
+// recvTP sends p (in session space) on sub and expects it delivered as is.
 func (fx *fixture) recvTP(tb testing.TB, s tpSide, sub wire.Tuple, d Delta, p protocol.Packet) {
+	tb.Helper()
+	fx.recvTPAs(tb, s, sub, d, p, p)
+}
+
+// recvTPAs sends p (in session space) on sub and expects delivered.
+func (fx *fixture) recvTPAs(tb testing.TB, s tpSide, sub wire.Tuple, d Delta, p, delivered protocol.Packet) {
 	tb.Helper()
 	wirePkt := translated(p, negated(d))
 	verdict, out := fx.run(tb, fx.ingress, tpPkt(tb, sub.Reverse(), wirePkt).frame(tb))
 	if verdict != tcActOK {
 		tb.Fatalf("ingress verdict %d, want OK", verdict)
 	}
-	expectFrame(tb, out, tpPkt(tb, s.sess.Reverse(), p))
+	expectFrame(tb, out, tpPkt(tb, s.sess.Reverse(), delivered))
 }
 
 // counterMoves checks counters that must have moved by exactly the
@@ -315,7 +326,10 @@ func TestTwoPathVectors(t *testing.T) {
 					default:
 						t.Fatalf("path %q", v.Path)
 					}
-					fx.recvTP(t, s, sub, d, v.Packet)
+					if v.Delivered == nil {
+						t.Fatal("an in vector without its delivered packet")
+					}
+					fx.recvTPAs(t, s, sub, d, v.Packet, *v.Delivered)
 					fx.counterMoves(t, before, map[string]uint64{"tp_old": 0, "tp_new": 0, "rewrite_in": 1, "drop_helper": 0})
 				default:
 					t.Fatalf("dir %q", v.Dir)

@@ -111,6 +111,10 @@ type TwoPath struct {
 	OldRcvdAcked uint32 `json:"oldRcvdAcked"` // highest sequence number received on the old path and acknowledged, plus one
 	FirstNewRcvd uint32 `json:"firstNewRcvd"` // lowest sequence number received on the new path, if NewRcvd
 	NewRcvd      bool   `json:"newRcvd"`      // something was received on the new path
+	// AckHi is the highest acknowledgment received on either path, if
+	// AckHiOK: what Deliver writes into late packets of the old path.
+	AckHi   uint32 `json:"ackHi"`
+	AckHiOK bool   `json:"ackHiOK"`
 }
 
 func (v TwoPath) String() string {
@@ -118,8 +122,12 @@ func (v TwoPath) String() string {
 	if v.NewRcvd {
 		f = fmt.Sprint(v.FirstNewRcvd)
 	}
-	return fmt.Sprintf("oldSent=%d oldRcvd=%d oldSentAcked=%d oldRcvdAcked=%d firstNewRcvd=%s",
-		v.OldSent, v.OldRcvd, v.OldSentAcked, v.OldRcvdAcked, f)
+	h := "-"
+	if v.AckHiOK {
+		h = fmt.Sprint(v.AckHi)
+	}
+	return fmt.Sprintf("oldSent=%d oldRcvd=%d oldSentAcked=%d oldRcvdAcked=%d firstNewRcvd=%s ackHi=%s",
+		v.OldSent, v.OldRcvd, v.OldSentAcked, v.OldRcvdAcked, f, h)
 }
 
 // CutOff starts the two-path phase from the side's marks: from now on no
@@ -137,6 +145,8 @@ func CutOff(m Marks) TwoPath {
 		OldRcvd:      seqMax(m.RcvNxt, m.AckSent),
 		OldSentAcked: m.AckRcvd,
 		OldRcvdAcked: m.AckSent,
+		AckHi:        m.AckRcvd,
+		AckHiOK:      m.Rcvd,
 	}
 }
 
@@ -280,6 +290,35 @@ func Observe(v TwoPath, path Path, p Packet) TwoPath {
 			a = v.OldSent
 		}
 		v.OldSentAcked = seqMax(v.OldSentAcked, a)
+		if !v.AckHiOK || seqLT(v.AckHi, p.Ack) {
+			v.AckHi, v.AckHiOK = p.Ack, true
+		}
 	}
 	return v
+}
+
+// Deliver returns a packet received on path as the anchor hands it on,
+// after Observe: a packet of the old path acknowledges at least AckHi.
+//
+// The other anchor stops sending new data on the old path at the cut-off,
+// so the acknowledgments the old path carries stop at the data it carried,
+// while the new path's move on. A late packet of the old path (data an old
+// middlebox still had to deliver, or its retransmission) then carries an
+// ack far behind the host's send window, and a TCP receiver discards the
+// whole segment when the ack is more than a window old (RFC 5961 §5.2;
+// Linux: SKB_DROP_REASON_TCP_TOO_OLD_ACK): the old data never arrives and
+// the two-path phase never ends. This happens as soon as the host sent more
+// than a window on the new path before the old path drained, for example
+// when a loaded proxy being removed is slow to flush what it holds. The
+// ack written instead is one the host has already received, so it
+// acknowledges nothing new.
+func Deliver(v TwoPath, path Path, p Packet) Packet { return DeliverFault(v, path, p, 0) }
+
+// DeliverFault is Deliver with deliberate faults, for the simulation's
+// broken variants.
+func DeliverFault(v TwoPath, path Path, p Packet, f Fault) Packet {
+	if f&FaultStaleOldAcks == 0 && path == PathOld && p.Flags&TCPAck != 0 && p.Flags&TCPRst == 0 && v.AckHiOK && seqLT(p.Ack, v.AckHi) {
+		p.Ack = v.AckHi
+	}
+	return p
 }

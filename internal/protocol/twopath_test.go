@@ -28,12 +28,14 @@ type vector struct {
 	Path   string  `json:"path,omitempty"` // "old"/"new" for "in"
 	Packet Packet  `json:"packet"`
 	Pieces []Piece `json:"pieces,omitempty"`
-	After  TwoPath `json:"after"`
+	// Delivered is an "in" packet as the anchor hands it on (Deliver).
+	Delivered *Packet `json:"delivered,omitempty"`
+	After     TwoPath `json:"after"`
 }
 
 // The anchor of most cases: it sent up to 1000 on the old path, received
 // up to 5000 on it and acked 4000 of that.
-var base = TwoPath{OldSent: 1000, OldSentAcked: 900, OldRcvd: 5000, OldRcvdAcked: 4000}
+var base = TwoPath{OldSent: 1000, OldSentAcked: 900, OldRcvd: 5000, OldRcvdAcked: 4000, AckHi: 900, AckHiOK: true}
 
 func with(f func(v *TwoPath)) TwoPath {
 	v := base
@@ -93,6 +95,21 @@ func vectorCases() []vector {
 			Packet: Packet{Seq: 5000, Ack: 950, Flags: ack}},
 		{Name: "old path FIN raises oldRcvd by one", Vars: base, Dir: "in", Path: "old",
 			Packet: Packet{Seq: 5000, Ack: 1000, Flags: ack | TCPFin}},
+		// Deliver: late old-path packets carry the highest ack received.
+		{Name: "new path ack far beyond oldSent raises ackHi", Vars: base, Dir: "in", Path: "new",
+			Packet: Packet{Seq: 5000, Ack: 900000, Flags: ack}},
+		{Name: "late old path data with a stale ack gets ackHi", Vars: with(func(v *TwoPath) { v.AckHi = 900000 }),
+			Dir: "in", Path: "old", Packet: Packet{Seq: 4800, Len: 200, Ack: 1000, Flags: ack}},
+		{Name: "old path pure ack with a stale ack gets ackHi", Vars: with(func(v *TwoPath) { v.AckHi = 70000 }),
+			Dir: "in", Path: "old", Packet: Packet{Seq: 5000, Ack: 950, Flags: ack}},
+		{Name: "new path packet keeps its ack", Vars: with(func(v *TwoPath) { v.AckHi = 70000 }),
+			Dir: "in", Path: "new", Packet: Packet{Seq: 5100, Len: 10, Ack: 60000, Flags: ack}},
+		{Name: "old path RST keeps its ack", Vars: with(func(v *TwoPath) { v.AckHi = 70000 }),
+			Dir: "in", Path: "old", Packet: Packet{Seq: 5000, Ack: 950, Flags: ack | TCPRst}},
+		{Name: "unknown ackHi: the first ack sets it, nothing raised", Vars: with(func(v *TwoPath) { v.AckHi, v.AckHiOK = 0, false }),
+			Dir: "in", Path: "old", Packet: Packet{Seq: 4000, Len: 100, Ack: 0x90000000, Flags: ack}},
+		{Name: "ackHi wraps", Vars: with(func(v *TwoPath) { v.AckHi = 0x10 }),
+			Dir: "in", Path: "old", Packet: Packet{Seq: 4000, Len: 100, Ack: 0xfffffff0, Flags: ack}},
 	}
 }
 
@@ -107,6 +124,8 @@ func runVector(v vector) vector {
 			p = PathNew
 		}
 		v.Pieces, v.After = nil, Observe(v.Vars, p, v.Packet)
+		d := Deliver(v.After, p, v.Packet)
+		v.Delivered = &d
 	}
 	return v
 }
@@ -213,7 +232,7 @@ func TestPredicates(t *testing.T) {
 	}
 	m := Marks{SndNxt: 100, RcvNxt: 200, AckRcvd: 90, AckSent: 150, Sent: true, Rcvd: true}
 	m = m.Out(Packet{Seq: 100, Len: 10, Ack: 200, Flags: ack | TCPFin}).In(Packet{Seq: 200, Len: 5, Ack: 111, Flags: ack})
-	if got := CutOff(m); got != (TwoPath{OldSent: 111, OldSentAcked: 111, OldRcvd: 205, OldRcvdAcked: 200}) {
+	if got := CutOff(m); got != (TwoPath{OldSent: 111, OldSentAcked: 111, OldRcvd: 205, OldRcvdAcked: 200, AckHi: 111, AckHiOK: true}) {
 		t.Errorf("CutOff %+v", got)
 	}
 	// A joined middlebox whose first packet each way was a retransmission

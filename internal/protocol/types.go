@@ -274,4 +274,8 @@ const (
 	// FaultAcksOnOldPath: in the two-path phase every acknowledgment goes on
 	// the old path (§3.5 ack table ignored).
 	FaultAcksOnOldPath
+	// FaultStaleOldAcks: late packets of the old path keep their stale
+	// ack (Deliver does nothing), and end hosts discard them once the ack
+	// is more than a window old.
+	FaultStaleOldAcks
 )

@@ -121,6 +121,14 @@ func (h *host) receive(t wire.Tuple, p pkt) {
 			*sd.tp = nv
 			h.report(ds, sub.side)
 		}
+		// A late packet of the old path carries the highest ack received
+		// (protocol.Deliver), as the datapath does; the end host's check
+		// of the ack (tcp.go) then holds it to the offset that ack meant.
+		if a := protocol.DeliverFault(*sd.tp, path, pp, w.opts.Faults).Ack; a != p.ack {
+			w.stats.RaisedAcks++
+			p.ackOff += a - p.ack
+			p.ack = a
+		}
 	}
 	w.tracef("%s in  %s on %s", h, p, t)
 	ds.observe(p)

@@ -69,10 +69,12 @@ type Stats struct {
 	Outcomes                             map[string]int // outcome: reason
 	// The two-path phase at work (§3.5): cut-offs, packets split at
 	// oldSent, extra acks of oldRcvd on the old path, data received on
-	// each path after a cut-off.
-	CutOffs, Splits, ExtraOldAcks, OldPathData, NewPathData int
-	SimTime                                                 time.Duration
-	Events                                                  int
+	// each path after a cut-off, late old-path packets whose ack was
+	// raised to the highest received (protocol.Deliver), and segments an
+	// end host discarded because their ack was more than a window old.
+	CutOffs, Splits, ExtraOldAcks, OldPathData, NewPathData, RaisedAcks, TooOldAcks int
+	SimTime                                                                         time.Duration
+	Events                                                                          int
 }
 
 // Add accumulates another run's counts.
@@ -98,6 +100,8 @@ func (s *Stats) Add(o Stats) {
 	s.ExtraOldAcks += o.ExtraOldAcks
 	s.OldPathData += o.OldPathData
 	s.NewPathData += o.NewPathData
+	s.RaisedAcks += o.RaisedAcks
+	s.TooOldAcks += o.TooOldAcks
 	if s.Rejected == nil {
 		s.Rejected, s.Outcomes = map[string]int{}, map[string]int{}
 	}
@@ -123,10 +127,10 @@ func (s Stats) String() string {
 		return strings.Join(l, " ")
 	}
 	return fmt.Sprintf("sessions=%d requests=%d succeeded=%d refused=%d (contention %d) failed=%d (dead new path %d) "+
-		"unconfirmed=%d resets=%d\n  outcomes[%s]\n  two-path: cut-offs=%d splits=%d extra-old-acks=%d old-path-data=%d new-path-data=%d\n"+
+		"unconfirmed=%d resets=%d\n  outcomes[%s]\n  two-path: cut-offs=%d splits=%d extra-old-acks=%d old-path-data=%d new-path-data=%d raised-acks=%d too-old-acks=%d\n"+
 		"  control=%d data=%d lost=%d dup=%d rejected[%s] simtime=%s events=%d",
 		s.Sessions, s.Requests, s.Succeeded, s.Refused, s.Contended, s.Failed, s.SetupFailed, s.Unconfirmed,
-		s.Resets, list(s.Outcomes), s.CutOffs, s.Splits, s.ExtraOldAcks, s.OldPathData, s.NewPathData,
+		s.Resets, list(s.Outcomes), s.CutOffs, s.Splits, s.ExtraOldAcks, s.OldPathData, s.NewPathData, s.RaisedAcks, s.TooOldAcks,
 		s.ControlSent, s.DataSent, s.Lost, s.Duplicated, list(s.Rejected), s.SimTime, s.Events)
 }
 

@@ -136,8 +136,9 @@ func TestSimDeterministic(t *testing.T) {
 
 // TestSimCatchesBrokenVariants shows that the checkers fail on a
 // deliberately broken protocol: agents that skip the lock (§3.2), with and
-// without the continuous lock check, and an anchor that sends every ack on
-// the old path (§3.5).
+// without the continuous lock check, an anchor that sends every ack on
+// the old path (§3.5), and an anchor that hands on late old-path packets
+// with their stale acks (protocol.Deliver).
 func TestSimCatchesBrokenVariants(t *testing.T) {
 	if *seedFlag >= 0 {
 		t.Skip("-seed runs one seed only")
@@ -155,6 +156,9 @@ func TestSimCatchesBrokenVariants(t *testing.T) {
 		{"skip lock, end-to-end checks only", protocol.FaultSkipLock, true,
 			[]string{"both succeeded", "beyond the data it forwarded", "stuck"}},
 		{"acks on old path", protocol.FaultAcksOnOldPath, false, []string{"beyond the data it forwarded"}},
+		// End hosts discard the late old data (its ack is too old), so the
+		// anchor never sees it acknowledged.
+		{"stale acks on late old-path packets", protocol.FaultStaleOldAcks, false, []string{"stuck in twoPath"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			// Seeds in order, so that the first failure is always the same.

@@ -183,6 +183,15 @@ func (e *tcpEnd) receive(p pkt) {
 			p.tsval-e.peerTSBase, p.tsecr-e.tsOff, p.tsTag, p.ecrTag)
 		return
 	}
+	// A segment whose ack is more than a window behind what is already
+	// acknowledged is discarded whole, data and all, as Linux does (RFC
+	// 5961 §5.2; SKB_DROP_REASON_TCP_TOO_OLD_ACK): the window is the
+	// largest the peer offered, or the bytes acknowledged if fewer.
+	if p.flags&protocol.TCPAck != 0 && seqLT(p.ack, e.sndUna-min(uint32(tcpWindow), e.sndUna-e.iss)) {
+		w.stats.TooOldAcks++
+		w.tracef("%s discards %s: its ack is more than a window old", e.name, p)
+		return
+	}
 	if seqLT(e.sndUna, p.ack) {
 		e.sndUna = p.ack
 		e.tries = 0
