@@ -39,7 +39,7 @@ import (
 func init() {
 	Register(&Experiment{Name: "proxy-removal", Paper: "Fig. 12, 13",
 		Summary: "bundles of sessions through HAProxy (libdysco) removed one bundle at a time: goodput, proxy CPU, reconfiguration times",
-		Tools:   []string{"haproxy"},
+		Tools:   []string{"haproxy", "sysctl"},
 		Phases:  proxyRemovalPhases, Run: runProxyRemoval})
 }
 
@@ -53,7 +53,7 @@ type proxyRemovalSize struct {
 func proxyRemovalSizes(s Size) proxyRemovalSize {
 	return pick(s,
 		proxyRemovalSize{2, 5, 3 * time.Second, 3 * time.Second, 3 * time.Second},
-		proxyRemovalSize{4, 25, 8 * time.Second, 6 * time.Second, 6 * time.Second},
+		proxyRemovalSize{4, 50, 8 * time.Second, 6 * time.Second, 6 * time.Second},
 		proxyRemovalSize{4, 150, 40 * time.Second, 20 * time.Second, 20 * time.Second})
 }
 
@@ -188,6 +188,11 @@ func runProxyRemoval(ctx context.Context, env *Env) (*Result, error) {
 		return res, err
 	}
 
+	// Every session is opened first and the senders start together, so
+	// that opening hundreds of sessions one by one is not slowed by the
+	// ones already sending, and the first second of the timeline counts
+	// only its own bytes.
+	start := make(chan struct{})
 	env.Begin("opening the sessions")
 	dst := netip.AddrPortFrom(rl.proxy, proxyPort).String()
 	locals := map[string]bool{}
@@ -208,13 +213,22 @@ func runProxyRemoval(ctx context.Context, env *Env) (*Result, error) {
 			return res, fmt.Errorf("session %d: %w", i+1, err)
 		}
 		wg.Add(2)
-		go func() { defer wg.Done(); s.cl.send(&stop, 0) }()
+		go func() {
+			defer wg.Done()
+			select {
+			case <-start:
+				s.cl.send(&stop, 0)
+			case <-quit:
+				s.cl.c.CloseWrite()
+			}
+		}()
 		go func() { defer wg.Done(); s.cl.recv() }()
 	}
 	if a, err := waitAccepted(ctx, &mu, &accepted, n); err != nil {
 		return res, fmt.Errorf("the server got %d of the %d sessions relayed by HAProxy (HAProxy log: %s): %w", a, n, rl.haproxy.Log, err)
 	}
 	env.Logf("%d sessions in %d bundles through HAProxy (pid %d), client → server as fast as TCP lets", n, z.Bundles, rl.haproxy.Pid())
+	close(start)
 
 	env.Begin("sessions through HAProxy, bundles removed one at a time")
 	hpid := rl.haproxy.Pid()
@@ -328,7 +342,7 @@ func runProxyRemoval(ctx context.Context, env *Env) (*Result, error) {
 	for _, s := range sessions {
 		d.BytesUp += s.sv.rx.Load()
 		d.BytesDown += s.cl.rx.Load()
-		for _, l := range []string{lossCheck(fmt.Sprintf("session %d up", s.ID), s.cl, s.sv), lossCheck(fmt.Sprintf("session %d down", s.ID), s.sv, s.cl)} {
+		for _, l := range []string{lossCheck(fmt.Sprintf("session %d (%s) up", s.ID, s.local), s.cl, s.sv), lossCheck(fmt.Sprintf("session %d (%s) down", s.ID, s.local), s.sv, s.cl)} {
 			if l != "" {
 				d.Lost = append(d.Lost, l)
 			}
@@ -471,7 +485,8 @@ func proxyRemovalReport(env *Env, res *Result, d *prData, z proxyRemovalSize, bu
 		"A star lab (paper Fig. 11 in small): client, proxy and server around a router, an agent on each. Policies with no chain make the client → proxy and proxy → server connections Dysco sessions, so that the proxy's agent can join them.",
 		fmt.Sprintf("HAProxy 2.6 on the proxy in TCP mode with `option splice-request/splice-response`, under `LD_PRELOAD=lib/libdysco.so` (trigger `both`: libdysco asks for a session's removal once HAProxy has spliced both of its directions)."),
 		fmt.Sprintf("%d sessions in %d bundles of %d, opened by the runner from the client's namespace to its own receiver in the server's namespace; each sends client → server as fast as TCP lets. "+
-			"The paper had 600 sessions in 4 bundles of 150, each bundle a client-server pair on its own hosts; here one client and one server namespace carry every bundle.", n, z.Bundles, z.PerBundle),
+			"The paper had 600 sessions in 4 bundles of 150, each bundle a client-server pair on its own hosts; here one client and one server namespace carry every bundle. "+
+			"Every host has Linux's default TCP receive buffer limit (net.ipv4.tcp_rmem %s), whatever the machine's.", n, z.Bundles, z.PerBundle, labTCPRmem),
 		fmt.Sprintf("At %.0f s and then every %.0f s (paper: 40, 60, 80, 100 s), one bundle's server ends start answering at 32 KiB/s: HAProxy splices that direction too, and libdysco asks the proxy's agent to remove the proxy from those sessions. "+
 			"The run ends %.0f s after the last removal.", z.Warm.Seconds(), z.Interval.Seconds(), z.Tail.Seconds()),
 		"Every second: the bytes the server ends received per bundle (goodput), HAProxy's CPU time (utime + stime from /proc/PID/stat), the proxy agent's CPU time, and the packets the proxy host's datapath rewrote.",

@@ -177,6 +177,18 @@ func upReconfigLab(ctx context.Context, o *Options, set *labSet, prefix string, 
 			return nil, fmt.Errorf("lab %s: %s does not reach %s: %w", l.Name(), p.from, p.to, err)
 		}
 	}
+	// Linux's default limit of a TCP receive buffer (tcp_rmem max 6 MiB)
+	// on every host, whatever the machine's sysctl says: hundreds of greedy
+	// sessions through a proxy, with the larger limits some machines set
+	// (32 MiB here), push the kernel into TCP memory pressure (tcp_mem is
+	// shared by every namespace), where receive windows collapse to a few
+	// KiB and senders crawl; a proxy removal then waits tens of seconds
+	// for the old path's last bytes (BENCHMARKS.md, proxy removal).
+	for _, h := range []string{"client", "proxy", "server"} {
+		if _, err := run(ctx, l, h, 10*time.Second, "sysctl", "-w", "net.ipv4.tcp_rmem="+labTCPRmem); err != nil {
+			return nil, err
+		}
+	}
 	if rl.dir, err = os.MkdirTemp("", "dysco-bench-"+l.Name()+"-"); err != nil {
 		return nil, err
 	}
@@ -191,6 +203,10 @@ func upReconfigLab(ctx context.Context, o *Options, set *labSet, prefix string, 
 	go rl.serve()
 	return rl, nil
 }
+
+// labTCPRmem is the net.ipv4.tcp_rmem of the proxy-removal lab's hosts:
+// Linux's defaults.
+const labTCPRmem = "4096 131072 6291456"
 
 // serve hands the server's connections to the current flow set; without
 // one (HAProxy's readiness probes) they are closed.

@@ -26,7 +26,7 @@ func Run(ctx context.Context, o *Options, log io.Writer) (rep *Report, err error
 	if o.wants("reconfig") {
 		tools = append(tools, "haproxy")
 	}
-	if o.wants("disruption") {
+	if o.wants("reconfig") || o.wants("disruption") {
 		tools = append(tools, "sysctl")
 	}
 	for _, tool := range tools {
