@@ -5,7 +5,7 @@
 # middleboxes are deleted while it runs; an unmodified HAProxy that removes
 # itself from the session it relays (libdysco); then teardown; and last the
 # paper's proxy-removal experiment (`dysco lab run proxy-removal --quick`):
-# a hundred live sessions (--quick; --full: 600), goodput and the proxy's CPU, nothing lost.
+# 200 live sessions (--quick; --full: 600), goodput and the proxy's CPU, nothing lost.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=bin/dysco
