@@ -24,7 +24,6 @@ import (
 	"math"
 	"net"
 	"net/netip"
-	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -834,25 +833,4 @@ func leftText(ms float64) string {
 		return "not within 10 s"
 	}
 	return fmt.Sprintf("%.0f ms", ms)
-}
-
-// saveLabLogs copies the logs of a lab's run directory to dir.
-func saveLabLogs(l *lab.Lab, dir string) (string, error) {
-	files, err := filepath.Glob(filepath.Join(l.RunDir(), "*.log"))
-	if err != nil || len(files) == 0 {
-		return "", fmt.Errorf("no logs in %s", l.RunDir())
-	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return "", err
-	}
-	for _, f := range files {
-		b, err := os.ReadFile(f)
-		if err != nil {
-			return "", err
-		}
-		if err := os.WriteFile(filepath.Join(dir, filepath.Base(f)), b, 0o644); err != nil {
-			return "", err
-		}
-	}
-	return dir, nil
 }

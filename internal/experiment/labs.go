@@ -76,7 +76,7 @@ func (s *labSet) down() error {
 	var errs []error
 	for _, l := range labs {
 		if s.logDir != "" {
-			if err := copyLogs(l.RunDir(), filepath.Join(s.logDir, l.Name())); err != nil {
+			if _, err := copyLogs(l.RunDir(), filepath.Join(s.logDir, l.Name())); err != nil {
 				errs = append(errs, fmt.Errorf("lab %s logs: %w", l.Name(), err))
 			}
 		}
@@ -87,14 +87,15 @@ func (s *labSet) down() error {
 	return errors.Join(errs...)
 }
 
-// copyLogs copies the *.log files of a lab's run directory to dst.
-func copyLogs(runDir, dst string) error {
+// copyLogs copies the *.log files of a lab's run directory to dst and
+// returns how many there were.
+func copyLogs(runDir, dst string) (int, error) {
 	logs, err := filepath.Glob(filepath.Join(runDir, "*.log"))
 	if err != nil || len(logs) == 0 {
-		return err
+		return 0, err
 	}
 	if err := os.MkdirAll(dst, 0o755); err != nil {
-		return err
+		return 0, err
 	}
 	var errs []error
 	for _, f := range logs {
@@ -104,7 +105,17 @@ func copyLogs(runDir, dst string) error {
 		}
 		errs = append(errs, err)
 	}
-	return errors.Join(errs...)
+	return len(logs), errors.Join(errs...)
+}
+
+// saveLabLogs copies the logs of a lab's run directory to dir; a lab
+// without logs is an error.
+func saveLabLogs(l *lab.Lab, dir string) (string, error) {
+	n, err := copyLogs(l.RunDir(), dir)
+	if err == nil && n == 0 {
+		err = fmt.Errorf("no logs in %s", l.RunDir())
+	}
+	return dir, err
 }
 
 // runID is a random lab name prefix: "b" and four characters.

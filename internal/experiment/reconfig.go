@@ -767,7 +767,7 @@ func benchReconfig(ctx context.Context, o *Options, rl *reconfigLab, r *Report, 
 		// The lab's run directory goes with the lab: keep its logs
 		// (agents, HAProxy) when something went wrong.
 		if err != nil {
-			if dir, lerr := rl.saveLogs(filepath.Join(o.OutDir, r.RunID+"-reconfig-logs")); lerr == nil {
+			if dir, lerr := saveLabLogs(rl.lab, filepath.Join(o.OutDir, r.RunID+"-reconfig-logs")); lerr == nil {
 				err = fmt.Errorf("%w (logs of the lab's agents and HAProxy copied to %s)", err, dir)
 			}
 		}
@@ -1121,27 +1121,6 @@ func (rl *reconfigLab) agentCPU() map[string]time.Duration {
 		out[h] = c
 	}
 	return out
-}
-
-// saveLogs copies the logs of the lab's run directory to dir.
-func (rl *reconfigLab) saveLogs(dir string) (string, error) {
-	files, err := filepath.Glob(filepath.Join(rl.lab.RunDir(), "*.log"))
-	if err != nil || len(files) == 0 {
-		return "", fmt.Errorf("no logs in %s", rl.lab.RunDir())
-	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return "", err
-	}
-	for _, f := range files {
-		b, err := os.ReadFile(f)
-		if err != nil {
-			return "", err
-		}
-		if err := os.WriteFile(filepath.Join(dir, filepath.Base(f)), b, 0o644); err != nil {
-			return "", err
-		}
-	}
-	return dir, nil
 }
 
 // MarshalJSON writes the figures that have no value (no removal succeeded)
