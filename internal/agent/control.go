@@ -53,9 +53,10 @@ type control struct {
 	famOf       map[uint32]bool
 	notReady    map[protocol.SessionID]uint32 // joined sessions waiting for packets both ways
 	waiters     map[uint64]chan protocol.Result
-	started     map[uint64]time.Time    // when each request (token) began
-	history     []api.ReconfigResult    // the last historyLen results at this left anchor
-	active      map[datapath.TPKey]bool // sides in their two-path phase (polled as a safety net)
+	started     map[uint64]time.Time           // when each request (token) began
+	phases      map[protocol.ReqKey]phaseTimes // the left anchor's requests: when they reached their phases
+	history     []api.ReconfigResult           // the last historyLen results at this left anchor
+	active      map[datapath.TPKey]bool        // sides in their two-path phase (polled as a safety net)
 	prevTP      map[datapath.TPKey]datapath.TPVal
 	spliced     map[protocol.SessionID]splicedPair
 	triggers    map[uint64]*trigger
@@ -508,11 +509,54 @@ func (c *control) record(x protocol.Result, rep api.MigrationReport, hasRep bool
 	if at, ok := c.started[x.Token]; ok {
 		r.Micros = time.Since(at).Microseconds()
 		delete(c.started, x.Token)
+		if ph, ok := c.phases[x.Req]; ok {
+			if !ph.locked.IsZero() {
+				r.LockMicros = ph.locked.Sub(at).Microseconds()
+			}
+			if !ph.twoPath.IsZero() {
+				r.SetupMicros = ph.twoPath.Sub(at).Microseconds()
+			}
+		}
 	}
+	delete(c.phases, x.Req)
 	if len(c.history) >= historyLen {
 		c.history = append(c.history[:0], c.history[len(c.history)-historyLen/2:]...)
 	}
 	c.history = append(c.history, r)
+}
+
+// phaseTimes are when a request this host is the left anchor of reached
+// its phases (api.ReconfigResult's LockMicros and SetupMicros).
+type phaseTimes struct{ locked, twoPath time.Time }
+
+// maxPhases bounds c.phases: requests whose result never comes (an agent
+// stopped mid-way cannot happen, but a protocol bug must not grow memory).
+const maxPhases = 1 << 16
+
+// notePhase records the phases of the left anchor's requests.
+func (c *control) notePhase(x protocol.Progress) {
+	if x.Role != protocol.RoleLeftAnchor {
+		return
+	}
+	if c.phases == nil || len(c.phases) >= maxPhases {
+		c.phases = map[protocol.ReqKey]phaseTimes{}
+	}
+	ph := c.phases[x.Req]
+	switch x.Stage {
+	case protocol.StageSettingUp: // reported again when a gated new path is ready
+		if !ph.locked.IsZero() {
+			return
+		}
+		ph.locked = time.Now()
+	case protocol.StageTwoPath:
+		if !ph.twoPath.IsZero() {
+			return
+		}
+		ph.twoPath = time.Now()
+	default:
+		return
+	}
+	c.phases[x.Req] = ph
 }
 
 // reconfigHistory returns the results kept.
@@ -641,6 +685,7 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 		c.countReject(x.Reason.String())
 		c.a.log.Debug("control message refused", "reason", x.Reason.String(), "type", x.Type.String(), "from", x.From, "detail", x.Detail)
 	case protocol.Progress:
+		c.notePhase(x)
 		c.a.log.Debug("reconfiguration progress", "session", x.Session, "req", x.Req.String(), "role", x.Role.String(), "stage", x.Stage.String(), "note", x.Note)
 	}
 	return nil

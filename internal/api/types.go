@@ -184,6 +184,14 @@ type ReconfigResult struct {
 	// Micros is the time from the request to the old path no longer being
 	// used (the left anchor's completion).
 	Micros int64 `json:"micros"`
+	// LockMicros and SetupMicros split Micros into its phases, where the
+	// left anchor saw them: from the request to the segment locked
+	// (ackLock, §3.2) and to the new path in use (its handshake done, the
+	// two-path phase of §3.5 begun); the rest, Micros - SetupMicros, is the
+	// two-path phase, until the old path's last bytes are acknowledged.
+	// Zero where the request did not get that far.
+	LockMicros  int64 `json:"lock_micros,omitempty"`
+	SetupMicros int64 `json:"setup_micros,omitempty"`
 	// Migration is set for requests with state migration.
 	Migration *MigrationReport `json:"migration,omitempty"`
 }

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"runtime/pprof"
 	"strings"
 	"time"
 
@@ -20,7 +21,7 @@ func newAgentCmd() *cobra.Command {
 	var cfg agent.Config
 	var trusted []string
 	var reset, debug bool
-	var ports, keyFile string
+	var ports, keyFile, cpuProfile string
 	cmd := &cobra.Command{
 		Use:   "agent",
 		Short: "Run the Dysco agent of this host (network namespace)",
@@ -64,6 +65,17 @@ under --pin-dir. 'dysco agent --reset' removes it (every session on the host end
 				}
 				cfg.ControlKey = k
 			}
+			if cpuProfile != "" {
+				f, err := os.Create(strings.ReplaceAll(cpuProfile, "{name}", cfg.Name))
+				if err != nil {
+					return fmt.Errorf("--cpu-profile: %w", err)
+				}
+				if err := pprof.StartCPUProfile(f); err != nil {
+					f.Close()
+					return fmt.Errorf("--cpu-profile: %w", err)
+				}
+				defer func() { pprof.StopCPUProfile(); f.Close() }()
+			}
 			return agent.Run(cmd.Context(), cfg)
 		},
 	}
@@ -82,6 +94,7 @@ under --pin-dir. 'dysco agent --reset' removes it (every session on the host end
 	f.StringSliceVar(&trusted, "trusted", nil, "accept Dysco SYNs only from these prefixes (default: from anyone)")
 	f.BoolVar(&reset, "reset", false, "remove the pinned datapath under --pin-dir and exit")
 	f.BoolVar(&debug, "debug", false, "debug logging")
+	f.StringVar(&cpuProfile, "cpu-profile", "", "write a CPU profile of the agent to this file until it exits (go tool pprof); {name} in it becomes --name")
 	f.IntVar(&cfg.ControlPort, "control-port", agent.DefaultControlPort, "UDP port of the reconfiguration protocol")
 	f.StringSliceVar(&cfg.StatePlugins, "state-plugins", []string{"conntrack", "api"}, "middlebox state this agent exports and imports for state migration (conntrack, api; empty: none)")
 	f.StringVar(&cfg.StateFailExport, "state-fail-export", "", "test aid: this state plug-in's exports fail")

@@ -465,13 +465,13 @@ func reportResults(w io.Writer, rep api.ReconfigReply, asJSON bool, none string)
 
 func printResults(w io.Writer, rs []api.ReconfigResult) error {
 	tw := newTabWriter(w)
-	fmt.Fprintln(tw, "ID\tSESSION\tOUTCOME\tREASON\tTIME")
+	fmt.Fprintln(tw, "ID\tSESSION\tOUTCOME\tREASON\tTIME\tLOCK/SETUP/TWO-PATH")
 	for _, r := range rs {
 		reason := r.Reason
 		if r.Blocker != "" {
 			reason = strings.TrimSpace(reason + " (blocked by " + r.Blocker + ")")
 		}
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\n", r.ID, orDash(r.Session), orDash(r.Outcome), orDash(reason), formatMicros(r.Micros))
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\n", r.ID, orDash(r.Session), orDash(r.Outcome), orDash(reason), formatMicros(r.Micros), formatPhases(r))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -488,6 +488,19 @@ func printResults(w io.Writer, rs []api.ReconfigResult) error {
 		}
 	}
 	return nil
+}
+
+// formatPhases writes the phases of a reconfiguration at its left anchor:
+// locking, setting up the new path, and the two-path phase (each its own
+// duration, adding up to the total), "-" where they are not known.
+func formatPhases(r api.ReconfigResult) string {
+	if r.LockMicros <= 0 {
+		return "-"
+	}
+	if r.SetupMicros <= 0 {
+		return fmt.Sprintf("%.1f/-/-ms", float64(r.LockMicros)/1000)
+	}
+	return fmt.Sprintf("%.1f/%.1f/%.1fms", float64(r.LockMicros)/1000, float64(r.SetupMicros-r.LockMicros)/1000, float64(r.Micros-r.SetupMicros)/1000)
 }
 
 // formatMicros writes a duration in microseconds as milliseconds: 12.3ms.

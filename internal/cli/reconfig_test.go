@@ -76,18 +76,18 @@ func exitStatus(err error) int {
 }
 
 var mixedReply = api.ReconfigReply{Results: []api.ReconfigResult{
-	{ID: 4, Session: "10.0.0.1:40000 -> 10.0.9.1:80", Outcome: "succeeded", Micros: 12345},
+	{ID: 4, Session: "10.0.0.1:40000 -> 10.0.9.1:80", Outcome: "succeeded", Micros: 12345, LockMicros: 1200, SetupMicros: 2500},
 	{ID: 7, Session: "10.0.0.1:40002 -> 10.0.9.1:80", Outcome: "refused", Reason: "segment locked by another reconfiguration", Blocker: "10.0.1.2#3", Micros: 410},
-	{ID: 9, Session: "10.0.0.1:40004 -> 10.0.9.1:80", Outcome: "failed", Reason: "new path could not be set up", Micros: 3000000},
+	{ID: 9, Session: "10.0.0.1:40004 -> 10.0.9.1:80", Outcome: "failed", Reason: "new path could not be set up", Micros: 3000000, LockMicros: 800},
 }}
 
 func TestReconfigOutput(t *testing.T) {
 	a := newReconfigAgent(t, mixedReply)
 	out, err := runDysco(t, "reconfig", "--match", "tcp dst port 80", "--to", "10.0.3.2", "--chain", "10.0.2.5, 10.0.2.6", "--timeout", "30s")
-	want := `ID  SESSION                        OUTCOME    REASON                                                             TIME
-4   10.0.0.1:40000 -> 10.0.9.1:80  succeeded  -                                                                  12.3ms
-7   10.0.0.1:40002 -> 10.0.9.1:80  refused    segment locked by another reconfiguration (blocked by 10.0.1.2#3)  0.4ms
-9   10.0.0.1:40004 -> 10.0.9.1:80  failed     new path could not be set up                                       3000.0ms
+	want := `ID  SESSION                        OUTCOME    REASON                                                             TIME      LOCK/SETUP/TWO-PATH
+4   10.0.0.1:40000 -> 10.0.9.1:80  succeeded  -                                                                  12.3ms    1.2/1.3/9.8ms
+7   10.0.0.1:40002 -> 10.0.9.1:80  refused    segment locked by another reconfiguration (blocked by 10.0.1.2#3)  0.4ms     -
+9   10.0.0.1:40004 -> 10.0.9.1:80  failed     new path could not be set up                                       3000.0ms  0.8/-/-ms
 1 succeeded, 1 refused, 1 failed
 `
 	if out != want {
@@ -123,9 +123,9 @@ func TestReconfigAllSucceed(t *testing.T) {
 		{ID: 2, Session: "[2001:db8::1]:40001 -> [2001:db8:9::1]:443", Outcome: "succeeded", Micros: 1250},
 	}})
 	out := mustDysco(t, "reconfig", "--match", "tcp port 443", "--to", "2001:db8:9::1", "--chain", "", "--timeout", "1500ms")
-	want := `ID  SESSION                                     OUTCOME    REASON  TIME
-1   [2001:db8::1]:40000 -> [2001:db8:9::1]:443  succeeded  -       0.8ms
-2   [2001:db8::1]:40001 -> [2001:db8:9::1]:443  succeeded  -       1.2ms
+	want := `ID  SESSION                                     OUTCOME    REASON  TIME   LOCK/SETUP/TWO-PATH
+1   [2001:db8::1]:40000 -> [2001:db8:9::1]:443  succeeded  -       0.8ms  -
+2   [2001:db8::1]:40001 -> [2001:db8:9::1]:443  succeeded  -       1.2ms  -
 2 succeeded, 0 refused, 0 failed
 `
 	if out != want {
@@ -200,8 +200,8 @@ func TestMiddleboxVerbs(t *testing.T) {
 	a := newReconfigAgent(t, api.ReconfigReply{Results: []api.ReconfigResult{
 		{ID: 12, Session: "10.0.0.1:40000 -> 10.0.9.1:80", Outcome: "succeeded", Micros: 2100},
 	}})
-	want := `ID  SESSION                        OUTCOME    REASON  TIME
-12  10.0.0.1:40000 -> 10.0.9.1:80  succeeded  -       2.1ms
+	want := `ID  SESSION                        OUTCOME    REASON  TIME   LOCK/SETUP/TWO-PATH
+12  10.0.0.1:40000 -> 10.0.9.1:80  succeeded  -       2.1ms  -
 1 succeeded, 0 refused, 0 failed
 `
 	if out := mustDysco(t, "middlebox", "remove"); out != want {

@@ -637,13 +637,32 @@ type removalStats struct {
 	// under 2 and 4 ms, the paper's marks.
 	Under2ms float64 `json:"under_2ms"`
 	Under4ms float64 `json:"under_4ms"`
+	// Phases are the medians of the succeeded results' phases at the
+	// left anchor (api.ReconfigResult): locking, setting up the new path,
+	// the two-path phase; NaN without phase times (older agents).
+	LockP50ms, SetupP50ms, TwoPathP50ms float64 `json:"-"` // MarshalJSON writes them
+}
+
+func orText(s, alt string) string {
+	if s == "" {
+		return alt
+	}
+	return s
+}
+
+// phasesText describes the median phases, "" when unknown.
+func (s removalStats) phasesText() string {
+	if math.IsNaN(s.LockP50ms) {
+		return ""
+	}
+	return fmt.Sprintf("median phases at the left anchor: locking %.2f ms, new path set-up %.2f ms, two-path phase %.2f ms", s.LockP50ms, s.SetupP50ms, s.TwoPathP50ms)
 }
 
 // summarize computes removalStats of the results over n expected sessions,
 // whose client ends are locals ("IP:PORT").
 func summarize(results []api.ReconfigResult, n int, locals map[string]bool) removalStats {
 	s := removalStats{Results: len(results), Outcomes: map[string]int{}, Reasons: map[string]int{}}
-	var ms []float64
+	var ms, lock, setup, two []float64
 	for _, x := range results {
 		s.Outcomes[x.Outcome]++
 		if src, _, ok := strings.Cut(x.Session, " -> "); ok && locals[src] {
@@ -660,7 +679,13 @@ func summarize(results []api.ReconfigResult, n int, locals map[string]bool) remo
 		s.Succeeded++
 		s.Micros = append(s.Micros, x.Micros)
 		ms = append(ms, float64(x.Micros)/1000)
+		if x.LockMicros > 0 && x.SetupMicros >= x.LockMicros {
+			lock = append(lock, float64(x.LockMicros)/1000)
+			setup = append(setup, float64(x.SetupMicros-x.LockMicros)/1000)
+			two = append(two, float64(x.Micros-x.SetupMicros)/1000)
+		}
 	}
+	s.LockP50ms, s.SetupP50ms, s.TwoPathP50ms = quantile(lock, 0.5), quantile(setup, 0.5), quantile(two, 0.5)
 	sort.Slice(s.Micros, func(i, j int) bool { return s.Micros[i] < s.Micros[j] })
 	s.P50ms, s.P99ms = quantile(ms, 0.5), quantile(ms, 0.99)
 	s.MaxMs = quantile(ms, 1)
@@ -837,11 +862,11 @@ func benchReconfig(ctx context.Context, o *Options, rl *reconfigLab, r *Report, 
 	note := fmt.Sprintf("%d repetition(s) of %d sessions client → HAProxy (TCP mode, splice-request/response) → server, dialled %s, each paced at %d KiB/s each way; "+
 		"HAProxy splices each as it comes and libdysco asks for its removal, so removals overlap the dialling and each other; "+
 		"per session, the time at the client (left anchor) from the proxy agent's trigger to the old path no longer used (`dysco reconfig history --json`), all repetitions pooled; "+
-		"%d results for %d sessions, %d succeeded; p99 %.2f ms, max %.2f ms; %.1f %% under 2 ms, %.1f %% under 4 ms; "+
+		"%d results for %d sessions, %d succeeded; p99 %.2f ms, max %.2f ms; %.1f %% under 2 ms, %.1f %% under 4 ms; %s; "+
 		"per repetition p50/p99 ms %s; dialling took %s; client sessions direct to the server afterwards %s of %d; "+
 		"session ends without data in 15 s after the goodput window %s of %d; "+
 		"packets the proxy host's datapath rewrote after the check of the client's sessions (old paths linger to pass retransmissions): %s; then, after 1 s without any, during the %v goodput window: %s",
-		reps, n, open, reconfigRate>>10, st.Results, n*reps, st.Succeeded, st.P99ms, st.MaxMs, 100*st.Under2ms, 100*st.Under4ms,
+		reps, n, open, reconfigRate>>10, st.Results, n*reps, st.Succeeded, st.P99ms, st.MaxMs, 100*st.Under2ms, 100*st.Under4ms, orText(st.phasesText(), "phases unknown"),
 		list(perRep), list(dial), list(direct), n, list(stuck), 2*n, list(quiet), o.ReconfigWindow, list(inWindow))
 	if len(st.Reasons) > 0 {
 		note += fmt.Sprintf("; not succeeded: %v", st.Reasons)
@@ -1003,6 +1028,28 @@ func (rl *reconfigLab) repetition(ctx context.Context, o *Options, x *reconfigRe
 			return err
 		}
 	}
+	if len(results) < n {
+		// What the hosts know of the sessions without a result, while
+		// they are still live (kept with the lab's logs).
+		have := map[string]bool{}
+		for _, r := range results {
+			src, _, _ := strings.Cut(r.Session, " -> ")
+			have[src] = true
+		}
+		var stuck []stuckSession
+		fs.mu.Lock()
+		for _, f := range fs.clients {
+			if a := f.c.LocalAddr().String(); !have[a] {
+				stuck = append(stuck, stuckSession{What: "session " + a + ": no reconfiguration result at the client", Addresses: []string{a}})
+			}
+		}
+		fs.mu.Unlock()
+		if p, err := dumpStuck(ctx, o, rl, stuck); err != nil {
+			x.problem("describing the sessions without a result: %v", err)
+		} else {
+			x.Notes = append(x.Notes, "what the hosts knew of the sessions without a result: "+filepath.Base(p)+" with the lab's logs")
+		}
+	}
 	x.RemovalWallMs = float64(tLast.Sub(t0).Microseconds()) / 1000
 	if cpu1 := rl.agentCPU(); cpu0 != nil && cpu1 != nil {
 		x.AgentCPUms = map[string]float64{}
@@ -1135,5 +1182,8 @@ func (s removalStats) MarshalJSON() ([]byte, error) {
 		MaxMs    *float64 `json:"max_ms"`
 		Under2ms *float64 `json:"under_2ms"`
 		Under4ms *float64 `json:"under_4ms"`
-	}{plain(s), num(s.P50ms), num(s.P99ms), num(s.MaxMs), num(s.Under2ms), num(s.Under4ms)})
+		Lock     *float64 `json:"lock_p50_ms"`
+		Setup    *float64 `json:"setup_p50_ms"`
+		TwoPath  *float64 `json:"two_path_p50_ms"`
+	}{plain(s), num(s.P50ms), num(s.P99ms), num(s.MaxMs), num(s.Under2ms), num(s.Under4ms), num(s.LockP50ms), num(s.SetupP50ms), num(s.TwoPathP50ms)})
 }

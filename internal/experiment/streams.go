@@ -13,9 +13,14 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
+	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // patLen is the period of the pattern: not a power of two, so that writes
@@ -110,6 +115,63 @@ func (e *end) recv() {
 			return
 		}
 	}
+}
+
+// setNotsentLowat limits the bytes a sender keeps queued in its socket
+// beyond what is in flight (TCP_NOTSENT_LOWAT): the writer waits instead of
+// filling its send buffer (4 MiB). Hundreds of greedy sessions whose ends
+// all live in one kernel would otherwise hold gigabytes of unsent data and
+// push TCP into global memory pressure (tcp_mem counts every network
+// namespace), which a real host with one end of each session would not
+// see: Linux then shrinks every socket's buffers and drops what it cannot
+// queue, and some sessions' congestion control collapses
+// (docs/experiments.md, "Large bundles"). In-flight data is not counted, so
+// the window is not limited.
+func setNotsentLowat(c *net.TCPConn, n int) error {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var serr error
+	if err := rc.Control(func(fd uintptr) {
+		serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT, n)
+	}); err != nil {
+		return err
+	}
+	return serr
+}
+
+// tcpMemPages is the TCP memory in use on the machine, in pages (the "mem"
+// of /proc/net/sockstat, which counts every network namespace), and the
+// pressure threshold (the middle value of net.ipv4.tcp_mem).
+func tcpMemPages() (inUse, pressure int64, err error) {
+	b, err := os.ReadFile("/proc/net/sockstat")
+	if err != nil {
+		return 0, 0, err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) > 0 && f[0] == "TCP:" {
+			for i := 1; i+1 < len(f); i += 2 {
+				if f[i] == "mem" {
+					inUse, err = strconv.ParseInt(f[i+1], 10, 64)
+				}
+			}
+		}
+	}
+	if err != nil {
+		return 0, 0, err
+	}
+	b, err = os.ReadFile("/proc/sys/net/ipv4/tcp_mem")
+	if err != nil {
+		return inUse, 0, err
+	}
+	f := strings.Fields(string(b))
+	if len(f) != 3 {
+		return inUse, 0, fmt.Errorf("tcp_mem: %q", b)
+	}
+	pressure, err = strconv.ParseInt(f[1], 10, 64)
+	return inUse, pressure, err
 }
 
 // abort closes the socket with an RST (no TIME_WAIT left behind).
