@@ -42,14 +42,6 @@ type dyscoDeltaVal struct {
 	Pad   uint8
 }
 
-type dyscoDyscoEnds struct {
-	_     structs.HostLayout
-	Saddr [16]uint8
-	Daddr [16]uint8
-	Sport uint16
-	Dport uint16
-}
-
 type dyscoDyscoTuple struct {
 	_     structs.HostLayout
 	Saddr [16]uint8
@@ -62,14 +54,18 @@ type dyscoDyscoTuple struct {
 
 type dyscoFlowVal struct {
 	_       structs.HostLayout
-	Out     dyscoDyscoEnds
+	Out     dyscoDyscoTuple
 	SessId  uint32
 	Flags   uint32
+	Dir     uint8
+	MkOk    uint8
+	Pad     uint16
 	MkSeq   uint32
 	MkAck   uint32
-	LastMs  uint32
+	_       [4]byte
 	Packets uint64
 	Bytes   uint64
+	LastNs  uint64
 }
 
 type dyscoHoldBuf struct {
@@ -99,32 +95,30 @@ type dyscoScratch struct {
 	_     structs.HostLayout
 	Buf   [188]uint8
 	St    dyscoSynState
-	Sess  dyscoSessionVal
 	_     [4]byte
+	Sess  dyscoSessionVal
 	Fwd   dyscoFlowVal
 	Rev   dyscoFlowVal
 	Known dyscoFlowVal
 	Next  dyscoDyscoTuple
 	Rkey  dyscoDyscoTuple
-	Ends  dyscoDyscoEnds
-	_     [4]byte
 }
 
 type dyscoSessionVal struct {
 	_         structs.HostLayout
-	Tuple     dyscoDyscoEnds
-	CreatedMs uint32
-	LastMs    uint32
+	Tuple     dyscoDyscoTuple
+	CreatedNs uint64
+	LastNs    uint64
 	Nonce     [8]uint8
 	State     uint32
-	Isn       [2]uint32
-	Tsoff     [2]uint32
-	Policy    uint16
+	Policy    uint32
 	Role      uint8
 	IsV6      uint8
 	Ws        [2]uint8
+	Isn       [2]uint32
+	Tsoff     [2]uint32
 	HasTs     uint8
-	Pad       uint8
+	Pad       [3]uint8
 }
 
 type dyscoSynState struct {
