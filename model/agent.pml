@@ -1,13 +1,62 @@
 /*
  * The control half of an agent (agent.go): locking (§3.2), deltas (§3.4),
  * the UDP SYN handshake of the new path (§3.1, §3.3), UDP FIN / FIN-ACK
- * teardown of the old path (§3.5), cancelLock / ackCancel (§3.6).
+ * teardown of the old path (§3.5), cancelLock / ackCancel (§3.6), and the
+ * retransmission timers with the receivers' duplicate handling (agent.go
+ * onTimer, the history of resolved requests).
  */
 
 #define PENDING(me) ((la[1] == me && stageL[1] == 0) || (la[NR] == me && stageL[NR] == 0))
 
-/* send a control message */
-#define CTL(nb, t, r, x) assert(nfull(net[nb])); net[nb]!t(me, r, x, 0, 0, 0, 0)
+/* the exchange of a message type (fin and finAck name theirs explicitly) */
+#define XOF(t) ((t == requestLock || t == ackLock || t == nackLock) -> XREQ : \
+	((t == syn || t == synAck) -> XSYN : ((t == cancelLock || t == ackCancel) -> XCAN : 0)))
+
+/*
+ * Send a control message (UDP): the network may lose it (at most LOSS in a
+ * run). A loss marks exchange X of request r: the sender's timer for it may
+ * fire from then on. fl is the message's flag (syn: position in the address
+ * list; cancelLock: 1 = FlagNewPath).
+ */
+inline ctl(cnb, ct, cr, cx, cfl, cX) {
+	if
+	:: LOSS > 0 && nlost < LOSS ->
+		printf("MSC: %d -> %d %e r%d LOST\n", me, cnb, ct, cr);
+		nlost++; lossy[cr] = lossy[cr] | (cX); lostNow[cr] = lostNow[cr] | (cX)
+	:: true ->
+		assert(nfull(net[cnb]));   /* the bounded channels never overflow */
+		net[cnb]!ct(me, cr, cx, cfl, 0, 0, 0)
+	fi
+}
+#define CTL(nb, t, r, x) ctl(nb, t, r, x, 0, XOF(t))
+
+/* one lost message never makes a sender give up: it gives up only if at
+ * least min(MAXTRIES, 2) control messages were lost (the one that started
+ * its timer, and its last try or the answer to it; with a timer firing
+ * early, two losses can use up more than two tries). With fewer, every
+ * exchange is answered: no timeout, no setupFailed on a working path, no
+ * Unconfirmed. */
+#define GIVEUP printf("MSC: %d gives up r%d\n", me, r); gaveUp++; assert(nlost >= (MAXTRIES < 2 -> MAXTRIES : 2))
+
+/* a message the receiver rejects (Rejected, no answer) may leave its
+ * sender without an answer: its timer may fire (retransmit). It does not
+ * count as the loss of the last try: another copy may be on its way (a
+ * rejected duplicate); if none is, the sender gives up at quiescence. */
+inline dropped(r, X) {
+	lossy[r] = lossy[r] | (X)
+}
+
+/* the left anchor's part in r ends (finishLeft); the history says how */
+inline finishLeft(r, o, rs) {
+	stageL[r] = done; outcome[r] = o; reason[r] = rs;
+	hist[HI(me, r)] = (o == Succeeded -> resDone : resNacked)
+}
+
+/* sendRequestLock: (re)transmission, same request, anchors add no delta */
+inline sendRequestLock(r) {
+	reqTries[r]++;
+	CTL(rightN[me], requestLock, r, 0)
+}
 
 /* the left anchor starts (or restarts, from the queue) request r */
 inline startReq(r) {
@@ -16,8 +65,9 @@ inline startReq(r) {
 		stageL[r] = done; outcome[r] = Refused; reason[r] = ReasonNoSession
 	:: else -> if
 		:: lock[me] == unlocked ->
+			/* startLeft */
 			lock[me] = lockPending; requestor[me] = r; stageL[r] = locking; laReq[me] = r;
-			CTL(rightN[me], requestLock, r, 0)     /* anchors add no delta */
+			sendRequestLock(r)
 		:: lock[me] == lockPending ->
 			/* a request passing through holds it: wait in the queue */
 			assert(qreq[me] == 0);
@@ -28,20 +78,26 @@ inline startReq(r) {
 	fi
 }
 
-/* requestLock(r, rightDelta) from the left (from: the agent it came from;
- * every answer goes back there, reqFrom remembers it for the ackLock) */
-inline onRequestLock(r, dl, fromQueue, rfrom) {
+/* nack: refuse a request from the left and remember the answer */
+inline nack(r, rfrom, rs) {
+	hist[HI(me, r)] = resNacked; histR[HI(me, r)] = rs;
+	CTL(rfrom, nackLock, r, rs)
+}
+
+/* a requestLock that is not a duplicate (onRequestLock after its checks
+ * for duplicates) */
+inline newRequestLock(r, dl, fromQueue, rfrom) {
 	if
-	:: freed[me] -> CTL(rfrom, nackLock, r, ReasonNoSession)
-	:: !freed[me] && busyRA[me] != 0 && busyRA[me] != r ->
+	:: freed[me] -> nack(r, rfrom, ReasonNoSession)
+	:: !freed[me] && busyRA[me] != 0 ->
 		/* right anchor of an unfinished reconfiguration of its left side */
-		CTL(rfrom, nackLock, r, ReasonBusy)
+		nack(r, rfrom, ReasonBusy)
 	:: !freed[me] && busyRA[me] == 0 && me == ra[r] ->
-		/* accept: right anchor in waitSyn, ackLock with leftDelta 0 */
+		/* accept: right anchor in waitSyn, ackLock with leftDelta 0 (sendAckLock: on the left side) */
 		busyRA[me] = r; stageR[r] = waitSyn; rightDelta[r] = dl;
-		CTL(rfrom, ackLock, r, 0)
+		CTL(leftN[me], ackLock, r, 0)
 	:: !freed[me] && busyRA[me] == 0 && me != ra[r] && rightN[me] == NONE ->
-		CTL(rfrom, nackLock, r, ReasonNotOnPath)
+		nack(r, rfrom, ReasonNotOnPath)
 	:: !freed[me] && busyRA[me] == 0 && me != ra[r] && rightN[me] != NONE ->
 #ifdef BROKEN_SKIP_LOCK
 		/* broken: the lock is taken over whatever its state */
@@ -56,29 +112,57 @@ inline onRequestLock(r, dl, fromQueue, rfrom) {
 			assert(qreq[me] == 0 && !fromQueue);
 			qreq[me] = r; qdelta[me] = dl; qfrom[me] = rfrom
 		:: lock[me] == locked ->
-			CTL(rfrom, nackLock, r, ReasonLocked)
+			nack(r, rfrom, ReasonLocked)
 		fi
 #endif
 	fi
 }
 
-/* refuse the queued request (the lock went to another) */
-inline refuseQueued() {
+/*
+ * requestLock(r, rightDelta) from the left (rfrom: the agent it came from;
+ * every answer goes back there, reqFrom remembers it for the ackLock).
+ * First the duplicates (a retransmission by the left anchor), as
+ * onRequestLock: resolved here → the same nackLock again, or nothing
+ * (cancelled, done, expired); right anchor of r → ackLock again; lock held
+ * by r → forward again (the right anchor answers again); r queued here →
+ * nothing. (The replay check on request ids is subsumed here: one request
+ * per left anchor, every earlier one is caught by the checks above.)
+ */
+inline onRequestLock(r, dl, fromQueue, rfrom) {
+#ifdef BROKEN_NO_DEDUP
+	/* broken: every requestLock is handled as a new request */
+	newRequestLock(r, dl, fromQueue, rfrom)
+#else
+	if
+	:: hist[HI(me, r)] == resNacked -> CTL(rfrom, nackLock, r, histR[HI(me, r)])
+	:: hist[HI(me, r)] != 0 && hist[HI(me, r)] != resNacked -> dropped(r, XREQ)   /* Rejected: already resolved */
+	:: hist[HI(me, r)] == 0 && busyRA[me] == r -> CTL(leftN[me], ackLock, r, 0)
+	:: hist[HI(me, r)] == 0 && busyRA[me] != r && lock[me] != unlocked && requestor[me] == r ->
+		CTL(rightN[me], requestLock, r, dl + sdL[me] + appR[me])
+	:: hist[HI(me, r)] == 0 && busyRA[me] != r && !(lock[me] != unlocked && requestor[me] == r) &&
+	   qreq[me] == r && la[r] != me -> skip
+	:: else -> newRequestLock(r, dl, fromQueue, rfrom)
+	fi
+#endif
+}
+
+/* refuse the queued request (the lock went to another): nackQueue */
+inline nackQueue() {
 	if
 	:: qreq[me] != 0 && la[qreq[me]] == me ->
 		stageL[qreq[me]] = done; outcome[qreq[me]] = Refused; reason[qreq[me]] = ReasonLocked;
 		qreq[me] = 0
 	:: qreq[me] != 0 && la[qreq[me]] != me ->
-		CTL(qfrom[me], nackLock, qreq[me], ReasonLocked);
+		nack(qreq[me], qfrom[me], ReasonLocked);
 		qreq[me] = 0
 	:: else
 	fi
 }
 
 /* release the first queued request (now the rightmost: cannot block again) */
-inline releaseQueued() {
+inline releaseQueue() {
 	if
-	:: qreq[me] != 0 ->
+	:: qreq[me] != 0 && lock[me] == unlocked ->
 		q = qreq[me]; qreq[me] = 0;
 		if
 		:: la[q] == me -> startReq(q)
@@ -88,29 +172,75 @@ inline releaseQueued() {
 	fi
 }
 
-/* one of the two anchors is done with two paths: completion checks */
-inline checkTwoPath() {
+/* startCancel / sendCancel (§3.6): cancelLock on the old path until
+ * ackCancel; anchor = the left anchor's own cancellation, else a stale lock */
+inline sendCancel(r) {
+	canTries[r]++;
+	CTL(rightN[me], cancelLock, r, 0)
+}
+inline startCancel(r, anchor) {
+	canJob[r] = 1; canAnchor[r] = anchor; canTries[r] = 0;
+	lossy[r] = lossy[r] & NOTX(XCAN); lostNow[r] = lostNow[r] & NOTX(XCAN);
+	sendCancel(r)
+}
+/* cancelDone: ackCancel, or no answer after MAXTRIES (leases free the rest) */
+inline cancelDone(r) {
+	canJob[r] = 0;
+	if
+	:: canAnchor[r] && stageL[r] == cancelling ->
+		lock[me] = unlocked; requestor[me] = 0;
+		finishLeft(r, Failed, ReasonSetupFailed)
+	:: else
+	fi
+}
+
+/* abortSetup: the new path does not answer. RemoveSubsession, a
+ * best-effort cancelLock on the new path (frees joined middleboxes; not
+ * retransmitted), then cancelLock on the old path */
+inline abortSetup(r) {
+	ctl(newN[me], cancelLock, r, 0, 1, 0);
+	newN[me] = NONE; held[r] = 0; stageL[r] = cancelling;
+	startCancel(r, 1)
+}
+
+/* the right anchor abandons a request that never switched (releaseRight) */
+inline releaseRight(r, kind) {
+	busyRA[me] = 0; newN[me] = NONE; stageR[r] = done; hist[HI(me, r)] = kind
+}
+
+#define FINX(me, r) (la[r] == me -> XFINL : XFINR)     /* exchange of the fin an anchor sends */
+#define FINACKX(me, r) (la[r] == me -> XFINR : XFINL)  /* exchange of the finAck an anchor sends */
+
+/* sendFin: the fin carries the cut-off; retransmitted on TimerFin */
+inline sendFin(r) {
+	finTries[me]++;
+	ctl(oldN[me], fin, r, oldSent[me], 0, FINX(me, r))
+}
+
+/* one of the two anchors is done with two paths: completion checks (evaluate) */
+inline evaluate() {
 	if
 	:: tp[me] ->
 		r = tpReq[me];
 		/* 1. everything sent on the old path acknowledged: fin(cutoff) */
 		if
 		:: !finSent[me] && oldSentAcked[me] == oldSent[me] ->
-			finSent[me] = 1; CTL(oldN[me], fin, r, oldSent[me])
+			finSent[me] = 1; finTries[me] = 0; sendFin(r)
 		:: else
 		fi;
 		/* 2. answer the other's fin once all its old data is in and acked */
 		if
 		:: haveCut[me] && !answered[me] && oldRcvdAcked[me] == oldRcvd[me] &&
 		   ((newRcvd[me] && firstNewRcvd[me] <= oldRcvd[me]) || oldRcvd[me] >= cutoff[me] + dNew[me]) ->
-			answered[me] = 1; CTL(oldN[me], finAck, r, 0)
+			answered[me] = 1; ctl(oldN[me], finAck, r, 0, 0, FINACKX(me, r))
 		:: else
 		fi;
-		/* 3. complete: EndTwoPath, the new subsession becomes the side's */
+		/* 3. complete: EndTwoPath, the new subsession becomes the side's;
+		 * the old one is a tomb that answers retransmitted fins */
 		if
 		:: finAcked[me] && answered[me] ->
 			tp[me] = 0;
-			lingerN[me] = oldN[me];
+			lingerN[me] = oldN[me]; lingerR[me] = r;
 			if
 			:: tpSide[me] == RIGHT -> lingerD[me] = sdR[me]; rightN[me] = newN[me]; sdR[me] = dNew[me]
 			:: else -> lingerD[me] = sdL[me]; leftN[me] = newN[me]; sdL[me] = dNew[me]
@@ -118,10 +248,10 @@ inline checkTwoPath() {
 			newN[me] = NONE;
 			if
 			:: la[r] == me ->
-				lock[me] = unlocked; requestor[me] = 0;
-				stageL[r] = done; outcome[r] = Succeeded; held[r] = 0
+				lock[me] = unlocked; requestor[me] = 0; held[r] = 0;
+				finishLeft(r, Succeeded, ReasonNone)
 			:: else ->
-				stageR[r] = done; busyRA[me] = 0
+				stageR[r] = done; busyRA[me] = 0; hist[HI(me, r)] = resDone
 			fi
 		:: else
 		fi
@@ -129,161 +259,311 @@ inline checkTwoPath() {
 	fi
 }
 
-/* a middle agent of the old path: fin-acks passed both ways, it frees the session */
+/* a middle agent of the old path: fin-acks passed both ways, it frees the
+ * session (after Linger in Go; retransmitted fins are still passed here) */
 inline middleFinAck() {
 	finPassed[me] = finPassed[me] | (m.from == leftN[me] -> 1 : 2);
 	if
-	:: finPassed[me] == 3 -> freed[me] = 1; lock[me] = unlocked; requestor[me] = 0
+	:: finPassed[me] == 3 -> freed[me] = 1; lock[me] = unlocked; requestor[me] = 0; hist[HI(me, r)] = resDone
 	:: else
 	fi
 }
 
-inline control() {
+/* TimerLease (onLease): a right anchor before the switch, or a middle's lock */
+#define LEASE(i) ((busyRA[i] != 0 && (stageR[busyRA[i]] == waitSyn || stageR[busyRA[i]] == waitAck)) || \
+	(lock[i] != unlocked && requestor[i] != 0 && la[requestor[i]] != i && !freed[i]))
+inline onLease() {
+	if
+	:: busyRA[me] != 0 && (stageR[busyRA[me]] == waitSyn || stageR[busyRA[me]] == waitAck) ->
+		r = busyRA[me]; releaseRight(r, resExpired)
+	:: else ->
+		r = requestor[me]; lock[me] = unlocked; requestor[me] = 0; hist[HI(me, r)] = resExpired
+	fi
+}
+
+inline onMessage() {
 	r = m.req;
 	if
 	:: m.t == requestLock -> onRequestLock(r, m.x, 0, m.from)
 	:: m.t == ackLock && me == la[r] ->
-		assert(stageL[r] == locking);
-		lock[me] = locked; stageL[r] = settingUp; leftDelta[r] = m.x;
-		/* the contending requests are never both holding the segment */
-		held[r] = 1;
-		/* while a left anchor holds its segment, every agent of the old path
-		 * up to the right anchor is locked by that request (§3.2) */
-		q = rightN[me];
-		do
-		:: q != ra[r] ->
-			assert(q != NONE && !freed[q] && lock[q] == locked && requestor[q] == r);
-			q = rightN[q]
-		:: else -> break
-		od;
-		assert(busyRA[q] == r && stageR[r] == waitSyn);
-		assert(!(held[1] && held[NR]) || NR == 1);
-		refuseQueued();
-		/* AddSubsession to the first new hop, then the UDP SYN */
-		newN[me] = (nh[r] > 0 -> hop[2*r] : ra[r]);
-		dNew[me] = sdR[me] + leftDelta[r];
-		synTries[r] = 1;
-		CTL(newN[me], syn, r, 0)
+		if
+		:: stageL[r] == locking && lock[me] == lockPending && requestor[me] == r ->
+			lock[me] = locked; stageL[r] = settingUp; leftDelta[r] = m.x;
+			/* the contending requests are never both holding the segment */
+			held[r] = 1;
+			/* while a left anchor holds its segment, every agent of the old path
+			 * up to the right anchor is locked by that request (§3.2) */
+			q = rightN[me];
+			do
+			:: q != ra[r] ->
+				assert(q != NONE && !freed[q] && lock[q] == locked && requestor[q] == r);
+				q = rightN[q]
+			:: else -> break
+			od;
+			assert(busyRA[q] == r && stageR[r] == waitSyn);
+			assert(!(held[1] && held[NR]) || NR == 1);
+			nackQueue();
+			/* beginSetup: AddSubsession to the first new hop, then the UDP SYN */
+			newN[me] = (nh[r] > 0 -> hop[2*r] : ra[r]);
+			dNew[me] = sdR[me] + leftDelta[r];
+			synTries[r] = 1;
+			CTL(newN[me], syn, r, 0)
+		:: stageL[r] == done && outcome[r] != Succeeded && !canJob[r] ->
+			/* an answer to a request this agent gave up: somebody holds a
+			 * lock for it; release it (§3.6) */
+			startCancel(r, 0)
+		:: else -> skip   /* duplicate, or a cancel job already runs */
+		fi
 	:: m.t == ackLock && me != la[r] ->
-#ifndef BROKEN_SKIP_LOCK
-		assert(lock[me] == lockPending && requestor[me] == r);
-#endif
-		lock[me] = locked;
-		CTL(reqFrom[me], ackLock, r, m.x + sdR[me] + appL[me]);
-		refuseQueued()
+		if
+		:: lock[me] != unlocked && requestor[me] == r ->
+			if
+			:: lock[me] == lockPending -> lock[me] = locked; nackQueue()
+			:: else   /* a duplicate: forward it again */
+			fi;
+			CTL(reqFrom[me], ackLock, r, m.x + sdR[me] + appL[me])
+		:: else -> dropped(r, XREQ)   /* Rejected: unexpected */
+		fi
 	:: m.t == nackLock && me == la[r] ->
-		assert(stageL[r] == locking);
-		lock[me] = unlocked; requestor[me] = 0;
-		stageL[r] = done; outcome[r] = Refused; reason[r] = m.x;
-		releaseQueued()
+		if
+		:: stageL[r] == locking && lock[me] == lockPending && requestor[me] == r ->
+			lock[me] = unlocked; requestor[me] = 0;
+			finishLeft(r, Refused, m.x)
+		:: else -> skip   /* stale */
+		fi
 	:: m.t == nackLock && me != la[r] ->
-#ifndef BROKEN_SKIP_LOCK
-		assert(requestor[me] == r);
-#endif
-		lock[me] = unlocked; requestor[me] = 0;
-		CTL(reqFrom[me], nackLock, r, m.x);
-		releaseQueued()
+		if
+		:: lock[me] == lockPending && requestor[me] == r ->
+			lock[me] = unlocked; requestor[me] = 0;
+			hist[HI(me, r)] = resNacked; histR[HI(me, r)] = m.x;
+			CTL(reqFrom[me], nackLock, r, m.x)
+		:: else -> dropped(r, XREQ)   /* Rejected: unexpected */
+		fi
 	:: m.t == syn && me == ra[r] ->
 		if
-		:: stageR[r] == waitSyn ->
+		:: busyRA[me] == r && stageR[r] == waitSyn ->
 			/* AddSubsession armed, delta = left side's + rightDelta */
 			newN[me] = m.from; dNew[me] = sdL[me] + rightDelta[r];
-			stageR[r] = waitAck
-		:: else -> assert(m.from == newN[me])   /* retransmitted SYN */
-		fi;
-		CTL(m.from, synAck, r, 0)
+			stageR[r] = waitAck;
+			CTL(m.from, synAck, r, 0)
+		:: busyRA[me] == r && stageR[r] != waitSyn && m.from == newN[me] ->
+			CTL(m.from, synAck, r, 0)   /* onSynDup: a retransmitted SYN */
+		:: else -> dropped(r, XSYN)   /* Rejected: not (or no longer) locked here */
+		fi
 	:: m.t == syn && me != ra[r] ->
-		/* JoinSession: a new hop, no deltas; forward with the rest of the list */
-		leftN[me] = m.from;
+		/* JoinSession: a new hop, no deltas; forward with the rest of the
+		 * list (a retransmitted SYN is forwarded again) */
+		leftN[me] = m.from; joinReq[me] = r;
 		rightN[me] = (m.s + 1 < nh[r] -> hop[2*r + m.s + 1] : ra[r]);
-		net[rightN[me]]!syn(me, r, 0, m.s + 1, 0, 0, 0)
+		ctl(rightN[me], syn, r, 0, m.s + 1, XSYN)
 	:: m.t == synAck && me == la[r] ->
 		if
-		:: stageL[r] == settingUp ->
+		:: stageL[r] == settingUp && m.from == newN[me] ->
 			CTL(newN[me], ack, r, 0);
 			startTwoPath(me, RIGHT, r);
 			stageL[r] = twoPath
-		:: else   /* duplicate */
+		:: stageL[r] == twoPath -> CTL(newN[me], ack, r, 0)   /* our ACK was lost */
+		:: else -> skip
 		fi
-	:: m.t == synAck && me != la[r] -> CTL(leftN[me], synAck, r, 0)
+	:: m.t == synAck && me != la[r] ->
+		if
+		:: joinReq[me] == r && leftN[me] != NONE -> CTL(leftN[me], synAck, r, 0)
+		:: else -> dropped(r, XSYN)
+		fi
 	:: m.t == ack && me == ra[r] ->
 		if
-		:: stageR[r] == waitAck -> startTwoPath(me, LEFT, r); stageR[r] = twoPath
+		:: busyRA[me] == r && stageR[r] == waitAck -> startTwoPath(me, LEFT, r); stageR[r] = twoPath
 		:: else   /* already switched by a new-path packet or the fin */
 		fi
-	:: m.t == ack && me != ra[r] -> CTL(rightN[me], ack, r, 0)
+	:: m.t == ack && me != ra[r] ->
+		if
+		:: joinReq[me] == r && rightN[me] != NONE -> CTL(rightN[me], ack, r, 0)
+		:: else -> skip
+		fi
 	:: m.t == fin && (me == la[r] || me == ra[r]) ->
 		if
-		:: me == ra[r] && stageR[r] == waitAck -> startTwoPath(me, LEFT, r); stageR[r] = twoPath
+		:: me == ra[r] && busyRA[me] == r && stageR[r] == waitAck -> startTwoPath(me, LEFT, r); stageR[r] = twoPath
 		:: else
 		fi;
-		assert(tp[me] && tpReq[me] == r);
-		haveCut[me] = 1; cutoff[me] = m.x
+		if
+		:: tp[me] && tpReq[me] == r ->
+			haveCut[me] = 1; cutoff[me] = m.x;
+			if
+#ifndef BROKEN_FIN_NO_REANSWER
+			:: answered[me] -> ctl(oldN[me], finAck, r, 0, 0, FINACKX(me, r))   /* answer again */
+#endif
+			:: else   /* evaluate (evaluate) follows */
+			fi
+#ifndef BROKEN_FIN_NO_REANSWER
+		:: !(tp[me] && tpReq[me] == r) && lingerN[me] == m.from && lingerR[me] == r ->
+			/* onTomb: a retransmitted fin on the torn-down old path */
+			ctl(m.from, finAck, r, 0, 0, FINACKX(me, r))
+#endif
+		:: else ->
+			/* only a retransmission can come after the anchor is done */
+			assert((me == la[r] && stageL[r] == done) || (me == ra[r] && stageR[r] == done));
+			dropped(r, FINACKX(me, r))
+		fi
 	:: m.t == fin && me != la[r] && me != ra[r] ->
-		CTL((m.from == leftN[me] -> rightN[me] : leftN[me]), fin, r, m.x)
+		fwn = (m.from == leftN[me] -> rightN[me] : leftN[me]); fwx = (m.from == leftN[me] -> XFINL : XFINR);
+		ctl(fwn, fin, r, m.x, 0, fwx)
 	:: m.t == finAck && (me == la[r] || me == ra[r]) ->
-		assert(tp[me] && finSent[me]);
-		finAcked[me] = 1
+		if
+		:: tp[me] && tpReq[me] == r && !finAcked[me] -> assert(finSent[me]); finAcked[me] = 1
+		:: else ->
+			/* a duplicate (answer to a retransmitted fin) */
+			assert((tp[me] && tpReq[me] == r && finAcked[me]) ||
+			       (me == la[r] && stageL[r] == done) || (me == ra[r] && stageR[r] == done))
+		fi
 	:: m.t == finAck && me != la[r] && me != ra[r] ->
-		CTL((m.from == leftN[me] -> rightN[me] : leftN[me]), finAck, r, 0);
+		fwn = (m.from == leftN[me] -> rightN[me] : leftN[me]); fwx = (m.from == leftN[me] -> XFINR : XFINL);
+		ctl(fwn, finAck, r, 0, 0, fwx);
 		middleFinAck()
-	:: m.t == cancelLock && me == ra[r] ->
-		/* release the right anchor's state */
+	:: m.t == cancelLock && m.s == 1 ->
+		/* FlagNewPath: a new path that will not be used */
 		if
-		:: busyRA[me] == r -> busyRA[me] = 0; newN[me] = NONE; stageR[r] = done
-		:: else
-		fi;
-		CTL(leftN[me], ackCancel, r, 0)
-	:: m.t == cancelLock && me != ra[r] ->
+		:: joinReq[me] == r && me != ra[r] && rightN[me] != NONE ->
+			ctl(rightN[me], cancelLock, r, 0, 1, 0);
+			/* FreeSession of the joined session */
+			leftN[me] = NONE; rightN[me] = NONE; joinReq[me] = 0
+		:: me == ra[r] && busyRA[me] == r && stageR[r] != twoPath -> releaseRight(r, resCancelled)
+		:: else -> skip
+		fi
+	:: m.t == cancelLock && m.s == 0 && me == ra[r] ->
 		if
-		:: requestor[me] == r -> lock[me] = unlocked; requestor[me] = 0
-		:: else
-		fi;
-		CTL(rightN[me], cancelLock, r, 0)
+		:: busyRA[me] == r && stageR[r] == twoPath -> dropped(r, XCAN)   /* Rejected: after the switch */
+		:: busyRA[me] == r && stageR[r] != twoPath ->
+			releaseRight(r, resCancelled); CTL(leftN[me], ackCancel, r, 0)
+		:: busyRA[me] != r -> hist[HI(me, r)] = resCancelled; CTL(leftN[me], ackCancel, r, 0)
+		fi
+	:: m.t == cancelLock && m.s == 0 && me != ra[r] ->
+		if
+		:: rightN[me] == NONE -> hist[HI(me, r)] = resCancelled; CTL(leftN[me], ackCancel, r, 0)
+		:: rightN[me] != NONE && lock[me] != unlocked && requestor[me] == r ->
+			/* held here: release, pass on */
+			lock[me] = unlocked; requestor[me] = 0; hist[HI(me, r)] = resCancelled;
+			CTL(rightN[me], cancelLock, r, 0)
+		:: rightN[me] != NONE && !(lock[me] != unlocked && requestor[me] == r) && hist[HI(me, r)] == resCancelled ->
+			CTL(rightN[me], cancelLock, r, 0)   /* a retransmission: pass on again */
+		:: rightN[me] != NONE && !(lock[me] != unlocked && requestor[me] == r) && hist[HI(me, r)] != resCancelled ->
+			/* the request never got past this agent */
+			CTL(leftN[me], ackCancel, r, 0)
+		fi
 	:: m.t == ackCancel && me == la[r] ->
-		assert(stageL[r] == cancelling);
-		lock[me] = unlocked; requestor[me] = 0;
-		stageL[r] = done; outcome[r] = Failed; reason[r] = ReasonSetupFailed
-	:: m.t == ackCancel && me != la[r] -> CTL(leftN[me], ackCancel, r, 0)
+		if
+		:: canJob[r] -> cancelDone(r)
+		:: else -> skip
+		fi
+	:: m.t == ackCancel && me != la[r] ->
+		if
+		:: hist[HI(me, r)] == resCancelled && leftN[me] != NONE -> CTL(leftN[me], ackCancel, r, 0)
+		:: else -> dropped(r, XCAN)   /* Rejected (e.g. the left side changed since) */
+		fi
 	fi
 }
 
+/* TimerRequest, TimerSyn, TimerCancel of the left anchor of request r, TimerFin of an anchor */
+#define TREQ(me, r) (r != 0 && stageL[r] == locking && lock[me] == lockPending && requestor[me] == r)
+#define TSYN(me, r) (r != 0 && stageL[r] == settingUp)
+#define TCAN(me, r) (r != 0 && canJob[r])
+#define TFIN(me) (tp[me] && finSent[me] && !finAcked[me])
+/* a timer of r may give up now (MAXTRIES sent, no answer) */
+#define GIVEUPDUE(r) ((TREQ(la[r], r) && reqTries[r] >= MAXTRIES) || (TSYN(la[r], r) && synTries[r] >= MAXTRIES) || \
+	(TCAN(la[r], r) && canTries[r] >= MAXTRIES) || \
+	(TFIN(la[r]) && tpReq[la[r]] == r && finTries[la[r]] >= MAXTRIES) || \
+	(TFIN(ra[r]) && tpReq[ra[r]] == r && finTries[ra[r]] >= MAXTRIES))
+#define NOGIVEUPDUE (!GIVEUPDUE(1) && !GIVEUPDUE(NR))
+/* a middlebox of r's new path is dead (§3.6) */
+#define DEADPATH(r) ((nh[r] > 0 && dead[hop[2*(r)]]) || (nh[r] > 1 && dead[hop[2*(r)+1]]))
+
 proctype agent(byte me) {
 	Msg m;
-	byte r, q, side, path, d, ao, hx, hs, hb, rq, dd, nb2, hh, hside, sq, hat;
+	byte r, q, side, path, d, ao, hx, hs, hb, rq, dd, nb2, hh, hside, sq, hat, fwn, fwx;
 	bool dataOld, dataNew, ackOld;
 
 	if
 	:: dead[me] ->
-		/* a failed host: swallows everything (§3.6) */
-end_dead:	do :: net[me]?m.t, m.from, m.req, m.x, m.s, m.a, m.st, m.at -> skip od
+		/* a failed host: swallows everything (§3.6): for the sender, every
+		 * message to it is lost (the SYN's timer may fire) */
+end_dead:	do
+		:: atomic { net[me]?m.t, m.from, m.req, m.x, m.s, m.a, m.st, m.at ->
+			/* (the new path's cancelLock has no timer) */
+			d = (m.t == cancelLock && m.s == 1 -> 0 : XOF(m.t));
+			lossy[m.req] = lossy[m.req] | d; lostNow[m.req] = lostNow[m.req] | d }
+		od
 	:: else
 	fi;
 end:
 	do
-	:: atomic { net[me]?m.t, m.from, m.req, m.x, m.s, m.a, m.st, m.at ->
+	:: atomic {
 		if
-		:: m.t == tcp -> tcpIn()
-		:: else -> control()
-		fi;
-		checkTwoPath() }
-	/* the operator (or a middlebox) asks this agent to reconfigure */
-	:: atomic { PENDING(me) ->
-		rq = (la[1] == me && stageL[1] == 0 -> 1 : NR);
-		startReq(rq) }
-	/* the host writes its next byte, or closes */
-	:: atomic { ISHOST(me) && (hSndNxt[HOST(me)] < NDH(HOST(me)) || (FINS && !hFinSent[HOST(me)])) ->
-		hh = HOST(me); hostSend(hh); checkTwoPath() }
-	/* no answer to the SYN: retransmit, after MAXTRIES cancel (§3.6) */
-	:: atomic { timeout && laReq[me] != 0 && stageL[laReq[me]] == settingUp ->
-		r = laReq[me];
-		if
-		:: synTries[r] < MAXTRIES ->
+		:: net[me]?m.t, m.from, m.req, m.x, m.s, m.a, m.st, m.at ->
+			if
+			:: m.t == tcp -> tcpIn()
+			:: else -> onMessage()
+			fi
+		/* the operator (or a middlebox) asks this agent to reconfigure */
+		:: PENDING(me) ->
+			rq = (la[1] == me && stageL[1] == 0 -> 1 : NR);
+			startReq(rq)
+		/* the host writes its next byte, or closes */
+		:: ISHOST(me) && (hSndNxt[HOST(me)] < NDH(HOST(me)) || (FINS && !hFinSent[HOST(me)])) ->
+			hh = HOST(me); hostSend(hh)
+		/*
+		 * Timers (onTimer). A timer fires only once a message of its
+		 * exchange (or its answer) was lost or rejected; a retransmission
+		 * is the same message with the same request. After MAXTRIES sends
+		 * the sender gives up, once the last try (or its answer) was lost,
+		 * or when nothing at all can happen any more (timeout).
+		 */
+		/* TimerRequest: resend requestLock; after MAXTRIES the request
+		 * fails (timeout), the lock is released, a cancel job frees stale
+		 * locks */
+		:: TREQ(me, laReq[me]) && (lossy[laReq[me]] & XREQ) && reqTries[laReq[me]] < MAXTRIES ->
+			r = laReq[me]; lostNow[r] = lostNow[r] & NOTX(XREQ);
+			printf("MSC: %d TimerRequest r%d: retransmit\n", me, r);
+			sendRequestLock(r)
+		:: TREQ(me, laReq[me]) && ((lostNow[laReq[me]] & XREQ) || timeout) && reqTries[laReq[me]] >= MAXTRIES ->
+			r = laReq[me]; GIVEUP;
+			lock[me] = unlocked; requestor[me] = 0;
+			finishLeft(r, Failed, ReasonTimeout);
+			startCancel(r, 0)
+		/* TimerSyn: resend the SYN; after MAXTRIES abortSetup (§3.6) */
+		:: TSYN(me, laReq[me]) && (lossy[laReq[me]] & XSYN) && synTries[laReq[me]] < MAXTRIES ->
+			r = laReq[me]; lostNow[r] = lostNow[r] & NOTX(XSYN);
+			printf("MSC: %d TimerSyn r%d: retransmit\n", me, r);
 			synTries[r]++; CTL(newN[me], syn, r, 0)
-		:: else ->
-			/* RemoveSubsession; cancelLock on the old path until ackCancel */
-			newN[me] = NONE; held[r] = 0; stageL[r] = cancelling;
-			CTL(rightN[me], cancelLock, r, 0)
-		fi }
+		:: TSYN(me, laReq[me]) && ((lostNow[laReq[me]] & XSYN) || timeout) && synTries[laReq[me]] >= MAXTRIES ->
+			r = laReq[me];
+			if
+			:: !DEADPATH(r) -> GIVEUP   /* the new path works: its messages were lost */
+			:: else
+			fi;
+			abortSetup(r)
+		/* TimerCancel: resend cancelLock; after MAXTRIES cancelDone */
+		:: TCAN(me, laReq[me]) && (lossy[laReq[me]] & XCAN) && canTries[laReq[me]] < MAXTRIES ->
+			r = laReq[me]; lostNow[r] = lostNow[r] & NOTX(XCAN);
+			printf("MSC: %d TimerCancel r%d: retransmit\n", me, r);
+			sendCancel(r)
+		:: TCAN(me, laReq[me]) && ((lostNow[laReq[me]] & XCAN) || timeout) && canTries[laReq[me]] >= MAXTRIES ->
+			r = laReq[me]; GIVEUP; cancelDone(r)
+		/* TimerFin: resend the fin; after MAXTRIES go on, Unconfirmed */
+		:: TFIN(me) && (lossy[tpReq[me]] & FINX(me, tpReq[me])) && finTries[me] < MAXTRIES ->
+			r = tpReq[me]; lostNow[r] = lostNow[r] & NOTX(FINX(me, r));
+			printf("MSC: %d TimerFin r%d: retransmit\n", me, r);
+			sendFin(r)
+		:: TFIN(me) && ((lostNow[tpReq[me]] & FINX(me, tpReq[me])) || timeout) && finTries[me] >= MAXTRIES ->
+			r = tpReq[me]; GIVEUP;
+			finAcked[me] = 1; unconf[r] = unconf[r] | (la[r] == me -> 1 : 2)
+		/* TimerLease: only after a sender gave up, and once nothing else
+		 * can happen, no other timer included (LockLease exceeds every
+		 * exchange) */
+		:: timeout && gaveUp > 0 && NOGIVEUPDUE && LEASE(me) -> printf("MSC: %d TimerLease\n", me); onLease()
+		fi;
+		/* the end of every event: evaluate the two-path phase, and let
+		 * the first queued request go on if the lock was released
+		 * (releaseQueue, wherever agent.go unlocks) */
+		evaluate();
+		releaseQueue() }
 	od
 }

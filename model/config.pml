@@ -10,10 +10,18 @@
  *   DELETE_DELTA  0-1-2,   as DELETE, middlebox 1 has AppDelta right +1, left +2
  *   CONTEND       0-1-2-3, r1: 0 deletes 1 (0→2); r2: 1 deletes 2 (1→3), concurrently
  *   CONTEND_SAME  0-1-2-3, r1: 0 deletes 1 and 2 (0→3); r2: 1 deletes 2 (1→3), same right anchor
+ *   CONTEND_NESTED 0-1-3-4, r1: 0 deletes 1 and 3 (0→4); r2: 1 inserts 2 (1→3, [2]): r2's
+ *                 segment lies inside r1's, both of its anchors are r1's middleboxes
+ *   DELETE2       0-1-2-3, r1: 0 deletes 1 and 2 (0→3, new path [])
  *   CANCEL        0-2,     r1: 0 inserts 1, 1 is dead: SYN unanswered, cancelLock/ackCancel
+ *   CANCEL_REPLACE 0-1-3,  r1: 0 replaces 1 by 2, 2 is dead: the cancelLock passes middlebox 1
  *   INSERT2       0-3,     r1: 0 inserts 1 and 2 (0→3, [1,2])
  *   REPLACE2BY1   0-1-2-4, r1: 0 replaces 1,2 by 3 (0→4, [3]), deltas on 1 and 2
  *   INSERT_RIGHT  0-1-3,   r1: 1 inserts 2 right of middlebox 1 (1→3, [2]), delta on 1
+ *
+ * Loss (agent.pml): -DLOSS=N lets the network lose up to N control
+ * messages per run (default 0); -DMAXTRIES=N transmissions before a sender
+ * gives up (default 2: one retransmission).
  *
  * Data: NDR bytes left to right, NDL right to left (1 sequence number
  * each, one segment per byte); with FINS each host closes (TCP FIN) at a
@@ -52,7 +60,7 @@
 #define REQS la[1]=0; ra[1]=2; nh[1]=1; hop[2]=1
 #endif
 
-#ifdef CANCEL
+#if defined(CANCEL) && !defined(CANCEL_REPLACE)
 #define NA 3
 #define NR 1
 #define NC 2
@@ -61,7 +69,17 @@
 #define DEAD dead[1]=1
 #endif
 
-#ifdef REPLACE
+#ifdef CANCEL_REPLACE
+#define CANCEL
+#define NA 4
+#define NR 1
+#define NC 3
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=3
+#define REQS la[1]=0; ra[1]=3; nh[1]=1; hop[2]=2
+#define DEAD dead[2]=1
+#endif
+
+#if defined(REPLACE)
 #define NA 4
 #define NR 1
 #define NC 3
@@ -105,6 +123,22 @@
 #else
 #define REQS la[1]=0; ra[1]=3; nh[1]=0; la[2]=1; ra[2]=3; nh[2]=0
 #endif
+#endif
+
+#ifdef DELETE2
+#define NA 4
+#define NR 1
+#define NC 4
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=2; chain[3]=3
+#define REQS la[1]=0; ra[1]=3; nh[1]=0
+#endif
+
+#ifdef CONTEND_NESTED
+#define NA 5
+#define NR 2
+#define NC 4
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=3; chain[3]=4
+#define REQS la[1]=0; ra[1]=4; nh[1]=0; la[2]=1; ra[2]=3; nh[2]=1; hop[4]=2
 #endif
 
 #ifndef NA

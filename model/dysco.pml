@@ -30,7 +30,22 @@ mtype = { tcp };
 #define ReasonBusy      2
 #define ReasonNotOnPath 3
 #define ReasonNoSession 5
+#define ReasonTimeout   6
 #define ReasonSetupFailed 7
+
+/* resKind (agent.go): how a request was resolved at an agent (its history,
+ * which answers retransmissions); 0 = not resolved here. */
+#define resNacked    1
+#define resCancelled 2
+#define resDone      3
+#define resExpired   4
+
+/* TimerKind (events.go) of the timers the model has. */
+#define TimerRequest 1
+#define TimerSyn     2
+#define TimerCancel  3
+#define TimerFin     4
+#define TimerLease   5
 
 /* Outcomes (types.go). */
 #define Succeeded 1
@@ -80,8 +95,39 @@ byte fwdR[NA], fwdL[NA];
 mtype stageL[NR+1], stageR[NR+1];
 byte rightDelta[NR+1], leftDelta[NR+1];
 byte outcome[NR+1], reason[NR+1];
-byte synTries[NR+1];
+byte reqTries[NR+1], synTries[NR+1];  /* anchor.tries while locking / settingUp */
 bool held[NR+1];                /* the request holds its segment (locked to completion) */
+bool canJob[NR+1], canAnchor[NR+1]; /* a cancelJob at the left anchor; its anchor is set (not a stale lock) */
+byte canTries[NR+1];            /* cancelJob.tries */
+byte unconf[NR+1];              /* completed Unconfirmed: bit 0 left anchor, bit 1 right anchor */
+
+/* ---- loss of control messages (UDP, §3.3) ----
+ * At most LOSS control messages are lost in a run. A loss marks the
+ * exchange it belongs to (the message or its answer was lost): only then
+ * may the sender's retransmission timer fire. lossy: an exchange of the
+ * request has lost a message (the timer may fire, also spuriously, until
+ * the exchange is answered); lostNow: the last transmission or its answer
+ * was lost (the timer may fire after the last try: the sender gives up). */
+#ifndef LOSS
+#define LOSS 0
+#endif
+#define XREQ  1   /* requestLock, ackLock, nackLock: TimerRequest */
+#define XSYN  2   /* syn, synAck: TimerSyn */
+#define XCAN  4   /* cancelLock, ackCancel: TimerCancel */
+#define XFINL 8   /* the left anchor's fin and the finAck answering it: its TimerFin */
+#define XFINR 16  /* the right anchor's fin and its finAck */
+#define NOTX(X) (255 - (X))
+byte nlost;                     /* control messages lost so far */
+byte lossy[NR+1], lostNow[NR+1];
+byte gaveUp;                    /* a sender gave up after MAXTRIES (TimerRequest, TimerCancel, TimerFin) */
+
+/* per agent: session.history (resolved requests), the joined request,
+ * the tomb's request (old subsession kept after completion), fin tries */
+byte hist[NA*(NR+1)], histR[NA*(NR+1)];
+#define HI(me, r) ((me)*(NR+1)+(r))
+byte joinReq[NA];
+byte lingerR[NA];
+byte finTries[NA];
 
 /* ---- end hosts ---- */
 byte hSndNxt[2], hSndUna[2], hRcvNxt[2], hRcvd[2];
@@ -89,6 +135,10 @@ bool hFinSent[2], hFinRcvd[2];
 
 #ifndef FINS
 #define FINS 0
+#endif
+/* accept the anchor stuck after an Unconfirmed completion (STUCK below) */
+#ifndef ALLOW_STUCK
+#define ALLOW_STUCK 1
 #endif
 
 #include "tcp.pml"
@@ -125,7 +175,19 @@ inline setup() {
 	hRcvNxt[0] = TDL; hRcvNxt[1] = TDR
 }
 
-#define QUIET (stageL[1] != settingUp && stageL[NR] != settingUp)
+/* no timer can fire any more: no sender about to give up, no lease to
+ * expire (leases run only after a sender gave up, agent.pml) */
+#define LEASEAT(i) (i < NA && LEASE(i))
+#define QUIET (NOGIVEUPDUE && (gaveUp == 0 || !(LEASEAT(0) || LEASEAT(1) || LEASEAT(2) || LEASEAT(3) || LEASEAT(4) || LEASEAT(5))))
+
+/*
+ * An anchor left waiting for the other anchor's fin for ever: its own fin
+ * was answered, but every transmission of the other's fin was lost and the
+ * other anchor gave up and completed Unconfirmed (agent.go: nothing at
+ * this anchor retransmits or times out in that state; the session's end
+ * frees it). Only reachable when a sender gave up; see docs/verification.md.
+ */
+#define STUCK(i) (tp[i] && finAcked[i] && !haveCut[i] && (unconf[tpReq[i]] & (la[tpReq[i]] == i -> 2 : 1)))
 
 inline finalCheck() {
 	i = 0;
@@ -133,38 +195,69 @@ inline finalCheck() {
 	:: i < NA ->
 		assert(len(net[i]) == 0);
 		/* every lock back to unlocked, no queue, no two-path state */
-		assert(lock[i] == unlocked && qreq[i] == 0 && busyRA[i] == 0 && !tp[i] && newN[i] == NONE);
+		assert(qreq[i] == 0);
+		assert((lock[i] == unlocked && busyRA[i] == 0 && !tp[i] && newN[i] == NONE) ||
+		       (ALLOW_STUCK && gaveUp > 0 && STUCK(i)));
 		i++
 	:: else -> break
 	od;
 	/* no data lost: every byte (and FIN) arrived, everything acknowledged */
 	assert(hRcvNxt[0] == TDL + NDL + FINS && hRcvNxt[1] == TDR + NDR + FINS);
 	assert(hSndUna[0] == hSndNxt[0] && hSndUna[1] == hSndNxt[1]);
-	/* every request answered */
+	/* every request answered, no cancel job left, no loss beyond LOSS */
+	assert(nlost <= LOSS);
 	i = 1;
 	do
-	:: i <= NR -> assert(stageL[i] == done && (stageR[i] == 0 || stageR[i] == done)); i++
+	:: i <= NR ->
+		assert((stageL[i] == done && (stageR[i] == 0 || stageR[i] == done)) ||
+		       (ALLOW_STUCK && gaveUp > 0 && (STUCK(la[i]) || STUCK(ra[i]))));
+		assert(!canJob[i]);
+		assert(unconf[i] == 0 || gaveUp > 0);
+		i++
 	:: else -> break
 	od;
+	if
+	:: gaveUp == 0 ->
 #if defined(CANCEL)
-	assert(outcome[1] == Failed && reason[1] == ReasonSetupFailed);
+		assert(outcome[1] == Failed && reason[1] == ReasonSetupFailed);
 #elif defined(CONTEND)
-	/* exactly one of the contending requests succeeds (once one has
-	 * succeeded the other's segment no longer exists) */
-	assert((outcome[1] == Succeeded) != (outcome[2] == Succeeded));
+		/* exactly one of the contending requests succeeds (once one has
+		 * succeeded the other's segment no longer exists) */
+		assert((outcome[1] == Succeeded) != (outcome[2] == Succeeded));
 #elif NR == 2
-	/* at least one succeeds; both only one after the other (mutual
-	 * exclusion is asserted when a request takes its segment) */
-	assert(outcome[1] == Succeeded || outcome[2] == Succeeded);
+		/* at least one succeeds; both only one after the other (mutual
+		 * exclusion is asserted when a request takes its segment) */
+		assert(outcome[1] == Succeeded || outcome[2] == Succeeded);
 #else
-	assert(outcome[1] == Succeeded);
+		assert(outcome[1] == Succeeded);
 #endif
+	:: else ->
+		/* a sender gave up after MAXTRIES lost transmissions: a request
+		 * may fail (timeout: no answer to requestLock; setupFailed: none
+		 * to the SYN), never with another reason */
+		i = 1;
+		do
+		:: i <= NR ->
+			assert(outcome[i] == Succeeded || (outcome[i] == Refused && NR == 2) ||
+			       (outcome[i] == Failed && (reason[i] == ReasonTimeout || reason[i] == ReasonSetupFailed)) ||
+			       (ALLOW_STUCK && STUCK(la[i])));
+			i++
+		:: else -> break
+		od;
+#if defined(CONTEND)
+		assert(!(outcome[1] == Succeeded && outcome[2] == Succeeded));
+#endif
+		skip
+	fi;
 	/* the chain is consistent from host to host, and no freed agent is on it */
 	a = 0; i = 0;
 	do
 	:: a != LAST ->
-		assert(i < NA && rightN[a] != NONE && leftN[rightN[a]] == a && !freed[a]);
-		a = rightN[a]; i++
+		/* (a stuck anchor's side is still in two paths: follow the new one) */
+		j = (ALLOW_STUCK && STUCK(a) && tpSide[a] == RIGHT -> newN[a] : rightN[a]);
+		assert(i < NA && j != NONE && !freed[a]);
+		assert(leftN[j] == a || (ALLOW_STUCK && STUCK(j) && tpSide[j] == LEFT && newN[j] == a));
+		a = j; i++
 	:: else -> break
 	od;
 	/* the new path is the one requested */

@@ -71,9 +71,11 @@ func TestModelEnumerations(t *testing.T) {
 	equalNames(t, "Stages", decls["Stages"], stages)
 }
 
-var defineRe = regexp.MustCompile(`(?m)^#define\s+(Reason[A-Za-z]+|Succeeded|Refused|Failed)\s+(\d+)\s*$`)
+var defineRe = regexp.MustCompile(`(?m)^#define\s+(Reason[A-Za-z]+|Succeeded|Refused|Failed|res[A-Z][A-Za-z]+|Timer[A-Z][A-Za-z]+)\s+(\d+)\s*$`)
 
-// The reasons and outcomes the model uses are #defines with the Go values.
+// The reasons, outcomes, resolution kinds (the history answering
+// retransmissions) and timer kinds the model uses are #defines with the Go
+// values.
 func TestModelReasonsAndOutcomes(t *testing.T) {
 	src := readModel(t)
 	goValues := map[string]int{
@@ -91,6 +93,15 @@ func TestModelReasonsAndOutcomes(t *testing.T) {
 		"Succeeded":          int(Succeeded),
 		"Refused":            int(Refused),
 		"Failed":             int(Failed),
+		"resNacked":          int(resNacked),
+		"resCancelled":       int(resCancelled),
+		"resDone":            int(resDone),
+		"resExpired":         int(resExpired),
+		"TimerRequest":       int(TimerRequest),
+		"TimerSyn":           int(TimerSyn),
+		"TimerCancel":        int(TimerCancel),
+		"TimerFin":           int(TimerFin),
+		"TimerLease":         int(TimerLease),
 	}
 	found := 0
 	for _, m := range defineRe.FindAllStringSubmatch(src, -1) {
@@ -105,8 +116,60 @@ func TestModelReasonsAndOutcomes(t *testing.T) {
 		}
 		found++
 	}
-	if found < 8 {
-		t.Errorf("only %d reason/outcome #defines found in the model", found)
+	if found < 17 {
+		t.Errorf("only %d reason/outcome/resolution/timer #defines found in the model", found)
+	}
+}
+
+// modelOnly are the model's inline procedures that have no method of the
+// same name in agent.go: the network, the datapath and the end hosts
+// (tcp.pml), and the model's own checks and bookkeeping.
+var modelOnly = map[string]bool{
+	"ctl":            true, // a send on the lossy network
+	"dropped":        true, // a rejected message is lost for its sender
+	"startReq":       true, // onReconfigure + startLeft
+	"newRequestLock": true, // onRequestLock after its checks for duplicates
+	"middleFinAck":   true, // onFinAck + onLinger at a middle agent
+	"startTwoPath":   true, // switchPaths + the datapath's CutOff
+	"put":            true,
+	"egress":         true,
+	"hostSend":       true,
+	"hostRecv":       true,
+	"tcpIn":          true,
+	"setup":          true,
+	"finalCheck":     true,
+}
+
+var inlineRe = regexp.MustCompile(`(?m)^inline\s+([A-Za-z]+)\s*\(`)
+
+// Every inline procedure of the model that stands for a step of the Go
+// agent is named after the Agent method it mirrors.
+func TestModelProcedureNames(t *testing.T) {
+	var src strings.Builder
+	for _, f := range []string{"dysco.pml", "agent.pml", "tcp.pml"} {
+		b, err := os.ReadFile(filepath.Join("..", "..", "model", f))
+		if err != nil {
+			t.Fatalf("reading the model: %v", err)
+		}
+		src.Write(b)
+	}
+	goSrc, err := os.ReadFile("agent.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, m := range inlineRe.FindAllStringSubmatch(src.String(), -1) {
+		name := m[1]
+		if modelOnly[name] {
+			continue
+		}
+		n++
+		if !regexp.MustCompile(`func \(a \*Agent\) ` + name + `\(`).Match(goSrc) {
+			t.Errorf("model procedure %s: agent.go has no method %s", name, name)
+		}
+	}
+	if n < 10 {
+		t.Errorf("only %d model procedures named after Go methods", n)
 	}
 }
 
@@ -114,7 +177,7 @@ func TestModelReasonsAndOutcomes(t *testing.T) {
 func TestModelVariableNames(t *testing.T) {
 	src := readModel(t)
 	for _, v := range []string{"oldSent", "oldRcvd", "oldSentAcked", "oldRcvdAcked", "firstNewRcvd",
-		"newRcvd", "requestor", "rightDelta", "leftDelta", "lock"} {
+		"newRcvd", "requestor", "rightDelta", "leftDelta", "lock", "joinReq"} {
 		if !regexp.MustCompile(`\b` + v + `\[`).MatchString(src) {
 			t.Errorf("model does not declare %s", v)
 		}
