@@ -159,6 +159,9 @@ type anchor struct {
 	finSent, finAcked, finAckSent, gotFin bool
 	peerCutoff                            uint32
 	unconfirmed                           bool
+	// probes counts the fins sent, after ours was answered, to ask for the
+	// other anchor's fin, since the last answer (TimerFin, evaluate).
+	probes int
 	// gate: wait for Proceed between the SYN-ACK and the ACK
 	// (Reconfigure.Gate); gated: waiting now.
 	gate, gated bool
@@ -178,9 +181,10 @@ type teardown struct {
 }
 
 type tomb struct {
-	sub  wire.Tuple
-	side Side
-	req  ReqKey
+	sub    wire.Tuple
+	side   Side
+	req    ReqKey
+	cutoff uint32 // the cut-off our fin carried, re-sent with FlagDone
 }
 
 // New returns an agent with no sessions. Zero durations and counts in cfg
@@ -429,16 +433,34 @@ func (a *Agent) onTimer(id TimerID) {
 		a.sendCancel(s, j)
 	case TimerFin:
 		an := a.anchorFor(s, id.Req)
-		if an == nil || an.stage != StageTwoPath || !an.finSent || an.finAcked {
+		if an == nil || an.stage != StageTwoPath || !an.finSent || an.gotFin && an.finAcked {
 			return
 		}
-		if an.tries >= a.cfg.MaxTries {
-			// The other anchor stopped answering. Everything we sent on the
-			// old path is acknowledged, so going on is safe; say so.
-			an.finAcked, an.unconfirmed = true, true
-			a.evaluate(s, an)
+		if !an.finAcked {
+			if an.tries >= a.cfg.MaxTries {
+				// The other anchor stopped answering. Everything we sent on
+				// the old path is acknowledged, so going on is safe; say so.
+				an.finAcked, an.unconfirmed = true, true
+				a.evaluate(s, an)
+				a.waitFin(s, an)
+				return
+			}
+			a.sendFin(s, an)
 			return
 		}
+		// Our fin is answered but the other anchor's has not come. If every
+		// copy of it was lost, the other anchor gave up and completed
+		// Unconfirmed, and nothing would ever end our two-path phase: ask
+		// again. A live anchor answers our fin with a finAck, a completed
+		// one's tomb also with its own fin (onTomb).
+		if an.probes >= a.cfg.MaxTries {
+			// Nobody answers any more, not even a tomb: the other anchor
+			// completed at least Linger ago and no longer uses the old path.
+			an.unconfirmed = true
+			a.complete(s, an)
+			return
+		}
+		an.probes++
 		a.sendFin(s, an)
 	case TimerLease:
 		a.onLease(s, id.Req)
@@ -1312,6 +1334,14 @@ func (a *Agent) evaluate(s *session, an *anchor) {
 	}
 }
 
+// waitFin arms TimerFin once our fin is answered while the other anchor's
+// has not come (see TimerFin: the probes).
+func (a *Agent) waitFin(s *session, an *anchor) {
+	if an.stage == StageTwoPath && an.finAcked && !an.gotFin {
+		a.setTimer(s, TimerFin, an.req, a.backoff(an.tries+1))
+	}
+}
+
 func (a *Agent) oldPathMsg(s *session, an *anchor, t MsgType) *Message {
 	side := sideOf(an)
 	m := a.msg(s, t, s.sides[side].Sub, an.req, an.rightAnchor)
@@ -1368,6 +1398,9 @@ func (a *Agent) onFinAck(s *session, ref subRef, m *Message) {
 			an.finAcked = true
 			a.cancelTimer(s, TimerFin, an.req)
 			a.evaluate(s, an)
+			a.waitFin(s, an)
+		} else if an.stage == StageTwoPath && an.finAcked && !an.gotFin {
+			an.probes = 0 // the other anchor, or its tomb, is there
 		}
 		return
 	}
@@ -1411,7 +1444,7 @@ func (a *Agent) complete(s *session, an *anchor) {
 	a.emit(EndTwoPath{Session: s.id, Side: side, New: an.newSub})
 	a.emit(SetWindowClamp{Session: s.id, Side: side, Bytes: 0})
 	a.subs[old] = subRef{id: s.id, side: side, peer: sd.Peer, nonce: sd.Nonce, tomb: true}
-	s.tombs = append(s.tombs, tomb{sub: old, side: side, req: an.req})
+	s.tombs = append(s.tombs, tomb{sub: old, side: side, req: an.req, cutoff: an.vars.OldSent})
 	a.setTimer(s, TimerLinger, an.req, a.cfg.Linger)
 	sd.Sub, sd.Peer, sd.Delta = an.newSub, an.newPeer, an.newDelta
 	sd.Nonce = a.subs[an.newSub].nonce
@@ -1442,6 +1475,14 @@ func (a *Agent) onTomb(s *session, ref subRef, m *Message) {
 					f.Flags = FlagLeftward
 				}
 				a.send(ref.peer, f)
+				if m.Flags&FlagDone == 0 {
+					// The other anchor may still wait for our fin (every
+					// copy lost, we completed Unconfirmed): send it again.
+					fin := a.msg(s, MsgFin, m.Sub, m.Req, m.RightAnchor)
+					fin.Delta.Seq = t.cutoff
+					fin.Flags = f.Flags | FlagDone
+					a.send(ref.peer, fin)
+				}
 				return
 			}
 		}

@@ -418,3 +418,73 @@ func TestEnumerationsNamed(t *testing.T) {
 		t.Errorf("names %q, want %q", got, want)
 	}
 }
+
+// §3.5, a liveness gap found by the Promela model (docs/verification.md):
+// when every copy of one anchor's fin is lost, that anchor gives up and
+// completes Unconfirmed; the other one, its own fin answered, must not wait
+// in the two-path phase for ever. It asks again (the fin as a probe); the
+// completed anchor's tomb answers with its fin (FlagDone), or, once the tomb
+// is gone, nobody answers and it completes Unconfirmed too.
+func TestOtherAnchorsFinLost(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		drop func(e envelope) bool
+		// the right anchor completes Unconfirmed
+		unconfirmed bool
+	}{
+		{"tomb answers", func(e envelope) bool {
+			return e.msg.Type == MsgFin && e.from == addr(1) && e.msg.Flags&FlagDone == 0
+		}, false},
+		{"nobody answers", func(e envelope) bool {
+			return e.msg.Type == MsgFin && e.from == addr(1)
+		}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHarness(t, 4)
+			h.chain([]int{1, 2, 3, 4}, map[int]AppDelta{2: {Right: Delta{Seq: 5}}, 3: {Left: Delta{Seq: 9}}})
+			h.reconfigure(1, 4, nil, 1)
+			for i := 0; i < 100000; i++ {
+				if len(h.queue) == 0 {
+					if !h.fireNext() {
+						break
+					}
+					continue
+				}
+				e := h.queue[0]
+				h.queue = h.queue[1:]
+				if tc.drop(e) {
+					h.log = append(h.log, "lost: "+e.msg.String())
+					continue
+				}
+				h.deliver(e.to, MessageIn{From: e.from, Data: e.data})
+			}
+			if len(h.queue) != 0 || len(h.timers) != 0 {
+				t.Fatalf("no quiescence: %d queued, timers %v\n%s", len(h.queue), h.timers, h.trace())
+			}
+			if r := h.result(1); r.Outcome != Succeeded || !r.Unconfirmed {
+				t.Fatalf("left anchor: %+v\n%s", r, h.trace())
+			}
+			h.assertClean(1, 2, 3, 4)
+			for _, m := range []int{2, 3} {
+				// With the fin exchange finished the middleboxes leave the
+				// session; without, only their lock leases end (the
+				// datapath's idle timeout frees the rest).
+				if _, ok := h.view(m); ok && !tc.unconfirmed {
+					t.Errorf("middlebox %d keeps the session\n%s", m, h.trace())
+				}
+			}
+			done := ""
+			for _, l := range h.log {
+				if strings.HasPrefix(l, addr(4).String()+" ") && strings.Contains(l, " "+StageDone.String()) {
+					done = l
+				}
+			}
+			if done == "" {
+				t.Fatalf("right anchor never completed\n%s", h.trace())
+			}
+			if got := strings.HasSuffix(done, "unconfirmed"); got != tc.unconfirmed {
+				t.Errorf("right anchor: %q, want unconfirmed=%v\n%s", done, tc.unconfirmed, h.trace())
+			}
+		})
+	}
+}

@@ -83,7 +83,12 @@ const (
 	// FlagNewPath marks a cancelLock sent on the new path, to free the
 	// middleboxes that joined it (best effort).
 	FlagNewPath = 1 << 1
-	knownFlags  = FlagLeftward | FlagNewPath
+	// FlagDone marks a fin re-sent by an anchor that has completed (its
+	// old subsession's tomb), in answer to the other anchor's fin. A tomb
+	// answers a fin carrying it with a finAck only, so two tombs never
+	// answer each other's fins for ever.
+	FlagDone   = 1 << 2
+	knownFlags = FlagLeftward | FlagNewPath | FlagDone
 )
 
 // Message is a decoded control message.
@@ -364,6 +369,9 @@ func (m *Message) String() string {
 	}
 	if m.Flags&FlagNewPath != 0 {
 		s += " newpath"
+	}
+	if m.Flags&FlagDone != 0 {
+		s += " done"
 	}
 	return s
 }

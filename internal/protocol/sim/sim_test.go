@@ -140,6 +140,7 @@ func TestSimDeterministic(t *testing.T) {
 // the old path (§3.5), and an anchor that hands on late old-path packets
 // with their stale acks (protocol.Deliver).
 func TestSimCatchesBrokenVariants(t *testing.T) {
+	const maxBrokenSeeds = 8000
 	if *seedFlag >= 0 {
 		t.Skip("-seed runs one seed only")
 	}
@@ -157,19 +158,23 @@ func TestSimCatchesBrokenVariants(t *testing.T) {
 			[]string{"both succeeded", "beyond the data it forwarded", "stuck"}},
 		{"acks on old path", protocol.FaultAcksOnOldPath, false, []string{"beyond the data it forwarded"}},
 		// End hosts discard the late old data (its ack is too old), so the
-		// anchor never sees it acknowledged.
-		{"stale acks on late old-path packets", protocol.FaultStaleOldAcks, false, []string{"stuck in twoPath"}},
+		// anchor never sees it acknowledged: it stays in the two-path
+		// phase, or, once the other anchor has given up asking for its fin
+		// (TimerFin probes, after the middleboxes' leases ended), the
+		// stream is never delivered. Rare: the first seed is in the
+		// thousands.
+		{"stale acks on late old-path packets", protocol.FaultStaleOldAcks, false, []string{"stuck in twoPath", "not closed at the end"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			// Seeds in order, so that the first failure is always the same.
 			var r *Report
-			for seed := int64(1); seed <= 2000 && r == nil; seed++ {
+			for seed := int64(1); seed <= maxBrokenSeeds && r == nil; seed++ {
 				if x := Run(Options{Seed: seed, Faults: tc.fault, noLockWalk: tc.noLockWalk}); x.Err != nil {
 					r = x
 				}
 			}
 			if r == nil {
-				t.Fatalf("no seed of 2000 catches the broken variant")
+				t.Fatalf("no seed of %d catches the broken variant", maxBrokenSeeds)
 			}
 			for _, e := range tc.expect {
 				if strings.Contains(r.Err.Error(), e) {
