@@ -134,6 +134,10 @@ struct tp_val {
 	__u8 ack_hi_ok;
 	__u8 pad2[3];
 	__u64 to_old, to_new, straddled;
+	/* The nonce of the side's control messages on the new subsession (the
+	 * left anchor's), kept for an agent that restarts (control.announce);
+	 * not read here. */
+	__u8 nonce[DYSCO_NONCE_LEN];
 };
 /* A notice to the agent on the dysco_events ring buffer. */
 struct tp_event {

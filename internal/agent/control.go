@@ -282,11 +282,13 @@ func (c *control) announce(id uint32) error {
 	if s.Role == datapath.RoleStart || s.Role == datapath.RoleMiddle {
 		if sub, ok := c.currentSub(id, t, protocol.SideRight); ok {
 			up.Right = &protocol.SideInfo{Peer: sub.Dst, Sub: sub, SendWScale: ws(0), PeerWScale: ws(1)}
+			c.reconfigured(id, protocol.SideRight, up.Right)
 		}
 	}
 	if s.Role != datapath.RoleStart {
 		if sub, ok := c.currentSub(id, t, protocol.SideLeft); ok {
 			up.Left = &protocol.SideInfo{Peer: sub.Src, Sub: sub, SendWScale: ws(1), PeerWScale: ws(0)}
+			c.reconfigured(id, protocol.SideLeft, up.Left)
 		}
 	}
 	if up.Left == nil && up.Right == nil {
@@ -304,6 +306,23 @@ func (c *control) announce(id uint32) error {
 	c.pidOf[id], c.famOf[id] = protocol.SessionID(id), v6
 	c.handle(v6, up)
 	return nil
+}
+
+// reconfigured fills in what an earlier reconfiguration of a side left in
+// the datapath's two-path record (addSub): the side's delta (§3.4; Nd is
+// what its egress subtracts from acks and echoed timestamps) and the nonce
+// of its control messages (the left anchor's, §3.3). The protocol learns
+// them from here when it meets the session afresh, after an agent restart:
+// with a zero delta the side's next reconfiguration would compose a wrong
+// one, and with the session's own nonce the other anchor's messages would
+// be rejected.
+func (c *control) reconfigured(id uint32, side protocol.Side, si *protocol.SideInfo) {
+	tp, ok := c.a.dp.TwoPath(datapath.TPKey{SessId: id, Side: uint32(side)})
+	if !ok || tp.State != datapath.TPNew {
+		return
+	}
+	si.Delta = protocol.Delta{Seq: uint32(-tp.Nd.Ack), TS: uint32(-tp.Nd.Tsecr)}
+	si.Nonce = tp.Nonce
 }
 
 // currentSub returns the subsession a side of a session sends on, written
@@ -715,7 +734,7 @@ func (c *control) addSub(x protocol.AddSubsession) error {
 	}
 	egKey := datapath.TupleFrom(eg)
 	k := datapath.TPKey{SessId: id, Side: uint32(x.Side)}
-	tp := datapath.TPVal{State: datapath.TPIdle, EgKey: egKey, NewOut: datapath.TupleFrom(newOut), SndWs: sndWS}
+	tp := datapath.TPVal{State: datapath.TPIdle, EgKey: egKey, NewOut: datapath.TupleFrom(newOut), SndWs: sndWS, Nonce: x.Nonce}
 	if x.Armed {
 		tp.Armed = 1
 	}

@@ -164,6 +164,7 @@ type dyscoTpVal struct {
 	ToOld        uint64
 	ToNew        uint64
 	Straddled    uint64
+	Nonce        [8]uint8
 }
 
 type dyscoTrustedKey struct {

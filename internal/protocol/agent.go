@@ -1117,7 +1117,7 @@ func (a *Agent) beginSetup(s *session, l *anchor) {
 	l.newDelta = side.Delta.Add(l.delta)
 	a.subs[l.newSub] = subRef{id: s.id, side: SideRight, peer: l.newPeer, nonce: side.Nonce}
 	a.emit(AddSubsession{Session: s.id, Side: SideRight, Sub: l.newSub, Peer: l.newPeer, Delta: l.newDelta,
-		WScaleIn: l.peerWS, WScaleOut: side.PeerWScale})
+		WScaleIn: l.peerWS, WScaleOut: side.PeerWScale, Nonce: side.Nonce})
 	l.stage, l.tries = StageSettingUp, 0
 	a.progress(s, l.req, RoleLeftAnchor, StageSettingUp, "leftDelta "+l.delta.String())
 	a.sendSyn(s, l)
@@ -1163,7 +1163,7 @@ func (a *Agent) onNewSyn(from netip.Addr, m *Message) {
 		// Armed: the first packet on the new path switches this side even
 		// if the ACK is lost.
 		a.emit(AddSubsession{Session: s.id, Side: SideLeft, Sub: m.Sub, Peer: from, Delta: r.newDelta,
-			WScaleIn: r.peerWS, WScaleOut: side.PeerWScale, Armed: true})
+			WScaleIn: r.peerWS, WScaleOut: side.PeerWScale, Armed: true, Nonce: m.Nonce})
 		r.stage = StageWaitAck
 		a.progress(s, r.req, RoleRightAnchor, StageWaitAck, "")
 		a.setTimer(s, TimerLease, r.req, a.cfg.LockLease)

@@ -195,6 +195,9 @@ type AddSubsession struct {
 	Delta               Delta
 	WScaleIn, WScaleOut uint8
 	Armed               bool
+	// Nonce is the one control messages about the new subsession carry
+	// (the left anchor's): the side's nonce once it switches.
+	Nonce [wire.NonceLen]byte
 }
 
 // JoinSession creates a session at a middlebox on a new path (§3.1, the

@@ -129,7 +129,18 @@ func clientGoesDirect(e *env, server netip.Addr) bool {
 // the client's stream (it prefixes the first line with 7 bytes) before it
 // calls dysco_splice with that delta (§4.2); after its removal every byte
 // still arrives where it belongs, in both directions.
+//
+// restart-then-insert: after the removal the agents of both anchors
+// restart, and then a middlebox is inserted into the session. The restarted
+// agents learn the sides' deltas from the datapath (control.sideDelta); had
+// they taken them for zero, the insertion would compose wrong deltas and the
+// stream would break.
 func TestProxyRemovalDelta(t *testing.T) {
+	t.Run("remove", func(t *testing.T) { proxyRemovalDelta(t, false) })
+	t.Run("restart-then-insert", func(t *testing.T) { proxyRemovalDelta(t, true) })
+}
+
+func proxyRemovalDelta(t *testing.T, restartInsert bool) {
 	bin := filepath.Join(t.TempDir(), "lenproxy")
 	root, _ := filepath.Abs("../..")
 	lib := filepath.Dir(libdysco)
@@ -138,12 +149,17 @@ func TestProxyRemovalDelta(t *testing.T) {
 	if err != nil {
 		t.Fatalf("building lenproxy: %v\n%s", err, out)
 	}
-	e := newLab(t, labOpts{topology: lab.Star("client", "proxy", "server")})
+	hosts := []string{"client", "proxy", "server"}
+	n := int64(24 * mib)
+	if restartInsert {
+		hosts = append(hosts, "mb")
+		n = 64 * mib // long enough for two restarts and an insertion
+	}
+	e := newLab(t, labOpts{topology: lab.Star(hosts...)})
 	proxy, server := e.addr("proxy", false), e.addr("server", false)
 	e.policy("client", "to-proxy", "tcp and dst host "+proxy.String())
 	e.policy("proxy", "to-server", "tcp dst port 9701")
 
-	const n = 24 * mib
 	const rate = 6 * mib
 	line := "GET /hello HTTP/1.0\n"
 	ln := e.listen("server", netip.AddrPortFrom(server, 9701))
@@ -155,10 +171,16 @@ func TestProxyRemovalDelta(t *testing.T) {
 			return
 		}
 		defer c.Close()
+		// Close only once both directions are done: the client may read
+		// late (it restarts agents first), and closing with our stream
+		// unsent would cut it short.
+		wrote := make(chan error, 1)
 		go func() {
-			_, _ = io.Copy(pacedConn{c, rate}, io.LimitReader(newStream(2), n))
+			_, err := io.Copy(pacedConn{c, rate}, io.LimitReader(newStream(2), n))
 			c.(*net.TCPConn).CloseWrite()
+			wrote <- err
 		}()
+		defer func() { <-wrote }()
 		br := bufio.NewReader(c)
 		got, err := br.ReadString('\n')
 		if err != nil || got != "X-Len: "+line {
@@ -197,16 +219,49 @@ func TestProxyRemovalDelta(t *testing.T) {
 		io.Copy(pc, io.LimitReader(newStream(1), n))
 		c.(*net.TCPConn).CloseWrite()
 	}()
-	eventually(t, 20*time.Second, "the proxy to leave the path", func() bool { return clientGoesDirect(e, server) })
+	// The client reads all along: a reconfiguration's two-path phase ends
+	// only once each side's old data is acknowledged.
 	h := sha256.New()
-	if m, err := io.Copy(h, c); err != nil || m != n {
-		t.Fatalf("client received %d bytes (%v), want %d", m, err, n)
+	type readResult struct {
+		n   int64
+		err error
+	}
+	read := make(chan readResult, 1)
+	go func() {
+		m, err := io.Copy(h, c)
+		read <- readResult{m, err}
+	}()
+	eventually(t, 20*time.Second, "the proxy to leave the path", func() bool { return clientGoesDirect(e, server) })
+	if restartInsert {
+		for _, h := range []string{"client", "server"} {
+			if err := e.lab.RestartAgent(h); err != nil {
+				t.Fatalf("restart agent on %s: %v", h, err)
+			}
+		}
+		res := e.reconfig("client", "tcp and dst host "+proxy.String(), server, e.addr("mb", false))
+		if len(res) != 1 || res[0].Outcome != "succeeded" {
+			t.Fatalf("insert mb after the restarts: %+v", res)
+		}
+	}
+	select {
+	case r := <-read:
+		if r.err != nil || r.n != n {
+			t.Fatalf("client received %d bytes (%v), want %d", r.n, r.err, n)
+		}
+	case <-time.After(2 * time.Minute):
+		t.Fatalf("the client's stream stalled (a wrong delta stalls it: the sequence numbers no longer match)")
 	}
 	if err := checkStream(h, 2, n); err != nil {
 		t.Fatalf("client: %v", err)
 	}
 	if err := <-serverErr; err != nil {
 		t.Fatalf("server: %v", err)
+	}
+	if restartInsert {
+		// Data went through the inserted middlebox, not only the last acks.
+		if got := rewrites(e.status("mb")); got < 1000 {
+			t.Errorf("the inserted middlebox rewrote %d packets of the session", got)
+		}
 	}
 	if !strings.Contains(stderr.String(), "dysco_splice: ok") {
 		t.Errorf("lenproxy: %s", stderr.String())
