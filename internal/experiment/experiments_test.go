@@ -169,9 +169,27 @@ func TestExperimentsTiny(t *testing.T) {
 			if len(d.Runs) != 2 {
 				t.Fatalf("%d runs", len(d.Runs))
 			}
+			if d.Shaping == nil || d.Shaping.Qdisc != "tbf" || len(d.Shaping.Ifaces) != 2 || d.Shaping.CC != "cubic" {
+				t.Fatalf("shaping %+v", d.Shaping)
+			}
 			for _, x := range d.Runs {
 				if len(x.Samples) < 40 || x.Summary == nil || !(x.Summary.AfterGbps > 0) {
-					t.Errorf("SACK %v: %d samples, summary %+v", x.SACK, len(x.Samples), x.Summary)
+					t.Fatalf("SACK %v: %d samples, summary %+v", x.SACK, len(x.Samples), x.Summary)
+				}
+				s := x.Summary
+				// The old path is the shaped one: its rate is the
+				// shaper's and its RTT the FIFO that cubic fills; the
+				// new path is faster on both counts.
+				if x.CC != "cubic" || !(s.BeforeGbps > 0 && s.BeforeGbps < 1.2*float64(d.Shaping.RateMbit)/1000) || !(s.LastGbps > 2*s.BeforeGbps) {
+					t.Errorf("SACK %v: %s, goodput %v Gbit/s on the old path, %v on the new", x.SACK, x.CC, s.BeforeGbps, s.LastGbps)
+				}
+				if !(s.RttBeforeMs > 5 && s.RttLastMs < s.RttBeforeMs/3) {
+					t.Errorf("SACK %v: RTT %v ms on the old path, %v ms on the new", x.SACK, s.RttBeforeMs, s.RttLastMs)
+				}
+				for _, hi := range d.Shaping.Ifaces {
+					if x.Shapers[hi].Bytes < 1e6 {
+						t.Errorf("SACK %v: the shaper on %s sent %d bytes", x.SACK, hi, x.Shapers[hi].Bytes)
+					}
 				}
 			}
 		},
