@@ -61,14 +61,42 @@ static __always_inline int is_local(const __u8 *addr)
 	return bpf_map_lookup_elem(&dysco_local, addr) != 0;
 }
 
-static __always_inline void reverse(struct dysco_tuple *r, const struct dysco_tuple *t)
+/* reverse gives the key of the packets that answer those sent to e. */
+static __always_inline void reverse(struct dysco_tuple *r, const struct dysco_ends *e)
+{
+	__builtin_memcpy(r->saddr, e->daddr, 16);
+	__builtin_memcpy(r->daddr, e->saddr, 16);
+	r->sport = e->dport;
+	r->dport = e->sport;
+	r->proto = IPPROTO_TCP;
+	r->pad[0] = r->pad[1] = r->pad[2] = 0;
+}
+
+/* reverse_ends gives the rewrite target that answers packets of key t. */
+static __always_inline void reverse_ends(struct dysco_ends *r, const struct dysco_tuple *t)
 {
 	__builtin_memcpy(r->saddr, t->daddr, 16);
 	__builtin_memcpy(r->daddr, t->saddr, 16);
 	r->sport = t->dport;
 	r->dport = t->sport;
-	r->proto = t->proto;
-	r->pad[0] = r->pad[1] = r->pad[2] = 0;
+}
+
+/* ends_of gives the addresses and ports of tuple t. */
+static __always_inline void ends_of(struct dysco_ends *e, const struct dysco_tuple *t)
+{
+	__builtin_memcpy(e->saddr, t->saddr, 16);
+	__builtin_memcpy(e->daddr, t->daddr, 16);
+	e->sport = t->sport;
+	e->dport = t->dport;
+}
+
+/* stamp is the time stamp of flows and sessions: CLOCK_MONOTONIC_COARSE in
+ * milliseconds, modulo 2^32 (it wraps every 49.7 days), as the agent reads it
+ * (datapath.Now, datapath.Age: an age is (now - stamp) mod 2^32). 32 bits
+ * keep flow_val and session_val at 72 and 80 bytes. */
+static __always_inline __u32 stamp(void)
+{
+	return (__u32)(bpf_ktime_get_coarse_ns() / 1000000);
 }
 
 /* alloc_session inserts s under a fresh 24-bit id (the id is also the local
@@ -106,7 +134,7 @@ static __always_inline int alloc_session(struct session_val *s, __u32 *id)
  * end hosts) the packet leaves by the interface its session was routed to,
  * with the kernel resolving the next hop (nh->nh_family == 0), and the
  * source is the session's own local address. */
-static __always_inline int route(struct __sk_buff *skb, const struct dysco_tuple *t, int v6,
+static __always_inline int route(struct __sk_buff *skb, const struct dysco_ends *t, int v6,
 				 struct bpf_redir_neigh *nh, __u32 *ifindex, __u8 *src, const __u8 *own)
 {
 	struct bpf_fib_lookup f = {};
@@ -185,7 +213,7 @@ static __attribute__((noinline)) int same_route(struct __sk_buff *skb, int v6, c
 	       (!v6 || (nh[1] == f.ipv6_dst[1] && nh[2] == f.ipv6_dst[2] && nh[3] == f.ipv6_dst[3]));
 }
 
-static __always_inline int redirect_to(struct __sk_buff *skb, const struct dysco_tuple *t, int v6)
+static __always_inline int redirect_to(struct __sk_buff *skb, const struct dysco_ends *t, int v6)
 {
 	struct bpf_redir_neigh nh;
 	__u32 ifindex;
@@ -219,7 +247,7 @@ static __always_inline void track_state(struct session_val *s, const struct pkt 
 		set |= ST_EST;
 	if (set & ~st) {
 		__sync_fetch_and_or(&s->state, set);
-		s->last_ns = bpf_ktime_get_coarse_ns();
+		s->last_ms = stamp();
 	}
 }
 
@@ -227,7 +255,7 @@ static __always_inline void track_state(struct session_val *s, const struct pkt 
  * its ingress and its egress flow; the agent counts each packet once. */
 static __always_inline void count(struct flow_val *fp, __u32 len)
 {
-	fp->last_ns = bpf_ktime_get_coarse_ns();
+	fp->last_ms = stamp();
 	__sync_fetch_and_add(&fp->packets, 1);
 	__sync_fetch_and_add(&fp->bytes, len);
 }
@@ -308,8 +336,10 @@ static __attribute__((noinline)) int handshake(struct __sk_buff *skb, struct pkt
 			s->has_ts |= HS_TS1;
 			if (!(s->has_ts & HS_SYN_SEEN) && tsecr) {
 				/* The SYN's TSval, echoed, at the time the SYN was
-				 * seen (the coarse clock: one tick of error). */
-				s->tsoff[0] = tsecr - (__u32)(s->created_ns / 1000000);
+				 * seen (the coarse clock: one tick of error; the
+				 * stamp is the clock in ms modulo 2^32, as the
+				 * offset is). */
+				s->tsoff[0] = tsecr - s->created_ms;
 				s->has_ts |= HS_TS0;
 			}
 		}
@@ -327,11 +357,11 @@ static __attribute__((noinline)) int handshake(struct __sk_buff *skb, struct pkt
 	return 0;
 }
 
-/* What forward() keeps of a flow (the entry itself is read in place). */
+/* What forward() keeps of a flow (the entry itself is read in place). The
+ * flow's direction is FL_REV. */
 struct fwd_flow {
 	__u32 sess_id;
 	__u32 flags;
-	__u8 dir;
 };
 
 /* clamp_window limits the window a packet advertises to clamp bytes (§5.3:
@@ -358,12 +388,12 @@ static __always_inline int clamp_window(struct __sk_buff *skb, struct pkt *p, __
 /* tp_egress sends a packet of a side in its two-path phase (§3.5): on the
  * old path with the flow's own delta, or on the new path with the new
  * subsession's. Returns -1 to let forward() go on as without a record. */
-static __attribute__((noinline)) int tp_egress(struct __sk_buff *skb, struct pkt *p, __u32 sess_id, __u8 dir,
-					       __u32 fflags)
+static __attribute__((noinline)) int tp_egress(struct __sk_buff *skb, struct pkt *p, __u32 sess_id, __u32 fflags)
 {
-	struct tp_key k = {.sess_id = sess_id, .side = dir ? SIDE_LEFT : SIDE_RIGHT};
+	struct tp_key k = {.sess_id = sess_id, .side = (fflags & FL_REV) ? SIDE_LEFT : SIDE_RIGHT};
 	struct tp_val *tp = bpf_map_lookup_elem(&dysco_tp, &k);
-	struct dysco_tuple *out;
+	struct dysco_tuple *target;
+	struct dysco_ends out;
 	struct delta_val *dv = 0;
 	__u32 st, seq_to, ack_to, end;
 	int path = TPD_OLD, reroute;
@@ -386,25 +416,26 @@ static __attribute__((noinline)) int tp_egress(struct __sk_buff *skb, struct pkt
 		goto fail;
 	if (path == TPD_NEW) {
 		dv = &tp->nd;
-		out = &tp->new_out;
+		target = &tp->new_out;
 		reroute = tp->reroute_new;
 		tp->to_new++;
 		stat_inc(STAT_TP_NEW);
 	} else {
 		if (fflags & FL_DELTA)
 			dv = bpf_map_lookup_elem(&dysco_deltas, &p->t);
-		out = &tp->old_out;
+		target = &tp->old_out;
 		reroute = tp->reroute_old;
 		tp->to_old++;
 		stat_inc(STAT_TP_OLD);
 	}
 	if (dv && (dv->seq || dv->ack || dv->tsval || dv->tsecr || dv->ws_on) && apply_delta(skb, p, dv))
 		goto fail;
-	if (rewrite_tuple(skb, p, out))
+	ends_of(&out, target);
+	if (rewrite_tuple(skb, p, &out))
 		goto fail;
 	stat_inc(STAT_REWRITE_OUT);
 	if (reroute)
-		return redirect_to(skb, out, p->v6);
+		return redirect_to(skb, &out, p->v6);
 	return TC_ACT_OK;
 fail:
 	stat_inc(STAT_DROP_HELPER);
@@ -418,7 +449,7 @@ fail:
  * handed on with (tp_deliver). */
 static __attribute__((noinline)) __u32 tp_ingress(const struct fwd_flow *f, const struct pkt *p, __u32 seq, __u32 ack)
 {
-	struct tp_key k = {.sess_id = f->sess_id, .side = f->dir ? SIDE_RIGHT : SIDE_LEFT};
+	struct tp_key k = {.sess_id = f->sess_id, .side = (f->flags & FL_REV) ? SIDE_RIGHT : SIDE_LEFT};
 	struct tp_val *tp = bpf_map_lookup_elem(&dysco_tp, &k);
 	int new_path = !!(f->flags & FL_TP_NEW);
 	__u8 flags = p->flags;
@@ -439,7 +470,7 @@ static __attribute__((noinline)) __u32 tp_ingress(const struct fwd_flow *f, cons
  * flow); the session only for packets that can change its state. */
 static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct flow_val *fp, int egress)
 {
-	struct fwd_flow f = {.sess_id = fp->sess_id, .flags = fp->flags, .dir = fp->dir};
+	struct fwd_flow f = {.sess_id = fp->sess_id, .flags = fp->flags};
 	struct dysco_tuple key = p->t;
 	__u32 sseq = p->seq, sack = p->ack;
 
@@ -457,7 +488,7 @@ static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct 
 	if ((p->flags & (TH_SYN | TH_FIN | TH_RST)) || !(f.flags & FL_EST)) {
 		struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &f.sess_id);
 		if (s) {
-			track_state(s, p, f.dir);
+			track_state(s, p, !!(f.flags & FL_REV));
 			if ((p->flags & (TH_SYN | TH_ACK)) == (TH_SYN | TH_ACK))
 				handshake(skb, p, s);
 			if ((s->state & ST_EST) && !(f.flags & FL_EST))
@@ -467,7 +498,7 @@ static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct 
 	if (egress) {
 		mark(fp, sseq, sack, seq_end(sseq, p->payload, p->flags), p->flags);
 		if (f.flags & FL_TP_OUT) {
-			int rc = tp_egress(skb, p, f.sess_id, f.dir, f.flags);
+			int rc = tp_egress(skb, p, f.sess_id, f.flags);
 			if (rc >= 0)
 				return rc;
 		}
@@ -696,8 +727,8 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		__builtin_memset(in, 0, sizeof(*in));
 		__builtin_memset(out, 0, sizeof(*out));
 
-		s->tuple = st->session;
-		s->created_ns = s->last_ns = bpf_ktime_get_coarse_ns();
+		ends_of(&s->tuple, &st->session);
+		s->created_ms = s->last_ms = stamp();
 		__builtin_memcpy(s->nonce, st->nonce, DYSCO_NONCE_LEN);
 		s->state = ST_SYN;
 		s->role = n > 0 ? ROLE_MIDDLE : (local_dst ? ROLE_END : ROLE_END_FWD);
@@ -705,17 +736,16 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		handshake(skb, p, s);
 		if (alloc_session(s, &id))
 			return TC_ACT_SHOT;
-		in->out = st->session;
+		ends_of(&in->out, &st->session);
 		in->sess_id = id;
 		in->flags = FL_INGRESS | FL_SYN_STRIP | (s->role != ROLE_END ? FL_TAP : 0);
-		reverse(rkey, &st->session);
-		reverse(&out->out, &p->t);
+		reverse(rkey, &in->out);
+		reverse_ends(&out->out, &p->t);
 		out->sess_id = id;
-		out->dir = 1;
 		out->flags = FL_REV | (same_route(skb, p->v6, st->session.saddr, p->t.saddr) ? 0 : FL_REROUTE);
 		in->packets = 1;
 		in->bytes = skb->len;
-		in->last_ns = s->created_ns;
+		in->last_ms = s->created_ms;
 		reclaim(rkey);
 		if (bpf_map_update_elem(&dysco_flows, &p->t, in, BPF_NOEXIST) ||
 		    bpf_map_update_elem(&dysco_flows, rkey, out, BPF_NOEXIST)) {
@@ -733,7 +763,8 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		}
 		stat_inc(n > 0 ? STAT_SETUP_CONT : STAT_SETUP_END);
 	}
-	if (strip_block(skb, p, opt, blen, b, keep_tag, id) || rewrite_tuple(skb, p, &st->session)) {
+	ends_of(&sc->ends, &st->session);
+	if (strip_block(skb, p, opt, blen, b, keep_tag, id) || rewrite_tuple(skb, p, &sc->ends)) {
 		stat_inc(STAT_DROP_HELPER);
 		return TC_ACT_SHOT;
 	}
@@ -915,7 +946,7 @@ static __always_inline int emit_syn(struct __sk_buff *skb, struct pkt *p, __u32 
 				    struct flow_val *known, int has_tag, __u8 *old_opt, struct scratch *sc)
 {
 	__u8 *buf = sc->buf;
-	struct dysco_tuple out = {};
+	struct dysco_ends out = {};
 	__u32 n = st->n_hops, blen, add, i;
 	__u8 flags_role = 0;
 
@@ -933,7 +964,8 @@ static __always_inline int emit_syn(struct __sk_buff *skb, struct pkt *p, __u32 
 		stat_inc(STAT_SYN_RETRANS);
 	} else {
 		struct bpf_redir_neigh nh;
-		struct dysco_tuple *next = &sc->next, *rkey = &sc->rkey;
+		struct dysco_ends *next = &sc->ends;
+		struct dysco_tuple *rkey = &sc->rkey;
 		struct flow_val *fwd = &sc->fwd, *rev = &sc->rev;
 		struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &id);
 		__u32 ifindex, r;
@@ -950,11 +982,9 @@ static __always_inline int emit_syn(struct __sk_buff *skb, struct pkt *p, __u32 
 			return TC_ACT_SHOT;
 		}
 		__builtin_memcpy(out.daddr, st->hops[0], 16);
-		out.proto = IPPROTO_TCP;
 		rev->sess_id = id;
-		rev->dir = 1;
 		rev->flags = FL_INGRESS | FL_REV | flags_role;
-		reverse(&rev->out, &p->t);
+		reverse_ends(&rev->out, &p->t);
 		for (i = 0; i < ALLOC_TRIES; i++) {
 			r = bpf_get_prandom_u32();
 			out.sport = bpf_htons(port_lo + (__u16)((r & 0xffff) % port_n));
@@ -974,7 +1004,7 @@ static __always_inline int emit_syn(struct __sk_buff *skb, struct pkt *p, __u32 
 		fwd->flags = FL_SYN_EMIT | (same_route(skb, p->v6, p->t.daddr, out.daddr) ? 0 : FL_REROUTE);
 		fwd->packets = 1;
 		fwd->bytes = skb->len;
-		fwd->last_ns = bpf_ktime_get_coarse_ns();
+		fwd->last_ms = stamp();
 		reclaim(&p->t);
 		if (bpf_map_update_elem(&dysco_flows, &p->t, fwd, BPF_NOEXIST)) {
 			bpf_map_delete_elem(&dysco_flows, rkey);
@@ -1153,11 +1183,11 @@ int dysco_setup(struct __sk_buff *skb)
 		r = ((__u64)bpf_get_prandom_u32() << 32) | bpf_get_prandom_u32();
 		__builtin_memcpy(st->nonce, &r, DYSCO_NONCE_LEN);
 		__builtin_memset(s, 0, sizeof(*s));
-		s->tuple = p.t;
-		s->created_ns = s->last_ns = bpf_ktime_get_coarse_ns();
+		ends_of(&s->tuple, &p.t);
+		s->created_ms = s->last_ms = stamp();
 		__builtin_memcpy(s->nonce, st->nonce, DYSCO_NONCE_LEN);
 		s->state = ST_SYN;
-		s->policy = slot;
+		s->policy = (__u16)slot;
 		s->role = ROLE_START;
 		s->is_v6 = p.v6;
 		handshake(skb, &p, s);
@@ -1274,12 +1304,12 @@ int dysco_ctl(struct ctl_args *a)
 		dst = bpf_map_lookup_elem(&dysco_flows, &key2);
 		if (!fp || !dst)
 			return -2;
-		if (!fp->mk_ok)
+		if (!(fp->flags & FL_MARKS))
 			return 0;
-		if (!dst->mk_ok) {
+		if (!(dst->flags & FL_MARKS)) {
 			dst->mk_seq = fp->mk_seq;
 			dst->mk_ack = fp->mk_ack;
-			dst->mk_ok = 1;
+			__sync_fetch_and_or(&dst->flags, FL_MARKS);
 			return 0;
 		}
 		if (seq_lt(dst->mk_seq, fp->mk_seq))

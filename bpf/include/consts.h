@@ -120,7 +120,7 @@ enum role {
 #define FL_SYN_EMIT (1 << 2) /* SYNs on this egress flow must carry a block */
 #define FL_TAP (1 << 3)      /* copy to the session-view tap */
 #define FL_DELTA (1 << 4)    /* look up sequence deltas in dysco_deltas */
-#define FL_REV (1 << 5)      /* packet travels against the SYN's direction */
+#define FL_REV (1 << 5)      /* the flow's direction: against the SYN's (without it: the SYN's) */
 #define FL_INGRESS (1 << 6)  /* applies on ingress; every other flow on egress */
 #define FL_EST (1 << 7)      /* session established: no state to track on plain packets */
 #define FL_ROUTED (1 << 8)   /* the agent decided FL_REROUTE from the routes (not read here) */
@@ -130,6 +130,7 @@ enum role {
 #define FL_DROP (1 << 12)    /* drop: a proxy's socket after the proxy left the path */
 #define FL_HOLD_DATA (1 << 13) /* egress: hold packets with new data (beyond mk_seq), see hold.h */
 #define FL_HOLD_ALL (1 << 14)  /* egress: hold every packet of the flow */
+#define FL_MARKS (1 << 15)     /* mk_seq and mk_ack are known (set once, by mark() or CTL_MARKS_MERGE) */
 
 /* tp_val.state */
 #define TP_IDLE 0      /* new subsession installed; everything still on the old path */

@@ -45,7 +45,7 @@ static __always_inline int hold_wanted(const struct __sk_buff *skb, const struct
 	end = seq_end(p->seq, p->payload, p->flags);
 	if (end == p->seq)
 		return 0;
-	return !fp->mk_ok || seq_lt(fp->mk_seq, end);
+	return !(fp->flags & FL_MARKS) || seq_lt(fp->mk_seq, end);
 }
 
 /* hold_copy copies the whole frame (a GSO packet whole) with a hold_hdr to

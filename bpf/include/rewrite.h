@@ -22,7 +22,7 @@
 
 /* rewrite_tuple writes out's addresses and ports into the packet. Without
  * IPv4 options the addresses and the ports are contiguous: one store. */
-static __always_inline int rewrite_tuple(struct __sk_buff *skb, struct pkt *p, const struct dysco_tuple *out)
+static __always_inline int rewrite_tuple(struct __sk_buff *skb, struct pkt *p, const struct dysco_ends *out)
 {
 	__u32 oldp = (__u32)p->t.sport | ((__u32)p->t.dport << 16);
 	__u32 newp = (__u32)out->sport | ((__u32)out->dport << 16);
@@ -73,7 +73,10 @@ static __always_inline int rewrite_tuple(struct __sk_buff *skb, struct pkt *p, c
 		if (bpf_skb_store_bytes(skb, p->l3 + offsetof(struct ipv6hdr, saddr), new, 36, 0))
 			return -1;
 	}
-	__builtin_memcpy(&p->t, out, sizeof(*out));
+	__builtin_memcpy(p->t.saddr, out->saddr, 16);
+	__builtin_memcpy(p->t.daddr, out->daddr, 16);
+	p->t.sport = out->sport;
+	p->t.dport = out->dport;
 	return 0;
 }
 

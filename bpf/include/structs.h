@@ -17,49 +17,64 @@ struct dysco_tuple {
 	__u8 pad[3];
 };
 
+/* The addresses and ports of a TCP tuple: a flow's rewrite target (the
+ * protocol is the key's) and a session's tuple. A dysco_tuple without proto
+ * and pad, field for field: 36 bytes in every flow and session, not 40. */
+struct dysco_ends {
+	__u8 saddr[16];
+	__u8 daddr[16];
+	__be16 sport;
+	__be16 dport;
+};
+
 /* One direction of a session at one hook of this host: the packet's tuple
- * (the map key) is replaced by out. Kept small: it is the per-packet lookup. */
+ * (the map key) is replaced by out. Kept small: it is the per-packet lookup,
+ * and at 100,000 sessions a middlebox host holds 400,000 of them. 72 bytes:
+ * the kernel accounts 48 + 40 + 72 + 8 = 168 bytes per entry, allocated
+ * from kmalloc-192 (docs/architecture.md, "Small entries"). The flags are
+ * 4-byte aligned and the counters 8-byte aligned, as atomic operations need. */
 struct flow_val {
-	struct dysco_tuple out;
+	struct dysco_ends out;
 	__u32 sess_id;
-	__u32 flags; /* FL_*; 32 bits so that the agent can change them atomically */
-	__u8 dir;    /* 0: the SYN's direction, 1: the reverse */
-	__u8 mk_ok;  /* the marks below are known */
-	__u16 pad;
+	/* FL_*, the direction (FL_REV) and whether the marks are known
+	 * (FL_MARKS) included; 32 bits so that the agent (dysco_ctl) and the
+	 * datapath change them with atomic operations only. */
+	__u32 flags;
 	/* Marks (paper §3.5; protocol.Marks), in session space: on an egress
 	 * flow the highest sequence number sent plus one and the highest ack
 	 * sent; on an ingress flow the same received. An anchor's cut-off is
-	 * taken from them. */
+	 * taken from them. Valid once FL_MARKS is set. */
 	__u32 mk_seq;
 	__u32 mk_ack;
+	__u32 last_ms; /* last packet, a stamp (stamp() in dysco.c) */
 	/* Counters live in the flow, not the session: the steady-state path
 	 * then needs one lookup, and each direction writes its own entry. */
 	__u64 packets;
 	__u64 bytes;
-	__u64 last_ns;
 };
 
-/* Per-session state on this host. */
+/* Per-session state on this host. 80 bytes: the kernel accounts 48 + 8 + 80
+ * + 8 = 144 bytes per entry, allocated from kmalloc-192 (docs/architecture.md,
+ * "Small entries"). */
 struct session_val {
-	struct dysco_tuple tuple; /* session tuple as it entered this host */
-	__u64 created_ns;
-	__u64 last_ns;            /* last state change (packets: see the flows) */
+	struct dysco_ends tuple; /* session tuple as it entered this host (TCP) */
+	__u32 created_ms;        /* stamps (stamp() in dysco.c) */
+	__u32 last_ms;           /* last state change (packets: see the flows) */
 	__u8 nonce[DYSCO_NONCE_LEN];
-	__u32 state;              /* ST_* */
-	__u32 policy;             /* policy slot + 1 at the chain start, else 0 */
-	__u8 role;                /* ROLE_* */
-	__u8 is_v6;
-	/* Handshake, by direction (0: the SYN's): window scale announced
-	 * (0xff: none), initial sequence number, and the sender's TCP
-	 * timestamp clock offset (TSval minus the monotonic clock in ms when
-	 * it was seen; has_ts bit d tells that direction d has timestamps).
-	 * The agent joins a proxy's two sessions and translates options from
-	 * them (§4.2). Kept to 96 bytes: one allocation size class. */
-	__u8 ws[2];
+	__u32 state;             /* ST_* */
+	/* Handshake, by direction (0: the SYN's): initial sequence number, the
+	 * sender's TCP timestamp clock offset (TSval minus the monotonic clock
+	 * in ms when it was seen; has_ts bit d tells that direction d has
+	 * timestamps) and window scale announced (0xff: none). The agent joins
+	 * a proxy's two sessions and translates options from them (§4.2). */
 	__u32 isn[2];
 	__u32 tsoff[2];
+	__u16 policy;            /* policy slot + 1 at the chain start, else 0 */
+	__u8 role;               /* ROLE_* */
+	__u8 is_v6;
+	__u8 ws[2];
 	__u8 has_ts;
-	__u8 pad[3];
+	__u8 pad;
 };
 
 /* What a SYN needs until the handshake is complete: the rest of the address
@@ -179,6 +194,17 @@ struct scratch {
 	struct session_val sess;
 	struct flow_val fwd, rev, known;
 	struct dysco_tuple next, rkey;
+	struct dysco_ends ends; /* a SYN's rewrite target on ingress, its next hop on egress */
 };
+
+/* The sizes the memory figures rest on (BENCHMARKS.md), and the layout
+ * dysco_ctl's atomic operations need. */
+_Static_assert(sizeof(struct dysco_ends) == 36, "dysco_ends is 36 bytes");
+_Static_assert(sizeof(struct flow_val) == 72, "flow_val is 72 bytes");
+_Static_assert(sizeof(struct session_val) == 80, "session_val is 80 bytes");
+_Static_assert(MAX_POLICIES < 0xffff, "a policy slot + 1 fits session_val.policy");
+_Static_assert(__builtin_offsetof(struct flow_val, flags) % 4 == 0, "flow_val.flags is aligned");
+_Static_assert(__builtin_offsetof(struct flow_val, packets) % 8 == 0, "flow_val counters are aligned");
+_Static_assert(__builtin_offsetof(struct session_val, state) % 4 == 0, "session_val.state is aligned");
 
 #endif

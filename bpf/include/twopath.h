@@ -43,10 +43,10 @@ static __always_inline __u32 seq_end(__u32 seq, __u32 len, __u8 flags)
 /* mark records a packet in its flow's marks (protocol.Marks.Out / In). */
 static __always_inline void mark(struct flow_val *fp, __u32 seq, __u32 ack, __u32 end, __u8 flags)
 {
-	if (!fp->mk_ok) {
+	if (!(fp->flags & FL_MARKS)) {
 		fp->mk_seq = seq;
 		fp->mk_ack = ack;
-		fp->mk_ok = 1;
+		__sync_fetch_and_or(&fp->flags, FL_MARKS);
 	}
 	if (seq_lt(fp->mk_seq, end))
 		fp->mk_seq = end;
@@ -103,11 +103,11 @@ static __always_inline int tp_start(struct tp_val *tp, const struct tp_key *k)
 		return tp->state == TP_ACTIVE ? 0 : -1;
 	eg = bpf_map_lookup_elem(&dysco_flows, &tp->eg_key);
 	in = bpf_map_lookup_elem(&dysco_flows, &tp->in_old);
-	if (eg && eg->mk_ok) {
+	if (eg && (eg->flags & FL_MARKS)) {
 		snd = eg->mk_seq;
 		ack_sent = eg->mk_ack;
 	}
-	if (in && in->mk_ok) {
+	if (in && (in->flags & FL_MARKS)) {
 		rcv = in->mk_seq;
 		ack_rcvd = in->mk_ack;
 	}
@@ -116,7 +116,7 @@ static __always_inline int tp_start(struct tp_val *tp, const struct tp_key *k)
 	tp->old_sent_acked = ack_rcvd;
 	tp->old_rcvd_acked = ack_sent;
 	tp->ack_hi = ack_rcvd;
-	tp->ack_hi_ok = in && in->mk_ok;
+	tp->ack_hi_ok = in && (in->flags & FL_MARKS);
 	tp->new_rcvd = 0;
 	__sync_lock_test_and_set(&tp->state, TP_ACTIVE);
 	tp_report(tp, k);

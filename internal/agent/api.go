@@ -149,9 +149,11 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 	}
 	left := map[uint32]string{}
 	right := map[uint32]string{}
+	// Ages from the datapath's stamps, at a now read after them (datapath.Age).
+	now := datapath.Now()
 	type tally struct {
 		packets, bytes [2]uint64
-		last           uint64
+		idle           time.Duration // since the latest packet
 	}
 	counts := make(map[uint32]*tally, len(sessions))
 	reconfigured := map[uint32]bool{} // sessions with a two-path record
@@ -164,7 +166,7 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 		// one (a reconfigured side's current subsession is in its two-path
 		// record, below).
 		switch {
-		case f.Dir != 0 || f.Flags&(datapath.FlTPNew|datapath.FlDrop) != 0:
+		case f.Dir() != 0 || f.Flags&(datapath.FlTPNew|datapath.FlDrop) != 0:
 		case f.Flags&datapath.FlIngress != 0:
 			left[f.SessId] = f.Key.String()
 		default:
@@ -172,14 +174,14 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 		}
 		t := counts[f.SessId]
 		if t == nil {
-			t = &tally{}
+			t = &tally{idle: datapath.StampRange}
 			counts[f.SessId] = t
 		}
 		if datapath.Counted(f.Flow, role[f.SessId]) {
-			t.packets[f.Dir&1] += f.Packets
-			t.bytes[f.Dir&1] += f.Bytes
+			t.packets[f.Dir()] += f.Packets
+			t.bytes[f.Dir()] += f.Bytes
 		}
-		t.last = max(t.last, f.LastNs)
+		t.idle = min(t.idle, datapath.Age(now, f.LastMs))
 	}
 	a.mu.Lock()
 	eff := a.effective
@@ -188,12 +190,11 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 	if a.ctl != nil {
 		views = a.ctl.views()
 	}
-	now := datapath.Monotonic()
 	out := make([]api.Session, 0, len(sessions))
 	for _, s := range sessions {
 		t := counts[s.ID]
 		if t == nil {
-			t = &tally{}
+			t = &tally{idle: datapath.StampRange}
 		}
 		var sides []api.TwoPathSide
 		if reconfigured[s.ID] {
@@ -217,8 +218,8 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 			ID: s.ID, Session: s.Tuple.String(), Left: left[s.ID], Right: right[s.ID],
 			Role: datapath.RoleName(s.Role), State: datapath.StateName(s.State),
 			PacketsFwd: t.packets[0], BytesFwd: t.bytes[0], PacketsRev: t.packets[1], BytesRev: t.bytes[1],
-			AgeSeconds:  (now - time.Duration(s.CreatedNs)).Seconds(),
-			IdleSeconds: (now - time.Duration(max(s.LastNs, t.last))).Seconds(),
+			AgeSeconds:  datapath.Age(now, s.CreatedMs).Seconds(),
+			IdleSeconds: min(datapath.Age(now, s.LastMs), t.idle).Seconds(),
 			TwoPath:     sides,
 		}
 		if v, ok := views[s.ID]; ok {

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"sync"
 	"time"
 
 	"github.com/dysco/dysco/internal/datapath"
@@ -16,34 +17,61 @@ import (
 //
 // It reads the maps in batches and keeps only a small summary per session,
 // so that its memory and CPU stay modest at 100,000 sessions.
+//
+// Ages come from the datapath's 32-bit stamps (datapath.Age), all against
+// one now read before the maps: stamps written while the maps are read
+// count as of now, and a stamp older than 49.7 days reads younger than it
+// is. An age is thus never overestimated, and a live session is never
+// ended early; an idle one may be ended late, by at most a timeout, when
+// one of its stamps crosses a multiple of 49.7 days. Timeouts are capped
+// below datapath.MaxAge, so that every one can be reached.
 func (a *Agent) collect() {
-	// Last activity by session, from the flows.
-	last := map[uint32]uint64{}
+	now := datapath.Now()
+	// The latest packet of each session, from its flows (a map kept from
+	// pass to pass: at 100,000 sessions, a map grown afresh every second
+	// would be 2.4 MiB of garbage a second, and the agent's heap would
+	// grow with it).
+	latest := map[uint32]uint32(nil)
+	if latestMu.TryLock() {
+		latest = latestMap
+		defer func() {
+			clear(latest)
+			latestMu.Unlock()
+		}()
+	} else {
+		latest = make(map[uint32]uint32) // another agent's collector has it
+	}
 	var reroutes []datapath.FlowEntry
 	if err := a.dp.EachFlow(func(k *datapath.Tuple, f *datapath.Flow) {
 		if f.Flags&(datapath.FlReroute|datapath.FlRouted|datapath.FlIngress) == datapath.FlReroute {
 			reroutes = append(reroutes, datapath.FlowEntry{Key: *k, Flow: *f})
 		}
-		last[f.SessId] = max(last[f.SessId], f.LastNs) // also marks the session as having flows
+		if l, ok := latest[f.SessId]; !ok || datapath.Age(now, f.LastMs) < datapath.Age(now, l) {
+			latest[f.SessId] = f.LastMs // also marks the session as having flows
+		}
 	}); err != nil {
 		a.log.Warn("collector: list flows", "err", err)
 		return
 	}
 	a.settleReroutes(reroutes)
-	now := datapath.Monotonic()
+	capped := func(d time.Duration) time.Duration { return min(d, datapath.MaxAge-time.Minute) }
+	idleTimeout, halfOpen, linger := capped(a.cfg.IdleTimeout), capped(a.cfg.HalfOpenTimeout), capped(a.cfg.CloseLinger)
 	var dead []uint32
 	if err := a.dp.EachSession(func(id uint32, s *datapath.Session) {
-		l, hasFlows := last[id]
-		delete(last, id) // what stays in last afterwards has no session
-		age := now - time.Duration(s.CreatedNs)
-		idle := now - time.Duration(max(s.LastNs, l))
+		l, hasFlows := latest[id]
+		delete(latest, id) // what stays in latest afterwards has no session
+		age := datapath.Age(now, s.CreatedMs)
+		idle := datapath.Age(now, s.LastMs)
+		if hasFlows {
+			idle = min(idle, datapath.Age(now, l))
+		}
 		st := s.State
 		switch {
-		case st&datapath.StRST != 0 && idle > a.cfg.CloseLinger/5,
-			st&datapath.StFINFwd != 0 && st&datapath.StFINRev != 0 && idle > a.cfg.CloseLinger,
-			st&datapath.StEst == 0 && age > a.cfg.HalfOpenTimeout && idle > a.cfg.HalfOpenTimeout,
-			idle > a.cfg.IdleTimeout,
-			!hasFlows && age > a.cfg.HalfOpenTimeout:
+		case st&datapath.StRST != 0 && idle > linger/5,
+			st&datapath.StFINFwd != 0 && st&datapath.StFINRev != 0 && idle > linger,
+			st&datapath.StEst == 0 && age > halfOpen && idle > halfOpen,
+			idle > idleTimeout,
+			!hasFlows && age > halfOpen:
 			dead = append(dead, id)
 		}
 	}); err != nil {
@@ -71,11 +99,11 @@ func (a *Agent) collect() {
 	// Flows of ended sessions, and flows whose session is missing. A flow is
 	// created just after its session, so an orphan seen here may be brand
 	// new: it is removed only if its session is still missing now.
-	gone := make(map[uint32]bool, len(dead)+len(last))
+	gone := make(map[uint32]bool, len(dead)+len(latest))
 	for _, id := range dead {
 		gone[id] = true
 	}
-	for id := range last {
+	for id := range latest {
 		if !a.dp.SessionExists(id) {
 			gone[id] = true
 		}
@@ -99,3 +127,10 @@ func (a *Agent) collect() {
 		a.log.Debug("collector", "sessions_ended", len(dead), "flows_removed", stale)
 	}
 }
+
+// latestMap is the collector's map, kept from pass to pass (one agent runs
+// in a process; a second one's collector makes its own).
+var (
+	latestMu  sync.Mutex
+	latestMap = map[uint32]uint32{}
+)

@@ -435,8 +435,8 @@ func (c *control) poll() {
 		in0, in1 := false, false
 		for _, k := range c.flowKeysOf(id) {
 			f, ok := c.a.dp.Flow(k)
-			if ok && f.Flags&datapath.FlIngress != 0 && f.MkOk != 0 {
-				if f.Dir == 0 {
+			if ok && f.Flags&datapath.FlIngress != 0 && f.Marked() {
+				if f.Dir() == 0 {
 					in0 = true
 				} else {
 					in1 = true
@@ -721,12 +721,12 @@ func (c *control) addSub(x protocol.AddSubsession) error {
 		return fmt.Errorf("no datapath session %d", id)
 	}
 	t := s.Tuple.Wire()
-	eg, newOut, inFlow := t, x.Sub, datapath.Flow{Out: datapath.TupleFrom(t.Reverse()), SessId: id,
-		Flags: datapath.FlIngress | datapath.FlRev | datapath.FlEst | datapath.FlTPNew | datapath.FlDelta, Dir: 1}
+	eg, newOut, inFlow := t, x.Sub, datapath.Flow{Out: datapath.EndsFrom(t.Reverse()), SessId: id,
+		Flags: datapath.FlIngress | datapath.FlRev | datapath.FlEst | datapath.FlTPNew | datapath.FlDelta}
 	sndWS := s.Ws[0]
 	if x.Side == protocol.SideLeft {
 		eg, newOut = t.Reverse(), x.Sub.Reverse()
-		inFlow.Out, inFlow.Flags, inFlow.Dir = datapath.TupleFrom(t), datapath.FlIngress|datapath.FlEst|datapath.FlTPNew|datapath.FlDelta, 0
+		inFlow.Out, inFlow.Flags = datapath.EndsFrom(t), datapath.FlIngress|datapath.FlEst|datapath.FlTPNew|datapath.FlDelta
 		sndWS = s.Ws[1]
 	}
 	if sndWS == 0xff {
@@ -757,7 +757,7 @@ func (c *control) addSub(x protocol.AddSubsession) error {
 		if !ok || f.SessId != id {
 			return fmt.Errorf("session %d has no egress flow %s", id, eg)
 		}
-		tp.OldOut = f.Out
+		tp.OldOut = f.Out.Tuple()
 		if f.Flags&datapath.FlReroute != 0 {
 			tp.RerouteOld = 1
 		}
@@ -829,14 +829,14 @@ func (c *control) removeSub(x protocol.RemoveSubsession) error {
 func (c *control) join(v6 bool, x protocol.JoinSession) error {
 	dp := c.a.dp
 	t, l, r := x.Tuple, x.Left.Sub, x.Right.Sub
-	sess := datapath.Session{Tuple: datapath.TupleFrom(t), Nonce: x.Nonce, Role: datapath.RoleMiddle,
+	sess := datapath.Session{Tuple: datapath.EndsFrom(t), Nonce: x.Nonce, Role: datapath.RoleMiddle,
 		State: datapath.StSYN | datapath.StSYNACK | datapath.StEst | datapath.StSetupDone}
 	if v6 {
 		sess.IsV6 = 1
 	}
 	sess.Ws = [2]uint8{0xff, 0xff}
-	sess.CreatedNs = uint64(datapath.Monotonic())
-	sess.LastNs = sess.CreatedNs
+	sess.CreatedMs = datapath.Now()
+	sess.LastMs = sess.CreatedMs
 	id, err := dp.InsertSession(sess)
 	if err != nil {
 		return err
@@ -873,10 +873,10 @@ func (c *control) join(v6 bool, x protocol.JoinSession) error {
 		k datapath.Tuple
 		f datapath.Flow
 	}{
-		{datapath.TupleFrom(l), datapath.Flow{Out: datapath.TupleFrom(t), SessId: id, Flags: datapath.FlIngress | datapath.FlEst | tap}},
-		{datapath.TupleFrom(t), datapath.Flow{Out: datapath.TupleFrom(r), SessId: id, Flags: datapath.FlEst | reroute(t.Dst, r.Dst)}},
-		{datapath.TupleFrom(r.Reverse()), datapath.Flow{Out: datapath.TupleFrom(t.Reverse()), SessId: id, Flags: datapath.FlIngress | datapath.FlRev | datapath.FlEst | tap, Dir: 1}},
-		{datapath.TupleFrom(t.Reverse()), datapath.Flow{Out: datapath.TupleFrom(l.Reverse()), SessId: id, Flags: datapath.FlRev | datapath.FlEst | reroute(t.Src, l.Src), Dir: 1}},
+		{datapath.TupleFrom(l), datapath.Flow{Out: datapath.EndsFrom(t), SessId: id, Flags: datapath.FlIngress | datapath.FlEst | tap}},
+		{datapath.TupleFrom(t), datapath.Flow{Out: datapath.EndsFrom(r), SessId: id, Flags: datapath.FlEst | reroute(t.Dst, r.Dst)}},
+		{datapath.TupleFrom(r.Reverse()), datapath.Flow{Out: datapath.EndsFrom(t.Reverse()), SessId: id, Flags: datapath.FlIngress | datapath.FlRev | datapath.FlEst | tap}},
+		{datapath.TupleFrom(t.Reverse()), datapath.Flow{Out: datapath.EndsFrom(l.Reverse()), SessId: id, Flags: datapath.FlRev | datapath.FlEst | reroute(t.Src, l.Src)}},
 	}
 	for i, fl := range flows {
 		if err := dp.AddFlow(fl.k, fl.f); err != nil {

@@ -450,7 +450,7 @@ func (c *control) onNewPathReady(v6 bool, x protocol.NewPathReady) {
 // flowMarks reads what a flow has sent (session space).
 func (c *control) flowMarks(k datapath.Tuple) marks {
 	f, ok := c.a.dp.Flow(k)
-	if !ok || f.MkOk == 0 {
+	if !ok || !f.Marked() {
 		return marks{}
 	}
 	return marks{Seq: f.MkSeq, Ack: f.MkAck, Ok: true}

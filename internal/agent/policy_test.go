@@ -56,8 +56,8 @@ func TestResolveChain(t *testing.T) {
 
 func TestCounted(t *testing.T) {
 	in := datapath.Flow{Flags: datapath.FlIngress}
-	out0 := datapath.Flow{Dir: 0}
-	out1 := datapath.Flow{Dir: 1}
+	out0 := datapath.Flow{}                      // the SYN's direction
+	out1 := datapath.Flow{Flags: datapath.FlRev} // the reverse
 	for _, c := range []struct {
 		f    datapath.Flow
 		role uint8

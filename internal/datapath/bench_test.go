@@ -23,20 +23,20 @@ func BenchmarkDatapath(b *testing.B) {
 		packet pkt
 	}{
 		{"ingress/no-flow", fx.ingress, nil, dataPkt(sess4)},
-		{"ingress/rewrite", fx.ingress, &Flow{Out: TupleFrom(sess4), SessId: 7, Flags: FlIngress}, dataPkt(subIn4)},
+		{"ingress/rewrite", fx.ingress, &Flow{Out: EndsFrom(sess4), SessId: 7, Flags: FlIngress}, dataPkt(subIn4)},
 		{"egress/no-flow", fx.egress, nil, dataPkt(subOut4)},
-		{"egress/rewrite", fx.egress, &Flow{Out: TupleFrom(subOut4), SessId: 7}, dataPkt(sess4)},
+		{"egress/rewrite", fx.egress, &Flow{Out: EndsFrom(subOut4), SessId: 7}, dataPkt(sess4)},
 	}
 	for _, c := range cases {
 		b.Run(c.name, func(b *testing.B) {
 			fx.reset(b)
 			if c.flow != nil {
 				back := *c.flow
-				back.Out = c.packet.key()
+				back.Out = c.packet.key().Ends()
 				if err := m["flows"].Put(c.packet.key(), est(*c.flow)); err != nil {
 					b.Fatal(err)
 				}
-				if err := m["flows"].Put(c.flow.Out, est(back)); err != nil {
+				if err := m["flows"].Put(c.flow.Out.Tuple(), est(back)); err != nil {
 					b.Fatal(err)
 				}
 				if err := m["sessions"].Put(c.flow.SessId, *estSession(sess4, RoleMiddle)); err != nil {

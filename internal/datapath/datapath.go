@@ -13,6 +13,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 
 	"github.com/cilium/ebpf"
@@ -40,6 +41,11 @@ type Datapath struct {
 	// Attach is "tcx", or "clsact" where the kernel lacks TCX.
 	Attach string
 	links  map[string]link.Link
+
+	// Buffers of the walks of the session maps (eachBatch).
+	flowBufs    batchBufs[Tuple, Flow]
+	sessionBufs batchBufs[uint32, Session]
+	setupBufs   batchBufs[uint32, dyscoSynState]
 }
 
 // Hooks on an interface.
@@ -83,6 +89,9 @@ func Load(cfg Config) (*Datapath, error) {
 	}
 	spec.Maps["dysco_hold_buf"].MaxEntries = uint32(ncpu)
 	if err := resetForeignPins(cfg.PinDir); err != nil {
+		return nil, err
+	}
+	if err := checkPinned(spec, cfg.PinDir); err != nil {
 		return nil, err
 	}
 	d := &Datapath{cfg: cfg, links: map[string]link.Link{}}
@@ -141,6 +150,50 @@ func resetForeignPins(dir string) error {
 		return nil
 	}
 	return Reset(dir)
+}
+
+// checkPinned compares the maps pinned under dir with those of this
+// datapath before anything is loaded. Maps pinned by another version whose
+// type, key or value size, capacity or flags differ (an upgrade that changed
+// flow_val, say) cannot be reused: their entries would be read with the
+// wrong layout. Load then fails naming every such map with both sizes, and
+// leaves everything as it is: the old programs, still attached through the
+// pinned links, go on forwarding the live sessions on the old maps until
+// the operator resets the pins ('dysco agent --reset', which ends every
+// session on the host) and starts the new agent. A map not pinned yet is
+// created by Load.
+func checkPinned(spec *ebpf.CollectionSpec, dir string) error {
+	names := make([]string, 0, len(spec.Maps))
+	for name, ms := range spec.Maps {
+		if ms.Pinning == ebpf.PinByName {
+			names = append(names, name)
+		}
+	}
+	sort.Strings(names)
+	var diffs []string
+	for _, name := range names {
+		m, err := ebpf.LoadPinnedMap(filepath.Join(dir, name), nil)
+		if errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("datapath: pinned map %s: %w", filepath.Join(dir, name), err)
+		}
+		err = spec.Maps[name].Compatible(m)
+		m.Close()
+		if errors.Is(err, ebpf.ErrMapIncompatible) {
+			diffs = append(diffs, fmt.Sprintf("%s (%s)", name, strings.TrimSuffix(err.Error(), ": "+ebpf.ErrMapIncompatible.Error())))
+		} else if err != nil {
+			return fmt.Errorf("datapath: pinned map %s: %w", name, err)
+		}
+	}
+	if len(diffs) == 0 {
+		return nil
+	}
+	return fmt.Errorf("datapath: the maps pinned in %s come from another version of the datapath: %s: %w; "+
+		"their sessions cannot be carried over (the old programs keep forwarding them meanwhile): "+
+		"stop the agent, run 'dysco agent --reset --pin-dir %s' (every session on this host ends) and start it again",
+		dir, strings.Join(diffs, ", "), ebpf.ErrMapIncompatible, dir)
 }
 
 func boolU8(b bool) uint8 {

@@ -42,6 +42,14 @@ type dyscoDeltaVal struct {
 	Pad   uint8
 }
 
+type dyscoDyscoEnds struct {
+	_     structs.HostLayout
+	Saddr [16]uint8
+	Daddr [16]uint8
+	Sport uint16
+	Dport uint16
+}
+
 type dyscoDyscoTuple struct {
 	_     structs.HostLayout
 	Saddr [16]uint8
@@ -54,18 +62,14 @@ type dyscoDyscoTuple struct {
 
 type dyscoFlowVal struct {
 	_       structs.HostLayout
-	Out     dyscoDyscoTuple
+	Out     dyscoDyscoEnds
 	SessId  uint32
 	Flags   uint32
-	Dir     uint8
-	MkOk    uint8
-	Pad     uint16
 	MkSeq   uint32
 	MkAck   uint32
-	_       [4]byte
+	LastMs  uint32
 	Packets uint64
 	Bytes   uint64
-	LastNs  uint64
 }
 
 type dyscoHoldBuf struct {
@@ -95,30 +99,32 @@ type dyscoScratch struct {
 	_     structs.HostLayout
 	Buf   [188]uint8
 	St    dyscoSynState
-	_     [4]byte
 	Sess  dyscoSessionVal
+	_     [4]byte
 	Fwd   dyscoFlowVal
 	Rev   dyscoFlowVal
 	Known dyscoFlowVal
 	Next  dyscoDyscoTuple
 	Rkey  dyscoDyscoTuple
+	Ends  dyscoDyscoEnds
+	_     [4]byte
 }
 
 type dyscoSessionVal struct {
 	_         structs.HostLayout
-	Tuple     dyscoDyscoTuple
-	CreatedNs uint64
-	LastNs    uint64
+	Tuple     dyscoDyscoEnds
+	CreatedMs uint32
+	LastMs    uint32
 	Nonce     [8]uint8
 	State     uint32
-	Policy    uint32
+	Isn       [2]uint32
+	Tsoff     [2]uint32
+	Policy    uint16
 	Role      uint8
 	IsV6      uint8
 	Ws        [2]uint8
-	Isn       [2]uint32
-	Tsoff     [2]uint32
 	HasTs     uint8
-	Pad       [3]uint8
+	Pad       uint8
 }
 
 type dyscoSynState struct {

@@ -289,7 +289,7 @@ func (fx *fixture) flows(tb testing.TB) map[Tuple]Flow {
 	tb.Helper()
 	out := fx.rawFlows(tb)
 	for k, f := range out {
-		f.Packets, f.Bytes, f.LastNs = 0, 0, 0
+		f.Packets, f.Bytes, f.LastMs = 0, 0, 0
 		f.Flags &^= FlEst
 		out[k] = f
 	}
@@ -373,8 +373,8 @@ func (fx *fixture) expectFlows(tb testing.TB, want map[Tuple]Flow) {
 			continue
 		}
 		if g != w {
-			tb.Errorf("flow %v:\n got out %v sess %d flags %s dir %d\nwant out %v sess %d flags %s dir %d",
-				k, g.Out, g.SessId, flagNames(g.Flags), g.Dir, w.Out, w.SessId, flagNames(w.Flags), w.Dir)
+			tb.Errorf("flow %v:\n got out %v sess %d flags %s\nwant out %v sess %d flags %s",
+				k, g.Out, g.SessId, flagNames(g.Flags), w.Out, w.SessId, flagNames(w.Flags))
 		}
 	}
 	for k := range got {
@@ -386,7 +386,7 @@ func (fx *fixture) expectFlows(tb testing.TB, want map[Tuple]Flow) {
 
 func flagNames(f uint32) string {
 	s := ""
-	for i, n := range []string{"reroute", "syn-strip", "syn-emit", "tap", "delta", "rev", "ingress", "est", "routed", "tp-out", "tp-old", "tp-new", "drop", "hold-data", "hold-all"} {
+	for i, n := range []string{"reroute", "syn-strip", "syn-emit", "tap", "delta", "rev", "ingress", "est", "routed", "tp-out", "tp-old", "tp-new", "drop", "hold-data", "hold-all", "marks"} {
 		if f&(1<<i) != 0 {
 			s += n + "|"
 		}
@@ -397,8 +397,8 @@ func flagNames(f uint32) string {
 	return s[:len(s)-1]
 }
 
-func flow(out wire.Tuple, id uint32, flags uint32, dir uint8) Flow {
-	return Flow{Out: TupleFrom(out), SessId: id, Flags: flags, Dir: dir}
+func flow(out wire.Tuple, id uint32, flags uint32) Flow {
+	return Flow{Out: EndsFrom(out), SessId: id, Flags: flags}
 }
 
 // hopsOf reads a set-up state's address list.

@@ -172,7 +172,7 @@ func TestHold(t *testing.T) {
 			} else {
 				fx.reset(t)
 				clearHash(t, fx.d.objs.DyscoTp)
-				f := Flow{Out: TupleFrom(s.oldSub), SessId: s.id, Dir: s.dirOut(), Flags: FlEst | revFlag(s.dirOut())}
+				f := Flow{Out: EndsFrom(s.oldSub), SessId: s.id, Flags: FlEst | revFlag(s.dirOut())}
 				if err := fx.d.AddFlow(s.egKey(), f); err != nil {
 					t.Fatal(err)
 				}
@@ -272,7 +272,7 @@ func TestHoldGSO(t *testing.T) {
 	r := fx.holdReader(t)
 	s := tpRight4
 	fx.reset(t)
-	f := Flow{Out: TupleFrom(s.oldSub), SessId: s.id, Dir: s.dirOut(), Flags: FlEst | FlagHoldData}
+	f := Flow{Out: EndsFrom(s.oldSub), SessId: s.id, Flags: FlEst | FlagHoldData | revFlag(s.dirOut())}
 	if err := fx.d.AddFlow(s.egKey(), f); err != nil {
 		t.Fatal(err)
 	}
@@ -317,7 +317,7 @@ func TestHoldRingFull(t *testing.T) {
 	r := fx.holdReader(t)
 	s := tpRight4
 	fx.reset(t)
-	f := Flow{Out: TupleFrom(s.oldSub), SessId: s.id, Dir: s.dirOut(), Flags: FlEst | FlagHoldAll}
+	f := Flow{Out: EndsFrom(s.oldSub), SessId: s.id, Flags: FlEst | FlagHoldAll | revFlag(s.dirOut())}
 	if err := fx.d.AddFlow(s.egKey(), f); err != nil {
 		t.Fatal(err)
 	}
@@ -578,7 +578,7 @@ func TestReinject(t *testing.T) {
 	if d.Attach != "tcx" {
 		t.Fatalf("attached with %s, want tcx on this kernel", d.Attach)
 	}
-	f := Flow{Out: TupleFrom(sub), SessId: 0x77, Flags: FlEst | FlagHoldData, MkOk: 1, MkSeq: 1000}
+	f := Flow{Out: EndsFrom(sub), SessId: 0x77, Flags: FlEst | FlagHoldData | FlMarks, MkSeq: 1000}
 	if err := d.AddFlow(TupleFrom(sess), f); err != nil {
 		t.Fatal(err)
 	}

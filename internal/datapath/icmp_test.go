@@ -58,7 +58,7 @@ func TestICMPErrorTranslated(t *testing.T) {
 			fx.reset(t)
 			sub, sess := mustTuple(t, c.sub), mustTuple(t, c.session)
 			// The reverse subsession's ingress flow maps replies to the session.
-			f := Flow{Out: TupleFrom(sess.Reverse()), SessId: 1, Flags: FlIngress | FlRev, Dir: 1}
+			f := Flow{Out: EndsFrom(sess.Reverse()), SessId: 1, Flags: FlIngress | FlRev}
 			if err := fx.d.Maps()["flows"].Put(TupleFrom(sub.Reverse()), f); err != nil {
 				t.Fatal(err)
 			}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"sync"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -57,6 +58,7 @@ const (
 	FlDrop     = 1 << 12
 	FlHoldData = FlagHoldData // hold.go
 	FlHoldAll  = FlagHoldAll
+	FlMarks    = 1 << 15 // MkSeq and MkAck are known
 
 	hopAddr = 1
 	hopType = 2
@@ -103,6 +105,22 @@ type Session = dyscoSessionVal
 // Flow is the Go view of struct flow_val.
 type Flow = dyscoFlowVal
 
+// Ends is the Go view of struct dysco_ends, a Tuple without the protocol
+// (always TCP): the addresses and ports a flow writes into its packets
+// (Flow.Out), and a session's tuple (Session.Tuple).
+type Ends = dyscoDyscoEnds
+
+// Dir is a flow's direction: 0 for the SYN's, 1 for the reverse (FlRev).
+func (f Flow) Dir() uint8 {
+	if f.Flags&FlRev != 0 {
+		return 1
+	}
+	return 0
+}
+
+// Marked tells whether the flow's marks (MkSeq, MkAck) are known.
+func (f Flow) Marked() bool { return f.Flags&FlMarks != 0 }
+
 // Delta is the Go view of struct delta_val.
 type Delta = dyscoDeltaVal
 
@@ -126,6 +144,24 @@ func (k Tuple) Wire() wire.Tuple {
 }
 
 func (k Tuple) String() string { return k.Wire().String() }
+
+// Ends returns the addresses and ports of the tuple.
+func (k Tuple) Ends() Ends {
+	return Ends{Saddr: k.Saddr, Daddr: k.Daddr, Sport: k.Sport, Dport: k.Dport}
+}
+
+// EndsFrom converts a wire tuple.
+func EndsFrom(t wire.Tuple) Ends { return TupleFrom(t).Ends() }
+
+// Tuple returns the TCP tuple with these addresses and ports.
+func (e Ends) Tuple() Tuple {
+	return Tuple{Saddr: e.Saddr, Daddr: e.Daddr, Sport: e.Sport, Dport: e.Dport, Proto: unix.IPPROTO_TCP}
+}
+
+// Wire converts to a wire tuple.
+func (e Ends) Wire() wire.Tuple { return e.Tuple().Wire() }
+
+func (e Ends) String() string { return e.Wire().String() }
 
 func htons(v uint16) uint16 {
 	var b [2]byte
@@ -297,11 +333,31 @@ type SessionEntry struct {
 // sessions takes tens of system calls, not hundreds of thousands.
 const batchSize = 4096
 
-// eachBatch reads m in batches and calls fn for every entry; keys and vals
-// are reused between batches.
-func eachBatch[K, V any](m *ebpf.Map, what string, fn func(k *K, v *V)) error {
-	keys := make([]K, batchSize)
-	vals := make([]V, batchSize)
+// batchBufs keeps the buffers of the walks of one map from walk to walk:
+// the collector walks the flows and sessions every second, and fresh
+// buffers would be 1.5 MiB of garbage a second, which the agent's heap (and
+// RSS) would grow by. A walk that finds them in use (walks run on several
+// goroutines: collector, metrics, API) makes its own.
+type batchBufs[K, V any] struct {
+	mu   sync.Mutex
+	keys []K
+	vals []V
+}
+
+// eachBatch reads m in batches and calls fn for every entry, with the
+// buffers of b (fn must not keep k or v).
+func eachBatch[K, V any](m *ebpf.Map, what string, b *batchBufs[K, V], fn func(k *K, v *V)) error {
+	var keys []K
+	var vals []V
+	if b.mu.TryLock() {
+		defer b.mu.Unlock()
+		if b.keys == nil {
+			b.keys, b.vals = make([]K, batchSize), make([]V, batchSize)
+		}
+		keys, vals = b.keys, b.vals
+	} else {
+		keys, vals = make([]K, batchSize), make([]V, batchSize)
+	}
 	var cursor ebpf.MapBatchCursor
 	for {
 		n, err := m.BatchLookup(&cursor, keys, vals, nil)
@@ -317,19 +373,21 @@ func eachBatch[K, V any](m *ebpf.Map, what string, fn func(k *K, v *V)) error {
 	}
 }
 
-// EachSession calls fn for every session without holding them all.
+// EachSession calls fn for every session without holding them all; s is
+// valid during the call only.
 func (d *Datapath) EachSession(fn func(id uint32, s *Session)) error {
-	return eachBatch(d.objs.DyscoSessions, "sessions", func(k *uint32, v *Session) { fn(*k, v) })
+	return eachBatch(d.objs.DyscoSessions, "sessions", &d.sessionBufs, func(k *uint32, v *Session) { fn(*k, v) })
 }
 
-// EachFlow calls fn for every flow without holding them all.
+// EachFlow calls fn for every flow without holding them all; k and f are
+// valid during the call only.
 func (d *Datapath) EachFlow(fn func(k *Tuple, f *Flow)) error {
-	return eachBatch(d.objs.DyscoFlows, "flows", fn)
+	return eachBatch(d.objs.DyscoFlows, "flows", &d.flowBufs, fn)
 }
 
 // EachSetup calls fn with the id of every session that has set-up state.
 func (d *Datapath) EachSetup(fn func(id uint32)) error {
-	return eachBatch(d.objs.DyscoSyns, "set-up state", func(k *uint32, _ *dyscoSynState) { fn(*k) })
+	return eachBatch(d.objs.DyscoSyns, "set-up state", &d.setupBufs, func(k *uint32, _ *dyscoSynState) { fn(*k) })
 }
 
 // Sessions lists the sessions.
@@ -365,7 +423,7 @@ func Counted(f Flow, role uint8) bool {
 	if f.Flags&FlIngress != 0 {
 		return true
 	}
-	return (f.Dir == 0 && role == RoleStart) || (f.Dir == 1 && (role == RoleEnd || role == RoleEndFwd))
+	return (f.Dir() == 0 && role == RoleStart) || (f.Dir() == 1 && (role == RoleEnd || role == RoleEndFwd))
 }
 
 // SetTapActive tells the datapath whether a capture listens on the
@@ -414,6 +472,42 @@ func Monotonic() time.Duration {
 	var ts unix.Timespec
 	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC_COARSE, &ts)
 	return time.Duration(ts.Nano())
+}
+
+// Stamps. The datapath stamps flows (Flow.LastMs, every packet) and
+// sessions (Session.CreatedMs, Session.LastMs, state changes) with 32 bits
+// of Monotonic in milliseconds: the stamp wraps every 2^32 ms, 49.7 days
+// (stamp() in bpf/dysco.c). 32 bits keep the values at 72 and 80 bytes.
+//
+// An age is therefore known modulo 2^32 ms only. Age(now, t) is (now - t)
+// mod 2^32 ms: exact for ages up to MaxAge, and for older stamps shorter
+// by a multiple of StampRange (or 0), never longer. A stamp taken after
+// now — the datapath goes on stamping while the agent reads the maps
+// against a now read before — is less than StampSkew ahead and has age 0,
+// not 49.7 days. Whoever ends sessions by age (the collector) can thus end
+// one late, when a stamp's age crosses a multiple of 49.7 days, but never
+// early.
+
+const (
+	// StampRange is the span of the stamps: ages are known modulo it.
+	StampRange = time.Duration(1<<32) * time.Millisecond
+	// StampSkew is how far ahead of now a stamp may be and still be
+	// taken for one of now (a read of the maps takes well under it).
+	StampSkew = time.Minute
+	// MaxAge is the longest age Age tells.
+	MaxAge = StampRange - StampSkew - time.Millisecond
+)
+
+// Now returns the stamp of the present.
+func Now() uint32 { return uint32(Monotonic() / time.Millisecond) }
+
+// Age returns how long before now stamp t was taken (see Stamps above).
+func Age(now, t uint32) time.Duration {
+	d := time.Duration(now-t) * time.Millisecond
+	if d > MaxAge {
+		return 0 // t is (up to StampSkew) after now
+	}
+	return d
 }
 
 // Maps gives tests and benchmarks direct access to the maps.
@@ -495,8 +589,13 @@ func (d *Datapath) PrependHops(id uint32, hops []netip.Addr) ([]netip.Addr, erro
 
 // SetFlowFlags sets and clears flags of a flow, atomically with respect to
 // the datapath's own updates of the entry (dysco_ctl runs in the kernel).
-// Flags that steer packets are only ever changed here, by the agent.
+// Flags that steer packets are only ever changed here, by the agent. FlMarks
+// and FlRev are not the agent's to change: the datapath sets the first when
+// it writes the marks, and the second is the flow's direction.
 func (d *Datapath) SetFlowFlags(k Tuple, set, clear uint32) error {
+	if (set|clear)&(FlMarks|FlRev) != 0 {
+		return fmt.Errorf("datapath: flow %s: FlMarks and FlRev cannot be changed", k)
+	}
 	if set != 0 {
 		if err := d.ctl(ctlFlagsSet, &k, nil, set); err != nil {
 			return err

@@ -2,6 +2,7 @@ package datapath
 
 import (
 	"testing"
+	"time"
 
 	"github.com/gopacket/gopacket/layers"
 
@@ -101,7 +102,7 @@ func withIPOpts(p pkt) pkt {
 }
 
 func estSession(t wire.Tuple, role uint8) *Session {
-	return &Session{Tuple: TupleFrom(t), State: StSYN | StSYNACK | StEst, Role: role, IsV6: boolU8(!t.Is4())}
+	return &Session{Tuple: EndsFrom(t), State: StSYN | StSYNACK | StEst, Role: role, IsV6: boolU8(!t.Is4())}
 }
 
 func TestSteadyStateRewrite(t *testing.T) {
@@ -119,85 +120,85 @@ func TestSteadyStateRewrite(t *testing.T) {
 	cases := []rewriteCase{
 		{
 			name: "ingress v4 data to session tuple",
-			flow: &Flow{Out: TupleFrom(sess4), SessId: 7}, sess: estSession(sess4, RoleMiddle),
+			flow: &Flow{Out: EndsFrom(sess4), SessId: 7}, sess: estSession(sess4, RoleMiddle),
 			in: dataPkt(subIn4), verdict: tcActOK, out: dataPkt(sess4),
 			stats: one("rewrite_in"),
 			check: func(t *testing.T, fx *fixture, in []byte) {
 				f := fx.rawFlows(t)[dataPkt(subIn4).key()]
-				if f.Packets != 1 || f.Bytes != uint64(len(in)) || f.LastNs == 0 {
-					t.Errorf("flow counted packets %d bytes %d (last %d), want 1 %d", f.Packets, f.Bytes, f.LastNs, len(in))
+				if f.Packets != 1 || f.Bytes != uint64(len(in)) || Age(Now(), f.LastMs) > time.Second {
+					t.Errorf("flow counted packets %d bytes %d (last packet %v ago), want 1 %d, now", f.Packets, f.Bytes, Age(Now(), f.LastMs), len(in))
 				}
 			},
 		},
 		{
 			name: "ingress v4 SYN-ACK keeps MSS, SACK-permitted, timestamps, window scale",
-			flow: &Flow{Out: TupleFrom(sess4.Reverse()), SessId: 7, Flags: FlRev, Dir: 1},
+			flow: &Flow{Out: EndsFrom(sess4.Reverse()), SessId: 7, Flags: FlRev},
 			in:   synAck(subOut4.Reverse()), verdict: tcActOK, out: synAck(sess4.Reverse()),
 			stats: one("rewrite_in"),
 		},
 		{
 			name: "ingress v6 data to session tuple",
-			flow: &Flow{Out: TupleFrom(sess6), SessId: 8},
+			flow: &Flow{Out: EndsFrom(sess6), SessId: 8},
 			in:   dataPkt(subIn6), verdict: tcActOK, out: dataPkt(sess6),
 			stats: one("rewrite_in"),
 		},
 		{
 			name: "ingress v6 SYN-ACK",
-			flow: &Flow{Out: TupleFrom(sess6.Reverse()), SessId: 8, Flags: FlRev, Dir: 1},
+			flow: &Flow{Out: EndsFrom(sess6.Reverse()), SessId: 8, Flags: FlRev},
 			in:   synAck(subOut6.Reverse()), verdict: tcActOK, out: synAck(sess6.Reverse()),
 			stats: one("rewrite_in"),
 		},
 		{
 			name: "ingress v4 with IP options",
-			flow: &Flow{Out: TupleFrom(sess4)},
+			flow: &Flow{Out: EndsFrom(sess4)},
 			in:   withIPOpts(dataPkt(subIn4)), verdict: tcActOK, out: withIPOpts(dataPkt(sess4)),
 			stats: one("rewrite_in"),
 		},
 		{
 			name:   "egress v4 with IP options rerouted",
-			egress: true, flow: &Flow{Out: TupleFrom(subOut4), Flags: FlReroute},
+			egress: true, flow: &Flow{Out: EndsFrom(subOut4), Flags: FlReroute},
 			in: withIPOpts(dataPkt(sess4)), verdict: tcActRedirect, out: withIPOpts(dataPkt(subOut4)),
 			stats: one("rewrite_out"),
 		},
 		{
 			name: "ingress v4 ports only",
-			flow: &Flow{Out: TupleFrom(tup(ap("10.1.0.20:1"), ap("10.1.0.1:65535")))},
+			flow: &Flow{Out: EndsFrom(tup(ap("10.1.0.20:1"), ap("10.1.0.1:65535")))},
 			in:   dataPkt(subIn4), verdict: tcActOK, out: dataPkt(tup(ap("10.1.0.20:1"), ap("10.1.0.1:65535"))),
 			stats: one("rewrite_in"),
 		},
 		{
 			name: "ingress v6 addresses only",
-			flow: &Flow{Out: TupleFrom(tup(ap("[fd00:5::7]:31000"), ap("[fd00:9::5]:32000")))},
+			flow: &Flow{Out: EndsFrom(tup(ap("[fd00:5::7]:31000"), ap("[fd00:9::5]:32000")))},
 			in:   dataPkt(subIn6), verdict: tcActOK, out: dataPkt(tup(ap("[fd00:5::7]:31000"), ap("[fd00:9::5]:32000"))),
 			stats: one("rewrite_in"),
 		},
 		{
 			name:   "egress v4 data without reroute",
-			egress: true, flow: &Flow{Out: TupleFrom(subIn4.Reverse()), Flags: FlRev, Dir: 1},
+			egress: true, flow: &Flow{Out: EndsFrom(subIn4.Reverse()), Flags: FlRev},
 			in: dataPkt(sess4.Reverse()), verdict: tcActOK, out: dataPkt(subIn4.Reverse()),
 			stats: one("rewrite_out"),
 		},
 		{
 			name:   "egress v4 data rerouted to the next hop",
-			egress: true, flow: &Flow{Out: TupleFrom(subOut4), Flags: FlReroute},
+			egress: true, flow: &Flow{Out: EndsFrom(subOut4), Flags: FlReroute},
 			in: dataPkt(sess4), verdict: tcActRedirect, out: dataPkt(subOut4),
 			stats: one("rewrite_out"),
 		},
 		{
 			name:   "egress v6 data rerouted to the next hop",
-			egress: true, flow: &Flow{Out: TupleFrom(subOut6), Flags: FlReroute},
+			egress: true, flow: &Flow{Out: EndsFrom(subOut6), Flags: FlReroute},
 			in: dataPkt(sess6), verdict: tcActRedirect, out: dataPkt(subOut6),
 			stats: one("rewrite_out"),
 		},
 		{
 			name:   "egress v6 SYN-ACK rerouted back to the previous hop",
-			egress: true, flow: &Flow{Out: TupleFrom(subIn6.Reverse()), Flags: FlReroute | FlRev, Dir: 1},
+			egress: true, flow: &Flow{Out: EndsFrom(subIn6.Reverse()), Flags: FlReroute | FlRev},
 			in: synAck(sess6.Reverse()), verdict: tcActRedirect, out: synAck(subIn6.Reverse()),
 			stats: one("rewrite_out"),
 		},
 		{
 			name:   "egress FIN counted and tracked",
-			egress: true, flow: &Flow{Out: TupleFrom(subIn4.Reverse()), SessId: 9, Flags: FlReroute | FlRev, Dir: 1},
+			egress: true, flow: &Flow{Out: EndsFrom(subIn4.Reverse()), SessId: 9, Flags: FlReroute | FlRev},
 			sess: estSession(sess4, RoleEnd),
 			in:   fin, verdict: tcActRedirect, out: fin.with(subIn4.Reverse()),
 			stats: one("rewrite_out", "fin"),
@@ -213,7 +214,7 @@ func TestSteadyStateRewrite(t *testing.T) {
 		},
 		{
 			name:   "egress reroute with no route to the new destination",
-			egress: true, flow: &Flow{Out: TupleFrom(tup(ap("10.1.0.1:41001"), apOf(noRoute, 80))), Flags: FlReroute},
+			egress: true, flow: &Flow{Out: EndsFrom(tup(ap("10.1.0.1:41001"), apOf(noRoute, 80))), Flags: FlReroute},
 			in: dataPkt(sess4), verdict: tcActShot,
 			stats: one("rewrite_out", "drop_no_route"),
 		},
@@ -236,7 +237,7 @@ func TestSteadyStateRewrite(t *testing.T) {
 // does, with checksums right.
 func TestDeltas(t *testing.T) {
 	fx := newFixture(t)
-	deltaFlow := func(out wire.Tuple) *Flow { return &Flow{Out: TupleFrom(out), SessId: 3, Flags: FlDelta} }
+	deltaFlow := func(out wire.Tuple) *Flow { return &Flow{Out: EndsFrom(out), SessId: 3, Flags: FlDelta} }
 	stats := func(hook string, delta bool) map[string]uint64 {
 		m := map[string]uint64{"rewrite_" + hook: 1}
 		if delta {
@@ -350,7 +351,7 @@ func TestDeltas(t *testing.T) {
 		},
 		{
 			name:   "window of a SYN-ACK is not scaled",
-			egress: true, flow: &Flow{Out: TupleFrom(subIn4.Reverse()), Flags: FlDelta | FlRev, Dir: 1},
+			egress: true, flow: &Flow{Out: EndsFrom(subIn4.Reverse()), Flags: FlDelta | FlRev},
 			delta: &Delta{Seq: 1, WsIn: 0, WsOut: 4, WsOn: 1},
 			in:    synAck(sess4.Reverse()),
 			out: func() pkt {
@@ -376,7 +377,7 @@ func TestDeltas(t *testing.T) {
 		},
 		{
 			name: "delta entry of a flow not marked for deltas is ignored",
-			flow: &Flow{Out: TupleFrom(sess4)}, delta: &Delta{Seq: 1, Ack: 1, Tsval: 1},
+			flow: &Flow{Out: EndsFrom(sess4)}, delta: &Delta{Seq: 1, Ack: 1, Tsval: 1},
 			in:      ackData(subIn4, nop, nop, optTS(5000, 6000)),
 			out:     ackData(sess4, nop, nop, optTS(5000, 6000)),
 			verdict: tcActOK, stats: stats("in", false),

@@ -3,6 +3,7 @@ package datapath
 import (
 	"net/netip"
 	"testing"
+	"time"
 
 	"github.com/gopacket/gopacket/layers"
 
@@ -101,16 +102,19 @@ func TestIngressDyscoSYN(t *testing.T) {
 			if s.ID == 0 || s.ID > 0xffffff {
 				t.Errorf("session id %#x outside 24 bits", s.ID)
 			}
-			if s.Role != c.want.role || s.Tuple != TupleFrom(c.blk.Session) || s.Nonce != c.blk.Nonce ||
+			if s.Role != c.want.role || s.Tuple != EndsFrom(c.blk.Session) || s.Nonce != c.blk.Nonce ||
 				s.State != StSYN || s.Policy != 0 || s.IsV6 != boolU8(!c.sub.Is4()) {
 				t.Errorf("session %+v, want role %s tuple %v nonce %x state syn", s.Session, RoleName(c.want.role), c.blk.Session, c.blk.Nonce)
 			}
-			if f := fx.rawFlows(t)[in.key()]; f.Packets != 1 {
-				t.Errorf("ingress flow counted %d packets, want the SYN", f.Packets)
+			if f := fx.rawFlows(t)[in.key()]; f.Packets != 1 || f.LastMs != s.CreatedMs {
+				t.Errorf("ingress flow counted %d packets at %d, want the SYN at %d", f.Packets, f.LastMs, s.CreatedMs)
+			}
+			if now := Now(); Age(now, s.CreatedMs) > time.Second || s.LastMs != s.CreatedMs {
+				t.Errorf("session created %v ago (stamp %d, last %d, now %d), want now", Age(now, s.CreatedMs), s.CreatedMs, s.LastMs, now)
 			}
 			fx.expectFlows(t, map[Tuple]Flow{
-				in.key():                           flow(c.blk.Session, s.ID, c.want.inFlag, 0),
-				TupleFrom(c.blk.Session.Reverse()): flow(c.sub.Reverse(), s.ID, FlReroute|FlRev, 1),
+				in.key():                           flow(c.blk.Session, s.ID, c.want.inFlag),
+				TupleFrom(c.blk.Session.Reverse()): flow(c.sub.Reverse(), s.ID, FlReroute|FlRev),
 			})
 			st, ok := fx.synState(t, s.ID)
 			switch {

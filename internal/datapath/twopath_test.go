@@ -96,12 +96,12 @@ func revFlag(dir uint8) uint32 {
 
 // flows are the side's flows as the agent installs them for the phase.
 func (s tpSide) flows() map[Tuple]Flow {
-	in := Flow{Out: TupleFrom(s.sess.Reverse()), SessId: s.id, Dir: s.dirIn(), Flags: FlIngress | FlEst | revFlag(s.dirIn())}
+	in := Flow{Out: EndsFrom(s.sess.Reverse()), SessId: s.id, Flags: FlIngress | FlEst | revFlag(s.dirIn())}
 	old, nw := in, in
 	old.Flags |= FlTPOld
 	nw.Flags |= FlTPNew
 	return map[Tuple]Flow{
-		s.egKey(): {Out: TupleFrom(s.oldSub), SessId: s.id, Dir: s.dirOut(), Flags: FlTPOut | FlEst | revFlag(s.dirOut())},
+		s.egKey(): {Out: EndsFrom(s.oldSub), SessId: s.id, Flags: FlTPOut | FlEst | revFlag(s.dirOut())},
 		s.inOld(): old,
 		s.inNew(): nw,
 	}
@@ -377,9 +377,9 @@ func TestTwoPathStraddleCounted(t *testing.T) {
 // what was sent, an ingress flow's what was received.
 func marksOf(f Flow, ingress bool) protocol.Marks {
 	if ingress {
-		return protocol.Marks{RcvNxt: f.MkSeq, AckRcvd: f.MkAck, Rcvd: f.MkOk != 0}
+		return protocol.Marks{RcvNxt: f.MkSeq, AckRcvd: f.MkAck, Rcvd: f.Marked()}
 	}
-	return protocol.Marks{SndNxt: f.MkSeq, AckSent: f.MkAck, Sent: f.MkOk != 0}
+	return protocol.Marks{SndNxt: f.MkSeq, AckSent: f.MkAck, Sent: f.Marked()}
 }
 
 // TestTwoPathMarks: every flow keeps the marks of protocol.Marks in session
@@ -415,8 +415,8 @@ func TestTwoPathMarks(t *testing.T) {
 			fx.reset(t)
 			clearHash(t, fx.d.objs.DyscoTp)
 			// Plain flows: marks are kept with or without a two-path record.
-			eg := Flow{Out: TupleFrom(s.oldSub), SessId: s.id, Dir: s.dirOut(), Flags: FlEst | revFlag(s.dirOut())}
-			ing := Flow{Out: TupleFrom(s.sess.Reverse()), SessId: s.id, Dir: s.dirIn(), Flags: FlIngress | FlEst | revFlag(s.dirIn())}
+			eg := Flow{Out: EndsFrom(s.oldSub), SessId: s.id, Flags: FlEst | revFlag(s.dirOut())}
+			ing := Flow{Out: EndsFrom(s.sess.Reverse()), SessId: s.id, Flags: FlIngress | FlEst | revFlag(s.dirIn())}
 			if c.eg != (Delta{}) {
 				eg.Flags |= FlDelta
 				if err := fx.d.PutDelta(s.egKey(), c.eg); err != nil {
@@ -818,10 +818,10 @@ func TestFlowDrop(t *testing.T) {
 	fx := newFixture(t)
 	for _, egress := range []bool{true, false} {
 		name, prog, in := "ingress", fx.ingress, dataPkt(subIn4)
-		f := Flow{Out: TupleFrom(sess4), SessId: 5, Flags: FlDrop | FlIngress | FlEst}
+		f := Flow{Out: EndsFrom(sess4), SessId: 5, Flags: FlDrop | FlIngress | FlEst}
 		if egress {
 			name, prog, in = "egress", fx.egress, dataPkt(sess4)
-			f = Flow{Out: TupleFrom(subOut4), SessId: 5, Flags: FlDrop | FlEst}
+			f = Flow{Out: EndsFrom(subOut4), SessId: 5, Flags: FlDrop | FlEst}
 		}
 		t.Run(name, func(t *testing.T) {
 			fx.reset(t)
@@ -846,7 +846,7 @@ func TestSetFlowFlags(t *testing.T) {
 	fx := newFixture(t)
 	in := dataPkt(sess4)
 	k := in.key()
-	if err := fx.d.AddFlow(k, Flow{Out: TupleFrom(subOut4), SessId: 5, Flags: FlEst}); err != nil {
+	if err := fx.d.AddFlow(k, Flow{Out: EndsFrom(subOut4), SessId: 5, Flags: FlEst}); err != nil {
 		t.Fatal(err)
 	}
 	frame := in.frame(t)
@@ -860,8 +860,8 @@ func TestSetFlowFlags(t *testing.T) {
 		send(tcActOK)
 	}
 	f0 := fx.flow(t, k)
-	if f0.Packets != 3 || f0.Bytes != 3*uint64(len(frame)) || f0.MkOk == 0 {
-		t.Fatalf("flow before: packets %d bytes %d marks %d", f0.Packets, f0.Bytes, f0.MkOk)
+	if f0.Packets != 3 || f0.Bytes != 3*uint64(len(frame)) || !f0.Marked() || f0.Flags != FlEst|FlMarks {
+		t.Fatalf("flow before: packets %d bytes %d flags %s", f0.Packets, f0.Bytes, flagNames(f0.Flags))
 	}
 	check := func(what string, flags uint32, packets uint64) {
 		t.Helper()
@@ -869,32 +869,32 @@ func TestSetFlowFlags(t *testing.T) {
 		if f.Flags != flags {
 			t.Errorf("%s: flags %s, want %s", what, flagNames(f.Flags), flagNames(flags))
 		}
-		if f.Packets != packets || f.Bytes != packets*uint64(len(frame)) || f.LastNs < f0.LastNs {
+		if f.Packets != packets || f.Bytes != packets*uint64(len(frame)) || int32(f.LastMs-f0.LastMs) < 0 {
 			t.Errorf("%s: counters packets %d bytes %d, want %d %d", what, f.Packets, f.Bytes, packets, packets*uint64(len(frame)))
 		}
-		if f.MkOk != f0.MkOk || f.MkSeq != f0.MkSeq || f.MkAck != f0.MkAck {
-			t.Errorf("%s: marks %d %#x %#x, want %d %#x %#x", what, f.MkOk, f.MkSeq, f.MkAck, f0.MkOk, f0.MkSeq, f0.MkAck)
+		if f.Marked() != f0.Marked() || f.MkSeq != f0.MkSeq || f.MkAck != f0.MkAck {
+			t.Errorf("%s: marks %v %#x %#x, want %v %#x %#x", what, f.Marked(), f.MkSeq, f.MkAck, f0.Marked(), f0.MkSeq, f0.MkAck)
 		}
-		if f.Out != f0.Out || f.SessId != f0.SessId || f.Dir != f0.Dir {
+		if f.Out != f0.Out || f.SessId != f0.SessId || f.Dir() != f0.Dir() {
 			t.Errorf("%s: flow changed: %+v", what, f)
 		}
 	}
 	if err := fx.d.SetFlowFlags(k, FlDrop, 0); err != nil {
 		t.Fatal(err)
 	}
-	check("drop set", FlEst|FlDrop, 3)
+	check("drop set", FlEst|FlMarks|FlDrop, 3)
 	send(tcActShot)
-	check("dropped packet", FlEst|FlDrop, 4)
+	check("dropped packet", FlEst|FlMarks|FlDrop, 4)
 	if err := fx.d.SetFlowFlags(k, FlTap|FlRouted, FlDrop); err != nil {
 		t.Fatal(err)
 	}
-	check("drop cleared", FlEst|FlTap|FlRouted, 4)
+	check("drop cleared", FlEst|FlMarks|FlTap|FlRouted, 4)
 	send(tcActOK)
-	check("forwarded again", FlEst|FlTap|FlRouted, 5)
+	check("forwarded again", FlEst|FlMarks|FlTap|FlRouted, 5)
 	if err := fx.d.SetFlowFlags(k, 0, FlTap|FlRouted); err != nil {
 		t.Fatal(err)
 	}
-	check("cleared", FlEst, 5)
+	check("cleared", FlEst|FlMarks, 5)
 	err := fx.d.SetFlowFlags(TupleFrom(sess6), FlDrop, 0)
 	if !errors.Is(err, syscall.ENOENT) {
 		t.Errorf("flags of a missing flow: %v, want ENOENT", err)

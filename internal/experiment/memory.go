@@ -93,8 +93,8 @@ func benchMemory(ctx context.Context, o *Options, p *pair, r *Report, pr *progre
 			Unit: "B", Dysco: growth, Baseline: math.NaN(), Ratio: math.NaN(),
 			Measured: growth, MeasuredUnit: "B/session",
 			Target: "< 512 B", Met: metStr(growth < 512),
-			Note: fmt.Sprintf("maps %.1f MiB after the fill, %.1f MiB before, agent RSS %+.1f MiB; the agent used %.2f cores meanwhile (its collector reads every session and flow each second, in batches)",
-				float64(res.MapsTotal)/(1<<20), float64(res.MapsTotalBefore)/(1<<20), float64(res.RSSDelta)/(1<<20), res.AgentCPU),
+			Note: fmt.Sprintf("maps %.1f MiB after the fill, %.1f MiB before (%s), agent RSS %+.1f MiB; the agent used %.2f cores meanwhile (its collector reads every session and flow each second, in batches)",
+				float64(res.MapsTotal)/(1<<20), float64(res.MapsTotalBefore)/(1<<20), res.entryCosts(), float64(res.RSSDelta)/(1<<20), res.AgentCPU),
 		})
 		r.add(&Figure{
 			Key:     "memory-fixed-" + h.host,
@@ -107,6 +107,49 @@ func benchMemory(ctx context.Context, o *Options, p *pair, r *Report, pr *progre
 		})
 	}
 	return nil
+}
+
+// entryCosts tells what the session and flow maps grew by per session, as
+// the kernel accounts it (48 + key + value + 8 bytes an entry), and what
+// the entries really take: each is one object of the kmalloc size class
+// that holds 48 + key + value + 8 bytes (192 for both maps, measured with
+// /proc/slabinfo; docs/architecture.md, "Small entries").
+func (r *memResult) entryCosts() string {
+	var parts []string
+	for _, name := range []string{"dysco_flows", "dysco_sessions"} {
+		var before, after uint64
+		var key, value uint32
+		for _, m := range r.MapsBefore {
+			if m.Name == name {
+				before = m.Memlock
+			}
+		}
+		for _, m := range r.MapsAfter {
+			if m.Name == name {
+				after, key, value = m.Memlock, m.KeySize, m.ValueSize
+			}
+		}
+		if r.Sessions == 0 || after == 0 {
+			continue
+		}
+		perEntry := 48 + roundUp8(key) + roundUp8(value) + 8
+		growth := (float64(after) - float64(before)) / float64(r.Sessions)
+		parts = append(parts, fmt.Sprintf("%s %+.0f B/session: %d-byte values, %d B an entry as accounted, in a %d-byte kmalloc object",
+			name, growth, value, perEntry, kmallocClass(perEntry)))
+	}
+	return strings.Join(parts, "; ")
+}
+
+func roundUp8(n uint32) uint32 { return (n + 7) &^ 7 }
+
+// kmallocClass is the kmalloc size class an object of n bytes comes from.
+func kmallocClass(n uint32) uint32 {
+	for _, c := range []uint32{8, 16, 32, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096} {
+		if n <= c {
+			return c
+		}
+	}
+	return n
 }
 
 func memoryHost(ctx context.Context, o *Options, l *lab.Lab, host, kind string, flowsPer int, base uint32, pr *progress) (*memResult, error) {
@@ -148,7 +191,7 @@ func memoryHost(ctx context.Context, o *Options, l *lab.Lab, host, kind string, 
 	// Fill: established, fresh sessions (the collector keeps them), each
 	// with its flows; keys in 198.18.0.0/15, which no lab uses.
 	start := time.Now()
-	now := uint64(datapath.Monotonic())
+	now := datapath.Now()
 	ids := make([]uint32, 0, o.Sessions)
 	svals := make([]datapath.Session, 0, o.Sessions)
 	fkeys := make([]datapath.Tuple, 0, o.Sessions*flowsPer)
@@ -160,7 +203,7 @@ func memoryHost(ctx context.Context, o *Options, l *lab.Lab, host, kind string, 
 		st := wire.Tuple{Src: client, Dst: server, SrcPort: 40000, DstPort: 443}
 		ids = append(ids, id)
 		svals = append(svals, datapath.Session{
-			Tuple: datapath.TupleFrom(st), CreatedNs: now, LastNs: now,
+			Tuple: datapath.EndsFrom(st), CreatedMs: now, LastMs: now,
 			State: datapath.StSYN | datapath.StSYNACK | datapath.StEst | datapath.StSetupDone,
 			Role:  datapath.RoleMiddle,
 		})
@@ -171,7 +214,11 @@ func memoryHost(ctx context.Context, o *Options, l *lab.Lab, host, kind string, 
 				k = k.Reverse()
 			}
 			fkeys = append(fkeys, datapath.TupleFrom(k))
-			fvals = append(fvals, datapath.Flow{Out: datapath.TupleFrom(st), SessId: id, Dir: uint8(f % 2)})
+			fl := datapath.Flow{Out: datapath.EndsFrom(st), SessId: id, LastMs: now}
+			if f%2 == 1 {
+				fl.Flags = datapath.FlRev
+			}
+			fvals = append(fvals, fl)
 		}
 	}
 	defer func() {
