@@ -12,17 +12,33 @@
 #define XOF(t) ((t == requestLock || t == ackLock || t == nackLock) -> XREQ : \
 	((t == syn || t == synAck) -> XSYN : ((t == cancelLock || t == ackCancel) -> XCAN : 0)))
 
+/* coverage markers: with -DREACH (and pan compiled with -DPRINTF) each
+ * prints "REACH n" when its branch is taken; otherwise a skip. The
+ * branches are listed in docs/verification.md "What is covered". */
+#ifdef REACH
+#define REACHED(n) printf("REACH %d\n", n)
+#else
+#define REACHED(n) skip
+#endif
+
+/* a lost or rejected message in exchange X; one of the fin exchanges
+ * (a fin, a probe, a tomb's fin, or a finAck answering one) also lets the
+ * probe timers of both anchors fire (XWAITL, XWAITR): a fin's receiver
+ * may be waiting for it, its sender may have sent it as a probe, a finAck
+ * may answer a probe */
+#define ARM(X) ((X) | (((X) & (XFINL | XFINR)) != 0 -> XWAITL | XWAITR : 0))
+
 /*
  * Send a control message (UDP): the network may lose it (at most LOSS in a
  * run). A loss marks exchange X of request r: the sender's timer for it may
  * fire from then on. fl is the message's flag (syn: position in the address
- * list; cancelLock: 1 = FlagNewPath).
+ * list; cancelLock: 1 = FlagNewPath; fin: FlagDone).
  */
 inline ctl(cnb, ct, cr, cx, cfl, cX) {
 	if
 	:: LOSS > 0 && nlost < LOSS ->
 		printf("MSC: %d -> %d %e r%d LOST\n", me, cnb, ct, cr);
-		nlost++; lossy[cr] = lossy[cr] | (cX); lostNow[cr] = lostNow[cr] | (cX)
+		nlost++; lossy[cr] = lossy[cr] | ARM(cX); lostNow[cr] = lostNow[cr] | ARM(cX)
 	:: true ->
 		assert(nfull(net[cnb]));   /* the bounded channels never overflow */
 		net[cnb]!ct(me, cr, cx, cfl, 0, 0, 0)
@@ -134,13 +150,15 @@ inline onRequestLock(r, dl, fromQueue, rfrom) {
 	newRequestLock(r, dl, fromQueue, rfrom)
 #else
 	if
-	:: hist[HI(me, r)] == resNacked -> CTL(rfrom, nackLock, r, histR[HI(me, r)])
-	:: hist[HI(me, r)] != 0 && hist[HI(me, r)] != resNacked -> dropped(r, XREQ)   /* Rejected: already resolved */
-	:: hist[HI(me, r)] == 0 && busyRA[me] == r -> CTL(leftN[me], ackLock, r, 0)
+	:: hist[HI(me, r)] == resNacked -> REACHED(1); CTL(rfrom, nackLock, r, histR[HI(me, r)])
+	:: hist[HI(me, r)] != 0 && hist[HI(me, r)] != resNacked ->
+		REACHED(hist[HI(me, r)]);   /* 2 cancelled, 3 done, 4 expired */
+		dropped(r, XREQ)   /* Rejected: already resolved */
+	:: hist[HI(me, r)] == 0 && busyRA[me] == r -> REACHED(5); CTL(leftN[me], ackLock, r, 0)
 	:: hist[HI(me, r)] == 0 && busyRA[me] != r && lock[me] != unlocked && requestor[me] == r ->
-		CTL(rightN[me], requestLock, r, dl + sdL[me] + appR[me])
+		REACHED(6); CTL(rightN[me], requestLock, r, dl + sdL[me] + appR[me])
 	:: hist[HI(me, r)] == 0 && busyRA[me] != r && !(lock[me] != unlocked && requestor[me] == r) &&
-	   qreq[me] == r && la[r] != me -> skip
+	   qreq[me] == r && la[r] != me -> REACHED(7)
 	:: else -> newRequestLock(r, dl, fromQueue, rfrom)
 	fi
 #endif
@@ -210,11 +228,49 @@ inline releaseRight(r, kind) {
 
 #define FINX(me, r) (la[r] == me -> XFINL : XFINR)     /* exchange of the fin an anchor sends */
 #define FINACKX(me, r) (la[r] == me -> XFINR : XFINL)  /* exchange of the finAck an anchor sends */
+#define WAITX(me, r) (la[r] == me -> XWAITL : XWAITR)   /* an anchor's probes */
+/* waitFin: our fin is answered, the other's has not come: TimerFin stays
+ * armed and sends our fin again as a probe (agent.go waitFin, onTimer) */
+#define WAITFIN(i) (tp[i] && finAcked[i] && !haveCut[i])
 
 /* sendFin: the fin carries the cut-off; retransmitted on TimerFin */
 inline sendFin(r) {
 	finTries[me]++;
 	ctl(oldN[me], fin, r, oldSent[me], 0, FINX(me, r))
+}
+
+/* complete: EndTwoPath, the new subsession becomes the side's; the old
+ * one is a tomb that answers retransmitted fins (onTomb) with the cut-off
+ * its own fin carried */
+inline complete(r) {
+	tp[me] = 0;
+	lingerN[me] = oldN[me]; lingerR[me] = r; lingerC[me] = oldSent[me];
+	if
+	:: tpSide[me] == RIGHT -> lingerD[me] = sdR[me]; rightN[me] = newN[me]; sdR[me] = dNew[me]
+	:: else -> lingerD[me] = sdL[me]; leftN[me] = newN[me]; sdL[me] = dNew[me]
+	fi;
+	newN[me] = NONE;
+	if
+	:: la[r] == me ->
+		lock[me] = unlocked; requestor[me] = 0; held[r] = 0;
+		finishLeft(r, Succeeded, ReasonNone)
+	:: else ->
+		stageR[r] = done; busyRA[me] = 0; hist[HI(me, r)] = resDone
+	fi
+}
+
+/* a fin on the torn-down old path (onTomb): finAck, and, unless the fin is
+ * itself a tomb's (FlagDone), our own fin again with FlagDone: the other
+ * anchor may still wait for it (every copy lost, we completed
+ * Unconfirmed) */
+inline onTomb(r) {
+	ctl(m.from, finAck, r, 0, 0, FINACKX(me, r));
+#ifndef BROKEN_NO_PROBE
+	if
+	:: (m.s & FlagDone) == 0 -> REACHED(24); ctl(m.from, fin, r, lingerC[me], FlagDone, FINX(me, r))
+	:: else -> REACHED(25)
+	fi
+#endif
 }
 
 /* one of the two anchors is done with two paths: completion checks (evaluate) */
@@ -235,24 +291,9 @@ inline evaluate() {
 			answered[me] = 1; ctl(oldN[me], finAck, r, 0, 0, FINACKX(me, r))
 		:: else
 		fi;
-		/* 3. complete: EndTwoPath, the new subsession becomes the side's;
-		 * the old one is a tomb that answers retransmitted fins */
+		/* 3. complete */
 		if
-		:: finAcked[me] && answered[me] ->
-			tp[me] = 0;
-			lingerN[me] = oldN[me]; lingerR[me] = r;
-			if
-			:: tpSide[me] == RIGHT -> lingerD[me] = sdR[me]; rightN[me] = newN[me]; sdR[me] = dNew[me]
-			:: else -> lingerD[me] = sdL[me]; leftN[me] = newN[me]; sdL[me] = dNew[me]
-			fi;
-			newN[me] = NONE;
-			if
-			:: la[r] == me ->
-				lock[me] = unlocked; requestor[me] = 0; held[r] = 0;
-				finishLeft(r, Succeeded, ReasonNone)
-			:: else ->
-				stageR[r] = done; busyRA[me] = 0; hist[HI(me, r)] = resDone
-			fi
+		:: finAcked[me] && answered[me] -> complete(r)
 		:: else
 		fi
 	:: else
@@ -311,25 +352,25 @@ inline onMessage() {
 		:: stageL[r] == done && outcome[r] != Succeeded && !canJob[r] ->
 			/* an answer to a request this agent gave up: somebody holds a
 			 * lock for it; release it (§3.6) */
-			startCancel(r, 0)
-		:: else -> skip   /* duplicate, or a cancel job already runs */
+			REACHED(8); startCancel(r, 0)
+		:: else -> REACHED(9)   /* duplicate, or a cancel job already runs */
 		fi
 	:: m.t == ackLock && me != la[r] ->
 		if
 		:: lock[me] != unlocked && requestor[me] == r ->
 			if
 			:: lock[me] == lockPending -> lock[me] = locked; nackQueue()
-			:: else   /* a duplicate: forward it again */
+			:: else -> REACHED(10)   /* a duplicate: forward it again */
 			fi;
 			CTL(reqFrom[me], ackLock, r, m.x + sdR[me] + appL[me])
-		:: else -> dropped(r, XREQ)   /* Rejected: unexpected */
+		:: else -> REACHED(11); dropped(r, XREQ)   /* Rejected: unexpected */
 		fi
 	:: m.t == nackLock && me == la[r] ->
 		if
 		:: stageL[r] == locking && lock[me] == lockPending && requestor[me] == r ->
 			lock[me] = unlocked; requestor[me] = 0;
 			finishLeft(r, Refused, m.x)
-		:: else -> skip   /* stale */
+		:: else -> REACHED(12)   /* stale */
 		fi
 	:: m.t == nackLock && me != la[r] ->
 		if
@@ -337,7 +378,7 @@ inline onMessage() {
 			lock[me] = unlocked; requestor[me] = 0;
 			hist[HI(me, r)] = resNacked; histR[HI(me, r)] = m.x;
 			CTL(reqFrom[me], nackLock, r, m.x)
-		:: else -> dropped(r, XREQ)   /* Rejected: unexpected */
+		:: else -> REACHED(13); dropped(r, XREQ)   /* Rejected: unexpected */
 		fi
 	:: m.t == syn && me == ra[r] ->
 		if
@@ -347,12 +388,16 @@ inline onMessage() {
 			stageR[r] = waitAck;
 			CTL(m.from, synAck, r, 0)
 		:: busyRA[me] == r && stageR[r] != waitSyn && m.from == newN[me] ->
-			CTL(m.from, synAck, r, 0)   /* onSynDup: a retransmitted SYN */
-		:: else -> dropped(r, XSYN)   /* Rejected: not (or no longer) locked here */
+			REACHED(14); CTL(m.from, synAck, r, 0)   /* onSynDup: a retransmitted SYN */
+		:: else -> REACHED(15); dropped(r, XSYN)   /* Rejected: not (or no longer) locked here */
 		fi
 	:: m.t == syn && me != ra[r] ->
 		/* JoinSession: a new hop, no deltas; forward with the rest of the
 		 * list (a retransmitted SYN is forwarded again) */
+		if
+		:: joinReq[me] == r -> REACHED(16)
+		:: else
+		fi;
 		leftN[me] = m.from; joinReq[me] = r;
 		rightN[me] = (m.s + 1 < nh[r] -> hop[2*r + m.s + 1] : ra[r]);
 		ctl(rightN[me], syn, r, 0, m.s + 1, XSYN)
@@ -362,23 +407,23 @@ inline onMessage() {
 			CTL(newN[me], ack, r, 0);
 			startTwoPath(me, RIGHT, r);
 			stageL[r] = twoPath
-		:: stageL[r] == twoPath -> CTL(newN[me], ack, r, 0)   /* our ACK was lost */
-		:: else -> skip
+		:: stageL[r] == twoPath -> REACHED(17); CTL(newN[me], ack, r, 0)   /* our ACK was lost */
+		:: else -> REACHED(18)
 		fi
 	:: m.t == synAck && me != la[r] ->
 		if
 		:: joinReq[me] == r && leftN[me] != NONE -> CTL(leftN[me], synAck, r, 0)
-		:: else -> dropped(r, XSYN)
+		:: else -> REACHED(19); dropped(r, XSYN)
 		fi
 	:: m.t == ack && me == ra[r] ->
 		if
 		:: busyRA[me] == r && stageR[r] == waitAck -> startTwoPath(me, LEFT, r); stageR[r] = twoPath
-		:: else   /* already switched by a new-path packet or the fin */
+		:: else -> REACHED(20)   /* already switched by a new-path packet or the fin */
 		fi
 	:: m.t == ack && me != ra[r] ->
 		if
 		:: joinReq[me] == r && rightN[me] != NONE -> CTL(rightN[me], ack, r, 0)
-		:: else -> skip
+		:: else -> REACHED(21)
 		fi
 	:: m.t == fin && (me == la[r] || me == ra[r]) ->
 		if
@@ -387,33 +432,42 @@ inline onMessage() {
 		fi;
 		if
 		:: tp[me] && tpReq[me] == r ->
+			if
+			:: (m.s & FlagDone) != 0 -> REACHED(27)   /* from the other's tomb */
+			:: else
+			fi;
+			if
+			:: haveCut[me] && !answered[me] -> REACHED(23)   /* a duplicate before the answer */
+			:: else
+			fi;
 			haveCut[me] = 1; cutoff[me] = m.x;
 			if
 #ifndef BROKEN_FIN_NO_REANSWER
-			:: answered[me] -> ctl(oldN[me], finAck, r, 0, 0, FINACKX(me, r))   /* answer again */
+			:: answered[me] -> REACHED(22); ctl(oldN[me], finAck, r, 0, 0, FINACKX(me, r))   /* answer again */
 #endif
 			:: else   /* evaluate (evaluate) follows */
 			fi
 #ifndef BROKEN_FIN_NO_REANSWER
 		:: !(tp[me] && tpReq[me] == r) && lingerN[me] == m.from && lingerR[me] == r ->
-			/* onTomb: a retransmitted fin on the torn-down old path */
-			ctl(m.from, finAck, r, 0, 0, FINACKX(me, r))
+			onTomb(r)   /* a retransmitted fin (or a probe) on the torn-down old path */
 #endif
 		:: else ->
 			/* only a retransmission can come after the anchor is done */
 			assert((me == la[r] && stageL[r] == done) || (me == ra[r] && stageR[r] == done));
-			dropped(r, FINACKX(me, r))
+			REACHED(26); dropped(r, ARM(FINACKX(me, r)))
 		fi
 	:: m.t == fin && me != la[r] && me != ra[r] ->
 		fwn = (m.from == leftN[me] -> rightN[me] : leftN[me]); fwx = (m.from == leftN[me] -> XFINL : XFINR);
-		ctl(fwn, fin, r, m.x, 0, fwx)
+		ctl(fwn, fin, r, m.x, m.s, fwx)
 	:: m.t == finAck && (me == la[r] || me == ra[r]) ->
 		if
 		:: tp[me] && tpReq[me] == r && !finAcked[me] -> assert(finSent[me]); finAcked[me] = 1
-		:: else ->
-			/* a duplicate (answer to a retransmitted fin) */
-			assert((tp[me] && tpReq[me] == r && finAcked[me]) ||
-			       (me == la[r] && stageL[r] == done) || (me == ra[r] && stageR[r] == done))
+		:: tp[me] && tpReq[me] == r && WAITFIN(me) -> REACHED(28); probes[me] = 0   /* the other anchor, or its tomb, is there */
+		:: tp[me] && tpReq[me] == r && finAcked[me] && haveCut[me] -> REACHED(29)   /* a duplicate */
+		:: !(tp[me] && tpReq[me] == r) ->
+			/* a duplicate (answer to a retransmitted fin), after completion */
+			assert((me == la[r] && stageL[r] == done) || (me == ra[r] && stageR[r] == done));
+			REACHED(30)
 		fi
 	:: m.t == finAck && me != la[r] && me != ra[r] ->
 		fwn = (m.from == leftN[me] -> rightN[me] : leftN[me]); fwx = (m.from == leftN[me] -> XFINR : XFINL);
@@ -427,37 +481,37 @@ inline onMessage() {
 			/* FreeSession of the joined session */
 			leftN[me] = NONE; rightN[me] = NONE; joinReq[me] = 0
 		:: me == ra[r] && busyRA[me] == r && stageR[r] != twoPath -> releaseRight(r, resCancelled)
-		:: else -> skip
+		:: else -> REACHED(33)
 		fi
 	:: m.t == cancelLock && m.s == 0 && me == ra[r] ->
 		if
-		:: busyRA[me] == r && stageR[r] == twoPath -> dropped(r, XCAN)   /* Rejected: after the switch */
+		:: busyRA[me] == r && stageR[r] == twoPath -> REACHED(34); dropped(r, XCAN)   /* Rejected: after the switch */
 		:: busyRA[me] == r && stageR[r] != twoPath ->
 			releaseRight(r, resCancelled); CTL(leftN[me], ackCancel, r, 0)
-		:: busyRA[me] != r -> hist[HI(me, r)] = resCancelled; CTL(leftN[me], ackCancel, r, 0)
+		:: busyRA[me] != r -> REACHED(35); hist[HI(me, r)] = resCancelled; CTL(leftN[me], ackCancel, r, 0)
 		fi
 	:: m.t == cancelLock && m.s == 0 && me != ra[r] ->
 		if
-		:: rightN[me] == NONE -> hist[HI(me, r)] = resCancelled; CTL(leftN[me], ackCancel, r, 0)
+		:: rightN[me] == NONE -> REACHED(36); hist[HI(me, r)] = resCancelled; CTL(leftN[me], ackCancel, r, 0)
 		:: rightN[me] != NONE && lock[me] != unlocked && requestor[me] == r ->
 			/* held here: release, pass on */
 			lock[me] = unlocked; requestor[me] = 0; hist[HI(me, r)] = resCancelled;
 			CTL(rightN[me], cancelLock, r, 0)
 		:: rightN[me] != NONE && !(lock[me] != unlocked && requestor[me] == r) && hist[HI(me, r)] == resCancelled ->
-			CTL(rightN[me], cancelLock, r, 0)   /* a retransmission: pass on again */
+			REACHED(37); CTL(rightN[me], cancelLock, r, 0)   /* a retransmission: pass on again */
 		:: rightN[me] != NONE && !(lock[me] != unlocked && requestor[me] == r) && hist[HI(me, r)] != resCancelled ->
 			/* the request never got past this agent */
-			CTL(leftN[me], ackCancel, r, 0)
+			REACHED(38); CTL(leftN[me], ackCancel, r, 0)
 		fi
 	:: m.t == ackCancel && me == la[r] ->
 		if
 		:: canJob[r] -> cancelDone(r)
-		:: else -> skip
+		:: else -> REACHED(39)
 		fi
 	:: m.t == ackCancel && me != la[r] ->
 		if
 		:: hist[HI(me, r)] == resCancelled && leftN[me] != NONE -> CTL(leftN[me], ackCancel, r, 0)
-		:: else -> dropped(r, XCAN)   /* Rejected (e.g. the left side changed since) */
+		:: else -> REACHED(40); dropped(r, XCAN)   /* Rejected (e.g. the left side changed since) */
 		fi
 	fi
 }
@@ -467,12 +521,21 @@ inline onMessage() {
 #define TSYN(me, r) (r != 0 && stageL[r] == settingUp)
 #define TCAN(me, r) (r != 0 && canJob[r])
 #define TFIN(me) (tp[me] && finSent[me] && !finAcked[me])
+#ifdef BROKEN_NO_PROBE
+#define TPROBE(me) false   /* broken: agent.go before waitFin */
+#else
+#define TPROBE(me) WAITFIN(me)
+#endif
 /* a timer of r may give up now (MAXTRIES sent, no answer) */
 #define GIVEUPDUE(r) ((TREQ(la[r], r) && reqTries[r] >= MAXTRIES) || (TSYN(la[r], r) && synTries[r] >= MAXTRIES) || \
 	(TCAN(la[r], r) && canTries[r] >= MAXTRIES) || \
 	(TFIN(la[r]) && tpReq[la[r]] == r && finTries[la[r]] >= MAXTRIES) || \
-	(TFIN(ra[r]) && tpReq[ra[r]] == r && finTries[ra[r]] >= MAXTRIES))
+	(TFIN(ra[r]) && tpReq[ra[r]] == r && finTries[ra[r]] >= MAXTRIES) || \
+	(TPROBE(la[r]) && tpReq[la[r]] == r && probes[la[r]] >= MAXTRIES) || \
+	(TPROBE(ra[r]) && tpReq[ra[r]] == r && probes[ra[r]] >= MAXTRIES))
 #define NOGIVEUPDUE (!GIVEUPDUE(1) && !GIVEUPDUE(NR))
+/* no anchor waits for the other's fin (at quiescence its probe timer is due) */
+#define NOWAITFIN (!TPROBE(la[1]) && !TPROBE(ra[1]) && !TPROBE(la[NR]) && !TPROBE(ra[NR]))
 /* a middlebox of r's new path is dead (§3.6) */
 #define DEADPATH(r) ((nh[r] > 0 && dead[hop[2*(r)]]) || (nh[r] > 1 && dead[hop[2*(r)+1]]))
 
@@ -524,7 +587,7 @@ end:
 			printf("MSC: %d TimerRequest r%d: retransmit\n", me, r);
 			sendRequestLock(r)
 		:: TREQ(me, laReq[me]) && ((lostNow[laReq[me]] & XREQ) || timeout) && reqTries[laReq[me]] >= MAXTRIES ->
-			r = laReq[me]; GIVEUP;
+			r = laReq[me]; GIVEUP; REACHED(41);
 			lock[me] = unlocked; requestor[me] = 0;
 			finishLeft(r, Failed, ReasonTimeout);
 			startCancel(r, 0)
@@ -536,7 +599,7 @@ end:
 		:: TSYN(me, laReq[me]) && ((lostNow[laReq[me]] & XSYN) || timeout) && synTries[laReq[me]] >= MAXTRIES ->
 			r = laReq[me];
 			if
-			:: !DEADPATH(r) -> GIVEUP   /* the new path works: its messages were lost */
+			:: !DEADPATH(r) -> GIVEUP; REACHED(42)   /* the new path works: its messages were lost */
 			:: else
 			fi;
 			abortSetup(r)
@@ -546,19 +609,35 @@ end:
 			printf("MSC: %d TimerCancel r%d: retransmit\n", me, r);
 			sendCancel(r)
 		:: TCAN(me, laReq[me]) && ((lostNow[laReq[me]] & XCAN) || timeout) && canTries[laReq[me]] >= MAXTRIES ->
-			r = laReq[me]; GIVEUP; cancelDone(r)
+			r = laReq[me]; GIVEUP; REACHED(43); cancelDone(r)
 		/* TimerFin: resend the fin; after MAXTRIES go on, Unconfirmed */
 		:: TFIN(me) && (lossy[tpReq[me]] & FINX(me, tpReq[me])) && finTries[me] < MAXTRIES ->
 			r = tpReq[me]; lostNow[r] = lostNow[r] & NOTX(FINX(me, r));
 			printf("MSC: %d TimerFin r%d: retransmit\n", me, r);
 			sendFin(r)
 		:: TFIN(me) && ((lostNow[tpReq[me]] & FINX(me, tpReq[me])) || timeout) && finTries[me] >= MAXTRIES ->
-			r = tpReq[me]; GIVEUP;
+			r = tpReq[me]; GIVEUP; REACHED(44);
 			finAcked[me] = 1; unconf[r] = unconf[r] | (la[r] == me -> 1 : 2)
+			/* (then waitFin, if the other's fin has not come: TPROBE) */
+		/* TimerFin in waitFin (our fin answered, the other's missing):
+		 * send our fin again as a probe, once a fin or finAck of r was
+		 * lost or rejected since the last probe, or at quiescence when no
+		 * give-up is due (a finAck resets the count, so each probe needs
+		 * a new cause: the executions stay finite); after MAXTRIES
+		 * unanswered probes complete, Unconfirmed */
+		:: TPROBE(me) && ((lossy[tpReq[me]] & WAITX(me, tpReq[me])) || (timeout && NOGIVEUPDUE)) && probes[me] < MAXTRIES ->
+			r = tpReq[me];
+			lossy[r] = lossy[r] & NOTX(WAITX(me, r)); lostNow[r] = lostNow[r] & NOTX(WAITX(me, r));
+			printf("MSC: %d TimerFin r%d: probe\n", me, r);
+			REACHED(31); probes[me]++; sendFin(r)
+		:: TPROBE(me) && ((lostNow[tpReq[me]] & WAITX(me, tpReq[me])) || timeout) && probes[me] >= MAXTRIES ->
+			r = tpReq[me]; GIVEUP; REACHED(32);
+			unconf[r] = unconf[r] | (la[r] == me -> 1 : 2);
+			complete(r)
 		/* TimerLease: only after a sender gave up, and once nothing else
 		 * can happen, no other timer included (LockLease exceeds every
-		 * exchange) */
-		:: timeout && gaveUp > 0 && NOGIVEUPDUE && LEASE(me) -> printf("MSC: %d TimerLease\n", me); onLease()
+		 * exchange, and probes renew the old path's leases) */
+		:: timeout && gaveUp > 0 && NOGIVEUPDUE && NOWAITFIN && LEASE(me) -> printf("MSC: %d TimerLease\n", me); REACHED(45); onLease()
 		fi;
 		/* the end of every event: evaluate the two-path phase, and let
 		 * the first queued request go on if the lock was released

@@ -83,7 +83,9 @@ byte oldSent[NA], oldRcvd[NA], oldSentAcked[NA], oldRcvdAcked[NA], firstNewRcvd[
 bool newRcvd[NA];
 bool finSent[NA], finAcked[NA], answered[NA], haveCut[NA];
 byte cutoff[NA];
+byte probes[NA];                /* anchor.probes: fins sent to ask for the other's (waitFin) */
 byte lingerN[NA], lingerD[NA];  /* old subsession kept after completion */
+byte lingerC[NA];               /* tomb.cutoff: the cut-off its fin carried */
 byte finPassed[NA];             /* middles: fin-acks seen (bit 0 rightward, bit 1 leftward) */
 
 /* marks of each side (twopath.go Marks), session space */
@@ -116,6 +118,8 @@ byte unconf[NR+1];              /* completed Unconfirmed: bit 0 left anchor, bit
 #define XCAN  4   /* cancelLock, ackCancel: TimerCancel */
 #define XFINL 8   /* the left anchor's fin and the finAck answering it: its TimerFin */
 #define XFINR 16  /* the right anchor's fin and its finAck */
+#define XWAITL 32 /* the left anchor's probes (TimerFin in waitFin): set by any loss or */
+#define XWAITR 64 /* rejection of a fin or finAck of the request, cleared by each probe */
 #define NOTX(X) (255 - (X))
 byte nlost;                     /* control messages lost so far */
 byte lossy[NR+1], lostNow[NR+1];
@@ -136,10 +140,8 @@ bool hFinSent[2], hFinRcvd[2];
 #ifndef FINS
 #define FINS 0
 #endif
-/* accept the anchor stuck after an Unconfirmed completion (STUCK below) */
-#ifndef ALLOW_STUCK
-#define ALLOW_STUCK 1
-#endif
+/* the flag of a fin re-sent by a tomb (message.go FlagDone), in the message's s field */
+#define FlagDone 4
 
 #include "tcp.pml"
 #include "agent.pml"
@@ -175,19 +177,11 @@ inline setup() {
 	hRcvNxt[0] = TDL; hRcvNxt[1] = TDR
 }
 
-/* no timer can fire any more: no sender about to give up, no lease to
+/* no timer can fire any more: no sender about to give up, no anchor
+ * waiting for the other's fin (its probe timer is due), no lease to
  * expire (leases run only after a sender gave up, agent.pml) */
 #define LEASEAT(i) (i < NA && LEASE(i))
-#define QUIET (NOGIVEUPDUE && (gaveUp == 0 || !(LEASEAT(0) || LEASEAT(1) || LEASEAT(2) || LEASEAT(3) || LEASEAT(4) || LEASEAT(5))))
-
-/*
- * An anchor left waiting for the other anchor's fin for ever: its own fin
- * was answered, but every transmission of the other's fin was lost and the
- * other anchor gave up and completed Unconfirmed (agent.go: nothing at
- * this anchor retransmits or times out in that state; the session's end
- * frees it). Only reachable when a sender gave up; see docs/verification.md.
- */
-#define STUCK(i) (tp[i] && finAcked[i] && !haveCut[i] && (unconf[tpReq[i]] & (la[tpReq[i]] == i -> 2 : 1)))
+#define QUIET (NOGIVEUPDUE && NOWAITFIN && (gaveUp == 0 || !(LEASEAT(0) || LEASEAT(1) || LEASEAT(2) || LEASEAT(3) || LEASEAT(4) || LEASEAT(5))))
 
 inline finalCheck() {
 	i = 0;
@@ -196,8 +190,7 @@ inline finalCheck() {
 		assert(len(net[i]) == 0);
 		/* every lock back to unlocked, no queue, no two-path state */
 		assert(qreq[i] == 0);
-		assert((lock[i] == unlocked && busyRA[i] == 0 && !tp[i] && newN[i] == NONE) ||
-		       (ALLOW_STUCK && gaveUp > 0 && STUCK(i)));
+		assert(lock[i] == unlocked && busyRA[i] == 0 && !tp[i] && newN[i] == NONE);
 		i++
 	:: else -> break
 	od;
@@ -209,8 +202,7 @@ inline finalCheck() {
 	i = 1;
 	do
 	:: i <= NR ->
-		assert((stageL[i] == done && (stageR[i] == 0 || stageR[i] == done)) ||
-		       (ALLOW_STUCK && gaveUp > 0 && (STUCK(la[i]) || STUCK(ra[i]))));
+		assert(stageL[i] == done && (stageR[i] == 0 || stageR[i] == done));
 		assert(!canJob[i]);
 		assert(unconf[i] == 0 || gaveUp > 0);
 		i++
@@ -239,8 +231,7 @@ inline finalCheck() {
 		do
 		:: i <= NR ->
 			assert(outcome[i] == Succeeded || (outcome[i] == Refused && NR == 2) ||
-			       (outcome[i] == Failed && (reason[i] == ReasonTimeout || reason[i] == ReasonSetupFailed)) ||
-			       (ALLOW_STUCK && STUCK(la[i])));
+			       (outcome[i] == Failed && (reason[i] == ReasonTimeout || reason[i] == ReasonSetupFailed)));
 			i++
 		:: else -> break
 		od;
@@ -253,10 +244,9 @@ inline finalCheck() {
 	a = 0; i = 0;
 	do
 	:: a != LAST ->
-		/* (a stuck anchor's side is still in two paths: follow the new one) */
-		j = (ALLOW_STUCK && STUCK(a) && tpSide[a] == RIGHT -> newN[a] : rightN[a]);
+		j = rightN[a];
 		assert(i < NA && j != NONE && !freed[a]);
-		assert(leftN[j] == a || (ALLOW_STUCK && STUCK(j) && tpSide[j] == LEFT && newN[j] == a));
+		assert(leftN[j] == a);
 		a = j; i++
 	:: else -> break
 	od;
