@@ -24,6 +24,33 @@ func (h *harness) assertClean(ids ...int) {
 	}
 }
 
+// runLossy delivers messages and fires timers until nothing is left,
+// losing those drop selects (n: how many of that type went before) and,
+// with dup, delivering every other one twice.
+func (h *harness) runLossy(drop func(n int, e envelope) bool, dup bool) {
+	seen := map[MsgType]int{}
+	for i := 0; i < 100000; i++ {
+		if len(h.queue) == 0 {
+			if !h.fireNext() {
+				return
+			}
+			continue
+		}
+		e := h.queue[0]
+		h.queue = h.queue[1:]
+		n := seen[e.msg.Type]
+		seen[e.msg.Type]++
+		if drop != nil && drop(n, e) {
+			h.log = append(h.log, "lost: "+e.msg.String())
+			continue
+		}
+		h.deliver(e.to, MessageIn{From: e.from, Data: e.data})
+		if dup {
+			h.deliver(e.to, MessageIn{From: e.from, Data: e.data})
+		}
+	}
+}
+
 func (h *harness) peers(id int) (left, right netip.Addr) {
 	v, ok := h.view(id)
 	if !ok {
@@ -285,26 +312,7 @@ func TestLossAndDuplicates(t *testing.T) {
 			h := newHarness(t, 6)
 			h.chain([]int{1, 2, 3, 4}, map[int]AppDelta{2: {Right: Delta{Seq: 5}}, 3: {Left: Delta{Seq: 9}}})
 			h.reconfigure(1, 4, []int{6}, 1)
-			seen := map[MsgType]int{}
-			for i := 0; i < 10000; i++ {
-				if len(h.queue) == 0 {
-					if !h.fireNext() {
-						break
-					}
-					continue
-				}
-				e := h.queue[0]
-				h.queue = h.queue[1:]
-				n := seen[e.msg.Type]
-				seen[e.msg.Type]++
-				if tc.drop != nil && tc.drop(n, e) {
-					continue
-				}
-				h.deliver(e.to, MessageIn{From: e.from, Data: e.data})
-				if tc.dup {
-					h.deliver(e.to, MessageIn{From: e.from, Data: e.data})
-				}
-			}
+			h.runLossy(tc.drop, tc.dup)
 			if r := h.result(1); r.Outcome != Succeeded {
 				t.Fatalf("%+v\n%s", r, h.trace())
 			}
@@ -443,21 +451,7 @@ func TestOtherAnchorsFinLost(t *testing.T) {
 			h := newHarness(t, 4)
 			h.chain([]int{1, 2, 3, 4}, map[int]AppDelta{2: {Right: Delta{Seq: 5}}, 3: {Left: Delta{Seq: 9}}})
 			h.reconfigure(1, 4, nil, 1)
-			for i := 0; i < 100000; i++ {
-				if len(h.queue) == 0 {
-					if !h.fireNext() {
-						break
-					}
-					continue
-				}
-				e := h.queue[0]
-				h.queue = h.queue[1:]
-				if tc.drop(e) {
-					h.log = append(h.log, "lost: "+e.msg.String())
-					continue
-				}
-				h.deliver(e.to, MessageIn{From: e.from, Data: e.data})
-			}
+			h.runLossy(func(_ int, e envelope) bool { return tc.drop(e) }, false)
 			if len(h.queue) != 0 || len(h.timers) != 0 {
 				t.Fatalf("no quiescence: %d queued, timers %v\n%s", len(h.queue), h.timers, h.trace())
 			}
