@@ -160,7 +160,8 @@ type anchor struct {
 	peerCutoff                            uint32
 	unconfirmed                           bool
 	// probes counts the fins sent, after ours was answered, to ask for the
-	// other anchor's fin, since the last answer (TimerFin, evaluate).
+	// other anchor's fin, since the last answer (TimerFin sends them,
+	// waitFin arms it, onFinAck resets the count).
 	probes int
 	// gate: wait for Proceed between the SYN-ACK and the ACK
 	// (Reconfigure.Gate); gated: waiting now.
