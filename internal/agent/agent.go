@@ -262,6 +262,9 @@ func Run(ctx context.Context, cfg Config) error {
 				}
 			},
 		})
+		go policyserver.ServeOperations(ctx, policyserver.OpsConfig{
+			URL: cfg.PolicyServer, Host: cfg.Name, Exec: a.execOperation, Logger: a.log,
+		})
 	}
 	if cfg.ReadyFile != "" {
 		if err := os.WriteFile(cfg.ReadyFile, []byte(fmt.Sprintf("%d\n", os.Getpid())), 0o644); err != nil {

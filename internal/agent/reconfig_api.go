@@ -56,42 +56,58 @@ func (a *Agent) liveSessions(m *policy.SessionMatcher, needLeft, needRight bool)
 }
 
 func (a *Agent) handleReconfig(w http.ResponseWriter, r *http.Request) {
-	if a.ctl == nil {
-		writeErr(w, 503, errNoControl)
-		return
-	}
 	var req api.ReconfigRequest
 	if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<16)).Decode(&req); err != nil {
 		writeErr(w, 400, fmt.Errorf("reconfig: bad JSON: %w", err))
 		return
 	}
-	if !req.To.IsValid() {
-		writeErr(w, 400, errors.New("reconfig: no right anchor (to)"))
+	rep, err := a.reconfig(r.Context(), req)
+	if err != nil {
+		writeErr(w, err.code, err)
 		return
+	}
+	writeJSON(w, 200, rep)
+}
+
+// requestError is a request refused, with its HTTP status.
+type requestError struct {
+	code int
+	err  error
+}
+
+func (e *requestError) Error() string { return e.err.Error() }
+
+// reconfig carries out a reconfiguration request as left anchor (the
+// local API's POST /v1/reconfig, or an operation from the policy server).
+func (a *Agent) reconfig(ctx context.Context, req api.ReconfigRequest) (api.ReconfigReply, *requestError) {
+	bad := func(err error) (api.ReconfigReply, *requestError) {
+		return api.ReconfigReply{}, &requestError{400, err}
+	}
+	if a.ctl == nil {
+		return api.ReconfigReply{}, &requestError{503, errNoControl}
+	}
+	if !req.To.IsValid() {
+		return bad(errors.New("reconfig: no right anchor (to)"))
 	}
 	to := req.To.Unmap()
 	chain := make([]netip.Addr, 0, len(req.Chain))
 	for _, h := range req.Chain {
 		if h.Unmap() == to {
-			writeErr(w, 400, fmt.Errorf("reconfig: the right anchor %s is in the chain", to))
-			return
+			return bad(fmt.Errorf("reconfig: the right anchor %s is in the chain", to))
 		}
 		chain = append(chain, h.Unmap())
 	}
 	mig, err := migrateOptions(req.Migrate, len(chain))
 	if err != nil {
-		writeErr(w, 400, err)
-		return
+		return bad(err)
 	}
 	m, err := policy.CompileMatch(req.Match)
 	if err != nil {
-		writeErr(w, 400, err)
-		return
+		return bad(err)
 	}
 	sessions, err := a.liveSessions(m, false, true)
 	if err != nil {
-		writeErr(w, 500, err)
-		return
+		return api.ReconfigReply{}, &requestError{500, err}
 	}
 	ids := make([]uint32, len(sessions))
 	tuples := map[uint32]string{}
@@ -99,7 +115,7 @@ func (a *Agent) handleReconfig(w http.ResponseWriter, r *http.Request) {
 		ids[i] = s.ID
 		tuples[s.ID] = s.Tuple.Wire().String()
 	}
-	ctx, cancel := context.WithTimeout(r.Context(), reconfigWait(req.TimeoutMS))
+	ctx, cancel := context.WithTimeout(ctx, reconfigWait(req.TimeoutMS))
 	defer cancel()
 	rep := api.ReconfigReply{Results: []api.ReconfigResult{}}
 	for _, o := range a.ctl.reconfigure(ctx, ids, to, chain, mig) {
@@ -116,7 +132,7 @@ func (a *Agent) handleReconfig(w http.ResponseWriter, r *http.Request) {
 		}
 		rep.Results = append(rep.Results, res)
 	}
-	writeJSON(w, 200, rep)
+	return rep, nil
 }
 
 // migrateOptions checks a request's state migration part.
@@ -147,36 +163,64 @@ func (a *Agent) handleReconfigHistory(w http.ResponseWriter, r *http.Request) {
 // handleMiddlebox asks the left neighbour of each matching session through
 // this host to remove this host from it, or replace it (§2.3).
 func (a *Agent) handleMiddlebox(w http.ResponseWriter, r *http.Request) {
-	if a.ctl == nil {
-		writeErr(w, 503, errNoControl)
-		return
-	}
 	var req api.MiddleboxRequest
 	if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<16)).Decode(&req); err != nil {
 		writeErr(w, 400, fmt.Errorf("middlebox: bad JSON: %w", err))
 		return
 	}
-	if _, err := migrateOptions(req.Migrate, len(req.With)); err != nil {
-		writeErr(w, 400, err)
+	rep, err := a.middlebox(r.Context(), req)
+	if err != nil {
+		writeErr(w, err.code, err)
 		return
+	}
+	writeJSON(w, 200, rep)
+}
+
+// middlebox carries out a middlebox host's request about the sessions
+// through it (the local API's POST /v1/middlebox, or an operation from the
+// policy server).
+func (a *Agent) middlebox(ctx context.Context, req api.MiddleboxRequest) (api.ReconfigReply, *requestError) {
+	if a.ctl == nil {
+		return api.ReconfigReply{}, &requestError{503, errNoControl}
+	}
+	if _, err := migrateOptions(req.Migrate, len(req.With)); err != nil {
+		return api.ReconfigReply{}, &requestError{400, err}
 	}
 	m, err := policy.CompileMatch(req.Match)
 	if err != nil {
-		writeErr(w, 400, err)
-		return
+		return api.ReconfigReply{}, &requestError{400, err}
 	}
 	sessions, err := a.liveSessions(m, true, true)
 	if err != nil {
-		writeErr(w, 500, err)
-		return
+		return api.ReconfigReply{}, &requestError{500, err}
 	}
-	ctx, cancel := context.WithTimeout(r.Context(), reconfigWait(req.TimeoutMS))
+	ctx, cancel := context.WithTimeout(ctx, reconfigWait(req.TimeoutMS))
 	defer cancel()
 	rep := api.ReconfigReply{Results: []api.ReconfigResult{}}
-	for _, o := range a.ctl.removeSelf(ctx, sessions, req.With, req.Migrate) {
-		rep.Results = append(rep.Results, o)
+	rep.Results = append(rep.Results, a.ctl.removeSelf(ctx, sessions, req.With, req.Migrate)...)
+	return rep, nil
+}
+
+// execOperation carries out an operation relayed by the policy server, as
+// the same request to the local API would be.
+func (a *Agent) execOperation(ctx context.Context, op api.Operation) api.OperationResult {
+	var (
+		rep  api.ReconfigReply
+		rerr *requestError
+	)
+	switch {
+	case op.Reconfig != nil:
+		rep, rerr = a.reconfig(ctx, *op.Reconfig)
+	case op.Middlebox != nil:
+		rep, rerr = a.middlebox(ctx, *op.Middlebox)
+	default:
+		return api.OperationResult{Error: "the operation holds no request this agent knows (a newer policy server?)"}
 	}
-	writeJSON(w, 200, rep)
+	if rerr != nil {
+		return api.OperationResult{Error: rerr.Error()}
+	}
+	a.log.Info("operation carried out", "id", op.ID, "sessions", len(rep.Results))
+	return api.OperationResult{Reply: &rep}
 }
 
 // removeSelf sends a trigger per session and collects the results.
@@ -186,13 +230,16 @@ func (c *control) removeSelf(ctx context.Context, sessions []datapath.SessionEnt
 		ch  chan triggerMsg
 		at  time.Time
 	}
-	ps := make([]*pending, len(sessions))
+	var ps []*pending
 	done := make(chan struct{})
 	c.post(func() {
 		defer close(done)
-		for i, s := range sessions {
+		for _, s := range sessions {
+			if c.leftPath(s.ID) {
+				continue // no longer passing through this host
+			}
 			p := &pending{res: api.ReconfigResult{ID: s.ID, Session: s.Tuple.Wire().String()}, at: time.Now()}
-			ps[i] = p
+			ps = append(ps, p)
 			t := s.Tuple.Wire()
 			left, ok1 := c.currentSub(s.ID, t, protocol.SideLeft)
 			right, ok2 := c.currentSub(s.ID, t, protocol.SideRight)
@@ -232,6 +279,23 @@ func (c *control) removeSelf(ctx context.Context, sessions []datapath.SessionEnt
 		out = append(out, p.res)
 	}
 	return out
+}
+
+// leftPath tells whether this host is a middle of an old path of session
+// id, torn down or being torn down by a reconfiguration (§3.5): the session
+// lingers here to answer FINs, but no longer passes through this host.
+// Loop goroutine.
+func (c *control) leftPath(id uint32) bool {
+	pid, ok := c.pidOf[id]
+	if !ok {
+		return false
+	}
+	p := c.protos[c.famOf[id]]
+	if p == nil {
+		return false
+	}
+	v, ok := p.View(pid)
+	return ok && v.Teardown
 }
 
 // selfAddr returns this host's first global address of a family: the

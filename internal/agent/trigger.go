@@ -181,6 +181,16 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 			answer(triggerMsg{Outcome: "refused", Reason: protocol.ReasonNoSession.String()})
 			return
 		}
+		// The sender must be the session's next hop now: a middlebox
+		// that a reconfiguration has already taken out of the path
+		// (its old subsession lingers here) must not reconfigure the
+		// segment that replaced it.
+		if sess, ok := c.a.dp.Session(id); ok {
+			if cur, ok := c.currentSub(id, sess.Tuple.Wire(), protocol.SideRight); !ok || cur != *m.Sub {
+				answer(triggerMsg{Outcome: "refused", Reason: "the sender is no longer this session's next hop (its path changed)"})
+				return
+			}
+		}
 		mig, err := migrateOptions(m.Migrate, len(m.Chain))
 		if err != nil {
 			answer(triggerMsg{Outcome: "refused", Reason: err.Error()})

@@ -328,3 +328,55 @@ func (c *Client) reconfigContext(ctx context.Context, timeoutMS int) (context.Co
 	}
 	return context.WithTimeout(ctx, wait)
 }
+
+// CreateOperation asks the policy server to relay op to the agent op.Host
+// and returns it as queued, with its ID. Policy server only.
+func (c *Client) CreateOperation(ctx context.Context, op Operation) (Operation, error) {
+	var out Operation
+	err := c.do(ctx, http.MethodPost, "/v1/operations", op, &out)
+	return out, err
+}
+
+// Operation returns the operation id. With wait > 0 the server answers
+// when the operation finishes or wait has passed, whichever comes first.
+// Policy server only.
+func (c *Client) Operation(ctx context.Context, id string, wait time.Duration) (Operation, error) {
+	path := "/v1/operations/" + url.PathEscape(id)
+	if wait > 0 {
+		path += "?wait=" + strconv.Itoa(int((wait+time.Second-1)/time.Second))
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, wait+DefaultTimeout)
+		defer cancel()
+	}
+	var out Operation
+	err := c.do(ctx, http.MethodGet, path, nil, &out)
+	return out, err
+}
+
+// Operations lists the operations the policy server keeps, oldest first.
+func (c *Client) Operations(ctx context.Context) ([]Operation, error) {
+	var out []Operation
+	err := c.do(ctx, http.MethodGet, "/v1/operations", nil, &out)
+	return out, err
+}
+
+// ClaimOperation long-polls the policy server for the next operation for
+// the agent host: ok is false when none came within wait. Policy server
+// only; agents call it.
+func (c *Client) ClaimOperation(ctx context.Context, host string, wait time.Duration) (op Operation, ok bool, err error) {
+	q := url.Values{}
+	q.Set("host", host)
+	q.Set("wait", strconv.Itoa(int(wait/time.Second)))
+	ctx, cancel := context.WithTimeout(ctx, wait+DefaultTimeout)
+	defer cancel()
+	if err := c.do(ctx, http.MethodPost, "/v1/operations/claim?"+q.Encode(), nil, &op); err != nil {
+		return Operation{}, false, err
+	}
+	return op, op.ID != "", nil
+}
+
+// ReportOperation gives the policy server an agent's result for the
+// operation id it claimed.
+func (c *Client) ReportOperation(ctx context.Context, id string, res OperationResult) error {
+	return c.do(ctx, http.MethodPut, "/v1/operations/"+url.PathEscape(id)+"/result", res, nil)
+}

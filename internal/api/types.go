@@ -3,10 +3,12 @@
 package api
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"regexp"
 	"strings"
+	"time"
 )
 
 // Policy steers the sessions whose first SYN matches Filter through Chain
@@ -244,4 +246,90 @@ type MiddleboxRequest struct {
 	// Migrate moves this host's state of each session to the (single)
 	// replacement in With.
 	Migrate *MigrateSpec `json:"migrate,omitempty"`
+}
+
+// Operation is an operator's reconfiguration request that the policy server
+// relays to one agent (paper §2.3's use cases, run from a central place):
+// exactly one of Reconfig (the agent is the left anchor, as `dysco
+// reconfig`) and Middlebox (the agent is the middlebox leaving or being
+// replaced, as `dysco middlebox`). The server gives it an ID and a state;
+// the agent named by Host claims it, carries it out as if asked through its
+// local API, and reports the reply. docs/operation.md, "Operator verbs
+// through the policy server".
+type Operation struct {
+	ID        string            `json:"id,omitempty"`
+	Host      string            `json:"host"`
+	Reconfig  *ReconfigRequest  `json:"reconfig,omitempty"`
+	Middlebox *MiddleboxRequest `json:"middlebox,omitempty"`
+	// State is OpQueued, OpRunning, OpDone or OpFailed (set by the server).
+	State string `json:"state,omitempty"`
+	// Error is why the operation failed: the agent refused the request
+	// (bad filter, reconfiguration disabled), or never claimed it, or
+	// claimed it and never reported.
+	Error string `json:"error,omitempty"`
+	// Reply is the agent's reply when State is OpDone: one result per
+	// session, as the local API gives it.
+	Reply    *ReconfigReply `json:"reply,omitempty"`
+	Created  time.Time      `json:"created,omitzero"`
+	Claimed  time.Time      `json:"claimed,omitzero"`
+	Finished time.Time      `json:"finished,omitzero"`
+}
+
+// States of an Operation.
+const (
+	OpQueued  = "queued"  // waiting for its agent to claim it
+	OpRunning = "running" // claimed; the agent is carrying it out
+	OpDone    = "done"    // the agent replied (per-session outcomes in Reply)
+	OpFailed  = "failed"  // refused by the agent, or lost (Error says which)
+)
+
+// Finished tells whether the operation has reached its final state.
+func (o *Operation) IsFinished() bool { return o.State == OpDone || o.State == OpFailed }
+
+// TimeoutMS is how long the agent waits for the sessions' results.
+func (o *Operation) TimeoutMS() int {
+	switch {
+	case o.Reconfig != nil:
+		return o.Reconfig.TimeoutMS
+	case o.Middlebox != nil:
+		return o.Middlebox.TimeoutMS
+	}
+	return 0
+}
+
+// Validate checks what the server can check of an operation before it is
+// queued; the agent checks the rest (the filter, the addresses against its
+// sessions) as for a local request.
+func (o *Operation) Validate() error {
+	if o.Host == "" {
+		return errors.New("operation: no host: name the agent that is to carry it out")
+	}
+	if len(o.Host) > 253 || strings.IndexFunc(o.Host, func(r rune) bool { return r <= ' ' || r == 0x7f }) >= 0 {
+		return fmt.Errorf("operation: host %q is not an agent name", o.Host)
+	}
+	if (o.Reconfig == nil) == (o.Middlebox == nil) {
+		return errors.New("operation: give exactly one of reconfig and middlebox")
+	}
+	if o.TimeoutMS() < 0 {
+		return errors.New("operation: negative timeout_ms")
+	}
+	if r := o.Reconfig; r != nil {
+		if !r.To.IsValid() {
+			return errors.New("operation: reconfig needs a right anchor (to)")
+		}
+		if len(r.Chain) > MaxChain {
+			return fmt.Errorf("operation: reconfig chain of %d hops, at most %d", len(r.Chain), MaxChain)
+		}
+	}
+	if m := o.Middlebox; m != nil && len(m.With) > MaxChain {
+		return fmt.Errorf("operation: middlebox with %d hops, at most %d", len(m.With), MaxChain)
+	}
+	return nil
+}
+
+// OperationResult is what an agent reports for an operation it claimed:
+// Error when it refused the request, else Reply.
+type OperationResult struct {
+	Error string         `json:"error,omitempty"`
+	Reply *ReconfigReply `json:"reply,omitempty"`
 }

@@ -32,8 +32,15 @@ a bbolt database and serves them over HTTP/JSON. Agents started with its URL
 long-poll /v1/watch for the policies meant for them, and keep their last set
 while it is down. Operators change policies with "dysco policy add --server URL".
 
+It also relays operator verbs to named agents: "dysco reconfig --server URL
+--host H ..." and "dysco middlebox remove|replace --server URL --host H ..."
+run on agent H as if typed there, and print its results. Agents claim them
+by long-polling /v1/operations/claim; operations live in memory only.
+
 Routes: GET /v1/policies, PUT|DELETE /v1/policies/NAME, PUT|DELETE /v1/types/NAME,
-GET /v1/watch?host=H&after=V[&wait=S], GET /healthz, GET /metrics.`,
+GET /v1/watch?host=H&after=V[&wait=S], POST|GET /v1/operations,
+GET /v1/operations/ID[?wait=S], POST /v1/operations/claim?host=H[&wait=S],
+PUT /v1/operations/ID/result, GET /healthz, GET /metrics.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			level := slog.LevelInfo
@@ -42,6 +49,7 @@ GET /v1/watch?host=H&after=V[&wait=S], GET /healthz, GET /metrics.`,
 			}
 			cfg.Logger = slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: level}))
 			cfg.ValidatePolicy = policyServerValidatePolicy
+			cfg.ValidateMatch = func(m string) error { _, err := policy.CompileMatch(m); return err }
 			return policyserver.Run(cmd.Context(), cfg)
 		},
 	}

@@ -51,9 +51,10 @@ func newReconfigCmd() *cobra.Command {
 		timeout time.Duration
 		asJSON  bool
 		mig     migFlags
+		remote  remoteFlags
 	)
 	cmd := &cobra.Command{
-		Use:   "reconfig --match 'FILTER' --to RIGHT_ANCHOR [--chain HOP[,HOP...]] [--timeout 10s] [--json]",
+		Use:   "reconfig --match 'FILTER' --to RIGHT_ANCHOR [--chain HOP[,HOP...]] [--timeout 10s] [--json] [--server URL --host AGENT]",
 		Short: "Insert, delete or replace middleboxes in live sessions, from this host",
 		Long: `Reconfigure the live sessions at this host that match FILTER (paper §3.1).
 For each of them whose path goes on from this host to RIGHT_ANCHOR, this
@@ -81,6 +82,10 @@ The sessions this host can reconfigure are those it starts a chain for or
 forwards as a middlebox: it must have a next hop. To act from a middlebox on
 the sessions passing through it, see "dysco middlebox".
 
+With --server URL --host AGENT the request goes to the policy server, which
+relays it to the agent named AGENT (its --name); that agent is then "this
+host", and the command prints its results as if run there.
+
 ` + matchSemantics + `
 
 ` + outcomeSemantics,
@@ -91,9 +96,14 @@ the sessions passing through it, see "dysco middlebox".
   # replace the middlebox before 10.0.3.2 by two others, waiting up to 30s
   dysco reconfig --match tcp --to 10.0.3.2 --chain 10.0.2.6,10.0.2.7 --timeout 30s
   # replace the firewall before 10.0.3.2 by 10.0.2.6, moving its conntrack state
-  dysco reconfig --match tcp --to 10.0.3.2 --chain 10.0.2.6 --migrate-state --semantics substream`,
+  dysco reconfig --match tcp --to 10.0.3.2 --chain 10.0.2.6 --migrate-state --semantics substream
+  # the same insertion, at the agent named edge1, from anywhere
+  dysco reconfig --server http://10.0.0.9:7017 --host edge1 --match 'tcp dst port 80' --to 10.0.3.2 --chain 10.0.2.5`,
 		Args: noArgsUse("give the filter with --match 'FILTER'"),
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := remote.check(); err != nil {
+				return err
+			}
 			if !cmd.Flags().Changed("match") {
 				return errors.New(`--match is required: a tcpdump filter selecting the sessions ("tcp" selects every session)`)
 			}
@@ -130,6 +140,14 @@ the sessions passing through it, see "dysco middlebox".
 			if req.Migrate, err = mig.spec(cmd, len(hops), "--chain"); err != nil {
 				return err
 			}
+			if remote.server != "" {
+				rep, err := remote.run(cmd, api.Operation{Reconfig: &req}, timeout)
+				if err != nil {
+					return err
+				}
+				return reportResults(cmd.OutOrStdout(), rep, asJSON,
+					fmt.Sprintf("no live session at %s matches %q with a path to %s", remote.host, match, right))
+			}
 			rep, err := agentClient().Reconfig(cmd.Context(), req)
 			if err != nil {
 				return err
@@ -145,6 +163,7 @@ the sessions passing through it, see "dysco middlebox".
 	f.DurationVar(&timeout, "timeout", defaultReconfigTimeout, "how long the agent waits for the sessions' results")
 	f.BoolVar(&asJSON, "json", false, "print the agent's reply as JSON")
 	mig.flags(cmd)
+	remote.flags(cmd)
 	cmd.AddCommand(newReconfigHistoryCmd())
 	return cmd
 }
@@ -191,7 +210,11 @@ func newMiddleboxCmd() *cobra.Command {
 to shed load onto other instances, or to leave sessions it no longer needs
 to see. For each session the agent asks its left neighbour on the path to
 reconfigure the segment around this host (paper §3.1: the left neighbour is
-the left anchor, this host's right neighbour the right anchor).`,
+the left anchor, this host's right neighbour the right anchor).
+
+With --server URL --host AGENT the request goes to the policy server, which
+relays it to the middlebox agent named AGENT (its --name): run it from
+anywhere, for example an operator's console.`,
 	}
 	cmd.AddCommand(newMiddleboxRemoveCmd(), newMiddleboxReplaceCmd())
 	return cmd
@@ -202,9 +225,10 @@ func newMiddleboxRemoveCmd() *cobra.Command {
 		match   string
 		timeout time.Duration
 		asJSON  bool
+		remote  remoteFlags
 	)
 	cmd := &cobra.Command{
-		Use:     "remove [--match FILTER] [--timeout 10s] [--json]",
+		Use:     "remove [--match FILTER] [--timeout 10s] [--json] [--server URL --host AGENT]",
 		Aliases: []string{"rm"},
 		Short:   "Take this host out of every matching session passing through it",
 		Long: `Take this middlebox host out of every live session passing through it that
@@ -217,13 +241,16 @@ ends are not affected.
 
 ` + outcomeSemantics,
 		Example: `  dysco middlebox remove
-  dysco middlebox remove --match 'tcp dst port 443' --timeout 30s`,
+  dysco middlebox remove --match 'tcp dst port 443' --timeout 30s
+  # take the middlebox host named fw1 out of its sessions, from anywhere
+  dysco middlebox remove --server http://10.0.0.9:7017 --host fw1`,
 		Args: noArgsUse("give the filter with --match 'FILTER'"),
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return runMiddlebox(cmd, match, nil, timeout, asJSON, nil)
+			return runMiddlebox(cmd, match, nil, timeout, asJSON, nil, remote)
 		},
 	}
 	addMiddleboxFlags(cmd, &match, &timeout, &asJSON)
+	remote.flags(cmd)
 	return cmd
 }
 
@@ -234,9 +261,10 @@ func newMiddleboxReplaceCmd() *cobra.Command {
 		timeout time.Duration
 		asJSON  bool
 		mig     migFlags
+		remote  remoteFlags
 	)
 	cmd := &cobra.Command{
-		Use:   "replace --with HOP[,HOP...] [--match FILTER] [--timeout 10s] [--json]",
+		Use:   "replace --with HOP[,HOP...] [--match FILTER] [--timeout 10s] [--json] [--server URL --host AGENT]",
 		Short: "Replace this host by other middleboxes in every matching session passing through it",
 		Long: `Replace this middlebox host, in every live session passing through it that
 matches FILTER (every such session without --match), by the hops of --with,
@@ -269,12 +297,13 @@ are not affected.
 			if err != nil {
 				return err
 			}
-			return runMiddlebox(cmd, match, hops, timeout, asJSON, spec)
+			return runMiddlebox(cmd, match, hops, timeout, asJSON, spec, remote)
 		},
 	}
 	cmd.Flags().StringSliceVar(&with, "with", nil, "middleboxes to put in this host's place, in order: IP addresses, comma-separated (required)")
 	mig.flags(cmd)
 	addMiddleboxFlags(cmd, &match, &timeout, &asJSON)
+	remote.flags(cmd)
 	return cmd
 }
 
@@ -285,7 +314,10 @@ func addMiddleboxFlags(cmd *cobra.Command, match *string, timeout *time.Duration
 	f.BoolVar(asJSON, "json", false, "print the agent's reply as JSON")
 }
 
-func runMiddlebox(cmd *cobra.Command, match string, with []netip.Addr, timeout time.Duration, asJSON bool, spec *api.MigrateSpec) error {
+func runMiddlebox(cmd *cobra.Command, match string, with []netip.Addr, timeout time.Duration, asJSON bool, spec *api.MigrateSpec, remote remoteFlags) error {
+	if err := remote.check(); err != nil {
+		return err
+	}
 	if err := checkMatch(match); err != nil {
 		return err
 	}
@@ -293,15 +325,73 @@ func runMiddlebox(cmd *cobra.Command, match string, with []netip.Addr, timeout t
 	if err != nil {
 		return err
 	}
-	rep, err := agentClient().Middlebox(cmd.Context(), api.MiddleboxRequest{Match: match, With: with, TimeoutMS: tms, Migrate: spec})
+	req := api.MiddleboxRequest{Match: match, With: with, TimeoutMS: tms, Migrate: spec}
+	var rep api.ReconfigReply
+	where := "this host"
+	if remote.server != "" {
+		where = remote.host
+		rep, err = remote.run(cmd, api.Operation{Middlebox: &req}, timeout)
+	} else {
+		rep, err = agentClient().Middlebox(cmd.Context(), req)
+	}
 	if err != nil {
 		return err
 	}
-	none := "no live session passes through this host"
+	none := "no live session passes through " + where
 	if strings.TrimSpace(match) != "" {
-		none = fmt.Sprintf("no live session passing through this host matches %q", match)
+		none = fmt.Sprintf("no live session passing through %s matches %q", where, match)
 	}
 	return reportResults(cmd.OutOrStdout(), rep, asJSON, none)
+}
+
+// remoteFlags send a reconfiguration request through the policy server to
+// a named agent (--server, --host) instead of to the local agent.
+type remoteFlags struct{ server, host string }
+
+func (r *remoteFlags) flags(cmd *cobra.Command) {
+	f := cmd.Flags()
+	f.StringVar(&r.server, "server", "", "policy server URL (http://HOST:7017): send the request through it to the agent --host; default: the local agent")
+	f.StringVar(&r.host, "host", "", "with --server: the agent (its --name) that carries the request out")
+}
+
+func (r *remoteFlags) check() error {
+	switch {
+	case r.server == "" && r.host != "":
+		return errors.New("--host needs --server: the policy server relays the request to the agent named by --host (without both, the local agent carries it out)")
+	case r.server != "" && strings.TrimSpace(r.host) == "":
+		return errors.New("--server needs --host: the name of the agent that is to carry the request out")
+	}
+	return nil
+}
+
+// run has the policy server relay op to the agent r.host and waits for its
+// reply: the agent's own wait (timeout), plus the time to claim and report.
+func (r *remoteFlags) run(cmd *cobra.Command, op api.Operation, timeout time.Duration) (api.ReconfigReply, error) {
+	op.Host = strings.TrimSpace(r.host)
+	c := api.NewServerClient(r.server)
+	created, err := c.CreateOperation(cmd.Context(), op)
+	if err != nil {
+		return api.ReconfigReply{}, err
+	}
+	// The server fails an operation that is not claimed or reported in
+	// time, so this wait ends; the margin covers a server that restarted
+	// (and forgot the operation) while we waited.
+	deadline := time.Now().Add(timeout + 2*time.Minute)
+	cur := created
+	for !cur.IsFinished() {
+		left := time.Until(deadline)
+		if left <= 0 {
+			return api.ReconfigReply{}, fmt.Errorf("operation %s at agent %q: no result from %s in time (last state %s); `dysco reconfig history` on the left anchors shows what happened", created.ID, op.Host, c.Target(), cur.State)
+		}
+		cur, err = c.Operation(cmd.Context(), created.ID, min(left, 30*time.Second))
+		if err != nil {
+			return api.ReconfigReply{}, fmt.Errorf("operation %s at agent %q: %w", created.ID, op.Host, err)
+		}
+	}
+	if cur.State != api.OpDone || cur.Reply == nil {
+		return api.ReconfigReply{}, fmt.Errorf("operation %s: %s", created.ID, cur.Error)
+	}
+	return *cur.Reply, nil
 }
 
 // migFlags are the state migration flags of reconfig and middlebox replace.

@@ -173,6 +173,8 @@ func TestReconfigFlagErrors(t *testing.T) {
 		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--timeout", "-1s"}, "--timeout -1s: must be at least 1ms"},
 		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--timeout", "48h"}, "--timeout 48h0m0s: at most 24h"},
 		{[]string{"tcp port 80", "--to", "10.0.3.2"}, `unexpected argument "tcp port 80": give the filter with --match 'FILTER'`},
+		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--host", "edge1"}, "--host needs --server"},
+		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--server", "http://127.0.0.1:1"}, "--server needs --host"},
 	} {
 		args := append([]string{"reconfig"}, tc.args...)
 		_, err := runDysco(t, args...)
@@ -267,6 +269,9 @@ func TestMiddleboxFlagErrors(t *testing.T) {
 		{[]string{"replace", "--with", "10.0.2.6,10.0.2.6"}, "--with: 10.0.2.6 appears twice"},
 		{[]string{"replace", "--with", "10.0.2.6,2001:db8::6"}, "--with: 10.0.2.6 and 2001:db8::6 are of different address families"},
 		{[]string{"replace", "--with", "10.0.2.6", "--match", "tcp and ("}, "--match: "},
+		{[]string{"remove", "--host", "mb1"}, "--host needs --server"},
+		{[]string{"replace", "--with", "10.0.2.6", "--server", "http://127.0.0.1:1", "--host", " "}, "--server needs --host"},
+		{[]string{"remove", "--server", "http://127.0.0.1:1", "--host", "mb1"}, "policy server http://127.0.0.1:1 unreachable"},
 	} {
 		args := append([]string{"middlebox"}, tc.args...)
 		_, err := runDysco(t, args...)

@@ -56,6 +56,10 @@ type Config struct {
 	// api.Policy.Validate, which always runs first: the CLI sets it to
 	// compile the tcpdump filter with libpcap. Nil: Validate alone.
 	ValidatePolicy func(api.Policy) error
+	// ValidateMatch checks the match filter of an operation (the CLI sets
+	// it to compile the filter with libpcap). Nil: no check here; the
+	// agent checks it anyway.
+	ValidateMatch func(string) error
 	// Logger receives structured logs (slog.Default() when nil).
 	Logger *slog.Logger
 }
@@ -80,6 +84,9 @@ type Server struct {
 	closing   chan struct{} // closed when the server stops, to end long polls
 	closeOnce sync.Once
 	watchers  atomic.Int64
+
+	// ops are the operations relayed to agents (operations.go).
+	ops *ops
 
 	// waitHook, when set (by tests), runs each time a watch starts waiting.
 	waitHook func()
@@ -112,6 +119,7 @@ func New(cfg Config) (*Server, error) {
 		cur:     cur,
 		changed: make(chan struct{}),
 		closing: make(chan struct{}),
+		ops:     newOps(),
 	}
 	s.routes()
 	return s, nil
@@ -127,6 +135,11 @@ func (s *Server) routes() {
 	m.HandleFunc("PUT /v1/types/{name}", s.handlePutType)
 	m.HandleFunc("DELETE /v1/types/{name}", s.handleDeleteType)
 	m.HandleFunc("GET /v1/watch", s.handleWatch)
+	m.HandleFunc("POST /v1/operations", s.handleCreateOp)
+	m.HandleFunc("GET /v1/operations", s.handleListOps)
+	m.HandleFunc("GET /v1/operations/{id}", s.handleGetOp)
+	m.HandleFunc("POST /v1/operations/claim", s.handleClaimOp)
+	m.HandleFunc("PUT /v1/operations/{id}/result", s.handleReportOp)
 	m.HandleFunc("/", s.handleNoRoute)
 	s.mux = m
 }
@@ -445,7 +458,7 @@ func (s *Server) handleNoRoute(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusMethodNotAllowed, fmt.Errorf("method %s is not allowed on %s (allowed: %s)", r.Method, r.URL.Path, strings.Join(allowed, ", ")))
 		return
 	}
-	writeError(w, http.StatusNotFound, fmt.Errorf("no route %s %s (routes: /v1/policies[/NAME], /v1/types/NAME, /v1/watch, /healthz, /metrics)", r.Method, r.URL.Path))
+	writeError(w, http.StatusNotFound, fmt.Errorf("no route %s %s (routes: /v1/policies[/NAME], /v1/types/NAME, /v1/watch, /v1/operations[/ID[/result]], /v1/operations/claim, /healthz, /metrics)", r.Method, r.URL.Path))
 }
 
 // decodeBody reads one JSON value into v, refusing unknown fields so that a

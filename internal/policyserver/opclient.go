@@ -1,0 +1,126 @@
+package policyserver
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/dysco/dysco/internal/api"
+)
+
+// OpsConfig configures ServeOperations.
+type OpsConfig struct {
+	// URL is the policy server, Host the agent's name (as for Watch).
+	URL, Host string
+	// Exec carries out an operation and returns the agent's result; ctx
+	// ends when ServeOperations' context does.
+	Exec func(ctx context.Context, op api.Operation) api.OperationResult
+	// Wait is how long each claim poll waits (DefaultWait when zero).
+	Wait time.Duration
+	// Parallel bounds the operations carried out at once (4 when zero).
+	Parallel int
+	// Logger receives structured logs (slog.Default() when nil).
+	Logger *slog.Logger
+}
+
+// ServeOperations is the agent's side of the operator verbs relayed by the
+// policy server (operations.go): until ctx is done it long-polls for the
+// operations named for cfg.Host, carries each out with cfg.Exec (up to
+// cfg.Parallel at once) and reports the result, retrying the report until
+// the server takes it, refuses it for good, or the operation's own bounds
+// have passed. While the server is unreachable it backs off as Watch does.
+func ServeOperations(ctx context.Context, cfg OpsConfig) error {
+	if cfg.URL == "" || cfg.Host == "" || cfg.Exec == nil {
+		return errors.New("policy server operations: URL, host and Exec are required")
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	log = log.With("server", cfg.URL, "host", cfg.Host)
+	wait := cfg.Wait
+	if wait <= 0 {
+		wait = DefaultWait
+	}
+	wait = max(min(wait.Round(time.Second), MaxWait), time.Second)
+	par := cfg.Parallel
+	if par <= 0 {
+		par = 4
+	}
+	c := api.NewServerClient(cfg.URL)
+	sem := make(chan struct{}, par)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	backoff := minBackoff
+	for ctx.Err() == nil {
+		// A free slot before claiming: a claimed operation starts at once.
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+			return nil
+		}
+		op, ok, err := c.ClaimOperation(ctx, cfg.Host, wait)
+		if err != nil || !ok {
+			<-sem
+			if ctx.Err() != nil {
+				return nil
+			}
+			if err != nil {
+				// Watch logs the server's reachability; here only the detail.
+				log.Debug("claiming operations failed", "err", err, "backoff", backoff)
+				d := backoff/2 + rand.N(backoff/2+1)
+				backoff = min(2*backoff, maxBackoff)
+				t := time.NewTimer(d)
+				select {
+				case <-ctx.Done():
+					t.Stop()
+				case <-t.C:
+				}
+				continue
+			}
+			backoff = minBackoff
+			continue
+		}
+		backoff = minBackoff
+		log.Info("operation from the policy server", "id", op.ID, "kind", opKind(&op))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			res := cfg.Exec(ctx, op)
+			report(ctx, c, log, op, res)
+		}()
+	}
+	return nil
+}
+
+// report gives the server an operation's result, retrying while it is
+// unreachable, until the operation's own deadline at the server has passed.
+func report(ctx context.Context, c *api.Client, log *slog.Logger, op api.Operation, res api.OperationResult) {
+	give := runDeadline(&op, time.Now())
+	backoff := minBackoff
+	for {
+		err := c.ReportOperation(ctx, op.ID, res)
+		if err == nil {
+			log.Info("operation reported", "id", op.ID, "err", res.Error)
+			return
+		}
+		var he *api.HTTPError
+		if errors.As(err, &he) || ctx.Err() != nil || time.Now().After(give) {
+			log.Warn("operation result not taken by the policy server", "id", op.ID, "err", err)
+			return
+		}
+		d := backoff/2 + rand.N(backoff/2+1)
+		backoff = min(2*backoff, maxBackoff)
+		t := time.NewTimer(d)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+	}
+}

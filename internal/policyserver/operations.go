@@ -1,0 +1,408 @@
+package policyserver
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/dysco/dysco/internal/api"
+)
+
+// Operator verbs through the policy server (paper §2.3's use cases: take a
+// middlebox out of its sessions, replace it, insert one, from one place).
+// An operator POSTs an api.Operation naming an agent; the agent, which
+// long-polls POST /v1/operations/claim beside its policy watch, claims it,
+// carries it out exactly as a request to its local API, and PUTs the reply
+// to /v1/operations/ID/result; the operator waits on GET
+// /v1/operations/ID?wait=S. The server keeps operations in memory only:
+// they are commands of the moment, not configuration, and a restarted
+// server has none (a waiting CLI then says the operation is gone).
+//
+// Nothing waits for ever: an operation its agent does not claim within
+// claimTimeout fails, as does one claimed and not reported within its own
+// timeout plus reportSlack (the agent died or lost the server meanwhile;
+// the sessions' outcomes are then in the agent's `dysco reconfig history`).
+
+// Bounds of the operations kept in memory.
+const (
+	// maxActiveOps bounds the queued and running operations; more are refused (503).
+	maxActiveOps = 1024
+	// maxKeptOps bounds the finished operations kept for their operators;
+	// the oldest go first.
+	maxKeptOps = 1024
+	// keepFinished is how long a finished operation stays readable.
+	keepFinished = time.Hour
+	// defaultOpTimeout is the agent's wait for results when the request
+	// gives none (agent.defaultReconfigWait).
+	defaultOpTimeout = 10 * time.Second
+	// maxOpTimeout is the most an agent waits (agent.maxReconfigWait).
+	maxOpTimeout = 5 * time.Minute
+)
+
+// Timing of the operations; variables so that tests can shorten them.
+var (
+	// claimTimeout is how long a queued operation waits for its agent.
+	claimTimeout = 15 * time.Second
+	// reportSlack is how much longer than its own timeout a claimed
+	// operation may take before it is declared lost.
+	reportSlack = 30 * time.Second
+	// seenWithin is how recently an agent must have polled for operations
+	// (or be polling now) for new operations to be accepted for it.
+	seenWithin = MaxWait + 15*time.Second
+)
+
+// ops is the server's operations: all fields under mu.
+type ops struct {
+	mu      sync.Mutex
+	seq     uint64
+	byID    map[string]*api.Operation
+	order   []string             // creation order
+	seen    map[string]time.Time // host -> end of its last claim poll
+	polling map[string]int       // host -> claim polls waiting now
+	changed chan struct{}        // closed and replaced on every change
+	dl      map[string]time.Time // deadline of a queued or running operation
+	active  int                  // queued + running
+}
+
+func newOps() *ops {
+	return &ops{byID: map[string]*api.Operation{}, seen: map[string]time.Time{}, polling: map[string]int{},
+		changed: make(chan struct{}), dl: map[string]time.Time{}}
+}
+
+// bump wakes every waiter. Under mu.
+func (o *ops) bump() {
+	close(o.changed)
+	o.changed = make(chan struct{})
+}
+
+// finish ends op with state and error. Under mu.
+func (o *ops) finish(op *api.Operation, state, errText string, now time.Time) {
+	if op.IsFinished() {
+		return
+	}
+	op.State, op.Error, op.Finished = state, errText, now
+	delete(o.dl, op.ID)
+	o.active--
+	o.bump()
+}
+
+// expire fails the operations past their deadline and forgets old finished
+// ones. Under mu.
+func (o *ops) expire(now time.Time) {
+	for id, d := range o.dl {
+		if now.Before(d) {
+			continue
+		}
+		op := o.byID[id]
+		switch op.State {
+		case api.OpQueued:
+			o.finish(op, api.OpFailed, fmt.Sprintf("agent %q did not claim the operation within %s (is it running, with --policy-server pointing here?)", op.Host, claimTimeout), now)
+		case api.OpRunning:
+			o.finish(op, api.OpFailed, fmt.Sprintf("agent %q claimed the operation at %s but reported no result by %s (it may have stopped or lost this server; `dysco reconfig history` on the hosts shows what happened to the sessions)",
+				op.Host, op.Claimed.Format(time.RFC3339), d.Format(time.RFC3339)), now)
+		}
+	}
+	// Finished operations: the oldest beyond maxKeptOps, and any older than keepFinished.
+	finished := 0
+	for _, id := range o.order {
+		if o.byID[id].IsFinished() {
+			finished++
+		}
+	}
+	keep := o.order[:0]
+	for _, id := range o.order {
+		op := o.byID[id]
+		if op.IsFinished() && (finished > maxKeptOps || now.Sub(op.Finished) > keepFinished) {
+			finished--
+			delete(o.byID, id)
+			continue
+		}
+		keep = append(keep, id)
+	}
+	o.order = keep
+}
+
+// runDeadline is when a claimed operation must have been reported.
+func runDeadline(op *api.Operation, claimed time.Time) time.Time {
+	t := defaultOpTimeout
+	if ms := op.TimeoutMS(); ms > 0 {
+		t = min(time.Duration(ms)*time.Millisecond, maxOpTimeout)
+	}
+	return claimed.Add(t + reportSlack)
+}
+
+func (s *Server) handleCreateOp(w http.ResponseWriter, r *http.Request) {
+	var op api.Operation
+	if err := decodeBody(r, w, &op, "operation"); err != nil {
+		writeError(w, http.StatusBadRequest, err)
+		return
+	}
+	if op.ID != "" || op.State != "" || op.Error != "" || op.Reply != nil || !op.Created.IsZero() || !op.Claimed.IsZero() || !op.Finished.IsZero() {
+		writeError(w, http.StatusBadRequest, errors.New("operation: id, state, error, reply and times are the server's to set; send host and one of reconfig and middlebox"))
+		return
+	}
+	if err := op.Validate(); err != nil {
+		writeError(w, http.StatusBadRequest, err)
+		return
+	}
+	match := ""
+	if op.Reconfig != nil {
+		match = op.Reconfig.Match
+	} else {
+		match = op.Middlebox.Match
+	}
+	if s.cfg.ValidateMatch != nil {
+		if err := s.cfg.ValidateMatch(match); err != nil {
+			writeError(w, http.StatusBadRequest, fmt.Errorf("operation: match: %w", err))
+			return
+		}
+	}
+	o := s.ops
+	now := time.Now()
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.expire(now)
+	if o.polling[op.Host] == 0 {
+		last, ok := o.seen[op.Host]
+		if !ok {
+			writeError(w, http.StatusConflict, fmt.Errorf("no agent named %q has asked this policy server for operations (agents take operations when started with --policy-server; the name is the agent's --name)", op.Host))
+			return
+		}
+		if now.Sub(last) > seenWithin {
+			writeError(w, http.StatusConflict, fmt.Errorf("agent %q has not asked this policy server for operations since %s (%s ago); is it running?", op.Host, last.Format(time.RFC3339), now.Sub(last).Round(time.Second)))
+			return
+		}
+	}
+	if o.active >= maxActiveOps {
+		writeError(w, http.StatusServiceUnavailable, fmt.Errorf("%d operations are queued or running; try again when some have finished", o.active))
+		return
+	}
+	o.seq++
+	op.ID = "op-" + strconv.FormatUint(o.seq, 10)
+	op.State, op.Created = api.OpQueued, now
+	stored := op
+	o.byID[op.ID] = &stored
+	o.order = append(o.order, op.ID)
+	o.dl[op.ID] = now.Add(claimTimeout)
+	o.active++
+	o.bump()
+	s.log.Info("operation queued", "id", op.ID, "host", op.Host, "kind", opKind(&op))
+	writeJSON(w, http.StatusCreated, stored)
+}
+
+func opKind(op *api.Operation) string {
+	if op.Reconfig != nil {
+		return "reconfig"
+	}
+	return "middlebox"
+}
+
+func (s *Server) handleListOps(w http.ResponseWriter, r *http.Request) {
+	o := s.ops
+	o.mu.Lock()
+	o.expire(time.Now())
+	out := make([]api.Operation, 0, len(o.order))
+	for _, id := range o.order {
+		out = append(out, *o.byID[id])
+	}
+	o.mu.Unlock()
+	writeJSON(w, http.StatusOK, out)
+}
+
+// waitParam reads the wait=SECONDS parameter (0 when absent), at most MaxWait.
+func waitParam(r *http.Request) (time.Duration, error) {
+	v := r.URL.Query().Get("wait")
+	if v == "" {
+		return 0, nil
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 0 {
+		return 0, fmt.Errorf("wait=%q is not a number of seconds", v)
+	}
+	return min(time.Duration(n)*time.Second, MaxWait), nil
+}
+
+// Outcomes of waitOps.
+const (
+	opsChanged = iota // something changed (or a second passed): look again
+	opsTimeout        // the wait is over: answer with what there is
+	opsGone           // the request ended, or the server stops (answered)
+)
+
+// waitOps waits for a change of the operations, a tick (deadlines pass
+// without a change), the end of the wait, of the request, or of the server.
+func (s *Server) waitOps(w http.ResponseWriter, r *http.Request, changed <-chan struct{}, timer, tick <-chan time.Time) int {
+	select {
+	case <-changed:
+		return opsChanged
+	case <-tick:
+		return opsChanged
+	case <-timer:
+		return opsTimeout
+	case <-r.Context().Done():
+		return opsGone
+	case <-s.closing:
+		writeError(w, http.StatusServiceUnavailable, errors.New("policy server is shutting down"))
+		return opsGone
+	}
+}
+
+// handleGetOp returns an operation; with wait=S it answers when the
+// operation finishes or S seconds have passed.
+func (s *Server) handleGetOp(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	wait, err := waitParam(r)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err)
+		return
+	}
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	o := s.ops
+	for {
+		o.mu.Lock()
+		o.expire(time.Now())
+		op, ok := o.byID[id]
+		var cur api.Operation
+		if ok {
+			cur = *op
+		}
+		changed := o.changed
+		o.mu.Unlock()
+		if !ok {
+			writeError(w, http.StatusNotFound, fmt.Errorf("no operation %q here (operations are kept in memory for an hour after they finish; was the policy server restarted?)", id))
+			return
+		}
+		if cur.IsFinished() || wait == 0 {
+			writeJSON(w, http.StatusOK, cur)
+			return
+		}
+		switch s.waitOps(w, r, changed, timer.C, tick.C) {
+		case opsTimeout:
+			writeJSON(w, http.StatusOK, cur)
+			return
+		case opsGone:
+			return
+		}
+	}
+}
+
+// handleClaimOp is the agents' long poll for operations: it answers with
+// the oldest queued operation for host (now running), or 204 when none
+// came within the wait.
+func (s *Server) handleClaimOp(w http.ResponseWriter, r *http.Request) {
+	host := r.URL.Query().Get("host")
+	if host == "" {
+		writeError(w, http.StatusBadRequest, errors.New("claim needs host=NAME, the name of the agent asking"))
+		return
+	}
+	wait, err := waitParam(r)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err)
+		return
+	}
+	// The poll is over (for seen and polling) before the answer goes out.
+	code, op := s.claim(w, r, host, wait)
+	switch code {
+	case 0: // answered (server stopping) or the agent went away
+	case http.StatusOK:
+		s.log.Info("operation claimed", "id", op.ID, "host", host)
+		writeJSON(w, code, op)
+	default:
+		w.WriteHeader(code)
+	}
+}
+
+// claim waits for an operation for host; it returns 200 and the operation
+// now running, 204 when none came within wait, or 0 when the request ended
+// or the server stops (answered).
+func (s *Server) claim(w http.ResponseWriter, r *http.Request, host string, wait time.Duration) (int, api.Operation) {
+	o := s.ops
+	o.mu.Lock()
+	o.polling[host]++
+	o.mu.Unlock()
+	defer func() {
+		o.mu.Lock()
+		if o.polling[host]--; o.polling[host] <= 0 {
+			delete(o.polling, host)
+		}
+		o.seen[host] = time.Now()
+		o.mu.Unlock()
+	}()
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		now := time.Now()
+		o.mu.Lock()
+		o.expire(now)
+		var claimed *api.Operation
+		for _, id := range o.order {
+			if op := o.byID[id]; op.Host == host && op.State == api.OpQueued {
+				claimed = op
+				break
+			}
+		}
+		if claimed != nil {
+			claimed.State, claimed.Claimed = api.OpRunning, now
+			o.dl[claimed.ID] = runDeadline(claimed, now)
+			o.bump()
+			cur := *claimed
+			o.mu.Unlock()
+			return http.StatusOK, cur
+		}
+		changed := o.changed
+		o.mu.Unlock()
+		if wait == 0 {
+			return http.StatusNoContent, api.Operation{}
+		}
+		switch s.waitOps(w, r, changed, timer.C, tick.C) {
+		case opsTimeout:
+			return http.StatusNoContent, api.Operation{}
+		case opsGone:
+			return 0, api.Operation{}
+		}
+	}
+}
+
+// handleReportOp takes an agent's result for an operation it claimed.
+func (s *Server) handleReportOp(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	var res api.OperationResult
+	if err := decodeBody(r, w, &res, "operation result"); err != nil {
+		writeError(w, http.StatusBadRequest, err)
+		return
+	}
+	if (res.Error == "") == (res.Reply == nil) {
+		writeError(w, http.StatusBadRequest, errors.New("operation result: give exactly one of error and reply"))
+		return
+	}
+	o := s.ops
+	now := time.Now()
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.expire(now)
+	op, ok := o.byID[id]
+	if !ok {
+		writeError(w, http.StatusNotFound, fmt.Errorf("no operation %q here", id))
+		return
+	}
+	if op.State != api.OpRunning {
+		writeError(w, http.StatusConflict, fmt.Errorf("operation %s is %s, not running: its result is not taken (%s)", id, op.State, op.Error))
+		return
+	}
+	if res.Error != "" {
+		o.finish(op, api.OpFailed, fmt.Sprintf("agent %q: %s", op.Host, res.Error), now)
+	} else {
+		op.Reply = res.Reply
+		o.finish(op, api.OpDone, "", now)
+	}
+	s.log.Info("operation finished", "id", id, "host", op.Host, "state", op.State, "err", op.Error)
+	w.WriteHeader(http.StatusNoContent)
+}

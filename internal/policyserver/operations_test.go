@@ -1,0 +1,273 @@
+package policyserver
+
+import (
+	"context"
+	"errors"
+	"net/netip"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/dysco/dysco/internal/api"
+)
+
+// shorten sets the operations' timing for one test.
+func shorten(t *testing.T, claim, slack time.Duration) {
+	t.Helper()
+	oc, os, ow := claimTimeout, reportSlack, seenWithin
+	claimTimeout, reportSlack = claim, slack
+	t.Cleanup(func() { claimTimeout, reportSlack, seenWithin = oc, os, ow })
+}
+
+func mbRemove(host string, timeoutMS int) api.Operation {
+	return api.Operation{Host: host, Middlebox: &api.MiddleboxRequest{Match: "tcp", TimeoutMS: timeoutMS}}
+}
+
+// A whole round: the operator creates, the agent claims and reports, the
+// operator's wait returns the reply.
+func TestOperationRoundTrip(t *testing.T) {
+	ts := startServer(t, Config{})
+	c := api.NewServerClient(ts.url)
+	ctx := t.Context()
+
+	// No agent has polled yet: refused, with the reason.
+	_, err := c.CreateOperation(ctx, mbRemove("mb1", 0))
+	var he *api.HTTPError
+	if !errors.As(err, &he) || he.StatusCode != 409 || !strings.Contains(he.Message, `no agent named "mb1"`) {
+		t.Fatalf("operation for an unknown agent: %v, want 409 no agent named", err)
+	}
+
+	// The agent polls (nothing yet), then waits in a second poll.
+	if _, ok, err := c.ClaimOperation(ctx, "mb1", 0); err != nil || ok {
+		t.Fatalf("empty claim: ok %v err %v", ok, err)
+	}
+	claimed := make(chan api.Operation, 1)
+	go func() {
+		op, ok, err := c.ClaimOperation(ctx, "mb1", 20*time.Second)
+		if err != nil || !ok {
+			t.Errorf("claim: ok %v err %v", ok, err)
+			close(claimed)
+			return
+		}
+		claimed <- op
+	}()
+	op, err := c.CreateOperation(ctx, mbRemove("mb1", 2000))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if op.ID == "" || op.State != api.OpQueued || op.Created.IsZero() {
+		t.Fatalf("created: %+v", op)
+	}
+	got := <-claimed
+	if got.ID != op.ID || got.State != api.OpRunning || got.Middlebox == nil || got.Middlebox.TimeoutMS != 2000 {
+		t.Fatalf("claimed %+v, want %s running with its request", got, op.ID)
+	}
+	// A second agent's poll does not get it.
+	if _, ok, _ := c.ClaimOperation(ctx, "mb2", 0); ok {
+		t.Fatal("another agent claimed mb1's operation")
+	}
+
+	// The operator waits; the agent reports meanwhile.
+	waited := make(chan api.Operation, 1)
+	go func() {
+		o, err := c.Operation(ctx, op.ID, 20*time.Second)
+		if err != nil {
+			t.Error(err)
+		}
+		waited <- o
+	}()
+	rep := &api.ReconfigReply{Results: []api.ReconfigResult{{ID: 7, Session: "10.0.0.1:1 -> 10.0.0.2:2", Outcome: "succeeded"}}}
+	if err := c.ReportOperation(ctx, op.ID, api.OperationResult{Reply: rep}); err != nil {
+		t.Fatal(err)
+	}
+	done := <-waited
+	if done.State != api.OpDone || done.Reply == nil || len(done.Reply.Results) != 1 || done.Reply.Results[0].ID != 7 || done.Finished.IsZero() {
+		t.Fatalf("after the report: %+v", done)
+	}
+	// A second report is refused; the list has the operation.
+	err = c.ReportOperation(ctx, op.ID, api.OperationResult{Reply: rep})
+	if !errors.As(err, &he) || he.StatusCode != 409 {
+		t.Fatalf("second report: %v, want 409", err)
+	}
+	all, err := c.Operations(ctx)
+	if err != nil || len(all) != 1 || all[0].ID != op.ID {
+		t.Fatalf("list: %+v %v", all, err)
+	}
+	if _, err := c.Operation(ctx, "op-999", 0); !api.IsNotFound(err) {
+		t.Fatalf("unknown operation: %v, want 404", err)
+	}
+}
+
+// An agent's refusal comes back as a failed operation with its message.
+func TestOperationRefusedByAgent(t *testing.T) {
+	ts := startServer(t, Config{})
+	c := api.NewServerClient(ts.url)
+	ctx := t.Context()
+	c.ClaimOperation(ctx, "client", 0)
+	op, err := c.CreateOperation(ctx, api.Operation{Host: "client", Reconfig: &api.ReconfigRequest{Match: "tcp", To: netip.MustParseAddr("10.0.0.9")}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, ok, err := c.ClaimOperation(ctx, "client", 5*time.Second); err != nil || !ok || got.ID != op.ID {
+		t.Fatalf("claim: %+v %v %v", got, ok, err)
+	}
+	if err := c.ReportOperation(ctx, op.ID, api.OperationResult{Error: "reconfiguration is disabled on this agent"}); err != nil {
+		t.Fatal(err)
+	}
+	got, err := c.Operation(ctx, op.ID, 0)
+	if err != nil || got.State != api.OpFailed || got.Error != `agent "client": reconfiguration is disabled on this agent` {
+		t.Fatalf("refused: %+v %v", got, err)
+	}
+}
+
+// Operations nobody claims, or nobody reports, fail in bounded time, and
+// the operator's wait ends with the reason.
+func TestOperationExpiry(t *testing.T) {
+	shorten(t, 300*time.Millisecond, 200*time.Millisecond)
+	ts := startServer(t, Config{})
+	c := api.NewServerClient(ts.url)
+	ctx := t.Context()
+	c.ClaimOperation(ctx, "gone", 0) // seen once, then never polls again
+	op, err := c.CreateOperation(ctx, mbRemove("gone", 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := c.Operation(ctx, op.ID, 10*time.Second)
+	if err != nil || got.State != api.OpFailed || !strings.Contains(got.Error, "did not claim the operation") {
+		t.Fatalf("unclaimed: %+v %v", got, err)
+	}
+
+	op, err = c.CreateOperation(ctx, mbRemove("gone", 100))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok, err := c.ClaimOperation(ctx, "gone", 5*time.Second); err != nil || !ok {
+		t.Fatalf("claim: %v %v", ok, err)
+	}
+	start := time.Now()
+	got, err = c.Operation(ctx, op.ID, 10*time.Second)
+	if err != nil || got.State != api.OpFailed || !strings.Contains(got.Error, "reported no result") {
+		t.Fatalf("unreported: %+v %v", got, err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("the lost operation failed after %s, want about 300 ms", d)
+	}
+	// Its late report is refused, saying why.
+	err = c.ReportOperation(ctx, op.ID, api.OperationResult{Error: "late"})
+	var he *api.HTTPError
+	if !errors.As(err, &he) || he.StatusCode != 409 || !strings.Contains(he.Message, "is failed, not running") {
+		t.Fatalf("late report: %v", err)
+	}
+
+	// An agent last seen too long ago is refused up front.
+	seenWithin = 0
+	if _, err := c.CreateOperation(ctx, mbRemove("gone", 0)); !errors.As(err, &he) || he.StatusCode != 409 || !strings.Contains(he.Message, "has not asked this policy server") {
+		t.Fatalf("stale agent: %v", err)
+	}
+}
+
+func TestOperationBadInput(t *testing.T) {
+	ts := startServer(t, Config{ValidateMatch: func(m string) error {
+		if strings.Contains(m, "(") {
+			return errors.New("syntax error")
+		}
+		return nil
+	}})
+	c := api.NewServerClient(ts.url)
+	c.ClaimOperation(t.Context(), "mb1", 0)
+	for _, tc := range []struct{ body, want string }{
+		{``, "empty request body"},
+		{`{"host":"mb1"}`, "exactly one of reconfig and middlebox"},
+		{`{"host":"mb1","reconfig":{"match":"tcp","to":"10.0.0.1"},"middlebox":{}}`, "exactly one of reconfig and middlebox"},
+		{`{"middlebox":{}}`, "no host"},
+		{`{"host":"a b","middlebox":{}}`, "not an agent name"},
+		{`{"host":"mb1","reconfig":{"match":"tcp"}}`, "needs a right anchor"},
+		{`{"host":"mb1","middlebox":{"match":"tcp ("}}`, "match: syntax error"},
+		{`{"host":"mb1","middlebox":{},"state":"done"}`, "the server's to set"},
+		{`{"host":"mb1","middlebox":{"timeout_ms":-1}}`, "negative timeout_ms"},
+		{`{"host":"mb1","midlebox":{}}`, `unknown field`},
+	} {
+		code, data := call(t, "POST", ts.url+"/v1/operations", tc.body)
+		if code != 400 || !strings.Contains(string(data), tc.want) {
+			t.Errorf("POST %s: %d %s, want 400 with %q", tc.body, code, data, tc.want)
+		}
+	}
+	for _, tc := range []struct{ method, path, body string }{
+		{"POST", "/v1/operations/claim", ""},
+		{"POST", "/v1/operations/claim?host=mb1&wait=x", ""},
+		{"GET", "/v1/operations/op-1?wait=-1", ""},
+		{"PUT", "/v1/operations/op-1/result", `{}`},
+		{"PUT", "/v1/operations/op-1/result", `{"error":"x","reply":{"results":[]}}`},
+	} {
+		if code, data := call(t, tc.method, ts.url+tc.path, tc.body); code != 400 {
+			t.Errorf("%s %s %s: %d %s, want 400", tc.method, tc.path, tc.body, code, data)
+		}
+	}
+	if code, _ := call(t, "PUT", ts.url+"/v1/operations/op-9/result", `{"error":"x"}`); code != 404 {
+		t.Errorf("report of an unknown operation: %d, want 404", code)
+	}
+}
+
+// ServeOperations carries out what the server relays, in parallel, and
+// reports; an operation the agent refuses comes back failed.
+func TestServeOperations(t *testing.T) {
+	ts := startServer(t, Config{})
+	c := api.NewServerClient(ts.url)
+	ctx, cancel := context.WithCancel(t.Context())
+	var mu sync.Mutex
+	var seen []string
+	release := make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		done <- ServeOperations(ctx, OpsConfig{URL: ts.url, Host: "mb1", Wait: time.Second, Logger: quietLogger(),
+			Exec: func(ctx context.Context, op api.Operation) api.OperationResult {
+				mu.Lock()
+				seen = append(seen, op.ID)
+				mu.Unlock()
+				if op.Middlebox.Match == "refuse" {
+					return api.OperationResult{Error: "no such filter"}
+				}
+				<-release // both are running at once before either finishes
+				return api.OperationResult{Reply: &api.ReconfigReply{Results: []api.ReconfigResult{{ID: 1, Outcome: "succeeded"}}}}
+			}})
+	}()
+	// Wait for the agent's first poll to be registered.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ts.ops.mu.Lock()
+		n := ts.ops.polling["mb1"]
+		ts.ops.mu.Unlock()
+		if n > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the agent never polled")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	a, err := c.CreateOperation(t.Context(), mbRemove("mb1", 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := c.CreateOperation(t.Context(), api.Operation{Host: "mb1", Middlebox: &api.MiddleboxRequest{Match: "refuse"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	gb, err := c.Operation(t.Context(), b.ID, 10*time.Second)
+	if err != nil || gb.State != api.OpFailed || !strings.Contains(gb.Error, "no such filter") {
+		t.Fatalf("refused operation: %+v %v", gb, err)
+	}
+	close(release)
+	ga, err := c.Operation(t.Context(), a.ID, 10*time.Second)
+	if err != nil || ga.State != api.OpDone || ga.Reply == nil || len(ga.Reply.Results) != 1 {
+		t.Fatalf("operation: %+v %v", ga, err)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if len(seen) != 2 {
+		t.Fatalf("executed %v, want both", seen)
+	}
+}
