@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/datapath"
 	"github.com/dysco/dysco/internal/protocol"
 	"github.com/dysco/dysco/internal/wire"
 )
@@ -185,7 +186,10 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 		// that a reconfiguration has already taken out of the path
 		// (its old subsession lingers here) must not reconfigure the
 		// segment that replaced it.
-		if sess, ok := c.a.dp.Session(id); ok {
+		// While that side is in a reconfiguration itself (its record
+		// not back to TPNew), the protocol answers busy, which the
+		// sender may retry; currentSub would name the wrong path then.
+		if sess, ok := c.a.dp.Session(id); ok && c.sideSettled(id, protocol.SideRight) {
 			if cur, ok := c.currentSub(id, sess.Tuple.Wire(), protocol.SideRight); !ok || cur != *m.Sub {
 				answer(triggerMsg{Outcome: "refused", Reason: "the sender is no longer this session's next hop (its path changed)"})
 				return
@@ -231,6 +235,13 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 	default:
 		c.countReject("trigger_malformed")
 	}
+}
+
+// sideSettled tells whether a side of session id is in no reconfiguration
+// at this host: it has no two-path record, or its record is back to TPNew.
+func (c *control) sideSettled(id uint32, side protocol.Side) bool {
+	tp, ok := c.a.dp.TwoPath(datapath.TPKey{SessId: id, Side: uint32(side)})
+	return !ok || tp.State == datapath.TPNew
 }
 
 // sendTrigger asks from's left neighbour to reconfigure; the result

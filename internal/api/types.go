@@ -254,7 +254,7 @@ type MiddleboxRequest struct {
 // reconfig`) and Middlebox (the agent is the middlebox leaving or being
 // replaced, as `dysco middlebox`). The server gives it an ID and a state;
 // the agent named by Host claims it, carries it out as if asked through its
-// local API, and reports the reply. docs/operation.md, "Operator verbs
+// local API, and reports the reply. docs/operating.md, "From one place,
 // through the policy server".
 type Operation struct {
 	ID        string            `json:"id,omitempty"`
@@ -286,6 +286,17 @@ const (
 // Finished tells whether the operation has reached its final state.
 func (o *Operation) IsFinished() bool { return o.State == OpDone || o.State == OpFailed }
 
+// Match is the request's filter.
+func (o *Operation) Match() string {
+	switch {
+	case o.Reconfig != nil:
+		return o.Reconfig.Match
+	case o.Middlebox != nil:
+		return o.Middlebox.Match
+	}
+	return ""
+}
+
 // TimeoutMS is how long the agent waits for the sessions' results.
 func (o *Operation) TimeoutMS() int {
 	switch {
@@ -310,8 +321,11 @@ func (o *Operation) Validate() error {
 	if (o.Reconfig == nil) == (o.Middlebox == nil) {
 		return errors.New("operation: give exactly one of reconfig and middlebox")
 	}
-	if o.TimeoutMS() < 0 {
-		return errors.New("operation: negative timeout_ms")
+	if ms := o.TimeoutMS(); ms < 0 || ms > MaxOperationTimeoutMS {
+		return fmt.Errorf("operation: timeout_ms %d: want 0 (the agent's default) to %d (5 minutes, the most an agent waits)", ms, MaxOperationTimeoutMS)
+	}
+	if match := o.Match(); len(match) > MaxMatchLen {
+		return fmt.Errorf("operation: match filter of %d bytes, at most %d", len(match), MaxMatchLen)
 	}
 	if r := o.Reconfig; r != nil {
 		if !r.To.IsValid() {
@@ -327,9 +341,17 @@ func (o *Operation) Validate() error {
 	return nil
 }
 
+// Bounds of an Operation's request.
+const (
+	MaxOperationTimeoutMS = 5 * 60 * 1000
+	MaxMatchLen           = 8192
+)
+
 // OperationResult is what an agent reports for an operation it claimed:
-// Error when it refused the request, else Reply.
+// Error when it refused the request, else Reply. Host is the agent's name:
+// the server takes the result only from the agent the operation was for.
 type OperationResult struct {
+	Host  string         `json:"host"`
 	Error string         `json:"error,omitempty"`
 	Reply *ReconfigReply `json:"reply,omitempty"`
 }

@@ -368,6 +368,9 @@ func (r *remoteFlags) check() error {
 // reply: the agent's own wait (timeout), plus the time to claim and report.
 func (r *remoteFlags) run(cmd *cobra.Command, op api.Operation, timeout time.Duration) (api.ReconfigReply, error) {
 	op.Host = strings.TrimSpace(r.host)
+	if timeout > api.MaxOperationTimeoutMS*time.Millisecond {
+		return api.ReconfigReply{}, fmt.Errorf("--timeout %v: at most 5m through the policy server (the most an agent waits)", timeout)
+	}
 	c := api.NewServerClient(r.server)
 	created, err := c.CreateOperation(cmd.Context(), op)
 	if err != nil {

@@ -3,8 +3,9 @@ package policyserver
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
-	"math/rand/v2"
+	"net/http"
 	"sync"
 	"time"
 
@@ -20,7 +21,7 @@ type OpsConfig struct {
 	Exec func(ctx context.Context, op api.Operation) api.OperationResult
 	// Wait is how long each claim poll waits (DefaultWait when zero).
 	Wait time.Duration
-	// Parallel bounds the operations carried out at once (4 when zero).
+	// Parallel bounds the operations carried out at once (8 when zero).
 	Parallel int
 	// Logger receives structured logs (slog.Default() when nil).
 	Logger *slog.Logger
@@ -41,14 +42,10 @@ func ServeOperations(ctx context.Context, cfg OpsConfig) error {
 		log = slog.Default()
 	}
 	log = log.With("server", cfg.URL, "host", cfg.Host)
-	wait := cfg.Wait
-	if wait <= 0 {
-		wait = DefaultWait
-	}
-	wait = max(min(wait.Round(time.Second), MaxWait), time.Second)
+	wait := pollWait(cfg.Wait)
 	par := cfg.Parallel
 	if par <= 0 {
-		par = 4
+		par = 8
 	}
 	c := api.NewServerClient(cfg.URL)
 	sem := make(chan struct{}, par)
@@ -71,14 +68,7 @@ func ServeOperations(ctx context.Context, cfg OpsConfig) error {
 			if err != nil {
 				// Watch logs the server's reachability; here only the detail.
 				log.Debug("claiming operations failed", "err", err, "backoff", backoff)
-				d := backoff/2 + rand.N(backoff/2+1)
-				backoff = min(2*backoff, maxBackoff)
-				t := time.NewTimer(d)
-				select {
-				case <-ctx.Done():
-					t.Stop()
-				case <-t.C:
-				}
+				sleepBackoff(ctx, &backoff)
 				continue
 			}
 			backoff = minBackoff
@@ -91,6 +81,7 @@ func ServeOperations(ctx context.Context, cfg OpsConfig) error {
 			defer wg.Done()
 			defer func() { <-sem }()
 			res := cfg.Exec(ctx, op)
+			res.Host = cfg.Host
 			report(ctx, c, log, op, res)
 		}()
 	}
@@ -99,28 +90,36 @@ func ServeOperations(ctx context.Context, cfg OpsConfig) error {
 
 // report gives the server an operation's result, retrying while it is
 // unreachable, until the operation's own deadline at the server has passed.
+// A reply the server refuses (too large, or malformed to it) is replaced by
+// an error saying so, so that the operator learns it at once. When ctx has
+// ended (the agent stops), one last attempt is made on a short detached
+// context: the operator should hear now, not at the deadline.
 func report(ctx context.Context, c *api.Client, log *slog.Logger, op api.Operation, res api.OperationResult) {
 	give := runDeadline(&op, time.Now())
 	backoff := minBackoff
 	for {
-		err := c.ReportOperation(ctx, op.ID, res)
+		rctx, cancel := ctx, context.CancelFunc(func() {})
+		if ctx.Err() != nil {
+			rctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+		}
+		err := c.ReportOperation(rctx, op.ID, res)
+		cancel()
 		if err == nil {
 			log.Info("operation reported", "id", op.ID, "err", res.Error)
 			return
 		}
 		var he *api.HTTPError
+		if errors.As(err, &he) && res.Reply != nil && (he.StatusCode == http.StatusBadRequest || he.StatusCode == http.StatusRequestEntityTooLarge) {
+			log.Warn("the policy server refused the operation's reply; reporting the refusal instead", "id", op.ID, "results", len(res.Reply.Results), "err", err)
+			res = api.OperationResult{Host: res.Host, Error: fmt.Sprintf("carried out on %d session(s), but the policy server refused the reply (%s); `dysco reconfig history` on the left anchors has the results", len(res.Reply.Results), he.Message)}
+			continue
+		}
 		if errors.As(err, &he) || ctx.Err() != nil || time.Now().After(give) {
 			log.Warn("operation result not taken by the policy server", "id", op.ID, "err", err)
 			return
 		}
-		d := backoff/2 + rand.N(backoff/2+1)
-		backoff = min(2*backoff, maxBackoff)
-		t := time.NewTimer(d)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return
-		case <-t.C:
+		if !sleepBackoff(ctx, &backoff) {
+			continue // one last attempt, detached
 		}
 	}
 }

@@ -1,6 +1,7 @@
 package policyserver
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -57,6 +58,7 @@ var (
 // ops is the server's operations: all fields under mu.
 type ops struct {
 	mu      sync.Mutex
+	epoch   string // this server run's prefix of operation IDs
 	seq     uint64
 	byID    map[string]*api.Operation
 	order   []string             // creation order
@@ -68,7 +70,10 @@ type ops struct {
 }
 
 func newOps() *ops {
-	return &ops{byID: map[string]*api.Operation{}, seen: map[string]time.Time{}, polling: map[string]int{},
+	// IDs differ from one server run to the next, so that a result
+	// reported late, to a restarted server, cannot land on another
+	// operation that got the same number.
+	return &ops{epoch: strconv.FormatInt(time.Now().UnixMilli(), 36), byID: map[string]*api.Operation{}, seen: map[string]time.Time{}, polling: map[string]int{},
 		changed: make(chan struct{}), dl: map[string]time.Time{}}
 }
 
@@ -103,6 +108,13 @@ func (o *ops) expire(now time.Time) {
 		case api.OpRunning:
 			o.finish(op, api.OpFailed, fmt.Sprintf("agent %q claimed the operation at %s but reported no result by %s (it may have stopped or lost this server; `dysco reconfig history` on the hosts shows what happened to the sessions)",
 				op.Host, op.Claimed.Format(time.RFC3339), d.Format(time.RFC3339)), now)
+		}
+	}
+	// Agents not heard from for a while are forgotten (a bound on the map
+	// for any number of names polled).
+	for h, t := range o.seen {
+		if o.polling[h] == 0 && now.Sub(t) > keepFinished {
+			delete(o.seen, h)
 		}
 	}
 	// Finished operations: the oldest beyond maxKeptOps, and any older than keepFinished.
@@ -148,19 +160,23 @@ func (s *Server) handleCreateOp(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, err)
 		return
 	}
-	match := ""
-	if op.Reconfig != nil {
-		match = op.Reconfig.Match
-	} else {
-		match = op.Middlebox.Match
-	}
 	if s.cfg.ValidateMatch != nil {
-		if err := s.cfg.ValidateMatch(match); err != nil {
+		if err := s.cfg.ValidateMatch(op.Match()); err != nil {
 			writeError(w, http.StatusBadRequest, fmt.Errorf("operation: match: %w", err))
 			return
 		}
 	}
-	o := s.ops
+	stored, code, err := s.ops.create(op)
+	if err != nil {
+		writeError(w, code, err)
+		return
+	}
+	s.log.Info("operation queued", "id", stored.ID, "host", stored.Host, "kind", opKind(&stored))
+	writeJSON(w, http.StatusCreated, stored)
+}
+
+// create queues op for its agent, or says why not (with an HTTP status).
+func (o *ops) create(op api.Operation) (api.Operation, int, error) {
 	now := time.Now()
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -168,20 +184,17 @@ func (s *Server) handleCreateOp(w http.ResponseWriter, r *http.Request) {
 	if o.polling[op.Host] == 0 {
 		last, ok := o.seen[op.Host]
 		if !ok {
-			writeError(w, http.StatusConflict, fmt.Errorf("no agent named %q has asked this policy server for operations (agents take operations when started with --policy-server; the name is the agent's --name)", op.Host))
-			return
+			return op, http.StatusConflict, fmt.Errorf("no agent named %q has asked this policy server for operations (agents take operations when started with --policy-server; the name is the agent's --name)", op.Host)
 		}
 		if now.Sub(last) > seenWithin {
-			writeError(w, http.StatusConflict, fmt.Errorf("agent %q has not asked this policy server for operations since %s (%s ago); is it running?", op.Host, last.Format(time.RFC3339), now.Sub(last).Round(time.Second)))
-			return
+			return op, http.StatusConflict, fmt.Errorf("agent %q has not asked this policy server for operations since %s (%s ago): is it running, or busy with as many operations as it runs at once?", op.Host, last.Format(time.RFC3339), now.Sub(last).Round(time.Second))
 		}
 	}
 	if o.active >= maxActiveOps {
-		writeError(w, http.StatusServiceUnavailable, fmt.Errorf("%d operations are queued or running; try again when some have finished", o.active))
-		return
+		return op, http.StatusServiceUnavailable, fmt.Errorf("%d operations are queued or running; try again when some have finished", o.active)
 	}
 	o.seq++
-	op.ID = "op-" + strconv.FormatUint(o.seq, 10)
+	op.ID = "op-" + o.epoch + "-" + strconv.FormatUint(o.seq, 10)
 	op.State, op.Created = api.OpQueued, now
 	stored := op
 	o.byID[op.ID] = &stored
@@ -189,8 +202,7 @@ func (s *Server) handleCreateOp(w http.ResponseWriter, r *http.Request) {
 	o.dl[op.ID] = now.Add(claimTimeout)
 	o.active++
 	o.bump()
-	s.log.Info("operation queued", "id", op.ID, "host", op.Host, "kind", opKind(&op))
-	writeJSON(w, http.StatusCreated, stored)
+	return stored, 0, nil
 }
 
 func opKind(op *api.Operation) string {
@@ -349,6 +361,9 @@ func (s *Server) claim(w http.ResponseWriter, r *http.Request, host string, wait
 				break
 			}
 		}
+		if claimed != nil && r.Context().Err() != nil {
+			claimed = nil // the agent went away: leave it for its next poll
+		}
 		if claimed != nil {
 			claimed.State, claimed.Claimed = api.OpRunning, now
 			o.dl[claimed.ID] = runDeadline(claimed, now)
@@ -374,28 +389,51 @@ func (s *Server) claim(w http.ResponseWriter, r *http.Request, host string, wait
 // handleReportOp takes an agent's result for an operation it claimed.
 func (s *Server) handleReportOp(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
+	// A reply has a line per session (a busy firewall: thousands), and
+	// may come from a newer agent with fields this server does not know.
 	var res api.OperationResult
-	if err := decodeBody(r, w, &res, "operation result"); err != nil {
-		writeError(w, http.StatusBadRequest, err)
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxResultBody))
+	if err := dec.Decode(&res); err != nil {
+		code := http.StatusBadRequest
+		var tooBig *http.MaxBytesError
+		if errors.As(err, &tooBig) {
+			code = http.StatusRequestEntityTooLarge
+		}
+		writeError(w, code, fmt.Errorf("request body is not a valid operation result: %v", err))
 		return
 	}
 	if (res.Error == "") == (res.Reply == nil) {
 		writeError(w, http.StatusBadRequest, errors.New("operation result: give exactly one of error and reply"))
 		return
 	}
-	o := s.ops
+	code, err := s.ops.report(id, res)
+	if err != nil {
+		writeError(w, code, err)
+		return
+	}
+	s.log.Info("operation finished", "id", id, "host", res.Host, "err", res.Error)
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// maxResultBody bounds an agent's report (api.Client reads up to 16 MiB);
+// a variable for tests.
+var maxResultBody int64 = 16 << 20
+
+// report takes res as the result of operation id, or says why not.
+func (o *ops) report(id string, res api.OperationResult) (int, error) {
 	now := time.Now()
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.expire(now)
 	op, ok := o.byID[id]
 	if !ok {
-		writeError(w, http.StatusNotFound, fmt.Errorf("no operation %q here", id))
-		return
+		return http.StatusNotFound, fmt.Errorf("no operation %q here", id)
+	}
+	if res.Host != op.Host {
+		return http.StatusConflict, fmt.Errorf("operation %s is for agent %q, not %q", id, op.Host, res.Host)
 	}
 	if op.State != api.OpRunning {
-		writeError(w, http.StatusConflict, fmt.Errorf("operation %s is %s, not running: its result is not taken (%s)", id, op.State, op.Error))
-		return
+		return http.StatusConflict, fmt.Errorf("operation %s is %s, not running: its result is not taken (%s)", id, op.State, op.Error)
 	}
 	if res.Error != "" {
 		o.finish(op, api.OpFailed, fmt.Sprintf("agent %q: %s", op.Host, res.Error), now)
@@ -403,6 +441,5 @@ func (s *Server) handleReportOp(w http.ResponseWriter, r *http.Request) {
 		op.Reply = res.Reply
 		o.finish(op, api.OpDone, "", now)
 	}
-	s.log.Info("operation finished", "id", id, "host", op.Host, "state", op.State, "err", op.Error)
-	w.WriteHeader(http.StatusNoContent)
+	return 0, nil
 }

@@ -78,7 +78,12 @@ func TestOperationRoundTrip(t *testing.T) {
 		waited <- o
 	}()
 	rep := &api.ReconfigReply{Results: []api.ReconfigResult{{ID: 7, Session: "10.0.0.1:1 -> 10.0.0.2:2", Outcome: "succeeded"}}}
-	if err := c.ReportOperation(ctx, op.ID, api.OperationResult{Reply: rep}); err != nil {
+	// Only the agent the operation is for may report it.
+	err = c.ReportOperation(ctx, op.ID, api.OperationResult{Host: "mb2", Reply: rep})
+	if !errors.As(err, &he) || he.StatusCode != 409 || !strings.Contains(he.Message, `is for agent "mb1", not "mb2"`) {
+		t.Fatalf("report by another agent: %v, want 409", err)
+	}
+	if err := c.ReportOperation(ctx, op.ID, api.OperationResult{Host: "mb1", Reply: rep}); err != nil {
 		t.Fatal(err)
 	}
 	done := <-waited
@@ -86,13 +91,16 @@ func TestOperationRoundTrip(t *testing.T) {
 		t.Fatalf("after the report: %+v", done)
 	}
 	// A second report is refused; the list has the operation.
-	err = c.ReportOperation(ctx, op.ID, api.OperationResult{Reply: rep})
+	err = c.ReportOperation(ctx, op.ID, api.OperationResult{Host: "mb1", Reply: rep})
 	if !errors.As(err, &he) || he.StatusCode != 409 {
 		t.Fatalf("second report: %v, want 409", err)
 	}
 	all, err := c.Operations(ctx)
 	if err != nil || len(all) != 1 || all[0].ID != op.ID {
 		t.Fatalf("list: %+v %v", all, err)
+	}
+	if !strings.HasPrefix(op.ID, "op-") || strings.Count(op.ID, "-") != 2 {
+		t.Errorf("operation ID %q, want op-EPOCH-N (unique across server runs)", op.ID)
 	}
 	if _, err := c.Operation(ctx, "op-999", 0); !api.IsNotFound(err) {
 		t.Fatalf("unknown operation: %v, want 404", err)
@@ -112,7 +120,7 @@ func TestOperationRefusedByAgent(t *testing.T) {
 	if got, ok, err := c.ClaimOperation(ctx, "client", 5*time.Second); err != nil || !ok || got.ID != op.ID {
 		t.Fatalf("claim: %+v %v %v", got, ok, err)
 	}
-	if err := c.ReportOperation(ctx, op.ID, api.OperationResult{Error: "reconfiguration is disabled on this agent"}); err != nil {
+	if err := c.ReportOperation(ctx, op.ID, api.OperationResult{Host: "client", Error: "reconfiguration is disabled on this agent"}); err != nil {
 		t.Fatal(err)
 	}
 	got, err := c.Operation(ctx, op.ID, 0)
@@ -154,7 +162,7 @@ func TestOperationExpiry(t *testing.T) {
 		t.Errorf("the lost operation failed after %s, want about 300 ms", d)
 	}
 	// Its late report is refused, saying why.
-	err = c.ReportOperation(ctx, op.ID, api.OperationResult{Error: "late"})
+	err = c.ReportOperation(ctx, op.ID, api.OperationResult{Host: "gone", Error: "late"})
 	var he *api.HTTPError
 	if !errors.As(err, &he) || he.StatusCode != 409 || !strings.Contains(he.Message, "is failed, not running") {
 		t.Fatalf("late report: %v", err)
@@ -185,7 +193,9 @@ func TestOperationBadInput(t *testing.T) {
 		{`{"host":"mb1","reconfig":{"match":"tcp"}}`, "needs a right anchor"},
 		{`{"host":"mb1","middlebox":{"match":"tcp ("}}`, "match: syntax error"},
 		{`{"host":"mb1","middlebox":{},"state":"done"}`, "the server's to set"},
-		{`{"host":"mb1","middlebox":{"timeout_ms":-1}}`, "negative timeout_ms"},
+		{`{"host":"mb1","middlebox":{"timeout_ms":-1}}`, "timeout_ms -1: want 0"},
+		{`{"host":"mb1","middlebox":{"timeout_ms":9300000000000}}`, "timeout_ms 9300000000000: want 0"},
+		{`{"host":"mb1","middlebox":{"match":"` + strings.Repeat("x", api.MaxMatchLen+1) + `"}}`, "match filter of 8193 bytes"},
 		{`{"host":"mb1","midlebox":{}}`, `unknown field`},
 	} {
 		code, data := call(t, "POST", ts.url+"/v1/operations", tc.body)
@@ -204,7 +214,7 @@ func TestOperationBadInput(t *testing.T) {
 			t.Errorf("%s %s %s: %d %s, want 400", tc.method, tc.path, tc.body, code, data)
 		}
 	}
-	if code, _ := call(t, "PUT", ts.url+"/v1/operations/op-9/result", `{"error":"x"}`); code != 404 {
+	if code, _ := call(t, "PUT", ts.url+"/v1/operations/op-9/result", `{"host":"mb1","error":"x"}`); code != 404 {
 		t.Errorf("report of an unknown operation: %d, want 404", code)
 	}
 }
@@ -269,5 +279,42 @@ func TestServeOperations(t *testing.T) {
 	}
 	if len(seen) != 2 {
 		t.Fatalf("executed %v, want both", seen)
+	}
+}
+
+// A reply the server refuses (too large) comes back as a failed operation
+// that says so, at once, not as a lost one at the deadline.
+func TestServeOperationsReplyRefused(t *testing.T) {
+	old := maxResultBody
+	maxResultBody = 512
+	t.Cleanup(func() { maxResultBody = old })
+	ts := startServer(t, Config{})
+	c := api.NewServerClient(ts.url)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	go ServeOperations(ctx, OpsConfig{URL: ts.url, Host: "fw1", Wait: time.Second, Logger: quietLogger(),
+		Exec: func(ctx context.Context, op api.Operation) api.OperationResult {
+			rep := &api.ReconfigReply{}
+			for i := range 50 {
+				rep.Results = append(rep.Results, api.ReconfigResult{ID: uint32(i), Session: "10.0.0.1:40000 -> 10.0.9.1:80", Outcome: "succeeded"})
+			}
+			return api.OperationResult{Reply: rep}
+		}})
+	var op api.Operation
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var err error
+		op, err = c.CreateOperation(t.Context(), mbRemove("fw1", 0))
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the agent never polled: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond) // until the agent's first poll is in
+	}
+	got, err := c.Operation(t.Context(), op.ID, 10*time.Second)
+	if err != nil || got.State != api.OpFailed || !strings.Contains(got.Error, "carried out on 50 session(s), but the policy server refused the reply") {
+		t.Fatalf("refused reply: %+v %v", got, err)
 	}
 }

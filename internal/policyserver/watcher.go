@@ -44,6 +44,31 @@ type WatchConfig struct {
 	Logger *slog.Logger
 }
 
+// pollWait is the wait of a long poll asked for as w: DefaultWait when not
+// positive, whole seconds, from 1 s (wait=0 would make the server answer at
+// once, every time) to MaxWait.
+func pollWait(w time.Duration) time.Duration {
+	if w <= 0 {
+		w = DefaultWait
+	}
+	return max(min(w.Round(time.Second), MaxWait), time.Second)
+}
+
+// sleepBackoff waits a time drawn from the upper half of *backoff, then
+// doubles *backoff up to maxBackoff; it returns false if ctx ended first.
+func sleepBackoff(ctx context.Context, backoff *time.Duration) bool {
+	d := *backoff/2 + rand.N(*backoff/2+1)
+	*backoff = min(2**backoff, maxBackoff)
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
 // cacheFile is the content of WatchConfig.CacheFile: the policy set, plus
 // the host it was given to. A plain api.PolicySet also loads.
 type cacheFile struct {
@@ -70,14 +95,7 @@ func Watch(ctx context.Context, cfg WatchConfig) error {
 		log = slog.Default()
 	}
 	log = log.With("server", cfg.URL, "host", cfg.Host)
-	wait := cfg.Wait
-	if wait <= 0 {
-		wait = DefaultWait
-	}
-	wait = min(wait.Round(time.Second), MaxWait)
-	if wait < time.Second {
-		wait = time.Second // wait=0 would make the server answer at once, every time
-	}
+	wait := pollWait(cfg.Wait)
 	update := func(set api.PolicySet) {
 		if cfg.OnUpdate != nil {
 			cfg.OnUpdate(set)
@@ -119,14 +137,7 @@ func Watch(ctx context.Context, cfg WatchConfig) error {
 			} else {
 				log.Debug("policy server still unreachable", "err", err, "backoff", backoff)
 			}
-			d := backoff/2 + rand.N(backoff/2+1)
-			backoff = min(2*backoff, maxBackoff)
-			t := time.NewTimer(d)
-			select {
-			case <-ctx.Done():
-				t.Stop()
-			case <-t.C:
-			}
+			sleepBackoff(ctx, &backoff)
 			continue
 		}
 		status(true, nil)
