@@ -11,35 +11,48 @@ import (
 	"github.com/dysco/dysco/internal/lab"
 )
 
-// iperf runs iperf3 from client to the server's iperf3 (forward, then
-// reverse with -R) and returns the bytes each run moved.
-func (e *env) iperf(client string, dst netip.Addr, port int, seconds int) (fwd, rev float64) {
+// iperf runs iperf3 from client to an iperf3 server on server (forward,
+// then reverse with -R) and returns the bytes each run moved. Each run has
+// its own one-off server (-1), started and seen listening before the
+// client starts, and gone before the next: a long-running iperf3 server
+// closes and reopens its listener between tests, and a client connecting
+// in that gap is refused or reset.
+func (e *env) iperf(client, server string, dst netip.Addr, port int, seconds int) (fwd, rev float64) {
 	e.t.Helper()
-	get := func(args ...string) float64 {
-		for try := 1; ; try++ {
-			out := e.run(client, append([]string{"iperf3", "-J", "-c", dst.String(), "-p", fmt.Sprint(port), "-t", fmt.Sprint(seconds)}, args...)...)
-			var r struct {
-				End struct {
-					SumReceived struct {
-						Bytes float64 `json:"bytes"`
-					} `json:"sum_received"`
-				} `json:"end"`
-				Error string `json:"error"`
-			}
-			err := json.Unmarshal([]byte(out), &r)
-			// The server says it is still finishing the previous test:
-			// its not-ready signal; ask again.
-			if err == nil && strings.Contains(r.Error, "server is busy") && try < 50 {
-				time.Sleep(100 * time.Millisecond)
-				continue
-			}
-			if err != nil || r.Error != "" {
-				e.t.Fatalf("iperf3 %v: %v %s", args, err, r.Error)
-			}
-			return r.End.SumReceived.Bytes
+	get := func(run int, args ...string) float64 {
+		p := e.iperfServerOnce(server, port, fmt.Sprintf("iperf3-%d-%d", port, run))
+		out := e.run(client, append([]string{"iperf3", "-J", "-c", dst.String(), "-p", fmt.Sprint(port), "-t", fmt.Sprint(seconds)}, args...)...)
+		var r struct {
+			End struct {
+				SumReceived struct {
+					Bytes float64 `json:"bytes"`
+				} `json:"sum_received"`
+			} `json:"end"`
+			Error string `json:"error"`
 		}
+		if err := json.Unmarshal([]byte(out), &r); err != nil || r.Error != "" {
+			e.t.Fatalf("iperf3 %v: %v %s", args, err, r.Error)
+		}
+		select {
+		case <-p.Done():
+		case <-time.After(30 * time.Second):
+			e.t.Fatalf("the one-off iperf3 server of run %d did not exit after its test", run)
+		}
+		return r.End.SumReceived.Bytes
 	}
-	return get(), get("-R")
+	return get(1), get(2, "-R")
+}
+
+// iperfServerOnce starts a one-off iperf3 server (it serves one test and
+// exits) and returns once it listens.
+func (e *env) iperfServerOnce(host string, port int, name string) *lab.Proc {
+	e.t.Helper()
+	p, err := e.lab.Start(host, name, "iperf3", "-s", "-1", "-p", fmt.Sprint(port))
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	e.waitListen(host, port)
+	return p
 }
 
 func (e *env) iperfServer(host string, port int) {
@@ -47,6 +60,12 @@ func (e *env) iperfServer(host string, port int) {
 	if _, err := e.lab.Start(host, fmt.Sprintf("iperf3-%d", port), "iperf3", "-s", "-p", fmt.Sprint(port)); err != nil {
 		e.t.Fatal(err)
 	}
+	e.waitListen(host, port)
+}
+
+// waitListen waits until a TCP listener on port is up on host.
+func (e *env) waitListen(host string, port int) {
+	e.t.Helper()
 	h := e.host(host)
 	eventually(e.t, 10*time.Second, "iperf3 to listen", func() bool {
 		out := e.run(host, "ss", "-Hltn", fmt.Sprintf("sport = :%d", port))
@@ -94,7 +113,6 @@ func chainFour(t *testing.T, v6, off bool) {
 			chain = append(chain, e.addr(m, v6).String())
 		}
 		e.policy("client", "four", "tcp and (dst port 9000 or dst port 5201 or dst port 80)", chain...)
-		e.iperfServer("server", 5201)
 		dir := t.TempDir()
 		e.nginx("server", dir)
 		want := randomFile(t, dir+"/www/blob", transferSize())
@@ -126,7 +144,7 @@ func chainFour(t *testing.T, v6, off bool) {
 			t.Errorf("the server saw the session from %s, want the NAT's address %s", peer, mb3)
 		}
 
-		fwd, rev := e.iperf("client", dst, 5201, 2)
+		fwd, rev := e.iperf("client", "server", dst, 5201, 2)
 		if fwd <= 0 || rev <= 0 {
 			t.Errorf("iperf3 moved %v bytes forward and %v in reverse", fwd, rev)
 		}

@@ -97,7 +97,6 @@ func TestChainOneMiddlebox(t *testing.T) {
 
 				dir := t.TempDir()
 				e.nginx("server", dir)
-				e.iperfServer("server", 5201)
 				want := randomFile(t, filepath.Join(dir, "www", "blob"), transferSize())
 
 				tap := e.capture("mb1", "dysco-tap", "tcp port 9000")
@@ -133,7 +132,7 @@ func TestChainOneMiddlebox(t *testing.T) {
 						break
 					}
 				}
-				if fwd, rev := e.iperf("client", dst, 5201, 1); fwd <= 0 || rev <= 0 {
+				if fwd, rev := e.iperf("client", "server", dst, 5201, 1); fwd <= 0 || rev <= 0 {
 					t.Errorf("iperf3 moved %v bytes forward and %v in reverse", fwd, rev)
 				}
 				st := e.status("mb1")
