@@ -22,25 +22,33 @@ func (e *env) iperf(client, server string, dst netip.Addr, port int, seconds int
 	get := func(run int, args ...string) float64 {
 		p := e.iperfServerOnce(server, port, fmt.Sprintf("iperf3-%d-%d", port, run))
 		out := e.run(client, append([]string{"iperf3", "-J", "-c", dst.String(), "-p", fmt.Sprint(port), "-t", fmt.Sprint(seconds)}, args...)...)
-		var r struct {
-			End struct {
-				SumReceived struct {
-					Bytes float64 `json:"bytes"`
-				} `json:"sum_received"`
-			} `json:"end"`
-			Error string `json:"error"`
-		}
-		if err := json.Unmarshal([]byte(out), &r); err != nil || r.Error != "" {
-			e.t.Fatalf("iperf3 %v: %v %s", args, err, r.Error)
+		bytes, ierr, err := iperfResult(out)
+		if err != nil || ierr != "" {
+			e.t.Fatalf("iperf3 %v: %v %s", args, err, ierr)
 		}
 		select {
 		case <-p.Done():
 		case <-time.After(30 * time.Second):
 			e.t.Fatalf("the one-off iperf3 server of run %d did not exit after its test", run)
 		}
-		return r.End.SumReceived.Bytes
+		return bytes
 	}
 	return get(1), get(2, "-R")
+}
+
+// iperfResult reads an iperf3 -J report: the bytes received, and iperf3's
+// own error.
+func iperfResult(out string) (bytes float64, ierr string, err error) {
+	var r struct {
+		End struct {
+			SumReceived struct {
+				Bytes float64 `json:"bytes"`
+			} `json:"sum_received"`
+		} `json:"end"`
+		Error string `json:"error"`
+	}
+	err = json.Unmarshal([]byte(out), &r)
+	return r.End.SumReceived.Bytes, r.Error, err
 }
 
 // iperfServerOnce starts a one-off iperf3 server (it serves one test and
