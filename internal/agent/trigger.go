@@ -185,10 +185,10 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 		// The sender must be the session's next hop now: a middlebox
 		// that a reconfiguration has already taken out of the path
 		// (its old subsession lingers here) must not reconfigure the
-		// segment that replaced it.
-		// While that side is in a reconfiguration itself (its record
-		// not back to TPNew), the protocol answers busy, which the
-		// sender may retry; currentSub would name the wrong path then.
+		// segment that replaced it. While that side is in a
+		// reconfiguration itself (its record not back to TPNew), the
+		// protocol answers busy, which the sender may retry; currentSub
+		// would name the wrong path then.
 		if sess, ok := c.a.dp.Session(id); ok && c.sideSettled(id, protocol.SideRight) {
 			if cur, ok := c.currentSub(id, sess.Tuple.Wire(), protocol.SideRight); !ok || cur != *m.Sub {
 				answer(triggerMsg{Outcome: "refused", Reason: "the sender is no longer this session's next hop (its path changed)"})

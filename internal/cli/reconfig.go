@@ -140,20 +140,19 @@ host", and the command prints its results as if run there.
 			if req.Migrate, err = mig.spec(cmd, len(hops), "--chain"); err != nil {
 				return err
 			}
+			var rep api.ReconfigReply
+			where := "this host"
 			if remote.server != "" {
-				rep, err := remote.run(cmd, api.Operation{Reconfig: &req}, timeout)
-				if err != nil {
-					return err
-				}
-				return reportResults(cmd.OutOrStdout(), rep, asJSON,
-					fmt.Sprintf("no live session at %s matches %q with a path to %s", remote.host, match, right))
+				where = remote.host
+				rep, err = remote.run(cmd, api.Operation{Reconfig: &req}, timeout)
+			} else {
+				rep, err = agentClient().Reconfig(cmd.Context(), req)
 			}
-			rep, err := agentClient().Reconfig(cmd.Context(), req)
 			if err != nil {
 				return err
 			}
 			return reportResults(cmd.OutOrStdout(), rep, asJSON,
-				fmt.Sprintf("no live session at this host matches %q with a path to %s", match, right))
+				fmt.Sprintf("no live session at %s matches %q with a path to %s", where, match, right))
 		},
 	}
 	f := cmd.Flags()

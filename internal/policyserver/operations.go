@@ -65,8 +65,6 @@ type ops struct {
 	seen    map[string]time.Time // host -> end of its last claim poll
 	polling map[string]int       // host -> claim polls waiting now
 	changed chan struct{}        // closed and replaced on every change
-	dl      map[string]time.Time // deadline of a queued or running operation
-	active  int                  // queued + running
 }
 
 func newOps() *ops {
@@ -74,7 +72,7 @@ func newOps() *ops {
 	// reported late, to a restarted server, cannot land on another
 	// operation that got the same number.
 	return &ops{epoch: strconv.FormatInt(time.Now().UnixMilli(), 36), byID: map[string]*api.Operation{}, seen: map[string]time.Time{}, polling: map[string]int{},
-		changed: make(chan struct{}), dl: map[string]time.Time{}}
+		changed: make(chan struct{})}
 }
 
 // bump wakes every waiter. Under mu.
@@ -89,19 +87,40 @@ func (o *ops) finish(op *api.Operation, state, errText string, now time.Time) {
 		return
 	}
 	op.State, op.Error, op.Finished = state, errText, now
-	delete(o.dl, op.ID)
-	o.active--
 	o.bump()
+}
+
+// deadline is when a queued operation fails unclaimed, or a running one
+// unreported; ok is false for a finished one.
+func deadline(op *api.Operation) (time.Time, bool) {
+	switch op.State {
+	case api.OpQueued:
+		return op.Created.Add(claimTimeout), true
+	case api.OpRunning:
+		return runDeadline(op, op.Claimed), true
+	}
+	return time.Time{}, false
+}
+
+// active counts the queued and running operations. Under mu.
+func (o *ops) active() int {
+	n := 0
+	for _, op := range o.byID {
+		if !op.IsFinished() {
+			n++
+		}
+	}
+	return n
 }
 
 // expire fails the operations past their deadline and forgets old finished
 // ones. Under mu.
 func (o *ops) expire(now time.Time) {
-	for id, d := range o.dl {
-		if now.Before(d) {
+	for _, op := range o.byID {
+		d, ok := deadline(op)
+		if !ok || now.Before(d) {
 			continue
 		}
-		op := o.byID[id]
 		switch op.State {
 		case api.OpQueued:
 			o.finish(op, api.OpFailed, fmt.Sprintf("agent %q did not claim the operation within %s (is it running, with --policy-server pointing here?)", op.Host, claimTimeout), now)
@@ -190,8 +209,8 @@ func (o *ops) create(op api.Operation) (api.Operation, int, error) {
 			return op, http.StatusConflict, fmt.Errorf("agent %q has not asked this policy server for operations since %s (%s ago): is it running, or busy with as many operations as it runs at once?", op.Host, last.Format(time.RFC3339), now.Sub(last).Round(time.Second))
 		}
 	}
-	if o.active >= maxActiveOps {
-		return op, http.StatusServiceUnavailable, fmt.Errorf("%d operations are queued or running; try again when some have finished", o.active)
+	if n := o.active(); n >= maxActiveOps {
+		return op, http.StatusServiceUnavailable, fmt.Errorf("%d operations are queued or running; try again when some have finished", n)
 	}
 	o.seq++
 	op.ID = "op-" + o.epoch + "-" + strconv.FormatUint(o.seq, 10)
@@ -199,8 +218,6 @@ func (o *ops) create(op api.Operation) (api.Operation, int, error) {
 	stored := op
 	o.byID[op.ID] = &stored
 	o.order = append(o.order, op.ID)
-	o.dl[op.ID] = now.Add(claimTimeout)
-	o.active++
 	o.bump()
 	return stored, 0, nil
 }
@@ -366,7 +383,6 @@ func (s *Server) claim(w http.ResponseWriter, r *http.Request, host string, wait
 		}
 		if claimed != nil {
 			claimed.State, claimed.Claimed = api.OpRunning, now
-			o.dl[claimed.ID] = runDeadline(claimed, now)
 			o.bump()
 			cur := *claimed
 			o.mu.Unlock()
