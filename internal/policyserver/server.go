@@ -157,11 +157,29 @@ func (s *Server) Current() api.PolicySet {
 // Serve serves on ln until ctx is done, then ends the long polls and shuts
 // down gracefully. It returns nil after a shutdown asked by ctx.
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
+	// Connections accepted that have not sent a request yet: an HTTP
+	// client with requests in parallel dials spares that it may never
+	// use, and http.Server.Shutdown counts such a connection as busy for
+	// its first 5 s, which is all the time shutdown has. They carry no
+	// request, so shutdown closes them.
+	var (
+		freshMu sync.Mutex
+		fresh   = map[net.Conn]struct{}{}
+	)
 	hs := &http.Server{
 		Handler:           s.mux,
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+		ConnState: func(c net.Conn, st http.ConnState) {
+			freshMu.Lock()
+			defer freshMu.Unlock()
+			if st == http.StateNew {
+				fresh[c] = struct{}{}
+			} else {
+				delete(fresh, c)
+			}
+		},
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(ln) }()
@@ -172,6 +190,11 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	}
 	s.log.Info("policy server shutting down")
 	s.stop()
+	freshMu.Lock()
+	for c := range fresh {
+		c.Close()
+	}
+	freshMu.Unlock()
 	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	err := hs.Shutdown(sctx)

@@ -412,3 +412,24 @@ func TestRunReadyFile(t *testing.T) {
 		t.Errorf("ready file left behind: %v", err)
 	}
 }
+
+// A connection that never sends a request (an HTTP client's spare dial)
+// does not hold up the server's shutdown.
+func TestShutdownWithIdleNewConnection(t *testing.T) {
+	ts := startServer(t, Config{})
+	conn, err := net.Dial("tcp", strings.TrimPrefix(ts.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	// The server has accepted it once a request on another connection
+	// has been answered after it (accepts are in order).
+	if code, _ := call(t, "GET", ts.url+"/healthz", ""); code != 200 {
+		t.Fatalf("healthz: %d", code)
+	}
+	start := time.Now()
+	ts.stop() // fails the test if Serve returns an error
+	if d := time.Since(start); d > 3*time.Second {
+		t.Errorf("shutdown took %s with an idle new connection open", d)
+	}
+}
