@@ -529,7 +529,7 @@ static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct 
 			}
 		}
 	}
-	if (rewrite_tuple(skb, p, &fp->out)) {
+	if (rewrite_fast(skb, p, &fp->out)) {
 		stat_inc(STAT_DROP_HELPER);
 		return TC_ACT_SHOT;
 	}

@@ -15,13 +15,134 @@
 
 #include <stddef.h>
 #include <bpf/bpf_helpers.h>
+#include <bpf/bpf_core_read.h>
 #include "parsing.h"
 
 #define IP_CSUM_OFF(p) ((p)->l3 + offsetof(struct iphdr, check))
 #define TCP_CSUM_OFF(p) ((p)->l4 + offsetof(struct tcphdr, check))
 
-/* rewrite_tuple writes out's addresses and ports into the packet. Without
- * IPv4 options the addresses and the ports are contiguous: one store. */
+/* How the kernel holds an skb's checksum (include/linux/skbuff.h). */
+#define CSUM_NONE 0
+#define CSUM_UNNECESSARY 1
+#define CSUM_COMPLETE 2
+#define CSUM_PARTIAL 3
+
+/* The one field of the kernel's sk_buff read here, relocated against the
+ * running kernel's BTF (CO-RE): a program cannot tell the checksum modes
+ * apart from __sk_buff. */
+struct sk_buff___dysco {
+	__u8 ip_summed : 2;
+} __attribute__((preserve_access_index));
+
+extern void *bpf_cast_to_kern_ctx(void *obj) __ksym;
+
+static __always_inline __u32 skb_ip_summed(struct __sk_buff *skb)
+{
+	struct sk_buff___dysco *k = bpf_cast_to_kern_ctx(skb);
+
+	return (__u32)BPF_CORE_READ_BITFIELD(k, ip_summed);
+}
+
+/* Ones' complement arithmetic of the Internet checksum (RFC 1071) on 32-bit
+ * words as they lie in the packet (the sum does not depend on byte order). */
+static __always_inline __u32 csum_add(__u32 s, __u32 v)
+{
+	s += v;
+	return s + (s < v);
+}
+
+/* csum_swap adds to s the change of one word from o to n (RFC 1624). */
+static __always_inline __u32 csum_swap(__u32 s, __u32 o, __u32 n)
+{
+	return csum_add(csum_add(s, ~o), n);
+}
+
+static __always_inline __u16 csum_fold(__u32 s)
+{
+	s = (s & 0xffff) + (s >> 16);
+	s = (s & 0xffff) + (s >> 16);
+	return (__u16)s;
+}
+
+/* fix_tcp_check applies the sums of changed words to the TCP checksum: da of
+ * words in the pseudo header (addresses), dp of words in the segment
+ * (ports). With CHECKSUM_PARTIAL the field holds the pseudo header's sum,
+ * uncomplemented, and the segment is summed later: only da applies.
+ * Otherwise the field holds the full checksum (RFC 1624 eqn. 3). */
+static __always_inline __u16 fix_tcp_check(__u16 check, __u32 mode, __u32 da, __u32 dp)
+{
+	if (mode == CSUM_PARTIAL)
+		return csum_fold(csum_add(check, da));
+	return (__u16)~csum_fold(csum_add(csum_add((__u16)~check, da), dp));
+}
+
+/* rewrite_direct writes out's addresses and ports with direct packet
+ * access and checksums computed here: no helper calls, the steady-state
+ * path's largest cost (BENCHMARKS.md, "Datapath cost, alone"). It takes IPv4
+ * without options and IPv6 with the TCP header in the linear part, and
+ * skbs whose checksum is not CHECKSUM_COMPLETE (skb->csum would need
+ * updating, which only the helpers do); otherwise it returns 1 and
+ * rewrite_tuple uses the helpers. A cloned skb is uncloned by the prologue
+ * the verifier adds to programs that write packets directly. */
+static __always_inline int rewrite_direct(struct __sk_buff *skb, struct pkt *p, const struct dysco_ends *out)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	__u32 mode = skb_ip_summed(skb), da = 0, dp, i;
+	__u32 newp = (__u32)out->sport | ((__u32)out->dport << 16);
+	const __u32 *n;
+
+	if (mode == CSUM_COMPLETE || p->l3 != sizeof(struct ethhdr))
+		return 1;
+	if (!p->v6) {
+		struct iphdr *ip = data + sizeof(struct ethhdr);
+		struct tcphdr *th = (void *)(ip + 1);
+		__u32 *ports = (__u32 *)th;
+		__u32 s4, d4;
+
+		if (p->l4 != p->l3 + sizeof(struct iphdr) || (void *)(th + 1) > end)
+			return 1;
+		__builtin_memcpy(&s4, out->saddr + 12, 4);
+		__builtin_memcpy(&d4, out->daddr + 12, 4);
+		da = csum_swap(csum_swap(0, ip->saddr, s4), ip->daddr, d4);
+		dp = csum_swap(0, *ports, newp);
+		ip->check = (__u16)~csum_fold(csum_add((__u16)~ip->check, da));
+		ip->saddr = s4;
+		ip->daddr = d4;
+		th->check = fix_tcp_check(th->check, mode, da, dp);
+		*ports = newp;
+	} else {
+		struct ipv6hdr *ip6 = data + sizeof(struct ethhdr);
+		struct tcphdr *th = (void *)(ip6 + 1);
+		__u32 *ports = (__u32 *)th;
+		__u32 *a = (__u32 *)&ip6->saddr;
+
+		if ((void *)(th + 1) > end)
+			return 1;
+		n = (const __u32 *)out->saddr;
+#pragma unroll
+		for (i = 0; i < 8; i++) {
+			__u32 w;
+			__builtin_memcpy(&w, (const __u8 *)n + 4 * i, 4);
+			da = csum_swap(da, a[i], w);
+			a[i] = w;
+		}
+		dp = csum_swap(0, *ports, newp);
+		th->check = fix_tcp_check(th->check, mode, da, dp);
+		*ports = newp;
+	}
+	__builtin_memcpy(p->t.saddr, out->saddr, 16);
+	__builtin_memcpy(p->t.daddr, out->daddr, 16);
+	p->t.sport = out->sport;
+	p->t.dport = out->dport;
+	return 0;
+}
+
+/* rewrite_tuple writes out's addresses and ports into the packet with the
+ * kernel's helpers, which also keep a CHECKSUM_COMPLETE skb's csum right.
+ * Without IPv4 options the addresses and the ports are contiguous: one
+ * store. Set-up and the two-path phase use it; the steady state
+ * (rewrite_fast) tries rewrite_direct first. */
 static __always_inline int rewrite_tuple(struct __sk_buff *skb, struct pkt *p, const struct dysco_ends *out)
 {
 	__u32 oldp = (__u32)p->t.sport | ((__u32)p->t.dport << 16);
@@ -78,6 +199,16 @@ static __always_inline int rewrite_tuple(struct __sk_buff *skb, struct pkt *p, c
 	p->t.sport = out->sport;
 	p->t.dport = out->dport;
 	return 0;
+}
+
+/* rewrite_fast is rewrite_tuple for the steady state: direct writes where
+ * they are right, the helpers otherwise. Kept out of the rarer paths, whose
+ * stack frames have no room for both. */
+static __always_inline int rewrite_fast(struct __sk_buff *skb, struct pkt *p, const struct dysco_ends *out)
+{
+	if (!rewrite_direct(skb, p, out))
+		return 0;
+	return rewrite_tuple(skb, p, out);
 }
 
 /* set_l3_len changes the IP length fields (and the TCP pseudo-header length)

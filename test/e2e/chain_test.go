@@ -84,12 +84,26 @@ func urlFor(a netip.Addr, path string) string {
 // byte for byte, and checks what the middleboxes saw.
 func TestChainOneMiddlebox(t *testing.T) {
 	for _, v6 := range []bool{false, true} {
-		for _, off := range []bool{false, true} {
-			name := fmt.Sprintf("ipv6=%v/txcsum-off=%v", v6, off)
+		for _, mode := range []string{"default", "txcsum-off", "partial-checked"} {
+			name := fmt.Sprintf("ipv6=%v/txcsum-off=%v", v6, mode == "txcsum-off")
+			if mode == "partial-checked" {
+				name = fmt.Sprintf("ipv6=%v/partial-checked", v6)
+			}
 			t.Run(name, func(t *testing.T) {
 				e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server")})
-				if off {
+				switch mode {
+				case "txcsum-off":
 					e.txOff("client", "mb1", "server")
+				case "partial-checked":
+					// Offloads stay on at client, mb1 and server, so that
+					// every rewrite there sees CHECKSUM_PARTIAL skbs (the
+					// checksum field holds the pseudo header's sum), which
+					// veth would deliver unchecked; only the router's last
+					// hops to the end hosts compute checksums in software,
+					// from the fields the datapath wrote, so that the end
+					// hosts check them.
+					e.run("router", "ethtool", "-K", "r-1", "tx", "off")
+					e.run("router", "ethtool", "-K", "r-3", "tx", "off")
 				}
 				dst := e.addr("server", v6)
 				mb := e.addr("mb1", v6)
