@@ -428,10 +428,10 @@ static __attribute__((noinline)) int tp_egress(struct __sk_buff *skb, struct pkt
 		tp->to_old++;
 		stat_inc(STAT_TP_OLD);
 	}
-	if (dv && (dv->seq || dv->ack || dv->tsval || dv->tsecr || dv->ws_on) && apply_delta(skb, p, dv))
+	if (dv && (dv->seq || dv->ack || dv->tsval || dv->tsecr || dv->ws_on) && apply_delta_fast(skb, p, dv))
 		goto fail;
 	ends_of(&out, target);
-	if (rewrite_tuple(skb, p, &out))
+	if (rewrite_fast(skb, p, &out))
 		goto fail;
 	stat_inc(STAT_REWRITE_OUT);
 	if (reroute)
@@ -507,7 +507,7 @@ static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct 
 		struct delta_val *d = bpf_map_lookup_elem(&dysco_deltas, &key);
 		if (d) {
 			struct delta_val dv = *d;
-			if (apply_delta(skb, p, &dv)) {
+			if (apply_delta_fast(skb, p, &dv)) {
 				stat_inc(STAT_DROP_HELPER);
 				return TC_ACT_SHOT;
 			}

@@ -84,7 +84,7 @@ static __always_inline __u16 fix_tcp_check(__u16 check, __u32 mode, __u32 da, __
  * updating, which only the helpers do); otherwise it returns 1 and
  * rewrite_tuple uses the helpers. A cloned skb is uncloned by the prologue
  * the verifier adds to programs that write packets directly. */
-static __always_inline int rewrite_direct(struct __sk_buff *skb, struct pkt *p, const struct dysco_ends *out)
+static __attribute__((noinline)) int rewrite_direct(struct __sk_buff *skb, struct pkt *p, const struct dysco_ends *out)
 {
 	void *data = (void *)(long)skb->data;
 	void *end = (void *)(long)skb->data_end;
@@ -364,6 +364,96 @@ static __always_inline int apply_delta(struct __sk_buff *skb, struct pkt *p, con
 		return 0;
 	bpf_loop(40, opt_step, &s, 0);
 	return s.err ? -1 : 0;
+}
+
+/* delta_direct applies d to the fixed TCP header and, when they are the
+ * only option, the timestamps, with direct writes and the checksum computed
+ * here (as rewrite_direct): the steady state of a session whose proxy left,
+ * where every packet of both directions is translated. It takes headers in
+ * the linear part (IPv4 without options, IPv6), no options or exactly Linux's
+ * NOP, NOP, timestamps, and skbs that are not CHECKSUM_COMPLETE; anything
+ * else (SACK blocks among them) returns 1 for apply_delta. Sequence, ack,
+ * window and timestamps are in the segment, not in the pseudo header: with
+ * CHECKSUM_PARTIAL the check field does not change. */
+static __attribute__((noinline)) int delta_direct(struct __sk_buff *skb, struct pkt *p, const struct delta_val *d)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	__u32 mode = skb_ip_summed(skb), sum = 0, o, n;
+	__u32 *w;
+
+	if (mode == CSUM_COMPLETE || p->l3 != sizeof(struct ethhdr))
+		return 1;
+	if (!p->v6) {
+		if (p->l4 != p->l3 + sizeof(struct iphdr))
+			return 1;
+		w = data + sizeof(struct ethhdr) + sizeof(struct iphdr);
+	} else {
+		w = data + sizeof(struct ethhdr) + sizeof(struct ipv6hdr);
+	}
+	/* w: the TCP header as 32-bit words, then the 12 bytes of options when
+	 * there are any. */
+	if (p->doff == sizeof(struct tcphdr)) {
+		if ((void *)(w + 5) > end)
+			return 1;
+	} else if (p->doff == sizeof(struct tcphdr) + 12) {
+		if ((void *)(w + 8) > end || w[5] != bpf_htonl(0x0101080a))
+			return 1;
+	} else {
+		return 1;
+	}
+	if (d->seq) {
+		o = w[1];
+		n = bpf_htonl(bpf_ntohl(o) + d->seq);
+		sum = csum_swap(sum, o, n);
+		w[1] = n;
+	}
+	if (d->ack && (p->flags & TH_ACK)) {
+		o = w[2];
+		n = bpf_htonl(bpf_ntohl(o) + d->ack);
+		sum = csum_swap(sum, o, n);
+		w[2] = n;
+	}
+	if (d->ws_on && !(p->flags & TH_SYN)) {
+		/* Word 3: data offset, flags, window. */
+		__u32 win;
+		o = w[3];
+		win = ((bpf_ntohl(o) & 0xffff) << (d->ws_in & 15)) >> (d->ws_out & 15);
+		if (win > 0xffff)
+			win = 0xffff;
+		n = bpf_htonl((bpf_ntohl(o) & 0xffff0000) | win);
+		sum = csum_swap(sum, o, n);
+		w[3] = n;
+	}
+	if (p->doff != sizeof(struct tcphdr) && (void *)(w + 8) <= end) {
+		if (d->tsval) {
+			o = w[6];
+			n = bpf_htonl(bpf_ntohl(o) + d->tsval);
+			sum = csum_swap(sum, o, n);
+			w[6] = n;
+		}
+		if (d->tsecr) {
+			o = w[7];
+			n = bpf_htonl(bpf_ntohl(o) + d->tsecr);
+			sum = csum_swap(sum, o, n);
+			w[7] = n;
+		}
+	}
+	if (mode != CSUM_PARTIAL) {
+		/* The check field: bytes 16-17 of the header, in word 4. */
+		__u16 *check = (__u16 *)(w + 4);
+		*check = (__u16)~csum_fold(csum_add((__u16)~*check, sum));
+	}
+	return 0;
+}
+
+/* apply_delta_fast is apply_delta for the steady state: direct writes where
+ * delta_direct takes the packet, the helpers otherwise. */
+static __always_inline int apply_delta_fast(struct __sk_buff *skb, struct pkt *p, const struct delta_val *d)
+{
+	if (!delta_direct(skb, p, d))
+		return 0;
+	return apply_delta(skb, p, d);
 }
 
 #endif

@@ -368,6 +368,59 @@ func TestDeltas(t *testing.T) {
 			out:     ackData(sess4, nop, nop, optTS(4000, 6005), nop, nop, sack(2, 0)),
 			verdict: tcActOK, stats: stats("in", true),
 		},
+		// The steady state after a proxy's removal: Linux's data segments
+		// carry NOP, NOP, timestamps only, which the datapath translates
+		// with direct writes (delta_direct); SACK blocks above take the
+		// helpers.
+		{
+			name:   "NOP NOP timestamps: seq, ack, window and timestamps, IPv4",
+			egress: true, flow: deltaFlow(subOut4),
+			delta: &Delta{Seq: -70000, Ack: 0x7ffffff0, Tsval: -1, Tsecr: 0x10000, WsIn: 3, WsOut: 5, WsOn: 1},
+			in: func() pkt {
+				p := ackData(sess4, nop, nop, optTS(0xfffffffe, 6000))
+				p.seq, p.win = 0x10, 0xffff
+				return p
+			}(),
+			out: func() pkt {
+				p := ackData(subOut4, nop, nop, optTS(0xfffffffd, 6000+0x10000))
+				p.seq, p.ack, p.win = 0xfffeeea0, 0x20000000+0x7ffffff0, 0x3fff // seq 0x10 - 70000
+				return p
+			}(),
+			verdict: tcActOK, stats: stats("out", true),
+		},
+		{
+			name: "NOP NOP timestamps, IPv6",
+			flow: deltaFlow(sess6), delta: &Delta{Seq: 5, Ack: -5, Tsval: 100, Tsecr: -100},
+			in: ackData(subIn6, nop, nop, optTS(5000, 6000)),
+			out: func() pkt {
+				p := ackData(sess6, nop, nop, optTS(5100, 5900))
+				p.seq, p.ack = 0x10000000+5, 0x20000000-5
+				return p
+			}(),
+			verdict: tcActOK, stats: stats("in", true),
+		},
+		{
+			name: "no options, IPv6: seq and ack wrap",
+			flow: deltaFlow(sess6), delta: &Delta{Seq: 0x20, Ack: -0x20},
+			in: func() pkt {
+				p := ackData(subIn6)
+				p.seq, p.ack = 0xfffffff0, 0x10
+				return p
+			}(),
+			out: func() pkt {
+				p := ackData(sess6)
+				p.seq, p.ack = 0x10, 0xfffffff0
+				return p
+			}(),
+			verdict: tcActOK, stats: stats("in", true),
+		},
+		{
+			name: "timestamps in another layout take the helpers",
+			flow: deltaFlow(sess4), delta: &Delta{Tsval: 7, Tsecr: 9},
+			in:      ackData(subIn4, optTS(5000, 6000), nop, nop),
+			out:     ackData(sess4, optTS(5007, 6009), nop, nop),
+			verdict: tcActOK, stats: stats("in", true),
+		},
 		{
 			name:    "flow marked for deltas without a delta entry",
 			flow:    deltaFlow(sess4),
