@@ -16,16 +16,25 @@ func BenchmarkDatapath(b *testing.B) {
 	fx := newFixture(b)
 	m := fx.d.Maps()
 	est := func(f Flow) Flow { f.Flags |= FlEst; return f }
+	// Sequence translation as after a proxy's removal: every delta, both
+	// ways (the second flow undoes the first), on Linux's usual options
+	// (NOP, NOP, timestamps: direct writes) and with SACK blocks (the
+	// helpers).
+	delta := &Delta{Seq: 1000, Ack: -500, Tsval: 77, Tsecr: -33}
+	tsOnly := dataPkt(subIn4).withOpts(optNOP(), optNOP(), optTS(1000, 2000))
 	cases := []struct {
 		name   string
 		prog   *ebpf.Program
 		flow   *Flow
+		delta  *Delta
 		packet pkt
 	}{
-		{"ingress/no-flow", fx.ingress, nil, dataPkt(sess4)},
-		{"ingress/rewrite", fx.ingress, &Flow{Out: EndsFrom(sess4), SessId: 7, Flags: FlIngress}, dataPkt(subIn4)},
-		{"egress/no-flow", fx.egress, nil, dataPkt(subOut4)},
-		{"egress/rewrite", fx.egress, &Flow{Out: EndsFrom(subOut4), SessId: 7}, dataPkt(sess4)},
+		{"ingress/no-flow", fx.ingress, nil, nil, dataPkt(sess4)},
+		{"ingress/rewrite", fx.ingress, &Flow{Out: EndsFrom(sess4), SessId: 7, Flags: FlIngress}, nil, dataPkt(subIn4)},
+		{"ingress/rewrite+delta", fx.ingress, &Flow{Out: EndsFrom(sess4), SessId: 7, Flags: FlIngress | FlDelta}, delta, tsOnly},
+		{"ingress/rewrite+delta+sack", fx.ingress, &Flow{Out: EndsFrom(sess4), SessId: 7, Flags: FlIngress | FlDelta}, delta, dataPkt(subIn4)},
+		{"egress/no-flow", fx.egress, nil, nil, dataPkt(subOut4)},
+		{"egress/rewrite", fx.egress, &Flow{Out: EndsFrom(subOut4), SessId: 7}, nil, dataPkt(sess4)},
 	}
 	for _, c := range cases {
 		b.Run(c.name, func(b *testing.B) {
@@ -38,6 +47,15 @@ func BenchmarkDatapath(b *testing.B) {
 				}
 				if err := m["flows"].Put(c.flow.Out.Tuple(), est(back)); err != nil {
 					b.Fatal(err)
+				}
+				if c.delta != nil {
+					undo := Delta{Seq: -c.delta.Seq, Ack: -c.delta.Ack, Tsval: -c.delta.Tsval, Tsecr: -c.delta.Tsecr}
+					if err := m["deltas"].Put(c.packet.key(), *c.delta); err != nil {
+						b.Fatal(err)
+					}
+					if err := m["deltas"].Put(c.flow.Out.Tuple(), undo); err != nil {
+						b.Fatal(err)
+					}
 				}
 				if err := m["sessions"].Put(c.flow.SessId, *estSession(sess4, RoleMiddle)); err != nil {
 					b.Fatal(err)
