@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -140,14 +141,8 @@ host", and the command prints its results as if run there.
 			if req.Migrate, err = mig.spec(cmd, len(hops), "--chain"); err != nil {
 				return err
 			}
-			var rep api.ReconfigReply
-			where := "this host"
-			if remote.server != "" {
-				where = remote.host
-				rep, err = remote.run(cmd, api.Operation{Reconfig: &req}, timeout)
-			} else {
-				rep, err = agentClient().Reconfig(cmd.Context(), req)
-			}
+			rep, where, err := remote.do(cmd, api.Operation{Reconfig: &req}, timeout,
+				func(ctx context.Context) (api.ReconfigReply, error) { return agentClient().Reconfig(ctx, req) })
 			if err != nil {
 				return err
 			}
@@ -325,14 +320,8 @@ func runMiddlebox(cmd *cobra.Command, match string, with []netip.Addr, timeout t
 		return err
 	}
 	req := api.MiddleboxRequest{Match: match, With: with, TimeoutMS: tms, Migrate: spec}
-	var rep api.ReconfigReply
-	where := "this host"
-	if remote.server != "" {
-		where = remote.host
-		rep, err = remote.run(cmd, api.Operation{Middlebox: &req}, timeout)
-	} else {
-		rep, err = agentClient().Middlebox(cmd.Context(), req)
-	}
+	rep, where, err := remote.do(cmd, api.Operation{Middlebox: &req}, timeout,
+		func(ctx context.Context) (api.ReconfigReply, error) { return agentClient().Middlebox(ctx, req) })
 	if err != nil {
 		return err
 	}
@@ -361,6 +350,19 @@ func (r *remoteFlags) check() error {
 		return errors.New("--server needs --host: the name of the agent that is to carry the request out")
 	}
 	return nil
+}
+
+// do carries op out: through the policy server on the agent --host when
+// --server is given, else on the local agent (local). where names the agent
+// for the messages.
+func (r *remoteFlags) do(cmd *cobra.Command, op api.Operation, timeout time.Duration,
+	local func(context.Context) (api.ReconfigReply, error)) (rep api.ReconfigReply, where string, err error) {
+	if r.server == "" {
+		rep, err = local(cmd.Context())
+		return rep, "this host", err
+	}
+	rep, err = r.run(cmd, op, timeout)
+	return rep, r.host, err
 }
 
 // run has the policy server relay op to the agent r.host and waits for its

@@ -37,11 +37,7 @@ func ServeOperations(ctx context.Context, cfg OpsConfig) error {
 	if cfg.URL == "" || cfg.Host == "" || cfg.Exec == nil {
 		return errors.New("policy server operations: URL, host and Exec are required")
 	}
-	log := cfg.Logger
-	if log == nil {
-		log = slog.Default()
-	}
-	log = log.With("server", cfg.URL, "host", cfg.Host)
+	log := agentLogger(cfg.Logger, cfg.URL, cfg.Host)
 	wait := pollWait(cfg.Wait)
 	par := cfg.Parallel
 	if par <= 0 {

@@ -90,11 +90,7 @@ func Watch(ctx context.Context, cfg WatchConfig) error {
 	if cfg.Host == "" {
 		return errors.New("policy watch: no host name (the server picks the policies by host)")
 	}
-	log := cfg.Logger
-	if log == nil {
-		log = slog.Default()
-	}
-	log = log.With("server", cfg.URL, "host", cfg.Host)
+	log := agentLogger(cfg.Logger, cfg.URL, cfg.Host)
 	wait := pollWait(cfg.Wait)
 	update := func(set api.PolicySet) {
 		if cfg.OnUpdate != nil {
@@ -194,3 +190,12 @@ func writeCache(path, host string, set api.PolicySet) error {
 // agent can enforce it before anything else on start (Watch delivers it
 // again, which changes nothing).
 func ReadCache(path, host string) (api.PolicySet, error) { return readCache(path, host) }
+
+// agentLogger is the logger of an agent's exchanges with the server: l (or
+// the default logger) with the server's URL and the agent's name.
+func agentLogger(l *slog.Logger, url, host string) *slog.Logger {
+	if l == nil {
+		l = slog.Default()
+	}
+	return l.With("server", url, "host", host)
+}
