@@ -38,6 +38,11 @@ type Config struct {
 	WindowClamp uint32
 	// PortBase and PortCount bound the ports of new subsessions.
 	PortBase, PortCount uint16
+	// FirstReq is the number after which this agent numbers its requests
+	// (ReqKey.ID). Other agents refuse a request not newer than the last
+	// one they saw from this agent for a session, so an agent that
+	// restarts must go on above every number it may have used before.
+	FirstReq uint32
 	// Faults breaks the protocol on purpose (tests only).
 	Faults Fault
 }
@@ -167,6 +172,7 @@ type anchor struct {
 	// (Reconfigure.Gate); gated: waiting now.
 	gate, gated bool
 	aborted     bool // the agent aborted the gated request
+	resumed     bool // begun by an earlier run of the agent (resume)
 }
 
 type cancelJob struct {
@@ -222,11 +228,16 @@ func New(cfg Config) *Agent {
 		subs:     map[wire.Tuple]subRef{},
 		rightReq: map[ReqKey]SessionID{},
 		nextJoin: joinedIDBit,
+		nextReq:  cfg.FirstReq,
 	}
 }
 
 // Self returns the agent's address.
 func (a *Agent) Self() netip.Addr { return a.cfg.Self }
+
+// LastReq returns the number of the agent's latest request (Config.FirstReq
+// before the first).
+func (a *Agent) LastReq() uint32 { return a.nextReq }
 
 // Handle processes one event at time now and returns the actions to carry
 // out, in order.
@@ -304,6 +315,49 @@ func (a *Agent) onSessionUp(e SessionUp) {
 		s.sides[SideRight] = &r
 		a.subs[r.Sub] = subRef{id: s.id, side: SideRight, peer: r.Peer, nonce: r.Nonce}
 	}
+	for _, side := range []Side{SideRight, SideLeft} {
+		if sd := s.sides[side]; sd != nil && sd.Resume != nil {
+			rs := sd.Resume
+			sd.Resume = nil
+			a.resume(s, side, rs)
+		}
+	}
+}
+
+// resume takes up a reconfiguration of side that the agent left unfinished
+// when it restarted (SideInfo.Resume).
+func (a *Agent) resume(s *session, side Side, rs *Resume) {
+	an := &anchor{role: RoleRightAnchor, req: rs.Req, rightAnchor: rs.RightAnchor, anchorNonce: rs.NewNonce,
+		newSub: rs.NewSub, newPeer: rs.NewPeer, newDelta: rs.NewDelta, resumed: true}
+	a.subs[rs.NewSub] = subRef{id: s.id, side: side, peer: rs.NewPeer, nonce: rs.NewNonce}
+	a.maxSeen(s, rs.Req)
+	const note = "resumed after an agent restart"
+	if side == SideRight {
+		an.role = RoleLeftAnchor
+		s.left = an
+		s.lock, s.requestor = Locked, rs.Req
+		if !rs.Switched {
+			// Setting up the new path: what it needs (the chain, the SYN's
+			// retransmissions) is gone; abandon it (§3.6).
+			a.progress(s, an.req, RoleLeftAnchor, StageSettingUp, note)
+			an.aborted = true
+			a.abortSetup(s, an)
+			return
+		}
+	} else {
+		s.right = an
+		a.rightReq[rs.Req] = s.id
+		if !rs.Switched {
+			an.stage = StageWaitAck
+			a.progress(s, an.req, RoleRightAnchor, StageWaitAck, note)
+			a.setTimer(s, TimerLease, an.req, a.cfg.LockLease)
+			return
+		}
+	}
+	// The datapath is in its two-path phase: the agent reports its
+	// variables (TwoPathProgress), and evaluate goes on from there.
+	an.stage = StageTwoPath
+	a.progress(s, an.req, an.role, StageTwoPath, note)
 }
 
 func (a *Agent) newSession(id SessionID, t wire.Tuple, nonce [wire.NonceLen]byte) *session {
@@ -938,7 +992,8 @@ func (a *Agent) finishLeft(s *session, o Outcome, r Reason, blocker ReqKey) {
 	s.resolve(resolution{req: l.req, kind: kind, reason: r, blocker: blocker})
 	l.stage = StageDone
 	a.progress(s, l.req, RoleLeftAnchor, StageDone, o.String()+": "+r.String())
-	a.emit(Result{Session: s.id, Token: l.token, Req: l.req, Outcome: o, Reason: r, Blocker: blocker, Unconfirmed: l.unconfirmed})
+	a.emit(Result{Session: s.id, Token: l.token, Req: l.req, Outcome: o, Reason: r, Blocker: blocker,
+		Unconfirmed: l.unconfirmed, Resumed: l.resumed})
 }
 
 func (a *Agent) onLease(s *session, k ReqKey) {
@@ -1001,8 +1056,8 @@ func (a *Agent) onProceed(e Proceed) {
 		a.abortSetup(s, l)
 		return
 	}
+	a.switchPaths(s, l, SideRight) // before the ACK, as in onSynAck
 	a.send(l.newPeer, a.msg(s, MsgAck, l.newSub, l.req, l.rightAnchor))
-	a.switchPaths(s, l, SideRight)
 }
 
 // abortSetup gives up a new path that does not answer (§3.6): the session
@@ -1118,7 +1173,8 @@ func (a *Agent) beginSetup(s *session, l *anchor) {
 	l.newDelta = side.Delta.Add(l.delta)
 	a.subs[l.newSub] = subRef{id: s.id, side: SideRight, peer: l.newPeer, nonce: side.Nonce}
 	a.emit(AddSubsession{Session: s.id, Side: SideRight, Sub: l.newSub, Peer: l.newPeer, Delta: l.newDelta,
-		WScaleIn: l.peerWS, WScaleOut: side.PeerWScale, Nonce: side.Nonce})
+		WScaleIn: l.peerWS, WScaleOut: side.PeerWScale, Nonce: side.Nonce,
+		Req: l.req, RightAnchor: l.rightAnchor, OldNonce: side.Nonce})
 	l.stage, l.tries = StageSettingUp, 0
 	a.progress(s, l.req, RoleLeftAnchor, StageSettingUp, "leftDelta "+l.delta.String())
 	a.sendSyn(s, l)
@@ -1164,7 +1220,8 @@ func (a *Agent) onNewSyn(from netip.Addr, m *Message) {
 		// Armed: the first packet on the new path switches this side even
 		// if the ACK is lost.
 		a.emit(AddSubsession{Session: s.id, Side: SideLeft, Sub: m.Sub, Peer: from, Delta: r.newDelta,
-			WScaleIn: r.peerWS, WScaleOut: side.PeerWScale, Armed: true, Nonce: m.Nonce})
+			WScaleIn: r.peerWS, WScaleOut: side.PeerWScale, Armed: true, Nonce: m.Nonce,
+			Req: r.req, RightAnchor: a.cfg.Self, OldNonce: side.Nonce})
 		r.stage = StageWaitAck
 		a.progress(s, r.req, RoleRightAnchor, StageWaitAck, "")
 		a.setTimer(s, TimerLease, r.req, a.cfg.LockLease)
@@ -1223,8 +1280,12 @@ func (a *Agent) onSynAck(s *session, ref subRef, m *Message) {
 				OldSub: s.sides[SideRight].Sub, NewSub: l.newSub, LeftDelta: l.delta})
 		case l.stage == StageSettingUp:
 			a.cancelTimer(s, TimerSyn, l.req)
-			a.send(l.newPeer, a.msg(s, MsgAck, l.newSub, l.req, l.rightAnchor))
+			// Switch before the ACK goes: an agent that restarts in
+			// between resumes a switched side (the right anchor's armed
+			// side follows the first packet), never an ACKed one that
+			// did not switch.
 			a.switchPaths(s, l, SideRight)
+			a.send(l.newPeer, a.msg(s, MsgAck, l.newSub, l.req, l.rightAnchor))
 		case l.stage == StageTwoPath:
 			a.send(l.newPeer, a.msg(s, MsgAck, l.newSub, l.req, l.rightAnchor)) // our ACK was lost
 		}

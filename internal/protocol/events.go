@@ -27,6 +27,33 @@ type SideInfo struct {
 	// to; zero means the session's (SessionUp.Nonce). The two sides of a
 	// proxy's joined sessions have different ones (§2.4).
 	Nonce [wire.NonceLen]byte
+	// Resume, when set, is a reconfiguration of this side that an earlier
+	// run of the agent left unfinished: the agent restarted while it was
+	// an anchor of it. Sub, Peer and Nonce are then the old subsession's.
+	Resume *Resume
+}
+
+// Resume describes an unfinished reconfiguration of a side that the
+// datapath kept across an agent restart (its two-path record and the
+// request behind it; the protocol's memory is gone). The side's anchor
+// goes on where the datapath is:
+//   - Switched (the datapath is in its two-path phase): the anchor resumes
+//     its two-path phase (§3.5). Its UDP FIN and FIN-ACK exchange with the
+//     other anchor is idempotent, and a completed other anchor's tomb
+//     answers it, so the teardown completes as usual.
+//   - Not switched, at the right anchor (the new path is armed): it waits
+//     for the ACK or the first packet on the new path, as before.
+//   - Not switched, at the left anchor (the new path was being set up):
+//     it abandons the new path and cancels the request (§3.6); the session
+//     stays on the old path and every lock is released.
+type Resume struct {
+	Req         ReqKey
+	RightAnchor netip.Addr
+	NewSub      wire.Tuple // written as its SYN went
+	NewPeer     netip.Addr
+	NewNonce    [wire.NonceLen]byte
+	NewDelta    Delta
+	Switched    bool
 }
 
 // SessionUp announces an established session (its chain is set up, §2.1).
@@ -198,6 +225,13 @@ type AddSubsession struct {
 	// Nonce is the one control messages about the new subsession carry
 	// (the left anchor's): the side's nonce once it switches.
 	Nonce [wire.NonceLen]byte
+	// Req, RightAnchor and OldNonce (the nonce of the side's current
+	// subsession) are for the agent to keep beside the datapath's record,
+	// so that it can resume the reconfiguration if it restarts
+	// (SideInfo.Resume).
+	Req         ReqKey
+	RightAnchor netip.Addr
+	OldNonce    [wire.NonceLen]byte
 }
 
 // JoinSession creates a session at a middlebox on a new path (§3.1, the
@@ -279,6 +313,9 @@ type Result struct {
 	// Unconfirmed: the old path was torn down without a FIN-ACK from the
 	// other anchor after every retransmission.
 	Unconfirmed bool
+	// Resumed: the request was begun by an earlier run of the agent, which
+	// restarted in its middle (SideInfo.Resume).
+	Resumed bool
 }
 
 // Rejected reports a control message this agent refused, for counters.
