@@ -137,6 +137,25 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } dysco_tp SEC(".maps");
 
+/* The requests behind the records of dysco_tp, for an agent that restarts
+ * during a reconfiguration (struct tp_req). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_TWOPATH);
+	__type(key, struct tp_key);
+	__type(value, struct tp_req);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_tp_req SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct agent_state);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_agent SEC(".maps");
+
 /* Notices to the agent (two-path progress). */
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);

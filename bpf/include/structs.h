@@ -154,6 +154,28 @@ struct tp_val {
 	 * not read here. */
 	__u8 nonce[DYSCO_NONCE_LEN];
 };
+/* What an agent needs to resume a side's reconfiguration after it restarts
+ * (internal/agent, control.resume): the request's key, this host's role in it
+ * and the old subsession's nonce, which the two-path record does not hold.
+ * Keyed like dysco_tp, written with the side's new subsession and deleted
+ * when the side's two-path phase ends; never read by the programs. */
+struct tp_req {
+	__u8 left_anchor[16];  /* the request's key (protocol.ReqKey): its left anchor */
+	__u32 id;              /* and its number */
+	__u8 role;             /* 1: this host is the left anchor, 2: the right anchor */
+	__u8 has_prev;         /* prev holds the side's record before this request */
+	__u8 pad[2];
+	__u8 right_anchor[16];
+	__u8 old_nonce[DYSCO_NONCE_LEN]; /* the nonce of the old subsession's messages */
+	struct tp_val prev;    /* restored if the request is cancelled */
+};
+/* State of the agent kept across its restarts (one entry; never read by
+ * the programs). */
+struct agent_state {
+	__u32 req_hi; /* request numbers up to this one may have been used */
+	__u32 pad;
+	__u64 spare[3];
+};
 /* A notice to the agent on the dysco_events ring buffer. */
 struct tp_event {
 	__u32 sess_id;

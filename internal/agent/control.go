@@ -78,6 +78,12 @@ type control struct {
 
 	ev chan func()
 
+	// Request numbers (protocol.Config.FirstReq): the protocol agents
+	// number their requests above reqBase, and the datapath keeps reqLimit,
+	// raised before a request could reach it, so that an agent that
+	// restarts numbers its requests above every one it may have used.
+	reqBase, reqLimit uint32
+
 	rejected sync.Map // reason string → *atomic.Uint64
 	msgsIn   atomic.Uint64
 	msgsOut  atomic.Uint64
@@ -114,6 +120,10 @@ func newControl(a *Agent, port int, key []byte) (*control, error) {
 		migrations: map[uint64]*migration{}, migReports: map[uint64]api.MigrationReport{}, migCalls: map[uint64]*migCall{},
 		migAnswers: map[triggerKey][]byte{}, rightHolds: map[datapath.TPKey]*rightHold{}, exported: map[uint32]wire.Tuple{},
 		migOut: map[uint64]chan api.MigrationReport{}}
+	if err := c.loadReqs(); err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("agent: request numbers: %w", err)
+	}
 	return c, nil
 }
 
@@ -133,6 +143,7 @@ func (c *control) proto(v6 bool) *protocol.Agent {
 	cfg.MaxRTO = time.Second
 	cfg.Linger = 3 * time.Second
 	cfg.LockLease = 30 * time.Second
+	cfg.FirstReq = c.reqBase
 	p := protocol.New(cfg)
 	c.protos[v6] = p
 	return p
@@ -150,6 +161,7 @@ func (c *control) run(ctx context.Context) {
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()
 	defer c.conn.Close()
+	c.resumeAll()
 	for {
 		select {
 		case <-ctx.Done():
@@ -197,6 +209,36 @@ func (c *control) eventLoop(er *datapath.EventReader) {
 	}
 }
 
+// Request numbers are reserved in blocks of reqBlock, a new block once the
+// latest request is within reqMargin of the reserved limit (one event
+// numbers at most one request).
+const (
+	reqBlock  = 4096
+	reqMargin = 64
+)
+
+// loadReqs starts this agent's request numbers above those an earlier
+// agent on this host may have used (protocol.Config.FirstReq).
+func (c *control) loadReqs() error {
+	hi, err := c.a.dp.ReqHigh()
+	if err != nil {
+		return err
+	}
+	c.reqBase, c.reqLimit = hi, hi
+	return c.reserveReqs()
+}
+
+// reserveReqs raises the limit of request numbers kept in the datapath.
+func (c *control) reserveReqs() error {
+	limit := c.reqLimit + reqBlock
+	if err := c.a.dp.SetReqHigh(limit); err != nil {
+		c.a.log.Warn("control: cannot keep the request numbers for a restart", "err", err)
+		return err
+	}
+	c.reqLimit = limit
+	return nil
+}
+
 // now is the protocol's clock.
 func now() time.Duration { return datapath.Monotonic() }
 
@@ -205,6 +247,9 @@ func (c *control) handle(v6 bool, ev protocol.Event) {
 	p := c.proto(v6)
 	if p == nil {
 		return
+	}
+	if _, ok := ev.(protocol.Reconfigure); ok && p.LastReq()+reqMargin >= c.reqLimit {
+		c.reserveReqs()
 	}
 	for _, act := range p.Handle(now(), ev) {
 		if err := c.do(v6, act); err != nil {
@@ -304,7 +349,19 @@ func (c *control) announce(id uint32) error {
 	}
 	v6 := t.Dst.Is6() && !t.Dst.Is4In6()
 	c.pidOf[id], c.famOf[id] = protocol.SessionID(id), v6
+	var resumed []datapath.TPKey
+	for side, si := range map[protocol.Side]*protocol.SideInfo{protocol.SideLeft: up.Left, protocol.SideRight: up.Right} {
+		if si != nil && si.Resume != nil && si.Resume.Switched {
+			resumed = append(resumed, datapath.TPKey{SessId: id, Side: uint32(side)})
+		}
+	}
 	c.handle(v6, up)
+	for _, k := range resumed {
+		// A side resumed in its two-path phase: its variables now, and
+		// the polling safety net from here on.
+		c.active[k] = true
+		c.progress(k)
+	}
 	return nil
 }
 
@@ -316,13 +373,83 @@ func (c *control) announce(id uint32) error {
 // with a zero delta the side's next reconfiguration would compose a wrong
 // one, and with the session's own nonce the other anchor's messages would
 // be rejected.
+//
+// A side still in a reconfiguration (the agent restarted during it) is
+// resumed (protocol.Resume) from the request the agent kept beside the
+// record (datapath.TPReq): si describes the old path then, whose delta and
+// nonce are those of the record before the request, if any.
 func (c *control) reconfigured(id uint32, side protocol.Side, si *protocol.SideInfo) {
-	tp, ok := c.a.dp.TwoPath(datapath.TPKey{SessId: id, Side: uint32(side)})
-	if !ok || tp.State != datapath.TPNew {
+	k := datapath.TPKey{SessId: id, Side: uint32(side)}
+	tp, ok := c.a.dp.TwoPath(k)
+	if !ok {
 		return
 	}
-	si.Delta = protocol.Delta{Seq: uint32(-tp.Nd.Ack), TS: uint32(-tp.Nd.Tsecr)}
-	si.Nonce = tp.Nonce
+	deltaOf := func(tp datapath.TPVal) protocol.Delta {
+		return protocol.Delta{Seq: uint32(-tp.Nd.Ack), TS: uint32(-tp.Nd.Tsecr)}
+	}
+	if tp.State == datapath.TPNew {
+		si.Delta, si.Nonce = deltaOf(tp), tp.Nonce
+		return
+	}
+	rq, ok := c.a.dp.TPReqOf(k)
+	if !ok {
+		c.a.log.Warn("control: a reconfiguration left unfinished by an earlier agent cannot be resumed (no request recorded)",
+			"session", id, "side", side.String())
+		return
+	}
+	want := uint8(datapath.TPReqLeftAnchor)
+	if side == protocol.SideLeft {
+		want = datapath.TPReqRightAnchor
+	}
+	if rq.Role != want {
+		c.a.log.Warn("control: a reconfiguration record does not match its side", "session", id, "side", side.String(), "role", rq.Role)
+		return
+	}
+	si.Nonce = rq.OldNonce
+	if rq.HasPrev != 0 {
+		si.Delta = deltaOf(rq.Prev)
+		c.prevTP[k] = rq.Prev
+	}
+	newSub := tp.NewOut.Wire()
+	if side == protocol.SideLeft {
+		newSub = newSub.Reverse()
+	}
+	newPeer := newSub.Dst
+	if side == protocol.SideLeft {
+		newPeer = newSub.Src
+	}
+	si.Resume = &protocol.Resume{
+		Req:         protocol.ReqKey{LeftAnchor: addrFrom16(rq.LeftAnchor), ID: rq.Id},
+		RightAnchor: addrFrom16(rq.RightAnchor),
+		NewSub:      newSub, NewPeer: newPeer, NewNonce: tp.Nonce, NewDelta: deltaOf(tp),
+		Switched: tp.State == datapath.TPActive || tp.State == datapath.TPStarting,
+	}
+}
+
+// addrFrom16 reads an address kept in 16 bytes (IPv4 as IPv4-mapped).
+func addrFrom16(b [16]byte) netip.Addr { return netip.AddrFrom16(b).Unmap() }
+
+// resumeAll takes up the reconfigurations an earlier agent left unfinished
+// (an agent restart): every session with a side in a reconfiguration is
+// announced to the protocol at once, which resumes them (reconfigured).
+// Loop goroutine.
+func (c *control) resumeAll() {
+	ids := map[uint32]bool{}
+	if err := c.a.dp.EachTwoPath(func(k datapath.TPKey, v datapath.TPVal) {
+		if v.State != datapath.TPNew {
+			ids[k.SessId] = true
+		}
+	}); err != nil {
+		c.a.log.Warn("control: reconfigurations of an earlier agent", "err", err)
+		return
+	}
+	for id := range ids {
+		if err := c.announce(id); err != nil {
+			c.a.log.Warn("control: a reconfiguration of an earlier agent cannot be resumed", "session", id, "err", err)
+			continue
+		}
+		c.a.log.Info("control: resumed a reconfiguration of an earlier agent", "session", id)
+	}
 }
 
 // currentSub returns the subsession a side of a session sends on, written
@@ -335,6 +462,8 @@ func (c *control) currentSub(id uint32, t wire.Tuple, side protocol.Side) (wire.
 	var out wire.Tuple
 	if tp, ok := c.a.dp.TwoPath(datapath.TPKey{SessId: id, Side: uint32(side)}); ok && tp.State == datapath.TPNew {
 		out = tp.NewOut.Wire()
+	} else if ok {
+		out = tp.OldOut.Wire() // in a reconfiguration: the old path (after an earlier one, not the flow's)
 	} else if f, ok := c.a.dp.Flow(datapath.TupleFrom(eg)); ok && f.SessId == id && f.Flags&datapath.FlIngress == 0 {
 		out = f.Out.Wire()
 	} else {
@@ -648,6 +777,7 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 			// The new ingress flow inherits what arrived on the old path.
 			_ = dp.MergeMarks(tp.InOld, datapath.TupleFrom(tp.NewOut.Wire().Reverse()))
 		}
+		dp.DeleteTPReq(k)
 		return dp.SetTwoPathState(k, datapath.TPNew)
 	case protocol.RemoveSubsession:
 		if x.Side == protocol.SideLeft {
@@ -772,6 +902,20 @@ func (c *control) addSub(x protocol.AddSubsession) error {
 		in.WsOn = 1
 	}
 	newIn := datapath.TupleFrom(newOut.Reverse())
+	// What a restarted agent needs to resume the request (reconfigured).
+	rq := datapath.TPReq{LeftAnchor: x.Req.LeftAnchor.As16(), Id: x.Req.ID, RightAnchor: x.RightAnchor.As16(),
+		OldNonce: x.OldNonce, Role: datapath.TPReqLeftAnchor}
+	if x.Side == protocol.SideLeft {
+		rq.Role = datapath.TPReqRightAnchor
+	}
+	if prev, ok := c.prevTP[k]; ok {
+		rq.Prev, rq.HasPrev = prev, 1
+	}
+	if err := dp.PutTPReq(k, rq); err != nil {
+		// The reconfiguration goes on; only an agent restart in its
+		// middle could not resume it.
+		c.a.log.Warn("control: cannot record the request of a reconfiguration", "session", id, "err", err)
+	}
 	if err := dp.PutTwoPath(k, tp); err != nil {
 		return err
 	}
@@ -815,6 +959,7 @@ func (c *control) removeSub(x protocol.RemoveSubsession) error {
 		delete(c.prevTP, k)
 		_ = dp.SetFlowFlags(tp.EgKey, 0, datapath.FlDelta)
 		dp.DeleteDelta(tp.EgKey)
+		dp.DeleteTPReq(k)
 		return dp.PutTwoPath(k, prev) // hash map update: the variables are not in use
 	}
 	if err := dp.SetFlowFlags(tp.EgKey, 0, datapath.FlTPOut); err != nil {

@@ -285,13 +285,17 @@ func (c *control) sendTrigger(to netip.Addr, m triggerMsg) (chan triggerMsg, err
 }
 
 func reasonText(r protocol.Result) string {
+	text := r.Reason.String()
 	if r.Outcome == protocol.Succeeded {
+		text = ""
 		if r.Unconfirmed {
-			return "old path torn down without confirmation"
+			text = "old path torn down without confirmation"
 		}
-		return ""
 	}
-	return r.Reason.String()
+	if r.Resumed {
+		text = joinNote(text, "resumed after an agent restart")
+	}
+	return text
 }
 
 func blockerText(r protocol.Result) string {

@@ -13,6 +13,13 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type dyscoAgentState struct {
+	_     structs.HostLayout
+	ReqHi uint32
+	Pad   uint32
+	Spare [3]uint64
+}
+
 type dyscoConfig struct {
 	_         structs.HostLayout
 	TapActive uint32
@@ -143,6 +150,18 @@ type dyscoTpKey struct {
 	Side   uint32
 }
 
+type dyscoTpReq struct {
+	_           structs.HostLayout
+	LeftAnchor  [16]uint8
+	Id          uint32
+	Role        uint8
+	HasPrev     uint8
+	Pad         [2]uint8
+	RightAnchor [16]uint8
+	OldNonce    [8]uint8
+	Prev        dyscoTpVal
+}
+
 type dyscoTpVal struct {
 	_            structs.HostLayout
 	State        uint32
@@ -190,6 +209,7 @@ type dyscoTypeVal struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	dyscoMapDyscoAgent     = "dysco_agent"
 	dyscoMapDyscoConfig    = "dysco_config"
 	dyscoMapDyscoDeltas    = "dysco_deltas"
 	dyscoMapDyscoEvents    = "dysco_events"
@@ -205,6 +225,7 @@ const (
 	dyscoMapDyscoStats     = "dysco_stats"
 	dyscoMapDyscoSyns      = "dysco_syns"
 	dyscoMapDyscoTp        = "dysco_tp"
+	dyscoMapDyscoTpReq     = "dysco_tp_req"
 	dyscoMapDyscoTrusted   = "dysco_trusted"
 	dyscoMapDyscoTypes     = "dysco_types"
 	dyscoProgDyscoCtl      = "dysco_ctl"
@@ -271,6 +292,7 @@ type dyscoProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type dyscoMapSpecs struct {
+	DyscoAgent    *ebpf.MapSpec `ebpf:"dysco_agent"`
 	DyscoConfig   *ebpf.MapSpec `ebpf:"dysco_config"`
 	DyscoDeltas   *ebpf.MapSpec `ebpf:"dysco_deltas"`
 	DyscoEvents   *ebpf.MapSpec `ebpf:"dysco_events"`
@@ -286,6 +308,7 @@ type dyscoMapSpecs struct {
 	DyscoStats    *ebpf.MapSpec `ebpf:"dysco_stats"`
 	DyscoSyns     *ebpf.MapSpec `ebpf:"dysco_syns"`
 	DyscoTp       *ebpf.MapSpec `ebpf:"dysco_tp"`
+	DyscoTpReq    *ebpf.MapSpec `ebpf:"dysco_tp_req"`
 	DyscoTrusted  *ebpf.MapSpec `ebpf:"dysco_trusted"`
 	DyscoTypes    *ebpf.MapSpec `ebpf:"dysco_types"`
 }
@@ -320,6 +343,7 @@ func (o *dyscoObjects) Close() error {
 //
 // It can be passed to loadDyscoObjects or ebpf.CollectionSpec.LoadAndAssign.
 type dyscoMaps struct {
+	DyscoAgent    *ebpf.Map `ebpf:"dysco_agent"`
 	DyscoConfig   *ebpf.Map `ebpf:"dysco_config"`
 	DyscoDeltas   *ebpf.Map `ebpf:"dysco_deltas"`
 	DyscoEvents   *ebpf.Map `ebpf:"dysco_events"`
@@ -335,12 +359,14 @@ type dyscoMaps struct {
 	DyscoStats    *ebpf.Map `ebpf:"dysco_stats"`
 	DyscoSyns     *ebpf.Map `ebpf:"dysco_syns"`
 	DyscoTp       *ebpf.Map `ebpf:"dysco_tp"`
+	DyscoTpReq    *ebpf.Map `ebpf:"dysco_tp_req"`
 	DyscoTrusted  *ebpf.Map `ebpf:"dysco_trusted"`
 	DyscoTypes    *ebpf.Map `ebpf:"dysco_types"`
 }
 
 func (m *dyscoMaps) Close() error {
 	return _DyscoClose(
+		m.DyscoAgent,
 		m.DyscoConfig,
 		m.DyscoDeltas,
 		m.DyscoEvents,
@@ -356,6 +382,7 @@ func (m *dyscoMaps) Close() error {
 		m.DyscoStats,
 		m.DyscoSyns,
 		m.DyscoTp,
+		m.DyscoTpReq,
 		m.DyscoTrusted,
 		m.DyscoTypes,
 	)

@@ -124,8 +124,74 @@ func (d *Datapath) TwoPath(k TPKey) (TPVal, bool) {
 	return v, err == nil
 }
 
-// DeleteTwoPath removes a side's two-path record.
-func (d *Datapath) DeleteTwoPath(k TPKey) { _ = d.objs.DyscoTp.Delete(k) }
+// DeleteTwoPath removes a side's two-path record and the request behind it.
+func (d *Datapath) DeleteTwoPath(k TPKey) {
+	_ = d.objs.DyscoTp.Delete(k)
+	_ = d.objs.DyscoTpReq.Delete(k)
+}
+
+// TPReq is the request behind a side's two-path record (bpf struct
+// tp_req): what an agent needs to resume the side's reconfiguration after
+// it restarts.
+type TPReq = dyscoTpReq
+
+// Roles of TPReq.
+const (
+	TPReqLeftAnchor  = 1
+	TPReqRightAnchor = 2
+)
+
+// PutTPReq writes the request behind a side's two-path record.
+func (d *Datapath) PutTPReq(k TPKey, v TPReq) error {
+	return d.objs.DyscoTpReq.Update(k, v, ebpf.UpdateAny)
+}
+
+// TPReqOf reads the request behind a side's two-path record.
+func (d *Datapath) TPReqOf(k TPKey) (TPReq, bool) {
+	var v TPReq
+	err := d.objs.DyscoTpReq.Lookup(k, &v)
+	return v, err == nil
+}
+
+// DeleteTPReq forgets the request behind a side's two-path record (its
+// two-path phase ended, or it was cancelled).
+func (d *Datapath) DeleteTPReq(k TPKey) { _ = d.objs.DyscoTpReq.Delete(k) }
+
+// EachTwoPath calls fn for every side's two-path record.
+func (d *Datapath) EachTwoPath(fn func(k TPKey, v TPVal)) error {
+	var (
+		k  TPKey
+		v  TPVal
+		it = d.objs.DyscoTp.Iterate()
+	)
+	for it.Next(&k, &v) {
+		fn(k, v)
+	}
+	if err := it.Err(); err != nil {
+		return fmt.Errorf("datapath: list two-path records: %w", err)
+	}
+	return nil
+}
+
+// ReqHigh returns the highest request number an agent on this host may
+// have used (protocol.ReqKey.ID), kept across agent restarts.
+func (d *Datapath) ReqHigh() (uint32, error) {
+	var v dyscoAgentState
+	if err := d.objs.DyscoAgent.Lookup(uint32(0), &v); err != nil {
+		return 0, fmt.Errorf("datapath: agent state: %w", err)
+	}
+	return v.ReqHi, nil
+}
+
+// SetReqHigh records the highest request number an agent may use before
+// it calls SetReqHigh again.
+func (d *Datapath) SetReqHigh(n uint32) error {
+	v := dyscoAgentState{ReqHi: n}
+	if err := d.objs.DyscoAgent.Update(uint32(0), v, ebpf.UpdateAny); err != nil {
+		return fmt.Errorf("datapath: agent state: %w", err)
+	}
+	return nil
+}
 
 // StartTwoPath takes the cut-off from the side's marks and starts the
 // two-path phase, unless it started already (EBUSY when another start is

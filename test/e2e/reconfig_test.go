@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -378,4 +379,131 @@ func TestReconfigureMonitor(t *testing.T) {
 		t.Fatalf("iperf3 across the reconfigurations: %v %s\n%s", err, ierr, out)
 	}
 	t.Logf("iperf3 moved %.0f MB; the monitor saw %d packets", moved/1e6, n)
+}
+
+// TestReconfigureAgentRestart: an anchor's agent restarts while the session
+// is in its two-path phase (§3.5). The restarted agent resumes the
+// reconfiguration from what the datapath kept (its two-path record and the
+// request behind it): the old path is torn down with the usual FIN
+// exchange, the old middlebox leaves the session, every byte arrives, and
+// the session can be reconfigured again (a restarted left anchor numbers
+// its requests above those it used before, or the right anchor would refuse
+// them).
+func TestReconfigureAgentRestart(t *testing.T) {
+	for _, c := range []struct{ name, host, role string }{
+		{"left-anchor", "client", "leftAnchor"},
+		{"right-anchor", "server", "rightAnchor"},
+	} {
+		t.Run(c.name, func(t *testing.T) { reconfigureRestart(t, c.host, c.role) })
+	}
+}
+
+func reconfigureRestart(t *testing.T, host, role string) {
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "server")})
+	dst := e.addr("server", false)
+	mb1, mb2 := e.addr("mb1", false), e.addr("mb2", false)
+	const port = 9310
+	e.policy("client", "r", fmt.Sprintf("tcp dst port %d", port), mb1.String())
+	const total = 64 * mib
+	lt := e.startTransfer("client", "server", dst, port, total, 4*mib)
+	eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > 2*mib })
+
+	// Hold the old path: mb1 drops the session's packets both ways, so
+	// that what each end sent on it stays unacknowledged and both anchors
+	// stay in their two-path phase until the hold ends.
+	holds := [][]string{
+		{"FORWARD", "-p", "tcp", "--dport", strconv.Itoa(port), "-j", "DROP"},
+		{"FORWARD", "-p", "tcp", "--sport", strconv.Itoa(port), "-j", "DROP"},
+	}
+	for _, r := range holds {
+		e.run("mb1", append([]string{"iptables", "-I"}, r...)...)
+	}
+	released := false
+	release := func() {
+		if !released {
+			released = true
+			for _, r := range holds {
+				e.run("mb1", append([]string{"iptables", "-D"}, r...)...)
+			}
+		}
+	}
+	defer release()
+	eventually(t, 10*time.Second, "mb1 to drop data of both ends", func() bool {
+		return ruleDrops(e, "mb1", fmt.Sprintf("dpt:%d", port)) > 0 && ruleDrops(e, "mb1", fmt.Sprintf("spt:%d", port)) > 0
+	})
+
+	type outcome struct {
+		res []api.ReconfigResult
+		err error
+	}
+	first := make(chan outcome, 1)
+	go func() {
+		res, err := e.ctlReconfig("client", time.Minute, fmt.Sprintf("tcp port %d", port), dst, mb2)
+		first <- outcome{res, err}
+	}()
+	inTwoPath := func() bool {
+		for _, s := range e.sessions(host) {
+			if strings.HasSuffix(s.Session, fmt.Sprintf(":%d", port)) && s.Reconfig == role+":twoPath" {
+				return true
+			}
+		}
+		return false
+	}
+	eventually(t, 30*time.Second, host+" to be in its two-path phase", inTwoPath)
+	if err := e.lab.RestartAgent(host); err != nil {
+		t.Fatalf("restart agent on %s: %v", host, err)
+	}
+	// The restarted agent took the reconfiguration up where the datapath is.
+	if !inTwoPath() {
+		t.Fatalf("the restarted agent on %s did not resume the two-path phase: %+v", host, e.sessions(host))
+	}
+	release()
+
+	eventually(t, 60*time.Second, "mb1 to leave the path", func() bool { return len(e.sessions("mb1")) == 0 })
+	if host == "server" {
+		// The left anchor's agent ran throughout: its request succeeds.
+		o := <-first
+		if o.err != nil || len(o.res) != 1 || o.res[0].Outcome != "succeeded" {
+			t.Fatalf("reconfiguration across the right anchor's restart: %+v %v", o.res, o.err)
+		}
+	} else {
+		// The CLI's agent went away; the history of the new one has the
+		// resumed request.
+		var rep api.ReconfigReply
+		out := e.dysco("client", "reconfig", "history", "--json")
+		if err := json.Unmarshal([]byte(out), &rep); err != nil {
+			t.Fatalf("history: %v\n%s", err, out)
+		}
+		if len(rep.Results) != 1 || rep.Results[0].Outcome != "succeeded" || rep.Results[0].Reason != "resumed after an agent restart" {
+			t.Fatalf("history of the restarted left anchor: %+v", rep.Results)
+		}
+	}
+	before := rewrites(e.status("mb1"))
+	at := lt.received.Load()
+	eventually(t, 30*time.Second, "more data", func() bool { return lt.received.Load() > at+2*mib })
+	if after := rewrites(e.status("mb1")); after != before {
+		t.Errorf("mb1 still rewrites packets after leaving the path: %d -> %d", before, after)
+	}
+	if lt.received.Load() >= total {
+		t.Fatal("the transfer ended before the second reconfiguration: pace it slower")
+	}
+	res := e.reconfig("client", fmt.Sprintf("tcp port %d", port), dst, mb1)
+	if len(res) != 1 || res[0].Outcome != "succeeded" {
+		t.Fatalf("a reconfiguration after the restart: %+v", res)
+	}
+	lt.wait(t)
+}
+
+// ruleDrops returns the packets counted by the FORWARD rule of host whose
+// listing contains match.
+func ruleDrops(e *env, host, match string) uint64 {
+	e.t.Helper()
+	for _, l := range strings.Split(e.run(host, "iptables", "-L", "FORWARD", "-n", "-v", "-x"), "\n") {
+		if f := strings.Fields(l); len(f) > 2 && strings.Contains(l, match) && f[2] == "DROP" {
+			n, _ := strconv.ParseUint(f[0], 10, 64)
+			return n
+		}
+	}
+	e.t.Fatalf("%s: no FORWARD rule with %s", host, match)
+	return 0
 }
