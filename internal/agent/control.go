@@ -51,7 +51,7 @@ type control struct {
 	joinedDP    map[protocol.SessionID]uint32 // protocol-made sessions → datapath id
 	pidOf       map[uint32]protocol.SessionID // datapath id → protocol id, for every session the protocol knows
 	famOf       map[uint32]bool
-	notReady    map[protocol.SessionID]uint32 // joined sessions waiting for packets both ways
+	notReady    map[protocol.SessionID]*readyPoll // joined sessions waiting for packets both ways
 	waiters     map[uint64]chan protocol.Result
 	started     map[uint64]time.Time           // when each request (token) began
 	phases      map[protocol.ReqKey]phaseTimes // the left anchor's requests: when they reached their phases
@@ -114,7 +114,7 @@ func newControl(a *Agent, port int, key []byte) (*control, error) {
 	c := &control{a: a, conn: conn, port: port, key: key,
 		protos: map[bool]*protocol.Agent{}, timers: map[timerKey]*time.Timer{},
 		joinedDP: map[protocol.SessionID]uint32{}, pidOf: map[uint32]protocol.SessionID{}, famOf: map[uint32]bool{},
-		notReady: map[protocol.SessionID]uint32{}, waiters: map[uint64]chan protocol.Result{}, started: map[uint64]time.Time{},
+		notReady: map[protocol.SessionID]*readyPoll{}, waiters: map[uint64]chan protocol.Result{}, started: map[uint64]time.Time{},
 		active: map[datapath.TPKey]bool{}, prevTP: map[datapath.TPKey]datapath.TPVal{}, spliced: map[protocol.SessionID]splicedPair{},
 		triggers: map[uint64]*trigger{}, trigAnswers: map[triggerKey][]byte{}, ev: make(chan func(), 1024),
 		migrations: map[uint64]*migration{}, migReports: map[uint64]api.MigrationReport{}, migCalls: map[uint64]*migCall{},
@@ -282,10 +282,13 @@ func (c *control) onPacket(from netip.Addr, data []byte) {
 	// the session from the datapath first (sessions are announced lazily,
 	// when a reconfiguration first concerns them).
 	if m, err := protocol.Decode(c.key, data); err == nil && m.Type != protocol.MsgSyn {
-		if _, _, ok := p.Lookup(m.Sub); !ok {
+		pid, _, ok := p.Lookup(m.Sub)
+		if !ok {
 			if id, ok := c.sessionBySub(m.Sub); ok {
 				_ = c.announce(id)
 			}
+		} else if m.Type == protocol.MsgRequestLock {
+			c.checkReady(pid) // a joined session may be the right anchor now
 		}
 	}
 	c.handle(v6, protocol.MessageIn{From: from, Data: data})
@@ -547,7 +550,8 @@ func (c *control) flowKeysOf(id uint32) []datapath.Tuple {
 // armed sides that switched by themselves, joined sessions becoming ready.
 // The ring reports every change of the progress bits; the polling of
 // active sides runs every tenth tick only, so that hundreds of concurrent
-// reconfigurations do not cost a lookup each per tick.
+// reconfigurations do not cost a lookup each per tick, and each joined
+// session is looked at less often the longer it stays idle (readyPoll).
 func (c *control) poll() {
 	c.ticks++
 	if c.ticks%10 == 0 {
@@ -560,23 +564,55 @@ func (c *control) poll() {
 			c.progress(k)
 		}
 	}
-	for pid, id := range c.notReady {
-		in0, in1 := false, false
-		for _, k := range c.flowKeysOf(id) {
-			f, ok := c.a.dp.Flow(k)
-			if ok && f.Flags&datapath.FlIngress != 0 && f.Marked() {
-				if f.Dir() == 0 {
-					in0 = true
-				} else {
-					in1 = true
-				}
-			}
+	t := time.Now()
+	for pid, r := range c.notReady {
+		if t.Before(r.next) {
+			continue
 		}
-		if in0 && in1 {
-			delete(c.notReady, pid)
-			c.handle(c.famOf[id], protocol.DatapathReady{Session: pid})
+		if !c.checkReady(pid) {
+			r.every = min(2*r.every, readyPollMax)
+			r.next = t.Add(r.every)
 		}
 	}
+}
+
+// readyPoll is when to look again whether a joined session's datapath saw
+// packets both ways. The look costs a dozen map reads, and a session may
+// stay idle for long: each session is looked at less and less often (from
+// every tick up to readyPollMax), and at once when a request needs it
+// (checkReady).
+type readyPoll struct {
+	id    uint32
+	next  time.Time
+	every time.Duration
+}
+
+const readyPollMax = time.Second
+
+// checkReady tells the protocol that a joined session is ready once its
+// datapath has seen packets both ways, and reports whether it is.
+func (c *control) checkReady(pid protocol.SessionID) bool {
+	r, ok := c.notReady[pid]
+	if !ok {
+		return true
+	}
+	in0, in1 := false, false
+	for _, k := range c.flowKeysOf(r.id) {
+		f, ok := c.a.dp.Flow(k)
+		if ok && f.Flags&datapath.FlIngress != 0 && f.Marked() {
+			if f.Dir() == 0 {
+				in0 = true
+			} else {
+				in1 = true
+			}
+		}
+	}
+	if !in0 || !in1 {
+		return false
+	}
+	delete(c.notReady, pid)
+	c.handle(c.famOf[r.id], protocol.DatapathReady{Session: pid})
+	return true
 }
 
 // sessionsEnded is called by the collector with the sessions it ended.
@@ -1034,7 +1070,7 @@ func (c *control) join(v6 bool, x protocol.JoinSession) error {
 	}
 	c.joinedDP[x.Session] = id
 	c.pidOf[id], c.famOf[id] = x.Session, v6
-	c.notReady[x.Session] = id
+	c.notReady[x.Session] = &readyPoll{id: id, every: 20 * time.Millisecond}
 	return nil
 }
 
@@ -1074,6 +1110,7 @@ func (c *control) reconfigure(ctx context.Context, ids []uint32, to netip.Addr, 
 				p.err = err
 				continue
 			}
+			c.checkReady(c.pidOf[id])
 			c.token++
 			c.waiters[c.token] = p.ch
 			c.started[c.token] = p.start
