@@ -52,6 +52,27 @@ func (h *harness) restart(i int, firstReq uint32, switched bool) {
 	h.deliver(at, up)
 }
 
+// untilAdded delivers messages until agent i added a new subsession.
+func (h *harness) untilAdded(i int) {
+	h.t.Helper()
+	for len(h.adds[addr(i)]) == 0 {
+		if !h.step() {
+			h.t.Fatalf("agent %d never added a subsession\n%s", i, h.trace())
+		}
+	}
+}
+
+// reconfigureAgain runs a reconfiguration from 1 to 3 after a restart: it
+// must succeed (the restarted agent's request is not taken for an old one).
+func (h *harness) reconfigureAgain(chain []int, token uint64) {
+	h.t.Helper()
+	h.reconfigure(1, 3, chain, token)
+	h.run()
+	if r := h.result(token); r.Outcome != Succeeded {
+		h.t.Fatalf("reconfiguration after the restart: %+v\n%s", r, h.trace())
+	}
+}
+
 // An anchor whose agent restarts in the two-path phase resumes it: the FIN
 // exchange completes, the middlebox of the old path leaves, and the next
 // request of a restarted left anchor is not taken for a replay.
@@ -102,11 +123,7 @@ func TestResumeTwoPath(t *testing.T) {
 			h.assertClean(1, 3)
 			// The next reconfiguration (insert 2 again) is not a replay at 3.
 			h.holdVars = false
-			h.reconfigure(1, 3, []int{2}, 2)
-			h.run()
-			if r := h.result(2); r.Outcome != Succeeded {
-				t.Fatalf("reconfiguration after the restart: %+v\n%s", r, h.trace())
-			}
+			h.reconfigureAgain([]int{2}, 2)
 		})
 	}
 }
@@ -119,11 +136,7 @@ func TestResumeSettingUp(t *testing.T) {
 	h.chain([]int{1, 2, 3}, nil)
 	h.reconfigure(1, 3, nil, 1)
 	// Deliver until the right anchor answered the SYN; lose the SYN-ACK.
-	for len(h.adds[addr(3)]) == 0 {
-		if !h.step() {
-			t.Fatalf("the SYN never reached the right anchor\n%s", h.trace())
-		}
-	}
+	h.untilAdded(3)
 	h.queue = nil
 	req := h.adds[addr(1)][0].Req
 	h.restart(1, req.ID+100, false)
@@ -141,11 +154,7 @@ func TestResumeSettingUp(t *testing.T) {
 		t.Fatalf("the right anchor switched\n%s", h.trace())
 	}
 	h.assertClean(1, 2, 3)
-	h.reconfigure(1, 3, nil, 2)
-	h.run()
-	if r := h.result(2); r.Outcome != Succeeded {
-		t.Fatalf("reconfiguration after the restart: %+v\n%s", r, h.trace())
-	}
+	h.reconfigureAgain(nil, 2)
 }
 
 // A right anchor that restarts with its new path armed switches on the
@@ -154,11 +163,7 @@ func TestResumeArmed(t *testing.T) {
 	h := newHarness(t, 3)
 	h.chain([]int{1, 2, 3}, nil)
 	h.reconfigure(1, 3, nil, 1)
-	for len(h.adds[addr(3)]) == 0 {
-		if !h.step() {
-			t.Fatalf("the SYN never reached the right anchor\n%s", h.trace())
-		}
-	}
+	h.untilAdded(3)
 	h.restart(3, 0, false)
 	if v, _ := h.view(3); v.Right == nil || v.Right.Stage != StageWaitAck {
 		t.Fatalf("right anchor: %+v\n%s", v.Right, h.trace())
