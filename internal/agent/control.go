@@ -413,13 +413,10 @@ func (c *control) reconfigured(id uint32, side protocol.Side, si *protocol.SideI
 		si.Delta = deltaOf(rq.Prev)
 		c.prevTP[k] = rq.Prev
 	}
-	newSub := tp.NewOut.Wire()
-	if side == protocol.SideLeft {
-		newSub = newSub.Reverse()
-	}
+	newSub := tp.NewOut.Wire() // as the side sends: from here to the new peer
 	newPeer := newSub.Dst
 	if side == protocol.SideLeft {
-		newPeer = newSub.Src
+		newSub, newPeer = newSub.Reverse(), newSub.Dst
 	}
 	si.Resume = &protocol.Resume{
 		Req:         protocol.ReqKey{LeftAnchor: addrFrom16(rq.LeftAnchor), ID: rq.Id},
