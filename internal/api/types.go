@@ -283,7 +283,7 @@ const (
 	OpFailed  = "failed"  // refused by the agent, or lost (Error says which)
 )
 
-// Finished tells whether the operation has reached its final state.
+// IsFinished tells whether the operation has reached its final state.
 func (o *Operation) IsFinished() bool { return o.State == OpDone || o.State == OpFailed }
 
 // Match is the request's filter.

@@ -157,20 +157,10 @@ func (d *Datapath) TPReqOf(k TPKey) (TPReq, bool) {
 // two-path phase ended, or it was cancelled).
 func (d *Datapath) DeleteTPReq(k TPKey) { _ = d.objs.DyscoTpReq.Delete(k) }
 
-// EachTwoPath calls fn for every side's two-path record.
+// EachTwoPath calls fn for every side's two-path record (read at agent
+// start only: its buffers are not kept).
 func (d *Datapath) EachTwoPath(fn func(k TPKey, v TPVal)) error {
-	var (
-		k  TPKey
-		v  TPVal
-		it = d.objs.DyscoTp.Iterate()
-	)
-	for it.Next(&k, &v) {
-		fn(k, v)
-	}
-	if err := it.Err(); err != nil {
-		return fmt.Errorf("datapath: list two-path records: %w", err)
-	}
-	return nil
+	return eachBatch(d.objs.DyscoTp, "two-path records", &batchBufs[TPKey, TPVal]{}, func(k *TPKey, v *TPVal) { fn(*k, *v) })
 }
 
 // ReqHigh returns the highest request number an agent on this host may
