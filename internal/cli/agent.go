@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"runtime/pprof"
+	"runtime/trace"
 	"strings"
 	"time"
 
@@ -21,7 +22,7 @@ func newAgentCmd() *cobra.Command {
 	var cfg agent.Config
 	var trusted []string
 	var reset, debug bool
-	var ports, keyFile, cpuProfile string
+	var ports, keyFile, cpuProfile, execTrace string
 	cmd := &cobra.Command{
 		Use:   "agent",
 		Short: "Run the Dysco agent of this host (network namespace)",
@@ -76,6 +77,17 @@ under --pin-dir. 'dysco agent --reset' removes it (every session on the host end
 				}
 				defer func() { pprof.StopCPUProfile(); f.Close() }()
 			}
+			if execTrace != "" {
+				f, err := os.Create(strings.ReplaceAll(execTrace, "{name}", cfg.Name))
+				if err != nil {
+					return fmt.Errorf("--exec-trace: %w", err)
+				}
+				if err := trace.Start(f); err != nil {
+					f.Close()
+					return fmt.Errorf("--exec-trace: %w", err)
+				}
+				defer func() { trace.Stop(); f.Close() }()
+			}
 			return agent.Run(cmd.Context(), cfg)
 		},
 	}
@@ -95,6 +107,7 @@ under --pin-dir. 'dysco agent --reset' removes it (every session on the host end
 	f.BoolVar(&reset, "reset", false, "remove the pinned datapath under --pin-dir and exit")
 	f.BoolVar(&debug, "debug", false, "debug logging")
 	f.StringVar(&cpuProfile, "cpu-profile", "", "write a CPU profile of the agent to this file until it exits (go tool pprof); {name} in it becomes --name")
+	f.StringVar(&execTrace, "exec-trace", "", "write a Go execution trace of the agent to this file until it exits (go tool trace); {name} in it becomes --name")
 	f.IntVar(&cfg.ControlPort, "control-port", agent.DefaultControlPort, "UDP port of the reconfiguration protocol")
 	f.StringSliceVar(&cfg.StatePlugins, "state-plugins", []string{"conntrack", "api"}, "middlebox state this agent exports and imports for state migration (conntrack, api; empty: none)")
 	f.StringVar(&cfg.StateFailExport, "state-fail-export", "", "test aid: this state plug-in's exports fail")
