@@ -52,6 +52,9 @@ type Config struct {
 	GCInterval time.Duration
 	// PortLo and PortN give the subsession port range.
 	PortLo, PortN uint16
+	// MaxSessions sizes the datapath's session maps (datapath.Config);
+	// 0: datapath.DefaultMaxSessions.
+	MaxSessions int
 	// Trusted, when not empty, is the set of prefixes Dysco SYNs are
 	// accepted from.
 	Trusted []netip.Prefix
@@ -163,9 +166,14 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 		tapIndex = uint32(idx)
 	}
-	dp, err := datapath.Load(datapath.Config{PinDir: cfg.PinDir, TapIfindex: tapIndex, PortLo: cfg.PortLo, PortN: cfg.PortN, EnforceTrusted: len(cfg.Trusted) > 0})
+	dp, err := datapath.Load(datapath.Config{PinDir: cfg.PinDir, TapIfindex: tapIndex, PortLo: cfg.PortLo, PortN: cfg.PortN,
+		EnforceTrusted: len(cfg.Trusted) > 0, MaxSessions: cfg.MaxSessions})
 	if err != nil {
 		return err
+	}
+	if sz := dp.Sizing; sz.Kept && cfg.MaxSessions != 0 {
+		a.log.Warn("datapath: the pinned session maps keep their size; a new size takes 'dysco agent --reset' (every session on this host ends)",
+			"sessions", sz.Sessions, "flows", sz.Flows, "asked_sessions", sz.Requested)
 	}
 	a.dp = dp
 	defer func() {

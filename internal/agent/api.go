@@ -94,6 +94,8 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	st["agent_reroutes_settled"] = a.rerouteCleared.Load()
+	// Capacity of the session maps (--max-sessions).
+	st["capacity_sessions"], st["capacity_flows"] = uint64(a.dp.Sizing.Sessions), uint64(a.dp.Sizing.Flows)
 	if a.ctl != nil {
 		// Control messages refused, by reason (forged, replayed,
 		// malformed, ...), and messages in and out (§3.3).

@@ -32,6 +32,28 @@ type Config struct {
 	PortLo, PortN uint16
 	// EnforceTrusted accepts Dysco SYNs only from addresses in the trusted map.
 	EnforceTrusted bool
+	// MaxSessions sizes the session maps: this many sessions, and four
+	// flows each (a middlebox host's count). 0: DefaultMaxSessions. Maps
+	// already pinned keep their size (Datapath.Sizing tells).
+	MaxSessions int
+}
+
+// DefaultMaxSessions is the number of sessions the maps hold unless
+// Config.MaxSessions says otherwise (MAX_SESSIONS in bpf/include/consts.h).
+const DefaultMaxSessions = 131072
+
+// MaxSessionsLimit bounds Config.MaxSessions: flows (four per session) stay
+// below 2^24, the bound of a session id, which doubles as the 24-bit local
+// tag (SESS_ID_MASK).
+const MaxSessionsLimit = 1 << 22
+
+// Sizing says how the session maps were sized at a load.
+type Sizing struct {
+	Sessions, Flows int // capacity of dysco_sessions and dysco_flows
+	// Kept is set when maps pinned by an earlier load kept a size other
+	// than the one asked for (a change takes a reset of the pins).
+	Kept      bool
+	Requested int // the sessions asked for
 }
 
 // Datapath is a loaded datapath.
@@ -40,6 +62,8 @@ type Datapath struct {
 	objs dyscoObjects
 	// Attach is "tcx", or "clsact" where the kernel lacks TCX.
 	Attach string
+	// Sizing is the capacity of the session maps.
+	Sizing Sizing
 	links  map[string]link.Link
 
 	// Buffers of the walks of the session maps (eachBatch).
@@ -91,10 +115,14 @@ func Load(cfg Config) (*Datapath, error) {
 	if err := resetForeignPins(cfg.PinDir); err != nil {
 		return nil, err
 	}
+	sizing, err := sizeMaps(spec, cfg.PinDir, cfg.MaxSessions)
+	if err != nil {
+		return nil, err
+	}
 	if err := checkPinned(spec, cfg.PinDir); err != nil {
 		return nil, err
 	}
-	d := &Datapath{cfg: cfg, links: map[string]link.Link{}}
+	d := &Datapath{cfg: cfg, links: map[string]link.Link{}, Sizing: sizing}
 	err = spec.LoadAndAssign(&d.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinDir}})
 	if err != nil {
 		var ve *ebpf.VerifierError
@@ -162,6 +190,39 @@ func resetForeignPins(dir string) error {
 // the operator resets the pins ('dysco agent --reset', which ends every
 // session on the host) and starts the new agent. A map not pinned yet is
 // created by Load.
+// sizeMaps sets the capacity of the session maps: maxSessions sessions (0:
+// DefaultMaxSessions), as many set-up states, and four flows per session.
+// Maps already pinned in dir keep their capacity, so that an agent restarted
+// with another --max-sessions carries its live sessions over.
+func sizeMaps(spec *ebpf.CollectionSpec, dir string, maxSessions int) (Sizing, error) {
+	if maxSessions < 0 || maxSessions > MaxSessionsLimit {
+		return Sizing{}, fmt.Errorf("datapath: %d sessions: the maps hold from 1 to %d", maxSessions, MaxSessionsLimit)
+	}
+	want := maxSessions
+	if want == 0 {
+		want = DefaultMaxSessions
+	}
+	sizes := map[string]int{"dysco_sessions": want, "dysco_syns": want, "dysco_flows": 4 * want}
+	kept := false
+	for name, n := range sizes {
+		m, err := ebpf.LoadPinnedMap(filepath.Join(dir, name), nil)
+		if errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return Sizing{}, fmt.Errorf("datapath: pinned map %s: %w", filepath.Join(dir, name), err)
+		}
+		if got := int(m.MaxEntries()); got != n {
+			sizes[name], kept = got, true
+		}
+		m.Close()
+	}
+	for name, n := range sizes {
+		spec.Maps[name].MaxEntries = uint32(n)
+	}
+	return Sizing{Sessions: sizes["dysco_sessions"], Flows: sizes["dysco_flows"], Kept: kept, Requested: want}, nil
+}
+
 func checkPinned(spec *ebpf.CollectionSpec, dir string) error {
 	names := make([]string, 0, len(spec.Maps))
 	for name, ms := range spec.Maps {

@@ -135,3 +135,70 @@ func TestValueSizes(t *testing.T) {
 		}
 	}
 }
+
+// TestLoadSizing: MaxSessions sizes the session maps (four flows per
+// session); maps pinned by an earlier load keep their size, and their
+// entries, when the datapath is loaded again with another size; a size out
+// of range is refused.
+func TestLoadSizing(t *testing.T) {
+	requireRoot(t)
+	spec, err := loadDysco()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := spec.Maps["dysco_sessions"].MaxEntries; n != DefaultMaxSessions || spec.Maps["dysco_flows"].MaxEntries != 4*n {
+		t.Fatalf("the object's MAX_SESSIONS %d (flows %d) and DefaultMaxSessions %d disagree", n, spec.Maps["dysco_flows"].MaxEntries, DefaultMaxSessions)
+	}
+	dir := testPinDir(t)
+	caps := func(d *Datapath) [3]uint32 {
+		return [3]uint32{d.objs.DyscoSessions.MaxEntries(), d.objs.DyscoSyns.MaxEntries(), d.objs.DyscoFlows.MaxEntries()}
+	}
+	d, err := Load(Config{PinDir: dir, MaxSessions: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := caps(d), [3]uint32{1000, 1000, 4000}; got != want {
+		t.Fatalf("sessions, syns, flows: %v, want %v", got, want)
+	}
+	if sz := d.Sizing; sz != (Sizing{Sessions: 1000, Flows: 4000, Requested: 1000}) {
+		t.Fatalf("sizing %+v", sz)
+	}
+	k := Tuple{Proto: 6, Sport: 1, Dport: 2}
+	if err := d.AddFlow(k, Flow{SessId: 7}); err != nil {
+		t.Fatal(err)
+	}
+	d.Close()
+
+	d, err = Load(Config{PinDir: dir, MaxSessions: 5000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := caps(d), [3]uint32{1000, 1000, 4000}; got != want {
+		t.Fatalf("after a reload asking for 5000: sessions, syns, flows: %v, want the pinned %v", got, want)
+	}
+	if sz := d.Sizing; !sz.Kept || sz.Requested != 5000 {
+		t.Fatalf("sizing %+v: want Kept and Requested 5000", sz)
+	}
+	if f, ok := d.Flow(k); !ok || f.SessId != 7 {
+		t.Fatalf("the pinned flow did not survive the reload: %+v %v", f, ok)
+	}
+	d.Close()
+
+	if err := Reset(dir); err != nil {
+		t.Fatal(err)
+	}
+	d, err = Load(Config{PinDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := caps(d), [3]uint32{DefaultMaxSessions, DefaultMaxSessions, 4 * DefaultMaxSessions}; got != want {
+		t.Fatalf("default after a reset: %v, want %v", got, want)
+	}
+	d.Close()
+
+	for _, n := range []int{-1, MaxSessionsLimit + 1} {
+		if _, err := Load(Config{PinDir: dir, MaxSessions: n}); err == nil || !strings.Contains(err.Error(), "sessions: the maps hold") {
+			t.Fatalf("MaxSessions %d: err %v, want a refusal", n, err)
+		}
+	}
+}
