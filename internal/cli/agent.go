@@ -3,6 +3,7 @@ package cli
 import (
 	"encoding/hex"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/netip"
 	"os"
@@ -66,27 +67,26 @@ under --pin-dir. 'dysco agent --reset' removes it (every session on the host end
 				}
 				cfg.ControlKey = k
 			}
-			if cpuProfile != "" {
-				f, err := os.Create(strings.ReplaceAll(cpuProfile, "{name}", cfg.Name))
+			for _, r := range []struct {
+				flag, path string
+				start      func(io.Writer) error
+				stop       func()
+			}{
+				{"--cpu-profile", cpuProfile, pprof.StartCPUProfile, pprof.StopCPUProfile},
+				{"--exec-trace", execTrace, trace.Start, trace.Stop},
+			} {
+				if r.path == "" {
+					continue
+				}
+				f, err := os.Create(strings.ReplaceAll(r.path, "{name}", cfg.Name))
 				if err != nil {
-					return fmt.Errorf("--cpu-profile: %w", err)
+					return fmt.Errorf("%s: %w", r.flag, err)
 				}
-				if err := pprof.StartCPUProfile(f); err != nil {
+				if err := r.start(f); err != nil {
 					f.Close()
-					return fmt.Errorf("--cpu-profile: %w", err)
+					return fmt.Errorf("%s: %w", r.flag, err)
 				}
-				defer func() { pprof.StopCPUProfile(); f.Close() }()
-			}
-			if execTrace != "" {
-				f, err := os.Create(strings.ReplaceAll(execTrace, "{name}", cfg.Name))
-				if err != nil {
-					return fmt.Errorf("--exec-trace: %w", err)
-				}
-				if err := trace.Start(f); err != nil {
-					f.Close()
-					return fmt.Errorf("--exec-trace: %w", err)
-				}
-				defer func() { trace.Stop(); f.Close() }()
+				defer func() { r.stop(); f.Close() }()
 			}
 			return agent.Run(cmd.Context(), cfg)
 		},
