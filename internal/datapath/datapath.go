@@ -42,9 +42,9 @@ type Config struct {
 // Config.MaxSessions says otherwise (MAX_SESSIONS in bpf/include/consts.h).
 const DefaultMaxSessions = 131072
 
-// MaxSessionsLimit bounds Config.MaxSessions: flows (four per session) stay
-// below 2^24, the bound of a session id, which doubles as the 24-bit local
-// tag (SESS_ID_MASK).
+// MaxSessionsLimit bounds Config.MaxSessions: session ids are below 2^24
+// (they double as the 24-bit local tag, SESS_ID_MASK), and with four flows
+// per session the flow map stays at 2^24 entries at most.
 const MaxSessionsLimit = 1 << 22
 
 // Sizing says how the session maps were sized at a load.
@@ -180,16 +180,6 @@ func resetForeignPins(dir string) error {
 	return Reset(dir)
 }
 
-// checkPinned compares the maps pinned under dir with those of this
-// datapath before anything is loaded. Maps pinned by another version whose
-// type, key or value size, capacity or flags differ (an upgrade that changed
-// flow_val, say) cannot be reused: their entries would be read with the
-// wrong layout. Load then fails naming every such map with both sizes, and
-// leaves everything as it is: the old programs, still attached through the
-// pinned links, go on forwarding the live sessions on the old maps until
-// the operator resets the pins ('dysco agent --reset', which ends every
-// session on the host) and starts the new agent. A map not pinned yet is
-// created by Load.
 // sizeMaps sets the capacity of the session maps: maxSessions sessions (0:
 // DefaultMaxSessions), as many set-up states, and four flows per session.
 // Maps already pinned in dir keep their capacity, so that an agent restarted
@@ -223,6 +213,16 @@ func sizeMaps(spec *ebpf.CollectionSpec, dir string, maxSessions int) (Sizing, e
 	return Sizing{Sessions: sizes["dysco_sessions"], Flows: sizes["dysco_flows"], Kept: kept, Requested: want}, nil
 }
 
+// checkPinned compares the maps pinned under dir with those of this
+// datapath before anything is loaded. Maps pinned by another version whose
+// type, key or value size, capacity or flags differ (an upgrade that changed
+// flow_val, say) cannot be reused: their entries would be read with the
+// wrong layout. Load then fails naming every such map with both sizes, and
+// leaves everything as it is: the old programs, still attached through the
+// pinned links, go on forwarding the live sessions on the old maps until
+// the operator resets the pins ('dysco agent --reset', which ends every
+// session on the host) and starts the new agent. A map not pinned yet is
+// created by Load.
 func checkPinned(spec *ebpf.CollectionSpec, dir string) error {
 	names := make([]string, 0, len(spec.Maps))
 	for name, ms := range spec.Maps {
