@@ -53,7 +53,7 @@ type Config struct {
 	// PortLo and PortN give the subsession port range.
 	PortLo, PortN uint16
 	// MaxSessions sizes the datapath's session maps (datapath.Config);
-	// 0: datapath.DefaultMaxSessions.
+	// 0: the datapath object's own size.
 	MaxSessions int
 	// Trusted, when not empty, is the set of prefixes Dysco SYNs are
 	// accepted from.

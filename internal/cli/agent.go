@@ -102,7 +102,7 @@ under --pin-dir. 'dysco agent --reset' removes it (every session on the host end
 	f.DurationVar(&cfg.IdleTimeout, "idle-timeout", time.Hour, "end sessions idle this long")
 	f.DurationVar(&cfg.HalfOpenTimeout, "half-open-timeout", 30*time.Second, "end sessions not established within this time")
 	f.DurationVar(&cfg.CloseLinger, "close-linger", 10*time.Second, "keep closed sessions this long for retransmitted FINs and ACKs")
-	f.IntVar(&cfg.MaxSessions, "max-sessions", 0, fmt.Sprintf("sessions the datapath's maps hold, 1 to %d, four flow entries each (default %d); maps already pinned keep their size until --reset", datapath.MaxSessionsLimit, datapath.DefaultMaxSessions))
+	f.IntVar(&cfg.MaxSessions, "max-sessions", 0, fmt.Sprintf("sessions the datapath's maps hold, 1 to %d, four flow entries each (default: the datapath's own size, MAX_SESSIONS; 'dysco status' shows capacity_sessions); maps already pinned keep their size until --reset", datapath.MaxSessionsLimit))
 	f.StringVar(&ports, "ports", "", "subsession port range LOW-HIGH (default 20000-59999)")
 	f.StringSliceVar(&trusted, "trusted", nil, "accept Dysco SYNs only from these prefixes (default: from anyone)")
 	f.BoolVar(&reset, "reset", false, "remove the pinned datapath under --pin-dir and exit")

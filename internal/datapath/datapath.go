@@ -33,14 +33,11 @@ type Config struct {
 	// EnforceTrusted accepts Dysco SYNs only from addresses in the trusted map.
 	EnforceTrusted bool
 	// MaxSessions sizes the session maps: this many sessions, and four
-	// flows each (a middlebox host's count). 0: DefaultMaxSessions. Maps
-	// already pinned keep their size (Datapath.Sizing tells).
+	// flows each (a middlebox host's count). 0: the object's own size
+	// (MAX_SESSIONS in bpf/include/consts.h). Maps already pinned keep their
+	// size (Datapath.Sizing tells).
 	MaxSessions int
 }
-
-// DefaultMaxSessions is the number of sessions the maps hold unless
-// Config.MaxSessions says otherwise (MAX_SESSIONS in bpf/include/consts.h).
-const DefaultMaxSessions = 131072
 
 // MaxSessionsLimit bounds Config.MaxSessions: session ids are below 2^24
 // (they double as the 24-bit local tag, SESS_ID_MASK), and with four flows
@@ -181,7 +178,8 @@ func resetForeignPins(dir string) error {
 }
 
 // sizeMaps sets the capacity of the session maps: maxSessions sessions (0:
-// DefaultMaxSessions), as many set-up states, and four flows per session.
+// the object's MAX_SESSIONS), as many set-up states, and four flows per
+// session.
 // Maps already pinned in dir keep their capacity, so that an agent restarted
 // with another --max-sessions carries its live sessions over.
 func sizeMaps(spec *ebpf.CollectionSpec, dir string, maxSessions int) (Sizing, error) {
@@ -190,7 +188,7 @@ func sizeMaps(spec *ebpf.CollectionSpec, dir string, maxSessions int) (Sizing, e
 	}
 	want := maxSessions
 	if want == 0 {
-		want = DefaultMaxSessions
+		want = int(spec.Maps["dysco_sessions"].MaxEntries)
 	}
 	sizes := map[string]int{"dysco_sessions": want, "dysco_syns": want, "dysco_flows": 4 * want}
 	kept := false

@@ -146,8 +146,9 @@ func TestLoadSizing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if n := spec.Maps["dysco_sessions"].MaxEntries; n != DefaultMaxSessions || spec.Maps["dysco_flows"].MaxEntries != 4*n {
-		t.Fatalf("the object's MAX_SESSIONS %d (flows %d) and DefaultMaxSessions %d disagree", n, spec.Maps["dysco_flows"].MaxEntries, DefaultMaxSessions)
+	def := spec.Maps["dysco_sessions"].MaxEntries // MAX_SESSIONS
+	if spec.Maps["dysco_flows"].MaxEntries != 4*def {
+		t.Fatalf("the object's MAX_FLOWS %d is not four times its MAX_SESSIONS %d", spec.Maps["dysco_flows"].MaxEntries, def)
 	}
 	dir := testPinDir(t)
 	caps := func(d *Datapath) [3]uint32 {
@@ -191,7 +192,7 @@ func TestLoadSizing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got, want := caps(d), [3]uint32{DefaultMaxSessions, DefaultMaxSessions, 4 * DefaultMaxSessions}; got != want {
+	if got, want := caps(d), [3]uint32{def, def, 4 * def}; got != want {
 		t.Fatalf("default after a reset: %v, want %v", got, want)
 	}
 	d.Close()
