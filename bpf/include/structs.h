@@ -158,11 +158,15 @@ struct tp_val {
  * (internal/agent, control.resume): the request's key, this host's role in it
  * and the old subsession's nonce, which the two-path record does not hold.
  * Keyed like dysco_tp, written with the side's new subsession and deleted
- * when the side's two-path phase ends; never read by the programs. */
+ * when the side's two-path phase ends; never read by the programs. A middle
+ * agent of an old path keeps the request it is locked for under side 2
+ * (protocol.KeepLock), from the lock to its release or the session's end. */
 struct tp_req {
 	__u8 left_anchor[16];  /* the request's key (protocol.ReqKey): its left anchor */
 	__u32 id;              /* and its number */
-	__u8 role;             /* 1: this host is the left anchor, 2: the right anchor */
+	__u8 role;             /* 1: this host is the left anchor, 2: the right anchor,
+	                        * 3: a middle agent's lock (key side 2; only the
+	                        * request's key is set) */
 	__u8 has_prev;         /* prev holds the side's record before this request */
 	__u8 pad[2];
 	__u8 right_anchor[16];

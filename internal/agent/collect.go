@@ -80,9 +80,7 @@ func (a *Agent) collect() {
 	}
 	for _, id := range dead {
 		a.dp.DeleteSession(id)
-		for side := uint32(0); side < 2; side++ {
-			a.dp.DeleteTwoPath(datapath.TPKey{SessId: id, Side: side})
-		}
+		a.dp.DeleteReconfigState(id)
 	}
 	if a.ctl != nil && len(dead) > 0 {
 		a.ctl.sessionsEnded(dead)

@@ -402,6 +402,11 @@ func (c *control) announce(id uint32) error {
 		}
 		return fmt.Errorf("session %d (%s, %s) has no subsession at this host%s", id, t, datapath.RoleName(s.Role), detail)
 	}
+	if up.Left != nil && up.Right != nil {
+		if la, n, ok := c.a.dp.Lock(id); ok {
+			up.Lock = protocol.ReqKey{LeftAnchor: addrFrom16(la), ID: n}
+		}
+	}
 	v6 := t.Dst.Is6() && !t.Dst.Is4In6()
 	c.pidOf[id], c.famOf[id] = protocol.SessionID(id), v6
 	var resumed []datapath.TPKey
@@ -482,8 +487,10 @@ func (c *control) reconfigured(id uint32, side protocol.Side, si *protocol.SideI
 func addrFrom16(b [16]byte) netip.Addr { return netip.AddrFrom16(b).Unmap() }
 
 // resumeAll takes up the reconfigurations an earlier agent left unfinished
-// (an agent restart): every session with a side in a reconfiguration is
-// announced to the protocol at once, which resumes them (reconfigured).
+// (an agent restart): every session with a side in a reconfiguration, or
+// with a lock the agent held as a middle agent of an old path
+// (protocol.KeepLock), is announced to the protocol at once, which resumes
+// them (reconfigured, SessionUp.Lock).
 // Loop goroutine.
 func (c *control) resumeAll() {
 	ids := map[uint32]bool{}
@@ -495,8 +502,14 @@ func (c *control) resumeAll() {
 		c.a.log.Warn("control: reconfigurations of an earlier agent", "err", err)
 		return
 	}
+	if err := c.a.dp.EachLock(func(id uint32) { ids[id] = true }); err != nil {
+		c.a.log.Warn("control: locks kept by an earlier agent", "err", err)
+	}
 	for id := range ids {
 		if err := c.announce(id); err != nil {
+			if _, ok := c.a.dp.Session(id); !ok {
+				c.a.dp.DeleteLock(id) // kept for a session gone meanwhile
+			}
 			c.a.log.Warn("control: a reconfiguration of an earlier agent cannot be resumed", "session", id, "err", err)
 			continue
 		}
@@ -687,8 +700,8 @@ func (c *control) forget(id uint32, pid protocol.SessionID) {
 		k := datapath.TPKey{SessId: id, Side: side}
 		delete(c.active, k)
 		delete(c.prevTP, k)
-		c.a.dp.DeleteTwoPath(k)
 	}
+	c.a.dp.DeleteReconfigState(id)
 }
 
 func (c *control) countReject(reason string) {
@@ -881,6 +894,18 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 		return dp.SetWindowClamp(k, x.Bytes)
 	case protocol.JoinSession:
 		return c.join(v6, x)
+	case protocol.KeepLock:
+		// A middle agent's lock, for its next run if it restarts (§3.2):
+		// announce gives it back (SessionUp.Lock).
+		id := c.dpID(x.Session)
+		if id == 0 || c.pidOf[id] != x.Session {
+			return nil // a proxy's joined sessions: not resumed
+		}
+		if x.Req.IsZero() {
+			dp.DeleteLock(id)
+			return nil
+		}
+		return dp.PutLock(id, x.Req.LeftAnchor.As16(), x.Req.ID)
 	case protocol.FreeSession:
 		if p, ok := c.spliced[x.Session]; ok {
 			delete(c.spliced, x.Session)
@@ -1130,9 +1155,7 @@ func (c *control) free(id uint32) {
 		dp.DeleteFlow(k)
 		dp.DeleteDelta(k)
 	}
-	for side := uint32(0); side < 2; side++ {
-		dp.DeleteTwoPath(datapath.TPKey{SessId: id, Side: side})
-	}
+	dp.DeleteReconfigState(id)
 	dp.DeleteSynState(id)
 	dp.DeleteSession(id)
 }

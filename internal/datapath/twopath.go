@@ -139,7 +139,54 @@ type TPReq = dyscoTpReq
 const (
 	TPReqLeftAnchor  = 1
 	TPReqRightAnchor = 2
+	// TPReqMiddle: the request a middle agent of the old path is locked
+	// for (protocol.KeepLock), kept under the session's TPSideLock key.
+	TPReqMiddle = 3
 )
+
+// TPSideLock is the Side of the TPKey under which a middle agent keeps the
+// lock it holds (TPReqMiddle); sides 0 and 1 are the session's own.
+const TPSideLock = 2
+
+// PutLock keeps the request (its left anchor and number) that a middle
+// agent holds the lock of session id for.
+func (d *Datapath) PutLock(id uint32, leftAnchor [16]byte, req uint32) error {
+	v := TPReq{LeftAnchor: leftAnchor, Id: req, Role: TPReqMiddle}
+	return d.objs.DyscoTpReq.Update(TPKey{SessId: id, Side: TPSideLock}, v, ebpf.UpdateAny)
+}
+
+// Lock returns the request kept by PutLock for session id.
+func (d *Datapath) Lock(id uint32) (leftAnchor [16]byte, req uint32, ok bool) {
+	var v TPReq
+	if d.objs.DyscoTpReq.Lookup(TPKey{SessId: id, Side: TPSideLock}, &v) != nil || v.Role != TPReqMiddle {
+		return leftAnchor, 0, false
+	}
+	return v.LeftAnchor, v.Id, true
+}
+
+// DeleteLock forgets the lock kept for session id.
+func (d *Datapath) DeleteLock(id uint32) {
+	_ = d.objs.DyscoTpReq.Delete(TPKey{SessId: id, Side: TPSideLock})
+}
+
+// EachLock calls fn for every session with a lock kept by PutLock (read
+// at agent start only).
+func (d *Datapath) EachLock(fn func(id uint32)) error {
+	return eachBatch(d.objs.DyscoTpReq, "kept locks", &batchBufs[TPKey, TPReq]{}, func(k *TPKey, v *TPReq) {
+		if k.Side == TPSideLock {
+			fn(k.SessId)
+		}
+	})
+}
+
+// DeleteReconfigState removes what reconfigurations left of session id:
+// both sides' two-path records, the requests behind them and a kept lock.
+func (d *Datapath) DeleteReconfigState(id uint32) {
+	for side := uint32(0); side < 2; side++ {
+		d.DeleteTwoPath(TPKey{SessId: id, Side: side})
+	}
+	d.DeleteLock(id)
+}
 
 // PutTPReq writes the request behind a side's two-path record.
 func (d *Datapath) PutTPReq(k TPKey, v TPReq) error {

@@ -11,6 +11,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"syscall"
 	"testing"
@@ -901,5 +902,35 @@ func TestSetFlowFlags(t *testing.T) {
 	}
 	if _, ok := fx.d.Flow(TupleFrom(sess6)); ok {
 		t.Error("setting flags created a flow")
+	}
+}
+
+// TestKeptLock: a middle agent's lock (PutLock) is read back, listed, not
+// taken for a side's request, and goes with DeleteReconfigState.
+func TestKeptLock(t *testing.T) {
+	fx := newFixture(t)
+	la := netip.MustParseAddr("10.0.0.1").As16()
+	const id = 4242
+	if _, _, ok := fx.d.Lock(id); ok {
+		t.Fatal("a lock before PutLock")
+	}
+	if err := fx.d.PutLock(id, la, 17); err != nil {
+		t.Fatal(err)
+	}
+	if got, n, ok := fx.d.Lock(id); !ok || got != la || n != 17 {
+		t.Fatalf("Lock = %v %d %v", got, n, ok)
+	}
+	for side := uint32(0); side < 2; side++ {
+		if _, ok := fx.d.TPReqOf(TPKey{SessId: id, Side: side}); ok {
+			t.Fatalf("side %d has a request", side)
+		}
+	}
+	var listed []uint32
+	if err := fx.d.EachLock(func(id uint32) { listed = append(listed, id) }); err != nil || len(listed) != 1 || listed[0] != id {
+		t.Fatalf("EachLock: %v %v", listed, err)
+	}
+	fx.d.DeleteReconfigState(id)
+	if _, _, ok := fx.d.Lock(id); ok {
+		t.Fatal("the lock outlived DeleteReconfigState")
 	}
 }

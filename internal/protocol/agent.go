@@ -322,6 +322,22 @@ func (a *Agent) onSessionUp(e SessionUp) {
 			a.resume(s, side, rs)
 		}
 	}
+	if k := e.Lock; !k.IsZero() && s.left == nil && s.right == nil && s.sides[SideLeft] != nil && s.sides[SideRight] != nil {
+		// A middle agent of an old path that restarted (KeepLock): locked
+		// for the request again, as the anchors still count on it (§3.2),
+		// with a fresh lease. Who sent the request is gone with the old
+		// agent: answers go left (sendRequestor).
+		s.lock, s.requestor = Locked, k
+		a.maxSeen(s, k)
+		a.setTimer(s, TimerLease, k, a.cfg.LockLease)
+		a.progress(s, k, RoleMiddle, StageTwoPath, "lock resumed after an agent restart")
+	}
+}
+
+// keepLock asks the agent to keep the lock a middle agent holds (k) or
+// held (zero k) beside the datapath's session (KeepLock).
+func (a *Agent) keepLock(s *session, k ReqKey) {
+	a.emit(KeepLock{Session: s.id, Req: k})
 }
 
 // resume takes up a reconfiguration of side that the agent left unfinished
@@ -909,7 +925,8 @@ func (a *Agent) onAckLock(s *session, m *Message) {
 		return
 	}
 	if s.lock != Unlocked && s.requestor == k {
-		if s.lock == LockPending {
+		locking := s.lock == LockPending
+		if locking {
 			s.lock = Locked
 			a.nackQueue(s)
 		}
@@ -917,6 +934,9 @@ func (a *Agent) onAckLock(s *session, m *Message) {
 		f.Delta = m.Delta.Add(s.contribution(SideLeft))
 		a.sendRequestor(s, &f)
 		a.setTimer(s, TimerLease, k, a.cfg.LockLease)
+		if locking {
+			a.keepLock(s, k) // after the answer: off the request's path
+		}
 		return
 	}
 	a.reject(RejectUnexpected, m, s.sides[SideRight].Peer, "ackLock for %s, lock %s by %s", k, s.lock, s.requestor)
@@ -1002,6 +1022,9 @@ func (a *Agent) onLease(s *session, k ReqKey) {
 		return
 	}
 	if s.lock != Unlocked && s.requestor == k && s.left == nil {
+		if s.lock == Locked {
+			a.keepLock(s, ReqKey{})
+		}
 		s.lock, s.requestor = Unlocked, ReqKey{}
 		s.resolve(resolution{req: k, kind: resExpired})
 		a.progress(s, k, RoleMiddle, StageDone, "lock lease expired")
@@ -1107,6 +1130,9 @@ func (a *Agent) onCancelLock(s *session, m *Message) {
 	r, ok := s.resolved(k)
 	if held || ok && r.kind == resCancelled {
 		if held {
+			if s.lock == Locked {
+				a.keepLock(s, ReqKey{})
+			}
 			s.lock, s.requestor = Unlocked, ReqKey{}
 			a.cancelTimer(s, TimerLease, k)
 			s.resolve(resolution{req: k, kind: resCancelled})

@@ -65,6 +65,11 @@ type SessionUp struct {
 	Left    *SideInfo
 	Right   *SideInfo
 	App     AppDelta
+	// Lock, when set, is the request whose lock this agent held as a
+	// middle agent of its old path when it restarted (KeepLock): the
+	// session is locked for it again, so that the anchors' FINs pass and
+	// the old path is torn down as usual (§3.5).
+	Lock ReqKey
 }
 
 // SetAppDelta changes what the middlebox application does to the byte
@@ -297,6 +302,15 @@ type NewPathReady struct {
 	LeftDelta Delta
 }
 
+// KeepLock asks the agent to keep, beside the datapath's session, the
+// request that a middle agent of the old path is locked for (§3.2): an
+// agent that restarts in the request's two-path phase then still passes
+// the anchors' FINs (SessionUp.Lock). A zero Req: the lock is released.
+type KeepLock struct {
+	Session SessionID
+	Req     ReqKey
+}
+
 // FreeSession deletes a session and all its flows at this agent: it left
 // the path (a middlebox of a torn-down old path, §3.5).
 type FreeSession struct{ Session SessionID }
@@ -346,6 +360,7 @@ func (EndTwoPath) action()       {}
 func (RemoveSubsession) action() {}
 func (SetWindowClamp) action()   {}
 func (FreeSession) action()      {}
+func (KeepLock) action()         {}
 func (NewPathReady) action()     {}
 func (Result) action()           {}
 func (Rejected) action()         {}

@@ -34,6 +34,8 @@ type harness struct {
 	frees  map[netip.Addr][]SessionID
 	clamps map[netip.Addr][]SetWindowClamp
 	ready  map[netip.Addr][]NewPathReady
+	// the lock each middle agent asked to keep (KeepLock)
+	locks map[netip.Addr]ReqKey
 	// vars reported when a side starts its two-path phase
 	vars func(at netip.Addr, side Side) TwoPath
 	// hold back two-path reports (to test the FIN exchange by hand)
@@ -65,7 +67,8 @@ func newHarness(t *testing.T, n int) *harness {
 	h := &harness{t: t, key: testKey, agents: map[netip.Addr]*Agent{}, timers: map[timerKey]time.Duration{},
 		dead: map[netip.Addr]bool{}, adds: map[netip.Addr][]AddSubsession{}, joins: map[netip.Addr][]JoinSession{},
 		starts: map[netip.Addr][]StartTwoPath{}, ends: map[netip.Addr][]EndTwoPath{}, frees: map[netip.Addr][]SessionID{},
-		clamps: map[netip.Addr][]SetWindowClamp{}, ready: map[netip.Addr][]NewPathReady{}}
+		clamps: map[netip.Addr][]SetWindowClamp{}, ready: map[netip.Addr][]NewPathReady{},
+		locks: map[netip.Addr]ReqKey{}}
 	h.vars = func(netip.Addr, Side) TwoPath {
 		return TwoPath{OldSent: 1000, OldSentAcked: 1000, OldRcvd: 5000, OldRcvdAcked: 5000, NewRcvd: true, FirstNewRcvd: 5000}
 	}
@@ -132,6 +135,8 @@ func (h *harness) apply(at netip.Addr, act Action) {
 		h.ends[at] = append(h.ends[at], x)
 	case FreeSession:
 		h.frees[at] = append(h.frees[at], x.Session)
+	case KeepLock:
+		h.locks[at] = x.Req
 	case SetWindowClamp:
 		h.clamps[at] = append(h.clamps[at], x)
 	case NewPathReady:

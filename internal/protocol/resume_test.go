@@ -211,3 +211,104 @@ func TestRestartRequestNumbers(t *testing.T) {
 		}
 	}
 }
+
+// restartMiddle replaces middle agent i by a fresh one that learns the
+// session again from the datapath, with the lock it asked to keep
+// (KeepLock) when keep is set.
+func (h *harness) restartMiddle(i int, keep bool) {
+	h.t.Helper()
+	at := addr(i)
+	old, ok := h.view(i)
+	if !ok || old.Sides[SideLeft] == nil || old.Sides[SideRight] == nil {
+		h.t.Fatalf("agent %d is not a middle agent of the session: %+v", i, old)
+	}
+	for k := range h.timers {
+		if k.agent == at {
+			delete(h.timers, k)
+		}
+	}
+	h.agents[at] = New(DefaultConfig(at, testKey))
+	l, r := *old.Sides[SideLeft], *old.Sides[SideRight]
+	up := SessionUp{Session: sid, Tuple: sessionTuple, Nonce: testNonce, Left: &l, Right: &r}
+	if keep {
+		up.Lock = h.locks[at]
+	}
+	h.log = append(h.log, "restart "+at.String())
+	h.deliver(at, up)
+}
+
+// A middle agent of the old path that restarts in the two-path phase is
+// locked again from what it kept (KeepLock, SessionUp.Lock): it passes the
+// anchors' FINs, so the old path is torn down with their confirmation and
+// it leaves the session. Without the kept lock the FINs stop there and
+// both anchors complete unconfirmed.
+func TestResumeMiddle(t *testing.T) {
+	for _, keep := range []bool{true, false} {
+		t.Run(map[bool]string{true: "kept lock", false: "lock lost"}[keep], func(t *testing.T) {
+			h := newHarness(t, 3)
+			h.chain([]int{1, 2, 3}, map[int]AppDelta{2: {Right: Delta{Seq: 1000}}})
+			h.holdVars = true
+			h.reconfigure(1, 3, nil, 1)
+			h.runMessages() // lock, SYN, SYN-ACK, ACK: both anchors switched
+			req := h.adds[addr(1)][0].Req
+			if h.locks[addr(2)] != req {
+				t.Fatalf("the middle agent kept lock %s, want %s\n%s", h.locks[addr(2)], req, h.trace())
+			}
+			h.restartMiddle(2, keep)
+			if v, _ := h.view(2); keep && (v.Lock != Locked || v.Requestor != req) {
+				t.Fatalf("the restarted middle agent: lock %s by %s, want locked by %s\n%s", v.Lock, v.Requestor, req, h.trace())
+			}
+			h.deliver(addr(3), TwoPathProgress{Session: sid, Side: SideLeft,
+				Vars: TwoPath{OldSent: 7000, OldSentAcked: 7000, OldRcvd: 1500, OldRcvdAcked: 1500}})
+			h.deliver(addr(1), TwoPathProgress{Session: sid, Side: SideRight,
+				Vars: TwoPath{OldSent: 500, OldSentAcked: 500, OldRcvd: 7000, OldRcvdAcked: 7000}})
+			h.run()
+			r := h.result(1)
+			if r.Outcome != Succeeded || r.Unconfirmed == keep {
+				t.Fatalf("result with the lock kept=%v: %+v\n%s", keep, r, h.trace())
+			}
+			if !keep {
+				return // the limit this test documents: the middle agent stays
+			}
+			if _, ok := h.view(2); ok || len(h.frees[addr(2)]) != 1 {
+				t.Fatalf("the old path's middlebox keeps the session (frees %v)\n%s", h.frees[addr(2)], h.trace())
+			}
+			h.assertClean(1, 3)
+			h.holdVars = false
+			h.reconfigureAgain([]int{2}, 2)
+		})
+	}
+}
+
+// A middle agent forgets the lock it kept once the lock is released: by
+// its lease, or by the left anchor's cancellation (§3.6).
+func TestKeepLockReleased(t *testing.T) {
+	for _, how := range []string{"lease", "cancel"} {
+		t.Run(how, func(t *testing.T) {
+			h := newHarness(t, 3)
+			h.chain([]int{1, 2, 3}, nil)
+			h.reconfigure(1, 3, nil, 1)
+			h.untilAdded(3) // locked everywhere, the right anchor answered the SYN
+			req := h.adds[addr(1)][0].Req
+			if h.locks[addr(2)] != req {
+				t.Fatalf("the middle agent kept lock %s, want %s\n%s", h.locks[addr(2)], req, h.trace())
+			}
+			h.queue = nil // the SYN-ACK is lost
+			if how == "lease" {
+				h.dead[addr(1)] = true // the left anchor never cancels
+			} else {
+				h.dead[addr(3)] = true // the new path cannot be set up: cancel
+			}
+			h.run()
+			if k, ok := h.locks[addr(2)]; !ok || !k.IsZero() {
+				t.Fatalf("the middle agent still keeps lock %s\n%s", k, h.trace())
+			}
+			if how == "cancel" {
+				if r := h.result(1); r.Outcome == Succeeded {
+					t.Fatalf("%+v\n%s", r, h.trace())
+				}
+				h.assertClean(1, 2)
+			}
+		})
+	}
+}

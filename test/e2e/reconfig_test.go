@@ -381,18 +381,20 @@ func TestReconfigureMonitor(t *testing.T) {
 	t.Logf("iperf3 moved %.0f MB; the monitor saw %d packets", moved/1e6, n)
 }
 
-// TestReconfigureAgentRestart: an anchor's agent restarts while the session
-// is in its two-path phase (§3.5). The restarted agent resumes the
-// reconfiguration from what the datapath kept (its two-path record and the
-// request behind it): the old path is torn down with the usual FIN
-// exchange, the old middlebox leaves the session, every byte arrives, and
-// the session can be reconfigured again (a restarted left anchor numbers
-// its requests above those it used before, or the right anchor would refuse
-// them).
+// TestReconfigureAgentRestart: an anchor's agent, or the old path's middle
+// agent, restarts while the session is in its two-path phase (§3.5). The
+// restarted agent resumes the reconfiguration from what the datapath kept
+// (an anchor: its two-path record and the request behind it; the middle
+// agent: the request it is locked for, §3.2): the old path is torn down
+// with the usual FIN exchange, confirmed by the other anchor, the old
+// middlebox leaves the session, every byte arrives, and the session can be
+// reconfigured again (a restarted left anchor numbers its requests above
+// those it used before, or the right anchor would refuse them).
 func TestReconfigureAgentRestart(t *testing.T) {
 	for _, c := range []struct{ name, host, role string }{
 		{"left-anchor", "client", "leftAnchor"},
 		{"right-anchor", "server", "rightAnchor"},
+		{"middle", "mb1", "middle"},
 	} {
 		t.Run(c.name, func(t *testing.T) { reconfigureRestart(t, c.host, c.role) })
 	}
@@ -441,30 +443,41 @@ func reconfigureRestart(t *testing.T, host, role string) {
 		res, err := e.ctlReconfig("client", time.Minute, fmt.Sprintf("tcp port %d", port), dst, mb2)
 		first <- outcome{res, err}
 	}()
-	inTwoPath := func() bool {
+	stage := func(host, role string) bool {
 		for _, s := range e.sessions(host) {
-			if strings.HasSuffix(s.Session, fmt.Sprintf(":%d", port)) && s.Reconfig == role+":twoPath" {
+			if strings.HasSuffix(s.Session, fmt.Sprintf(":%d", port)) &&
+				(s.Reconfig == role+":twoPath" || role == "middle" && s.Lock == "locked") {
 				return true
 			}
 		}
 		return false
+	}
+	inTwoPath := func() bool { return stage(host, role) }
+	if role == "middle" {
+		// mb1 is locked from the ackLock on; the anchors' two-path phase
+		// is what the restart must fall into.
+		inTwoPath = func() bool {
+			return stage("client", "leftAnchor") && stage("server", "rightAnchor") && stage(host, role)
+		}
 	}
 	eventually(t, 30*time.Second, host+" to be in its two-path phase", inTwoPath)
 	if err := e.lab.RestartAgent(host); err != nil {
 		t.Fatalf("restart agent on %s: %v", host, err)
 	}
 	// The restarted agent took the reconfiguration up where the datapath is.
-	if !inTwoPath() {
+	if !stage(host, role) {
 		t.Fatalf("the restarted agent on %s did not resume the two-path phase: %+v", host, e.sessions(host))
 	}
 	release()
 
 	eventually(t, 60*time.Second, "mb1 to leave the path", func() bool { return len(e.sessions("mb1")) == 0 })
-	if host == "server" {
-		// The left anchor's agent ran throughout: its request succeeds.
+	if host != "client" {
+		// The left anchor's agent ran throughout: its request succeeds,
+		// and the other anchor confirmed the old path's teardown (its FINs
+		// crossed the middle agent).
 		o := <-first
-		if o.err != nil || len(o.res) != 1 || o.res[0].Outcome != "succeeded" {
-			t.Fatalf("reconfiguration across the right anchor's restart: %+v %v", o.res, o.err)
+		if o.err != nil || len(o.res) != 1 || o.res[0].Outcome != "succeeded" || o.res[0].Reason != "" {
+			t.Fatalf("reconfiguration across the restart of %s's agent: %+v %v", host, o.res, o.err)
 		}
 	} else {
 		// The CLI's agent went away; the history of the new one has the

@@ -362,6 +362,8 @@ func (h *host) applyDatapath(act protocol.Action) {
 			w.tracef("%s free session %d (s%d)", h, ds.id, ds.sess.idx)
 			h.freeDP(ds)
 		}
+	case protocol.KeepLock:
+		// For an agent restart, which the simulation does not model.
 	default:
 		panic(fmt.Sprintf("sim: unknown action %T", act))
 	}
