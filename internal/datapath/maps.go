@@ -463,8 +463,8 @@ func (d *Datapath) DeleteSynState(id uint32) {
 
 // DeleteFlow removes one flow and any delta attached to it.
 func (d *Datapath) DeleteFlow(k Tuple) {
-	_ = d.objs.DyscoFlows.Delete(k)
-	_ = d.objs.DyscoDeltas.Delete(k)
+	_ = d.objs.DyscoFlows.Delete(&k)
+	_ = d.objs.DyscoDeltas.Delete(&k)
 }
 
 // Monotonic returns the clock the datapath stamps sessions with.
@@ -537,7 +537,8 @@ var ErrTooLate = errors.New("the session's SYN has already left this host")
 // (as it entered the host).
 func (d *Datapath) SessionIDByTuple(t wire.Tuple) (uint32, error) {
 	var f Flow
-	if err := d.objs.DyscoFlows.Lookup(TupleFrom(t.Reverse()), &f); err != nil {
+	k := TupleFrom(t.Reverse())
+	if err := d.objs.DyscoFlows.Lookup(&k, &f); err != nil {
 		return 0, fmt.Errorf("no session %s on this host", t)
 	}
 	return f.SessId, nil
@@ -577,7 +578,7 @@ func (d *Datapath) PrependHops(id uint32, hops []netip.Addr) ([]netip.Addr, erro
 	}
 	st.Hops = list
 	st.N_hops = uint8(n + len(hops))
-	if err := d.objs.DyscoSyns.Update(id, st, ebpf.UpdateExist); err != nil {
+	if err := d.objs.DyscoSyns.Update(id, &st, ebpf.UpdateExist); err != nil {
 		return nil, fmt.Errorf("update session %d: %w", id, err)
 	}
 	out := make([]netip.Addr, 0, n+len(hops))

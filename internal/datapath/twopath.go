@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"syscall"
+	"unsafe"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/ringbuf"
@@ -68,10 +69,10 @@ func (d *Datapath) ctl(op uint32, k *Tuple, tp *TPKey, arg uint32) error {
 }
 
 func (d *Datapath) ctlArgs(a dyscoCtlArgs) error {
-	ctx := make([]byte, binary.Size(a))
-	if _, err := binary.Encode(ctx, binary.NativeEndian, &a); err != nil {
-		return err
-	}
+	// The struct's own memory (bpf2go lays it out as C does, padding
+	// included: TestCtlArgsLayout): no encoding/binary reflection, which
+	// cost microseconds per call.
+	ctx := unsafe.Slice((*byte)(unsafe.Pointer(&a)), unsafe.Sizeof(a))
 	ret, err := d.objs.DyscoCtl.Run(&ebpf.RunOptions{Context: ctx})
 	if err != nil {
 		return fmt.Errorf("datapath: control program: %w", err)
@@ -85,13 +86,13 @@ func (d *Datapath) ctlArgs(a dyscoCtlArgs) error {
 // Flow returns the flow at key k.
 func (d *Datapath) Flow(k Tuple) (Flow, bool) {
 	var f Flow
-	err := d.objs.DyscoFlows.Lookup(k, &f)
+	err := d.objs.DyscoFlows.Lookup(&k, &f)
 	return f, err == nil
 }
 
 // AddFlow installs a new flow; an existing flow at k is an error.
 func (d *Datapath) AddFlow(k Tuple, f Flow) error {
-	if err := d.objs.DyscoFlows.Update(k, f, ebpf.UpdateNoExist); err != nil {
+	if err := d.objs.DyscoFlows.Update(&k, &f, ebpf.UpdateNoExist); err != nil {
 		if errors.Is(err, ebpf.ErrKeyExist) {
 			return fmt.Errorf("datapath: flow %s exists", k)
 		}
@@ -103,31 +104,31 @@ func (d *Datapath) AddFlow(k Tuple, f Flow) error {
 // PutDelta sets the sequence translation of the flow at k (applied when
 // the flow has FlDelta).
 func (d *Datapath) PutDelta(k Tuple, v Delta) error {
-	return d.objs.DyscoDeltas.Update(k, v, ebpf.UpdateAny)
+	return d.objs.DyscoDeltas.Update(&k, &v, ebpf.UpdateAny)
 }
 
 // DeleteDelta removes the translation of the flow at k.
-func (d *Datapath) DeleteDelta(k Tuple) { _ = d.objs.DyscoDeltas.Delete(k) }
+func (d *Datapath) DeleteDelta(k Tuple) { _ = d.objs.DyscoDeltas.Delete(&k) }
 
 // PutTwoPath writes a side's two-path record. Only before the side's flows
 // point at it (FlTPOut, FlTPOld, FlTPNew); afterwards the datapath owns the
 // variables and the agent changes the record through StartTwoPath,
 // SetTwoPathState and SetWindowClamp only.
 func (d *Datapath) PutTwoPath(k TPKey, v TPVal) error {
-	return d.objs.DyscoTp.Update(k, v, ebpf.UpdateAny)
+	return d.objs.DyscoTp.Update(&k, &v, ebpf.UpdateAny)
 }
 
 // TwoPath reads a side's two-path record.
 func (d *Datapath) TwoPath(k TPKey) (TPVal, bool) {
 	var v TPVal
-	err := d.objs.DyscoTp.Lookup(k, &v)
+	err := d.objs.DyscoTp.Lookup(&k, &v)
 	return v, err == nil
 }
 
 // DeleteTwoPath removes a side's two-path record and the request behind it.
 func (d *Datapath) DeleteTwoPath(k TPKey) {
-	_ = d.objs.DyscoTp.Delete(k)
-	_ = d.objs.DyscoTpReq.Delete(k)
+	_ = d.objs.DyscoTp.Delete(&k)
+	_ = d.objs.DyscoTpReq.Delete(&k)
 }
 
 // TPReq is the request behind a side's two-path record (bpf struct
@@ -152,13 +153,13 @@ const TPSideLock = 2
 // agent holds the lock of session id for.
 func (d *Datapath) PutLock(id uint32, leftAnchor [16]byte, req uint32) error {
 	v := TPReq{LeftAnchor: leftAnchor, Id: req, Role: TPReqMiddle}
-	return d.objs.DyscoTpReq.Update(TPKey{SessId: id, Side: TPSideLock}, v, ebpf.UpdateAny)
+	return d.objs.DyscoTpReq.Update(&TPKey{SessId: id, Side: TPSideLock}, &v, ebpf.UpdateAny)
 }
 
 // Lock returns the request kept by PutLock for session id.
 func (d *Datapath) Lock(id uint32) (leftAnchor [16]byte, req uint32, ok bool) {
 	var v TPReq
-	if d.objs.DyscoTpReq.Lookup(TPKey{SessId: id, Side: TPSideLock}, &v) != nil || v.Role != TPReqMiddle {
+	if d.objs.DyscoTpReq.Lookup(&TPKey{SessId: id, Side: TPSideLock}, &v) != nil || v.Role != TPReqMiddle {
 		return leftAnchor, 0, false
 	}
 	return v.LeftAnchor, v.Id, true
@@ -166,7 +167,7 @@ func (d *Datapath) Lock(id uint32) (leftAnchor [16]byte, req uint32, ok bool) {
 
 // DeleteLock forgets the lock kept for session id.
 func (d *Datapath) DeleteLock(id uint32) {
-	_ = d.objs.DyscoTpReq.Delete(TPKey{SessId: id, Side: TPSideLock})
+	_ = d.objs.DyscoTpReq.Delete(&TPKey{SessId: id, Side: TPSideLock})
 }
 
 // EachLock calls fn for every session with a lock kept by PutLock (read
@@ -190,19 +191,19 @@ func (d *Datapath) DeleteReconfigState(id uint32) {
 
 // PutTPReq writes the request behind a side's two-path record.
 func (d *Datapath) PutTPReq(k TPKey, v TPReq) error {
-	return d.objs.DyscoTpReq.Update(k, v, ebpf.UpdateAny)
+	return d.objs.DyscoTpReq.Update(&k, &v, ebpf.UpdateAny)
 }
 
 // TPReqOf reads the request behind a side's two-path record.
 func (d *Datapath) TPReqOf(k TPKey) (TPReq, bool) {
 	var v TPReq
-	err := d.objs.DyscoTpReq.Lookup(k, &v)
+	err := d.objs.DyscoTpReq.Lookup(&k, &v)
 	return v, err == nil
 }
 
 // DeleteTPReq forgets the request behind a side's two-path record (its
 // two-path phase ended, or it was cancelled).
-func (d *Datapath) DeleteTPReq(k TPKey) { _ = d.objs.DyscoTpReq.Delete(k) }
+func (d *Datapath) DeleteTPReq(k TPKey) { _ = d.objs.DyscoTpReq.Delete(&k) }
 
 // EachTwoPath calls fn for every side's two-path record (read at agent
 // start only: its buffers are not kept).
@@ -224,7 +225,7 @@ func (d *Datapath) ReqHigh() (uint32, error) {
 // it calls SetReqHigh again.
 func (d *Datapath) SetReqHigh(n uint32) error {
 	v := dyscoAgentState{ReqHi: n}
-	if err := d.objs.DyscoAgent.Update(uint32(0), v, ebpf.UpdateAny); err != nil {
+	if err := d.objs.DyscoAgent.Update(uint32(0), &v, ebpf.UpdateAny); err != nil {
 		return fmt.Errorf("datapath: agent state: %w", err)
 	}
 	return nil
@@ -293,7 +294,7 @@ func (d *Datapath) InsertSession(s Session) (uint32, error) {
 		if id == 0 {
 			continue
 		}
-		err := d.objs.DyscoSessions.Update(id, s, ebpf.UpdateNoExist)
+		err := d.objs.DyscoSessions.Update(id, &s, ebpf.UpdateNoExist)
 		if err == nil {
 			return id, nil
 		}

@@ -8,6 +8,8 @@ package datapath
 // progress events, orphan drops and flag changes on live flows.
 
 import (
+	"bytes"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -16,6 +18,7 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/gopacket/gopacket/layers"
 
@@ -932,5 +935,20 @@ func TestKeptLock(t *testing.T) {
 	fx.d.DeleteReconfigState(id)
 	if _, _, ok := fx.d.Lock(id); ok {
 		t.Fatal("the lock outlived DeleteReconfigState")
+	}
+}
+
+// TestCtlArgsLayout: ctlArgs hands dysco_ctl the Go struct's own memory,
+// which must be what encoding/binary would have written (no hidden
+// padding, fields where C has them).
+func TestCtlArgsLayout(t *testing.T) {
+	a := dyscoCtlArgs{Op: 1, Arg: 2, Ret: -3, Key: TupleFrom(subIn4), Tp: TPKey{SessId: 4, Side: 1}, Key2: TupleFrom(sess6)}
+	want, err := binary.Append(nil, binary.NativeEndian, &a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := unsafe.Slice((*byte)(unsafe.Pointer(&a)), unsafe.Sizeof(a))
+	if !bytes.Equal(got, want) {
+		t.Fatalf("dyscoCtlArgs in memory:\n%x\nencoded:\n%x", got, want)
 	}
 }
