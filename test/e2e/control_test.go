@@ -170,6 +170,26 @@ func (e *env) ctlHasFlow(host string, k wire.Tuple) bool {
 	return err == nil
 }
 
+// pinnedEntries counts the entries of one of host's pinned datapath maps.
+func (e *env) pinnedEntries(host, name string) int {
+	e.t.Helper()
+	m, err := ebpf.LoadPinnedMap(filepath.Join(lab.PinDir(e.host(host).Namespace), name), &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		e.t.Fatalf("%s of %s: %v", name, host, err)
+	}
+	defer m.Close()
+	n := 0
+	var k, v []byte
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		n++
+	}
+	if err := it.Err(); err != nil {
+		e.t.Fatalf("%s of %s: %v", name, host, err)
+	}
+	return n
+}
+
 // ctlTrigger builds a DYST trigger: magic, version, kind, JSON body, then
 // HMAC-SHA256/16 under key (internal/agent/trigger.go).
 func ctlTrigger(key []byte, version, kind byte, body any) []byte {

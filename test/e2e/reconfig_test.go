@@ -471,6 +471,13 @@ func reconfigureRestart(t *testing.T, host, role string) {
 	release()
 
 	eventually(t, 60*time.Second, "mb1 to leave the path", func() bool { return len(e.sessions("mb1")) == 0 })
+	// Nothing of the request is kept anywhere: the anchors' requests went
+	// with their two-path phases, mb1's kept lock with the session.
+	for _, h := range []string{"client", "mb1", "server"} {
+		if n := e.pinnedEntries(h, "dysco_tp_req"); n != 0 {
+			t.Errorf("%s keeps %d requests (dysco_tp_req) after the reconfiguration", h, n)
+		}
+	}
 	if host != "client" {
 		// The left anchor's agent ran throughout: its request succeeds,
 		// and the other anchor confirmed the old path's teardown (its FINs
