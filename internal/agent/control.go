@@ -906,7 +906,9 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 		// announce gives it back (SessionUp.Lock).
 		id := c.dpID(x.Session)
 		if id == 0 || c.pidOf[id] != x.Session {
-			return nil // a proxy's joined sessions: not resumed
+			// A proxy's spliced sessions (no datapath session of their
+			// own), or a session freed meanwhile: nothing to keep.
+			return nil
 		}
 		if x.Req.IsZero() {
 			dp.DeleteLock(id)

@@ -330,14 +330,7 @@ func (a *Agent) onSessionUp(e SessionUp) {
 		s.lock, s.requestor = Locked, k
 		a.maxSeen(s, k)
 		a.setTimer(s, TimerLease, k, a.cfg.LockLease)
-		a.progress(s, k, RoleMiddle, StageTwoPath, "lock resumed after an agent restart")
 	}
-}
-
-// keepLock asks the agent to keep the lock a middle agent holds (k) or
-// held (zero k) beside the datapath's session (KeepLock).
-func (a *Agent) keepLock(s *session, k ReqKey) {
-	a.emit(KeepLock{Session: s.id, Req: k})
 }
 
 // resume takes up a reconfiguration of side that the agent left unfinished
@@ -935,7 +928,7 @@ func (a *Agent) onAckLock(s *session, m *Message) {
 		a.sendRequestor(s, &f)
 		a.setTimer(s, TimerLease, k, a.cfg.LockLease)
 		if locking {
-			a.keepLock(s, k) // after the answer: off the request's path
+			a.emit(KeepLock{Session: s.id, Req: k}) // after the answer: off the request's path
 		}
 		return
 	}
@@ -1023,7 +1016,7 @@ func (a *Agent) onLease(s *session, k ReqKey) {
 	}
 	if s.lock != Unlocked && s.requestor == k && s.left == nil {
 		if s.lock == Locked {
-			a.keepLock(s, ReqKey{})
+			a.emit(KeepLock{Session: s.id}) // released
 		}
 		s.lock, s.requestor = Unlocked, ReqKey{}
 		s.resolve(resolution{req: k, kind: resExpired})
@@ -1131,7 +1124,7 @@ func (a *Agent) onCancelLock(s *session, m *Message) {
 	if held || ok && r.kind == resCancelled {
 		if held {
 			if s.lock == Locked {
-				a.keepLock(s, ReqKey{})
+				a.emit(KeepLock{Session: s.id}) // released
 			}
 			s.lock, s.requestor = Unlocked, ReqKey{}
 			a.cancelTimer(s, TimerLease, k)
