@@ -154,16 +154,23 @@ func ctlTuple(t *testing.T, s string) wire.Tuple {
 	return tu
 }
 
+// pinnedMap opens one of host's pinned datapath maps, read-only.
+func (e *env) pinnedMap(host, name string) *ebpf.Map {
+	e.t.Helper()
+	m, err := ebpf.LoadPinnedMap(filepath.Join(lab.PinDir(e.host(host).Namespace), name), &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		e.t.Fatalf("%s of %s: %v", name, host, err)
+	}
+	return m
+}
+
 // ctlHasFlow looks a flow up in host's pinned datapath maps.
 func (e *env) ctlHasFlow(host string, k wire.Tuple) bool {
 	e.t.Helper()
-	m, err := ebpf.LoadPinnedMap(filepath.Join(lab.PinDir(e.host(host).Namespace), "dysco_flows"), &ebpf.LoadPinOptions{ReadOnly: true})
-	if err != nil {
-		e.t.Fatalf("flows of %s: %v", host, err)
-	}
+	m := e.pinnedMap(host, "dysco_flows")
 	defer m.Close()
 	var f datapath.Flow
-	err = m.Lookup(datapath.TupleFrom(k), &f)
+	err := m.Lookup(datapath.TupleFrom(k), &f)
 	if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 		e.t.Fatalf("flow %s at %s: %v", k, host, err)
 	}
@@ -173,10 +180,7 @@ func (e *env) ctlHasFlow(host string, k wire.Tuple) bool {
 // pinnedEntries counts the entries of one of host's pinned datapath maps.
 func (e *env) pinnedEntries(host, name string) int {
 	e.t.Helper()
-	m, err := ebpf.LoadPinnedMap(filepath.Join(lab.PinDir(e.host(host).Namespace), name), &ebpf.LoadPinOptions{ReadOnly: true})
-	if err != nil {
-		e.t.Fatalf("%s of %s: %v", name, host, err)
-	}
+	m := e.pinnedMap(host, name)
 	defer m.Close()
 	n := 0
 	var k, v []byte
