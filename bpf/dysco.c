@@ -1277,11 +1277,95 @@ int dysco_tap_drop(struct __sk_buff *skb)
 	return TC_ACT_SHOT;
 }
 
+/* session_flow frees (CTL_FREE) or cuts (CTL_CUT) the flow at k if it is
+ * session id's (a tuple may be reused by a newer session): a freed flow
+ * goes with its delta; a cut ingress flow goes, a cut egress flow drops
+ * what it sees. Returns 1 if the flow was the session's. */
+static __attribute__((noinline)) int session_flow(const struct dysco_tuple *k, __u32 id, __u32 op)
+{
+	struct flow_val *f = bpf_map_lookup_elem(&dysco_flows, k);
+
+	if (!f || f->sess_id != id)
+		return 0;
+	if (op == CTL_CUT && !(f->flags & FL_INGRESS)) {
+		__sync_fetch_and_or(&f->flags, FL_DROP);
+		return 1;
+	}
+	bpf_map_delete_elem(&dysco_flows, k);
+	bpf_map_delete_elem(&dysco_deltas, k);
+	return 1;
+}
+
+/* session_flows applies session_flow to every flow of session id at this
+ * host, found from its tuple without walking the flow map (as the agent's
+ * flowKeysOf does): the egress flow of each direction, the ingress flow of
+ * the subsession each sends on, and the flows of the subsessions in its
+ * two-path records. Returns how many flows were the session's. */
+static __attribute__((noinline)) int session_flows(__u32 id, __u32 op)
+{
+	struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &id);
+	struct dysco_tuple k, in;
+	struct flow_val *f;
+	struct tp_val *tp;
+	struct tp_key tk = {.sess_id = id};
+	int n = 0, d;
+
+	if (!s)
+		return 0;
+	for (d = 0; d < 2; d++) {
+		if (d == 0) {
+			__builtin_memcpy(k.saddr, s->tuple.saddr, 16);
+			__builtin_memcpy(k.daddr, s->tuple.daddr, 16);
+			k.sport = s->tuple.sport;
+			k.dport = s->tuple.dport;
+			k.proto = IPPROTO_TCP;
+			k.pad[0] = k.pad[1] = k.pad[2] = 0;
+		} else {
+			reverse(&k, &s->tuple);
+		}
+		f = bpf_map_lookup_elem(&dysco_flows, &k);
+		if (!f || f->sess_id != id)
+			continue;
+		reverse(&in, &f->out);
+		n += session_flow(&k, id, op);
+		n += session_flow(&in, id, op);
+	}
+	for (d = 0; d < 2; d++) {
+		tk.side = d;
+		tp = bpf_map_lookup_elem(&dysco_tp, &tk);
+		if (!tp)
+			continue;
+		__builtin_memcpy(&k, &tp->in_old, sizeof(k));
+		/* new_out is a tuple; its ends are its first 36 bytes. */
+		reverse(&in, (const struct dysco_ends *)&tp->new_out);
+		n += session_flow(&k, id, op);
+		n += session_flow(&in, id, op);
+	}
+	return n;
+}
+
+/* free_reconf deletes what reconfigurations left of session id: its
+ * two-path records, the requests behind them and a kept lock. */
+static __attribute__((noinline)) void free_reconf(__u32 id)
+{
+	struct tp_key tk = {.sess_id = id};
+	int side;
+
+	for (side = 0; side < 2; side++) {
+		tk.side = side;
+		bpf_map_delete_elem(&dysco_tp, &tk);
+		bpf_map_delete_elem(&dysco_tp_req, &tk);
+	}
+	tk.side = 2; /* TPSideLock */
+	bpf_map_delete_elem(&dysco_tp_req, &tk);
+}
+
 /* dysco_ctl carries out a command of the agent inside the kernel, where it
  * is atomic with respect to the datapath's own updates of the same entries
  * (a map update from user space would replace the entry and lose the
  * counters and marks the datapath wrote meanwhile). Run with BPF_PROG_RUN;
- * the return value is 0 or a negative errno. */
+ * the return value is 0 (CTL_FREE and CTL_CUT: the number of flows of the
+ * session) or a negative errno. */
 SEC("syscall")
 int dysco_ctl(struct ctl_args *a)
 {
@@ -1326,6 +1410,23 @@ int dysco_ctl(struct ctl_args *a)
 			__sync_fetch_and_or(&fp->flags, arg);
 		else
 			__sync_fetch_and_and(&fp->flags, ~arg);
+		return 0;
+	}
+	/* Freeing a session's state: one system call for what would be
+	 * some thirty map operations from user space. */
+	if (op == CTL_FREE) {
+		__u32 id = tk.sess_id;
+		int n = session_flows(id, CTL_FREE);
+
+		free_reconf(id);
+		bpf_map_delete_elem(&dysco_syns, &id);
+		bpf_map_delete_elem(&dysco_sessions, &id);
+		return n;
+	}
+	if (op == CTL_CUT)
+		return session_flows(tk.sess_id, CTL_CUT);
+	if (op == CTL_FREE_RECONF) {
+		free_reconf(tk.sess_id);
 		return 0;
 	}
 	tp = bpf_map_lookup_elem(&dysco_tp, &tk);

@@ -153,6 +153,9 @@ enum role {
 #define CTL_TP_STATE 4    /* tp: state = arg */
 #define CTL_TP_CLAMP 5    /* tp: clamp = arg */
 #define CTL_MARKS_MERGE 6 /* flow key2's marks = max(its own, flow key's) */
+#define CTL_FREE 7        /* tp.sess_id: the session and all its state at this host */
+#define CTL_CUT 8         /* tp.sess_id: its ingress flows go, its egress flows drop */
+#define CTL_FREE_RECONF 9 /* tp.sess_id: its two-path records and kept requests */
 
 /* Packet holding (hold.h). The agent re-injects held packets through an
  * AF_PACKET socket with this socket mark; the datapath never holds a packet

@@ -115,8 +115,7 @@ func (a *Agent) collect() {
 			}
 		})
 		for _, k := range keys {
-			a.dp.DeleteFlow(k)
-			a.dp.DeleteDelta(k)
+			a.dp.DeleteFlow(k) // and its delta
 		}
 		stale = len(keys)
 	}

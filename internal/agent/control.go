@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -248,14 +249,36 @@ func (c *control) readLoop() {
 	}
 }
 
+// eventLoop feeds the datapath's progress notices to the protocol. The
+// events waiting in the ring are taken together, and each side is read once
+// for all of them (progress reads the side's variables as they are now):
+// under many concurrent reconfigurations a side's bits change several times
+// before the agent gets to them.
 func (c *control) eventLoop(er *datapath.EventReader) {
+	const most = 256 // sides per batch
+	var keys []datapath.TPKey
 	for {
 		ev, err := er.Read()
 		if err != nil {
 			return
 		}
-		k := datapath.TPKey{SessId: ev.SessID, Side: ev.Side}
-		c.locked(func() { c.progress(k) })
+		keys = append(keys[:0], datapath.TPKey{SessId: ev.SessID, Side: ev.Side})
+		for len(keys) < most && er.Pending() {
+			if ev, err = er.Read(); err != nil {
+				break
+			}
+			if k := (datapath.TPKey{SessId: ev.SessID, Side: ev.Side}); !slices.Contains(keys, k) {
+				keys = append(keys, k)
+			}
+		}
+		c.locked(func() {
+			for _, k := range keys {
+				c.progress(k)
+			}
+		})
+		if err != nil {
+			return
+		}
 	}
 }
 
@@ -699,6 +722,12 @@ func (c *control) sessionsEnded(ids []uint32) {
 }
 
 func (c *control) forget(id uint32, pid protocol.SessionID) {
+	c.drop(id, pid)
+	c.a.dp.DeleteReconfigState(id)
+}
+
+// drop is forget for a session whose datapath state is freed already.
+func (c *control) drop(id uint32, pid protocol.SessionID) {
 	delete(c.pidOf, id)
 	delete(c.famOf, id)
 	delete(c.joinedDP, pid)
@@ -708,7 +737,6 @@ func (c *control) forget(id uint32, pid protocol.SessionID) {
 		delete(c.active, k)
 		delete(c.prevTP, k)
 	}
-	c.a.dp.DeleteReconfigState(id)
 }
 
 func (c *control) countReject(reason string) {
@@ -933,7 +961,7 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 			c.deferred = append(c.deferred, func() { c.releaseRightHold(k) })
 		}
 		c.free(id)
-		c.forget(id, x.Session)
+		c.drop(id, x.Session)
 	case protocol.Result:
 		c.migrationEnded(x.Token)
 		rep, hasRep := c.migReports[x.Token]
@@ -1068,7 +1096,6 @@ func (c *control) removeSub(x protocol.RemoveSubsession) error {
 		_ = dp.MergeMarks(in, datapath.TupleFrom(tp.NewOut.Wire().Reverse()))
 	}
 	dp.DeleteFlow(in)
-	dp.DeleteDelta(in)
 	if !ok || tp.NewOut != datapath.TupleFrom(out) || tp.State == datapath.TPNew {
 		return nil
 	}
@@ -1128,7 +1155,7 @@ func (c *control) join(v6 bool, x protocol.JoinSession) error {
 			if v, ok := c.protos[c.famOf[old]].View(pid); ok && !v.Teardown && v.Sides[0] != nil && v.Sides[1] != nil && v.Lingering == 0 {
 				return fmt.Errorf("join: session %s is already on a live path through this host", t)
 			}
-			c.forget(old, pid)
+			c.drop(old, pid)
 		}
 		c.a.log.Info("join: the old path's state of the session gives way to the new path", "session", t.String(), "old_id", old)
 		c.free(old)
@@ -1157,16 +1184,13 @@ func (c *control) join(v6 bool, x protocol.JoinSession) error {
 	return nil
 }
 
-// free deletes a session and everything of it at this host.
+// free deletes a session and everything of it at this host (one system
+// call: datapath.FreeSession). Should that fail, the collector still ends
+// the session when it falls idle, and its flows with it.
 func (c *control) free(id uint32) {
-	dp := c.a.dp
-	for _, k := range c.flowKeysOf(id) {
-		dp.DeleteFlow(k)
-		dp.DeleteDelta(k)
+	if _, err := c.a.dp.FreeSession(id); err != nil {
+		c.a.log.Warn("control: cannot free a session's state; the collector will", "id", id, "err", err)
 	}
-	dp.DeleteReconfigState(id)
-	dp.DeleteSynState(id)
-	dp.DeleteSession(id)
 }
 
 // ---- requests from the local API ----

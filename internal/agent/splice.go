@@ -202,22 +202,10 @@ func tsOffset(s datapath.Session, dir int) uint32 {
 // proxy still sends (its sockets live on until it closes them). The
 // sessions stay for the collector, which ends them when they fall idle.
 func (c *control) freeSpliced(p splicedPair) {
-	dp := c.a.dp
 	for _, id := range []uint32{p.client, p.server} {
-		var in, out []datapath.Tuple
-		for _, k := range c.flowKeysOf(id) {
-			if f, ok := dp.Flow(k); ok && f.Flags&datapath.FlIngress != 0 {
-				in = append(in, k)
-			} else {
-				out = append(out, k)
-			}
-		}
-		for _, k := range in {
-			dp.DeleteFlow(k)
-			dp.DeleteDelta(k)
-		}
-		for _, k := range out {
-			_ = dp.SetFlowFlags(k, datapath.FlDrop, 0)
+		// One system call per session (datapath.CutSession).
+		if _, err := c.a.dp.CutSession(id); err != nil {
+			c.a.log.Warn("control: cannot cut the proxy off a spliced session", "id", id, "err", err)
 		}
 	}
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/ringbuf"
+	"golang.org/x/sys/unix"
 )
 
 // Two-path phase of a reconfiguration (paper §3.5): mirrors of consts.h.
@@ -32,6 +33,9 @@ const (
 	ctlTPState    = 4
 	ctlTPClamp    = 5
 	ctlMarksMerge = 6
+	ctlFree       = 7
+	ctlCut        = 8
+	ctlFreeReconf = 9
 
 	evProgress = 1
 )
@@ -69,18 +73,75 @@ func (d *Datapath) ctl(op uint32, k *Tuple, tp *TPKey, arg uint32) error {
 }
 
 func (d *Datapath) ctlArgs(a dyscoCtlArgs) error {
+	_, err := d.ctlRun(a)
+	return err
+}
+
+// progRunAttr is the BPF_PROG_TEST_RUN part of union bpf_attr
+// (include/uapi/linux/bpf.h, "test").
+type progRunAttr struct {
+	progFD      uint32
+	retval      uint32
+	dataSizeIn  uint32
+	dataSizeOut uint32
+	dataIn      uint64
+	dataOut     uint64
+	repeat      uint32
+	duration    uint32
+	ctxSizeIn   uint32
+	ctxSizeOut  uint32
+	ctxIn       unsafe.Pointer
+	ctxOut      uint64
+	flags       uint32
+	cpu         uint32
+	batchSize   uint32
+	_           uint32
+}
+
+// ctlRun runs dysco_ctl and returns its non-negative result.
+//
+// One bpf system call, not cilium/ebpf's Program.Run: that masks SIGPROF
+// around every run (two more system calls and the thread locked), because a
+// test run of packet programs stops at a pending signal. A syscall program's
+// run (bpf_prog_test_run_syscall) runs it once and never checks for
+// signals; EINTR is retried all the same.
+func (d *Datapath) ctlRun(a dyscoCtlArgs) (int, error) {
 	// The struct's own memory (bpf2go lays it out as C does, padding
 	// included: TestCtlArgsLayout): no encoding/binary reflection, which
 	// cost microseconds per call.
-	ctx := unsafe.Slice((*byte)(unsafe.Pointer(&a)), unsafe.Sizeof(a))
-	ret, err := d.objs.DyscoCtl.Run(&ebpf.RunOptions{Context: ctx})
-	if err != nil {
-		return fmt.Errorf("datapath: control program: %w", err)
+	attr := progRunAttr{progFD: uint32(d.objs.DyscoCtl.FD()), ctxSizeIn: uint32(unsafe.Sizeof(a)), ctxIn: unsafe.Pointer(&a)}
+	for {
+		_, _, errno := unix.Syscall(unix.SYS_BPF, unix.BPF_PROG_TEST_RUN, uintptr(unsafe.Pointer(&attr)), unsafe.Sizeof(attr))
+		if errno == unix.EINTR {
+			continue
+		}
+		if errno != 0 {
+			return 0, fmt.Errorf("datapath: control program: %w", errno)
+		}
+		break
 	}
-	if r := int32(ret); r < 0 {
-		return syscall.Errno(-r)
+	if r := int32(attr.retval); r < 0 {
+		return 0, syscall.Errno(-r)
 	}
-	return nil
+	return int(int32(attr.retval)), nil
+}
+
+// FreeSession deletes session id and everything of it at this host in one
+// run of the control program (some thirty map operations from user space):
+// its flows, found from its tuple and its two-path records and each only if
+// it is still the session's (a newer session may reuse a tuple), with their
+// deltas; its two-path records, the requests behind them and a kept lock;
+// its set-up state; the session. It returns how many flows went.
+func (d *Datapath) FreeSession(id uint32) (int, error) {
+	return d.ctlRun(dyscoCtlArgs{Op: ctlFree, Tp: TPKey{SessId: id}})
+}
+
+// CutSession cuts this host off session id, in one run of the control
+// program: the session's ingress flows go (with their deltas), its egress
+// flows get FlDrop; the session stays. Flows are found as FreeSession finds
+// them. It returns how many flows were the session's.
+func (d *Datapath) CutSession(id uint32) (int, error) {
+	return d.ctlRun(dyscoCtlArgs{Op: ctlCut, Tp: TPKey{SessId: id}})
 }
 
 // Flow returns the flow at key k.
@@ -182,11 +243,9 @@ func (d *Datapath) EachLock(fn func(id uint32)) error {
 
 // DeleteReconfigState removes what reconfigurations left of session id:
 // both sides' two-path records, the requests behind them and a kept lock.
+// One run of the control program, not five map deletions.
 func (d *Datapath) DeleteReconfigState(id uint32) {
-	for side := uint32(0); side < 2; side++ {
-		d.DeleteTwoPath(TPKey{SessId: id, Side: side})
-	}
-	d.DeleteLock(id)
+	_ = d.ctlArgs(dyscoCtlArgs{Op: ctlFreeReconf, Tp: TPKey{SessId: id}})
 }
 
 // PutTPReq writes the request behind a side's two-path record.
@@ -257,20 +316,26 @@ func (d *Datapath) EventReader() (*EventReader, error) {
 	return &EventReader{r: r}, nil
 }
 
-// EventReader reads TPEvents.
-type EventReader struct{ r *ringbuf.Reader }
+// EventReader reads TPEvents, from one goroutine.
+type EventReader struct {
+	r   *ringbuf.Reader
+	rec ringbuf.Record // reused: no allocation per event
+}
+
+// Pending tells whether more events wait in the ring (without a system
+// call): a reader can take them all before acting on any.
+func (e *EventReader) Pending() bool { return e.r.AvailableBytes() > 0 }
 
 // Read returns the next event.
 func (e *EventReader) Read() (TPEvent, error) {
 	for {
-		rec, err := e.r.Read()
-		if err != nil {
+		if err := e.r.ReadInto(&e.rec); err != nil {
 			return TPEvent{}, err
 		}
-		if len(rec.RawSample) < 16 {
+		if len(e.rec.RawSample) < 16 {
 			continue
 		}
-		b := rec.RawSample
+		b := e.rec.RawSample
 		if binary.NativeEndian.Uint32(b[12:]) != evProgress {
 			continue
 		}

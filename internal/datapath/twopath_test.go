@@ -952,3 +952,134 @@ func TestCtlArgsLayout(t *testing.T) {
 		t.Fatalf("dyscoCtlArgs in memory:\n%x\nencoded:\n%x", got, want)
 	}
 }
+
+// TestFreeAndCutSession: CutSession and FreeSession find a session's flows
+// in the kernel as the agent's flowKeysOf did (from its tuple and its
+// two-path records), touch only the flows that are still the session's,
+// and FreeSession leaves nothing of it: deltas, two-path records, kept
+// requests, set-up state, the session.
+func TestFreeAndCutSession(t *testing.T) {
+	fx := newFixture(t)
+	fx.reset(t)
+	clearHash(t, fx.d.objs.DyscoTp)
+	clearHash(t, fx.d.objs.DyscoTpReq)
+	m := fx.d.Maps()
+	// A middlebox host's session (§3.1 join): in on l, out on r, and a
+	// right side in its two-path phase toward a new subsession n.
+	sess := tup(ap("10.1.0.1:40000"), ap("10.9.0.5:80"))
+	l := tup(ap("10.1.0.20:41001"), ap("10.1.0.30:41002"))
+	r := tup(ap("10.1.0.30:41003"), ap("10.1.0.40:41004"))
+	n := tup(ap("10.1.0.30:41005"), ap("10.1.0.41:41006"))
+	s := Session{Tuple: EndsFrom(sess), Role: RoleMiddle, State: StEst}
+	id, err := fx.d.InsertSession(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := fx.d.InsertSession(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ingress := map[Tuple]Flow{
+		TupleFrom(l):           {Out: EndsFrom(sess), SessId: id, Flags: FlIngress | FlEst | FlDelta},
+		TupleFrom(r.Reverse()): {Out: EndsFrom(sess.Reverse()), SessId: id, Flags: FlIngress | FlRev | FlEst},
+	}
+	egress := map[Tuple]Flow{
+		TupleFrom(sess):           {Out: EndsFrom(r), SessId: id, Flags: FlEst | FlTPOut | FlDelta},
+		TupleFrom(sess.Reverse()): {Out: EndsFrom(l.Reverse()), SessId: id, Flags: FlRev | FlEst},
+	}
+	// The new subsession's ingress flow belongs to another session by now
+	// (a tuple reused): it must stay.
+	foreign := TupleFrom(n.Reverse())
+	for k, f := range ingress {
+		if err := fx.d.AddFlow(k, f); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for k, f := range egress {
+		if err := fx.d.AddFlow(k, f); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := fx.d.AddFlow(foreign, Flow{Out: EndsFrom(sess.Reverse()), SessId: other, Flags: FlIngress | FlDelta}); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []Tuple{TupleFrom(l), TupleFrom(sess), foreign} {
+		if err := fx.d.PutDelta(k, Delta{Seq: 7}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tk := TPKey{SessId: id, Side: 1}
+	if err := fx.d.PutTwoPath(tk, TPVal{State: TPActive, EgKey: TupleFrom(sess), InOld: TupleFrom(r.Reverse()),
+		OldOut: TupleFrom(r), NewOut: TupleFrom(n)}); err != nil {
+		t.Fatal(err)
+	}
+	for side := uint32(0); side < 3; side++ {
+		if err := fx.d.PutTPReq(TPKey{SessId: id, Side: side}, TPReq{Id: side + 1}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var st dyscoSynState
+	if err := m["syns"].Put(id, &st); err != nil {
+		t.Fatal(err)
+	}
+	m["tp_req"] = fx.d.objs.DyscoTpReq
+	count := func(name string) int {
+		t.Helper()
+		n, it := 0, m[name].Iterate()
+		k, v := make([]byte, m[name].KeySize()), make([]byte, m[name].ValueSize())
+		for it.Next(&k, &v) {
+			n++
+		}
+		if err := it.Err(); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+
+	got, err := fx.d.CutSession(id)
+	if err != nil || got != 4 {
+		t.Fatalf("CutSession = %d, %v; want its 4 flows", got, err)
+	}
+	for k := range ingress {
+		if _, ok := fx.d.Flow(k); ok {
+			t.Errorf("ingress flow %s outlived the cut", k)
+		}
+	}
+	for k, want := range egress {
+		if f, ok := fx.d.Flow(k); !ok || f.Flags != want.Flags|FlDrop {
+			t.Errorf("egress flow %s after the cut: %+v %v, want flags %#x", k, f, ok, want.Flags|FlDrop)
+		}
+	}
+	if f, ok := fx.d.Flow(foreign); !ok || f.SessId != other || f.Flags&FlDrop != 0 {
+		t.Errorf("another session's flow after the cut: %+v %v", f, ok)
+	}
+	if !fx.d.SessionExists(id) || count("deltas") != 2 {
+		t.Fatalf("after the cut: session kept %v, deltas %d (want the egress flow's and the foreign one)", fx.d.SessionExists(id), count("deltas"))
+	}
+
+	got, err = fx.d.FreeSession(id)
+	if err != nil || got != 2 {
+		t.Fatalf("FreeSession = %d, %v; want the 2 egress flows left", got, err)
+	}
+	if fx.d.SessionExists(id) || !fx.d.SessionExists(other) {
+		t.Errorf("after FreeSession: session %v, the other %v", fx.d.SessionExists(id), fx.d.SessionExists(other))
+	}
+	for name, want := range map[string]int{"flows": 1, "deltas": 1, "syns": 0} {
+		if c := count(name); c != want {
+			t.Errorf("%s: %d entries left, want %d", name, c, want)
+		}
+	}
+	if _, ok := fx.d.TwoPath(tk); ok {
+		t.Error("the two-path record outlived FreeSession")
+	}
+	if c := count("tp_req"); c != 0 {
+		t.Errorf("%d kept requests outlived FreeSession", c)
+	}
+	if _, ok := fx.d.Flow(foreign); !ok {
+		t.Error("FreeSession took another session's flow")
+	}
+	// A session that is gone: nothing to do, no error.
+	if got, err := fx.d.FreeSession(id); err != nil || got != 0 {
+		t.Errorf("FreeSession of a freed session = %d, %v", got, err)
+	}
+}
