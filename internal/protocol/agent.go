@@ -1180,8 +1180,14 @@ func (a *Agent) allocPort(dst netip.Addr, dport uint16) wire.Tuple {
 	return wire.Tuple{Src: a.cfg.Self, Dst: dst, SrcPort: a.cfg.PortBase, DstPort: dport}
 }
 
-// beginSetup is the left anchor's step once the segment is locked: install
-// the new subsession and send the SYN carrying the address list.
+// beginSetup is the left anchor's step once the segment is locked: send
+// the SYN carrying the address list and install the new subsession.
+//
+// The SYN goes first: installing takes the agent some ten map operations,
+// and nothing needs the subsession at this host before the SYN-ACK, which
+// this agent handles after this step. (The right anchor, in onNewSyn,
+// installs before it answers: the left anchor's first packets on the new
+// path may follow the SYN-ACK at once.)
 func (a *Agent) beginSetup(s *session, l *anchor) {
 	hops := append(append([]netip.Addr(nil), l.chain...), l.rightAnchor)
 	l.newPeer = hops[0]
@@ -1191,12 +1197,12 @@ func (a *Agent) beginSetup(s *session, l *anchor) {
 	side := s.sides[SideRight]
 	l.newDelta = side.Delta.Add(l.delta)
 	a.subs[l.newSub] = subRef{id: s.id, side: SideRight, peer: l.newPeer, nonce: side.Nonce}
+	l.stage, l.tries = StageSettingUp, 0
+	a.sendSyn(s, l)
 	a.emit(AddSubsession{Session: s.id, Side: SideRight, Sub: l.newSub, Peer: l.newPeer, Delta: l.newDelta,
 		WScaleIn: l.peerWS, WScaleOut: side.PeerWScale, Nonce: side.Nonce,
 		Req: l.req, RightAnchor: l.rightAnchor, OldNonce: side.Nonce})
-	l.stage, l.tries = StageSettingUp, 0
 	a.progress(s, l.req, RoleLeftAnchor, StageSettingUp, "leftDelta "+l.delta.String())
-	a.sendSyn(s, l)
 }
 
 func (a *Agent) sendSyn(s *session, l *anchor) {
@@ -1260,9 +1266,12 @@ func (a *Agent) onNewSyn(from netip.Addr, m *Message) {
 	s.sides[SideLeft], s.sides[SideRight] = &left, &right
 	a.subs[left.Sub] = subRef{id: s.id, side: SideLeft, peer: from, nonce: m.Nonce}
 	a.subs[right.Sub] = subRef{id: s.id, side: SideRight, peer: next, nonce: m.Nonce}
+	// The SYN goes on first, as at the left anchor (beginSetup): new-path
+	// packets reach this host only after the SYN-ACK, which this agent
+	// passes back after this step.
+	a.forwardSyn(s, m)
 	a.emit(JoinSession{Session: s.id, Tuple: s.tuple, Nonce: s.nonce, Left: left, Right: right})
 	a.progress(s, m.Req, RoleNewHop, StageSettingUp, "joined")
-	a.forwardSyn(s, m)
 }
 
 func (a *Agent) forwardSyn(s *session, m *Message) {

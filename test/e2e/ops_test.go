@@ -209,12 +209,15 @@ func (c pacedConn) Write(p []byte) (int, error) {
 	return pacedWrite(c.Conn, p, func() int64 { return c.rate })
 }
 
-// pacedWrite writes p in 64 KiB chunks at about rate() bytes per second
-// (rate is read before each chunk, so that it may change meanwhile).
+// pacedWrite writes p at about rate() bytes per second, in chunks of what
+// 2 ms at that rate carry (4 to 64 KiB; rate is read before each chunk, so
+// that it may change meanwhile). Short gaps: a test that needs packets in a
+// window of a few milliseconds (a migration's hold) gets them, where 64 KiB
+// bursts 10 ms apart at 6 MiB/s could leave such a window empty.
 func pacedWrite(c net.Conn, p []byte, rate func() int64) (int, error) {
-	const chunk = 64 << 10
 	done := 0
 	for done < len(p) {
+		chunk := int(min(max(rate()/500, 4<<10), 64<<10))
 		end := min(done+chunk, len(p))
 		n, err := c.Write(p[done:end])
 		done += n
