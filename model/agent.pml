@@ -344,7 +344,8 @@ inline onMessage() {
 			assert(busyRA[q] == r && stageR[r] == waitSyn);
 			assert(!(held[1] && held[NR]) || NR == 1);
 			nackQueue();
-			/* beginSetup: AddSubsession to the first new hop, then the UDP SYN */
+			/* beginSetup: the UDP SYN, then AddSubsession to the first new hop (one
+			 * atomic step here, as in the agent: their order is not observable) */
 			newN[me] = (nh[r] > 0 -> hop[2*r] : ra[r]);
 			dNew[me] = sdR[me] + leftDelta[r];
 			synTries[r] = 1;
