@@ -1330,7 +1330,7 @@ static __attribute__((noinline)) int session_flows(__u32 id, __u32 op)
 		n += session_flow(&k, id, op);
 		n += session_flow(&in, id, op);
 	}
-	for (d = 0; d < 2; d++) {
+	for (d = SIDE_LEFT; d <= SIDE_RIGHT; d++) {
 		tk.side = d;
 		tp = bpf_map_lookup_elem(&dysco_tp, &tk);
 		if (!tp)
@@ -1351,12 +1351,12 @@ static __attribute__((noinline)) void free_reconf(__u32 id)
 	struct tp_key tk = {.sess_id = id};
 	int side;
 
-	for (side = 0; side < 2; side++) {
+	for (side = SIDE_LEFT; side <= SIDE_RIGHT; side++) {
 		tk.side = side;
 		bpf_map_delete_elem(&dysco_tp, &tk);
 		bpf_map_delete_elem(&dysco_tp_req, &tk);
 	}
-	tk.side = 2; /* TPSideLock */
+	tk.side = SIDE_LOCK;
 	bpf_map_delete_elem(&dysco_tp_req, &tk);
 }
 

@@ -24,6 +24,8 @@
 
 #define SIDE_LEFT 0
 #define SIDE_RIGHT 1
+/* dysco_tp_req only: a middle agent's kept lock (datapath.TPSideLock) */
+#define SIDE_LOCK 2
 
 static __always_inline int seq_lt(__u32 a, __u32 b) { return (__s32)(a - b) < 0; }
 static __always_inline int seq_leq(__u32 a, __u32 b) { return (__s32)(a - b) <= 0; }

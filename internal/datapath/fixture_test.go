@@ -325,11 +325,16 @@ func (fx *fixture) synState(tb testing.TB, id uint32) (dyscoSynState, bool) {
 
 func (fx *fixture) synCount(tb testing.TB) int {
 	tb.Helper()
+	return entries(tb, fx.d.Maps()["syns"])
+}
+
+// entries counts the entries of a hash map.
+func entries(tb testing.TB, m *ebpf.Map) int {
+	tb.Helper()
 	n := 0
-	var id uint32
-	var st dyscoSynState
-	it := fx.d.Maps()["syns"].Iterate()
-	for it.Next(&id, &st) {
+	k, v := make([]byte, m.KeySize()), make([]byte, m.ValueSize())
+	it := m.Iterate()
+	for it.Next(&k, &v) {
 		n++
 	}
 	if err := it.Err(); err != nil {

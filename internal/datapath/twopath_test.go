@@ -15,6 +15,8 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"regexp"
+	"strconv"
 	"syscall"
 	"testing"
 	"time"
@@ -1023,18 +1025,7 @@ func TestFreeAndCutSession(t *testing.T) {
 		t.Fatal(err)
 	}
 	m["tp_req"] = fx.d.objs.DyscoTpReq
-	count := func(name string) int {
-		t.Helper()
-		n, it := 0, m[name].Iterate()
-		k, v := make([]byte, m[name].KeySize()), make([]byte, m[name].ValueSize())
-		for it.Next(&k, &v) {
-			n++
-		}
-		if err := it.Err(); err != nil {
-			t.Fatal(err)
-		}
-		return n
-	}
+	count := func(name string) int { return entries(t, m[name]) }
 
 	got, err := fx.d.CutSession(id)
 	if err != nil || got != 4 {
@@ -1081,5 +1072,32 @@ func TestFreeAndCutSession(t *testing.T) {
 	// A session that is gone: nothing to do, no error.
 	if got, err := fx.d.FreeSession(id); err != nil || got != 0 {
 		t.Errorf("FreeSession of a freed session = %d, %v", got, err)
+	}
+}
+
+// TestCtlConsts checks the Go mirrors of dysco_ctl's operations (consts.h)
+// and of the kept lock's side (twopath.h).
+func TestCtlConsts(t *testing.T) {
+	var src []byte
+	for _, f := range []string{"consts.h", "twopath.h"} {
+		b, err := os.ReadFile("../../bpf/include/" + f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		src = append(src, b...)
+	}
+	for name, want := range map[string]int{
+		"CTL_FLAGS_SET": ctlFlagsSet, "CTL_FLAGS_CLEAR": ctlFlagsClear, "CTL_TP_START": ctlTPStart,
+		"CTL_TP_STATE": ctlTPState, "CTL_TP_CLAMP": ctlTPClamp, "CTL_MARKS_MERGE": ctlMarksMerge,
+		"CTL_FREE": ctlFree, "CTL_CUT": ctlCut, "CTL_FREE_RECONF": ctlFreeReconf, "SIDE_LOCK": TPSideLock,
+	} {
+		m := regexp.MustCompile(`(?m)^#define ` + name + `\s+(\d+)`).FindSubmatch(src)
+		if m == nil {
+			t.Errorf("no #define %s", name)
+			continue
+		}
+		if got, _ := strconv.Atoi(string(m[1])); got != want {
+			t.Errorf("%s: C %d, Go %d", name, got, want)
+		}
 	}
 }
