@@ -20,6 +20,7 @@
 #include "include/structs.h"
 #include "include/maps.h"
 #include "include/parsing.h"
+#include "include/flows.h"
 #include "include/rewrite.h"
 #include "include/twopath.h"
 #include "include/hold.h"
@@ -393,7 +394,7 @@ static __attribute__((noinline)) int tp_egress(struct __sk_buff *skb, struct pkt
 	struct tp_key k = {.sess_id = sess_id, .side = (fflags & FL_REV) ? SIDE_LEFT : SIDE_RIGHT};
 	struct tp_val *tp = bpf_map_lookup_elem(&dysco_tp, &k);
 	struct dysco_tuple *target;
-	struct dysco_ends out;
+	const struct dysco_ends *out;
 	struct delta_val *dv = 0;
 	__u32 st, seq_to, ack_to, end;
 	int path = TPD_OLD, reroute;
@@ -430,12 +431,13 @@ static __attribute__((noinline)) int tp_egress(struct __sk_buff *skb, struct pkt
 	}
 	if (dv && (dv->seq || dv->ack || dv->tsval || dv->tsecr || dv->ws_on) && apply_delta_fast(skb, p, dv))
 		goto fail;
-	ends_of(&out, target);
-	if (rewrite_fast(skb, p, &out))
+	/* A tuple's ends are its first 36 bytes (struct dysco_ends). */
+	out = (const struct dysco_ends *)target;
+	if (rewrite_fast(skb, p, out))
 		goto fail;
 	stat_inc(STAT_REWRITE_OUT);
 	if (reroute)
-		return redirect_to(skb, &out, p->v6);
+		return redirect_to(skb, out, p->v6);
 	return TC_ACT_OK;
 fail:
 	stat_inc(STAT_DROP_HELPER);
@@ -467,12 +469,17 @@ static __attribute__((noinline)) __u32 tp_ingress(const struct fwd_flow *f, cons
 }
 
 /* forward applies a flow to a packet: the steady-state path. One lookup (the
- * flow); the session only for packets that can change its state. */
-static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct flow_val *fp, int egress)
+ * flow); the session only for packets that can change its state. Every use
+ * of the flow's entry (fp, in dysco_flows4 or dysco_flows6) comes first:
+ * below the marks the verifier sees both families' states as one, and the
+ * rest of the path is verified once, not once per flow map. */
+static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct flow_val *fp,
+				   const struct dysco_ends *out, int egress)
 {
 	struct fwd_flow f = {.sess_id = fp->sess_id, .flags = fp->flags};
-	struct dysco_tuple key = p->t;
+	struct delta_val dv;
 	__u32 sseq = p->seq, sack = p->ack;
+	int has_dv = 0;
 
 	/* Holding (hold.h) comes first: a held packet is not sent now, so it
 	 * must move neither the counters, the session state nor the marks, and
@@ -495,48 +502,50 @@ static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct 
 				__sync_fetch_and_or(&fp->flags, FL_EST);
 		}
 	}
-	if (egress) {
-		mark(fp, sseq, sack, seq_end(sseq, p->payload, p->flags), p->flags);
-		if (f.flags & FL_TP_OUT) {
-			int rc = tp_egress(skb, p, f.sess_id, f.flags);
-			if (rc >= 0)
-				return rc;
-		}
-	}
 	if (f.flags & FL_DELTA) {
-		struct delta_val *d = bpf_map_lookup_elem(&dysco_deltas, &key);
+		/* Keyed by the packet's own tuple, before any rewrite. */
+		struct delta_val *d = bpf_map_lookup_elem(&dysco_deltas, &p->t);
 		if (d) {
-			struct delta_val dv = *d;
-			if (apply_delta_fast(skb, p, &dv)) {
-				stat_inc(STAT_DROP_HELPER);
-				return TC_ACT_SHOT;
-			}
-			stat_inc(STAT_DELTA);
-			if (!egress) {
-				sseq += dv.seq;
-				sack += dv.ack;
-			}
+			dv = *d;
+			has_dv = 1;
 		}
 	}
-	if (!egress) {
-		__u32 end = seq_end(sseq, p->payload, p->flags);
-		mark(fp, sseq, sack, end, p->flags);
-		if (f.flags & (FL_TP_OLD | FL_TP_NEW)) {
-			__u32 ack_to = tp_ingress(&f, p, sseq, sack);
-			if (ack_to != sack && replace_u32(skb, p, p->l4 + 8, ack_to - sack)) {
-				stat_inc(STAT_DROP_HELPER);
-				return TC_ACT_SHOT;
-			}
+	/* Marks are in session space: what egress sends before translation,
+	 * what ingress receives after it. */
+	if (!egress && has_dv) {
+		sseq += dv.seq;
+		sack += dv.ack;
+	}
+	mark(fp, sseq, sack, seq_end(sseq, p->payload, p->flags), p->flags);
+
+	if (egress && (f.flags & FL_TP_OUT)) {
+		/* The two-path phase translates with its own deltas. */
+		int rc = tp_egress(skb, p, f.sess_id, f.flags);
+		if (rc >= 0)
+			return rc;
+	}
+	if (has_dv) {
+		if (apply_delta_fast(skb, p, &dv)) {
+			stat_inc(STAT_DROP_HELPER);
+			return TC_ACT_SHOT;
+		}
+		stat_inc(STAT_DELTA);
+	}
+	if (!egress && (f.flags & (FL_TP_OLD | FL_TP_NEW))) {
+		__u32 ack_to = tp_ingress(&f, p, sseq, sack);
+		if (ack_to != sack && replace_u32(skb, p, p->l4 + 8, ack_to - sack)) {
+			stat_inc(STAT_DROP_HELPER);
+			return TC_ACT_SHOT;
 		}
 	}
-	if (rewrite_fast(skb, p, &fp->out)) {
+	if (rewrite_fast(skb, p, out)) {
 		stat_inc(STAT_DROP_HELPER);
 		return TC_ACT_SHOT;
 	}
 	if (egress) {
 		stat_inc(STAT_REWRITE_OUT);
 		if (f.flags & FL_REROUTE)
-			return redirect_to(skb, &fp->out, p->v6);
+			return redirect_to(skb, out, p->v6);
 		return TC_ACT_OK;
 	}
 	stat_inc(STAT_REWRITE_IN);
@@ -566,7 +575,8 @@ static __always_inline int ended(const struct flow_val *f)
  * key is free now. */
 static __attribute__((noinline)) int reclaim(const struct dysco_tuple *key)
 {
-	struct flow_val *f = bpf_map_lookup_elem(&dysco_flows, key);
+	struct dysco_ends out;
+	struct flow_val *f = flow_get(key, &out);
 	struct dysco_tuple rk;
 	__u32 id;
 
@@ -575,9 +585,9 @@ static __attribute__((noinline)) int reclaim(const struct dysco_tuple *key)
 	if (!ended(f))
 		return 0;
 	id = f->sess_id;
-	reverse(&rk, &f->out);
-	bpf_map_delete_elem(&dysco_flows, &rk);
-	bpf_map_delete_elem(&dysco_flows, key);
+	reverse(&rk, &out);
+	flow_del(&rk);
+	flow_del(key);
 	bpf_map_delete_elem(&dysco_sessions, &id);
 	bpf_map_delete_elem(&dysco_syns, &id);
 	stat_inc(STAT_REUSED);
@@ -747,16 +757,15 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		in->bytes = skb->len;
 		in->last_ms = s->created_ms;
 		reclaim(rkey);
-		if (bpf_map_update_elem(&dysco_flows, &p->t, in, BPF_NOEXIST) ||
-		    bpf_map_update_elem(&dysco_flows, rkey, out, BPF_NOEXIST)) {
-			bpf_map_delete_elem(&dysco_flows, &p->t);
+		if (flow_put(&p->t, in, BPF_NOEXIST, &sc->v4) || flow_put(rkey, out, BPF_NOEXIST, &sc->v4)) {
+			flow_del(&p->t);
 			bpf_map_delete_elem(&dysco_sessions, &id);
 			stat_inc(STAT_DROP_FLOWS_FULL);
 			return TC_ACT_SHOT;
 		}
 		if (keep_tag && bpf_map_update_elem(&dysco_syns, &id, st, BPF_ANY)) {
-			bpf_map_delete_elem(&dysco_flows, &p->t);
-			bpf_map_delete_elem(&dysco_flows, rkey);
+			flow_del(&p->t);
+			flow_del(rkey);
 			bpf_map_delete_elem(&dysco_sessions, &id);
 			stat_inc(STAT_DROP_SESSIONS_FULL);
 			return TC_ACT_SHOT;
@@ -788,6 +797,7 @@ static __attribute__((noinline)) int ingress_icmp(struct __sk_buff *skb)
 	__u32 k0 = 0, l3 = sizeof(struct ethhdr), icmp, in3, in4, ihl;
 	struct scratch *sc = bpf_map_lookup_elem(&dysco_scratch, &k0);
 	struct dysco_tuple *kp;
+	struct dysco_ends *fo;
 	struct flow_val *f;
 	__u8 *hdr;
 	__u16 proto;
@@ -799,6 +809,7 @@ static __attribute__((noinline)) int ingress_icmp(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	hdr = sc->buf;
 	kp = &sc->next;
+	fo = &sc->ends;
 	__builtin_memset(kp, 0, sizeof(*kp));
 
 	if (bpf_skb_load_bytes(skb, 12, &proto, 2))
@@ -840,19 +851,19 @@ static __attribute__((noinline)) int ingress_icmp(struct __sk_buff *skb)
 	kp->dport = *(__be16 *)&hdr[0];
 	kp->sport = *(__be16 *)&hdr[2];
 	kp->proto = IPPROTO_TCP;
-	f = bpf_map_lookup_elem(&dysco_flows, kp);
+	f = flow_get(kp, fo);
 	if (!f || !(f->flags & FL_INGRESS))
 		return TC_ACT_OK;
-	/* The quote becomes reverse(f->out): the session as this host sees it
-	 * on the side the packet was going. kp holds the quote's
-	 * source and destination swapped. */
+	/* The quote becomes the reverse of the flow's target (fo): the
+	 * session as this host sees it on the side the packet was going. kp
+	 * holds the quote's source and destination swapped. */
 	{
 		__u32 icsum = icmp + 2;
-		__be16 nports[2] = {f->out.dport, f->out.sport}, oports[2] = {kp->dport, kp->sport};
+		__be16 nports[2] = {fo->dport, fo->sport}, oports[2] = {kp->dport, kp->sport};
 		__u8 nsrc[16], ndst[16];
 
-		__builtin_memcpy(nsrc, f->out.daddr, 16);
-		__builtin_memcpy(ndst, f->out.saddr, 16);
+		__builtin_memcpy(nsrc, fo->daddr, 16);
+		__builtin_memcpy(ndst, fo->saddr, 16);
 		if (!v6) {
 			__u32 *oa = (__u32 *)(sc->buf + 48), *na = (__u32 *)(sc->buf + 112);
 			__builtin_memcpy(&oa[0], kp->daddr + 12, 4);
@@ -909,16 +920,22 @@ fail:
 SEC("tc")
 int dysco_ingress(struct __sk_buff *skb)
 {
+	__u32 k0 = 0;
+	struct scratch *sc = bpf_map_lookup_elem(&dysco_scratch, &k0);
+	struct dysco_ends *out;
 	struct pkt p;
 	struct flow_val *f;
 	__u8 opt[DYSCO_OPT_LEN];
 
+	if (!sc)
+		return TC_ACT_OK;
+	out = &sc->fout;
 	if (parse(skb, &p))
 		return ingress_icmp(skb);
 	/* A flow applies at one hook only: a host that starts or ends a chain
 	 * also forwards the session's plain packets, whose tuple keys its
 	 * egress flow. */
-	f = bpf_map_lookup_elem(&dysco_flows, &p.t);
+	f = flow_get(&p.t, out);
 	if (f && !(f->flags & FL_INGRESS))
 		f = 0;
 	if ((p.flags & (TH_SYN | TH_ACK)) == TH_SYN) {
@@ -934,7 +951,7 @@ int dysco_ingress(struct __sk_buff *skb)
 			return ingress_syn(skb, &p, opt, f);
 	}
 	if (f)
-		return forward(skb, &p, f, 0);
+		return forward(skb, &p, f, out, 0);
 	return TC_ACT_OK;
 }
 
@@ -990,7 +1007,7 @@ static __always_inline int emit_syn(struct __sk_buff *skb, struct pkt *p, __u32 
 			out.sport = bpf_htons(port_lo + (__u16)((r & 0xffff) % port_n));
 			out.dport = bpf_htons(port_lo + (__u16)((r >> 16) % port_n));
 			reverse(rkey, &out);
-			if (!bpf_map_update_elem(&dysco_flows, rkey, rev, BPF_NOEXIST)) {
+			if (!flow_put(rkey, rev, BPF_NOEXIST, &sc->v4)) {
 				ok = 1;
 				break;
 			}
@@ -1006,8 +1023,8 @@ static __always_inline int emit_syn(struct __sk_buff *skb, struct pkt *p, __u32 
 		fwd->bytes = skb->len;
 		fwd->last_ms = stamp();
 		reclaim(&p->t);
-		if (bpf_map_update_elem(&dysco_flows, &p->t, fwd, BPF_NOEXIST)) {
-			bpf_map_delete_elem(&dysco_flows, rkey);
+		if (flow_put(&p->t, fwd, BPF_NOEXIST, &sc->v4)) {
+			flow_del(rkey);
 			stat_inc(STAT_DROP_FLOWS_FULL);
 			return TC_ACT_SHOT;
 		}
@@ -1197,13 +1214,13 @@ int dysco_setup(struct __sk_buff *skb)
 	} else {
 		struct syn_state *saved;
 
-		f = bpf_map_lookup_elem(&dysco_flows, &p.t);
+		f = flow_get(&p.t, &sc->known.out);
 		if (f && (f->flags & FL_INGRESS))
 			f = 0;
 		if (f) {
 			if (!(f->flags & FL_SYN_EMIT))
 				return TC_ACT_OK;
-			sc->known = *f;
+			__builtin_memcpy(&sc->known, f, FLOW_HEAD_LEN);
 			known = &sc->known;
 			id = known->sess_id;
 		} else if (otype == DYSCO_OPT_TYPE_LOCAL_TAG) {
@@ -1237,13 +1254,19 @@ int dysco_setup(struct __sk_buff *skb)
 SEC("tc")
 int dysco_egress(struct __sk_buff *skb)
 {
+	__u32 k0 = 0;
+	struct scratch *sc = bpf_map_lookup_elem(&dysco_scratch, &k0);
+	struct dysco_ends *out;
 	struct pkt p;
 	struct flow_val *f;
 	__u8 opt[DYSCO_OPT_LEN];
 
+	if (!sc)
+		return TC_ACT_OK;
+	out = &sc->fout;
 	if (parse(skb, &p))
 		return TC_ACT_OK;
-	f = bpf_map_lookup_elem(&dysco_flows, &p.t);
+	f = flow_get(&p.t, out);
 	if (f && (f->flags & FL_INGRESS))
 		f = 0;
 	/* A SYN on the tuple of a session that has ended begins a new one. */
@@ -1265,7 +1288,7 @@ int dysco_egress(struct __sk_buff *skb)
 		return TC_ACT_OK; /* no policies installed */
 	}
 	if (f)
-		return forward(skb, &p, f, 1);
+		return forward(skb, &p, f, out, 1);
 	return TC_ACT_OK;
 }
 
@@ -1283,7 +1306,7 @@ int dysco_tap_drop(struct __sk_buff *skb)
  * what it sees. Returns 1 if the flow was the session's. */
 static __attribute__((noinline)) int session_flow(const struct dysco_tuple *k, __u32 id, __u32 op)
 {
-	struct flow_val *f = bpf_map_lookup_elem(&dysco_flows, k);
+	struct flow_val *f = flow_get(k, 0);
 
 	if (!f || f->sess_id != id)
 		return 0;
@@ -1291,7 +1314,7 @@ static __attribute__((noinline)) int session_flow(const struct dysco_tuple *k, _
 		__sync_fetch_and_or(&f->flags, FL_DROP);
 		return 1;
 	}
-	bpf_map_delete_elem(&dysco_flows, k);
+	flow_del(k);
 	bpf_map_delete_elem(&dysco_deltas, k);
 	return 1;
 }
@@ -1305,6 +1328,7 @@ static __attribute__((noinline)) int session_flows(__u32 id, __u32 op)
 {
 	struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &id);
 	struct dysco_tuple k, in;
+	struct dysco_ends out;
 	struct flow_val *f;
 	struct tp_val *tp;
 	struct tp_key tk = {.sess_id = id};
@@ -1323,10 +1347,10 @@ static __attribute__((noinline)) int session_flows(__u32 id, __u32 op)
 		} else {
 			reverse(&k, &s->tuple);
 		}
-		f = bpf_map_lookup_elem(&dysco_flows, &k);
+		f = flow_get(&k, &out);
 		if (!f || f->sess_id != id)
 			continue;
-		reverse(&in, &f->out);
+		reverse(&in, &out);
 		n += session_flow(&k, id, op);
 		n += session_flow(&in, id, op);
 	}
@@ -1384,8 +1408,8 @@ int dysco_ctl(struct ctl_args *a)
 		struct dysco_tuple key2;
 		struct flow_val *dst;
 		__builtin_memcpy(&key2, &a->key2, sizeof(key2));
-		fp = bpf_map_lookup_elem(&dysco_flows, &key);
-		dst = bpf_map_lookup_elem(&dysco_flows, &key2);
+		fp = flow_get(&key, 0);
+		dst = flow_get(&key2, 0);
 		if (!fp || !dst)
 			return -2;
 		if (!(fp->flags & FL_MARKS))
@@ -1403,7 +1427,7 @@ int dysco_ctl(struct ctl_args *a)
 		return 0;
 	}
 	if (op == CTL_FLAGS_SET || op == CTL_FLAGS_CLEAR) {
-		fp = bpf_map_lookup_elem(&dysco_flows, &key);
+		fp = flow_get(&key, 0);
 		if (!fp)
 			return -2; /* ENOENT */
 		if (op == CTL_FLAGS_SET)

@@ -10,6 +10,18 @@
 #include <bpf/bpf_helpers.h>
 #include "structs.h"
 
+/* Flows by family (flows.h): IPv4 ones with 16-byte keys and 48-byte
+ * values, two cache lines per entry with the kernel's header, IPv6 ones
+ * with 40-byte keys and 72-byte values. Each holds MAX_FLOWS. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_FLOWS);
+	__type(key, struct dysco_tuple4);
+	__type(value, struct flow_val4);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_flows4 SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, MAX_FLOWS);
@@ -17,7 +29,7 @@ struct {
 	__type(value, struct flow_val);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} dysco_flows SEC(".maps");
+} dysco_flows6 SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);

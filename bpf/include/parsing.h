@@ -85,6 +85,10 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 		p->l3_len = sizeof(*ip6) + bpf_ntohs(ip6->payload_len);
 		__builtin_memcpy(p->t.saddr, &ip6->saddr, 16);
 		__builtin_memcpy(p->t.daddr, &ip6->daddr, 16);
+		/* IPv4-mapped addresses never appear on the wire (RFC 4291
+		 * 2.5.5.2); Dysco keys IPv4 flows by them (flows.h). */
+		if (is_mapped4(p->t.saddr) || is_mapped4(p->t.daddr))
+			return -1;
 	} else {
 		return -1;
 	}

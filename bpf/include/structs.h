@@ -27,14 +27,41 @@ struct dysco_ends {
 	__be16 dport;
 };
 
+/* An IPv4 TCP five-tuple: the key of dysco_flows4 (16 bytes, not 40). */
+struct dysco_tuple4 {
+	__be32 saddr;
+	__be32 daddr;
+	__be16 sport;
+	__be16 dport;
+	__u8 proto;
+	__u8 pad[3];
+};
+
+/* The addresses and ports of an IPv4 TCP tuple: an IPv4 flow's rewrite
+ * target. */
+struct dysco_ends4 {
+	__be32 saddr;
+	__be32 daddr;
+	__be16 sport;
+	__be16 dport;
+};
+
 /* One direction of a session at one hook of this host: the packet's tuple
  * (the map key) is replaced by out. Kept small: it is the per-packet lookup,
- * and at 100,000 sessions a middlebox host holds 400,000 of them. 72 bytes:
- * the kernel accounts 48 + 40 + 72 + 8 = 168 bytes per entry, allocated
- * from kmalloc-192 (docs/architecture.md, "Small entries"). The flags are
- * 4-byte aligned and the counters 8-byte aligned, as atomic operations need. */
+ * and at 100,000 sessions a middlebox host holds 400,000 of them. IPv4 flows
+ * live in dysco_flows4 as flow_val4, IPv6 flows in dysco_flows6 as
+ * flow_val; both begin with the same 36 bytes (the head: counters, session,
+ * flags, marks, stamp), so that code reading only the head takes either
+ * (flows.h), and only the rewrite target differs. The kernel accounts 48 +
+ * 16 + 48 + 8 = 120 bytes per IPv4 entry (kmalloc-128) and 48 + 40 + 72 + 8 =
+ * 168 per IPv6 entry (kmalloc-192; docs/architecture.md, "Small entries").
+ * The flags are 4-byte aligned and the counters 8-byte aligned, as atomic
+ * operations need. */
 struct flow_val {
-	struct dysco_ends out;
+	/* Counters live in the flow, not the session: the steady-state path
+	 * then needs one lookup, and each direction writes its own entry. */
+	__u64 packets;
+	__u64 bytes;
 	__u32 sess_id;
 	/* FL_*, the direction (FL_REV) and whether the marks are known
 	 * (FL_MARKS) included; 32 bits so that the agent (dysco_ctl) and the
@@ -47,11 +74,23 @@ struct flow_val {
 	__u32 mk_seq;
 	__u32 mk_ack;
 	__u32 last_ms; /* last packet, a stamp (stamp() in dysco.c) */
-	/* Counters live in the flow, not the session: the steady-state path
-	 * then needs one lookup, and each direction writes its own entry. */
+	struct dysco_ends out; /* IPv6 (dysco_flows6) */
+};
+
+/* An IPv4 flow: flow_val's head, field for field, then an IPv4 target. */
+struct flow_val4 {
 	__u64 packets;
 	__u64 bytes;
+	__u32 sess_id;
+	__u32 flags;
+	__u32 mk_seq;
+	__u32 mk_ack;
+	__u32 last_ms;
+	struct dysco_ends4 out;
 };
+
+/* The bytes both flow values begin with. */
+#define FLOW_HEAD_LEN 36
 
 /* Per-session state on this host. 80 bytes: the kernel accounts 48 + 8 + 80
  * + 8 = 144 bytes per entry, allocated from kmalloc-192 (docs/architecture.md,
@@ -219,6 +258,11 @@ struct scratch {
 	struct syn_state st;
 	struct session_val sess;
 	struct flow_val fwd, rev, known;
+	struct flow_val4 v4;       /* a flow being written to dysco_flows4 */
+	/* The steady state's rewrite target (dysco_ingress, dysco_egress):
+	 * here rather than on the stack, so that the verifier sees the same
+	 * state after an IPv4 and after an IPv6 flow (flows.h). */
+	struct dysco_ends fout;
 	struct dysco_tuple next, rkey;
 	struct dysco_ends ends; /* a SYN's rewrite target on ingress, its next hop on egress */
 };
@@ -227,6 +271,15 @@ struct scratch {
  * dysco_ctl's atomic operations need. */
 _Static_assert(sizeof(struct dysco_ends) == 36, "dysco_ends is 36 bytes");
 _Static_assert(sizeof(struct flow_val) == 72, "flow_val is 72 bytes");
+_Static_assert(sizeof(struct flow_val4) == 48, "flow_val4 is 48 bytes");
+_Static_assert(sizeof(struct dysco_tuple4) == 16, "dysco_tuple4 is 16 bytes");
+_Static_assert(__builtin_offsetof(struct flow_val, out) == FLOW_HEAD_LEN &&
+	       __builtin_offsetof(struct flow_val4, out) == FLOW_HEAD_LEN &&
+	       __builtin_offsetof(struct flow_val4, last_ms) == __builtin_offsetof(struct flow_val, last_ms) &&
+	       __builtin_offsetof(struct flow_val4, mk_seq) == __builtin_offsetof(struct flow_val, mk_seq) &&
+	       __builtin_offsetof(struct flow_val4, flags) == __builtin_offsetof(struct flow_val, flags) &&
+	       __builtin_offsetof(struct flow_val4, sess_id) == __builtin_offsetof(struct flow_val, sess_id),
+	       "flow_val and flow_val4 share their head");
 _Static_assert(sizeof(struct session_val) == 80, "session_val is 80 bytes");
 _Static_assert(MAX_POLICIES < 0xffff, "a policy slot + 1 fits session_val.policy");
 _Static_assert(__builtin_offsetof(struct flow_val, flags) % 4 == 0, "flow_val.flags is aligned");

@@ -16,6 +16,7 @@
 
 #include "maps.h"
 #include "parsing.h"
+#include "flows.h"
 
 #define TH_FIN_ 0x01
 #define TH_SYN_ 0x02
@@ -103,8 +104,8 @@ static __always_inline int tp_start(struct tp_val *tp, const struct tp_key *k)
 
 	if (!__sync_bool_compare_and_swap(&tp->state, TP_IDLE, TP_STARTING))
 		return tp->state == TP_ACTIVE ? 0 : -1;
-	eg = bpf_map_lookup_elem(&dysco_flows, &tp->eg_key);
-	in = bpf_map_lookup_elem(&dysco_flows, &tp->in_old);
+	eg = flow_get(&tp->eg_key, 0);
+	in = flow_get(&tp->in_old, 0);
 	if (eg && (eg->flags & FL_MARKS)) {
 		snd = eg->mk_seq;
 		ack_sent = eg->mk_ack;

@@ -42,10 +42,10 @@ func BenchmarkDatapath(b *testing.B) {
 			if c.flow != nil {
 				back := *c.flow
 				back.Out = c.packet.key().Ends()
-				if err := m["flows"].Put(c.packet.key(), est(*c.flow)); err != nil {
+				if err := fx.d.PutFlow(c.packet.key(), est(*c.flow), ebpf.UpdateAny); err != nil {
 					b.Fatal(err)
 				}
-				if err := m["flows"].Put(c.flow.Out.Tuple(), est(back)); err != nil {
+				if err := fx.d.PutFlow(c.flow.Out.Tuple(), est(back), ebpf.UpdateAny); err != nil {
 					b.Fatal(err)
 				}
 				if c.delta != nil {
@@ -98,18 +98,18 @@ func BenchmarkMapAccess(b *testing.B) {
 			_ = tp.Lookup(&k, &v)
 		}
 	})
-	fk := TupleFrom(subIn4)
-	var f Flow
+	fk := TupleFrom(subIn4).To4()
+	var f Flow4
 	b.Run("flow/by-value", func(b *testing.B) {
 		for b.Loop() {
-			_ = fx.d.objs.DyscoFlows.Update(fk, f, ebpf.UpdateAny)
-			_ = fx.d.objs.DyscoFlows.Lookup(fk, &f)
+			_ = fx.d.objs.DyscoFlows4.Update(fk, f, ebpf.UpdateAny)
+			_ = fx.d.objs.DyscoFlows4.Lookup(fk, &f)
 		}
 	})
 	b.Run("flow/by-pointer", func(b *testing.B) {
 		for b.Loop() {
-			_ = fx.d.objs.DyscoFlows.Update(&fk, &f, ebpf.UpdateAny)
-			_ = fx.d.objs.DyscoFlows.Lookup(&fk, &f)
+			_ = fx.d.objs.DyscoFlows4.Update(&fk, &f, ebpf.UpdateAny)
+			_ = fx.d.objs.DyscoFlows4.Lookup(&fk, &f)
 		}
 	})
 	b.Run("ctl", func(b *testing.B) {

@@ -10,9 +10,11 @@ package datapath
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 
@@ -46,7 +48,7 @@ const MaxSessionsLimit = 1 << 22
 
 // Sizing says how the session maps were sized at a load.
 type Sizing struct {
-	Sessions, Flows int // capacity of dysco_sessions and dysco_flows
+	Sessions, Flows int // capacity of dysco_sessions and of each flow map (dysco_flows4, dysco_flows6)
 	// Kept is set when maps pinned by an earlier load kept a size other
 	// than the one asked for (a change takes a reset of the pins).
 	Kept      bool
@@ -65,6 +67,7 @@ type Datapath struct {
 
 	// Buffers of the walks of the session maps (eachBatch).
 	flowBufs    batchBufs[Tuple, Flow]
+	flow4Bufs   batchBufs[Tuple4, Flow4]
 	sessionBufs batchBufs[uint32, Session]
 	setupBufs   batchBufs[uint32, dyscoSynState]
 }
@@ -190,7 +193,7 @@ func sizeMaps(spec *ebpf.CollectionSpec, dir string, maxSessions int) (Sizing, e
 	if want == 0 {
 		want = int(spec.Maps["dysco_sessions"].MaxEntries)
 	}
-	sizes := map[string]int{"dysco_sessions": want, "dysco_syns": want, "dysco_flows": 4 * want}
+	sizes := map[string]int{"dysco_sessions": want, "dysco_syns": want, "dysco_flows4": 4 * want, "dysco_flows6": 4 * want}
 	kept := false
 	for name, n := range sizes {
 		m, err := ebpf.LoadPinnedMap(filepath.Join(dir, name), nil)
@@ -208,7 +211,7 @@ func sizeMaps(spec *ebpf.CollectionSpec, dir string, maxSessions int) (Sizing, e
 	for name, n := range sizes {
 		spec.Maps[name].MaxEntries = uint32(n)
 	}
-	return Sizing{Sessions: sizes["dysco_sessions"], Flows: sizes["dysco_flows"], Kept: kept, Requested: want}, nil
+	return Sizing{Sessions: sizes["dysco_sessions"], Flows: sizes["dysco_flows4"], Kept: kept, Requested: want}, nil
 }
 
 // checkPinned compares the maps pinned under dir with those of this
@@ -220,7 +223,8 @@ func sizeMaps(spec *ebpf.CollectionSpec, dir string, maxSessions int) (Sizing, e
 // pinned links, go on forwarding the live sessions on the old maps until
 // the operator resets the pins ('dysco agent --reset', which ends every
 // session on the host) and starts the new agent. A map not pinned yet is
-// created by Load.
+// created by Load. A pinned map that this version no longer has
+// (retiredMaps) holds sessions it would not see: it is refused the same way.
 func checkPinned(spec *ebpf.CollectionSpec, dir string) error {
 	names := make([]string, 0, len(spec.Maps))
 	for name, ms := range spec.Maps {
@@ -246,6 +250,11 @@ func checkPinned(spec *ebpf.CollectionSpec, dir string) error {
 			return fmt.Errorf("datapath: pinned map %s: %w", name, err)
 		}
 	}
+	for _, name := range slices.Sorted(maps.Keys(retiredMaps)) {
+		if _, err := os.Stat(filepath.Join(dir, name)); err == nil {
+			diffs = append(diffs, fmt.Sprintf("%s (no longer used: %s)", name, retiredMaps[name]))
+		}
+	}
 	if len(diffs) == 0 {
 		return nil
 	}
@@ -253,6 +262,12 @@ func checkPinned(spec *ebpf.CollectionSpec, dir string) error {
 		"their sessions cannot be carried over (the old programs keep forwarding them meanwhile): "+
 		"stop the agent, run 'dysco agent --reset --pin-dir %s' (every session on this host ends) and start it again",
 		dir, strings.Join(diffs, ", "), ebpf.ErrMapIncompatible, dir)
+}
+
+// retiredMaps names the pinned maps of earlier versions that this one no
+// longer has, with what replaced each.
+var retiredMaps = map[string]string{
+	"dysco_flows": "the flows are in dysco_flows4 and dysco_flows6",
 }
 
 func boolU8(b bool) uint8 {

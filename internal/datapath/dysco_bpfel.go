@@ -57,6 +57,14 @@ type dyscoDyscoEnds struct {
 	Dport uint16
 }
 
+type dyscoDyscoEnds4 struct {
+	_     structs.HostLayout
+	Saddr uint32
+	Daddr uint32
+	Sport uint16
+	Dport uint16
+}
+
 type dyscoDyscoTuple struct {
 	_     structs.HostLayout
 	Saddr [16]uint8
@@ -67,16 +75,38 @@ type dyscoDyscoTuple struct {
 	Pad   [3]uint8
 }
 
+type dyscoDyscoTuple4 struct {
+	_     structs.HostLayout
+	Saddr uint32
+	Daddr uint32
+	Sport uint16
+	Dport uint16
+	Proto uint8
+	Pad   [3]uint8
+}
+
 type dyscoFlowVal struct {
 	_       structs.HostLayout
-	Out     dyscoDyscoEnds
+	Packets uint64
+	Bytes   uint64
 	SessId  uint32
 	Flags   uint32
 	MkSeq   uint32
 	MkAck   uint32
 	LastMs  uint32
+	Out     dyscoDyscoEnds
+}
+
+type dyscoFlowVal4 struct {
+	_       structs.HostLayout
 	Packets uint64
 	Bytes   uint64
+	SessId  uint32
+	Flags   uint32
+	MkSeq   uint32
+	MkAck   uint32
+	LastMs  uint32
+	Out     dyscoDyscoEnds4
 }
 
 type dyscoHoldBuf struct {
@@ -111,10 +141,11 @@ type dyscoScratch struct {
 	Fwd   dyscoFlowVal
 	Rev   dyscoFlowVal
 	Known dyscoFlowVal
+	V4    dyscoFlowVal4
+	Fout  dyscoDyscoEnds
 	Next  dyscoDyscoTuple
 	Rkey  dyscoDyscoTuple
 	Ends  dyscoDyscoEnds
-	_     [4]byte
 }
 
 type dyscoSessionVal struct {
@@ -213,7 +244,8 @@ const (
 	dyscoMapDyscoConfig    = "dysco_config"
 	dyscoMapDyscoDeltas    = "dysco_deltas"
 	dyscoMapDyscoEvents    = "dysco_events"
-	dyscoMapDyscoFlows     = "dysco_flows"
+	dyscoMapDyscoFlows4    = "dysco_flows4"
+	dyscoMapDyscoFlows6    = "dysco_flows6"
 	dyscoMapDyscoHold      = "dysco_hold"
 	dyscoMapDyscoHoldBuf   = "dysco_hold_buf"
 	dyscoMapDyscoIds       = "dysco_ids"
@@ -296,7 +328,8 @@ type dyscoMapSpecs struct {
 	DyscoConfig   *ebpf.MapSpec `ebpf:"dysco_config"`
 	DyscoDeltas   *ebpf.MapSpec `ebpf:"dysco_deltas"`
 	DyscoEvents   *ebpf.MapSpec `ebpf:"dysco_events"`
-	DyscoFlows    *ebpf.MapSpec `ebpf:"dysco_flows"`
+	DyscoFlows4   *ebpf.MapSpec `ebpf:"dysco_flows4"`
+	DyscoFlows6   *ebpf.MapSpec `ebpf:"dysco_flows6"`
 	DyscoHold     *ebpf.MapSpec `ebpf:"dysco_hold"`
 	DyscoHoldBuf  *ebpf.MapSpec `ebpf:"dysco_hold_buf"`
 	DyscoIds      *ebpf.MapSpec `ebpf:"dysco_ids"`
@@ -347,7 +380,8 @@ type dyscoMaps struct {
 	DyscoConfig   *ebpf.Map `ebpf:"dysco_config"`
 	DyscoDeltas   *ebpf.Map `ebpf:"dysco_deltas"`
 	DyscoEvents   *ebpf.Map `ebpf:"dysco_events"`
-	DyscoFlows    *ebpf.Map `ebpf:"dysco_flows"`
+	DyscoFlows4   *ebpf.Map `ebpf:"dysco_flows4"`
+	DyscoFlows6   *ebpf.Map `ebpf:"dysco_flows6"`
 	DyscoHold     *ebpf.Map `ebpf:"dysco_hold"`
 	DyscoHoldBuf  *ebpf.Map `ebpf:"dysco_hold_buf"`
 	DyscoIds      *ebpf.Map `ebpf:"dysco_ids"`
@@ -370,7 +404,8 @@ func (m *dyscoMaps) Close() error {
 		m.DyscoConfig,
 		m.DyscoDeltas,
 		m.DyscoEvents,
-		m.DyscoFlows,
+		m.DyscoFlows4,
+		m.DyscoFlows6,
 		m.DyscoHold,
 		m.DyscoHoldBuf,
 		m.DyscoIds,

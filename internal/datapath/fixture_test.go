@@ -219,7 +219,7 @@ func (fx *fixture) run(tb testing.TB, prog *ebpf.Program, frame []byte) (uint32,
 func (fx *fixture) reset(tb testing.TB) {
 	tb.Helper()
 	m := fx.d.Maps()
-	for _, name := range []string{"flows", "sessions", "syns", "deltas"} {
+	for _, name := range []string{"flows4", "flows6", "sessions", "syns", "deltas"} {
 		clearHash(tb, m[name])
 	}
 	if err := fx.d.SetPolicies(nil); err != nil {

@@ -5,6 +5,7 @@ import (
 	"net/netip"
 	"testing"
 
+	"github.com/cilium/ebpf"
 	"github.com/gopacket/gopacket"
 	"github.com/gopacket/gopacket/layers"
 
@@ -59,7 +60,7 @@ func TestICMPErrorTranslated(t *testing.T) {
 			sub, sess := mustTuple(t, c.sub), mustTuple(t, c.session)
 			// The reverse subsession's ingress flow maps replies to the session.
 			f := Flow{Out: EndsFrom(sess.Reverse()), SessId: 1, Flags: FlIngress | FlRev}
-			if err := fx.d.Maps()["flows"].Put(TupleFrom(sub.Reverse()), f); err != nil {
+			if err := fx.d.PutFlow(TupleFrom(sub.Reverse()), f, ebpf.UpdateAny); err != nil {
 				t.Fatal(err)
 			}
 			before := fx.stats(t)

@@ -50,9 +50,16 @@ func TestLoadRefusesIncompatiblePins(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	old := map[string]uint32{"dysco_flows": 88, "dysco_sessions": 96}
+	// dysco_flows is retired (the flows are now by family), with the
+	// layout it had last.
+	old := map[string]uint32{"dysco_flows6": 88, "dysco_sessions": 96, "dysco_flows": 72}
 	for name, vsize := range old {
-		ms := spec.Maps[name].Copy()
+		from := name
+		if name == "dysco_flows" {
+			from = "dysco_flows6"
+		}
+		ms := spec.Maps[from].Copy()
+		ms.Name = name
 		ms.ValueSize = vsize
 		ms.Key, ms.Value = nil, nil // no BTF: the old value type is not at hand
 		ms.Pinning = ebpf.PinNone
@@ -79,7 +86,8 @@ func TestLoadRefusesIncompatiblePins(t *testing.T) {
 		t.Errorf("error does not wrap ErrMapIncompatible: %v", err)
 	}
 	for _, want := range []string{
-		"dysco_flows (ValueSize: 88 changed to 72)", "dysco_sessions (ValueSize: 96 changed to 80)",
+		"dysco_flows6 (ValueSize: 88 changed to 72)", "dysco_sessions (ValueSize: 96 changed to 80)",
+		"dysco_flows (no longer used: the flows are in dysco_flows4 and dysco_flows6)",
 		"dysco agent --reset --pin-dir " + dir,
 	} {
 		if !strings.Contains(err.Error(), want) {
@@ -126,6 +134,8 @@ func TestValueSizes(t *testing.T) {
 		want int
 	}{
 		{"flow_val", binary.Size(Flow{}), 72},
+		{"flow_val4", binary.Size(Flow4{}), 48},
+		{"dysco_tuple4", binary.Size(Tuple4{}), 16},
 		{"session_val", binary.Size(Session{}), 80},
 		{"dysco_ends", binary.Size(Ends{}), 36},
 		{"dysco_tuple", binary.Size(Tuple{}), 40},
@@ -147,12 +157,17 @@ func TestLoadSizing(t *testing.T) {
 		t.Fatal(err)
 	}
 	def := spec.Maps["dysco_sessions"].MaxEntries // MAX_SESSIONS
-	if spec.Maps["dysco_flows"].MaxEntries != 4*def {
-		t.Fatalf("the object's MAX_FLOWS %d is not four times its MAX_SESSIONS %d", spec.Maps["dysco_flows"].MaxEntries, def)
+	for _, name := range []string{"dysco_flows4", "dysco_flows6"} {
+		if spec.Maps[name].MaxEntries != 4*def {
+			t.Fatalf("the object's %s holds %d, not four times its MAX_SESSIONS %d", name, spec.Maps[name].MaxEntries, def)
+		}
 	}
 	dir := testPinDir(t)
 	caps := func(d *Datapath) [3]uint32 {
-		return [3]uint32{d.objs.DyscoSessions.MaxEntries(), d.objs.DyscoSyns.MaxEntries(), d.objs.DyscoFlows.MaxEntries()}
+		if n4, n6 := d.objs.DyscoFlows4.MaxEntries(), d.objs.DyscoFlows6.MaxEntries(); n4 != n6 {
+			t.Fatalf("the IPv4 flow map holds %d, the IPv6 one %d", n4, n6)
+		}
+		return [3]uint32{d.objs.DyscoSessions.MaxEntries(), d.objs.DyscoSyns.MaxEntries(), d.objs.DyscoFlows4.MaxEntries()}
 	}
 	d, err := Load(Config{PinDir: dir, MaxSessions: 1000})
 	if err != nil {

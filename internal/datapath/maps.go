@@ -110,6 +110,87 @@ type Flow = dyscoFlowVal
 // (Flow.Out), and a session's tuple (Session.Tuple).
 type Ends = dyscoDyscoEnds
 
+// Tuple4 is the Go view of struct dysco_tuple4, the key of the IPv4 flow
+// map; Flow4 of struct flow_val4, its value. Callers use Tuple and Flow:
+// the flow methods of Datapath convert (Tuple.Is4 tells which map a key
+// belongs to).
+type (
+	Tuple4 = dyscoDyscoTuple4
+	Flow4  = dyscoFlowVal4
+)
+
+// Is4 tells whether both addresses of the tuple are IPv4 (IPv4-mapped): its
+// flow lives in the IPv4 flow map.
+func (k Tuple) Is4() bool { return isMapped4(k.Saddr) && isMapped4(k.Daddr) }
+
+func isMapped4(a [16]byte) bool {
+	return a == [16]byte{10: 0xff, 11: 0xff, 12: a[12], 13: a[13], 14: a[14], 15: a[15]}
+}
+
+func addr4(a [16]byte) uint32 { return binary.NativeEndian.Uint32(a[12:]) }
+
+func mapped(a uint32) [16]byte {
+	m := [16]byte{10: 0xff, 11: 0xff}
+	binary.NativeEndian.PutUint32(m[12:], a)
+	return m
+}
+
+// To4 gives the IPv4 flow map's key of an IPv4 tuple (Is4).
+func (k Tuple) To4() Tuple4 {
+	return Tuple4{Saddr: addr4(k.Saddr), Daddr: addr4(k.Daddr), Sport: k.Sport, Dport: k.Dport, Proto: k.Proto}
+}
+
+// Tuple gives the tuple of an IPv4 flow map key.
+func (k Tuple4) Tuple() Tuple {
+	return Tuple{Saddr: mapped(k.Saddr), Daddr: mapped(k.Daddr), Sport: k.Sport, Dport: k.Dport, Proto: k.Proto}
+}
+
+// To4 gives the IPv4 flow map's value of a flow whose target is IPv4.
+func (f Flow) To4() (Flow4, error) {
+	if !isMapped4(f.Out.Saddr) || !isMapped4(f.Out.Daddr) {
+		return Flow4{}, fmt.Errorf("datapath: IPv4 flow with an IPv6 target %s", f.Out)
+	}
+	return Flow4{Packets: f.Packets, Bytes: f.Bytes, SessId: f.SessId, Flags: f.Flags, MkSeq: f.MkSeq,
+		MkAck: f.MkAck, LastMs: f.LastMs,
+		Out: dyscoDyscoEnds4{Saddr: addr4(f.Out.Saddr), Daddr: addr4(f.Out.Daddr), Sport: f.Out.Sport, Dport: f.Out.Dport}}, nil
+}
+
+// Flow gives the flow of an IPv4 flow map value.
+func (f Flow4) Flow() Flow {
+	return Flow{Packets: f.Packets, Bytes: f.Bytes, SessId: f.SessId, Flags: f.Flags, MkSeq: f.MkSeq,
+		MkAck: f.MkAck, LastMs: f.LastMs,
+		Out: Ends{Saddr: mapped(f.Out.Saddr), Daddr: mapped(f.Out.Daddr), Sport: f.Out.Sport, Dport: f.Out.Dport}}
+}
+
+// PutFlow writes the flow at k into the map of its family. The datapath
+// writes flows itself; the agent adds the flows of new subsessions
+// (AddFlow), and tests and benchmarks install flows with it.
+func (d *Datapath) PutFlow(k Tuple, f Flow, flags ebpf.MapUpdateFlags) error {
+	if k.Is4() {
+		f4, err := f.To4()
+		if err != nil {
+			return err
+		}
+		k4 := k.To4()
+		return d.objs.DyscoFlows4.Update(&k4, &f4, flags)
+	}
+	return d.objs.DyscoFlows6.Update(&k, &f, flags)
+}
+
+func (d *Datapath) lookupFlow(k Tuple) (Flow, error) {
+	if k.Is4() {
+		var f4 Flow4
+		k4 := k.To4()
+		if err := d.objs.DyscoFlows4.Lookup(&k4, &f4); err != nil {
+			return Flow{}, err
+		}
+		return f4.Flow(), nil
+	}
+	var f Flow
+	err := d.objs.DyscoFlows6.Lookup(&k, &f)
+	return f, err
+}
+
 // Dir is a flow's direction: 0 for the SYN's, 1 for the reverse (FlRev).
 func (f Flow) Dir() uint8 {
 	if f.Flags&FlRev != 0 {
@@ -379,10 +460,18 @@ func (d *Datapath) EachSession(fn func(id uint32, s *Session)) error {
 	return eachBatch(d.objs.DyscoSessions, "sessions", &d.sessionBufs, func(k *uint32, v *Session) { fn(*k, v) })
 }
 
-// EachFlow calls fn for every flow without holding them all; k and f are
-// valid during the call only.
+// EachFlow calls fn for every flow, IPv4 and IPv6, without holding them
+// all; k and f are valid during the call only.
 func (d *Datapath) EachFlow(fn func(k *Tuple, f *Flow)) error {
-	return eachBatch(d.objs.DyscoFlows, "flows", &d.flowBufs, fn)
+	var k Tuple
+	var f Flow
+	if err := eachBatch(d.objs.DyscoFlows4, "IPv4 flows", &d.flow4Bufs, func(k4 *Tuple4, f4 *Flow4) {
+		k, f = k4.Tuple(), f4.Flow()
+		fn(&k, &f)
+	}); err != nil {
+		return err
+	}
+	return eachBatch(d.objs.DyscoFlows6, "IPv6 flows", &d.flowBufs, fn)
 }
 
 // EachSetup calls fn with the id of every session that has set-up state.
@@ -463,7 +552,12 @@ func (d *Datapath) DeleteSynState(id uint32) {
 
 // DeleteFlow removes one flow and any delta attached to it.
 func (d *Datapath) DeleteFlow(k Tuple) {
-	_ = d.objs.DyscoFlows.Delete(&k)
+	if k.Is4() {
+		k4 := k.To4()
+		_ = d.objs.DyscoFlows4.Delete(&k4)
+	} else {
+		_ = d.objs.DyscoFlows6.Delete(&k)
+	}
 	_ = d.objs.DyscoDeltas.Delete(&k)
 }
 
@@ -513,7 +607,7 @@ func Age(now, t uint32) time.Duration {
 // Maps gives tests and benchmarks direct access to the maps.
 func (d *Datapath) Maps() map[string]*ebpf.Map {
 	return map[string]*ebpf.Map{
-		"flows": d.objs.DyscoFlows, "sessions": d.objs.DyscoSessions, "syns": d.objs.DyscoSyns,
+		"flows4": d.objs.DyscoFlows4, "flows6": d.objs.DyscoFlows6, "sessions": d.objs.DyscoSessions, "syns": d.objs.DyscoSyns,
 		"deltas": d.objs.DyscoDeltas, "local": d.objs.DyscoLocal, "policies": d.objs.DyscoPolicies,
 		"types": d.objs.DyscoTypes, "stats": d.objs.DyscoStats,
 	}
@@ -536,9 +630,8 @@ var ErrTooLate = errors.New("the session's SYN has already left this host")
 // SessionIDByTuple finds a session set up on this host by its session tuple
 // (as it entered the host).
 func (d *Datapath) SessionIDByTuple(t wire.Tuple) (uint32, error) {
-	var f Flow
-	k := TupleFrom(t.Reverse())
-	if err := d.objs.DyscoFlows.Lookup(&k, &f); err != nil {
+	f, err := d.lookupFlow(TupleFrom(t.Reverse()))
+	if err != nil {
 		return 0, fmt.Errorf("no session %s on this host", t)
 	}
 	return f.SessId, nil

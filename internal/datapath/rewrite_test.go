@@ -4,6 +4,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
 	"github.com/gopacket/gopacket/layers"
 
 	"github.com/dysco/dysco/internal/wire"
@@ -34,7 +35,7 @@ func (c rewriteCase) run(t *testing.T, fx *fixture) {
 		if !c.egress {
 			f.Flags |= FlIngress // rows name the hook; flows apply at one hook only
 		}
-		if err := m["flows"].Put(c.in.key(), f); err != nil {
+		if err := fx.d.PutFlow(c.in.key(), f, ebpf.UpdateAny); err != nil {
 			t.Fatal(err)
 		}
 		if c.sess != nil {

@@ -146,14 +146,13 @@ func (d *Datapath) CutSession(id uint32) (int, error) {
 
 // Flow returns the flow at key k.
 func (d *Datapath) Flow(k Tuple) (Flow, bool) {
-	var f Flow
-	err := d.objs.DyscoFlows.Lookup(&k, &f)
+	f, err := d.lookupFlow(k)
 	return f, err == nil
 }
 
 // AddFlow installs a new flow; an existing flow at k is an error.
 func (d *Datapath) AddFlow(k Tuple, f Flow) error {
-	if err := d.objs.DyscoFlows.Update(&k, &f, ebpf.UpdateNoExist); err != nil {
+	if err := d.PutFlow(k, f, ebpf.UpdateNoExist); err != nil {
 		if errors.Is(err, ebpf.ErrKeyExist) {
 			return fmt.Errorf("datapath: flow %s exists", k)
 		}

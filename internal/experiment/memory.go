@@ -88,7 +88,7 @@ func benchMemory(ctx context.Context, o *Options, p *pair, r *Report, pr *progre
 		r.add(&Figure{
 			Key:  "memory-all-" + h.host,
 			Name: fmt.Sprintf("memory per session at %d sessions, %s (growth of all maps + agent)", o.Sessions, h.kind),
-			Command: fmt.Sprintf("fill LAB-%s's pinned dysco_sessions/dysco_flows (%d flows/session); (Σ bytes_memlock of its maps after − before + agent RSS delta) ÷ %d",
+			Command: fmt.Sprintf("fill LAB-%s's pinned dysco_sessions/dysco_flows4 (IPv4 sessions, %d flows/session); (Σ bytes_memlock of its maps after − before + agent RSS delta) ÷ %d",
 				h.host, h.flows, o.Sessions),
 			Unit: "B", Dysco: growth, Baseline: math.NaN(), Ratio: math.NaN(),
 			Measured: growth, MeasuredUnit: "B/session",
@@ -112,11 +112,11 @@ func benchMemory(ctx context.Context, o *Options, p *pair, r *Report, pr *progre
 // entryCosts tells what the session and flow maps grew by per session, as
 // the kernel accounts it (48 + key + value + 8 bytes an entry), and what
 // the entries really take: each is one object of the kmalloc size class
-// that holds 48 + key + value + 8 bytes (192 for both maps, measured with
-// /proc/slabinfo; docs/architecture.md, "Small entries").
+// that holds 48 + key + value + 8 bytes (128 for an IPv4 flow, 192 for a
+// session; /proc/slabinfo; docs/architecture.md, "Small entries").
 func (r *memResult) entryCosts() string {
 	var parts []string
-	for _, name := range []string{"dysco_flows", "dysco_sessions"} {
+	for _, name := range []string{"dysco_flows4", "dysco_sessions"} {
 		var before, after uint64
 		var key, value uint32
 		for _, m := range r.MapsBefore {
@@ -168,21 +168,22 @@ func memoryHost(ctx context.Context, o *Options, l *lab.Lab, host, kind string, 
 		return res, err
 	}
 	defer sessions.Close()
-	flows, err := ebpf.LoadPinnedMap(filepath.Join(pin, "dysco_flows"), nil)
+	// The sessions are IPv4: their flows go to the IPv4 flow map.
+	flows, err := ebpf.LoadPinnedMap(filepath.Join(pin, "dysco_flows4"), nil)
 	if err != nil {
 		return res, err
 	}
 	defer flows.Close()
 	res.Capacity = sessions.MaxEntries()
 	if uint64(o.Sessions) > uint64(sessions.MaxEntries()) || uint64(o.Sessions*flowsPer) > uint64(flows.MaxEntries()) {
-		return res, fmt.Errorf("%d sessions do not fit: dysco_sessions holds %d, dysco_flows %d", o.Sessions, sessions.MaxEntries(), flows.MaxEntries())
+		return res, fmt.Errorf("%d sessions do not fit: dysco_sessions holds %d, dysco_flows4 %d", o.Sessions, sessions.MaxEntries(), flows.MaxEntries())
 	}
 	if res.MapsBefore, err = datapathMaps(l, host); err != nil {
 		return res, err
 	}
 	res.EntriesBefore = map[string]int{
 		"dysco_sessions": count[uint32, datapath.Session](sessions),
-		"dysco_flows":    count[datapath.Tuple, datapath.Flow](flows),
+		"dysco_flows4":   count[datapath.Tuple4, datapath.Flow4](flows),
 	}
 	if res.RSSBeforeKiB, err = rssSamples(ctx, res.AgentPid, 2*time.Second); err != nil {
 		return res, err
@@ -194,8 +195,8 @@ func memoryHost(ctx context.Context, o *Options, l *lab.Lab, host, kind string, 
 	now := datapath.Now()
 	ids := make([]uint32, 0, o.Sessions)
 	svals := make([]datapath.Session, 0, o.Sessions)
-	fkeys := make([]datapath.Tuple, 0, o.Sessions*flowsPer)
-	fvals := make([]datapath.Flow, 0, o.Sessions*flowsPer)
+	fkeys := make([]datapath.Tuple4, 0, o.Sessions*flowsPer)
+	fvals := make([]datapath.Flow4, 0, o.Sessions*flowsPer)
 	server := netip.MustParseAddr("198.19.255.1")
 	for i := 0; i < o.Sessions; i++ {
 		id := base + uint32(i)
@@ -213,12 +214,16 @@ func memoryHost(ctx context.Context, o *Options, l *lab.Lab, host, kind string, 
 			if f%2 == 1 {
 				k = k.Reverse()
 			}
-			fkeys = append(fkeys, datapath.TupleFrom(k))
+			fkeys = append(fkeys, datapath.TupleFrom(k).To4())
 			fl := datapath.Flow{Out: datapath.EndsFrom(st), SessId: id, LastMs: now}
 			if f%2 == 1 {
 				fl.Flags = datapath.FlRev
 			}
-			fvals = append(fvals, fl)
+			f4, err := fl.To4()
+			if err != nil {
+				return res, err
+			}
+			fvals = append(fvals, f4)
 		}
 	}
 	defer func() {
@@ -230,7 +235,7 @@ func memoryHost(ctx context.Context, o *Options, l *lab.Lab, host, kind string, 
 		return res, fmt.Errorf("filling dysco_sessions on %s: %w", host, err)
 	}
 	if err := batchPut(flows, fkeys, fvals); err != nil {
-		return res, fmt.Errorf("filling dysco_flows on %s: %w", host, err)
+		return res, fmt.Errorf("filling dysco_flows4 on %s: %w", host, err)
 	}
 	res.FillTime = time.Since(start)
 	pr.logf("memory: %s filled in %v; watching the agent's RSS for 6 s (its collector scans the maps every second)", host, res.FillTime.Round(time.Millisecond))
@@ -247,7 +252,7 @@ func memoryHost(ctx context.Context, o *Options, l *lab.Lab, host, kind string, 
 	}
 	res.EntriesAfter = map[string]int{
 		"dysco_sessions": count[uint32, datapath.Session](sessions),
-		"dysco_flows":    count[datapath.Tuple, datapath.Flow](flows),
+		"dysco_flows4":   count[datapath.Tuple4, datapath.Flow4](flows),
 	}
 	// Every filled entry must still be there: the collector must not
 	// have taken them for dead sessions.

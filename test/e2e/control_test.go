@@ -167,10 +167,19 @@ func (e *env) pinnedMap(host, name string) *ebpf.Map {
 // ctlHasFlow looks a flow up in host's pinned datapath maps.
 func (e *env) ctlHasFlow(host string, k wire.Tuple) bool {
 	e.t.Helper()
-	m := e.pinnedMap(host, "dysco_flows")
-	defer m.Close()
-	var f datapath.Flow
-	err := m.Lookup(datapath.TupleFrom(k), &f)
+	key := datapath.TupleFrom(k)
+	var err error
+	if key.Is4() {
+		m := e.pinnedMap(host, "dysco_flows4")
+		defer m.Close()
+		var f datapath.Flow4
+		err = m.Lookup(key.To4(), &f)
+	} else {
+		m := e.pinnedMap(host, "dysco_flows6")
+		defer m.Close()
+		var f datapath.Flow
+		err = m.Lookup(key, &f)
+	}
 	if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 		e.t.Fatalf("flow %s at %s: %v", k, host, err)
 	}
