@@ -66,7 +66,7 @@ type Datapath struct {
 	links  map[string]link.Link
 
 	// Buffers of the walks of the session maps (eachBatch).
-	flowBufs    batchBufs[Tuple, Flow]
+	flow6Bufs   batchBufs[Tuple, Flow]
 	flow4Bufs   batchBufs[Tuple4, Flow4]
 	sessionBufs batchBufs[uint32, Session]
 	setupBufs   batchBufs[uint32, dyscoSynState]

@@ -471,7 +471,7 @@ func (d *Datapath) EachFlow(fn func(k *Tuple, f *Flow)) error {
 	}); err != nil {
 		return err
 	}
-	return eachBatch(d.objs.DyscoFlows6, "IPv6 flows", &d.flowBufs, fn)
+	return eachBatch(d.objs.DyscoFlows6, "IPv6 flows", &d.flow6Bufs, fn)
 }
 
 // EachSetup calls fn with the id of every session that has set-up state.
