@@ -7,7 +7,8 @@
 #include "consts.h"
 
 /* A TCP five-tuple as it appears in a packet. IPv4 addresses are stored
- * IPv4-mapped (::ffff:a.b.c.d) so that one map serves both families. */
+ * IPv4-mapped (::ffff:a.b.c.d) so that one type serves both families; the
+ * IPv4 flow map keys by the compact dysco_tuple4 (flows.h). */
 struct dysco_tuple {
 	__u8 saddr[16];
 	__u8 daddr[16];
