@@ -123,16 +123,14 @@ type (
 // flow lives in the IPv4 flow map.
 func (k Tuple) Is4() bool { return isMapped4(k.Saddr) && isMapped4(k.Daddr) }
 
-func isMapped4(a [16]byte) bool {
-	return a == [16]byte{10: 0xff, 11: 0xff, 12: a[12], 13: a[13], 14: a[14], 15: a[15]}
-}
+func isMapped4(a [16]byte) bool { return netip.AddrFrom16(a).Is4In6() }
 
 func addr4(a [16]byte) uint32 { return binary.NativeEndian.Uint32(a[12:]) }
 
 func mapped(a uint32) [16]byte {
-	m := [16]byte{10: 0xff, 11: 0xff}
-	binary.NativeEndian.PutUint32(m[12:], a)
-	return m
+	var b [4]byte
+	binary.NativeEndian.PutUint32(b[:], a)
+	return netip.AddrFrom4(b).As16()
 }
 
 // To4 gives the IPv4 flow map's key of an IPv4 tuple (Is4).
@@ -178,16 +176,23 @@ func (d *Datapath) PutFlow(k Tuple, f Flow, flags ebpf.MapUpdateFlags) error {
 }
 
 func (d *Datapath) lookupFlow(k Tuple) (Flow, error) {
+	return LookupFlowIn(d.objs.DyscoFlows4, d.objs.DyscoFlows6, k)
+}
+
+// LookupFlowIn looks the flow at k up in the flow map of its family:
+// flows4 and flows6 are a datapath's dysco_flows4 and dysco_flows6 (its
+// pinned maps, for a reader outside the agent).
+func LookupFlowIn(flows4, flows6 *ebpf.Map, k Tuple) (Flow, error) {
 	if k.Is4() {
 		var f4 Flow4
 		k4 := k.To4()
-		if err := d.objs.DyscoFlows4.Lookup(&k4, &f4); err != nil {
+		if err := flows4.Lookup(&k4, &f4); err != nil {
 			return Flow{}, err
 		}
 		return f4.Flow(), nil
 	}
 	var f Flow
-	err := d.objs.DyscoFlows6.Lookup(&k, &f)
+	err := flows6.Lookup(&k, &f)
 	return f, err
 }
 

@@ -167,19 +167,10 @@ func (e *env) pinnedMap(host, name string) *ebpf.Map {
 // ctlHasFlow looks a flow up in host's pinned datapath maps.
 func (e *env) ctlHasFlow(host string, k wire.Tuple) bool {
 	e.t.Helper()
-	key := datapath.TupleFrom(k)
-	var err error
-	if key.Is4() {
-		m := e.pinnedMap(host, "dysco_flows4")
-		defer m.Close()
-		var f datapath.Flow4
-		err = m.Lookup(key.To4(), &f)
-	} else {
-		m := e.pinnedMap(host, "dysco_flows6")
-		defer m.Close()
-		var f datapath.Flow
-		err = m.Lookup(key, &f)
-	}
+	m4, m6 := e.pinnedMap(host, "dysco_flows4"), e.pinnedMap(host, "dysco_flows6")
+	defer m4.Close()
+	defer m6.Close()
+	_, err := datapath.LookupFlowIn(m4, m6, datapath.TupleFrom(k))
 	if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 		e.t.Fatalf("flow %s at %s: %v", k, host, err)
 	}
