@@ -453,7 +453,13 @@ static __attribute__((noinline)) __u32 tp_ingress(const struct fwd_flow *f, cons
 {
 	struct tp_key k = {.sess_id = f->sess_id, .side = (f->flags & FL_REV) ? SIDE_RIGHT : SIDE_LEFT};
 	struct tp_val *tp = bpf_map_lookup_elem(&dysco_tp, &k);
-	int new_path = !!(f->flags & FL_TP_NEW);
+	/* A side's old subsession in its second reconfiguration was the new
+	 * one of its first: the agent clears FL_TP_NEW before it arms the new
+	 * record, and a flow with both flags (left by an earlier agent) is
+	 * the old path. Taken for the new one, the old path's packets would
+	 * start an armed side before the other anchor can receive on the new
+	 * path, and count on the wrong path. */
+	int new_path = (f->flags & (FL_TP_NEW | FL_TP_OLD)) == FL_TP_NEW;
 	__u8 flags = p->flags;
 	__u32 end = seq_end(seq, p->payload, flags);
 
@@ -1420,9 +1426,9 @@ int dysco_ctl(struct ctl_args *a)
 			__sync_fetch_and_or(&dst->flags, FL_MARKS);
 			return 0;
 		}
-		if (seq_lt(dst->mk_seq, fp->mk_seq))
+		if (mark_newer(fp->mk_seq, dst->mk_seq))
 			dst->mk_seq = fp->mk_seq;
-		if (seq_lt(dst->mk_ack, fp->mk_ack))
+		if (mark_newer(fp->mk_ack, dst->mk_ack))
 			dst->mk_ack = fp->mk_ack;
 		return 0;
 	}

@@ -57,6 +57,25 @@ static __always_inline void mark(struct flow_val *fp, __u32 seq, __u32 ack, __u3
 		fp->mk_ack = ack;
 }
 
+/* mark_newer tells whether mark a is ahead of mark b, for merging an old
+ * ingress flow's marks into the new one's (CTL_MARKS_MERGE). What the old
+ * path delivered can be ahead of what the new path did by at most a window,
+ * and no TCP window exceeds 2^30 bytes (RFC 7323 §2.3); a mark "ahead" by
+ * more is in fact behind by more than 2^31. That is an old path removed late:
+ * its session went on on the new path for seconds, and at some 6 Gbit/s
+ * carried more than 2 GiB meanwhile. seq_lt alone would take the old mark
+ * for the newer one, and the new flow's marks would stop there (mark() then
+ * sees every packet as behind them) and with them the next reconfiguration's
+ * cut-off. */
+#define MARK_MERGE_SPAN (1u << 30)
+
+static __always_inline int mark_newer(__u32 a, __u32 b)
+{
+	__u32 d = a - b;
+
+	return d && d <= MARK_MERGE_SPAN;
+}
+
 /* tp_bits summarises the variables the agent's completion test reads. */
 static __always_inline __u32 tp_bits(const struct tp_val *tp)
 {

@@ -1023,6 +1023,14 @@ func (c *control) addSub(x protocol.AddSubsession) error {
 		// one now, with its translation.
 		c.prevTP[k] = old
 		tp.OldOut, tp.RerouteOld = old.NewOut, old.RerouteNew
+		// Its ingress flow stops being a new subsession before the armed
+		// record goes in: the datapath would take its packets for the
+		// first on the new path and start this side at once, sending on
+		// a path the other anchor may not receive on yet (it installs
+		// after its SYN) — a reset of the session.
+		if err := dp.SetFlowFlags(datapath.TupleFrom(old.NewOut.Wire().Reverse()), 0, datapath.FlTPNew); err != nil {
+			return err
+		}
 		if err := dp.PutDelta(egKey, old.Nd); err != nil {
 			return err
 		}

@@ -588,6 +588,29 @@ func TestTwoPathArmedStart(t *testing.T) {
 				t.Errorf("reported bits %#x, want %#x", r.Reported, wantBits)
 			}
 		})
+		// The old subsession of a side's second reconfiguration was the
+		// new one of its first: a flow still marked new as well as old
+		// is the old path.
+		t.Run(s.sess.String()+"/old path was new", func(t *testing.T) {
+			rec := s.record(TPIdle, protocol.TwoPath{})
+			rec.Armed = 1
+			s.install(t, fx, rec, map[Tuple]Delta{s.inNew(): inNew})
+			if err := fx.d.SetFlowFlags(s.inOld(), FlTPNew, 0); err != nil {
+				t.Fatal(err)
+			}
+			m := tpMarkPackets(t, fx, s, Delta{})
+			old := protocol.Packet{Seq: 5200, Len: 100, Ack: 1150, Flags: protocol.TCPAck}
+			fx.recvTP(t, s, s.oldSub, Delta{}, old)
+			m = m.In(old)
+			if r := fx.twoPath(t, s.key()); r.State != TPIdle {
+				t.Fatalf("a packet on the old subsession (flagged new too) changed the state to %d", r.State)
+			}
+			fx.recvTP(t, s, s.newSub, inNew, first)
+			want := protocol.Observe(protocol.CutOff(m), protocol.PathNew, first)
+			if r := fx.twoPath(t, s.key()); r.State != TPActive || varsOf(r) != want {
+				t.Errorf("after the first packet on the new subsession: state %d, variables %v, want active, %v", r.State, varsOf(r), want)
+			}
+		})
 		t.Run(s.sess.String()+"/not armed", func(t *testing.T) {
 			s.install(t, fx, s.record(TPIdle, protocol.TwoPath{}), map[Tuple]Delta{s.inNew(): inNew})
 			tpMarkPackets(t, fx, s, Delta{})
@@ -1103,6 +1126,63 @@ func TestCtlConsts(t *testing.T) {
 		}
 		if got, _ := strconv.Atoi(string(m[1])); got != want {
 			t.Errorf("%s: C %d, Go %d", name, got, want)
+		}
+	}
+}
+
+// TestMergeMarks: a side's new ingress flow inherits its old one's marks
+// where they are ahead, by at most a window (2^30), across the wrap of
+// sequence numbers too. An old flow behind by more than 2^31, which modular
+// comparison alone takes for ahead (an old path removed seconds after the
+// switch, the session having carried over 2 GiB on the new one since), and
+// one behind by a little, leave the new flow's marks alone.
+func TestMergeMarks(t *testing.T) {
+	fx := newFixture(t)
+	for _, s := range []tpSide{tpRight4, tpLeft6} {
+		for _, c := range []struct {
+			name                 string
+			oldSeq, oldAck       uint32
+			newSeq, newAck       uint32
+			wantSeq, wantAck     uint32
+			newHasMarks, oldMark bool
+		}{
+			{"old ahead", 5000, 900, 4000, 800, 5000, 900, true, true},
+			{"old ahead across the wrap", 100, 50, 0xffffff00, 0xfffffff0, 100, 50, true, true},
+			{"old ahead by a window", 1000 + 1<<30, 900, 1000, 900, 1000 + 1<<30, 900, true, true},
+			{"old behind", 4000, 800, 5000, 900, 5000, 900, true, true},
+			{"old behind by more than 2^31", 1_478_828_461, 3_259_728_347, 3_942_226_509, 3_259_728_347, 3_942_226_509, 3_259_728_347, true, true},
+			{"old behind by 2^30 + 1", 1000, 900, 1000 + 1<<30 + 1, 900, 1000 + 1<<30 + 1, 900, true, true},
+			{"new without marks", 5000, 900, 0, 0, 5000, 900, false, true},
+			{"old without marks", 0, 0, 4000, 800, 4000, 800, true, false},
+		} {
+			t.Run(s.sess.String()+"/"+c.name, func(t *testing.T) {
+				fx.reset(t)
+				old, nw := s.flows()[s.inOld()], s.flows()[s.inNew()]
+				if c.oldMark {
+					old.Flags |= FlMarks
+					old.MkSeq, old.MkAck = c.oldSeq, c.oldAck
+				}
+				if c.newHasMarks {
+					nw.Flags |= FlMarks
+					nw.MkSeq, nw.MkAck = c.newSeq, c.newAck
+				}
+				if err := fx.d.AddFlow(s.inOld(), old); err != nil {
+					t.Fatal(err)
+				}
+				if err := fx.d.AddFlow(s.inNew(), nw); err != nil {
+					t.Fatal(err)
+				}
+				if err := fx.d.MergeMarks(s.inOld(), s.inNew()); err != nil {
+					t.Fatal(err)
+				}
+				got := fx.flow(t, s.inNew())
+				if got.MkSeq != c.wantSeq || got.MkAck != c.wantAck {
+					t.Errorf("marks after the merge: seq %d ack %d, want %d %d", got.MkSeq, got.MkAck, c.wantSeq, c.wantAck)
+				}
+				if (got.Flags&FlMarks != 0) != (c.newHasMarks || c.oldMark) {
+					t.Errorf("FlMarks %v after the merge", got.Flags&FlMarks != 0)
+				}
+			})
 		}
 	}
 }
