@@ -555,62 +555,52 @@ func TestStartTwoPath(t *testing.T) {
 
 // TestTwoPathArmedStart: the first packet on the new subsession of an armed
 // side starts the phase from the marks (and is observed on the new path);
-// packets on the old subsession, or on the new one of a side not armed, do
-// not.
+// packets on the old subsession (also one still flagged new from an earlier
+// reconfiguration), or on the new one of a side not armed, do not.
 func TestTwoPathArmedStart(t *testing.T) {
 	fx := newFixture(t)
 	first := protocol.Packet{Seq: 5300, Len: 10, Ack: 1250, Flags: protocol.TCPAck}
 	inNew := Delta{Seq: -0x3000, Ack: 0x44}
 	for _, s := range []tpSide{tpRight4, tpLeft6} {
-		t.Run(s.sess.String()+"/armed", func(t *testing.T) {
-			rec := s.record(TPIdle, protocol.TwoPath{})
-			rec.Armed = 1
-			s.install(t, fx, rec, map[Tuple]Delta{s.inNew(): inNew})
-			m := tpMarkPackets(t, fx, s, Delta{})
-			// More on the old subsession: still idle.
-			old := protocol.Packet{Seq: 5200, Len: 100, Ack: 1150, Flags: protocol.TCPAck}
-			fx.recvTP(t, s, s.oldSub, Delta{}, old)
-			m = m.In(old)
-			if r := fx.twoPath(t, s.key()); r.State != TPIdle {
-				t.Fatalf("a packet on the old subsession changed the state to %d", r.State)
-			}
-			fx.recvTP(t, s, s.newSub, inNew, first)
-			want := protocol.Observe(protocol.CutOff(m), protocol.PathNew, first)
-			r := fx.twoPath(t, s.key())
-			if r.State != TPActive {
-				t.Fatalf("state %d after the first packet on the new subsession, want active", r.State)
-			}
-			if got := varsOf(r); got != want {
-				t.Errorf("variables\n got %v\nwant %v (marks %+v)", got, want, m)
-			}
-			wantBits := tpBits(TPActive, want)
-			if r.Reported != wantBits {
-				t.Errorf("reported bits %#x, want %#x", r.Reported, wantBits)
-			}
-		})
 		// The old subsession of a side's second reconfiguration was the
 		// new one of its first: a flow still marked new as well as old
 		// is the old path.
-		t.Run(s.sess.String()+"/old path was new", func(t *testing.T) {
-			rec := s.record(TPIdle, protocol.TwoPath{})
-			rec.Armed = 1
-			s.install(t, fx, rec, map[Tuple]Delta{s.inNew(): inNew})
-			if err := fx.d.SetFlowFlags(s.inOld(), FlTPNew, 0); err != nil {
-				t.Fatal(err)
-			}
-			m := tpMarkPackets(t, fx, s, Delta{})
-			old := protocol.Packet{Seq: 5200, Len: 100, Ack: 1150, Flags: protocol.TCPAck}
-			fx.recvTP(t, s, s.oldSub, Delta{}, old)
-			m = m.In(old)
-			if r := fx.twoPath(t, s.key()); r.State != TPIdle {
-				t.Fatalf("a packet on the old subsession (flagged new too) changed the state to %d", r.State)
-			}
-			fx.recvTP(t, s, s.newSub, inNew, first)
-			want := protocol.Observe(protocol.CutOff(m), protocol.PathNew, first)
-			if r := fx.twoPath(t, s.key()); r.State != TPActive || varsOf(r) != want {
-				t.Errorf("after the first packet on the new subsession: state %d, variables %v, want active, %v", r.State, varsOf(r), want)
-			}
-		})
+		for _, c := range []struct {
+			name      string
+			oldWasNew bool
+		}{{"armed", false}, {"old path was new", true}} {
+			t.Run(s.sess.String()+"/"+c.name, func(t *testing.T) {
+				rec := s.record(TPIdle, protocol.TwoPath{})
+				rec.Armed = 1
+				s.install(t, fx, rec, map[Tuple]Delta{s.inNew(): inNew})
+				if c.oldWasNew {
+					if err := fx.d.SetFlowFlags(s.inOld(), FlTPNew, 0); err != nil {
+						t.Fatal(err)
+					}
+				}
+				m := tpMarkPackets(t, fx, s, Delta{})
+				// More on the old subsession: still idle.
+				old := protocol.Packet{Seq: 5200, Len: 100, Ack: 1150, Flags: protocol.TCPAck}
+				fx.recvTP(t, s, s.oldSub, Delta{}, old)
+				m = m.In(old)
+				if r := fx.twoPath(t, s.key()); r.State != TPIdle {
+					t.Fatalf("a packet on the old subsession changed the state to %d", r.State)
+				}
+				fx.recvTP(t, s, s.newSub, inNew, first)
+				want := protocol.Observe(protocol.CutOff(m), protocol.PathNew, first)
+				r := fx.twoPath(t, s.key())
+				if r.State != TPActive {
+					t.Fatalf("state %d after the first packet on the new subsession, want active", r.State)
+				}
+				if got := varsOf(r); got != want {
+					t.Errorf("variables\n got %v\nwant %v (marks %+v)", got, want, m)
+				}
+				wantBits := tpBits(TPActive, want)
+				if r.Reported != wantBits {
+					t.Errorf("reported bits %#x, want %#x", r.Reported, wantBits)
+				}
+			})
+		}
 		t.Run(s.sess.String()+"/not armed", func(t *testing.T) {
 			s.install(t, fx, s.record(TPIdle, protocol.TwoPath{}), map[Tuple]Delta{s.inNew(): inNew})
 			tpMarkPackets(t, fx, s, Delta{})
