@@ -233,10 +233,28 @@ inline releaseRight(r, kind) {
  * armed and sends our fin again as a probe (agent.go waitFin, onTimer) */
 #define WAITFIN(i) (tp[i] && finAcked[i] && !haveCut[i])
 
-/* sendFin: the fin carries the cut-off; retransmitted on TimerFin */
+/* sendFin: the fin carries the cut-off; retransmitted on TimerFin. On a
+ * direct new path (no middlebox: nh[r] == 0, newN is the other anchor) a
+ * copy goes on it too (agent.go sendFin, anchor.direct) */
 inline sendFin(r) {
 	finTries[me]++;
-	ctl(oldN[me], fin, r, oldSent[me], 0, FINX(me, r))
+	ctl(oldN[me], fin, r, oldSent[me], 0, FINX(me, r));
+	if
+	:: nh[r] == 0 -> ctl(newN[me], fin, r, oldSent[me], 0, FINX(me, r))
+	:: else
+	fi
+}
+
+/* sendFinAck: answer the other's fin the ways it came (agent.go sendFinAck) */
+inline sendFinAck(r, via) {
+	if
+	:: (via & 1) != 0 -> ctl(oldN[me], finAck, r, 0, 0, FINACKX(me, r))
+	:: else
+	fi;
+	if
+	:: (via & 2) != 0 -> ctl(newN[me], finAck, r, 0, 0, FINACKX(me, r))
+	:: else
+	fi
 }
 
 /* complete: EndTwoPath, the new subsession becomes the side's; the old
@@ -244,7 +262,8 @@ inline sendFin(r) {
  * its own fin carried */
 inline complete(r) {
 	tp[me] = 0;
-	lingerN[me] = oldN[me]; lingerR[me] = r; lingerC[me] = oldSent[me];
+	lingerN[me] = oldN[me]; lingerR[me] = r; lingerC[me] = oldSent[me]; lingerAcked[me] = finOldAcked[me];
+	tombN[HI(me, r)] = oldN[me];
 	if
 	:: tpSide[me] == RIGHT -> lingerD[me] = sdR[me]; rightN[me] = newN[me]; sdR[me] = dNew[me]
 	:: else -> lingerD[me] = sdL[me]; leftN[me] = newN[me]; sdL[me] = dNew[me]
@@ -259,15 +278,16 @@ inline complete(r) {
 	fi
 }
 
-/* a fin on the torn-down old path (onTomb): finAck, and, unless the fin is
- * itself a tomb's (FlagDone), our own fin again with FlagDone: the other
- * anchor may still wait for it (every copy lost, we completed
- * Unconfirmed) */
+/* a fin on the torn-down old path (onTomb): finAck, and, if we completed
+ * Unconfirmed and the fin is not itself a tomb's (FlagDone), our own fin
+ * again with FlagDone: the other anchor may still wait for it (every copy
+ * lost). A confirmed completion means the other anchor has our fin. */
 inline onTomb(r) {
 	ctl(m.from, finAck, r, 0, 0, FINACKX(me, r));
 #ifndef BROKEN_NO_PROBE
 	if
-	:: (m.s & FlagDone) == 0 -> REACHED(24); ctl(m.from, fin, r, lingerC[me], FlagDone, FINX(me, r))
+	:: (m.s & FlagDone) == 0 && (unconf[r] & (la[r] == me -> 1 : 2)) != 0 ->
+		REACHED(24); ctl(m.from, fin, r, lingerC[me], FlagDone, FINX(me, r))
 	:: else -> REACHED(25)
 	fi
 #endif
@@ -288,7 +308,7 @@ inline evaluate() {
 		if
 		:: haveCut[me] && !answered[me] && oldRcvdAcked[me] == oldRcvd[me] &&
 		   ((newRcvd[me] && firstNewRcvd[me] <= oldRcvd[me]) || oldRcvd[me] >= cutoff[me] + dNew[me]) ->
-			answered[me] = 1; ctl(oldN[me], finAck, r, 0, 0, FINACKX(me, r))
+			answered[me] = 1; sendFinAck(r, finVia[me])
 		:: else
 		fi;
 		/* 3. complete */
@@ -442,9 +462,11 @@ inline onMessage() {
 			:: else
 			fi;
 			haveCut[me] = 1; cutoff[me] = m.x;
+			assert(m.from == oldN[me] || (nh[r] == 0 && m.from == newN[me]));
+			finVia[me] = finVia[me] | (m.from == oldN[me] -> 1 : 2);
 			if
 #ifndef BROKEN_FIN_NO_REANSWER
-			:: answered[me] -> REACHED(22); ctl(oldN[me], finAck, r, 0, 0, FINACKX(me, r))   /* answer again */
+			:: answered[me] -> REACHED(22); ctl(m.from, finAck, r, 0, 0, FINACKX(me, r))   /* answer again */
 #endif
 			:: else   /* evaluate (evaluate) follows */
 			fi
@@ -452,6 +474,10 @@ inline onMessage() {
 		:: !(tp[me] && tpReq[me] == r) && lingerN[me] == m.from && lingerR[me] == r ->
 			onTomb(r)   /* a retransmitted fin (or a probe) on the torn-down old path */
 #endif
+		:: !(tp[me] && tpReq[me] == r) && !(lingerN[me] == m.from && lingerR[me] == r) && tombN[HI(me, r)] == m.from ->
+			/* the tomb of an earlier request, which the model does not keep
+			 * in full: its finAck (onTomb) */
+			REACHED(48); ctl(m.from, finAck, r, 0, 0, FINACKX(me, r))
 		:: else ->
 			/* only a retransmission can come after the anchor is done */
 			assert((me == la[r] && stageL[r] == done) || (me == ra[r] && stageR[r] == done));
@@ -461,6 +487,12 @@ inline onMessage() {
 		fwn = (m.from == leftN[me] -> rightN[me] : leftN[me]); fwx = (m.from == leftN[me] -> XFINL : XFINR);
 		ctl(fwn, fin, r, m.x, m.s, fwx)
 	:: m.t == finAck && (me == la[r] || me == ra[r]) ->
+		/* the old path answered our fin: its middles saw the teardown */
+		if
+		:: tp[me] && tpReq[me] == r && m.from == oldN[me] -> finOldAcked[me] = 1
+		:: !(tp[me] && tpReq[me] == r) && lingerN[me] == m.from && lingerR[me] == r -> lingerAcked[me] = 1
+		:: else
+		fi;
 		if
 		:: tp[me] && tpReq[me] == r && !finAcked[me] -> assert(finSent[me]); finAcked[me] = 1
 		:: tp[me] && tpReq[me] == r && WAITFIN(me) -> REACHED(28); probes[me] = 0   /* the other anchor, or its tomb, is there */
@@ -522,6 +554,12 @@ inline onMessage() {
 #define TSYN(me, r) (r != 0 && stageL[r] == settingUp)
 #define TCAN(me, r) (r != 0 && canJob[r])
 #define TFIN(me) (tp[me] && finSent[me] && !finAcked[me])
+/* TimerFin after a finAck on the direct new path (anchor), or TimerTombFin
+ * (tomb): our fin has not been answered on the old path yet, whose middles
+ * free the session only once they have passed the finAcks both ways; OLDR
+ * is the request */
+#define TOLD(me) ((tp[me] && finAcked[me] && !finOldAcked[me]) || (!tp[me] && lingerN[me] != NONE && !lingerAcked[me]))
+#define OLDR(me) (tp[me] -> tpReq[me] : lingerR[me])
 #ifdef BROKEN_NO_PROBE
 #define TPROBE(me) false   /* broken: agent.go before waitFin */
 #else
@@ -532,6 +570,8 @@ inline onMessage() {
 	(TCAN(la[r], r) && canTries[r] >= MAXTRIES) || \
 	(TFIN(la[r]) && tpReq[la[r]] == r && finTries[la[r]] >= MAXTRIES) || \
 	(TFIN(ra[r]) && tpReq[ra[r]] == r && finTries[ra[r]] >= MAXTRIES) || \
+	(TOLD(la[r]) && OLDR(la[r]) == r && finTries[la[r]] >= MAXTRIES) || \
+	(TOLD(ra[r]) && OLDR(ra[r]) == r && finTries[ra[r]] >= MAXTRIES) || \
 	(TPROBE(la[r]) && tpReq[la[r]] == r && probes[la[r]] >= MAXTRIES) || \
 	(TPROBE(ra[r]) && tpReq[ra[r]] == r && probes[ra[r]] >= MAXTRIES))
 #define NOGIVEUPDUE (!GIVEUPDUE(1) && !GIVEUPDUE(NR))
@@ -611,6 +651,23 @@ end:
 			sendCancel(r)
 		:: TCAN(me, laReq[me]) && ((lostNow[laReq[me]] & XCAN) || timeout) && canTries[laReq[me]] >= MAXTRIES ->
 			r = laReq[me]; GIVEUP; REACHED(43); cancelDone(r)
+		/* TimerFin / TimerTombFin: resend our fin on the old path only
+		 * (answered on the direct new path, not yet on the old one); after
+		 * MAXTRIES stop (the old path's middles are freed by their lease) */
+		:: TOLD(me) && (lossy[OLDR(me)] & FINX(me, OLDR(me))) && finTries[me] < MAXTRIES ->
+			r = OLDR(me); lostNow[r] = lostNow[r] & NOTX(FINX(me, r));
+			printf("MSC: %d TimerFin r%d: retransmit on the old path\n", me, r);
+			REACHED(46); finTries[me]++;
+			if
+			:: tp[me] -> ctl(oldN[me], fin, r, oldSent[me], 0, FINX(me, r))
+			:: else -> ctl(lingerN[me], fin, r, lingerC[me], FlagDone, FINX(me, r))
+			fi
+		:: TOLD(me) && ((lostNow[OLDR(me)] & FINX(me, OLDR(me))) || timeout) && finTries[me] >= MAXTRIES ->
+			r = OLDR(me); GIVEUP; REACHED(47);
+			if
+			:: tp[me] -> finOldAcked[me] = 1
+			:: else -> lingerAcked[me] = 1
+			fi
 		/* TimerFin: resend the fin; after MAXTRIES go on, Unconfirmed */
 		:: TFIN(me) && (lossy[tpReq[me]] & FINX(me, tpReq[me])) && finTries[me] < MAXTRIES ->
 			r = tpReq[me]; lostNow[r] = lostNow[r] & NOTX(FINX(me, r));
@@ -618,7 +675,7 @@ end:
 			sendFin(r)
 		:: TFIN(me) && ((lostNow[tpReq[me]] & FINX(me, tpReq[me])) || timeout) && finTries[me] >= MAXTRIES ->
 			r = tpReq[me]; GIVEUP; REACHED(44);
-			finAcked[me] = 1; unconf[r] = unconf[r] | (la[r] == me -> 1 : 2)
+			finAcked[me] = 1; finOldAcked[me] = 1; unconf[r] = unconf[r] | (la[r] == me -> 1 : 2)
 			/* (then waitFin, if the other's fin has not come: TPROBE) */
 		/* TimerFin in waitFin (our fin answered, the other's missing):
 		 * send our fin again as a probe, once a fin or finAck of r was
@@ -628,7 +685,7 @@ end:
 		 * unanswered probes complete, Unconfirmed */
 		:: TPROBE(me) && ((lossy[tpReq[me]] & WAITX(me, tpReq[me])) || (timeout && NOGIVEUPDUE)) && probes[me] < MAXTRIES ->
 			r = tpReq[me];
-			lossy[r] = lossy[r] & NOTX(WAITX(me, r)); lostNow[r] = lostNow[r] & NOTX(WAITX(me, r));
+			lossy[r] = lossy[r] & NOTX(WAITX(me, r)); lostNow[r] = lostNow[r] & NOTX(WAITX(me, r) | FINX(me, r));
 			printf("MSC: %d TimerFin r%d: probe\n", me, r);
 			REACHED(31); probes[me]++; sendFin(r)
 		:: TPROBE(me) && ((lostNow[tpReq[me]] & WAITX(me, tpReq[me])) || timeout) && probes[me] >= MAXTRIES ->

@@ -82,10 +82,13 @@ byte tpSide[NA], oldN[NA], newN[NA], dNew[NA];
 byte oldSent[NA], oldRcvd[NA], oldSentAcked[NA], oldRcvdAcked[NA], firstNewRcvd[NA];
 bool newRcvd[NA];
 bool finSent[NA], finAcked[NA], answered[NA], haveCut[NA];
+byte finVia[NA];                /* anchor.finVia: the other's fin came on the old path (1), the direct new path (2) */
+bool finOldAcked[NA];           /* anchor.finOldAcked: a finAck came on the old path (or the anchor gave up) */
 byte cutoff[NA];
 byte probes[NA];                /* anchor.probes: fins sent to ask for the other's (waitFin) */
 byte lingerN[NA], lingerD[NA];  /* old subsession kept after completion */
 byte lingerC[NA];               /* tomb.cutoff: the cut-off its fin carried */
+bool lingerAcked[NA];           /* tomb.acked: its old path answered our fin (or we gave up) */
 byte finPassed[NA];             /* middles: fin-acks seen (bit 0 rightward, bit 1 leftward) */
 
 /* marks of each side (twopath.go Marks), session space */
@@ -128,6 +131,10 @@ byte gaveUp;                    /* a sender gave up after MAXTRIES (TimerRequest
 /* per agent: session.history (resolved requests), the joined request,
  * the tomb's request (old subsession kept after completion), fin tries */
 byte hist[NA*(NR+1)], histR[NA*(NR+1)];
+/* the old neighbour of each completed request's tomb: Go keeps a tomb per
+ * request (session.tombs), the model only the last one in full (lingerN...);
+ * an older tomb still answers fins (onTomb) */
+byte tombN[NA*(NR+1)];
 #define HI(me, r) ((me)*(NR+1)+(r))
 byte joinReq[NA];
 byte lingerR[NA];
@@ -151,6 +158,11 @@ inline setup() {
 	i = 0;
 	do
 	:: i < NA -> leftN[i] = NONE; rightN[i] = NONE; newN[i] = NONE; lingerN[i] = NONE; oldN[i] = NONE; i++
+	:: else -> break
+	od;
+	i = 0;
+	do
+	:: i < NA*(NR+1) -> tombN[i] = NONE; i++
 	:: else -> break
 	od;
 	i = 0;

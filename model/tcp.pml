@@ -30,7 +30,7 @@ inline startTwoPath(me, side, r) {
 	oldSentAcked[me] = ackRcvd[M(me, side)];
 	oldRcvdAcked[me] = ackSent[M(me, side)];
 	newRcvd[me] = 0; firstNewRcvd[me] = 0;
-	finSent[me] = 0; finAcked[me] = 0; answered[me] = 0; haveCut[me] = 0; probes[me] = 0
+	finSent[me] = 0; finAcked[me] = 0; answered[me] = 0; haveCut[me] = 0; probes[me] = 0; finVia[me] = 0; finOldAcked[me] = 0
 }
 
 /* one piece on one path: egress delta (ack - delta) */

@@ -88,7 +88,7 @@ CONFIGS=(
 	"broken-acks-old|-DDELETE -DBROKEN_ACKS_OLD|error"
 	"broken-no-dedup|-DDELETE -DLOSS=1 -DBROKEN_NO_DEDUP|error"
 	"broken-fin-no-reanswer|-DDELETE -DLOSS=1 -DBROKEN_FIN_NO_REANSWER|error"
-	"broken-no-probe|-DDELETE -DLOSS=1 -DMAXTRIES=1 -DBROKEN_NO_PROBE|error"
+	"broken-no-probe|-DREPLACE -DLOSS=1 -DMAXTRIES=1 -DBROKEN_NO_PROBE|error"
 )
 QUICK="delete insert replace delete-delta delete2 contend cancel insert-fin insert-right delete-loss insert-loss cancel-loss cancel-replace-loss delete-giveup broken-skip-lock broken-acks-old broken-no-dedup broken-fin-no-reanswer broken-no-probe"
 BROKEN="broken-skip-lock broken-acks-old broken-no-dedup broken-fin-no-reanswer broken-no-probe"

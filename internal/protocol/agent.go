@@ -162,8 +162,16 @@ type anchor struct {
 	vars                                  TwoPath
 	haveVars                              bool
 	finSent, finAcked, finAckSent, gotFin bool
-	peerCutoff                            uint32
-	unconfirmed                           bool
+	// finVia says which ways the other anchor's fin came: viaOld (the old
+	// path) and viaNew (the direct new path, see direct); the finAck
+	// answers each copy the way it came.
+	finVia     uint8
+	peerCutoff uint32
+	// finOldAcked: our fin was answered on the old path (or we gave up),
+	// so its middle agents saw the teardown both ways; until then
+	// TimerOldFin sends it again there, also after completion (tomb).
+	finOldAcked bool
+	unconfirmed bool
 	// probes counts the fins sent, after ours was answered, to ask for the
 	// other anchor's fin, since the last answer (TimerFin sends them,
 	// waitFin arms it, onFinAck resets the count).
@@ -173,6 +181,24 @@ type anchor struct {
 	gate, gated bool
 	aborted     bool // the agent aborted the gated request
 	resumed     bool // begun by an earlier run of the agent (resume)
+}
+
+// The ways a fin can come (anchor.finVia).
+const (
+	viaOld uint8 = 1 << iota
+	viaNew
+)
+
+// direct reports whether the new path joins the two anchors with no
+// middlebox between them (a delete, a proxy removal): then the anchors'
+// fins and finAcks also go on it, straight to the other anchor, beside the
+// copies that tear the old path down (sendFin).
+func (an *anchor) direct() bool {
+	other := an.rightAnchor
+	if an.role == RoleRightAnchor {
+		other = an.req.LeftAnchor
+	}
+	return an.newPeer.IsValid() && an.newPeer == other
 }
 
 type cancelJob struct {
@@ -192,6 +218,12 @@ type tomb struct {
 	side   Side
 	req    ReqKey
 	cutoff uint32 // the cut-off our fin carried, re-sent with FlagDone
+	// acked: our fin was answered on this old path (anchor.finOldAcked);
+	// until then TimerOldFin sends it again, tries times so far.
+	acked       bool
+	tries       int
+	unconfirmed bool // we completed Unconfirmed: the other anchor may lack our fin
+	rightAnchor netip.Addr
 }
 
 // New returns an agent with no sessions. Zero durations and counts in cfg
@@ -504,7 +536,7 @@ func (a *Agent) onTimer(id TimerID) {
 			if an.tries >= a.cfg.MaxTries {
 				// The other anchor stopped answering. Everything we sent on
 				// the old path is acknowledged, so going on is safe; say so.
-				an.finAcked, an.unconfirmed = true, true
+				an.finAcked, an.finOldAcked, an.unconfirmed = true, true, true
 				a.evaluate(s, an)
 				a.waitFin(s, an)
 				return
@@ -532,6 +564,8 @@ func (a *Agent) onTimer(id TimerID) {
 		if l := s.left; l != nil && l.req == id.Req && l.gated {
 			a.onProceed(Proceed{Session: s.id, Req: l.req, Abort: "no Proceed within the gate timeout"})
 		}
+	case TimerOldFin:
+		a.onOldFin(s, id.Req)
 	case TimerLinger:
 		a.onLinger(s, id.Req)
 	}
@@ -1417,7 +1451,7 @@ func (a *Agent) evaluate(s *session, an *anchor) {
 	}
 	if an.gotFin && !an.finAckSent && an.vars.RecvDone(an.peerCutoff, true) {
 		an.finAckSent = true
-		a.sendFinAck(s, an)
+		a.sendFinAck(s, an, an.finVia)
 	}
 	if an.finAcked && an.finAckSent {
 		a.complete(s, an)
@@ -1444,16 +1478,41 @@ func (a *Agent) oldPathMsg(s *session, an *anchor, t MsgType) *Message {
 	return m
 }
 
+// sendFin sends our fin (§3.5) on the old path, where its middle agents
+// pass it and learn that the old path is being torn down, and, when the new
+// path is direct, a copy on the new subsession straight to the other
+// anchor: that copy and its answer skip the old path's middleboxes, so the
+// two-path phase ends two hops sooner (docs/protocol.md, "Completion").
 func (a *Agent) sendFin(s *session, an *anchor) {
 	m := a.oldPathMsg(s, an, MsgFin)
 	m.Delta.Seq = an.vars.OldSent // our cut-off, in our session space
 	a.sendSide(s, sideOf(an), m)
+	if an.direct() {
+		c := *m
+		a.sendNew(an, &c)
+	}
 	an.tries++
 	a.setTimer(s, TimerFin, an.req, a.backoff(an.tries))
 }
 
-func (a *Agent) sendFinAck(s *session, an *anchor) {
-	a.sendSide(s, sideOf(an), a.oldPathMsg(s, an, MsgFinAck))
+// sendNew sends m on the anchor's new subsession.
+func (a *Agent) sendNew(an *anchor, m *Message) {
+	m.Sub = an.newSub
+	m.Nonce = a.subs[an.newSub].nonce
+	a.send(an.newPeer, m)
+}
+
+// sendFinAck answers the other anchor's fin the ways it came (finVia).
+func (a *Agent) sendFinAck(s *session, an *anchor, via uint8) {
+	if via == 0 {
+		via = viaOld // a resumed anchor (resume) does not keep the ways
+	}
+	if via&viaOld != 0 {
+		a.sendSide(s, sideOf(an), a.oldPathMsg(s, an, MsgFinAck))
+	}
+	if via&viaNew != 0 {
+		a.sendNew(an, a.oldPathMsg(s, an, MsgFinAck))
+	}
 }
 
 func (a *Agent) onFin(s *session, ref subRef, m *Message) {
@@ -1467,10 +1526,15 @@ func (a *Agent) onFin(s *session, ref subRef, m *Message) {
 		}
 		// The sender's cut-off in our session space: what arrives on the
 		// new path gets newDelta, and the old path added the same.
+		via := viaOld
+		if m.Sub == an.newSub {
+			via = viaNew
+		}
 		an.gotFin = true
+		an.finVia |= via
 		an.peerCutoff = m.Delta.Seq + an.newDelta.Seq
 		if an.finAckSent {
-			a.sendFinAck(s, an)
+			a.sendFinAck(s, an, via)
 			return
 		}
 		a.evaluate(s, an)
@@ -1484,9 +1548,19 @@ func (a *Agent) onFin(s *session, ref subRef, m *Message) {
 
 func (a *Agent) onFinAck(s *session, ref subRef, m *Message) {
 	if an := s.anchorSide(ref.side); an != nil && an.req == m.Req {
+		if an.stage == StageTwoPath && m.Sub != an.newSub {
+			an.finOldAcked = true
+			a.cancelTimer(s, TimerOldFin, an.req)
+		}
 		if an.stage == StageTwoPath && an.finSent && !an.finAcked {
 			an.finAcked = true
 			a.cancelTimer(s, TimerFin, an.req)
+			if !an.finOldAcked {
+				// Answered on the direct new path first: the old path's
+				// copy (or its answer) may be lost, and its middle agents
+				// wait for both. (The TimerFin tries count on.)
+				a.setTimer(s, TimerOldFin, an.req, a.backoff(an.tries))
+			}
 			a.evaluate(s, an)
 			a.waitFin(s, an)
 		} else if an.stage == StageTwoPath && an.finAcked && !an.gotFin {
@@ -1534,7 +1608,11 @@ func (a *Agent) complete(s *session, an *anchor) {
 	a.emit(EndTwoPath{Session: s.id, Side: side, New: an.newSub})
 	a.emit(SetWindowClamp{Session: s.id, Side: side, Bytes: 0})
 	a.subs[old] = subRef{id: s.id, side: side, peer: sd.Peer, nonce: sd.Nonce, tomb: true}
-	s.tombs = append(s.tombs, tomb{sub: old, side: side, req: an.req, cutoff: an.vars.OldSent})
+	s.tombs = append(s.tombs, tomb{sub: old, side: side, req: an.req, cutoff: an.vars.OldSent,
+		acked: an.finOldAcked, tries: an.tries, unconfirmed: an.unconfirmed, rightAnchor: an.rightAnchor})
+	if an.role == RoleRightAnchor {
+		s.tombs[len(s.tombs)-1].rightAnchor = a.cfg.Self
+	}
 	a.setTimer(s, TimerLinger, an.req, a.cfg.Linger)
 	sd.Sub, sd.Peer, sd.Delta = an.newSub, an.newPeer, an.newDelta
 	sd.Nonce = a.subs[an.newSub].nonce
@@ -1565,9 +1643,10 @@ func (a *Agent) onTomb(s *session, ref subRef, m *Message) {
 					f.Flags = FlagLeftward
 				}
 				a.send(ref.peer, f)
-				if m.Flags&FlagDone == 0 {
+				if m.Flags&FlagDone == 0 && t.unconfirmed {
 					// The other anchor may still wait for our fin (every
 					// copy lost, we completed Unconfirmed): send it again.
+					// A confirmed completion means it has our fin.
 					fin := a.msg(s, MsgFin, m.Sub, m.Req, m.RightAnchor)
 					fin.Delta.Seq = t.cutoff
 					fin.Flags = f.Flags | FlagDone
@@ -1577,8 +1656,63 @@ func (a *Agent) onTomb(s *session, ref subRef, m *Message) {
 			}
 		}
 	}
-	if m.Type != MsgFinAck {
-		a.reject(RejectUnexpected, m, ref.peer, "%s on a torn-down path", m.Type)
+	if m.Type == MsgFinAck {
+		for i := range s.tombs {
+			if t := &s.tombs[i]; t.sub == m.Sub && t.req == m.Req && !t.acked {
+				t.acked = true
+				a.cancelTimer(s, TimerOldFin, t.req)
+			}
+		}
+		return
+	}
+	a.reject(RejectUnexpected, m, ref.peer, "%s on a torn-down path", m.Type)
+}
+
+// onOldFin (TimerOldFin) sends our fin again on the old path, where it was
+// not answered yet although the other anchor answered its copy on the
+// direct new path: the old path's middle agents free the session once they
+// have passed the finAcks both ways (onFinAck). Before completion the
+// anchor sends it, after completion its tomb (with FlagDone: the other
+// anchor has our fin). After MaxTries the middle agents' leases free them.
+func (a *Agent) onOldFin(s *session, k ReqKey) {
+	if an := a.anchorFor(s, k); an != nil && an.stage == StageTwoPath {
+		if an.finOldAcked {
+			return
+		}
+		if an.tries >= a.cfg.MaxTries {
+			an.finOldAcked = true
+			return
+		}
+		m := a.oldPathMsg(s, an, MsgFin)
+		m.Delta.Seq = an.vars.OldSent
+		a.sendSide(s, sideOf(an), m)
+		an.tries++
+		a.setTimer(s, TimerOldFin, k, a.backoff(an.tries))
+		return
+	}
+	for i := range s.tombs {
+		t := &s.tombs[i]
+		if t.req != k || t.acked {
+			continue
+		}
+		if t.tries >= a.cfg.MaxTries {
+			t.acked = true
+			return
+		}
+		ref, ok := a.subs[t.sub]
+		if !ok {
+			return
+		}
+		fin := a.msg(s, MsgFin, t.sub, t.req, t.rightAnchor)
+		fin.Delta.Seq = t.cutoff
+		fin.Flags = FlagDone
+		if t.side == SideLeft {
+			fin.Flags |= FlagLeftward
+		}
+		a.send(ref.peer, fin)
+		t.tries++
+		a.setTimer(s, TimerOldFin, k, a.backoff(t.tries))
+		return
 	}
 }
 
@@ -1598,6 +1732,7 @@ func (a *Agent) onLinger(s *session, k ReqKey) {
 			continue
 		}
 		delete(a.subs, t.sub)
+		a.cancelTimer(s, TimerOldFin, t.req)
 		a.emit(RemoveSubsession{Session: s.id, Side: t.side, Sub: t.sub})
 	}
 	s.tombs = kept
@@ -1610,6 +1745,11 @@ func (a *Agent) onNewSub(s *session, ref subRef, m *Message) bool {
 	switch m.Type {
 	case MsgSyn, MsgSynAck, MsgAck:
 		return true
+	case MsgFin, MsgFinAck:
+		// The copies on a direct new path (sendFin).
+		if an := s.anchorSide(ref.side); an != nil && an.req == m.Req && an.newSub == m.Sub && an.direct() {
+			return true
+		}
 	case MsgCancelLock:
 		return m.Flags&FlagNewPath != 0
 	case MsgRequestLock:

@@ -370,9 +370,16 @@ func TestTeardownWaitsForOldPath(t *testing.T) {
 	right := TwoPath{OldSent: 7200, OldSentAcked: 7200, OldRcvd: 1400, OldRcvdAcked: 1400}
 	h.deliver(addr(1), TwoPathProgress{Session: sid, Side: SideRight, Vars: left})
 	h.deliver(addr(3), TwoPathProgress{Session: sid, Side: SideLeft, Vars: right})
-	// Only the right anchor's sending is done: one FIN, leftward, cut-off 7200.
-	if len(h.queue) != 1 || h.queue[0].msg.Type != MsgFin || h.queue[0].msg.Delta.Seq != 7200 {
+	// Only the right anchor's sending is done: one FIN, leftward, cut-off
+	// 7200, on the old path (to the middlebox) and, the new path being
+	// direct, a copy on it (to the left anchor).
+	if len(h.queue) != 2 {
 		t.Fatalf("queue %v", h.queue)
+	}
+	for i, to := range []netip.Addr{addr(2), addr(1)} {
+		if m := h.queue[i].msg; m.Type != MsgFin || m.Delta.Seq != 7200 || h.queue[i].to != to {
+			t.Fatalf("fin %d: %+v to %s, want cut-off 7200 to %s", i, m, h.queue[i].to, to)
+		}
 	}
 	h.runMessages()
 	// 7200 - 200 = 7000 = oldRcvd: the left anchor answers.
@@ -383,8 +390,9 @@ func TestTeardownWaitsForOldPath(t *testing.T) {
 	// right anchor got 1500, acked 1500.
 	left.OldSentAcked = 500
 	h.deliver(addr(1), TwoPathProgress{Session: sid, Side: SideRight, Vars: left})
-	h.step() // FIN (cut-off 500) reaches 2, goes on
-	h.step() // reaches 3: 500 + 1000 = 1500 ≠ oldRcvd 1400: no answer yet
+	// The FIN (cut-off 500) reaches 3 on both paths: 500 + 1000 = 1500 ≠
+	// oldRcvd 1400: no answer yet.
+	h.runMessages()
 	if v, _ := h.view(3); v.Right == nil || v.Right.FinAckSent {
 		t.Fatalf("right anchor answered early\n%s", h.trace())
 	}
@@ -480,5 +488,92 @@ func TestOtherAnchorsFinLost(t *testing.T) {
 				t.Errorf("right anchor: %q, want unconfirmed=%v\n%s", done, tc.unconfirmed, h.trace())
 			}
 		})
+	}
+}
+
+// §3.5 completion on a direct new path: the anchors' fins and finAcks also
+// go on the new subsession, straight to the other anchor, so both anchors
+// complete with their fins confirmed while the old path's copies are still
+// on their way; those copies then tear the old path down (the middle agent
+// passes them and the tombs answer), with nothing rejected on the way.
+func TestFinOnDirectNewPath(t *testing.T) {
+	for _, lose := range []bool{false, true} {
+		t.Run(map[bool]string{false: "old path late", true: "old path lost"}[lose], func(t *testing.T) {
+			testFinOnDirectNewPath(t, lose)
+		})
+	}
+}
+
+// With lose, what was held on the old path is lost instead of late: the
+// tombs send their fins there again (TimerOldFin) until the old path
+// answers, so that its middle agent still sees the finAcks both ways.
+func testFinOnDirectNewPath(t *testing.T, lose bool) {
+	h := newHarness(t, 3)
+	h.chain([]int{1, 2, 3}, map[int]AppDelta{2: {Right: Delta{Seq: 1000}}})
+	h.reconfigure(1, 3, nil, 1)
+	// Lock, SYN, SYN-ACK and ACK, until the first fins are sent.
+	for !h.queued(MsgFin) {
+		if !h.step() {
+			t.Fatalf("no fin\n%s", h.trace())
+		}
+	}
+	// Deliver only what goes between the anchors; hold the old path.
+	var held []envelope
+	for len(h.queue) > 0 {
+		e := h.queue[0]
+		h.queue = h.queue[1:]
+		if e.to == addr(2) || e.from == addr(2) {
+			held = append(held, e)
+			continue
+		}
+		if (e.msg.Type == MsgFin || e.msg.Type == MsgFinAck) && (e.to == addr(1) || e.to == addr(3)) {
+			if e.msg.Sub != h.adds[addr(1)][0].Sub {
+				t.Fatalf("%s between the anchors on %s, not on the new subsession %s", e.msg.Type, e.msg.Sub, h.adds[addr(1)][0].Sub)
+			}
+		}
+		h.deliver(e.to, MessageIn{From: e.from, Data: e.data})
+	}
+	if r := h.result(1); r.Outcome != Succeeded || r.Unconfirmed {
+		t.Fatalf("with the old path held: %+v\n%s", r, h.trace())
+	}
+	if v, ok := h.view(3); !ok || v.Right != nil {
+		t.Fatalf("the right anchor did not complete: %+v\n%s", v, h.trace())
+	}
+	if len(held) == 0 {
+		t.Fatalf("nothing went on the old path\n%s", h.trace())
+	}
+	// Now the old path, and the fins' retransmissions whichever way.
+	if !lose {
+		h.queue = append(held, h.queue...)
+	}
+	h.run()
+	if _, ok := h.view(2); ok || len(h.frees[addr(2)]) != 1 {
+		t.Fatalf("the old path's middlebox keeps the session (frees %v)\n%s", h.frees[addr(2)], h.trace())
+	}
+	if len(h.rejected) != 0 {
+		t.Fatalf("rejected %+v\n%s", h.rejected, h.trace())
+	}
+	h.assertClean(1, 3)
+}
+
+// A new path through a middlebox carries no copies: the fins go on the old
+// path only.
+func TestFinNotCopiedThroughMiddlebox(t *testing.T) {
+	h := newHarness(t, 4)
+	h.chain([]int{1, 2, 4}, nil)
+	h.reconfigure(1, 4, []int{3}, 1)
+	for !h.queued(MsgFin) {
+		if !h.step() {
+			t.Fatalf("no fin\n%s", h.trace())
+		}
+	}
+	h.run()
+	if r := h.result(1); r.Outcome != Succeeded || r.Unconfirmed {
+		t.Fatalf("%+v\n%s", r, h.trace())
+	}
+	for _, l := range h.log {
+		if strings.Contains(l, "-> 10.0.0.3 fin") || strings.Contains(l, "10.0.0.3 -> 10.0.0.") && strings.Contains(l, " fin") {
+			t.Fatalf("a fin through the new path's middlebox: %s\n%s", l, h.trace())
+		}
 	}
 }

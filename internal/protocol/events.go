@@ -160,6 +160,7 @@ const (
 	TimerLease                        // release a lock nobody resolves (middle agents, right anchor before switching)
 	TimerLinger                       // free the old path's state after teardown
 	TimerGate                         // abort a gated request the agent never let proceed (left anchor)
+	TimerOldFin                       // retransmit the UDP FIN on the old path only, answered on the direct new path (anchor or tomb)
 )
 
 func (k TimerKind) String() string {
@@ -178,6 +179,8 @@ func (k TimerKind) String() string {
 		return "linger"
 	case TimerGate:
 		return "gate"
+	case TimerOldFin:
+		return "old-fin"
 	}
 	return fmt.Sprintf("timer-%d", uint8(k))
 }

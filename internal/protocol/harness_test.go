@@ -237,3 +237,13 @@ func (h *harness) trace() string { return strings.Join(h.log, "\n") }
 func (h *harness) view(i int) (SessionView, bool) {
 	return h.agents[addr(i)].View(sid)
 }
+
+// queued reports whether a message of type t is queued.
+func (h *harness) queued(t MsgType) bool {
+	for _, e := range h.queue {
+		if e.msg.Type == t {
+			return true
+		}
+	}
+	return false
+}

@@ -27,7 +27,7 @@ const (
 	MsgSyn                            // left anchor → right anchor, new path, carries the address list
 	MsgSynAck                         // right anchor → left anchor, new path
 	MsgAck                            // left anchor → right anchor, new path
-	MsgFin                            // anchor → anchor on the old path: all my old-path data is acknowledged; carries my cut-off
+	MsgFin                            // anchor → anchor on the old path (and a copy on a direct new path): all my old-path data is acknowledged; carries my cut-off
 	MsgFinAck                         // answer: I have received and acknowledged everything you sent on the old path
 )
 
