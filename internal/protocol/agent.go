@@ -161,10 +161,10 @@ type anchor struct {
 
 	vars                                  TwoPath
 	haveVars                              bool
-	finSent, finAcked, finAckSent, gotFin bool
-	// finVia says which ways the other anchor's fin came: viaOld (the old
-	// path) and viaNew (the direct new path, see direct); the finAck
-	// answers each copy the way it came.
+	finSent, finAcked, finAckSent bool
+	// finVia says which ways the other anchor's fin came, 0 while none
+	// has: viaOld (the old path) and viaNew (the direct new path, see
+	// direct); the finAck answers each copy the way it came.
 	finVia     uint8
 	peerCutoff uint32
 	// finOldAcked: our fin was answered on the old path (or we gave up),
@@ -529,7 +529,7 @@ func (a *Agent) onTimer(id TimerID) {
 		a.sendCancel(s, j)
 	case TimerFin:
 		an := a.anchorFor(s, id.Req)
-		if an == nil || an.stage != StageTwoPath || !an.finSent || an.gotFin && an.finAcked {
+		if an == nil || an.stage != StageTwoPath || !an.finSent || an.finVia != 0 && an.finAcked {
 			return
 		}
 		if !an.finAcked {
@@ -1449,7 +1449,7 @@ func (a *Agent) evaluate(s *session, an *anchor) {
 		an.finSent, an.tries = true, 0
 		a.sendFin(s, an)
 	}
-	if an.gotFin && !an.finAckSent && an.vars.RecvDone(an.peerCutoff, true) {
+	if an.finVia != 0 && !an.finAckSent && an.vars.RecvDone(an.peerCutoff, true) {
 		an.finAckSent = true
 		a.sendFinAck(s, an, an.finVia)
 	}
@@ -1461,7 +1461,7 @@ func (a *Agent) evaluate(s *session, an *anchor) {
 // waitFin arms TimerFin once our fin is answered while the other anchor's
 // has not come (see TimerFin: the probes).
 func (a *Agent) waitFin(s *session, an *anchor) {
-	if an.stage == StageTwoPath && an.finAcked && !an.gotFin {
+	if an.stage == StageTwoPath && an.finAcked && an.finVia == 0 {
 		a.setTimer(s, TimerFin, an.req, a.backoff(an.tries+1))
 	}
 }
@@ -1504,9 +1504,6 @@ func (a *Agent) sendNew(an *anchor, m *Message) {
 
 // sendFinAck answers the other anchor's fin the ways it came (finVia).
 func (a *Agent) sendFinAck(s *session, an *anchor, via uint8) {
-	if via == 0 {
-		via = viaOld // a resumed anchor (resume) does not keep the ways
-	}
 	if via&viaOld != 0 {
 		a.sendSide(s, sideOf(an), a.oldPathMsg(s, an, MsgFinAck))
 	}
@@ -1530,7 +1527,6 @@ func (a *Agent) onFin(s *session, ref subRef, m *Message) {
 		if m.Sub == an.newSub {
 			via = viaNew
 		}
-		an.gotFin = true
 		an.finVia |= via
 		an.peerCutoff = m.Delta.Seq + an.newDelta.Seq
 		if an.finAckSent {
@@ -1563,7 +1559,7 @@ func (a *Agent) onFinAck(s *session, ref subRef, m *Message) {
 			}
 			a.evaluate(s, an)
 			a.waitFin(s, an)
-		} else if an.stage == StageTwoPath && an.finAcked && !an.gotFin {
+		} else if an.stage == StageTwoPath && an.finAcked && an.finVia == 0 {
 			an.probes = 0 // the other anchor, or its tomb, is there
 		}
 		return
@@ -1608,11 +1604,12 @@ func (a *Agent) complete(s *session, an *anchor) {
 	a.emit(EndTwoPath{Session: s.id, Side: side, New: an.newSub})
 	a.emit(SetWindowClamp{Session: s.id, Side: side, Bytes: 0})
 	a.subs[old] = subRef{id: s.id, side: side, peer: sd.Peer, nonce: sd.Nonce, tomb: true}
-	s.tombs = append(s.tombs, tomb{sub: old, side: side, req: an.req, cutoff: an.vars.OldSent,
-		acked: an.finOldAcked, tries: an.tries, unconfirmed: an.unconfirmed, rightAnchor: an.rightAnchor})
+	ra := an.rightAnchor
 	if an.role == RoleRightAnchor {
-		s.tombs[len(s.tombs)-1].rightAnchor = a.cfg.Self
+		ra = a.cfg.Self
 	}
+	s.tombs = append(s.tombs, tomb{sub: old, side: side, req: an.req, cutoff: an.vars.OldSent,
+		acked: an.finOldAcked, tries: an.tries, unconfirmed: an.unconfirmed, rightAnchor: ra})
 	a.setTimer(s, TimerLinger, an.req, a.cfg.Linger)
 	sd.Sub, sd.Peer, sd.Delta = an.newSub, an.newPeer, an.newDelta
 	sd.Nonce = a.subs[an.newSub].nonce

@@ -84,7 +84,7 @@ func viewAnchor(an *anchor) *AnchorView {
 	}
 	return &AnchorView{Req: an.req, Role: an.role, Stage: an.stage, RightAnchor: an.rightAnchor,
 		NewSub: an.newSub, NewPeer: an.newPeer, Delta: an.delta, NewDelta: an.newDelta, Vars: an.vars,
-		FinSent: an.finSent, FinAcked: an.finAcked, FinAckSent: an.finAckSent, GotFin: an.gotFin}
+		FinSent: an.finSent, FinAcked: an.finAcked, FinAckSent: an.finAckSent, GotFin: an.finVia != 0}
 }
 
 // RightAnchorOf returns the session this agent is the right anchor of for
