@@ -297,7 +297,8 @@ func sackName(sack bool) string {
 	return "-sack-off"
 }
 
-// disruptionSample is one 50 ms bin of the session.
+// disruptionSample is one 50 ms bin of the session. A bin is longer when
+// the sampler runs late, never shorter than half of disruptionBin.
 type disruptionSample struct {
 	// T is the end of the bin, in seconds since the session was
 	// established.
@@ -860,6 +861,12 @@ func (dl *disruptionLab) once(ctx context.Context, o *Options, sack bool, pr *pr
 		case <-tick.C:
 		}
 		now := time.Now()
+		if since(now)-prev.T < disruptionBin.Seconds()/2 {
+			// The ticker's buffered tick right after a late one (this
+			// process was not scheduled in time): a bin of a few ms
+			// would be an empty "dip" that only the sampler made.
+			continue
+		}
 		si, err1 := tcpInfo(snd)
 		ri, err2 := tcpInfo(rcv)
 		app := appRx.Load()
