@@ -159,8 +159,8 @@ type anchor struct {
 	newPeer     netip.Addr
 	newDelta    Delta
 
-	vars                                  TwoPath
-	haveVars                              bool
+	vars                          TwoPath
+	haveVars                      bool
 	finSent, finAcked, finAckSent bool
 	// finVia says which ways the other anchor's fin came, 0 while none
 	// has: viaOld (the old path) and viaNew (the direct new path, see
