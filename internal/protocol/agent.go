@@ -1484,8 +1484,7 @@ func (a *Agent) oldPathMsg(s *session, an *anchor, t MsgType) *Message {
 // anchor: that copy and its answer skip the old path's middleboxes, so the
 // two-path phase ends two hops sooner (docs/protocol.md, "Completion").
 func (a *Agent) sendFin(s *session, an *anchor) {
-	m := a.oldPathMsg(s, an, MsgFin)
-	m.Delta.Seq = an.vars.OldSent // our cut-off, in our session space
+	m := a.oldFin(s, an)
 	a.sendSide(s, sideOf(an), m)
 	if an.direct() {
 		c := *m
@@ -1493,6 +1492,26 @@ func (a *Agent) sendFin(s *session, an *anchor) {
 	}
 	an.tries++
 	a.setTimer(s, TimerFin, an.req, a.backoff(an.tries))
+}
+
+// oldFin is our fin on the old path, carrying our cut-off in our session
+// space.
+func (a *Agent) oldFin(s *session, an *anchor) *Message {
+	m := a.oldPathMsg(s, an, MsgFin)
+	m.Delta.Seq = an.vars.OldSent
+	return m
+}
+
+// tombFin is a tomb's own fin again, flagged done, the way its old path
+// runs towards the other anchor.
+func (a *Agent) tombFin(s *session, t *tomb, rightAnchor netip.Addr) *Message {
+	fin := a.msg(s, MsgFin, t.sub, t.req, rightAnchor)
+	fin.Delta.Seq = t.cutoff
+	fin.Flags = FlagDone
+	if t.side == SideLeft {
+		fin.Flags |= FlagLeftward
+	}
+	return fin
 }
 
 // sendNew sends m on the anchor's new subsession.
@@ -1633,8 +1652,8 @@ func (a *Agent) complete(s *session, an *anchor) {
 // onTomb answers a retransmitted FIN on a torn-down old path.
 func (a *Agent) onTomb(s *session, ref subRef, m *Message) {
 	if m.Type == MsgFin {
-		for _, t := range s.tombs {
-			if t.sub == m.Sub && t.req == m.Req {
+		for i := range s.tombs {
+			if t := &s.tombs[i]; t.sub == m.Sub && t.req == m.Req {
 				f := a.msg(s, MsgFinAck, m.Sub, m.Req, m.RightAnchor)
 				if t.side == SideLeft {
 					f.Flags = FlagLeftward
@@ -1644,10 +1663,7 @@ func (a *Agent) onTomb(s *session, ref subRef, m *Message) {
 					// The other anchor may still wait for our fin (every
 					// copy lost, we completed Unconfirmed): send it again.
 					// A confirmed completion means it has our fin.
-					fin := a.msg(s, MsgFin, m.Sub, m.Req, m.RightAnchor)
-					fin.Delta.Seq = t.cutoff
-					fin.Flags = f.Flags | FlagDone
-					a.send(ref.peer, fin)
+					a.send(ref.peer, a.tombFin(s, t, m.RightAnchor))
 				}
 				return
 			}
@@ -1680,9 +1696,7 @@ func (a *Agent) onOldFin(s *session, k ReqKey) {
 			an.finOldAcked = true
 			return
 		}
-		m := a.oldPathMsg(s, an, MsgFin)
-		m.Delta.Seq = an.vars.OldSent
-		a.sendSide(s, sideOf(an), m)
+		a.sendSide(s, sideOf(an), a.oldFin(s, an))
 		an.tries++
 		a.setTimer(s, TimerOldFin, k, a.backoff(an.tries))
 		return
@@ -1700,13 +1714,7 @@ func (a *Agent) onOldFin(s *session, k ReqKey) {
 		if !ok {
 			return
 		}
-		fin := a.msg(s, MsgFin, t.sub, t.req, t.rightAnchor)
-		fin.Delta.Seq = t.cutoff
-		fin.Flags = FlagDone
-		if t.side == SideLeft {
-			fin.Flags |= FlagLeftward
-		}
-		a.send(ref.peer, fin)
+		a.send(ref.peer, a.tombFin(s, t, t.rightAnchor))
 		t.tries++
 		a.setTimer(s, TimerOldFin, k, a.backoff(t.tries))
 		return
