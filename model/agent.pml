@@ -36,11 +36,23 @@
  */
 inline ctl(cnb, ct, cr, cx, cfl, cX) {
 	if
-	:: LOSS > 0 && nlost < LOSS ->
+	:: LOSS > 0 && len(net[cnb]) >= QS ->
+		/* the receiver's queue is full for control messages (the search
+		 * kept it from reading while others retransmitted; TCPQ more
+		 * places stay for TCP segments, config.pml): the network drops
+		 * the datagram, as a full socket buffer would. Counted apart from
+		 * LOSS (ndrop, up to 2: only the give-up assertion reads it); like
+		 * a loss it lets the sender's timer fire. Without loss nothing is
+		 * retransmitted and the channels must never fill (asserted
+		 * below). */
+		printf("MSC: %d -> %d %e r%d DROPPED (queue full)\n", me, cnb, ct, cr);
+		REACHED(49);
+		ndrop = (ndrop < 2 -> ndrop + 1 : 2); lossy[cr] = lossy[cr] | ARM(cX); lostNow[cr] = lostNow[cr] | ARM(cX)
+	:: LOSS > 0 && len(net[cnb]) < QS && nlost < LOSS ->
 		printf("MSC: %d -> %d %e r%d LOST\n", me, cnb, ct, cr);
 		nlost++; lossy[cr] = lossy[cr] | ARM(cX); lostNow[cr] = lostNow[cr] | ARM(cX)
-	:: true ->
-		assert(nfull(net[cnb]));   /* the bounded channels never overflow */
+	:: LOSS == 0 || len(net[cnb]) < QS ->
+		assert(len(net[cnb]) < QS);   /* without loss the channels never fill */
 		net[cnb]!ct(me, cr, cx, cfl, 0, 0, 0)
 	fi
 }
@@ -52,7 +64,7 @@ inline ctl(cnb, ct, cr, cx, cfl, cX) {
  * early, two losses can use up more than two tries). With fewer, every
  * exchange is answered: no timeout, no setupFailed on a working path, no
  * Unconfirmed. */
-#define GIVEUP printf("MSC: %d gives up r%d\n", me, r); gaveUp++; assert(nlost >= (MAXTRIES < 2 -> MAXTRIES : 2))
+#define GIVEUP printf("MSC: %d gives up r%d\n", me, r); gaveUp++; assert(nlost + ndrop >= (MAXTRIES < 2 -> MAXTRIES : 2))
 
 /* a message the receiver rejects (Rejected, no answer) may leave its
  * sender without an answer: its timer may fire (retransmit). It does not

@@ -37,6 +37,14 @@
 #ifndef QS
 #define QS 8
 #endif
+/* Each channel holds QS + TCPQ messages: control messages fill at most
+ * QS places (with loss, a control message finding QS queued is dropped,
+ * agent.pml ctl); the TCPQ more are kept for TCP segments, which are never
+ * dropped (the model has no TCP retransmission; tcp.pml put asserts
+ * room). */
+#ifndef TCPQ
+#define TCPQ 2
+#endif
 #ifndef MAXTRIES
 #define MAXTRIES 2
 #endif

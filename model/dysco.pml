@@ -59,7 +59,7 @@ mtype = { tcp };
 
 typedef Msg { mtype t; byte from; byte req; byte x; byte s; byte a; byte st; byte at };
 
-chan net[NA] = [QS] of { mtype, byte, byte, byte, byte, byte, byte, byte };
+chan net[NA] = [QS + TCPQ] of { mtype, byte, byte, byte, byte, byte, byte, byte };
 
 /* ---- agent state (one session per agent) ---- */
 byte leftN[NA], rightN[NA];     /* neighbours of the left and right sides */
@@ -125,6 +125,7 @@ byte unconf[NR+1];              /* completed Unconfirmed: bit 0 left anchor, bit
 #define XWAITR 64 /* rejection of a fin or finAck of the request, cleared by each probe */
 #define NOTX(X) (255 - (X))
 byte nlost;                     /* control messages lost so far */
+byte ndrop;                     /* control messages dropped at a full queue (up to 2, agent.pml ctl) */
 byte lossy[NR+1], lostNow[NR+1];
 byte gaveUp;                    /* a sender gave up after MAXTRIES (TimerRequest, TimerCancel, TimerFin) */
 
