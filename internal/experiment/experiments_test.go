@@ -13,12 +13,24 @@ import (
 	"time"
 )
 
+// testBinDir holds the dysco that testBinaries built; TestMain removes it.
+var testBinDir string
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if testBinDir != "" {
+		os.RemoveAll(testBinDir)
+	}
+	os.Exit(code)
+}
+
 // testBinaries builds dysco and libdysco once for the package's lab tests.
 var testBinaries = sync.OnceValues(func() ([2]string, error) {
 	dir, err := os.MkdirTemp("", "dysco-experiment-test-")
 	if err != nil {
 		return [2]string{}, err
 	}
+	testBinDir = dir
 	bin := filepath.Join(dir, "dysco")
 	if out, err := exec.Command("go", "build", "-o", bin, "../../cmd/dysco").CombinedOutput(); err != nil {
 		return [2]string{}, &buildError{"dysco", err, out}
