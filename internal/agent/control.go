@@ -369,8 +369,11 @@ func (c *control) onPacket(from netip.Addr, data []byte) {
 			if id, ok := c.sessionBySub(m.Sub); ok {
 				_ = c.announce(id)
 			}
-		} else if m.Type == protocol.MsgRequestLock {
-			c.checkReady(pid) // a joined session may be the right anchor now
+		} else if m.Type == protocol.MsgRequestLock && m.RightAnchor == p.Self() {
+			// A joined session may be the right anchor now. (A middle
+			// agent passes the request whether or not it is ready:
+			// the look is a dozen map reads.)
+			c.checkReady(pid)
 		}
 	}
 	c.handle(v6, protocol.MessageIn{From: from, Data: data})
@@ -923,10 +926,10 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 		c.onNewPathReady(v6, x)
 	case protocol.SetWindowClamp:
 		k := datapath.TPKey{SessId: c.dpID(x.Session), Side: uint32(x.Side)}
-		if _, ok := dp.TwoPath(k); !ok {
-			return nil
+		if err := dp.SetWindowClamp(k, x.Bytes); !errors.Is(err, syscall.ENOENT) {
+			return err // nil, or a failure; ENOENT: the side's record is gone
 		}
-		return dp.SetWindowClamp(k, x.Bytes)
+		return nil
 	case protocol.JoinSession:
 		return c.join(v6, x)
 	case protocol.KeepLock:

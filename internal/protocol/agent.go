@@ -1485,11 +1485,14 @@ func (a *Agent) oldPathMsg(s *session, an *anchor, t MsgType) *Message {
 // two-path phase ends two hops sooner (docs/protocol.md, "Completion").
 func (a *Agent) sendFin(s *session, an *anchor) {
 	m := a.oldFin(s, an)
-	a.sendSide(s, sideOf(an), m)
 	if an.direct() {
+		// The copy first: each send carries its datagram through the
+		// network stack before it returns (some 50 µs between lab
+		// namespaces), and the copy is the one that ends the exchange.
 		c := *m
 		a.sendNew(an, &c)
 	}
+	a.sendSide(s, sideOf(an), m)
 	an.tries++
 	a.setTimer(s, TimerFin, an.req, a.backoff(an.tries))
 }
@@ -1523,11 +1526,11 @@ func (a *Agent) sendNew(an *anchor, m *Message) {
 
 // sendFinAck answers the other anchor's fin the ways it came (finVia).
 func (a *Agent) sendFinAck(s *session, an *anchor, via uint8) {
+	if via&viaNew != 0 { // first, as in sendFin
+		a.sendNew(an, a.oldPathMsg(s, an, MsgFinAck))
+	}
 	if via&viaOld != 0 {
 		a.sendSide(s, sideOf(an), a.oldPathMsg(s, an, MsgFinAck))
-	}
-	if via&viaNew != 0 {
-		a.sendNew(an, a.oldPathMsg(s, an, MsgFinAck))
 	}
 }
 

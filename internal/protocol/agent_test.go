@@ -371,12 +371,12 @@ func TestTeardownWaitsForOldPath(t *testing.T) {
 	h.deliver(addr(1), TwoPathProgress{Session: sid, Side: SideRight, Vars: left})
 	h.deliver(addr(3), TwoPathProgress{Session: sid, Side: SideLeft, Vars: right})
 	// Only the right anchor's sending is done: one FIN, leftward, cut-off
-	// 7200, on the old path (to the middlebox) and, the new path being
-	// direct, a copy on it (to the left anchor).
+	// 7200, the new path being direct, first a copy on it (to the left
+	// anchor), then on the old path (to the middlebox).
 	if len(h.queue) != 2 {
 		t.Fatalf("queue %v", h.queue)
 	}
-	for i, to := range []netip.Addr{addr(2), addr(1)} {
+	for i, to := range []netip.Addr{addr(1), addr(2)} {
 		if m := h.queue[i].msg; m.Type != MsgFin || m.Delta.Seq != 7200 || h.queue[i].to != to {
 			t.Fatalf("fin %d: %+v to %s, want cut-off 7200 to %s", i, m, h.queue[i].to, to)
 		}
