@@ -41,20 +41,54 @@ go build -o bin/dysco-bench ./bench
 
 # A control message begins with the magic 0x44595352 ("DYSR"); its type is
 # byte 5, its flags byte 6, its request number bytes 104-107
-# (internal/protocol/message.go, Encode).
+# (internal/protocol/message.go, Encode). A bundle ("DYSB",
+# internal/protocol/bundle.go) carries several datagrams' payloads, each
+# after its 2-byte length from byte 6 on: its control messages are printed
+# one by one, with the bundle's time (at most 8 of them; a bundle of
+# 1232 bytes holds 6 messages without hops).
 bpftrace -e '
 tracepoint:syscalls:sys_enter_sendto /comm == "dysco"/ {
   $b = (uint8 *)args->buff;
-  if (*(uint8 *)uptr($b) == 0x44 && *(uint8 *)uptr($b + 1) == 0x59 && *(uint8 *)uptr($b + 2) == 0x53) {
+  if (*(uint32 *)uptr($b) == 0x52535944) {
     printf("%llu %d S %d %d %u\n", nsecs, pid, *(uint8 *)uptr($b + 5), *(uint8 *)uptr($b + 6), *(uint32 *)uptr($b + 104));
+  } else if (*(uint32 *)uptr($b) == 0x42535944) {
+    $n = (uint64)*(uint8 *)uptr($b + 5);
+    $o = (uint64)6;
+    $i = (uint64)0;
+    unroll(8) {
+      if ($i < $n && $o + 2 + 108 <= args->len) {
+        $l = ((uint64)*(uint8 *)uptr($b + $o) << 8) | (uint64)*(uint8 *)uptr($b + $o + 1);
+        $m = $b + $o + 2;
+        if (*(uint32 *)uptr($m) == 0x52535944) {
+          printf("%llu %d S %d %d %u\n", nsecs, pid, *(uint8 *)uptr($m + 5), *(uint8 *)uptr($m + 6), *(uint32 *)uptr($m + 104));
+        }
+        $o = $o + 2 + $l;
+        $i = $i + 1;
+      }
+    }
   }
 }
 tracepoint:syscalls:sys_enter_recvfrom /comm == "dysco"/ { @buf[tid] = args->ubuf; }
 tracepoint:syscalls:sys_exit_recvfrom /comm == "dysco" && @buf[tid] != 0/ {
   if (args->ret > 108) {
     $b = (uint8 *)@buf[tid];
-    if (*(uint8 *)uptr($b) == 0x44 && *(uint8 *)uptr($b + 1) == 0x59 && *(uint8 *)uptr($b + 2) == 0x53) {
+    if (*(uint32 *)uptr($b) == 0x52535944) {
       printf("%llu %d R %d %d %u\n", nsecs, pid, *(uint8 *)uptr($b + 5), *(uint8 *)uptr($b + 6), *(uint32 *)uptr($b + 104));
+    } else if (*(uint32 *)uptr($b) == 0x42535944) {
+      $n = (uint64)*(uint8 *)uptr($b + 5);
+      $o = (uint64)6;
+      $i = (uint64)0;
+      unroll(8) {
+        if ($i < $n && $o + 2 + 108 <= (uint64)args->ret) {
+          $l = ((uint64)*(uint8 *)uptr($b + $o) << 8) | (uint64)*(uint8 *)uptr($b + $o + 1);
+          $m = $b + $o + 2;
+          if (*(uint32 *)uptr($m) == 0x52535944) {
+            printf("%llu %d R %d %d %u\n", nsecs, pid, *(uint8 *)uptr($m + 5), *(uint8 *)uptr($m + 6), *(uint32 *)uptr($m + 104));
+          }
+          $o = $o + 2 + $l;
+          $i = $i + 1;
+        }
+      }
     }
   }
   delete(@buf[tid]);

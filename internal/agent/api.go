@@ -98,12 +98,16 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 	st["capacity_sessions"], st["capacity_flows"] = uint64(a.dp.Sizing.Sessions), uint64(a.dp.Sizing.Flows)
 	if a.ctl != nil {
 		// Control messages refused, by reason (forged, replayed,
-		// malformed, ...), and messages in and out (§3.3).
+		// malformed, ...), and messages in and out (§3.3); the
+		// datagrams that carried them (a bundle carries several,
+		// docs/protocol.md "Bundles").
 		for r, n := range a.ctl.rejectedCounts() {
 			st["control_rejected_"+r] = n
 		}
 		st["control_messages_in"] = a.ctl.msgsIn.Load()
 		st["control_messages_out"] = a.ctl.msgsOut.Load()
+		st["control_datagrams_in"] = a.ctl.dgramsIn.Load()
+		st["control_datagrams_out"] = a.ctl.dgramsOut.Load()
 		if hs := a.ctl.holds; hs != nil {
 			// Held packets sent on again, failures, and packets that
 			// arrived for no hold (sent on at once).

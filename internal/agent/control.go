@@ -4,10 +4,16 @@ package agent
 // UDP socket for control messages, timers, and the translation between the
 // protocol core (internal/protocol, a pure state machine) and the datapath's
 // maps. The control state is serialised by one mutex (control.mu): the
-// goroutine that reads the control socket handles each message itself,
+// goroutine that reads the control socket handles what it read itself,
 // holding it, and so does the one that reads the datapath's events; work from
 // elsewhere (the API, timers, the collector) is posted as closures to the
 // loop goroutine, which runs them holding it too.
+//
+// Each step of the loop (one locked call) handles one datagram, or the
+// events waiting in the ring, or the posted work waiting. What it sends
+// goes out when the step ends, several messages for the same agent as one
+// bundle (protocol.PackBundles; docs/protocol.md, "Bundles"): a datagram
+// carried through the network stack once for several messages.
 
 import (
 	"context"
@@ -102,6 +108,19 @@ type control struct {
 	rejected sync.Map // reason string → *atomic.Uint64
 	msgsIn   atomic.Uint64
 	msgsOut  atomic.Uint64
+	// Datagrams, each one message or a bundle of several.
+	dgramsIn, dgramsOut atomic.Uint64
+
+	// outbox holds what the current step of the loop sends (guarded by
+	// mu), outBytes the bytes waiting per destination.
+	outbox   []outMsg
+	outBytes map[netip.Addr]int
+}
+
+// outMsg is a datagram payload waiting for the end of the loop's step.
+type outMsg struct {
+	to   netip.Addr
+	data []byte
 }
 
 type timerKey struct {
@@ -134,7 +153,7 @@ func newControl(a *Agent, port int, key []byte) (*control, error) {
 		triggers: map[uint64]*trigger{}, trigAnswers: map[triggerKey][]byte{}, wake: make(chan struct{}, 1),
 		migrations: map[uint64]*migration{}, migReports: map[uint64]api.MigrationReport{}, migCalls: map[uint64]*migCall{},
 		migAnswers: map[triggerKey][]byte{}, rightHolds: map[datapath.TPKey]*rightHold{}, exported: map[uint32]wire.Tuple{},
-		migOut: map[uint64]chan api.MigrationReport{}}
+		migOut: map[uint64]chan api.MigrationReport{}, outBytes: map[netip.Addr]int{}}
 	if err := c.loadReqs(); err != nil {
 		conn.Close()
 		return nil, fmt.Errorf("agent: request numbers: %w", err)
@@ -200,21 +219,81 @@ func (c *control) run(ctx context.Context) {
 			q := c.queue
 			c.queue = nil
 			c.qmu.Unlock()
-			for _, f := range q {
-				c.locked(f)
-			}
+			c.locked(func() {
+				for _, f := range q {
+					f()
+					c.runDeferred()
+				}
+			})
 		case <-tick.C:
 			c.locked(c.poll)
 		}
 	}
 }
 
-// locked runs f as the loop: holding mu, then the work f deferred.
+// locked runs f as one step of the loop: holding mu, then the work f
+// deferred, then the step's sends.
 func (c *control) locked(f func()) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	f()
 	c.runDeferred()
+	c.flush()
+}
+
+// send queues a datagram payload (a control message, a trigger, a
+// migration message) for the agent at to; it leaves when the
+// loop's step ends (flush), or at once when a full bundle for to is
+// waiting. Loop goroutine.
+func (c *control) send(to netip.Addr, data []byte) {
+	if n := c.outBytes[to]; n > 0 && n+2+len(data) > protocol.BundleMax-protocol.BundleHeaderLen {
+		c.flush()
+	}
+	c.msgsOut.Add(1)
+	c.outbox = append(c.outbox, outMsg{to, data})
+	c.outBytes[to] += 2 + len(data)
+}
+
+// flush sends what the loop's step queued: per destination, in the order
+// of each destination's first message, its messages in the order they were
+// queued, as few datagrams as PackBundles makes of them. Loop goroutine.
+func (c *control) flush() {
+	switch len(c.outbox) {
+	case 0:
+		return
+	case 1: // the common case: nothing to bundle
+		m := c.outbox[0]
+		c.outbox[0] = outMsg{}
+		c.outbox = c.outbox[:0]
+		clear(c.outBytes)
+		c.write(m.to, m.data)
+		return
+	}
+	box := c.outbox
+	c.outbox = c.outbox[:0]
+	clear(c.outBytes)
+	var dests []netip.Addr
+	per := map[netip.Addr][][]byte{}
+	for _, m := range box {
+		if _, ok := per[m.to]; !ok {
+			dests = append(dests, m.to)
+		}
+		per[m.to] = append(per[m.to], m.data)
+	}
+	for _, to := range dests {
+		for _, d := range protocol.PackBundles(per[to], protocol.BundleMax) {
+			c.write(to, d)
+		}
+	}
+	clear(box)
+}
+
+// write sends one datagram to the agent at to.
+func (c *control) write(to netip.Addr, d []byte) {
+	c.dgramsOut.Add(1)
+	if _, err := c.conn.WriteToUDPAddrPort(d, netip.AddrPortFrom(to, uint16(c.port))); err != nil {
+		c.a.log.Warn("control: send failed", "to", to, "bytes", len(d), "err", err)
+	}
 }
 
 // post has the loop goroutine run f, after the work posted before it. It
@@ -230,8 +309,12 @@ func (c *control) post(f func()) {
 	}
 }
 
-// readLoop reads the control socket and handles each message itself, as
-// the loop.
+// readLoop reads the control socket and handles each datagram itself, as
+// one step of the loop. (It reads one datagram a step: taking all that
+// are waiting costs a receive that fails with EAGAIN every step, which an
+// idle agent pays on every message, and with 600 removals at once it did
+// not change the agents' CPU or the removal times, BENCHMARKS.md
+// "Control messages bundled".)
 func (c *control) readLoop() {
 	buf := make([]byte, 64<<10)
 	for {
@@ -244,8 +327,29 @@ func (c *control) readLoop() {
 		}
 		data := append([]byte(nil), buf[:n]...)
 		src := from.Addr().Unmap()
+		c.locked(func() { c.onDatagram(src, data) })
+	}
+}
+
+// onDatagram handles a datagram: one message, or a bundle of several, each
+// handled as if it had come alone.
+func (c *control) onDatagram(from netip.Addr, data []byte) {
+	c.dgramsIn.Add(1)
+	if !protocol.IsBundle(data) {
 		c.msgsIn.Add(1)
-		c.locked(func() { c.onPacket(src, data) })
+		c.onPacket(from, data)
+		return
+	}
+	ps, err := protocol.SplitBundle(data)
+	if err != nil {
+		c.msgsIn.Add(1)
+		c.countReject("bad_bundle")
+		c.a.log.Debug("control datagram refused", "from", from, "err", err)
+		return
+	}
+	c.msgsIn.Add(uint64(len(ps)))
+	for _, p := range ps {
+		c.onPacket(from, p)
 	}
 }
 
@@ -861,9 +965,8 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 	dp := c.a.dp
 	switch x := act.(type) {
 	case protocol.Send:
-		c.msgsOut.Add(1)
-		_, err := c.conn.WriteToUDPAddrPort(x.Data, netip.AddrPortFrom(x.To, uint16(c.port)))
-		return err
+		c.send(x.To, x.Data)
+		return nil
 	case protocol.SetTimer:
 		k := timerKey{v6, x.ID}
 		if t := c.timers[k]; t != nil {
@@ -886,6 +989,9 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 			delete(c.timers, k)
 		}
 	case protocol.AddSubsession:
+		// The protocol sends before it installs (docs/protocol.md,
+		// settingUp): some ten map operations need not delay the SYN.
+		c.flush()
 		return c.addSub(x)
 	case protocol.StartTwoPath:
 		k := datapath.TPKey{SessId: c.dpID(x.Session), Side: uint32(x.Side)}
@@ -931,6 +1037,7 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 		}
 		return nil
 	case protocol.JoinSession:
+		c.flush() // as AddSubsession: the SYN goes on first
 		return c.join(v6, x)
 	case protocol.KeepLock:
 		// A middle agent's lock, for its next run if it restarts (§3.2):

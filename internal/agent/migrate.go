@@ -654,7 +654,7 @@ func (c *control) onMig(from netip.Addr, data []byte) {
 		k := triggerKey{from, m.Token}
 		if res, ok := c.migAnswers[k]; ok {
 			if res != nil {
-				_, _ = c.conn.WriteToUDPAddrPort(res, netip.AddrPortFrom(from, uint16(c.port)))
+				c.send(from, res)
 			}
 			return
 		}
@@ -672,7 +672,7 @@ func (c *control) onMig(from netip.Addr, data []byte) {
 			}
 			c.migAnswers[k] = b
 			time.AfterFunc(2*migMaxAge, func() { c.post(func() { delete(c.migAnswers, k) }) })
-			_, _ = c.conn.WriteToUDPAddrPort(b, netip.AddrPortFrom(from, uint16(c.port)))
+			c.send(from, b)
 		}
 		// answerLater answers from another goroutine.
 		answerLater := func(r migMsg) { c.post(func() { answer(r) }) }
@@ -920,8 +920,7 @@ func (c *control) migCall(ctx context.Context, to netip.Addr, m migMsg) (migMsg,
 		var send func()
 		send = func() {
 			call.tries++
-			c.msgsOut.Add(1)
-			_, _ = c.conn.WriteToUDPAddrPort(call.data, netip.AddrPortFrom(to, uint16(c.port)))
+			c.send(to, call.data)
 			// 20 ms, doubling to 320 ms: the answers may need a drain.
 			call.timer = time.AfterFunc(time.Duration(20<<min(call.tries-1, 4))*time.Millisecond, func() {
 				c.post(func() {

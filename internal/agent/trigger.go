@@ -153,7 +153,7 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 		k := triggerKey{from, m.Token}
 		if res, ok := c.trigAnswers[k]; ok {
 			if res != nil {
-				_, _ = c.conn.WriteToUDPAddrPort(res, netip.AddrPortFrom(from, uint16(c.port)))
+				c.send(from, res)
 			}
 			return // a retransmission: answered, or still running
 		}
@@ -170,7 +170,7 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 			}
 			c.trigAnswers[k] = b
 			time.AfterFunc(2*triggerMaxAge, func() { c.post(func() { delete(c.trigAnswers, k) }) })
-			_, _ = c.conn.WriteToUDPAddrPort(b, netip.AddrPortFrom(from, uint16(c.port)))
+			c.send(from, b)
 		}
 		// The sender must be the right end of the subsession it names.
 		if m.Sub.Dst != from {
@@ -260,7 +260,7 @@ func (c *control) sendTrigger(to netip.Addr, m triggerMsg) (chan triggerMsg, err
 	var send func()
 	send = func() {
 		t.tries++
-		_, _ = c.conn.WriteToUDPAddrPort(t.data, netip.AddrPortFrom(to, uint16(c.port)))
+		c.send(to, t.data)
 		if t.tries >= 10 {
 			t.timer = time.AfterFunc(time.Second, func() {
 				c.post(func() {

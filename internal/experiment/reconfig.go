@@ -751,6 +751,9 @@ type reconfigRep struct {
 	// AgentCPUms is the CPU time each agent used from the first dial to
 	// the poll that saw the last result.
 	AgentCPUms map[string]float64 `json:"agent_cpu_ms_during_removal,omitempty"`
+	// Control traffic of each agent over the same time: messages sent and
+	// the datagrams that carried them (several share one as a bundle).
+	ControlOut map[string][2]uint64 `json:"control_messages_datagrams_out,omitempty"`
 	// Direct is how many of the client's sessions go straight to the
 	// server after the removal.
 	Direct int `json:"direct"`
@@ -845,8 +848,17 @@ func benchReconfig(ctx context.Context, o *Options, rl *reconfigLab, r *Report, 
 		stuck = append(stuck, fmt.Sprint(len(x.StuckEnds)))
 		quiet = append(quiet, fmt.Sprintf("%d (the last %.1f s after the check)", x.RewritesBeforeQuiet, x.QuietMs/1000))
 		inWindow = append(inWindow, fmt.Sprint(rewritesOf(x.ProxyCounters["after_removal_window"])))
-		dial = append(dial, fmt.Sprintf("%.2f s (results seen by %.1f s; agents' CPU meanwhile: client %.0f ms, proxy %.0f ms)",
-			x.DialMs/1000, x.RemovalWallMs/1000, x.AgentCPUms["client"], x.AgentCPUms["proxy"]))
+		ctl := ""
+		if x.ControlOut != nil {
+			var parts []string
+			for _, h := range []string{"client", "proxy", "server"} {
+				c := x.ControlOut[h]
+				parts = append(parts, fmt.Sprintf("%s %d in %d", h, c[0], c[1]))
+			}
+			ctl = "; control messages sent in datagrams: " + strings.Join(parts, ", ")
+		}
+		dial = append(dial, fmt.Sprintf("%.2f s (results seen by %.1f s; agents' CPU meanwhile: client %.0f ms, proxy %.0f ms%s)",
+			x.DialMs/1000, x.RemovalWallMs/1000, x.AgentCPUms["client"], x.AgentCPUms["proxy"], ctl))
 		up0 = append(up0, fmt.Sprintf("%.2f/%.2f", x.Before.UpGbps, x.Before.DownGbps))
 		up1 = append(up1, fmt.Sprintf("%.2f/%.2f", x.After.UpGbps, x.After.DownGbps))
 		starved0 = append(starved0, fmt.Sprint(x.Before.StalledClients+x.Before.StalledServers))
@@ -983,6 +995,7 @@ func (rl *reconfigLab) repetition(ctx context.Context, o *Options, x *reconfigRe
 		return err
 	}
 	cpu0 := rl.agentCPU()
+	ctl0 := rl.controlOut(ctx, o)
 	t0 := time.Now()
 	fs, err = rl.open(ctx, n, o.ReconfigOpenRate)
 	defer fs.stop()
@@ -1055,6 +1068,12 @@ func (rl *reconfigLab) repetition(ctx context.Context, o *Options, x *reconfigRe
 		x.AgentCPUms = map[string]float64{}
 		for h, c := range cpu1 {
 			x.AgentCPUms[h] = float64((c - cpu0[h]).Microseconds()) / 1000
+		}
+	}
+	if ctl1 := rl.controlOut(ctx, o); ctl0 != nil && ctl1 != nil {
+		x.ControlOut = map[string][2]uint64{}
+		for h, c := range ctl1 {
+			x.ControlOut[h] = [2]uint64{c[0] - ctl0[h][0], c[1] - ctl0[h][1]}
 		}
 	}
 	x.History = results
@@ -1150,6 +1169,21 @@ func (rl *reconfigLab) repetition(ctx context.Context, o *Options, x *reconfigRe
 		x.problem("removal: %d session errors (first: %s)", nerr2, strings.Join(errs2, "; "))
 	}
 	return nil
+}
+
+// controlOut returns the control messages and datagrams the agents of the
+// client, the proxy and the server have sent so far, nil if a status
+// cannot be read.
+func (rl *reconfigLab) controlOut(ctx context.Context, o *Options) map[string][2]uint64 {
+	out := map[string][2]uint64{}
+	for _, h := range []string{"client", "proxy", "server"} {
+		st, err := agentStatus(ctx, o, rl.lab, h)
+		if err != nil {
+			return nil
+		}
+		out[h] = [2]uint64{st.Counters["control_messages_out"], st.Counters["control_datagrams_out"]}
+	}
+	return out
 }
 
 // agentCPU returns the CPU time used so far by the agents of the client and

@@ -378,11 +378,20 @@ func TestControlForgedMessages(t *testing.T) {
 		badTrig[len(badTrig)-1] ^= 0x5a
 		staleTrig := trig
 		staleTrig.Token, staleTrig.SentUnixMS = 78, time.Now().Add(-10*time.Minute).UnixMilli()
+		// Bundles (docs/protocol.md, "Bundles"): each message in one is
+		// checked as if it had come alone; a malformed bundle is refused
+		// whole.
+		bundle := protocol.PackBundles([][]byte{enc(fake, wrongKey), valid, garbage}, protocol.BundleMax)
+		if len(bundle) != 1 || !protocol.IsBundle(bundle[0]) {
+			t.Fatalf("three messages did not pack into one bundle: %d datagrams", len(bundle))
+		}
+		badBundle := append([]byte(nil), bundle[0]...)
+		badBundle[5] = 4 // count: one payload more than it holds
 
 		msgs := []struct {
 			what   string
 			b      []byte
-			reason string
+			reason string // for each message of the datagram, comma-separated
 		}{
 			{"(a) garbage", garbage, "bad_magic"},
 			{"(a) three bytes", []byte("DYS"), "malformed"},
@@ -395,25 +404,31 @@ func TestControlForgedMessages(t *testing.T) {
 			{"(e) trigger with a bad MAC", badTrig, "trigger_bad_mac"},
 			{"trigger of another version", ctlTrigger(key, 9, 1, trig), "trigger_malformed"},
 			{"stale trigger", ctlTrigger(key, 1, 1, staleTrig), "trigger_stale"},
+			{"a bundle of a wrong HMAC, an unknown subsession and garbage", bundle[0], "bad_mac,unknown_session,bad_magic"},
+			{"a bundle that counts more than it holds", badBundle, "bad_bundle"},
 		}
 		want := map[string]uint64{}
+		nmsgs := 0
 		for _, m := range msgs {
 			ctlSend(t, sock, tg.addr, m.b)
-			want[m.reason]++
+			for _, r := range strings.Split(m.reason, ",") {
+				want[r]++
+				nmsgs++
+			}
 		}
 		b := before[tg.host]
 		var got map[string]uint64
 		var st api.Status
 		eventually(t, 10*time.Second, "the agent of "+tg.host+" to read every forged message", func() bool {
 			st = e.status(tg.host)
-			return st.Counters["control_messages_in"] >= b.in+uint64(len(msgs))
+			return st.Counters["control_messages_in"] >= b.in+uint64(nmsgs)
 		})
 		// Every message read has been refused and counted once the loop
 		// got to it: wait for the counts, then compare exactly.
 		eventually(t, 10*time.Second, "the refusals at "+tg.host+" to be counted", func() bool {
 			st = e.status(tg.host)
 			got = ctlDiff(b.rej, ctlRejected(st))
-			return ctlSum(got) >= uint64(len(msgs))
+			return ctlSum(got) >= uint64(nmsgs)
 		})
 		t.Logf("%s refused: %v", tg.host, got)
 		for r, n := range want {
@@ -426,8 +441,8 @@ func TestControlForgedMessages(t *testing.T) {
 				t.Errorf("%s: control_rejected_%s grew by %d, want 0", tg.host, r, n)
 			}
 		}
-		if in := st.Counters["control_messages_in"] - b.in; in != uint64(len(msgs)) {
-			t.Errorf("%s: control_messages_in grew by %d, want %d", tg.host, in, len(msgs))
+		if in := st.Counters["control_messages_in"] - b.in; in != uint64(nmsgs) {
+			t.Errorf("%s: control_messages_in grew by %d, want %d", tg.host, in, nmsgs)
 		}
 		if out := st.Counters["control_messages_out"]; out != b.out {
 			t.Errorf("%s answered forged messages: control_messages_out %d -> %d", tg.host, b.out, out)
@@ -588,19 +603,33 @@ func TestControlReplay(t *testing.T) {
 		hostOf[h.Addr4] = h.Name
 	}
 	var replay []ctlPkt
+	n := uint64(0) // messages: a bundle carries several
 	for _, p := range pkts {
 		if p.dst != netip.AddrPortFrom(dst, ctlPort) {
 			continue
 		}
-		what := "?"
-		if m, err := protocol.Decode(key, p.payload); err == nil {
-			what = m.String()
+		msgs := [][]byte{p.payload}
+		if protocol.IsBundle(p.payload) {
+			var err error
+			if msgs, err = protocol.SplitBundle(p.payload); err != nil {
+				t.Fatalf("captured from %s: %v", p.src, err)
+			}
 		}
-		t.Logf("captured from %s (%s): %s", p.src, hostOf[p.src.Addr()], what)
+		for i, b := range msgs {
+			what := "?"
+			if m, err := protocol.Decode(key, b); err == nil {
+				what = m.String()
+			}
+			if len(msgs) > 1 {
+				what = fmt.Sprintf("(bundle %d/%d) %s", i+1, len(msgs), what)
+			}
+			t.Logf("captured from %s (%s): %s", p.src, hostOf[p.src.Addr()], what)
+		}
+		n += uint64(len(msgs))
 		replay = append(replay, p)
 	}
-	if len(replay) < 4 {
-		t.Fatalf("captured %d control messages to the server, want at least requestLock, syn, ack, fin, finAck", len(replay))
+	if n < 5 {
+		t.Fatalf("captured %d control messages to the server, want at least requestLock, syn, ack, fin, finAck", n)
 	}
 
 	before := e.status("server")
@@ -616,7 +645,6 @@ func TestControlReplay(t *testing.T) {
 		}
 		ctlSend(t, socks[p.src.Addr()], dst, p.payload)
 	}
-	n := uint64(len(replay))
 	var after api.Status
 	eventually(t, 10*time.Second, "the server to refuse every replay", func() bool {
 		after = e.status("server")
