@@ -9,11 +9,12 @@ package agent
 // elsewhere (the API, timers, the collector) is posted as closures to the
 // loop goroutine, which runs them holding it too.
 //
-// Each step of the loop (one locked call) handles one datagram, or the
-// events waiting in the ring, or the posted work waiting. What it sends
-// goes out when the step ends, several messages for the same agent as one
-// bundle (protocol.PackBundles; docs/protocol.md, "Bundles"): a datagram
-// carried through the network stack once for several messages.
+// What the loop sends for one item (a datagram read, a side's progress
+// from the datapath's ring, a posted closure) goes out when the item has
+// been handled, several messages for the same agent as one bundle
+// (protocol.PackBundles; docs/protocol.md, "Bundles"): a datagram carried
+// through the network stack once for several messages, and no item's
+// messages waiting for another item's handling.
 
 import (
 	"context"
@@ -219,12 +220,9 @@ func (c *control) run(ctx context.Context) {
 			q := c.queue
 			c.queue = nil
 			c.qmu.Unlock()
-			c.locked(func() {
-				for _, f := range q {
-					f()
-					c.runDeferred()
-				}
-			})
+			for _, f := range q {
+				c.locked(f)
+			}
 		case <-tick.C:
 			c.locked(c.poll)
 		}
@@ -232,7 +230,8 @@ func (c *control) run(ctx context.Context) {
 }
 
 // locked runs f as one step of the loop: holding mu, then the work f
-// deferred, then the step's sends.
+// deferred, then the step's sends (f is one item, or sends per item
+// itself).
 func (c *control) locked(f func()) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -310,11 +309,11 @@ func (c *control) post(f func()) {
 }
 
 // readLoop reads the control socket and handles each datagram itself, as
-// one step of the loop. (It reads one datagram a step: taking all that
-// are waiting costs a receive that fails with EAGAIN every step, which an
-// idle agent pays on every message, and with 600 removals at once it did
-// not change the agents' CPU or the removal times, BENCHMARKS.md
-// "Control messages bundled".)
+// one step of the loop. (One datagram a step: taking all that are waiting
+// costs a receive that fails with EAGAIN every step, which an idle agent
+// pays on every message, and with 600 removals at once it did not change
+// the agents' CPU or the removal times, BENCHMARKS.md "Control messages
+// bundled".)
 func (c *control) readLoop() {
 	buf := make([]byte, 64<<10)
 	for {
@@ -378,6 +377,10 @@ func (c *control) eventLoop(er *datapath.EventReader) {
 		c.locked(func() {
 			for _, k := range keys {
 				c.progress(k)
+				// Each side's sends leave before the next side is
+				// handled: bundles only gather what one item sent.
+				c.runDeferred()
+				c.flush()
 			}
 		})
 		if err != nil {
