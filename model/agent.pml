@@ -76,7 +76,7 @@ inline dropped(r, X) {
 
 /* the left anchor's part in r ends (finishLeft); the history says how */
 inline finishLeft(r, o, rs) {
-	stageL[r] = done; outcome[r] = o; reason[r] = rs;
+	stageL[r] = done; outcome[r] = o; reason[r] = rs; synEarly[r] = 0;
 	hist[HI(me, r)] = (o == Succeeded -> resDone : resNacked)
 }
 
@@ -84,6 +84,29 @@ inline finishLeft(r, o, rs) {
 inline sendRequestLock(r) {
 	reqTries[r]++;
 	CTL(rightN[me], requestLock, r, 0)
+}
+
+/* sendEarlySyn: on a direct new path (nh[r] == 0: a delete, a proxy
+ * removal) the left anchor sends the new path's SYN beside requestLock,
+ * straight to the right anchor, which keeps it (pendSyn) until it grants
+ * the lock and then answers it at once (acceptSyn): the SYN and SYN-ACK
+ * travel while the lock is taken. It is the SYN's first try (exchange
+ * XSYN): if its SYN-ACK has not come when the lock is held, TimerSyn sends
+ * it again (onAckLock: synTries 1, no send). Only a direct path: a
+ * middlebox of a new path would join it before the lock is held. */
+inline sendEarlySyn(r) {
+	if
+	:: nh[r] == 0 -> CTL(ra[r], syn, r, 0)
+	:: else
+	fi
+}
+
+/* acceptSyn: the right anchor, locked for r, takes the new path's SYN from
+ * sfrom: AddSubsession armed, delta = left side's + rightDelta; SYN-ACK */
+inline acceptSyn(r, sfrom) {
+	newN[me] = sfrom; dNew[me] = sdL[me] + rightDelta[r];
+	stageR[r] = waitAck;
+	CTL(sfrom, synAck, r, 0)
 }
 
 /* the left anchor starts (or restarts, from the queue) request r */
@@ -95,7 +118,8 @@ inline startReq(r) {
 		:: lock[me] == unlocked ->
 			/* startLeft */
 			lock[me] = lockPending; requestor[me] = r; stageL[r] = locking; laReq[me] = r;
-			sendRequestLock(r)
+			sendRequestLock(r);
+			sendEarlySyn(r)
 		:: lock[me] == lockPending ->
 			/* a request passing through holds it: wait in the queue */
 			assert(qreq[me] == 0);
@@ -109,6 +133,8 @@ inline startReq(r) {
 /* nack: refuse a request from the left and remember the answer */
 inline nack(r, rfrom, rs) {
 	hist[HI(me, r)] = resNacked; histR[HI(me, r)] = rs;
+	/* a right anchor refusing r drops r's early SYN (onRequestLock takes it) */
+	pendSyn[r] = (me == ra[r] -> 0 : pendSyn[r]);
 	CTL(rfrom, nackLock, r, rs)
 }
 
@@ -123,7 +149,11 @@ inline newRequestLock(r, dl, fromQueue, rfrom) {
 	:: !freed[me] && busyRA[me] == 0 && me == ra[r] ->
 		/* accept: right anchor in waitSyn, ackLock with leftDelta 0 (sendAckLock: on the left side) */
 		busyRA[me] = r; stageR[r] = waitSyn; rightDelta[r] = dl;
-		CTL(leftN[me], ackLock, r, 0)
+		CTL(leftN[me], ackLock, r, 0);
+		if
+		:: pendSyn[r] -> REACHED(50); pendSyn[r] = 0; acceptSyn(r, la[r])   /* its early SYN came first */
+		:: else
+		fi
 	:: !freed[me] && busyRA[me] == 0 && me != ra[r] && rightN[me] == NONE ->
 		nack(r, rfrom, ReasonNotOnPath)
 	:: !freed[me] && busyRA[me] == 0 && me != ra[r] && rightN[me] != NONE ->
@@ -373,15 +403,29 @@ inline onMessage() {
 				q = rightN[q]
 			:: else -> break
 			od;
-			assert(busyRA[q] == r && stageR[r] == waitSyn);
+			/* (waitAck: it answered our early SYN) */
+			assert(busyRA[q] == r && (stageR[r] == waitSyn || stageR[r] == waitAck));
 			assert(!(held[1] && held[NR]) || NR == 1);
 			nackQueue();
 			/* beginSetup: the UDP SYN, then AddSubsession to the first new hop (one
 			 * atomic step here, as in the agent: their order is not observable) */
 			newN[me] = (nh[r] > 0 -> hop[2*r] : ra[r]);
 			dNew[me] = sdR[me] + leftDelta[r];
-			synTries[r] = 1;
-			CTL(newN[me], syn, r, 0)
+			if
+			:: synEarly[r] ->
+				/* the early SYN's SYN-ACK came while locking: the new path
+				 * is up, switch (as on a SYN-ACK in settingUp below) */
+				REACHED(52); synEarly[r] = 0;
+				CTL(newN[me], ack, r, 0);
+				startTwoPath(me, RIGHT, r);
+				stageL[r] = twoPath
+			:: else ->
+				synTries[r] = 1;
+				if
+				:: nh[r] == 0 -> skip   /* the early SYN was the first try: TimerSyn */
+				:: else -> CTL(newN[me], syn, r, 0)
+				fi
+			fi
 		:: stageL[r] == done && outcome[r] != Succeeded && !canJob[r] ->
 			/* an answer to a request this agent gave up: somebody holds a
 			 * lock for it; release it (§3.6) */
@@ -415,13 +459,14 @@ inline onMessage() {
 		fi
 	:: m.t == syn && me == ra[r] ->
 		if
-		:: busyRA[me] == r && stageR[r] == waitSyn ->
-			/* AddSubsession armed, delta = left side's + rightDelta */
-			newN[me] = m.from; dNew[me] = sdL[me] + rightDelta[r];
-			stageR[r] = waitAck;
-			CTL(m.from, synAck, r, 0)
+		:: busyRA[me] == r && stageR[r] == waitSyn -> acceptSyn(r, m.from)
 		:: busyRA[me] == r && stageR[r] != waitSyn && m.from == newN[me] ->
 			REACHED(14); CTL(m.from, synAck, r, 0)   /* onSynDup: a retransmitted SYN */
+		:: busyRA[me] != r && hist[HI(me, r)] == 0 && m.from == la[r] && !pendSyn[r] ->
+			/* an early SYN before r's requestLock: kept (onNewSyn; Go keeps
+			 * it also when r is resolved here, but no requestLock of r is
+			 * granted after that, so it is never used) */
+			REACHED(51); pendSyn[r] = 1
 		:: else -> REACHED(15); dropped(r, XSYN)   /* Rejected: not (or no longer) locked here */
 		fi
 	:: m.t == syn && me != ra[r] ->
@@ -441,6 +486,8 @@ inline onMessage() {
 			startTwoPath(me, RIGHT, r);
 			stageL[r] = twoPath
 		:: stageL[r] == twoPath -> REACHED(17); CTL(newN[me], ack, r, 0)   /* our ACK was lost */
+		:: stageL[r] == locking && nh[r] == 0 && m.from == ra[r] && lock[me] == lockPending && requestor[me] == r ->
+			REACHED(53); synEarly[r] = 1   /* the early SYN's answer: kept until ackLock */
 		:: else -> REACHED(18)
 		fi
 	:: m.t == synAck && me != la[r] ->

@@ -105,6 +105,11 @@ bool held[NR+1];                /* the request holds its segment (locked to comp
 bool canJob[NR+1], canAnchor[NR+1]; /* a cancelJob at the left anchor; its anchor is set (not a stale lock) */
 byte canTries[NR+1];            /* cancelJob.tries */
 byte unconf[NR+1];              /* completed Unconfirmed: bit 0 left anchor, bit 1 right anchor */
+/* the early SYN of a direct new path (agent.pml sendEarlySyn, since
+ * 2026-11-23): pendSyn, the right anchor keeps it until the request's
+ * requestLock (Agent.earlySyns); synEarly, the left anchor has the SYN-ACK
+ * while still locking (anchor.synAcked) */
+bool pendSyn[NR+1], synEarly[NR+1];
 
 /* ---- loss of control messages (UDP, §3.3) ----
  * At most LOSS control messages are lost in a run. A loss marks the

@@ -113,9 +113,8 @@ type control struct {
 	dgramsIn, dgramsOut atomic.Uint64
 
 	// outbox holds what the current step of the loop sends (guarded by
-	// mu), outBytes the bytes waiting per destination.
-	outbox   []outMsg
-	outBytes map[netip.Addr]int
+	// mu); a step queues a few messages, so send scans it.
+	outbox []outMsg
 }
 
 // outMsg is a datagram payload waiting for the end of the loop's step.
@@ -154,7 +153,7 @@ func newControl(a *Agent, port int, key []byte) (*control, error) {
 		triggers: map[uint64]*trigger{}, trigAnswers: map[triggerKey][]byte{}, wake: make(chan struct{}, 1),
 		migrations: map[uint64]*migration{}, migReports: map[uint64]api.MigrationReport{}, migCalls: map[uint64]*migCall{},
 		migAnswers: map[triggerKey][]byte{}, rightHolds: map[datapath.TPKey]*rightHold{}, exported: map[uint32]wire.Tuple{},
-		migOut: map[uint64]chan api.MigrationReport{}, outBytes: map[netip.Addr]int{}}
+		migOut: map[uint64]chan api.MigrationReport{}}
 	if err := c.loadReqs(); err != nil {
 		conn.Close()
 		return nil, fmt.Errorf("agent: request numbers: %w", err)
@@ -245,12 +244,17 @@ func (c *control) locked(f func()) {
 // loop's step ends (flush), or at once when a full bundle for to is
 // waiting. Loop goroutine.
 func (c *control) send(to netip.Addr, data []byte) {
-	if n := c.outBytes[to]; n > 0 && n+2+len(data) > protocol.BundleMax-protocol.BundleHeaderLen {
+	n := 0 // the bytes of a bundle of what waits for to
+	for _, m := range c.outbox {
+		if m.to == to {
+			n += 2 + len(m.data)
+		}
+	}
+	if n > 0 && n+2+len(data) > protocol.BundleMax-protocol.BundleHeaderLen {
 		c.flush()
 	}
 	c.msgsOut.Add(1)
 	c.outbox = append(c.outbox, outMsg{to, data})
-	c.outBytes[to] += 2 + len(data)
 }
 
 // flush sends what the loop's step queued: per destination, in the order
@@ -264,13 +268,11 @@ func (c *control) flush() {
 		m := c.outbox[0]
 		c.outbox[0] = outMsg{}
 		c.outbox = c.outbox[:0]
-		clear(c.outBytes)
 		c.write(m.to, m.data)
 		return
 	}
 	box := c.outbox
 	c.outbox = c.outbox[:0]
-	clear(c.outBytes)
 	var dests []netip.Addr
 	per := map[netip.Addr][][]byte{}
 	for _, m := range box {

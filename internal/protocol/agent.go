@@ -71,12 +71,25 @@ type Agent struct {
 	sessions map[SessionID]*session
 	subs     map[wire.Tuple]subRef
 	rightReq map[ReqKey]SessionID // sessions where this agent is the right anchor of a request
-	nextReq  uint32
-	nextJoin SessionID
-	nextPort uint16
+	// earlySyns are the early SYNs of direct new paths that came before
+	// their request's requestLock (sendEarlySyn), at most maxEarlySyns.
+	earlySyns map[ReqKey]earlySyn
+	nextReq   uint32
+	nextJoin  SessionID
+	nextPort  uint16
 
 	now time.Duration
 	out []Action
+}
+
+// maxEarlySyns bounds Agent.earlySyns: one per request on its way to this
+// agent as a right anchor; each expires after LockLease.
+const maxEarlySyns = 4096
+
+type earlySyn struct {
+	from netip.Addr
+	m    *Message
+	at   time.Duration
 }
 
 type subRef struct {
@@ -179,8 +192,11 @@ type anchor struct {
 	// gate: wait for Proceed between the SYN-ACK and the ACK
 	// (Reconfigure.Gate); gated: waiting now.
 	gate, gated bool
-	aborted     bool // the agent aborted the gated request
-	resumed     bool // begun by an earlier run of the agent (resume)
+	// synAcked: the SYN-ACK of the early SYN came while still locking
+	// (sendEarlySyn).
+	synAcked bool
+	aborted  bool // the agent aborted the gated request
+	resumed  bool // begun by an earlier run of the agent (resume)
 }
 
 // The ways a fin can come (anchor.finVia).
@@ -255,12 +271,13 @@ func New(cfg Config) *Agent {
 		cfg.PortBase, cfg.PortCount = d.PortBase, d.PortCount
 	}
 	return &Agent{
-		cfg:      cfg,
-		sessions: map[SessionID]*session{},
-		subs:     map[wire.Tuple]subRef{},
-		rightReq: map[ReqKey]SessionID{},
-		nextJoin: joinedIDBit,
-		nextReq:  cfg.FirstReq,
+		cfg:       cfg,
+		sessions:  map[SessionID]*session{},
+		subs:      map[wire.Tuple]subRef{},
+		rightReq:  map[ReqKey]SessionID{},
+		earlySyns: map[ReqKey]earlySyn{},
+		nextJoin:  joinedIDBit,
+		nextReq:   cfg.FirstReq,
 	}
 }
 
@@ -637,6 +654,30 @@ func (a *Agent) startLeft(s *session, l *anchor) {
 	a.maxSeen(s, l.req)
 	a.progress(s, l.req, RoleLeftAnchor, StageLocking, "")
 	a.sendRequestLock(s, l)
+	a.sendEarlySyn(s, l)
+}
+
+// sendEarlySyn sends the SYN of a direct new path (no middlebox: a delete,
+// a proxy removal) beside requestLock, straight to the right anchor. The
+// right anchor keeps it until it grants the lock and answers it then
+// (onRequestLock, acceptSyn), so the SYN and the SYN-ACK travel while the
+// lock is being taken, and the left anchor switches as soon as it holds
+// the lock (beginSetup). The paper (§3.1) sends the SYN once the segment
+// is locked; nothing at the right anchor uses the new subsession before
+// the left anchor's ACK or first packet, which follow the lock. It is the
+// SYN's first try: if its SYN-ACK has not come when the lock is held,
+// TimerSyn sends the SYN again (beginSetup). Not on a path with
+// middleboxes: they would join the new path before the lock is held.
+// Model: agent.pml sendEarlySyn.
+func (a *Agent) sendEarlySyn(s *session, l *anchor) {
+	if len(l.chain) != 0 {
+		return
+	}
+	side := s.sides[SideRight]
+	l.newPeer = l.rightAnchor
+	l.newSub = a.allocPort(l.newPeer, s.tuple.DstPort)
+	a.subs[l.newSub] = subRef{id: s.id, side: SideRight, peer: l.newPeer, nonce: side.Nonce}
+	a.send(l.newPeer, a.msg(s, MsgSyn, l.newSub, l.req, l.rightAnchor))
 }
 
 func (a *Agent) maxSeen(s *session, k ReqKey) {
@@ -796,6 +837,13 @@ func (s *session) contribution(to Side) Delta {
 
 func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue bool) {
 	k := m.Req
+	// The early SYN of k, if it came first: answered below if this agent
+	// grants k the lock, dropped otherwise (sendEarlySyn).
+	var early earlySyn
+	hasEarly := false
+	if m.RightAnchor == a.cfg.Self {
+		early, hasEarly = a.takeEarlySyn(k)
+	}
 	if r, ok := s.resolved(k); ok {
 		if r.kind == resNacked {
 			a.sendNack(s, m, from, r.reason, r.blocker) // a retransmission: same answer
@@ -844,6 +892,9 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 		a.progress(s, k, RoleRightAnchor, StageWaitSyn, "rightDelta "+m.Delta.String())
 		a.setTimer(s, TimerLease, k, a.cfg.LockLease)
 		a.sendAckLock(s, r)
+		if hasEarly {
+			a.acceptSyn(s, early.from, early.m)
+		}
 		return
 	}
 	if s.sides[SideRight] == nil {
@@ -1032,6 +1083,9 @@ func (a *Agent) onNackLock(s *session, m *Message) {
 func (a *Agent) finishLeft(s *session, o Outcome, r Reason, blocker ReqKey) {
 	l := s.left
 	s.left = nil
+	if ref, ok := a.subs[l.newSub]; ok && l.stage == StageLocking && ref.id == s.id {
+		delete(a.subs, l.newSub) // the early SYN's subsession, never installed
+	}
 	kind := resDone
 	if o != Succeeded {
 		kind = resNacked
@@ -1222,20 +1276,41 @@ func (a *Agent) allocPort(dst netip.Addr, dport uint16) wire.Tuple {
 // this agent handles after this step. (The right anchor, in onNewSyn,
 // installs before it answers: the left anchor's first packets on the new
 // path may follow the SYN-ACK at once.)
+//
+// After an early SYN (sendEarlySyn) the subsession is the one that SYN
+// named; if its SYN-ACK has come, the new path is up and the anchor goes
+// on at once (newPathUp); otherwise the early SYN was the first try, and
+// TimerSyn sends it again if its SYN-ACK does not come (usually it is on
+// its way: the right anchor answers right after its ackLock).
 func (a *Agent) beginSetup(s *session, l *anchor) {
-	hops := append(append([]netip.Addr(nil), l.chain...), l.rightAnchor)
-	l.newPeer = hops[0]
-	l.newSub = a.allocPort(l.newPeer, s.tuple.DstPort)
+	side := s.sides[SideRight]
+	early := l.newSub.Src.IsValid()
+	if !early {
+		hops := append(append([]netip.Addr(nil), l.chain...), l.rightAnchor)
+		l.newPeer = hops[0]
+		l.newSub = a.allocPort(l.newPeer, s.tuple.DstPort)
+		a.subs[l.newSub] = subRef{id: s.id, side: SideRight, peer: l.newPeer, nonce: side.Nonce}
+	}
 	// §3.4: incoming data on the new path gets what the deleted
 	// middleboxes added, on top of what this side already applied.
-	side := s.sides[SideRight]
 	l.newDelta = side.Delta.Add(l.delta)
-	a.subs[l.newSub] = subRef{id: s.id, side: SideRight, peer: l.newPeer, nonce: side.Nonce}
 	l.stage, l.tries = StageSettingUp, 0
-	a.sendSyn(s, l)
-	a.emit(AddSubsession{Session: s.id, Side: SideRight, Sub: l.newSub, Peer: l.newPeer, Delta: l.newDelta,
+	add := AddSubsession{Session: s.id, Side: SideRight, Sub: l.newSub, Peer: l.newPeer, Delta: l.newDelta,
 		WScaleIn: l.peerWS, WScaleOut: side.PeerWScale, Nonce: side.Nonce,
-		Req: l.req, RightAnchor: l.rightAnchor, OldNonce: side.Nonce})
+		Req: l.req, RightAnchor: l.rightAnchor, OldNonce: side.Nonce}
+	if l.synAcked {
+		a.emit(add)
+		a.progress(s, l.req, RoleLeftAnchor, StageSettingUp, "leftDelta "+l.delta.String()+"; early SYN answered")
+		a.newPathUp(s, l)
+		return
+	}
+	if early {
+		l.tries = 1
+		a.setTimer(s, TimerSyn, l.req, a.backoff(l.tries))
+	} else {
+		a.sendSyn(s, l)
+	}
+	a.emit(add)
 	a.progress(s, l.req, RoleLeftAnchor, StageSettingUp, "leftDelta "+l.delta.String())
 }
 
@@ -1259,32 +1334,14 @@ func (a *Agent) onNewSyn(from netip.Addr, m *Message) {
 	if m.RightAnchor == a.cfg.Self {
 		id, ok := a.rightReq[m.Req]
 		if !ok {
+			if len(m.Hops) == 0 && from == m.Req.LeftAnchor {
+				a.keepEarlySyn(from, m)
+				return
+			}
 			a.reject(RejectUnexpected, m, from, "syn for %s: not locked here", m.Req)
 			return
 		}
-		s := a.sessions[id]
-		r := s.right
-		if r == nil || m.Nonce != r.anchorNonce {
-			a.reject(RejectNonce, m, from, "session %d", s.id)
-			return
-		}
-		if r.stage != StageWaitSyn {
-			a.reject(RejectUnexpected, m, from, "syn for %s in stage %s", m.Req, r.stage)
-			return
-		}
-		side := s.sides[SideLeft]
-		r.newSub, r.newPeer = m.Sub, from
-		r.newDelta = side.Delta.Add(r.delta)
-		a.subs[m.Sub] = subRef{id: s.id, side: SideLeft, peer: from, nonce: m.Nonce}
-		// Armed: the first packet on the new path switches this side even
-		// if the ACK is lost.
-		a.emit(AddSubsession{Session: s.id, Side: SideLeft, Sub: m.Sub, Peer: from, Delta: r.newDelta,
-			WScaleIn: r.peerWS, WScaleOut: side.PeerWScale, Armed: true, Nonce: m.Nonce,
-			Req: r.req, RightAnchor: a.cfg.Self, OldNonce: side.Nonce})
-		r.stage = StageWaitAck
-		a.progress(s, r.req, RoleRightAnchor, StageWaitAck, "")
-		a.setTimer(s, TimerLease, r.req, a.cfg.LockLease)
-		a.send(from, a.msg(s, MsgSynAck, m.Sub, r.req, a.cfg.Self))
+		a.acceptSyn(a.sessions[id], from, m)
 		return
 	}
 	if len(m.Hops) == 0 {
@@ -1306,6 +1363,68 @@ func (a *Agent) onNewSyn(from netip.Addr, m *Message) {
 	a.forwardSyn(s, m)
 	a.emit(JoinSession{Session: s.id, Tuple: s.tuple, Nonce: s.nonce, Left: left, Right: right})
 	a.progress(s, m.Req, RoleNewHop, StageSettingUp, "joined")
+}
+
+// acceptSyn is the right anchor's part of the new path's set-up, once it
+// holds the lock for the SYN's request: install the new subsession and
+// answer with the SYN-ACK (§3.1). Model: agent.pml acceptSyn.
+func (a *Agent) acceptSyn(s *session, from netip.Addr, m *Message) {
+	r := s.right
+	if r == nil || m.Nonce != r.anchorNonce {
+		a.reject(RejectNonce, m, from, "session %d", s.id)
+		return
+	}
+	if r.stage != StageWaitSyn {
+		a.reject(RejectUnexpected, m, from, "syn for %s in stage %s", m.Req, r.stage)
+		return
+	}
+	if _, used := a.subs[m.Sub]; used {
+		a.reject(RejectUnexpected, m, from, "syn for %s: subsession %s in use", m.Req, m.Sub)
+		return
+	}
+	side := s.sides[SideLeft]
+	r.newSub, r.newPeer = m.Sub, from
+	r.newDelta = side.Delta.Add(r.delta)
+	a.subs[m.Sub] = subRef{id: s.id, side: SideLeft, peer: from, nonce: m.Nonce}
+	// Armed: the first packet on the new path switches this side even
+	// if the ACK is lost.
+	a.emit(AddSubsession{Session: s.id, Side: SideLeft, Sub: m.Sub, Peer: from, Delta: r.newDelta,
+		WScaleIn: r.peerWS, WScaleOut: side.PeerWScale, Armed: true, Nonce: m.Nonce,
+		Req: r.req, RightAnchor: a.cfg.Self, OldNonce: side.Nonce})
+	r.stage = StageWaitAck
+	a.progress(s, r.req, RoleRightAnchor, StageWaitAck, "")
+	a.setTimer(s, TimerLease, r.req, a.cfg.LockLease)
+	a.send(from, a.msg(s, MsgSynAck, m.Sub, r.req, a.cfg.Self))
+}
+
+// keepEarlySyn keeps the early SYN of a request whose requestLock has not
+// come yet (sendEarlySyn). The store is bounded: expired entries go first;
+// when it is still full the SYN is refused (the left anchor sends it again
+// once it holds the lock).
+func (a *Agent) keepEarlySyn(from netip.Addr, m *Message) {
+	if _, ok := a.earlySyns[m.Req]; !ok && len(a.earlySyns) >= maxEarlySyns {
+		for k, e := range a.earlySyns {
+			if a.now-e.at >= a.cfg.LockLease {
+				delete(a.earlySyns, k)
+			}
+		}
+		if len(a.earlySyns) >= maxEarlySyns {
+			a.reject(RejectUnexpected, m, from, "early syn for %s: %d kept already", m.Req, len(a.earlySyns))
+			return
+		}
+	}
+	a.earlySyns[m.Req] = earlySyn{from: from, m: m, at: a.now}
+}
+
+// takeEarlySyn removes and returns the early SYN of request k, if one is
+// kept and has not expired.
+func (a *Agent) takeEarlySyn(k ReqKey) (earlySyn, bool) {
+	e, ok := a.earlySyns[k]
+	if !ok {
+		return e, false
+	}
+	delete(a.earlySyns, k)
+	return e, a.now-e.at < a.cfg.LockLease
 }
 
 func (a *Agent) forwardSyn(s *session, m *Message) {
@@ -1330,24 +1449,12 @@ func (a *Agent) onSynDup(s *session, ref subRef, m *Message) {
 func (a *Agent) onSynAck(s *session, ref subRef, m *Message) {
 	if l := s.left; l != nil && l.req == m.Req && l.newSub == m.Sub {
 		switch {
+		case l.stage == StageLocking:
+			l.synAcked = true // the early SYN's answer: used once the lock is held
 		case l.stage == StageSettingUp && l.gated:
 			// A retransmitted SYN-ACK while the agent works: it waits.
-		case l.stage == StageSettingUp && l.gate:
-			a.cancelTimer(s, TimerSyn, l.req)
-			l.gated = true
-			a.setTimer(s, TimerGate, l.req, a.cfg.GateTimeout)
-			a.progress(s, l.req, RoleLeftAnchor, StageSettingUp, "new path ready; waiting for the agent")
-			a.emit(NewPathReady{Session: s.id, Token: l.token, Req: l.req, RightAnchor: l.rightAnchor,
-				Chain: append([]netip.Addr(nil), l.chain...), OldPeer: s.sides[SideRight].Peer, NewPeer: l.newPeer,
-				OldSub: s.sides[SideRight].Sub, NewSub: l.newSub, LeftDelta: l.delta})
 		case l.stage == StageSettingUp:
-			a.cancelTimer(s, TimerSyn, l.req)
-			// Switch before the ACK goes: an agent that restarts in
-			// between resumes a switched side (the right anchor's armed
-			// side follows the first packet), never an ACKed one that
-			// did not switch.
-			a.switchPaths(s, l, SideRight)
-			a.send(l.newPeer, a.msg(s, MsgAck, l.newSub, l.req, l.rightAnchor))
+			a.newPathUp(s, l)
 		case l.stage == StageTwoPath:
 			a.send(l.newPeer, a.msg(s, MsgAck, l.newSub, l.req, l.rightAnchor)) // our ACK was lost
 		}
@@ -1359,6 +1466,26 @@ func (a *Agent) onSynAck(s *session, ref subRef, m *Message) {
 		return
 	}
 	a.reject(RejectUnexpected, m, ref.peer, "synAck for %s", m.Req)
+}
+
+// newPathUp is the left anchor's step when the new path has answered in
+// settingUp: wait for the agent (a gated request), or switch and ACK.
+func (a *Agent) newPathUp(s *session, l *anchor) {
+	a.cancelTimer(s, TimerSyn, l.req)
+	if l.gate {
+		l.gated = true
+		a.setTimer(s, TimerGate, l.req, a.cfg.GateTimeout)
+		a.progress(s, l.req, RoleLeftAnchor, StageSettingUp, "new path ready; waiting for the agent")
+		a.emit(NewPathReady{Session: s.id, Token: l.token, Req: l.req, RightAnchor: l.rightAnchor,
+			Chain: append([]netip.Addr(nil), l.chain...), OldPeer: s.sides[SideRight].Peer, NewPeer: l.newPeer,
+			OldSub: s.sides[SideRight].Sub, NewSub: l.newSub, LeftDelta: l.delta})
+		return
+	}
+	// Switch before the ACK goes: an agent that restarts in between
+	// resumes a switched side (the right anchor's armed side follows the
+	// first packet), never an ACKed one that did not switch.
+	a.switchPaths(s, l, SideRight)
+	a.send(l.newPeer, a.msg(s, MsgAck, l.newSub, l.req, l.rightAnchor))
 }
 
 func (a *Agent) onAck(s *session, ref subRef, m *Message) {

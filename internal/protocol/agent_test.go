@@ -192,6 +192,7 @@ func TestContentionBlockedThenRefused(t *testing.T) {
 	h.reconfigure(2, 4, nil, 10) // X
 	h.reconfigure(1, 3, nil, 20) // W
 	h.step()                     // X's requestLock reaches 3, goes on to 4
+	h.step()                     // X's early SYN reaches 4: kept (sendEarlySyn)
 	h.step()                     // W's requestLock reaches 2: blocked (lockPending)
 	if v, _ := h.view(2); v.Lock != LockPending || v.Queued != 1 {
 		t.Fatalf("at 2: %s queued %d", v.Lock, v.Queued)

@@ -40,6 +40,8 @@ type harness struct {
 	vars func(at netip.Addr, side Side) TwoPath
 	// hold back two-path reports (to test the FIN exchange by hand)
 	holdVars bool
+	// messages sent, per agent and type
+	sent map[netip.Addr]map[MsgType]int
 }
 
 type envelope struct {
@@ -68,7 +70,7 @@ func newHarness(t *testing.T, n int) *harness {
 		dead: map[netip.Addr]bool{}, adds: map[netip.Addr][]AddSubsession{}, joins: map[netip.Addr][]JoinSession{},
 		starts: map[netip.Addr][]StartTwoPath{}, ends: map[netip.Addr][]EndTwoPath{}, frees: map[netip.Addr][]SessionID{},
 		clamps: map[netip.Addr][]SetWindowClamp{}, ready: map[netip.Addr][]NewPathReady{},
-		locks: map[netip.Addr]ReqKey{}}
+		locks: map[netip.Addr]ReqKey{}, sent: map[netip.Addr]map[MsgType]int{}}
 	h.vars = func(netip.Addr, Side) TwoPath {
 		return TwoPath{OldSent: 1000, OldSentAcked: 1000, OldRcvd: 5000, OldRcvdAcked: 5000, NewRcvd: true, FirstNewRcvd: 5000}
 	}
@@ -109,6 +111,10 @@ func (h *harness) apply(at netip.Addr, act Action) {
 	switch x := act.(type) {
 	case Send:
 		h.log = append(h.log, fmt.Sprintf("%s -> %s %s", at, x.To, x.Msg))
+		if h.sent[at] == nil {
+			h.sent[at] = map[MsgType]int{}
+		}
+		h.sent[at][x.Msg.Type]++
 		if !h.dead[x.To] && !h.dead[at] {
 			h.queue = append(h.queue, envelope{from: at, to: x.To, data: x.Data, msg: x.Msg})
 		}
@@ -164,6 +170,18 @@ func (h *harness) stepType(t MsgType, to netip.Addr) {
 		if e.msg.Type == t && e.to == to {
 			h.queue = append(h.queue[:i:i], h.queue[i+1:]...)
 			h.deliver(e.to, MessageIn{From: e.from, Data: e.data})
+			return
+		}
+	}
+	h.t.Fatalf("no %s queued for %s\n%s", t, to, h.trace())
+}
+
+// dropType loses the first queued message of type t to to.
+func (h *harness) dropType(t MsgType, to netip.Addr) {
+	for i, e := range h.queue {
+		if e.msg.Type == t && e.to == to {
+			h.queue = append(h.queue[:i:i], h.queue[i+1:]...)
+			h.log = append(h.log, "lost: "+e.msg.String())
 			return
 		}
 	}

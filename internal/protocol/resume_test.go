@@ -52,11 +52,12 @@ func (h *harness) restart(i int, firstReq uint32, switched bool) {
 	h.deliver(at, up)
 }
 
-// untilAdded delivers messages until agent i added a new subsession.
+// untilAdded delivers messages, and fires timers when none is queued,
+// until agent i added a new subsession.
 func (h *harness) untilAdded(i int) {
 	h.t.Helper()
 	for len(h.adds[addr(i)]) == 0 {
-		if !h.step() {
+		if !h.step() && !h.fireNext() {
 			h.t.Fatalf("agent %d never added a subsession\n%s", i, h.trace())
 		}
 	}
@@ -135,7 +136,10 @@ func TestResumeSettingUp(t *testing.T) {
 	h := newHarness(t, 3)
 	h.chain([]int{1, 2, 3}, nil)
 	h.reconfigure(1, 3, nil, 1)
-	// Deliver until the right anchor answered the SYN; lose the SYN-ACK.
+	// Lose the early SYN (sendEarlySyn), so that the left anchor sends the
+	// SYN again once it holds the lock (TimerSyn); deliver until the right
+	// anchor answered it; lose the SYN-ACK.
+	h.dropType(MsgSyn, addr(3))
 	h.untilAdded(3)
 	h.queue = nil
 	req := h.adds[addr(1)][0].Req
@@ -289,7 +293,8 @@ func TestKeepLockReleased(t *testing.T) {
 			h := newHarness(t, 3)
 			h.chain([]int{1, 2, 3}, nil)
 			h.reconfigure(1, 3, nil, 1)
-			h.untilAdded(3) // locked everywhere, the right anchor answered the SYN
+			h.dropType(MsgSyn, addr(3)) // the early SYN: TimerSyn sends it again once the lock is held
+			h.untilAdded(3)             // locked everywhere, the right anchor answered the SYN
 			req := h.adds[addr(1)][0].Req
 			if h.locks[addr(2)] != req {
 				t.Fatalf("the middle agent kept lock %s, want %s\n%s", h.locks[addr(2)], req, h.trace())
