@@ -1160,8 +1160,7 @@ func (a *Agent) onProceed(e Proceed) {
 		a.abortSetup(s, l)
 		return
 	}
-	a.switchPaths(s, l, SideRight) // before the ACK, as in onSynAck
-	a.send(l.newPeer, a.msg(s, MsgAck, l.newSub, l.req, l.rightAnchor))
+	a.switchAndAck(s, l)
 }
 
 // abortSetup gives up a new path that does not answer (§3.6): the session
@@ -1456,7 +1455,7 @@ func (a *Agent) onSynAck(s *session, ref subRef, m *Message) {
 		case l.stage == StageSettingUp:
 			a.newPathUp(s, l)
 		case l.stage == StageTwoPath:
-			a.send(l.newPeer, a.msg(s, MsgAck, l.newSub, l.req, l.rightAnchor)) // our ACK was lost
+			a.sendAck(s, l) // our ACK was lost
 		}
 		return
 	}
@@ -1481,10 +1480,20 @@ func (a *Agent) newPathUp(s *session, l *anchor) {
 			OldSub: s.sides[SideRight].Sub, NewSub: l.newSub, LeftDelta: l.delta})
 		return
 	}
-	// Switch before the ACK goes: an agent that restarts in between
-	// resumes a switched side (the right anchor's armed side follows the
-	// first packet), never an ACKed one that did not switch.
+	a.switchAndAck(s, l)
+}
+
+// switchAndAck is the left anchor's switch to the new path. It switches
+// before the ACK goes: an agent that restarts in between resumes a
+// switched side (the right anchor's armed side follows the first packet),
+// never an ACKed one that did not switch.
+func (a *Agent) switchAndAck(s *session, l *anchor) {
 	a.switchPaths(s, l, SideRight)
+	a.sendAck(s, l)
+}
+
+// sendAck sends the new path's ACK to the first new hop.
+func (a *Agent) sendAck(s *session, l *anchor) {
 	a.send(l.newPeer, a.msg(s, MsgAck, l.newSub, l.req, l.rightAnchor))
 }
 
