@@ -74,9 +74,12 @@ type Agent struct {
 	// earlySyns are the early SYNs of direct new paths that came before
 	// their request's requestLock (sendEarlySyn), at most maxEarlySyns.
 	earlySyns map[ReqKey]earlySyn
-	nextReq   uint32
-	nextJoin  SessionID
-	nextPort  uint16
+	// reqWindows are, per left anchor, the requests heard of here as their
+	// right anchor: an early SYN of one of them is a replay (replay.go).
+	reqWindows map[netip.Addr]*reqWindow
+	nextReq    uint32
+	nextJoin   SessionID
+	nextPort   uint16
 
 	now time.Duration
 	out []Action
@@ -271,13 +274,14 @@ func New(cfg Config) *Agent {
 		cfg.PortBase, cfg.PortCount = d.PortBase, d.PortCount
 	}
 	return &Agent{
-		cfg:       cfg,
-		sessions:  map[SessionID]*session{},
-		subs:      map[wire.Tuple]subRef{},
-		rightReq:  map[ReqKey]SessionID{},
-		earlySyns: map[ReqKey]earlySyn{},
-		nextJoin:  joinedIDBit,
-		nextReq:   cfg.FirstReq,
+		cfg:        cfg,
+		sessions:   map[SessionID]*session{},
+		subs:       map[wire.Tuple]subRef{},
+		rightReq:   map[ReqKey]SessionID{},
+		earlySyns:  map[ReqKey]earlySyn{},
+		reqWindows: map[netip.Addr]*reqWindow{},
+		nextJoin:   joinedIDBit,
+		nextReq:    cfg.FirstReq,
 	}
 }
 
@@ -842,6 +846,7 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 	var early earlySyn
 	hasEarly := false
 	if m.RightAnchor == a.cfg.Self {
+		a.heardOf(k)
 		early, hasEarly = a.takeEarlySyn(k)
 	}
 	if r, ok := s.resolved(k); ok {
@@ -1397,11 +1402,21 @@ func (a *Agent) acceptSyn(s *session, from netip.Addr, m *Message) {
 }
 
 // keepEarlySyn keeps the early SYN of a request whose requestLock has not
-// come yet (sendEarlySyn). The store is bounded: expired entries go first;
-// when it is still full the SYN is refused (the left anchor sends it again
-// once it holds the lock).
+// come yet (sendEarlySyn). A request heard of here already (its
+// requestLock came and it is resolved, or its early SYN is kept) makes the
+// SYN a replay or a stale retransmission: refused (replay.go). The store is
+// bounded: expired entries go first; when it is still full the SYN is
+// refused (the left anchor sends it again once it holds the lock).
 func (a *Agent) keepEarlySyn(from netip.Addr, m *Message) {
-	if _, ok := a.earlySyns[m.Req]; !ok && len(a.earlySyns) >= maxEarlySyns {
+	if _, ok := a.earlySyns[m.Req]; ok {
+		a.reject(RejectUnexpected, m, from, "early syn for %s: kept already", m.Req)
+		return
+	}
+	if a.knownReq(m.Req) {
+		a.reject(RejectReplay, m, from, "early syn for %s: request heard of already", m.Req)
+		return
+	}
+	if len(a.earlySyns) >= maxEarlySyns {
 		for k, e := range a.earlySyns {
 			if a.now-e.at >= a.cfg.LockLease {
 				delete(a.earlySyns, k)
@@ -1412,6 +1427,7 @@ func (a *Agent) keepEarlySyn(from netip.Addr, m *Message) {
 			return
 		}
 	}
+	a.heardOf(m.Req)
 	a.earlySyns[m.Req] = earlySyn{from: from, m: m, at: a.now}
 }
 

@@ -1,7 +1,9 @@
 package protocol
 
 import (
+	"net/netip"
 	"testing"
+	"time"
 
 	"github.com/dysco/dysco/internal/wire"
 )
@@ -137,5 +139,112 @@ func TestEarlySynBounded(t *testing.T) {
 	syn(999999)
 	if len(a.earlySyns) != 1 || len(h.rejected) != 1 {
 		t.Fatalf("after expiry: %d kept, %d rejected", len(a.earlySyns), len(h.rejected))
+	}
+}
+
+// An early SYN replayed after its request finished, or sent twice while it
+// is kept, is refused and counted, and nothing answers it (replay.go).
+func TestEarlySynReplayed(t *testing.T) {
+	for _, first := range []string{"syn", "requestLock"} {
+		t.Run(first+" first", func(t *testing.T) {
+			h := newHarness(t, 3)
+			h.chain([]int{1, 2, 3}, nil)
+			h.reconfigure(1, 3, nil, 1)
+			var syn envelope
+			for _, e := range h.queue {
+				if e.msg.Type == MsgSyn && e.to == addr(3) {
+					syn = e
+				}
+			}
+			if syn.msg == nil {
+				t.Fatalf("no early SYN queued\n%s", h.trace())
+			}
+			again := func() {
+				h.deliver(addr(3), MessageIn{From: syn.from, Data: syn.data})
+			}
+			if first == "syn" {
+				h.stepType(MsgSyn, addr(3))
+				again() // a duplicate of the kept SYN
+				if n := len(h.agents[addr(3)].earlySyns); n != 1 || len(h.rejected) != 1 || h.rejected[0].Reason != RejectUnexpected {
+					t.Fatalf("duplicate while kept: %d kept, rejected %+v\n%s", n, h.rejected, h.trace())
+				}
+				h.rejected = nil
+			}
+			h.run()
+			if r := h.result(1); r.Outcome != Succeeded {
+				t.Fatalf("%+v\n%s", r, h.trace())
+			}
+			h.assertClean(1, 3)
+			sent := h.sent[addr(3)][MsgSynAck]
+			// While the session lives its subsession is the new path's:
+			// a duplicate SYN of a finished exchange (onSynDup).
+			again()
+			if len(h.rejected) != 1 || h.rejected[0].Reason != RejectUnexpected {
+				t.Fatalf("replayed during the session: rejected %+v\n%s", h.rejected, h.trace())
+			}
+			// Once it has ended nothing names the subsession: only the
+			// request's window tells.
+			h.rejected = nil
+			h.deliver(addr(3), SessionEnd{Session: sid, Cause: "fin"})
+			for range 2 {
+				again()
+			}
+			if len(h.rejected) != 2 || h.rejected[0].Reason != RejectReplay || h.rejected[1].Reason != RejectReplay {
+				t.Fatalf("replayed twice after the end: rejected %+v\n%s", h.rejected, h.trace())
+			}
+			if n := len(h.agents[addr(3)].earlySyns); n != 0 || len(h.queue) != 0 || h.sent[addr(3)][MsgSynAck] != sent {
+				t.Fatalf("replay kept (%d) or answered (%d queued)\n%s", n, len(h.queue), h.trace())
+			}
+		})
+	}
+}
+
+func TestReqWindow(t *testing.T) {
+	var w reqWindow
+	w.top = 99
+	for _, id := range []uint32{100, 105, 103} {
+		w.mark(id)
+	}
+	for id, want := range map[uint32]bool{100: true, 101: false, 103: true, 104: false, 105: true, 106: false} {
+		if got := w.known(id); got != want {
+			t.Errorf("known(%d) = %v, want %v", id, got, want)
+		}
+	}
+	// Slide by less than the window: marks within it stay; by more: the
+	// old ones are older than the window, hence known.
+	w.mark(105 + reqWindowBits - 2)
+	if !w.known(105) || w.known(104) || !w.known(103) {
+		t.Errorf("after a short slide: 103 %v, 104 %v, 105 %v", w.known(103), w.known(104), w.known(105))
+	}
+	w.mark(10 * reqWindowBits)
+	if !w.known(105) || !w.known(10*reqWindowBits-reqWindowBits) || w.known(10*reqWindowBits-1) || w.known(10*reqWindowBits+1) {
+		t.Errorf("after a long slide: wrong")
+	}
+	// A slot reused a lap later is cleared by the slide.
+	w = reqWindow{top: 999}
+	w.mark(1000)
+	w.mark(1000 + reqWindowBits - 1)
+	w.mark(1000 + reqWindowBits + 5)
+	if w.known(1000+reqWindowBits) || !w.known(1000) {
+		t.Errorf("a slot of the previous lap: known(%d) %v, known(1000) %v", 1000+reqWindowBits, w.known(1000+reqWindowBits), w.known(1000))
+	}
+}
+
+// The windows are bounded: the left anchor heard of least recently goes.
+func TestReqWindowsBounded(t *testing.T) {
+	a := New(DefaultConfig(addr(1), testKey))
+	for i := range maxReqWindows {
+		a.now = time.Duration(i+1) * time.Millisecond
+		a.heardOf(ReqKey{LeftAnchor: netip.AddrFrom4([4]byte{10, 1, byte(i >> 8), byte(i)}), ID: 5})
+	}
+	first := ReqKey{LeftAnchor: netip.AddrFrom4([4]byte{10, 1, 0, 0}), ID: 5}
+	a.now += time.Millisecond
+	a.heardOf(first) // heard of again: now the most recent
+	a.heardOf(ReqKey{LeftAnchor: addr(200), ID: 7})
+	if len(a.reqWindows) != maxReqWindows || !a.knownReq(first) || !a.knownReq(ReqKey{LeftAnchor: addr(200), ID: 7}) {
+		t.Fatalf("%d windows; first known %v", len(a.reqWindows), a.knownReq(first))
+	}
+	if a.knownReq(ReqKey{LeftAnchor: netip.AddrFrom4([4]byte{10, 1, 0, 1}), ID: 5}) {
+		t.Fatal("the least recent anchor was not forgotten")
 	}
 }
