@@ -46,53 +46,44 @@ go build -o bin/dysco-bench ./bench
 # after its 2-byte length from byte 6 on: its control messages are printed
 # one by one, with the bundle's time (at most 8 of them; a bundle of
 # 1232 bytes holds 6 messages without hops).
-bpftrace -e '
-tracepoint:syscalls:sys_enter_sendto /comm == "dysco"/ {
-  $b = (uint8 *)args->buff;
-  if (*(uint32 *)uptr($b) == 0x52535944) {
-    printf("%llu %d S %d %d %u\n", nsecs, pid, *(uint8 *)uptr($b + 5), *(uint8 *)uptr($b + 6), *(uint32 *)uptr($b + 104));
-  } else if (*(uint32 *)uptr($b) == 0x42535944) {
-    $n = (uint64)*(uint8 *)uptr($b + 5);
-    $o = (uint64)6;
-    $i = (uint64)0;
-    unroll(8) {
-      if ($i < $n && $o + 2 + 108 <= args->len) {
-        $l = ((uint64)*(uint8 *)uptr($b + $o) << 8) | (uint64)*(uint8 *)uptr($b + $o + 1);
-        $m = $b + $o + 2;
-        if (*(uint32 *)uptr($m) == 0x52535944) {
-          printf("%llu %d S %d %d %u\n", nsecs, pid, *(uint8 *)uptr($m + 5), *(uint8 *)uptr($m + 6), *(uint32 *)uptr($m + 104));
-        }
-        $o = $o + 2 + $l;
-        $i = $i + 1;
-      }
-    }
-  }
-}
-tracepoint:syscalls:sys_enter_recvfrom /comm == "dysco"/ { @buf[tid] = args->ubuf; }
-tracepoint:syscalls:sys_exit_recvfrom /comm == "dysco" && @buf[tid] != 0/ {
-  if (args->ret > 108) {
-    $b = (uint8 *)@buf[tid];
-    if (*(uint32 *)uptr($b) == 0x52535944) {
-      printf("%llu %d R %d %d %u\n", nsecs, pid, *(uint8 *)uptr($b + 5), *(uint8 *)uptr($b + 6), *(uint32 *)uptr($b + 104));
-    } else if (*(uint32 *)uptr($b) == 0x42535944) {
-      $n = (uint64)*(uint8 *)uptr($b + 5);
-      $o = (uint64)6;
-      $i = (uint64)0;
+# bt_msgs TAG LEN: the bpftrace statements that print the control messages
+# in the datagram at $b of LEN bytes, one line each, tagged S or R.
+bt_msgs() {
+	local tag=$1 len=$2
+	cat <<BT
+    if (*(uint32 *)uptr(\$b) == 0x52535944) {
+      printf("%llu %d $tag %d %d %u\\n", nsecs, pid, *(uint8 *)uptr(\$b + 5), *(uint8 *)uptr(\$b + 6), *(uint32 *)uptr(\$b + 104));
+    } else if (*(uint32 *)uptr(\$b) == 0x42535944) {
+      \$n = (uint64)*(uint8 *)uptr(\$b + 5);
+      \$o = (uint64)6;
+      \$i = (uint64)0;
       unroll(8) {
-        if ($i < $n && $o + 2 + 108 <= (uint64)args->ret) {
-          $l = ((uint64)*(uint8 *)uptr($b + $o) << 8) | (uint64)*(uint8 *)uptr($b + $o + 1);
-          $m = $b + $o + 2;
-          if (*(uint32 *)uptr($m) == 0x52535944) {
-            printf("%llu %d R %d %d %u\n", nsecs, pid, *(uint8 *)uptr($m + 5), *(uint8 *)uptr($m + 6), *(uint32 *)uptr($m + 104));
+        if (\$i < \$n && \$o + 2 + 108 <= $len) {
+          \$l = ((uint64)*(uint8 *)uptr(\$b + \$o) << 8) | (uint64)*(uint8 *)uptr(\$b + \$o + 1);
+          \$m = \$b + \$o + 2;
+          if (*(uint32 *)uptr(\$m) == 0x52535944) {
+            printf("%llu %d $tag %d %d %u\\n", nsecs, pid, *(uint8 *)uptr(\$m + 5), *(uint8 *)uptr(\$m + 6), *(uint32 *)uptr(\$m + 104));
           }
-          $o = $o + 2 + $l;
-          $i = $i + 1;
+          \$o = \$o + 2 + \$l;
+          \$i = \$i + 1;
         }
       }
     }
+BT
+}
+bpftrace -e "
+tracepoint:syscalls:sys_enter_sendto /comm == \"dysco\"/ {
+    \$b = (uint8 *)args->buff;
+$(bt_msgs S 'args->len')
+}
+tracepoint:syscalls:sys_enter_recvfrom /comm == \"dysco\"/ { @buf[tid] = args->ubuf; }
+tracepoint:syscalls:sys_exit_recvfrom /comm == \"dysco\" && @buf[tid] != 0/ {
+  if (args->ret > 108) {
+    \$b = (uint8 *)@buf[tid];
+$(bt_msgs R '(uint64)args->ret')
   }
   delete(@buf[tid]);
-}' >"$out/bt" 2>&1 &
+}" >"$out/bt" 2>&1 &
 bt=$!
 for _ in $(seq 100); do grep -q Attaching "$out/bt" && break; sleep 0.1; done
 grep -q Attaching "$out/bt" || { echo "reconfig-trace.sh: bpftrace did not start:" >&2; cat "$out/bt" >&2; exit 1; }
@@ -135,14 +126,17 @@ def nth(ev, who, way, typ, n=0):
             n -= 1
     return None
 
-# The messages of one removal in the order they happen (the proxy is the
-# middle agent of the old path; the new path joins client and server
-# directly). FINs and FIN-ACKs go twice (new path and old path).
+# The messages on one removal's critical path, in the order they happen
+# (the proxy is the middle agent of the old path; the new path joins client
+# and server directly). The new path's SYN goes beside requestLock and its
+# SYN-ACK right after the server's ackLock (docs/protocol.md, "The early
+# SYN of a direct new path"): they are off that path, in the extra rows.
+# FINs and FIN-ACKs go twice (new path and old path).
 seq = [("client", "S", "requestLock"), ("proxy", "R", "requestLock"), ("proxy", "S", "requestLock"),
        ("server", "R", "requestLock"), ("server", "S", "ackLock"), ("proxy", "R", "ackLock"),
-       ("proxy", "S", "ackLock"), ("client", "R", "ackLock"), ("client", "S", "SYN"),
-       ("server", "R", "SYN"), ("server", "S", "SYN-ACK"), ("client", "R", "SYN-ACK"),
+       ("proxy", "S", "ackLock"), ("client", "R", "ackLock"),
        ("client", "S", "ACK"), ("server", "R", "ACK"), ("server", "S", "FIN")]
+ACK = seq.index(("client", "S", "ACK"))
 steps = collections.defaultdict(list)
 n = 0
 for ev in reqs.values():
@@ -154,17 +148,21 @@ for ev in reqs.values():
     for i in range(1, len(seq)):
         steps[(seq[i - 1], seq[i])].append(ts[i] - ts[i - 1])
     extra = {
+        "early SYN: client's requestLock to its SYN": (nth(ev, "client", "S", "SYN"), ts[0]),
+        "early SYN: hop client → server": (nth(ev, "server", "R", "SYN"), nth(ev, "client", "S", "SYN")),
+        "early SYN: server's ackLock to its SYN-ACK": (nth(ev, "server", "S", "SYN-ACK"), ts[4]),
+        "early SYN: the SYN-ACK arrives before the client's ackLock by": (ts[7], nth(ev, "client", "R", "SYN-ACK")),
         "server: FIN's 2nd copy after its 1st": (nth(ev, "server", "S", "FIN", 1), ts[-1]),
-        "client: its ACK to its first FIN": (nth(ev, "client", "S", "FIN"), ts[12]),
-        "client: server's FIN arrives after the ACK left": (nth(ev, "client", "R", "FIN"), ts[12]),
-        "client: ACK to completion (last FIN-ACK)": (None, ts[12]),
+        "client: its ACK to its first FIN": (nth(ev, "client", "S", "FIN"), ts[ACK]),
+        "client: server's FIN arrives after the ACK left": (nth(ev, "client", "R", "FIN"), ts[ACK]),
+        "client: ACK to completion (last FIN-ACK)": (None, ts[ACK]),
     }
     sa, ra = nth(ev, "client", "S", "FIN-ACK"), nth(ev, "client", "R", "FIN-ACK")
     if sa and ra:
-        extra["client: ACK to completion (last FIN-ACK)"] = (max(sa, ra), ts[12])
+        extra["client: ACK to completion (last FIN-ACK)"] = (max(sa, ra), ts[ACK])
         steps["whole: requestLock to completion"].append(max(sa, ra) - ts[0])
     for k, (a, b) in extra.items():
-        if a is not None:
+        if a is not None and b is not None:
             steps[k].append(a - b)
 
 def row(name, v):
