@@ -411,7 +411,7 @@ static __attribute__((noinline)) int tp_egress(struct __sk_buff *skb, struct pkt
 			goto fail;
 		if (ack_to != p->ack && replace_u32(skb, p, p->l4 + 8, ack_to - p->ack))
 			goto fail;
-		tp_report(tp, &k);
+		tp_report(tp, &k, 0);
 	}
 	if (tp->clamp && clamp_window(skb, p, tp->clamp, tp->snd_ws))
 		goto fail;
@@ -466,11 +466,11 @@ static __attribute__((noinline)) __u32 tp_ingress(const struct fwd_flow *f, cons
 	if (!tp)
 		return ack;
 	if (new_path && tp->armed && tp->state == TP_IDLE)
-		tp_start(tp, &k);
+		tp_start(tp, &k, 0);
 	if (tp->state != TP_ACTIVE)
 		return ack;
 	tp_observe(tp, new_path, seq, ack, end, flags);
-	tp_report(tp, &k);
+	tp_report(tp, &k, 0);
 	return tp_deliver(tp, new_path, ack, flags);
 }
 
@@ -1464,10 +1464,10 @@ int dysco_ctl(struct ctl_args *a)
 		return -2;
 	switch (op) {
 	case CTL_TP_START:
-		return tp_start(tp, &tk) ? -16 /* EBUSY */ : 0;
+		return tp_start(tp, &tk, 1) ? -16 /* EBUSY */ : 0;
 	case CTL_TP_STATE:
 		__sync_lock_test_and_set(&tp->state, arg);
-		tp_report(tp, &tk);
+		tp_report(tp, &tk, 1);
 		return 0;
 	case CTL_TP_CLAMP:
 		tp->clamp = arg;

@@ -95,8 +95,13 @@ static __always_inline __u32 tp_bits(const struct tp_val *tp)
 	return b;
 }
 
-/* tp_report tells the agent when the summary changed. */
-static __always_inline void tp_report(struct tp_val *tp, const struct tp_key *k)
+/* tp_report tells the agent when the summary changed. A change the agent
+ * made itself (dysco_ctl: quiet) is only recorded: the agent reads the
+ * variables after its command (control.go, StartTwoPath), and an event
+ * would cost the command the ring buffer's wake-up of the agent's reader,
+ * which on this lab's virtual machines was 40-60 us of a 50-70 us command
+ * (BENCHMARKS.md, "Quiet commands"). */
+static __always_inline void tp_report(struct tp_val *tp, const struct tp_key *k, int quiet)
 {
 	__u32 b = tp_bits(tp);
 	struct tp_event ev;
@@ -104,6 +109,8 @@ static __always_inline void tp_report(struct tp_val *tp, const struct tp_key *k)
 	if (b == tp->reported)
 		return;
 	tp->reported = b;
+	if (quiet)
+		return;
 	ev.sess_id = k->sess_id;
 	ev.side = k->side;
 	ev.bits = b;
@@ -116,7 +123,7 @@ static __always_inline void tp_report(struct tp_val *tp, const struct tp_key *k)
  * phase (protocol.CutOff): from now on no new data goes on the old path.
  * Whoever wins the state change (the agent through dysco_ctl, or the first
  * packet on an armed new subsession) does it once. */
-static __always_inline int tp_start(struct tp_val *tp, const struct tp_key *k)
+static __always_inline int tp_start(struct tp_val *tp, const struct tp_key *k, int quiet)
 {
 	struct flow_val *eg, *in;
 	__u32 snd = 0, ack_sent = 0, rcv = 0, ack_rcvd = 0;
@@ -141,7 +148,7 @@ static __always_inline int tp_start(struct tp_val *tp, const struct tp_key *k)
 	tp->ack_hi_ok = in && (in->flags & FL_MARKS);
 	tp->new_rcvd = 0;
 	__sync_lock_test_and_set(&tp->state, TP_ACTIVE);
-	tp_report(tp, k);
+	tp_report(tp, k, quiet);
 	return 0;
 }
 

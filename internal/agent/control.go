@@ -889,6 +889,10 @@ const historyLen = 4096
 
 // record keeps a result (loop goroutine).
 func (c *control) record(x protocol.Result, rep api.MigrationReport, hasRep bool) {
+	// The time first: what follows is this record's bookkeeping, not the
+	// reconfiguration's.
+	at, timed := c.started[x.Token]
+	took := time.Since(at)
 	r := api.ReconfigResult{ID: c.dpID(x.Session), Outcome: x.Outcome.String(), Reason: reasonText(x), Blocker: blockerText(x)}
 	if hasRep {
 		r.Migration = &rep
@@ -899,8 +903,8 @@ func (c *control) record(x protocol.Result, rep api.MigrationReport, hasRep bool
 	if s, ok := c.a.dp.Session(r.ID); ok {
 		r.Session = s.Tuple.Wire().String()
 	}
-	if at, ok := c.started[x.Token]; ok {
-		r.Micros = time.Since(at).Microseconds()
+	if timed {
+		r.Micros = took.Microseconds()
 		delete(c.started, x.Token)
 		if ph, ok := c.phases[x.Req]; ok {
 			if !ph.locked.IsZero() {
