@@ -131,6 +131,17 @@ struct {
 	__type(value, struct scratch);
 } dysco_scratch SEC(".maps");
 
+/* Where dysco_ctl's CTL_ADD_SUB copies the values it installs: a helper
+ * cannot take them from the context (the verifier refuses a context pointer
+ * as a map value), and together they exceed the stack. Only CTL_ADD_SUB uses
+ * it, and the agent's control loop runs one command at a time. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct ctl_args);
+} dysco_ctl_buf SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1);

@@ -237,6 +237,11 @@ struct ctl_args {
 	struct dysco_tuple key;
 	struct tp_key tp;
 	struct dysco_tuple key2;
+	/* CTL_ADD_SUB only */
+	struct flow_val flow;   /* the new subsession's ingress flow, at key */
+	struct delta_val delta; /* its translation, at key */
+	struct tp_val tpv;      /* the side's two-path record, at tp */
+	struct tp_req req;      /* the request behind it, at tp */
 };
 /* A held packet on the dysco_hold ring buffer: this header, then len bytes
  * of the frame from its Ethernet header (a GSO packet whole). */

@@ -999,7 +999,7 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 		}
 	case protocol.AddSubsession:
 		// The protocol sends before it installs (docs/protocol.md,
-		// settingUp): some ten map operations need not delay the SYN.
+		// settingUp): the map work need not delay the SYN.
 		c.flush()
 		return c.addSub(x)
 	case protocol.StartTwoPath:
@@ -1050,7 +1050,10 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 		return c.join(v6, x)
 	case protocol.KeepLock:
 		// A middle agent's lock, for its next run if it restarts (§3.2):
-		// announce gives it back (SessionUp.Lock).
+		// announce gives it back (SessionUp.Lock). The protocol emits it
+		// after the ackLock it passes on, which leaves first: the map
+		// write (some 20 µs here) is not on the request's path.
+		c.flush()
 		id := c.dpID(x.Session)
 		if id == 0 || c.pidOf[id] != x.Session {
 			// A proxy's spliced sessions (no datapath session of their
@@ -1185,24 +1188,16 @@ func (c *control) addSub(x protocol.AddSubsession) error {
 	if prev, ok := c.prevTP[k]; ok {
 		rq.Prev, rq.HasPrev = prev, 1
 	}
-	if err := dp.PutTPReq(k, rq); err != nil {
+	kept, err := dp.AddSubsession(k, newIn, inFlow, in, tp, rq)
+	if err != nil {
+		return err
+	}
+	if !kept {
 		// The reconfiguration goes on; only an agent restart in its
 		// middle could not resume it.
-		c.a.log.Warn("control: cannot record the request of a reconfiguration", "session", id, "err", err)
+		c.a.log.Warn("control: cannot record the request of a reconfiguration", "session", id)
 	}
-	if err := dp.PutTwoPath(k, tp); err != nil {
-		return err
-	}
-	if err := dp.PutDelta(newIn, in); err != nil {
-		return err
-	}
-	if err := dp.AddFlow(newIn, inFlow); err != nil {
-		return err
-	}
-	if err := dp.SetFlowFlags(egKey, datapath.FlTPOut, 0); err != nil {
-		return err
-	}
-	return dp.SetFlowFlags(tp.InOld, datapath.FlTPOld, 0)
+	return nil
 }
 
 // removeSub deletes a subsession's ingress flow. Removing the new one of a

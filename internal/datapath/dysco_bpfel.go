@@ -27,14 +27,19 @@ type dyscoConfig struct {
 }
 
 type dyscoCtlArgs struct {
-	_    structs.HostLayout
-	Op   uint32
-	Arg  uint32
-	Ret  int32
-	Pad  uint32
-	Key  dyscoDyscoTuple
-	Tp   dyscoTpKey
-	Key2 dyscoDyscoTuple
+	_     structs.HostLayout
+	Op    uint32
+	Arg   uint32
+	Ret   int32
+	Pad   uint32
+	Key   dyscoDyscoTuple
+	Tp    dyscoTpKey
+	Key2  dyscoDyscoTuple
+	Flow  dyscoFlowVal
+	Delta dyscoDeltaVal
+	_     [4]byte
+	Tpv   dyscoTpVal
+	Req   dyscoTpReq
 }
 
 type dyscoDeltaVal struct {
@@ -242,6 +247,7 @@ type dyscoTypeVal struct {
 const (
 	dyscoMapDyscoAgent     = "dysco_agent"
 	dyscoMapDyscoConfig    = "dysco_config"
+	dyscoMapDyscoCtlBuf    = "dysco_ctl_buf"
 	dyscoMapDyscoDeltas    = "dysco_deltas"
 	dyscoMapDyscoEvents    = "dysco_events"
 	dyscoMapDyscoFlows4    = "dysco_flows4"
@@ -326,6 +332,7 @@ type dyscoProgramSpecs struct {
 type dyscoMapSpecs struct {
 	DyscoAgent    *ebpf.MapSpec `ebpf:"dysco_agent"`
 	DyscoConfig   *ebpf.MapSpec `ebpf:"dysco_config"`
+	DyscoCtlBuf   *ebpf.MapSpec `ebpf:"dysco_ctl_buf"`
 	DyscoDeltas   *ebpf.MapSpec `ebpf:"dysco_deltas"`
 	DyscoEvents   *ebpf.MapSpec `ebpf:"dysco_events"`
 	DyscoFlows4   *ebpf.MapSpec `ebpf:"dysco_flows4"`
@@ -378,6 +385,7 @@ func (o *dyscoObjects) Close() error {
 type dyscoMaps struct {
 	DyscoAgent    *ebpf.Map `ebpf:"dysco_agent"`
 	DyscoConfig   *ebpf.Map `ebpf:"dysco_config"`
+	DyscoCtlBuf   *ebpf.Map `ebpf:"dysco_ctl_buf"`
 	DyscoDeltas   *ebpf.Map `ebpf:"dysco_deltas"`
 	DyscoEvents   *ebpf.Map `ebpf:"dysco_events"`
 	DyscoFlows4   *ebpf.Map `ebpf:"dysco_flows4"`
@@ -402,6 +410,7 @@ func (m *dyscoMaps) Close() error {
 	return _DyscoClose(
 		m.DyscoAgent,
 		m.DyscoConfig,
+		m.DyscoCtlBuf,
 		m.DyscoDeltas,
 		m.DyscoEvents,
 		m.DyscoFlows4,

@@ -36,6 +36,7 @@ const (
 	ctlFree       = 7
 	ctlCut        = 8
 	ctlFreeReconf = 9
+	ctlAddSub     = 10
 
 	evProgress = 1
 )
@@ -159,6 +160,25 @@ func (d *Datapath) AddFlow(k Tuple, f Flow) error {
 		return fmt.Errorf("datapath: add flow %s: %w", k, err)
 	}
 	return nil
+}
+
+// AddSubsession installs the new subsession of side k in one run of the
+// control program (add_sub in bpf/dysco.c), where the agent made six map
+// operations: the request behind it (req, for an agent that restarts), the
+// side's two-path record tp, the translation delta and the flow f of the
+// new subsession's ingress at in, and the flags that point the side's
+// egress flow (tp.EgKey) and its old ingress flow (tp.InOld) at the record.
+// reqKept is false when everything but the request was installed. On an
+// error the steps before the failing one stay, as they did one by one.
+func (d *Datapath) AddSubsession(k TPKey, in Tuple, f Flow, delta Delta, tp TPVal, req TPReq) (reqKept bool, err error) {
+	r, err := d.ctlRun(dyscoCtlArgs{Op: ctlAddSub, Key: in, Tp: k, Flow: f, Delta: delta, Tpv: tp, Req: req})
+	switch {
+	case errors.Is(err, syscall.EEXIST):
+		return false, fmt.Errorf("datapath: flow %s exists", in)
+	case err != nil:
+		return false, fmt.Errorf("datapath: add the subsession of session %d side %d: %w", k.SessId, k.Side, err)
+	}
+	return r == 0, nil
 }
 
 // PutDelta sets the sequence translation of the flow at k (applied when

@@ -17,6 +17,7 @@ import (
 	"os"
 	"regexp"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -1143,7 +1144,8 @@ func TestCtlConsts(t *testing.T) {
 	for name, want := range map[string]int{
 		"CTL_FLAGS_SET": ctlFlagsSet, "CTL_FLAGS_CLEAR": ctlFlagsClear, "CTL_TP_START": ctlTPStart,
 		"CTL_TP_STATE": ctlTPState, "CTL_TP_CLAMP": ctlTPClamp, "CTL_MARKS_MERGE": ctlMarksMerge,
-		"CTL_FREE": ctlFree, "CTL_CUT": ctlCut, "CTL_FREE_RECONF": ctlFreeReconf, "SIDE_LOCK": TPSideLock,
+		"CTL_FREE": ctlFree, "CTL_CUT": ctlCut, "CTL_FREE_RECONF": ctlFreeReconf, "CTL_ADD_SUB": ctlAddSub,
+		"SIDE_LOCK": TPSideLock,
 	} {
 		m := regexp.MustCompile(`(?m)^#define ` + name + `\s+(\d+)`).FindSubmatch(src)
 		if m == nil {
@@ -1210,5 +1212,70 @@ func TestMergeMarks(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// TestAddSubsession: one run of the control program installs what the
+// agent's six map operations did (control.addSub): the request, the side's
+// record, the new ingress flow and its translation (an IPv4 flow in the
+// IPv4 map), and the flags on the side's egress flow and old ingress flow;
+// it refuses an ingress flow that exists, and a side without an egress flow.
+func TestAddSubsession(t *testing.T) {
+	fx := newFixture(t)
+	for _, s := range []tpSide{tpRight4, tpLeft6} {
+		t.Run(s.sess.String(), func(t *testing.T) {
+			fx.reset(t)
+			clearHash(t, fx.d.objs.DyscoTp)
+			clearHash(t, fx.d.objs.DyscoTpReq)
+			clearHash(t, fx.d.objs.DyscoDeltas)
+			all := s.flows()
+			eg, old, nw := all[s.egKey()], all[s.inOld()], all[s.inNew()]
+			eg.Flags &^= FlTPOut
+			old.Flags &^= FlTPOld
+			eg.Packets, old.Packets = 7, 9 // written by packets meanwhile: kept
+			for k, f := range map[Tuple]Flow{s.egKey(): eg, s.inOld(): old} {
+				if err := fx.d.AddFlow(k, f); err != nil {
+					t.Fatal(err)
+				}
+			}
+			nw.Flags |= FlDelta
+			delta := Delta{Seq: 0x1000, Tsval: -5, WsIn: 7, WsOut: 9, WsOn: 1}
+			rec := s.record(TPIdle, protocol.TwoPath{})
+			rec.Armed, rec.Nd = 1, Delta{Ack: -0x1000}
+			req := TPReq{Id: 42, Role: TPReqRightAnchor}
+			kept, err := fx.d.AddSubsession(s.key(), s.inNew(), nw, delta, rec, req)
+			if err != nil || !kept {
+				t.Fatalf("AddSubsession: kept %v, %v", kept, err)
+			}
+			if got := fx.twoPath(t, s.key()); got != rec {
+				t.Errorf("record\n got %+v\nwant %+v", got, rec)
+			}
+			if got, ok := fx.d.TPReqOf(s.key()); !ok || got != req {
+				t.Errorf("request %+v (%v), want %+v", got, ok, req)
+			}
+			var d Delta
+			if err := fx.d.objs.DyscoDeltas.Lookup(s.inNew(), &d); err != nil || d != delta {
+				t.Errorf("delta %+v (%v), want %+v", d, err, delta)
+			}
+			if got := fx.flow(t, s.inNew()); got != nw {
+				t.Errorf("new ingress flow\n got %+v\nwant %+v", got, nw)
+			}
+			eg.Flags |= FlTPOut
+			old.Flags |= FlTPOld
+			if got := fx.flow(t, s.egKey()); got != eg {
+				t.Errorf("egress flow\n got %+v\nwant %+v", got, eg)
+			}
+			if got := fx.flow(t, s.inOld()); got != old {
+				t.Errorf("old ingress flow\n got %+v\nwant %+v", got, old)
+			}
+			if _, err := fx.d.AddSubsession(s.key(), s.inNew(), nw, delta, rec, req); err == nil || !strings.Contains(err.Error(), "exists") {
+				t.Errorf("a second AddSubsession: %v, want: the flow exists", err)
+			}
+			fx.d.DeleteFlow(s.inNew())
+			fx.d.DeleteFlow(s.egKey())
+			if _, err := fx.d.AddSubsession(s.key(), s.inNew(), nw, delta, rec, req); !errors.Is(err, syscall.ENOENT) {
+				t.Errorf("AddSubsession without the egress flow: %v, want ENOENT", err)
+			}
+		})
 	}
 }

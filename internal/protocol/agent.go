@@ -894,9 +894,12 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 			delta: m.Delta, peerWS: m.WScale, anchorNonce: m.AnchorNonce}
 		s.right = r
 		a.rightReq[k] = s.id
+		// The answer first: it leaves when the agent installs (acceptSyn)
+		// or at the end of the step, and the actions queued before it
+		// would delay it.
+		a.sendAckLock(s, r)
 		a.progress(s, k, RoleRightAnchor, StageWaitSyn, "rightDelta "+m.Delta.String())
 		a.setTimer(s, TimerLease, k, a.cfg.LockLease)
-		a.sendAckLock(s, r)
 		if hasEarly {
 			a.acceptSyn(s, early.from, early.m)
 		}
@@ -1275,7 +1278,7 @@ func (a *Agent) allocPort(dst netip.Addr, dport uint16) wire.Tuple {
 // beginSetup is the left anchor's step once the segment is locked: send
 // the SYN carrying the address list and install the new subsession.
 //
-// The SYN goes first: installing takes the agent some ten map operations,
+// The SYN goes first: installing takes the agent a few map operations,
 // and nothing needs the subsession at this host before the SYN-ACK, which
 // this agent handles after this step. (The right anchor, in onNewSyn,
 // installs before it answers: the left anchor's first packets on the new
