@@ -267,11 +267,6 @@ func (d *Datapath) DeleteReconfigState(id uint32) {
 	_ = d.ctlArgs(dyscoCtlArgs{Op: ctlFreeReconf, Tp: TPKey{SessId: id}})
 }
 
-// PutTPReq writes the request behind a side's two-path record.
-func (d *Datapath) PutTPReq(k TPKey, v TPReq) error {
-	return d.objs.DyscoTpReq.Update(&k, &v, ebpf.UpdateAny)
-}
-
 // TPReqOf reads the request behind a side's two-path record.
 func (d *Datapath) TPReqOf(k TPKey) (TPReq, bool) {
 	var v TPReq

@@ -23,6 +23,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/cilium/ebpf"
 	"github.com/gopacket/gopacket/layers"
 
 	"github.com/dysco/dysco/internal/protocol"
@@ -1066,7 +1067,8 @@ func TestFreeAndCutSession(t *testing.T) {
 		t.Fatal(err)
 	}
 	for side := uint32(0); side < 3; side++ {
-		if err := fx.d.PutTPReq(TPKey{SessId: id, Side: side}, TPReq{Id: side + 1}); err != nil {
+		k, v := TPKey{SessId: id, Side: side}, TPReq{Id: side + 1}
+		if err := fx.d.objs.DyscoTpReq.Update(&k, &v, ebpf.UpdateAny); err != nil {
 			t.Fatal(err)
 		}
 	}

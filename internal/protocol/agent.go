@@ -894,9 +894,9 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 			delta: m.Delta, peerWS: m.WScale, anchorNonce: m.AnchorNonce}
 		s.right = r
 		a.rightReq[k] = s.id
-		// The answer first: it leaves when the agent installs (acceptSyn)
-		// or at the end of the step, and the actions queued before it
-		// would delay it.
+		// The answer first: the agent sends it before it installs
+		// (acceptSyn) or at the end of the step, after every action
+		// queued before it.
 		a.sendAckLock(s, r)
 		a.progress(s, k, RoleRightAnchor, StageWaitSyn, "rightDelta "+m.Delta.String())
 		a.setTimer(s, TimerLease, k, a.cfg.LockLease)

@@ -218,7 +218,9 @@ func TestReqWindow(t *testing.T) {
 	}
 	w.mark(10 * reqWindowBits)
 	if !w.known(105) || !w.known(10*reqWindowBits-reqWindowBits) || w.known(10*reqWindowBits-1) || w.known(10*reqWindowBits+1) {
-		t.Errorf("after a long slide: wrong")
+		t.Errorf("after a long slide to %d: known(105) %v, known(%d) %v, known(%d) %v, known(%d) %v; want true, true, false, false",
+			10*reqWindowBits, w.known(105), 9*reqWindowBits, w.known(9*reqWindowBits),
+			10*reqWindowBits-1, w.known(10*reqWindowBits-1), 10*reqWindowBits+1, w.known(10*reqWindowBits+1))
 	}
 	// A slot reused a lap later is cleared by the slide.
 	w = reqWindow{top: 999}
