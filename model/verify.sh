@@ -138,6 +138,10 @@ run_one() {
 		res="TRUNCATED (depth)"; touch "$work/$name.fail"
 	elif grep -q "out of memory" pan.out; then
 		res="INCOMPLETE (pan out of memory)"; touch "$work/$name.fail"
+	elif [ "${errs:-x}" = 0 ] && grep -q "Search not completed" pan.out; then
+		# pan stopped by a signal (SIGINT, an outer timeout) prints its
+		# statistics with "errors: 0" too: not a proof.
+		res="INCOMPLETE (search not completed: interrupted)"; touch "$work/$name.fail"
 	elif [ "${errs:-x}" = 0 ]; then
 		if [ "$expect" = ok ]; then res="ok (exhaustive, 0 errors)"; else res="UNEXPECTED: no error found"; touch "$work/$name.fail"; fi
 	else
