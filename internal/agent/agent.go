@@ -65,9 +65,11 @@ type Config struct {
 	ControlKey []byte
 	// StatePlugins are the state migration plug-ins (internal/migrate)
 	// this agent exports and imports with; StateFailExport and
-	// StateFailImport make one of them fail (tests).
+	// StateFailImport make one of them fail, StateDelayExport delays every
+	// export (tests).
 	StatePlugins                     []string
 	StateFailExport, StateFailImport string
+	StateDelayExport                 time.Duration
 	Log                              *slog.Logger
 }
 

@@ -174,7 +174,7 @@ func (a *Agent) setupMigration(c *control) error {
 	if len(a.cfg.StatePlugins) > 0 {
 		a.providers = &migrate.Providers{}
 		set, err := migrate.NewSet(a.cfg.StatePlugins, migrate.Options{APIProviders: a.providers,
-			FailExport: a.cfg.StateFailExport, FailImport: a.cfg.StateFailImport})
+			FailExport: a.cfg.StateFailExport, FailImport: a.cfg.StateFailImport, DelayExport: a.cfg.StateDelayExport})
 		if err != nil {
 			return fmt.Errorf("--state-plugins: %w", err)
 		}

@@ -19,6 +19,7 @@ import (
 	"slices"
 	"sort"
 	"strings"
+	"time"
 
 	"github.com/dysco/dysco/internal/wire"
 )
@@ -119,6 +120,11 @@ type Options struct {
 	// "injected failure", so that tests of the agent can exercise the
 	// protocol's failure paths. Empty in production.
 	FailExport, FailImport string
+	// DelayExport is a test aid too: every Export waits this long before
+	// it collects the state (less if its context ends first), so that a
+	// test gets a freeze long enough to be sure packets arrive in it (a
+	// full hold buffer). Zero in production.
+	DelayExport time.Duration
 }
 
 // ErrInjected is the error of a failure injected through
@@ -180,6 +186,15 @@ func (s *Set) Names() []string {
 func (s *Set) Export(ctx context.Context, sess Session) (Bundle, error) {
 	if err := sess.validate(); err != nil {
 		return nil, err
+	}
+	if d := s.opt.DelayExport; d > 0 {
+		t := time.NewTimer(d)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil, fmt.Errorf("export delayed %v (test aid): %w", d, ctx.Err())
+		}
 	}
 	b := Bundle{}
 	for _, p := range s.plugins {

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/dysco/dysco/internal/wire"
 )
@@ -121,6 +122,27 @@ func TestSetInjectedFailures(t *testing.T) {
 	}
 	if _, ok := a.state[testSession]; ok {
 		t.Error("a's import not rolled back after b's injected failure")
+	}
+}
+
+// TestSetDelayedExport: the DelayExport test aid holds Export back at least
+// that long before the plug-ins run, and gives up, with nothing exported,
+// when the context ends first.
+func TestSetDelayedExport(t *testing.T) {
+	var calls []string
+	a := &memPlugin{name: "a", state: map[Session][]byte{testSession: []byte("A")}, calls: &calls}
+	const d = 30 * time.Millisecond
+	t0 := time.Now()
+	got, err := newSetOf(Options{DelayExport: d}, a).Export(context.Background(), testSession)
+	if took := time.Since(t0); err != nil || string(got["a"]) != "A" || took < d {
+		t.Errorf("Export delayed by %v: %v %v after %v", d, got, err, took)
+	}
+	calls = nil
+	ctx, cancel := context.WithTimeout(context.Background(), time.Millisecond)
+	defer cancel()
+	got, err = newSetOf(Options{DelayExport: time.Hour}, a).Export(ctx, testSession)
+	if err == nil || !errors.Is(err, context.DeadlineExceeded) || got != nil || len(calls) != 0 {
+		t.Errorf("Export delayed past its context: %v %v, plug-in calls %v", got, err, calls)
 	}
 }
 

@@ -97,8 +97,15 @@ func (e *env) migrateReconfig(host, match string, to netip.Addr, chain netip.Add
 func TestStateMigration(t *testing.T) {
 	e := newLab(t, labOpts{
 		topology: lab.Star("client", "mb1", "mb2", "mb3", "server"),
-		// mb3 is a firewall whose state plug-in fails both ways.
-		hostArgs: map[string][]string{"mb3": {"--state-fail-export", "conntrack", "--state-fail-import", "conntrack"}},
+		// mb3 is a firewall whose state plug-in fails both ways; mb2's
+		// exports wait 300 ms (only buffer-full exports at mb2), so that
+		// paced packets surely reach the anchors during that freeze
+		// even when the machine is loaded: with a freeze of a few ms the
+		// case once found no packet to hold and succeeded.
+		hostArgs: map[string][]string{
+			"mb2": {"--state-delay-export", "300ms"},
+			"mb3": {"--state-fail-export", "conntrack", "--state-fail-import", "conntrack"},
+		},
 	})
 	for _, h := range []string{"mb1", "mb2", "mb3"} {
 		e.strictFirewall(h)
@@ -121,7 +128,7 @@ func TestStateMigration(t *testing.T) {
 		{name: "substream", port: 9404, via: mb1, to: mb2, args: []string{"--semantics", "substream"}, rate: 2 * mib},
 		{name: "export-fails", port: 9406, via: mb3, to: mb2, fail: "export", stayOn: "mb3"},
 		{name: "import-fails", port: 9407, via: mb1, to: mb3, fail: "import", stayOn: "mb1"},
-		{name: "buffer-full", port: 9408, via: mb1, to: mb2, args: []string{"--semantics", "order", "--hold-limit", "1"}, fail: "hold buffer full", stayOn: "mb1"},
+		{name: "buffer-full", port: 9408, via: mb2, to: mb1, args: []string{"--semantics", "order", "--hold-limit", "1"}, fail: "hold buffer full", stayOn: "mb2"},
 	}
 	const total = 48 * mib
 	lts := map[uint16]*liveTransfer{}
