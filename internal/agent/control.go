@@ -1213,10 +1213,16 @@ func (c *control) removeSub(x protocol.RemoveSubsession) error {
 	}
 	in := datapath.TupleFrom(out.Reverse())
 	tp, ok := dp.TwoPath(k)
-	if ok && tp.State == datapath.TPNew && tp.NewOut != datapath.TupleFrom(out) {
-		// The old path goes: what arrived on it late still counts.
-		_ = dp.MergeMarks(in, datapath.TupleFrom(tp.NewOut.Wire().Reverse()))
-	}
+	// An old path removed after its linger leaves its marks behind: the
+	// side's end of the two-path phase (EndTwoPath) merged them into the
+	// new ingress flow, and what arrives on the old path after it carries
+	// nothing beyond them (all of the other side's old data had arrived,
+	// and ours had been acknowledged). Merging again here, seconds later,
+	// compared marks that a fast session had moved more than 3 GiB apart
+	// on the new path meanwhile: in 32-bit sequence space the old mark
+	// then looked up to 2^30 ahead, replaced the new one, and the next
+	// reconfiguration's cut-off came from it (the session stalled;
+	// TestReconfigureMonitor at 9 Gbit/s, three seconds of linger).
 	dp.DeleteFlow(in)
 	if !ok || tp.NewOut != datapath.TupleFrom(out) || tp.State == datapath.TPNew {
 		return nil
