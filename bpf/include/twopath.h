@@ -61,12 +61,12 @@ static __always_inline void mark(struct flow_val *fp, __u32 seq, __u32 ack, __u3
  * ingress flow's marks into the new one's (CTL_MARKS_MERGE). What the old
  * path delivered can be ahead of what the new path did by at most a window,
  * and no TCP window exceeds 2^30 bytes (RFC 7323 §2.3); a mark "ahead" by
- * more is in fact behind by more than 2^31. That is an old path removed late:
- * its session went on on the new path for seconds, and at some 6 Gbit/s
- * carried more than 2 GiB meanwhile. seq_lt alone would take the old mark
- * for the newer one, and the new flow's marks would stop there (mark() then
- * sees every packet as behind them) and with them the next reconfiguration's
- * cut-off. */
+ * more is in fact behind by more than 2^31. The agent merges once, at the
+ * end of the two-path phase, where the marks are a window apart at most (a
+ * merge seconds later, after a 3-4 GiB move, defeats any bound: the agent's
+ * removeSub). seq_lt alone would take a far-behind old mark for the newer,
+ * and the new flow's marks would stop there (mark() then sees every packet
+ * as behind them) and with them the next reconfiguration's cut-off. */
 #define MARK_MERGE_SPAN (1u << 30)
 
 static __always_inline int mark_newer(__u32 a, __u32 b)
