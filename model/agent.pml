@@ -34,7 +34,7 @@
  * fire from then on. fl is the message's flag (syn: position in the address
  * list; cancelLock: 1 = FlagNewPath; fin: FlagDone).
  */
-inline ctl(cnb, ct, cr, cx, cfl, cX) {
+inline ctlA(cnb, ct, cr, cx, cfl, ca, cX) {
 	if
 	:: LOSS > 0 && len(net[cnb]) >= QS ->
 		/* the receiver's queue is full for control messages (the search
@@ -53,9 +53,12 @@ inline ctl(cnb, ct, cr, cx, cfl, cX) {
 		nlost++; lossy[cr] = lossy[cr] | ARM(cX); lostNow[cr] = lostNow[cr] | ARM(cX)
 	:: LOSS == 0 || len(net[cnb]) < QS ->
 		assert(len(net[cnb]) < QS);   /* without loss the channels never fill */
-		net[cnb]!ct(me, cr, cx, cfl, 0, 0, 0)
+		net[cnb]!ct(me, cr, cx, cfl, ca, 0, 0)
 	fi
 }
+/* ca: a second value, the leftDelta gathered by a requestLock (its field
+ * a, unused by other control messages) */
+#define ctl(cnb, ct, cr, cx, cfl, cX) ctlA(cnb, ct, cr, cx, cfl, 0, cX)
 #define CTL(nb, t, r, x) ctl(nb, t, r, x, 0, XOF(t))
 
 /* one lost message never makes a sender give up: it gives up only if at
@@ -102,11 +105,19 @@ inline sendEarlySyn(r) {
 }
 
 /* acceptSyn: the right anchor, locked for r, takes the new path's SYN from
- * sfrom: AddSubsession armed, delta = left side's + rightDelta; SYN-ACK */
+ * sfrom: AddSubsession armed, delta = left side's + rightDelta; SYN-ACK.
+ * From the left anchor itself (a direct new path) the SYN-ACK also grants
+ * the lock (synAckMsg: flag 1, x = the leftDelta requestLock gathered) */
+inline sendSynAck(r, sfrom) {
+	if
+	:: sfrom == la[r] -> ctl(sfrom, synAck, r, grantL[r], 1, XSYN)
+	:: else -> ctl(sfrom, synAck, r, 0, 0, XSYN)
+	fi
+}
 inline acceptSyn(r, sfrom) {
 	newN[me] = sfrom; dNew[me] = sdL[me] + rightDelta[r];
 	stageR[r] = waitAck;
-	CTL(sfrom, synAck, r, 0)
+	sendSynAck(r, sfrom)
 }
 
 /* the left anchor starts (or restarts, from the queue) request r */
@@ -123,7 +134,7 @@ inline startReq(r) {
 		:: lock[me] == lockPending ->
 			/* a request passing through holds it: wait in the queue */
 			assert(qreq[me] == 0);
-			qreq[me] = r; qdelta[me] = 0; stageL[r] = locking; laReq[me] = r
+			qreq[me] = r; qdelta[me] = 0; qldelta[me] = 0; stageL[r] = locking; laReq[me] = r
 		:: lock[me] == locked ->
 			stageL[r] = done; outcome[r] = Refused; reason[r] = ReasonLocked
 		fi
@@ -139,8 +150,9 @@ inline nack(r, rfrom, rs) {
 }
 
 /* a requestLock that is not a duplicate (onRequestLock after its checks
- * for duplicates) */
-inline newRequestLock(r, dl, fromQueue, rfrom) {
+ * for duplicates); dl: rightDelta so far, dll: the leftDelta gathered so
+ * far (each middle adds what it will add to the ackLock, forwardRequest) */
+inline newRequestLock(r, dl, dll, fromQueue, rfrom) {
 	if
 	:: freed[me] -> nack(r, rfrom, ReasonNoSession)
 	:: !freed[me] && busyRA[me] != 0 ->
@@ -148,7 +160,7 @@ inline newRequestLock(r, dl, fromQueue, rfrom) {
 		nack(r, rfrom, ReasonBusy)
 	:: !freed[me] && busyRA[me] == 0 && me == ra[r] ->
 		/* accept: right anchor in waitSyn, ackLock with leftDelta 0 (sendAckLock: on the left side) */
-		busyRA[me] = r; stageR[r] = waitSyn; rightDelta[r] = dl;
+		busyRA[me] = r; stageR[r] = waitSyn; rightDelta[r] = dl; grantL[r] = dll;
 		CTL(leftN[me], ackLock, r, 0);
 		if
 		:: pendSyn[r] -> REACHED(50); pendSyn[r] = 0; acceptSyn(r, la[r])   /* its early SYN came first */
@@ -160,15 +172,15 @@ inline newRequestLock(r, dl, fromQueue, rfrom) {
 #ifdef BROKEN_SKIP_LOCK
 		/* broken: the lock is taken over whatever its state */
 		lock[me] = lockPending; requestor[me] = r; reqFrom[me] = rfrom;
-		CTL(rightN[me], requestLock, r, dl + sdL[me] + appR[me])
+		ctlA(rightN[me], requestLock, r, dl + sdL[me] + appR[me], 0, dll + sdR[me] + appL[me], XREQ)
 #else
 		if
 		:: lock[me] == unlocked ->
 			lock[me] = lockPending; requestor[me] = r; reqFrom[me] = rfrom;
-			CTL(rightN[me], requestLock, r, dl + sdL[me] + appR[me])
+			ctlA(rightN[me], requestLock, r, dl + sdL[me] + appR[me], 0, dll + sdR[me] + appL[me], XREQ)
 		:: lock[me] == lockPending ->
 			assert(qreq[me] == 0 && !fromQueue);
-			qreq[me] = r; qdelta[me] = dl; qfrom[me] = rfrom
+			qreq[me] = r; qdelta[me] = dl; qldelta[me] = dll; qfrom[me] = rfrom
 		:: lock[me] == locked ->
 			nack(r, rfrom, ReasonLocked)
 		fi
@@ -186,10 +198,10 @@ inline newRequestLock(r, dl, fromQueue, rfrom) {
  * nothing. (The replay check on request ids is subsumed here: one request
  * per left anchor, every earlier one is caught by the checks above.)
  */
-inline onRequestLock(r, dl, fromQueue, rfrom) {
+inline onRequestLock(r, dl, dll, fromQueue, rfrom) {
 #ifdef BROKEN_NO_DEDUP
 	/* broken: every requestLock is handled as a new request */
-	newRequestLock(r, dl, fromQueue, rfrom)
+	newRequestLock(r, dl, dll, fromQueue, rfrom)
 #else
 	if
 	:: hist[HI(me, r)] == resNacked -> REACHED(1); CTL(rfrom, nackLock, r, histR[HI(me, r)])
@@ -198,10 +210,10 @@ inline onRequestLock(r, dl, fromQueue, rfrom) {
 		dropped(r, XREQ)   /* Rejected: already resolved */
 	:: hist[HI(me, r)] == 0 && busyRA[me] == r -> REACHED(5); CTL(leftN[me], ackLock, r, 0)
 	:: hist[HI(me, r)] == 0 && busyRA[me] != r && lock[me] != unlocked && requestor[me] == r ->
-		REACHED(6); CTL(rightN[me], requestLock, r, dl + sdL[me] + appR[me])
+		REACHED(6); ctlA(rightN[me], requestLock, r, dl + sdL[me] + appR[me], 0, dll + sdR[me] + appL[me], XREQ)
 	:: hist[HI(me, r)] == 0 && busyRA[me] != r && !(lock[me] != unlocked && requestor[me] == r) &&
 	   qreq[me] == r && la[r] != me -> REACHED(7)
-	:: else -> newRequestLock(r, dl, fromQueue, rfrom)
+	:: else -> newRequestLock(r, dl, dll, fromQueue, rfrom)
 	fi
 #endif
 }
@@ -226,7 +238,7 @@ inline releaseQueue() {
 		q = qreq[me]; qreq[me] = 0;
 		if
 		:: la[q] == me -> startReq(q)
-		:: else -> onRequestLock(q, qdelta[me], 1, qfrom[me])
+		:: else -> onRequestLock(q, qdelta[me], qldelta[me], 1, qfrom[me])
 		fi
 	:: else
 	fi
@@ -384,48 +396,69 @@ inline onLease() {
 	fi
 }
 
+/* granted: the left anchor holds r, granted by the ackLock (viaSynAck 0)
+ * or by the right anchor's synAck (viaSynAck 1: agent.go granted,
+ * synAckMsg); ld is leftDelta. Every agent of the old path is locked by r,
+ * or, granted by the synAck, its lock may still be pending for r (the
+ * ackLock, which locks it, is on its way) */
+inline granted(r, ld, viaSynAck) {
+	lock[me] = locked; stageL[r] = settingUp; leftDelta[r] = ld;
+	/* the contending requests are never both holding the segment */
+	held[r] = 1;
+	/* while a left anchor holds its segment, every agent of the old path
+	 * up to the right anchor is locked by that request (§3.2) */
+	q = rightN[me];
+	do
+	:: q != ra[r] ->
+		assert(q != NONE && !freed[q] && requestor[q] == r &&
+		       (lock[q] == locked || (viaSynAck && lock[q] == lockPending)));
+		q = rightN[q]
+	:: else -> break
+	od;
+	/* (waitAck: it answered our early SYN) */
+	assert(busyRA[q] == r && (stageR[r] == waitSyn || stageR[r] == waitAck));
+	assert(!(held[1] && held[NR]) || NR == 1);
+	nackQueue();
+	/* beginSetup: the UDP SYN, then AddSubsession to the first new hop (one
+	 * atomic step here, as in the agent: their order is not observable) */
+	newN[me] = (nh[r] > 0 -> hop[2*r] : ra[r]);
+	dNew[me] = sdR[me] + leftDelta[r];
+	if
+	:: synEarly[r] ->
+		/* the early SYN's SYN-ACK came while locking: the new path
+		 * is up, switch (as on a SYN-ACK in settingUp below) */
+		REACHED(52); synEarly[r] = 0;
+		CTL(newN[me], ack, r, 0);
+		startTwoPath(me, RIGHT, r);
+		stageL[r] = twoPath
+	:: else ->
+		synTries[r] = 1;
+		if
+		:: nh[r] == 0 -> skip   /* the early SYN was the first try: TimerSyn */
+		:: else -> CTL(newN[me], syn, r, 0)
+		fi
+	fi
+}
+
+/* a middle agent whose lock is still pending for r when a fin or finAck of
+ * r passes it takes it then (agent.go passOldPath): the anchors send them
+ * only once r was granted, and with the granting synAck the ackLock may
+ * still be on its way, or lost (the left anchor no longer asks) */
+inline lockByTeardown(r) {
+	if
+	:: lock[me] == lockPending && requestor[me] == r -> REACHED(55); lock[me] = locked; nackQueue()
+	:: else
+	fi
+}
+
 inline onMessage() {
 	r = m.req;
 	if
-	:: m.t == requestLock -> onRequestLock(r, m.x, 0, m.from)
+	:: m.t == requestLock -> onRequestLock(r, m.x, m.a, 0, m.from)
 	:: m.t == ackLock && me == la[r] ->
 		if
 		:: stageL[r] == locking && lock[me] == lockPending && requestor[me] == r ->
-			lock[me] = locked; stageL[r] = settingUp; leftDelta[r] = m.x;
-			/* the contending requests are never both holding the segment */
-			held[r] = 1;
-			/* while a left anchor holds its segment, every agent of the old path
-			 * up to the right anchor is locked by that request (§3.2) */
-			q = rightN[me];
-			do
-			:: q != ra[r] ->
-				assert(q != NONE && !freed[q] && lock[q] == locked && requestor[q] == r);
-				q = rightN[q]
-			:: else -> break
-			od;
-			/* (waitAck: it answered our early SYN) */
-			assert(busyRA[q] == r && (stageR[r] == waitSyn || stageR[r] == waitAck));
-			assert(!(held[1] && held[NR]) || NR == 1);
-			nackQueue();
-			/* beginSetup: the UDP SYN, then AddSubsession to the first new hop (one
-			 * atomic step here, as in the agent: their order is not observable) */
-			newN[me] = (nh[r] > 0 -> hop[2*r] : ra[r]);
-			dNew[me] = sdR[me] + leftDelta[r];
-			if
-			:: synEarly[r] ->
-				/* the early SYN's SYN-ACK came while locking: the new path
-				 * is up, switch (as on a SYN-ACK in settingUp below) */
-				REACHED(52); synEarly[r] = 0;
-				CTL(newN[me], ack, r, 0);
-				startTwoPath(me, RIGHT, r);
-				stageL[r] = twoPath
-			:: else ->
-				synTries[r] = 1;
-				if
-				:: nh[r] == 0 -> skip   /* the early SYN was the first try: TimerSyn */
-				:: else -> CTL(newN[me], syn, r, 0)
-				fi
-			fi
+			granted(r, m.x, 0)
 		:: stageL[r] == done && outcome[r] != Succeeded && !canJob[r] ->
 			/* an answer to a request this agent gave up: somebody holds a
 			 * lock for it; release it (§3.6) */
@@ -461,7 +494,7 @@ inline onMessage() {
 		if
 		:: busyRA[me] == r && stageR[r] == waitSyn -> acceptSyn(r, m.from)
 		:: busyRA[me] == r && stageR[r] != waitSyn && m.from == newN[me] ->
-			REACHED(14); CTL(m.from, synAck, r, 0)   /* onSynDup: a retransmitted SYN */
+			REACHED(14); sendSynAck(r, m.from)   /* onSynDup: a retransmitted SYN */
 		:: busyRA[me] != r && hist[HI(me, r)] == 0 && m.from == la[r] && !pendSyn[r] ->
 			/* an early SYN before r's requestLock: kept (onNewSyn; Go keeps
 			 * it also when r is resolved here, but no requestLock of r is
@@ -486,7 +519,11 @@ inline onMessage() {
 			startTwoPath(me, RIGHT, r);
 			stageL[r] = twoPath
 		:: stageL[r] == twoPath -> REACHED(17); CTL(newN[me], ack, r, 0)   /* our ACK was lost */
-		:: stageL[r] == locking && nh[r] == 0 && m.from == ra[r] && lock[me] == lockPending && requestor[me] == r ->
+		:: stageL[r] == locking && nh[r] == 0 && m.from == ra[r] && lock[me] == lockPending && requestor[me] == r && m.s == 1 ->
+			/* the early SYN's answer, granting the lock: the new path is
+			 * up and the segment ours (granted switches: synEarly) */
+			REACHED(54); synEarly[r] = 1; granted(r, m.x, 1)
+		:: stageL[r] == locking && nh[r] == 0 && m.from == ra[r] && lock[me] == lockPending && requestor[me] == r && m.s == 0 ->
 			REACHED(53); synEarly[r] = 1   /* the early SYN's answer: kept until ackLock */
 		:: else -> REACHED(18)
 		fi
@@ -543,6 +580,7 @@ inline onMessage() {
 			REACHED(26); dropped(r, ARM(FINACKX(me, r)))
 		fi
 	:: m.t == fin && me != la[r] && me != ra[r] ->
+		lockByTeardown(r);
 		fwn = (m.from == leftN[me] -> rightN[me] : leftN[me]); fwx = (m.from == leftN[me] -> XFINL : XFINR);
 		ctl(fwn, fin, r, m.x, m.s, fwx)
 	:: m.t == finAck && (me == la[r] || me == ra[r]) ->
@@ -562,6 +600,7 @@ inline onMessage() {
 			REACHED(30)
 		fi
 	:: m.t == finAck && me != la[r] && me != ra[r] ->
+		lockByTeardown(r);
 		fwn = (m.from == leftN[me] -> rightN[me] : leftN[me]); fwx = (m.from == leftN[me] -> XFINR : XFINL);
 		ctl(fwn, finAck, r, 0, 0, fwx);
 		middleFinAck()

@@ -71,7 +71,7 @@ bool dead[NA];                  /* host never answers (new path failure) */
 
 mtype lock[NA] = unlocked;      /* lock of the subsession to the right */
 byte requestor[NA];             /* request holding / pending the lock */
-byte qreq[NA], qdelta[NA], qfrom[NA]; /* the blocked-request queue (one slot) */
+byte qreq[NA], qdelta[NA], qldelta[NA], qfrom[NA]; /* the blocked-request queue (one slot); qldelta: its leftDelta gathered */
 byte reqFrom[NA];               /* where the pending requestLock came from */
 byte busyRA[NA];                /* right anchor of an unfinished reconfiguration */
 
@@ -99,6 +99,9 @@ byte fwdR[NA], fwdL[NA];
 /* ---- per request ---- */
 mtype stageL[NR+1], stageR[NR+1];
 byte rightDelta[NR+1], leftDelta[NR+1];
+/* the leftDelta a request's requestLock gathered on its way (Message.LeftDelta),
+ * kept by its right anchor for the granting synAck (agent.go synAckMsg) */
+byte grantL[NR+1];
 byte outcome[NR+1], reason[NR+1];
 byte reqTries[NR+1], synTries[NR+1];  /* anchor.tries while locking / settingUp */
 bool held[NR+1];                /* the request holds its segment (locked to completion) */

@@ -169,6 +169,9 @@ type anchor struct {
 	chain       []netip.Addr
 	tries       int
 	delta       Delta // leftDelta at the left anchor, rightDelta at the right anchor (§3.4)
+	// grantDelta (right anchor): the leftDelta that requestLock gathered
+	// on its way, which the granting synAck carries (synAckMsg).
+	grantDelta  Delta
 	peerWS      uint8
 	anchorNonce [wire.NonceLen]byte // the nonce of the new path (the left anchor's)
 	newSub      wire.Tuple
@@ -891,7 +894,7 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 			return
 		}
 		r := &anchor{role: RoleRightAnchor, req: k, stage: StageWaitSyn, rightAnchor: a.cfg.Self,
-			delta: m.Delta, peerWS: m.WScale, anchorNonce: m.AnchorNonce}
+			delta: m.Delta, grantDelta: m.LeftDelta, peerWS: m.WScale, anchorNonce: m.AnchorNonce}
 		s.right = r
 		a.rightReq[k] = s.id
 		// The answer first: the agent sends it before it installs
@@ -925,10 +928,13 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 }
 
 // forwardRequest passes requestLock on to the right, adding this agent's
-// contribution to rightDelta (§3.4).
+// contribution to rightDelta (§3.4), and to the leftDelta gathered for a
+// granting synAck the contribution it will add to the ackLock (onAckLock:
+// the same, since a lock pending here keeps both sides as they are).
 func (a *Agent) forwardRequest(s *session, m *Message) {
 	f := *m
 	f.Delta = m.Delta.Add(s.contribution(SideRight))
+	f.LeftDelta = m.LeftDelta.Add(s.contribution(SideLeft))
 	a.sendSide(s, SideRight, &f)
 	a.setTimer(s, TimerLease, m.Req, a.cfg.LockLease)
 }
@@ -990,13 +996,9 @@ func (a *Agent) onAckLock(s *session, m *Message) {
 	k := m.Req
 	if l := s.left; l != nil && l.req == k {
 		if l.stage != StageLocking {
-			return // duplicate
+			return // duplicate, or the granting synAck came first
 		}
-		a.cancelTimer(s, TimerRequest, k)
-		s.lock = Locked
-		l.delta, l.peerWS = m.Delta, m.WScale
-		a.nackQueue(s)
-		a.beginSetup(s, l)
+		a.granted(s, l, m)
 		return
 	}
 	if k.LeftAnchor == a.cfg.Self {
@@ -1026,6 +1028,18 @@ func (a *Agent) onAckLock(s *session, m *Message) {
 		return
 	}
 	a.reject(RejectUnexpected, m, s.sides[SideRight].Peer, "ackLock for %s, lock %s by %s", k, s.lock, s.requestor)
+}
+
+// granted is the left anchor's step when the right anchor grants its
+// request: by the ackLock, or by the synAck that answers the early SYN
+// (FlagGrant), whichever comes first. Both carry leftDelta and the right
+// anchor's window scale.
+func (a *Agent) granted(s *session, l *anchor, m *Message) {
+	a.cancelTimer(s, TimerRequest, l.req)
+	s.lock = Locked
+	l.delta, l.peerWS = m.Delta, m.WScale
+	a.nackQueue(s)
+	a.beginSetup(s, l)
 }
 
 // nackQueue refuses every blocked request: the subsession is now locked (§3.2).
@@ -1401,7 +1415,32 @@ func (a *Agent) acceptSyn(s *session, from netip.Addr, m *Message) {
 	r.stage = StageWaitAck
 	a.progress(s, r.req, RoleRightAnchor, StageWaitAck, "")
 	a.setTimer(s, TimerLease, r.req, a.cfg.LockLease)
-	a.send(from, a.msg(s, MsgSynAck, m.Sub, r.req, a.cfg.Self))
+	a.sendSynAck(s, r, from, m.Sub)
+}
+
+// sendSynAck sends the right anchor's synAck (synAckMsg) to the new path's
+// first hop back.
+func (a *Agent) sendSynAck(s *session, r *anchor, to netip.Addr, sub wire.Tuple) {
+	a.send(to, a.synAckMsg(s, r, sub))
+}
+
+// synAckMsg is the right anchor's synAck on the new subsession sub. On a
+// direct new path (the SYN came from the left anchor itself: an early
+// SYN) it also grants the lock (FlagGrant) with what the ackLock carries:
+// leftDelta, gathered by requestLock on its way (forwardRequest), and our
+// window scale. The left anchor, whose early SYN it answers, then goes on
+// one hop after our grant instead of the ackLock's two back along the old
+// path; the ackLock still goes, and locks the old path's middle agents on
+// its way (docs/protocol.md, "The granting SYN-ACK"). Model: agent.pml
+// sendSynAck.
+func (a *Agent) synAckMsg(s *session, r *anchor, sub wire.Tuple) *Message {
+	m := a.msg(s, MsgSynAck, sub, r.req, a.cfg.Self)
+	if r.newPeer == r.req.LeftAnchor {
+		m.Flags |= FlagGrant
+		m.Delta = r.grantDelta
+		m.WScale = s.sides[SideLeft].SendWScale
+	}
+	return m
 }
 
 // keepEarlySyn keeps the early SYN of a request whose requestLock has not
@@ -1454,7 +1493,7 @@ func (a *Agent) forwardSyn(s *session, m *Message) {
 // onSynDup handles a retransmitted SYN: answer or forward it again.
 func (a *Agent) onSynDup(s *session, ref subRef, m *Message) {
 	if r := s.right; r != nil && r.req == m.Req && r.newSub == m.Sub {
-		a.send(r.newPeer, a.msg(s, MsgSynAck, m.Sub, r.req, a.cfg.Self))
+		a.sendSynAck(s, r, r.newPeer, m.Sub)
 		return
 	}
 	if s.joinReq == m.Req && ref.side == SideLeft && len(m.Hops) > 0 {
@@ -1467,6 +1506,12 @@ func (a *Agent) onSynDup(s *session, ref subRef, m *Message) {
 func (a *Agent) onSynAck(s *session, ref subRef, m *Message) {
 	if l := s.left; l != nil && l.req == m.Req && l.newSub == m.Sub {
 		switch {
+		case l.stage == StageLocking && m.Flags&FlagGrant != 0 && len(l.chain) == 0 &&
+			ref.peer == l.rightAnchor && s.lock == LockPending && s.requestor == l.req:
+			// The early SYN's answer, granting the lock (synAckMsg): the
+			// new path is up and the segment ours.
+			l.synAcked = true
+			a.granted(s, l, m)
 		case l.stage == StageLocking:
 			l.synAcked = true // the early SYN's answer: used once the lock is held
 		case l.stage == StageSettingUp && l.gated:
@@ -1757,10 +1802,13 @@ func (a *Agent) onFinAck(s *session, ref subRef, m *Message) {
 }
 
 // passOldPath forwards a FIN or FIN-ACK through a middle agent of the old
-// path (locked by the request).
+// path (locked by the request, or pending for it: lockByTeardown).
 func (a *Agent) passOldPath(s *session, ref subRef, m *Message) bool {
-	if s.lock != Locked || s.requestor != m.Req || s.left != nil || s.sides[ref.side.Other()] == nil {
+	if s.lock == Unlocked || s.requestor != m.Req || s.left != nil || s.sides[ref.side.Other()] == nil {
 		return false
+	}
+	if a.lockByTeardown(s, m.Req) {
+		defer a.emit(KeepLock{Session: s.id, Req: m.Req}) // after the fin: off its path
 	}
 	if s.teardown == nil || s.teardown.req != m.Req {
 		s.teardown = &teardown{req: m.Req}
@@ -1768,6 +1816,23 @@ func (a *Agent) passOldPath(s *session, ref subRef, m *Message) bool {
 	f := *m
 	a.sendSide(s, ref.side.Other(), &f)
 	a.setTimer(s, TimerLease, m.Req, a.cfg.LockLease)
+	return true
+}
+
+// lockByTeardown takes a middle agent's lock that is still pending for
+// request k when a fin or finAck of k passes, and reports whether it did:
+// an anchor sends them only once the right anchor granted k, and with a
+// granting synAck the anchors can be done with the lock phase before the
+// ackLock, which locks this agent, has come (a lost ackLock is not sent
+// again: the left anchor stopped retransmitting requestLock when it was
+// granted). The queued requests are refused, as the ackLock would have
+// refused them (§3.2). Model: agent.pml lockByTeardown.
+func (a *Agent) lockByTeardown(s *session, k ReqKey) bool {
+	if s.lock != LockPending || s.requestor != k {
+		return false
+	}
+	s.lock = Locked
+	a.nackQueue(s)
 	return true
 }
 
@@ -1824,6 +1889,13 @@ func (a *Agent) onTomb(s *session, ref subRef, m *Message) {
 					a.send(ref.peer, a.tombFin(s, t, m.RightAnchor))
 				}
 				return
+			}
+		}
+	}
+	if m.Type == MsgAckLock {
+		for _, t := range s.tombs {
+			if t.sub == m.Sub && t.req == m.Req && t.side == SideRight {
+				return // late: its granting synAck came first (synAckMsg)
 			}
 		}
 	}
@@ -1918,7 +1990,13 @@ func (a *Agent) onNewSub(s *session, ref subRef, m *Message) bool {
 	case MsgRequestLock:
 		if r := s.right; r != nil {
 			// A middlebox of our new path wants a segment that ends at or
-			// passes us before our old path is gone.
+			// passes us before our old path is gone. The refusal is kept
+			// (resolve), as every refusal: a copy of the request that
+			// comes after our old path is gone gets the same answer, never
+			// a forward that the right anchor could grant while the agents
+			// on its way back have already let the request go (its
+			// granting synAck skips them).
+			s.resolve(resolution{req: m.Req, kind: resNacked, reason: ReasonBusy, blocker: r.req})
 			n := a.msg(s, MsgNackLock, m.Sub, m.Req, m.RightAnchor)
 			n.Reason, n.Blocker = ReasonBusy, r.req
 			a.send(ref.peer, n)

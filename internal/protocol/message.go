@@ -65,10 +65,11 @@ func (t MsgType) String() string {
 const (
 	// MsgMagic opens every control message ("DYSR").
 	MsgMagic = 0x44595352
-	// MsgVersion is the version this code writes and accepts.
-	MsgVersion = 1
+	// MsgVersion is the version this code writes and accepts (2 since
+	// the granting SYN-ACK: the leftDelta gathered by requestLock).
+	MsgVersion = 2
 	// MsgHeaderLen is the fixed part before the hops.
-	MsgHeaderLen = 164
+	MsgHeaderLen = 172
 	// MACLen is the length of the truncated HMAC-SHA256 that ends a message.
 	MACLen = 16
 	// MaxMsgLen is the longest message.
@@ -87,8 +88,14 @@ const (
 	// old subsession's tomb), in answer to the other anchor's fin. A tomb
 	// answers a fin carrying it with a finAck only, so two tombs never
 	// answer each other's fins for ever.
-	FlagDone   = 1 << 2
-	knownFlags = FlagLeftward | FlagNewPath | FlagDone
+	FlagDone = 1 << 2
+	// FlagGrant marks a synAck by which the right anchor also grants the
+	// lock (its early SYN's answer, a direct new path): it carries
+	// leftDelta and the window scale, as the ackLock does, so the left
+	// anchor need not wait for the ackLock's two hops back along the old
+	// path (docs/protocol.md, "The granting SYN-ACK").
+	FlagGrant  = 1 << 3
+	knownFlags = FlagLeftward | FlagNewPath | FlagDone | FlagGrant
 )
 
 // Message is a decoded control message.
@@ -103,9 +110,12 @@ const (
 //	108 right anchor (16)
 //	124 blocker request: left anchor (16), id (4)   (nackLock)
 //	144 delta seq (4), delta ts (4): rightDelta (requestLock), leftDelta
-//	    (ackLock), the sender's cut-off oldSent (fin)
+//	    (ackLock, a granting synAck), the sender's cut-off oldSent (fin)
 //	152 window scale (1)   153 hop count (1)   154 reserved (2)
-//	156 hops, 16 bytes each (syn: the addresses after the receiver, ending
+//	156 anchor nonce (8)
+//	164 left delta seq (4), ts (4): the leftDelta gathered so far
+//	    (requestLock: each middle adds what it will add to the ackLock)
+//	172 hops, 16 bytes each (syn: the addresses after the receiver, ending
 //	    with the right anchor)
 //	end HMAC-SHA256 under the deployment key of everything before it,
 //	    truncated to 16 bytes
@@ -122,7 +132,11 @@ type Message struct {
 	// Blocker is the request that holds the lock a nackLock reports.
 	Blocker ReqKey
 	Delta   Delta
-	WScale  uint8
+	// LeftDelta (requestLock) is the leftDelta gathered so far: the sum of
+	// the contributions the middle agents passed will add to the ackLock
+	// (§3.4). The right anchor puts it in its granting synAck.
+	LeftDelta Delta
+	WScale    uint8
 	// AnchorNonce (requestLock) is the left anchor's nonce, which the new
 	// path will carry: middle agents pass it on unchanged.
 	AnchorNonce [wire.NonceLen]byte
@@ -214,6 +228,8 @@ func (m *Message) Encode(key []byte) ([]byte, error) {
 	b[152] = m.WScale
 	b[153] = byte(len(m.Hops))
 	copy(b[156:164], m.AnchorNonce[:])
+	binary.BigEndian.PutUint32(b[164:], m.LeftDelta.Seq)
+	binary.BigEndian.PutUint32(b[168:], m.LeftDelta.TS)
 	for _, h := range m.Hops {
 		a := h.As16()
 		b = append(b, a[:]...)
@@ -269,6 +285,7 @@ func Decode(key, b []byte) (*Message, error) {
 	m.Delta = Delta{Seq: binary.BigEndian.Uint32(b[144:]), TS: binary.BigEndian.Uint32(b[148:])}
 	m.WScale = b[152]
 	copy(m.AnchorNonce[:], b[156:164])
+	m.LeftDelta = Delta{Seq: binary.BigEndian.Uint32(b[164:]), TS: binary.BigEndian.Uint32(b[168:])}
 	for i := 0; i < n; i++ {
 		off := MsgHeaderLen + i*wire.AddrLen
 		m.Hops = append(m.Hops, getAddr(b[off:off+wire.AddrLen]))
@@ -355,8 +372,14 @@ func getTuple(b []byte) wire.Tuple {
 func (m *Message) String() string {
 	s := fmt.Sprintf("%s req=%s ra=%s sub=%s", m.Type, m.Req, m.RightAnchor, m.Sub)
 	switch m.Type {
-	case MsgRequestLock, MsgAckLock:
+	case MsgRequestLock:
+		s += " delta=" + m.Delta.String() + " leftDelta=" + m.LeftDelta.String()
+	case MsgAckLock:
 		s += " delta=" + m.Delta.String()
+	case MsgSynAck:
+		if m.Flags&FlagGrant != 0 {
+			s += " delta=" + m.Delta.String()
+		}
 	case MsgNackLock:
 		s += fmt.Sprintf(" reason=%q blocker=%s", m.Reason, m.Blocker)
 	case MsgFin:
@@ -372,6 +395,9 @@ func (m *Message) String() string {
 	}
 	if m.Flags&FlagDone != 0 {
 		s += " done"
+	}
+	if m.Flags&FlagGrant != 0 {
+		s += " grant"
 	}
 	return s
 }

@@ -13,7 +13,7 @@ import (
 func sampleMessage() *Message {
 	return &Message{
 		Type:        MsgSyn,
-		Flags:       FlagLeftward,
+		Flags:       FlagLeftward | FlagGrant,
 		Reason:      ReasonLocked,
 		Nonce:       testNonce,
 		Sub:         wire.Tuple{Src: addr(1), Dst: addr(6), SrcPort: 40000, DstPort: 80},
@@ -22,6 +22,7 @@ func sampleMessage() *Message {
 		RightAnchor: addr(4),
 		Blocker:     ReqKey{LeftAnchor: addr(2), ID: 7},
 		Delta:       Delta{Seq: neg(-12345), TS: 99},
+		LeftDelta:   Delta{Seq: 777, TS: neg(-5)},
 		WScale:      7,
 		Hops:        []netip.Addr{addr(7), addr(4)},
 	}
@@ -79,7 +80,7 @@ func TestMessageRejects(t *testing.T) {
 		{"empty", nil, testKey, RejectMalformed},
 		{"truncated", good[:100], testKey, RejectMalformed},
 		{"bad magic", edit(func(b []byte) []byte { b[0] ^= 1; return b }), testKey, RejectMagic},
-		{"future version", edit(func(b []byte) []byte { b[4] = 2; return remac(b) }), testKey, RejectVersion},
+		{"future version", edit(func(b []byte) []byte { b[4] = MsgVersion + 1; return remac(b) }), testKey, RejectVersion},
 		{"forged field", edit(func(b []byte) []byte { b[144] ^= 0x80; return b }), testKey, RejectMAC},
 		{"forged mac", edit(func(b []byte) []byte { b[len(b)-1] ^= 1; return b }), testKey, RejectMAC},
 		{"other deployment", good, []byte("another key"), RejectMAC},

@@ -126,6 +126,7 @@ func TestModelReasonsAndOutcomes(t *testing.T) {
 // (tcp.pml), and the model's own checks and bookkeeping.
 var modelOnly = map[string]bool{
 	"ctl":            true, // a send on the lossy network
+	"ctlA":           true, // the same, with a second value (requestLock's leftDelta)
 	"dropped":        true, // a rejected message is lost for its sender
 	"startReq":       true, // onReconfigure + startLeft
 	"newRequestLock": true, // onRequestLock after its checks for duplicates
