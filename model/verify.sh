@@ -42,9 +42,9 @@ CONFIGS=(
 	"contend-nested|-DCONTEND_NESTED|ok"
 	"cancel|-DCANCEL|ok"
 	"cancel-replace|-DCANCEL_REPLACE|ok"
-	"delete-fin|-DDELETE -DFINS=1|ok"
+	"delete-fin|-DDELETE -DFINS=1 -DQS=10|ok"
 	"insert-fin|-DINSERT -DFINS=1|ok"
-	"delete-delta-fin|-DDELETE_DELTA -DFINS=1|ok"
+	"delete-delta-fin|-DDELETE_DELTA -DFINS=1 -DQS=10|ok"
 	"insert-2x1|-DINSERT -DNDR=2 -DNDL=1|ok"
 	"cancel-fin|-DCANCEL -DFINS=1 -DNDR=2|ok"
 	"insert2|-DINSERT2|ok"
@@ -123,7 +123,7 @@ run_one() {
 	IFS='|' read -r _ flags expect <<<"$line"
 	d="$work/$name"; mkdir -p "$d"; cp "$MODEL"/*.pml "$d"/; cd "$d" || return
 	# shellcheck disable=SC2086
-	if ! spin -a $flags dysco.pml >spin.out 2>&1 || ! cc $OPT -DSAFETY -DCOLLAPSE -o pan pan.c >cc.out 2>&1; then
+	if ! spin -a $flags dysco.pml >spin.out 2>&1 || ! cc $OPT -DSAFETY -DCOLLAPSE -DVECTORSZ=2048 -o pan pan.c >cc.out 2>&1; then
 		{ printf '%-22s %-46s %12s %10s %8s  %s\n' "$name" "$flags" - - - "BUILD FAILED"; head -20 spin.out cc.out; } >"$work/$name.row"
 		touch "$work/$name.fail"; return
 	fi
