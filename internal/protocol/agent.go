@@ -1432,10 +1432,14 @@ func (a *Agent) sendSynAck(s *session, r *anchor, to netip.Addr, sub wire.Tuple)
 // one hop after our grant instead of the ackLock's two back along the old
 // path; the ackLock still goes, and locks the old path's middle agents on
 // its way (docs/protocol.md, "The granting SYN-ACK"). Model: agent.pml
-// sendSynAck.
+// sendSynAck. A right anchor resumed after its agent restarted (resume)
+// does not grant: the leftDelta was the old agent's, not kept in the
+// datapath, and a grant with none would give the left anchor a wrong
+// delta; that left anchor waits for the ackLock, which a retransmitted
+// requestLock brings (a duplicate at the right anchor).
 func (a *Agent) synAckMsg(s *session, r *anchor, sub wire.Tuple) *Message {
 	m := a.msg(s, MsgSynAck, sub, r.req, a.cfg.Self)
-	if r.newPeer == r.req.LeftAnchor {
+	if r.newPeer == r.req.LeftAnchor && !r.resumed {
 		m.Flags |= FlagGrant
 		m.Delta = r.grantDelta
 		m.WScale = s.sides[SideLeft].SendWScale
@@ -1996,6 +2000,9 @@ func (a *Agent) onNewSub(s *session, ref subRef, m *Message) bool {
 			// a forward that the right anchor could grant while the agents
 			// on its way back have already let the request go (its
 			// granting synAck skips them).
+			// maxSeen too: a copy that comes after the kept answers have
+			// moved on (historyLen) is still not newer than it.
+			a.maxSeen(s, m.Req)
 			s.resolve(resolution{req: m.Req, kind: resNacked, reason: ReasonBusy, blocker: r.req})
 			n := a.msg(s, MsgNackLock, m.Sub, m.Req, m.RightAnchor)
 			n.Reason, n.Blocker = ReasonBusy, r.req

@@ -74,7 +74,12 @@ type SessionUp struct {
 
 // SetAppDelta changes what the middlebox application does to the byte
 // streams of a session (§3.4): known through an API, libdysco's splice, or
-// reconstructed.
+// reconstructed. Nothing in the agent sends it today (libdysco's delta
+// comes with SessionUp). It must not come while a reconfiguration has the
+// session's lock pending or held: requestLock gathers the middle agent's
+// contribution to leftDelta when it passes (forwardRequest) and the ackLock
+// adds it again when it comes back, and a granting synAck carries the
+// first while the ackLock carries the second.
 type SetAppDelta struct {
 	Session SessionID
 	App     AppDelta

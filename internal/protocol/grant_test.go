@@ -160,3 +160,54 @@ func TestNewSubRefusalKept(t *testing.T) {
 		t.Fatalf("4 answered a copy of the refused request otherwise than with a nackLock (right %v)\n%s", v.Right, h.trace())
 	}
 }
+
+// A right anchor whose agent restarts after it granted, before its ackLock
+// and granting synAck left, does not grant when a copy of the early SYN
+// reaches the restarted agent: the leftDelta went with the old agent, and
+// a grant with none would give the left anchor a wrong delta (the reviewer
+// of the granting SYN-ACK found this). The left anchor's retransmitted
+// requestLock brings the ackLock, with the leftDelta the middle agent adds.
+func TestResumedRightAnchorDoesNotGrant(t *testing.T) {
+	app := map[int]AppDelta{2: {Right: Delta{Seq: 1000, TS: 7}, Left: Delta{Seq: neg(-200), TS: 3}}}
+	h := newHarness(t, 3)
+	h.chain([]int{1, 2, 3}, app)
+	h.reconfigure(1, 3, nil, 1)
+	var syn *envelope
+	for _, e := range h.queue {
+		if e.msg.Type == MsgSyn && e.to == addr(3) {
+			c := e
+			syn = &c
+		}
+	}
+	if syn == nil {
+		t.Fatalf("no early SYN queued\n%s", h.trace())
+	}
+	h.stepType(MsgSyn, addr(3))
+	h.stepType(MsgRequestLock, addr(2))
+	h.stepType(MsgRequestLock, addr(3)) // granted, installed: ackLock to 2, synAck to 1
+	if len(h.adds[addr(3)]) != 1 {
+		t.Fatalf("the right anchor did not install the new subsession\n%s", h.trace())
+	}
+	h.dropType(MsgAckLock, addr(2))
+	h.dropType(MsgSynAck, addr(1))
+	h.restart(3, 0, false)
+	h.deliver(syn.to, MessageIn{From: syn.from, Data: syn.data})
+	var answer *Message
+	for _, e := range h.queue {
+		if e.msg.Type == MsgSynAck && e.to == addr(1) {
+			answer = e.msg
+		}
+	}
+	if answer == nil || answer.Flags&FlagGrant != 0 {
+		t.Fatalf("the restarted right anchor answered the SYN's copy with %v, want a synAck without the grant\n%s", answer, h.trace())
+	}
+	h.run()
+	if r := h.result(1); r.Outcome != Succeeded {
+		t.Fatalf("%+v\n%s", r, h.trace())
+	}
+	want := Delta{Seq: neg(-200), TS: 3}
+	if got := h.adds[addr(1)][0].Delta; got != want {
+		t.Fatalf("the left anchor's new subsession has delta %s, want %s\n%s", got, want, h.trace())
+	}
+	h.assertClean(1, 3)
+}
