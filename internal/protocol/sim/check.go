@@ -48,11 +48,14 @@ func (w *world) checkLocks() {
 					}
 					break
 				}
-				// Locked by the request, or still pending for it: with a
-				// granting synAck the left anchor goes on while the
-				// ackLock, which locks the middle agents, is on its way
-				// (a pending lock queues other requests, never grants them).
-				if pv.Lock == protocol.Unlocked || pv.Requestor != l.Req {
+				// Locked by the request, or, on a direct new path, still
+				// pending for it: with a granting synAck the left anchor
+				// goes on while the ackLock, which locks the middle agents,
+				// is on its way (a pending lock queues other requests,
+				// never grants them). Only a direct new path's synAck
+				// grants (synAckMsg).
+				pendingOK := pv.Lock == protocol.LockPending && l.NewPeer == l.RightAnchor
+				if pv.Lock != protocol.Locked && !pendingOK || pv.Requestor != l.Req {
 					w.fail("%s: inside the segment of %s (%s..%s), its subsession to the right is %s by %s: overlapping reconfigurations",
 						ph, l.Req, h, w.byAddr[l.RightAnchor], pv.Lock, pv.Requestor)
 					return
