@@ -130,6 +130,18 @@ func TestPlan(t *testing.T) {
 	if o, _ := ParseFlags([]string{"--quick", "--only", "reconfig"}); o.ReconfigReps != 1 || o.ReconfigSessions != 60 || o.ReconfigWindow != 2*time.Second {
 		t.Errorf("--quick --only reconfig: %d repetitions of %d sessions, window %v", o.ReconfigReps, o.ReconfigSessions, o.ReconfigWindow)
 	}
+	// The spaced repetition follows the back-to-back ones only.
+	if got := spacedRate(o); got != 50 {
+		t.Errorf("--only reconfig: spaced repetition at %g/s, want 50", got)
+	}
+	for _, args := range [][]string{{"--reconfig-spaced-rate", "0"}, {"--reconfig-open-rate", "100"}} {
+		if o, _ := ParseFlags(append([]string{"--only", "reconfig"}, args...)); spacedRate(o) != 0 {
+			t.Errorf("%v: spaced repetition at %g/s, want none", args, spacedRate(o))
+		}
+	}
+	if none, _ := ParseFlags([]string{"--only", "reconfig", "--reconfig-spaced-rate", "0"}); reconfigEst(none) >= reconfigEst(o) {
+		t.Errorf("the estimate without the spaced repetition (%v) is not below the one with it (%v)", reconfigEst(none), reconfigEst(o))
+	}
 	o, _ = ParseFlags([]string{"--only", "disruption"})
 	names = nil
 	for _, p := range plan(o) {

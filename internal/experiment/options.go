@@ -55,13 +55,17 @@ type Options struct {
 	ReconfigReps int `json:"reconfig_reps"`
 	// ReconfigOpenRate spaces the dials of the reconfig benchmark's
 	// sessions (sessions/s; 0: back to back).
-	ReconfigOpenRate float64  `json:"reconfig_open_rate"`
-	Libdysco         string   `json:"libdysco"`   // lib/libdysco.so, preloaded into HAProxy
-	Only             []string `json:"only"`       // benchmarks to run
-	OutDir           string   `json:"out_dir"`    // raw JSON results
-	Markdown         string   `json:"markdown"`   // file whose results section is rewritten, "" for none
-	AgentArgs        []string `json:"agent_args"` // extra arguments for every agent
-	Args             []string `json:"args"`       // the command line, for the report
+	ReconfigOpenRate float64 `json:"reconfig_open_rate"`
+	// ReconfigSpacedRate: after the repetitions with the sessions dialled
+	// back to back (ReconfigOpenRate 0), one more with them opened at this
+	// rate (sessions/s), so that the removals do not overlap (0: none).
+	ReconfigSpacedRate float64  `json:"reconfig_spaced_rate"`
+	Libdysco           string   `json:"libdysco"`   // lib/libdysco.so, preloaded into HAProxy
+	Only               []string `json:"only"`       // benchmarks to run
+	OutDir             string   `json:"out_dir"`    // raw JSON results
+	Markdown           string   `json:"markdown"`   // file whose results section is rewritten, "" for none
+	AgentArgs          []string `json:"agent_args"` // extra arguments for every agent
+	Args               []string `json:"args"`       // the command line, for the report
 
 	// DisruptionTime is how long the disruption benchmark's session
 	// sends; the reconfiguration starts at 3/8 of it.
@@ -100,6 +104,7 @@ func ParseFlags(args []string) (*Options, error) {
 	fs.DurationVar(&o.ReconfigWindow, "reconfig-window", 0, "goodput window before and after the proxy removal, reconfig benchmark (default 5s, quick 2s)")
 	fs.IntVar(&o.ReconfigReps, "reconfig-reps", 0, "repetitions of the reconfig benchmark, each through the proxy then removing it (default 3, quick 1)")
 	fs.Float64Var(&o.ReconfigOpenRate, "reconfig-open-rate", 0, "sessions opened per second by the reconfig benchmark (0: back to back, so that their removals overlap)")
+	fs.Float64Var(&o.ReconfigSpacedRate, "reconfig-spaced-rate", 50, "after the back-to-back repetitions, one more repetition of the reconfig benchmark with the sessions opened at this rate (sessions/s), so that the removals do not overlap; 0: none (not run when --reconfig-open-rate is set)")
 	fs.DurationVar(&o.DisruptionTime, "disruption-time", 0, "how long the disruption benchmark's session sends, sampled every 50 ms; mb1 is replaced by mb2 at 3/8 of it (default 8s, quick 4s)")
 	fs.StringVar(&o.Libdysco, "libdysco", "lib/libdysco.so", "libdysco, preloaded into HAProxy by the reconfig benchmark")
 	fs.StringVar(&o.OutDir, "out", "out/bench", "directory for the raw JSON results")
