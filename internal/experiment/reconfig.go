@@ -671,6 +671,12 @@ func (s removalStats) met(n int) bool {
 	return s.Succeeded == n && s.Results == n && !math.IsNaN(s.P50ms) && s.P50ms <= 1 && s.P99ms <= 3
 }
 
+// resultsText describes the results of n sessions for a figure's note.
+func (s removalStats) resultsText(n int) string {
+	return fmt.Sprintf("%d results for %d sessions, %d succeeded; p99 %.2f ms, max %.2f ms; %.1f %% under 2 ms, %.1f %% under 4 ms; %s",
+		s.Results, n, s.Succeeded, s.P99ms, s.MaxMs, 100*s.Under2ms, 100*s.Under4ms, orText(s.phasesText(), "phases unknown"))
+}
+
 func (s removalStats) phasesText() string {
 	if math.IsNaN(s.LockP50ms) {
 		return ""
@@ -891,7 +897,6 @@ func benchReconfig(ctx context.Context, o *Options, rl *reconfigLab, r *Report, 
 	}
 	list := func(v []string) string { return strings.Join(v, ", ") }
 	haproxyCmd := fmt.Sprintf("ip netns exec LAB-proxy env LD_PRELOAD=lib/libdysco.so DYSCO_SPLICE_TRIGGER=%s haproxy -db -f haproxy.cfg", reconfigTrigger)
-	ok := st.met(n * reps)
 	open := "one after the other, back to back"
 	if o.ReconfigOpenRate > 0 {
 		open = fmt.Sprintf("at %g/s", o.ReconfigOpenRate)
@@ -899,11 +904,11 @@ func benchReconfig(ctx context.Context, o *Options, rl *reconfigLab, r *Report, 
 	note := fmt.Sprintf("%d repetition(s) of %d sessions client → HAProxy (TCP mode, splice-request/response) → server, dialled %s, each paced at %d KiB/s each way; "+
 		"HAProxy splices each as it comes and libdysco asks for its removal, so removals overlap the dialling and each other; "+
 		"per session, the time at the client (left anchor) from the proxy agent's trigger to the old path no longer used (`dysco reconfig history --json`), all repetitions pooled; "+
-		"%d results for %d sessions, %d succeeded; p99 %.2f ms, max %.2f ms; %.1f %% under 2 ms, %.1f %% under 4 ms; %s; "+
+		"%s; "+
 		"per repetition p50/p99 ms %s; dialling took %s; client sessions direct to the server afterwards %s of %d; "+
 		"session ends without data in 15 s after the goodput window %s of %d; "+
 		"packets the proxy host's datapath rewrote after the check of the client's sessions (old paths linger to pass retransmissions): %s; then, after 1 s without any, during the %v goodput window: %s",
-		reps, n, open, reconfigRate>>10, st.Results, n*reps, st.Succeeded, st.P99ms, st.MaxMs, 100*st.Under2ms, 100*st.Under4ms, orText(st.phasesText(), "phases unknown"),
+		reps, n, open, reconfigRate>>10, st.resultsText(n*reps),
 		list(perRep), list(dial), list(direct), n, list(stuck), 2*n, list(quiet), o.ReconfigWindow, list(inWindow))
 	if len(st.Reasons) > 0 {
 		note += fmt.Sprintf("; not succeeded: %v", st.Reasons)
@@ -911,17 +916,10 @@ func benchReconfig(ctx context.Context, o *Options, rl *reconfigLab, r *Report, 
 	if reps < o.ReconfigReps {
 		note += fmt.Sprintf("; only %d of %d repetitions ended: %v", reps, o.ReconfigReps, repErr)
 	}
-	r.add(&Figure{
-		Key:  "reconfig-proxy-removal",
-		Name: fmt.Sprintf("proxy removal time, %d sessions (HAProxy under libdysco)", n),
-		Command: fmt.Sprintf("%s; runner: %d sessions LAB-client → %s:%d, then ip netns exec LAB-client dysco reconfig history --json",
+	r.add(removalFigure("reconfig-proxy-removal", fmt.Sprintf("proxy removal time, %d sessions (HAProxy under libdysco)", n),
+		fmt.Sprintf("%s; runner: %d sessions LAB-client → %s:%d, then ip netns exec LAB-client dysco reconfig history --json",
 			haproxyCmd, n, rl.proxy, proxyPort),
-		Unit: "ms", Dysco: st.P50ms, Baseline: math.NaN(), Ratio: math.NaN(),
-		DyscoText: fmt.Sprintf("%.2f ms (p99 %.2f)", st.P50ms, st.P99ms),
-		Measured:  st.P50ms, MeasuredUnit: "ms p50",
-		Target: "p50 ≤ 1 ms, p99 ≤ 3 ms, every session removed", Paper: "80 % under 2 ms, 98.7 % under 4 ms",
-		Met: metStr(ok), Note: note,
-	})
+		st, n*reps, note))
 	f := ratioFigure("reconfig-goodput", fmt.Sprintf("goodput of %d sessions, proxy removed (Dysco) vs through HAProxy (baseline)", n),
 		fmt.Sprintf("runner: %d sessions LAB-client → HAProxy on LAB-proxy → LAB-server sending both ways as fast as TCP lets; bytes received by both ends over %v", n, o.ReconfigWindow),
 		"Gbit/s", gp, 0, "goodput doubled")
@@ -963,26 +961,30 @@ func benchReconfigSpaced(ctx context.Context, o *Options, rl *reconfigLab, r *Re
 	}
 	st := summarize(x.History, n, x.locals)
 	det.SpacedRemoval = &st
-	ok := st.met(n)
 	note := fmt.Sprintf("one repetition of %d sessions as above, dialled at %g/s (a removal every %.0f ms, so that removals do not overlap: the protocol's own time, not the agents' queueing under a burst); "+
-		"%d results for %d sessions, %d succeeded; p99 %.2f ms, max %.2f ms; %.1f %% under 2 ms, %.1f %% under 4 ms; %s; dialling took %.2f s; client sessions direct to the server afterwards %d of %d",
-		n, rate, 1000/rate, st.Results, n, st.Succeeded, st.P99ms, st.MaxMs, 100*st.Under2ms, 100*st.Under4ms, orText(st.phasesText(), "phases unknown"),
-		x.DialMs/1000, x.Direct, n)
+		"%s; dialling took %.2f s; client sessions direct to the server afterwards %d of %d",
+		n, rate, 1000/rate, st.resultsText(n), x.DialMs/1000, x.Direct, n)
 	if len(st.Reasons) > 0 {
 		note += fmt.Sprintf("; not succeeded: %v", st.Reasons)
 	}
-	r.add(&Figure{
-		Key:  "reconfig-proxy-removal-spaced",
-		Name: fmt.Sprintf("proxy removal time, %d sessions opened at %g/s (removals spaced)", n, rate),
-		Command: fmt.Sprintf("%s; runner: %d sessions LAB-client → %s:%d at %g/s, then ip netns exec LAB-client dysco reconfig history --json",
+	r.add(removalFigure("reconfig-proxy-removal-spaced", fmt.Sprintf("proxy removal time, %d sessions opened at %g/s (removals spaced)", n, rate),
+		fmt.Sprintf("%s; runner: %d sessions LAB-client → %s:%d at %g/s, then ip netns exec LAB-client dysco reconfig history --json",
 			haproxyCmd, n, rl.proxy, proxyPort, rate),
+		st, n, note))
+	return errors.Join(errs...)
+}
+
+// removalFigure is a removal-time figure over n sessions' results (the
+// back-to-back and the spaced rows): p50 against the target, p99 beside it.
+func removalFigure(key, name, command string, st removalStats, n int, note string) *Figure {
+	return &Figure{
+		Key: key, Name: name, Command: command,
 		Unit: "ms", Dysco: st.P50ms, Baseline: math.NaN(), Ratio: math.NaN(),
 		DyscoText: fmt.Sprintf("%.2f ms (p99 %.2f)", st.P50ms, st.P99ms),
 		Measured:  st.P50ms, MeasuredUnit: "ms p50",
 		Target: "p50 ≤ 1 ms, p99 ≤ 3 ms, every session removed", Paper: "80 % under 2 ms, 98.7 % under 4 ms",
-		Met: metStr(ok), Note: note,
-	})
-	return errors.Join(errs...)
+		Met: metStr(st.met(n)), Note: note,
+	}
 }
 
 // repetition runs one repetition: phase 1 through the proxy, phase 2 the
