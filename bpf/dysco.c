@@ -444,6 +444,34 @@ fail:
 	return TC_ACT_SHOT;
 }
 
+/* tp_split hands a packet of a side in its two-path phase whose data
+ * straddles the cut-off (oldSent) to the agent, which splits it there and
+ * sends both parts again (the paper's split, §3.5: each part then takes
+ * its own path, bytes below oldSent the old one). The packet leaves the
+ * datapath unchanged and uncounted: the parts are counted when they come
+ * back (ReinjectMark; they never straddle, and a re-injected packet is not
+ * split again). Only when the agent has said that it splits (tp->split):
+ * otherwise, and when the packet cannot be handed over (too long, ring
+ * full), it returns -1 and the packet goes whole on the old path
+ * (tp_decide), as the Go core's Decide sends it. */
+static __attribute__((noinline)) int tp_split(struct __sk_buff *skb, struct pkt *p, __u32 sess_id, __u32 fflags)
+{
+	struct tp_key k = {.sess_id = sess_id, .side = (fflags & FL_REV) ? SIDE_LEFT : SIDE_RIGHT};
+	struct tp_val *tp = bpf_map_lookup_elem(&dysco_tp, &k);
+	__u32 end;
+
+	if (!tp || !tp->split || tp->state != TP_ACTIVE)
+		return -1;
+	end = seq_end(p->seq, p->payload, p->flags);
+	if (!seq_lt(p->seq, tp->old_sent) || !seq_lt(tp->old_sent, end))
+		return -1;
+	if (hold_frame(skb, sess_id, p->v6, HOLD_F_SPLIT | (k.side == SIDE_RIGHT ? HOLD_F_RIGHT : 0)))
+		return -1;
+	tp->straddled++;
+	stat_inc(STAT_TP_STRADDLE);
+	return bpf_redirect(HOLD_SINK_IFINDEX, 0);
+}
+
 /* tp_ingress records a packet received on the old or the new subsession of
  * a side in its two-path phase; the first packet on an armed new
  * subsession starts the phase (the right anchor, §3.5, if the ACK of the
@@ -493,6 +521,13 @@ static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct 
 	 * session uses when it is re-injected. */
 	if (egress && (f.flags & (FL_HOLD_DATA | FL_HOLD_ALL)) && hold_wanted(skb, fp, f.flags, p))
 		return hold_copy(skb, f.sess_id, p->v6);
+	/* So is a packet handed to the agent to be split (tp_split). */
+	if (egress && (f.flags & FL_TP_OUT) && p->payload && !(p->flags & (TH_SYN | TH_RST)) &&
+	    skb->mark != DYSCO_REINJECT_MARK) {
+		int rc = tp_split(skb, p, f.sess_id, f.flags);
+		if (rc >= 0)
+			return rc;
+	}
 	count(fp, skb->len);
 	if (f.flags & FL_DROP) {
 		stat_inc(STAT_DROP_ORPHAN);

@@ -82,7 +82,7 @@ enum stat {
 	STAT_REUSED,             /* ended sessions freed early: a new SYN reused their tuple */
 	STAT_TP_OLD,             /* two-path phase: packets sent on the old path */
 	STAT_TP_NEW,             /* two-path phase: packets sent on the new path */
-	STAT_TP_STRADDLE,        /* two-path phase: data straddling the cut-off, sent whole on the old path */
+	STAT_TP_STRADDLE,        /* two-path phase: data straddling the cut-off (split by the agent, or sent whole on the old path) */
 	STAT_TP_CLAMP,           /* windows clamped during reconfiguration (§5.3) */
 	STAT_DROP_ORPHAN,        /* packets of a proxy's sockets after it left the path */
 	STAT_EVENTS_LOST,        /* notices to the agent lost (ring buffer full) */
@@ -174,6 +174,10 @@ enum role {
 #endif
 #define HOLD_RING_BYTES (4 << 20)
 #define HOLD_F_V6 (1 << 0) /* hold_hdr.flags: an IPv6 packet */
+/* hold_hdr.flags: not held but handed over to be split at the cut-off of
+ * the two-path record (sess_id, side), side HOLD_F_RIGHT ? 1 : 0 (§3.5) */
+#define HOLD_F_SPLIT (1 << 1)
+#define HOLD_F_RIGHT (1 << 2)
 
 /* policy hop kinds */
 #define HOP_ADDR 1

@@ -14,7 +14,11 @@
  * skb_do_redirect while sch_handle_egress reports NET_XMIT_SUCCESS, with TCX
  * and with clsact alike: the sending TCP believes the packet left and keeps
  * its state (a drop would return NET_XMIT_DROP, and TCP would send the
- * segment again at once and enter CWR). */
+ * segment again at once and enter CWR).
+ *
+ * The same ring carries packets of a two-path phase that straddle the
+ * cut-off (HOLD_F_SPLIT, tp_split in dysco.c): the agent cuts them at
+ * oldSent and re-injects both parts the same way. */
 #ifndef DYSCO_HOLD_H
 #define DYSCO_HOLD_H
 
@@ -48,33 +52,43 @@ static __always_inline int hold_wanted(const struct __sk_buff *skb, const struct
 	return !(fp->flags & FL_MARKS) || seq_lt(fp->mk_seq, end);
 }
 
-/* hold_copy copies the whole frame (a GSO packet whole) with a hold_hdr to
- * the ring and swallows the packet. A packet that cannot be held (longer
- * than HOLD_MAX_FRAME, ring full) is dropped and counted: the sender's TCP
- * sends it again, and the agent, seeing hold_drop move, cancels. */
-static __attribute__((noinline)) int hold_copy(struct __sk_buff *skb, __u32 sess_id, __u32 v6)
+/* hold_frame copies the whole frame (a GSO packet whole) with a hold_hdr
+ * (flags: HOLD_F_* beyond the family) to the ring. It fails (-1) for a
+ * packet longer than HOLD_MAX_FRAME and when the ring is full; the caller
+ * decides what then becomes of the packet. */
+static __attribute__((noinline)) int hold_frame(struct __sk_buff *skb, __u32 sess_id, __u32 v6, __u32 flags)
 {
 	__u32 cpu = bpf_get_smp_processor_id();
 	struct hold_buf *b = bpf_map_lookup_elem(&dysco_hold_buf, &cpu);
 	__u32 len = skb->len;
 
 	if (!b || len < ETH_HLEN || len > HOLD_MAX_FRAME)
-		goto drop;
+		return -1;
 	b->h.sess_id = sess_id;
 	b->h.ifindex = skb->ifindex;
 	b->h.len = len;
 	b->h.gso_size = (__u16)skb->gso_size;
-	b->h.flags = v6 ? HOLD_F_V6 : 0;
+	b->h.flags = (__u16)(flags | (v6 ? HOLD_F_V6 : 0));
 	if (bpf_skb_load_bytes(skb, 0, b->frame, len))
-		goto drop;
+		return -1;
 	if (bpf_ringbuf_output(&dysco_hold, b, sizeof(b->h) + len, 0))
-		goto drop;
+		return -1;
+	return 0;
+}
+
+/* hold_copy holds a packet: copied to the ring and swallowed. A packet that
+ * cannot be held (longer than HOLD_MAX_FRAME, ring full) is dropped and
+ * counted: the sender's TCP sends it again, and the agent, seeing hold_drop
+ * move, cancels. */
+static __always_inline int hold_copy(struct __sk_buff *skb, __u32 sess_id, __u32 v6)
+{
+	if (hold_frame(skb, sess_id, v6, 0)) {
+		stat_inc(STAT_HOLD_DROP);
+		return TC_ACT_SHOT;
+	}
 	stat_inc(STAT_HOLD_PKTS);
-	stat_add(STAT_HOLD_BYTES, len);
+	stat_add(STAT_HOLD_BYTES, skb->len);
 	return bpf_redirect(HOLD_SINK_IFINDEX, 0);
-drop:
-	stat_inc(STAT_HOLD_DROP);
-	return TC_ACT_SHOT;
 }
 
 #endif

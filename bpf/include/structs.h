@@ -183,7 +183,10 @@ struct tp_val {
 	__u32 clamp;   /* advertised window limit in bytes, 0: none (§5.3) */
 	__u8 snd_ws;   /* this host's window scale on the side, for the clamp */
 	__u8 reroute_old, reroute_new;
-	__u8 pad;
+	/* The agent splits packets straddling the cut-off (it reads the hold
+	 * ring): such a packet is handed to it (hold.h, HOLD_F_SPLIT) instead
+	 * of going whole on the old path. */
+	__u8 split;
 	__u32 reported; /* progress bits last reported to the agent */
 	__u32 ack_hi;   /* highest ack received on either path, if ack_hi_ok */
 	__u8 ack_hi_ok;

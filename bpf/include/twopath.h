@@ -4,13 +4,16 @@
  * Decide, Observe); the shared vectors in internal/protocol/testdata check
  * that the two agree.
  *
- * One deliberate difference from the paper's tables, made in the Go core too
- * and verified by the simulation: a packet is never split. Data that
- * straddles the cut-off (only a retransmission that Linux collapsed can) goes
- * whole on the old path, and the completion predicate accepts old-path data
- * beyond the cut-off; an ack is counted as acknowledging old-path data on
- * whichever path it goes, so no extra ack is ever needed on the old path.
- * See docs/protocol.md "Datapath". */
+ * Data that straddles the cut-off (a retransmission that Linux collapsed, a
+ * GRO packet at a forwarding anchor) is split as the paper's tables say, but
+ * not here: tp_split (dysco.c) hands it to the agent, which cuts it at
+ * oldSent and sends both parts again. Where the agent cannot (no hold ring
+ * reader, ring full, packet too long) it goes whole on the old path, the
+ * variant the Go core's Decide implements and the simulation verifies; the
+ * completion predicate accepts old-path data beyond the cut-off for it. An
+ * ack is counted as acknowledging old-path data on whichever path it goes,
+ * so no extra ack is ever needed on the old path. See docs/protocol.md
+ * "Datapath". */
 #ifndef DYSCO_TWOPATH_H
 #define DYSCO_TWOPATH_H
 
@@ -197,7 +200,8 @@ static __always_inline __u32 tp_deliver(const struct tp_val *tp, int new_path, _
 
 /* tp_decide applies the cut-off tables to a packet sent on the side
  * (protocol.Decide): data below oldSent on the old path (whole, if it
- * straddles), data at or above it on the new path; a packet without data
+ * straddles and tp_split did not take it), data at or above it on the new
+ * path; a packet without data
  * goes where its ack belongs (ack <= oldRcvd: old). A packet with data on
  * the old path acknowledges at most oldRcvd (*ack_to, when it must be
  * lowered), and a pure ack on the old path never names a sequence number

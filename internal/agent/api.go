@@ -113,6 +113,9 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 			// arrived for no hold (sent on at once).
 			hs.injMu.Lock()
 			st["hold_reinjected"], st["hold_reinject_errors"], st["hold_stray"] = uint64(hs.injected), uint64(hs.injectErrs), uint64(hs.stray)
+			// Packets straddling a cut-off that the agent split (both
+			// parts sent again), and that it sent again whole.
+			st["tp_split"], st["tp_split_whole"] = uint64(hs.splits), uint64(hs.splitWhole)
 			hs.injMu.Unlock()
 		}
 	}

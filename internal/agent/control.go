@@ -1137,6 +1137,11 @@ func (c *control) addSub(x protocol.AddSubsession) error {
 	if x.Armed {
 		tp.Armed = 1
 	}
+	if c.holds != nil {
+		// This agent reads the hold ring: the datapath hands it packets
+		// straddling the cut-off to split (holds.split).
+		tp.Split = 1
+	}
 	if old, ok := dp.TwoPath(k); ok {
 		if old.State != datapath.TPNew {
 			return fmt.Errorf("side %s of session %d is already in a reconfiguration", x.Side, id)

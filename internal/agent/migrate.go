@@ -224,6 +224,9 @@ type holds struct {
 	inj    *datapath.Reinjector
 
 	injected, injectErrs, stray int64 // under injMu
+	// Packets straddling a cut-off (HeldPacket.Split): split and sent
+	// again, and sent again whole because they could not be split.
+	splits, splitWhole int64 // under injMu
 }
 
 func newHolds(dp *datapath.Datapath, log func(string, ...any)) (*holds, error) {
@@ -260,6 +263,10 @@ func (hs *holds) readLoop() {
 		if err != nil {
 			return
 		}
+		if p.Split {
+			hs.split(p)
+			continue
+		}
 		hs.mu.Lock()
 		h := hs.bySess[p.Session]
 		hs.mu.Unlock()
@@ -272,6 +279,39 @@ func (hs *holds) readLoop() {
 			}
 			hs.inject(p)
 		}
+	}
+}
+
+// split cuts a packet whose data straddles the cut-off of its side's
+// two-path phase and sends both parts again (paper §3.5; bpf/dysco.c,
+// tp_split): each part then takes its own path in the datapath, the bytes
+// below oldSent the old one. The cut-off is the record's: it is fixed for
+// the phase. A packet whose record is gone (the phase ended meanwhile) or
+// that cannot be cut goes again whole, and then the path the side uses now.
+func (hs *holds) split(p datapath.HeldPacket) {
+	var parts [][]byte
+	rec, ok := hs.dp.TwoPath(datapath.TPKey{SessId: p.Session, Side: p.Side})
+	if ok {
+		var err error
+		if parts, err = datapath.SplitFrame(p.Frame, rec.OldSent); err != nil {
+			hs.log("splitting a packet at the cut-off failed; sent whole", "session", p.Session, "err", err)
+			parts = nil
+		}
+	}
+	if parts == nil {
+		hs.injMu.Lock()
+		hs.splitWhole++
+		hs.injMu.Unlock()
+		hs.inject(p)
+		return
+	}
+	hs.injMu.Lock()
+	hs.splits++
+	hs.injMu.Unlock()
+	for _, f := range parts {
+		q := p
+		q.Frame = f
+		hs.inject(q)
 	}
 }
 

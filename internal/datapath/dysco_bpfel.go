@@ -217,7 +217,7 @@ type dyscoTpVal struct {
 	SndWs        uint8
 	RerouteOld   uint8
 	RerouteNew   uint8
-	Pad          uint8
+	Split        uint8
 	Reported     uint32
 	AckHi        uint32
 	AckHiOk      uint8

@@ -34,20 +34,29 @@ const (
 	FlagHoldAll uint32 = 1 << 14
 )
 
-// holdHdrLen is the size of struct hold_hdr; holdFlagV6 is HOLD_F_V6.
+// holdHdrLen is the size of struct hold_hdr; holdFlag* are HOLD_F_*.
 const (
-	holdHdrLen = 16
-	holdFlagV6 = 1 << 0
+	holdHdrLen    = 16
+	holdFlagV6    = 1 << 0
+	holdFlagSplit = 1 << 1
+	holdFlagRight = 1 << 2
 )
 
 // HeldPacket is a packet the datapath held: the frame from its Ethernet
 // header, as it was leaving by interface Ifindex, in session space. A GSO
 // packet comes whole, with its segment size.
+//
+// A packet with Split is not held but handed over to be split: its data
+// straddles the cut-off (OldSent) of the two-path record {Session, Side},
+// and the agent sends it again as two packets (SplitFrame), each of which
+// then takes its own path (paper §3.5; bpf/dysco.c, tp_split).
 type HeldPacket struct {
 	Session uint32
 	Ifindex int
 	GSOSize uint16
 	IPv6    bool
+	Split   bool
+	Side    uint32
 	Frame   []byte
 }
 
@@ -88,13 +97,19 @@ func parseHeld(b []byte) (HeldPacket, error) {
 	if uint64(n) > uint64(len(b)-holdHdrLen) {
 		return HeldPacket{}, errors.New("record shorter than its frame")
 	}
-	return HeldPacket{
+	flags := binary.NativeEndian.Uint16(b[14:])
+	p := HeldPacket{
 		Session: binary.NativeEndian.Uint32(b),
 		Ifindex: int(binary.NativeEndian.Uint32(b[4:])),
 		GSOSize: binary.NativeEndian.Uint16(b[12:]),
-		IPv6:    binary.NativeEndian.Uint16(b[14:])&holdFlagV6 != 0,
+		IPv6:    flags&holdFlagV6 != 0,
+		Split:   flags&holdFlagSplit != 0,
 		Frame:   append([]byte(nil), b[holdHdrLen:holdHdrLen+int(n)]...),
-	}, nil
+	}
+	if flags&holdFlagRight != 0 {
+		p.Side = 1
+	}
+	return p, nil
 }
 
 // SetDeadline makes Read return os.ErrDeadlineExceeded once t has passed
@@ -190,6 +205,108 @@ const (
 	ipv4MFOrOff = 0x3fff
 )
 
+// tcpFrame is an Ethernet + IPv4/IPv6 + TCP frame taken apart for cutting
+// (segment, SplitFrame).
+type tcpFrame struct {
+	frame         []byte
+	v6            bool
+	ipHdr, tcpHdr int
+	hdrs          int    // Ethernet, IP and TCP headers
+	payload       []byte // without link-layer padding
+	seq           uint32
+	flags         byte
+	id            uint16 // IPv4
+}
+
+func parseTCPFrame(frame []byte) (tcpFrame, error) {
+	f := tcpFrame{frame: frame}
+	if len(frame) < ethHdrLen {
+		return f, fmt.Errorf("frame of %d bytes", len(frame))
+	}
+	var l3Len int
+	ip := frame[ethHdrLen:]
+	switch et := binary.BigEndian.Uint16(frame[12:]); et {
+	case etherIPv4:
+		if len(ip) < ipv4HdrMin || ip[0]>>4 != 4 {
+			return f, errors.New("truncated or bad IPv4 header")
+		}
+		f.ipHdr = int(ip[0]&0xf) * 4
+		l3Len = int(binary.BigEndian.Uint16(ip[2:]))
+		if f.ipHdr < ipv4HdrMin || ip[9] != ipProtoTCP {
+			return f, fmt.Errorf("IPv4 packet with header length %d, protocol %d: only TCP is held", f.ipHdr, ip[9])
+		}
+		if binary.BigEndian.Uint16(ip[6:])&ipv4MFOrOff != 0 {
+			return f, errors.New("IPv4 fragment: cannot be held")
+		}
+		f.id = binary.BigEndian.Uint16(ip[4:])
+	case etherIPv6:
+		f.v6 = true
+		if len(ip) < ipv6HdrLen || ip[0]>>4 != 6 {
+			return f, errors.New("truncated or bad IPv6 header")
+		}
+		f.ipHdr = ipv6HdrLen
+		l3Len = ipv6HdrLen + int(binary.BigEndian.Uint16(ip[4:]))
+		if ip[6] != ipProtoTCP {
+			return f, fmt.Errorf("IPv6 next header %d: extension headers are not supported, only TCP directly after the IPv6 header", ip[6])
+		}
+	default:
+		return f, fmt.Errorf("ethertype %#04x: only IPv4 and IPv6 are held", et)
+	}
+	if l3Len > len(ip) || l3Len < f.ipHdr+tcpHdrMin {
+		return f, fmt.Errorf("IP length %d does not fit the frame's %d bytes", l3Len, len(ip))
+	}
+	f.tcpHdr = int(ip[f.ipHdr+12]>>4) * 4
+	if f.tcpHdr < tcpHdrMin || f.ipHdr+f.tcpHdr > l3Len {
+		return f, fmt.Errorf("TCP header length %d does not fit the IP length %d", f.tcpHdr, l3Len)
+	}
+	f.hdrs = ethHdrLen + f.ipHdr + f.tcpHdr
+	f.payload = frame[f.hdrs : ethHdrLen+l3Len]
+	f.seq = binary.BigEndian.Uint32(frame[ethHdrLen+f.ipHdr+4:])
+	f.flags = frame[ethHdrLen+f.ipHdr+13]
+	return f, nil
+}
+
+// piece returns part i of the frame cut into parts: the payload bytes
+// [lo, hi), its sequence number advanced by lo, FIN and PSH only on the
+// last part, CWR only on the first, the IPv4 id advanced by i, lengths
+// and checksums (IPv4 header, TCP in full) computed for it.
+func (f tcpFrame) piece(lo, hi, i int, last bool) []byte {
+	chunk := f.payload[lo:hi]
+	out := make([]byte, f.hdrs+len(chunk))
+	copy(out, f.frame[:f.hdrs])
+	copy(out[f.hdrs:], chunk)
+	fip := out[ethHdrLen:]
+	th := fip[f.ipHdr:]
+	if f.v6 {
+		binary.BigEndian.PutUint16(fip[4:], uint16(f.tcpHdr+len(chunk)))
+	} else {
+		binary.BigEndian.PutUint16(fip[2:], uint16(f.ipHdr+f.tcpHdr+len(chunk)))
+		binary.BigEndian.PutUint16(fip[4:], f.id+uint16(i))
+		fip[10], fip[11] = 0, 0
+		binary.BigEndian.PutUint16(fip[10:], ^fold16(sum16be(fip[:f.ipHdr], 0)))
+	}
+	binary.BigEndian.PutUint32(th[4:], f.seq+uint32(lo))
+	fl := f.flags
+	if !last {
+		fl &^= tcpFIN | tcpPSH
+	}
+	if i > 0 {
+		fl &^= tcpCWR
+	}
+	th[13] = fl
+	seg := th[:f.tcpHdr+len(chunk)]
+	var pseudo uint32
+	if f.v6 {
+		pseudo = sum16be(fip[8:40], 0)
+	} else {
+		pseudo = sum16be(fip[12:20], 0)
+	}
+	pseudo += ipProtoTCP + uint32(len(seg))
+	th[16], th[17] = 0, 0
+	binary.BigEndian.PutUint16(th[16:], ^fold16(sum16be(seg, pseudo)))
+	return out
+}
+
 // segment splits an Ethernet + IPv4/IPv6 + TCP frame into frames whose IP
 // packets fit mtu, as the kernel's TCP segmentation offload would: payload
 // in mss-byte segments (gsoSize, or what the MTU leaves), sequence numbers
@@ -197,48 +314,11 @@ const (
 // length fixed, FIN and PSH on the last segment only, CWR on the first only.
 // Every frame, segmented or not, gets its TCP checksum computed in full.
 func segment(frame []byte, gsoSize, mtu int) ([][]byte, error) {
-	if len(frame) < ethHdrLen {
-		return nil, fmt.Errorf("frame of %d bytes", len(frame))
+	f, err := parseTCPFrame(frame)
+	if err != nil {
+		return nil, err
 	}
-	var l3Len, ipHdr int
-	ip := frame[ethHdrLen:]
-	v6 := false
-	switch et := binary.BigEndian.Uint16(frame[12:]); et {
-	case etherIPv4:
-		if len(ip) < ipv4HdrMin || ip[0]>>4 != 4 {
-			return nil, errors.New("truncated or bad IPv4 header")
-		}
-		ipHdr = int(ip[0]&0xf) * 4
-		l3Len = int(binary.BigEndian.Uint16(ip[2:]))
-		if ipHdr < ipv4HdrMin || ip[9] != ipProtoTCP {
-			return nil, fmt.Errorf("IPv4 packet with header length %d, protocol %d: only TCP is held", ipHdr, ip[9])
-		}
-		if binary.BigEndian.Uint16(ip[6:])&ipv4MFOrOff != 0 {
-			return nil, errors.New("IPv4 fragment: cannot be held")
-		}
-	case etherIPv6:
-		v6 = true
-		if len(ip) < ipv6HdrLen || ip[0]>>4 != 6 {
-			return nil, errors.New("truncated or bad IPv6 header")
-		}
-		ipHdr = ipv6HdrLen
-		l3Len = ipv6HdrLen + int(binary.BigEndian.Uint16(ip[4:]))
-		if ip[6] != ipProtoTCP {
-			return nil, fmt.Errorf("IPv6 next header %d: extension headers are not supported, only TCP directly after the IPv6 header", ip[6])
-		}
-	default:
-		return nil, fmt.Errorf("ethertype %#04x: only IPv4 and IPv6 are held", et)
-	}
-	if l3Len > len(ip) || l3Len < ipHdr+tcpHdrMin {
-		return nil, fmt.Errorf("IP length %d does not fit the frame's %d bytes", l3Len, len(ip))
-	}
-	tcpHdr := int(ip[ipHdr+12]>>4) * 4
-	if tcpHdr < tcpHdrMin || ipHdr+tcpHdr > l3Len {
-		return nil, fmt.Errorf("TCP header length %d does not fit the IP length %d", tcpHdr, l3Len)
-	}
-	hdrs := ethHdrLen + ipHdr + tcpHdr
-	payload := frame[hdrs : ethHdrLen+l3Len] // without link-layer padding
-	mss := mtu - ipHdr - tcpHdr
+	mss := mtu - f.ipHdr - f.tcpHdr
 	if gsoSize > 0 && gsoSize < mss {
 		mss = gsoSize
 	}
@@ -246,59 +326,39 @@ func segment(frame []byte, gsoSize, mtu int) ([][]byte, error) {
 		return nil, fmt.Errorf("MTU %d leaves no room for TCP payload", mtu)
 	}
 	n := 1
-	if l3Len > mtu && len(payload) > mss {
-		n = (len(payload) + mss - 1) / mss
+	if f.ipHdr+f.tcpHdr+len(f.payload) > mtu && len(f.payload) > mss {
+		n = (len(f.payload) + mss - 1) / mss
+	}
+	if n == 1 {
+		return [][]byte{f.piece(0, len(f.payload), 0, true)}, nil
 	}
 	out := make([][]byte, 0, n)
-	seq := binary.BigEndian.Uint32(frame[ethHdrLen+ipHdr+4:])
-	flags := frame[ethHdrLen+ipHdr+13]
-	var id uint16
-	if !v6 {
-		id = binary.BigEndian.Uint16(ip[4:])
-	}
 	for i := 0; i < n; i++ {
-		chunk := payload
-		if n > 1 {
-			lo := i * mss
-			chunk = payload[lo:min(lo+mss, len(payload))]
-		}
-		f := make([]byte, hdrs+len(chunk))
-		copy(f, frame[:hdrs])
-		copy(f[hdrs:], chunk)
-		fip := f[ethHdrLen:]
-		th := fip[ipHdr:]
-		if v6 {
-			binary.BigEndian.PutUint16(fip[4:], uint16(tcpHdr+len(chunk)))
-		} else {
-			binary.BigEndian.PutUint16(fip[2:], uint16(ipHdr+tcpHdr+len(chunk)))
-			binary.BigEndian.PutUint16(fip[4:], id+uint16(i))
-			fip[10], fip[11] = 0, 0
-			binary.BigEndian.PutUint16(fip[10:], ^fold16(sum16be(fip[:ipHdr], 0)))
-		}
-		if n > 1 {
-			binary.BigEndian.PutUint32(th[4:], seq+uint32(i*mss))
-			fl := flags
-			if i < n-1 {
-				fl &^= tcpFIN | tcpPSH
-			}
-			if i > 0 {
-				fl &^= tcpCWR
-			}
-			th[13] = fl
-		}
-		seg := th[:tcpHdr+len(chunk)]
-		var pseudo uint32
-		if v6 {
-			pseudo = sum16be(fip[8:40], 0)
-		} else {
-			pseudo = sum16be(fip[12:20], 0)
-		}
-		pseudo += ipProtoTCP + uint32(len(seg))
-		th[16], th[17] = 0, 0
-		binary.BigEndian.PutUint16(th[16:], ^fold16(sum16be(seg, pseudo)))
-		out = append(out, f)
+		lo := i * mss
+		out = append(out, f.piece(lo, min(lo+mss, len(f.payload)), i, i == n-1))
 	}
 	return out, nil
+}
+
+// SplitFrame cuts an Ethernet + IPv4/IPv6 + TCP frame whose data straddles
+// sequence number cut into two frames (paper §3.5: the bytes below the
+// cut-off go on the old path, the rest on the new one): the payload before
+// cut, then the payload from cut on with the FIN, if any (so a segment
+// whose payload ends at cut and that carries a FIN is cut into its data
+// and a bare FIN). The parts get lengths and checksums of their own (TCP
+// in full), FIN and PSH only on the second, CWR only on the first. It
+// refuses a frame that does not straddle cut.
+func SplitFrame(frame []byte, cut uint32) ([][]byte, error) {
+	f, err := parseTCPFrame(frame)
+	if err != nil {
+		return nil, err
+	}
+	off := cut - f.seq
+	n := uint32(len(f.payload))
+	if off == 0 || off > n || (off == n && f.flags&tcpFIN == 0) {
+		return nil, fmt.Errorf("segment [%d, %d) with %d payload bytes does not straddle %d", f.seq, f.seq+n, n, cut)
+	}
+	return [][]byte{f.piece(0, int(off), 0, false), f.piece(int(off), int(n), 1, true)}, nil
 }
 
 // sum16be adds b as big-endian 16-bit words to s (one's complement sum,

@@ -43,6 +43,8 @@ func TestHoldConsts(t *testing.T) {
 		"FL_HOLD_DATA":        uint64(FlagHoldData),
 		"FL_HOLD_ALL":         uint64(FlagHoldAll),
 		"HOLD_F_V6":           holdFlagV6,
+		"HOLD_F_SPLIT":        holdFlagSplit,
+		"HOLD_F_RIGHT":        holdFlagRight,
 	} {
 		m := regexp.MustCompile(`(?m)^#define ` + name + `\s+(\(1 << (\d+)\)|0x[0-9a-fA-F]+)`).FindSubmatch(src)
 		if m == nil {
@@ -695,5 +697,179 @@ func TestReinject(t *testing.T) {
 	}
 	if fl, _ := d.Flow(TupleFrom(sess)); fl.MkSeq != 4100 {
 		t.Errorf("mark after re-injection %d, want 4100", fl.MkSeq)
+	}
+}
+
+// TestSplitFrame: a frame straddling a cut-off is cut into the bytes before
+// it and the rest (with the FIN), each a valid frame; a frame that does not
+// straddle is refused.
+func TestSplitFrame(t *testing.T) {
+	for _, v6 := range []bool{false, true} {
+		t.Run(fmt.Sprintf("v6=%v", v6), func(t *testing.T) {
+			ipHdr := 20
+			if v6 {
+				ipHdr = 40
+			}
+			in := gsoFrame(t, v6, 5000) // seq 0xfffff000, CWR|PSH|FIN|ACK
+			// A partial checksum (GSO, or transmit offload): the parts get
+			// full ones.
+			in[14+ipHdr+16], in[14+ipHdr+17] = 0x12, 0x34
+			_, inTCP := decode(t, in)
+			for _, c := range []struct {
+				name string
+				off  int
+			}{{"across the sequence wrap", 4100}, {"one byte in", 1}, {"one byte short", 4999}, {"data before, FIN after", 5000}} {
+				cut := inTCP.Seq + uint32(c.off)
+				parts, err := SplitFrame(in, cut)
+				if err != nil {
+					t.Fatalf("%s: %v", c.name, err)
+				}
+				if len(parts) != 2 {
+					t.Fatalf("%s: %d parts", c.name, len(parts))
+				}
+				for i, f := range parts {
+					checkFrame(t, f)
+					v, tcp := decode(t, f)
+					lo, hi, seq := 0, c.off, inTCP.Seq
+					if i == 1 {
+						lo, hi, seq = c.off, 5000, cut
+					}
+					if tcp.Seq != seq || !bytes.Equal(tcp.Payload, inTCP.Payload[lo:hi]) || len(tcp.Payload) != hi-lo {
+						t.Errorf("%s: part %d: seq %#x, %d payload bytes; want seq %#x, bytes %d..%d", c.name, i, tcp.Seq, len(tcp.Payload), seq, lo, hi)
+					}
+					if tcp.FIN != (i == 1) || tcp.PSH != (i == 1) || tcp.CWR != (i == 0) || !tcp.ACK {
+						t.Errorf("%s: part %d: flags %s", c.name, i, v.Flags)
+					}
+					if len(tcp.Options) != 3 || tcp.Ack != 99 || tcp.Window != 500 {
+						t.Errorf("%s: part %d: header not copied: %+v", c.name, i, v)
+					}
+					if !v6 && v.ID != 0x4242+uint16(i) {
+						t.Errorf("%s: part %d: IPv4 id %#x", c.name, i, v.ID)
+					}
+				}
+			}
+			noFin := append([]byte(nil), in...)
+			noFin[14+ipHdr+13] &^= tcpFIN
+			for name, c := range map[string]struct {
+				f   []byte
+				cut uint32
+			}{
+				"cut at the first byte":        {in, inTCP.Seq},
+				"cut before the segment":       {in, inTCP.Seq - 1},
+				"cut after the FIN":            {in, inTCP.Seq + 5001},
+				"cut at the end, with no FIN":  {noFin, inTCP.Seq + 5000},
+				"not TCP over IP (ARP)":        {append(append([]byte(nil), in[:12]...), 0x08, 0x06), inTCP.Seq + 1},
+				"truncated below its length":   {in[:len(in)-1], inTCP.Seq + 1},
+				"segment with no payload, FIN": {gsoFrame(t, v6, 0), 0xfffff000},
+			} {
+				if parts, err := SplitFrame(c.f, c.cut); err == nil {
+					t.Errorf("%s: cut into %d parts, want an error", name, len(parts))
+				} else {
+					t.Logf("%s: %v", name, err)
+				}
+			}
+		})
+	}
+}
+
+// TestTwoPathSplit: with the agent splitting (tp->split), egress hands a
+// packet that straddles the cut-off to the hold ring, untranslated and
+// uncounted, naming its side; the two parts SplitFrame makes of it, sent
+// again with ReinjectMark, go the old and the new path. A re-injected
+// packet that straddles is not handed over again, and without tp->split
+// the packet goes whole on the old path.
+func TestTwoPathSplit(t *testing.T) {
+	fx := newFixture(t)
+	r := fx.holdReader(t)
+	ack := uint8(protocol.TCPAck)
+	for _, s := range []tpSide{tpRight4, tpLeft6} {
+		for _, c := range []struct {
+			name string
+			p    protocol.Packet
+		}{
+			{"data", protocol.Packet{Seq: 990, Len: 20, Ack: 4800, Flags: ack}},
+			{"data then FIN", protocol.Packet{Seq: 990, Len: 10, Ack: 4800, Flags: ack | protocol.TCPFin}},
+		} {
+			t.Run(fmt.Sprintf("%s/%s", s.sess, c.name), func(t *testing.T) {
+				vars := protocol.TwoPath{OldSent: 1000, OldSentAcked: 900, OldRcvd: 5000, OldRcvdAcked: 4000}
+				rec := s.record(TPActive, vars)
+				rec.Split = 1
+				s.install(t, fx, rec, nil)
+				drainHeld(r)
+				ctx := skbCtx{Ifindex: uint32(fx.net.ifindex)}
+				marked := ctx
+				marked.Mark = ReinjectMark
+				in := tpPkt(t, s.sess, c.p)
+				frame := in.frame(t)
+				before, fBefore := fx.stats(t), fx.flow(t, s.egKey())
+				verdict, _ := fx.runCtx(t, ctx, frame)
+				if verdict != tcActRedirect {
+					t.Fatalf("verdict %d, want %d (handed to the agent)", verdict, tcActRedirect)
+				}
+				h := nextHeld(t, r)
+				want := HeldPacket{Session: s.id, Ifindex: fx.net.ifindex, IPv6: s.sess.Src.Is6(), Split: true, Side: s.side, Frame: frame}
+				if fmt.Sprint(h) != fmt.Sprint(want) {
+					t.Errorf("record\n got %+v\nwant %+v", h, want)
+				}
+				fx.counterMoves(t, before, map[string]uint64{"tp_straddle": 1, "tp_old": 0, "tp_new": 0,
+					"rewrite_out": 0, "hold_pkts": 0, "hold_drop": 0})
+				if f := fx.flow(t, s.egKey()); f.Packets != fBefore.Packets || f.MkSeq != fBefore.MkSeq {
+					t.Errorf("handing over moved the flow: packets %d -> %d, mark %d -> %d", fBefore.Packets, f.Packets, fBefore.MkSeq, f.MkSeq)
+				}
+				if rr := fx.twoPath(t, s.key()); rr.Straddled != 1 {
+					t.Errorf("record counted %d straddling packets, want 1", rr.Straddled)
+				}
+
+				parts, err := SplitFrame(h.Frame, rec.OldSent)
+				if err != nil {
+					t.Fatal(err)
+				}
+				n := int(vars.OldSent - c.p.Seq)
+				old := tpPkt(t, s.oldSub, protocol.Packet{Seq: c.p.Seq, Len: uint32(n), Ack: c.p.Ack, Flags: ack})
+				old.payload = in.payload[:n]
+				nw := tpPkt(t, s.newSub, protocol.Packet{Seq: vars.OldSent, Len: c.p.Len - uint32(n), Ack: c.p.Ack, Flags: c.p.Flags})
+				nw.payload = in.payload[n:]
+				nw.idPlus = 1 // the second part (IPv4)
+				before = fx.stats(t)
+				for i, w := range []pkt{old, nw} {
+					f := parts[i]
+					if len(f) < 60 { // the Ethernet padding the expected frame has (a bare FIN)
+						f = append(f, make([]byte, 60-len(f))...)
+					}
+					verdict, out := fx.runCtx(t, marked, f)
+					if verdict != tcActOK {
+						t.Fatalf("part %d: verdict %d", i, verdict)
+					}
+					expectFrame(t, out, w)
+				}
+				expectNoHeld(t, r)
+				fx.counterMoves(t, before, map[string]uint64{"tp_straddle": 0, "tp_old": 1, "tp_new": 1, "rewrite_out": 2})
+				if f := fx.flow(t, s.egKey()); f.Packets != fBefore.Packets+2 || f.MkSeq != c.p.End() {
+					t.Errorf("after the parts: flow packets %d (before %d), mark %d, want %d", f.Packets, fBefore.Packets, f.MkSeq, c.p.End())
+				}
+
+				// Re-injected, a straddling packet is not handed over again:
+				// whole on the old path.
+				before = fx.stats(t)
+				verdict, out := fx.runCtx(t, marked, frame)
+				if verdict != tcActOK {
+					t.Fatalf("re-injected straddler: verdict %d", verdict)
+				}
+				expectFrame(t, out, in.with(s.oldSub))
+				expectNoHeld(t, r)
+				fx.counterMoves(t, before, map[string]uint64{"tp_straddle": 1, "tp_old": 1})
+
+				// Without tp->split: whole on the old path too.
+				if err := fx.d.PutTwoPath(s.key(), s.record(TPActive, vars)); err != nil {
+					t.Fatal(err)
+				}
+				verdict, out = fx.runCtx(t, ctx, frame)
+				if verdict != tcActOK {
+					t.Fatalf("without split: verdict %d", verdict)
+				}
+				expectFrame(t, out, in.with(s.oldSub))
+				expectNoHeld(t, r)
+			})
+		}
 	}
 }

@@ -34,8 +34,9 @@ type pkt struct {
 	win      uint16
 	opts     []layers.TCPOption
 	payload  []byte
-	ipOpts   bool // IPv4: a Router Alert option (IHL 6)
-	cut      int  // bytes cut off the end of the frame (lengths keep claiming them)
+	ipOpts   bool   // IPv4: a Router Alert option (IHL 6)
+	cut      int    // bytes cut off the end of the frame (lengths keep claiming them)
+	idPlus   uint16 // IPv4: added to the header's id (0x4242)
 }
 
 func ap(s string) netip.AddrPort { return netip.MustParseAddrPort(s) }
@@ -96,7 +97,7 @@ func (p pkt) frame(tb testing.TB) []byte {
 	if p.src.Addr().Is4() {
 		eth.EthernetType = layers.EthernetTypeIPv4
 		ip4 := &layers.IPv4{
-			Version: 4, TOS: 0x10, Id: 0x4242, Flags: layers.IPv4DontFragment, TTL: 64,
+			Version: 4, TOS: 0x10, Id: 0x4242 + p.idPlus, Flags: layers.IPv4DontFragment, TTL: 64,
 			Protocol: layers.IPProtocolTCP, SrcIP: p.src.Addr().AsSlice(), DstIP: p.dst.Addr().AsSlice(),
 		}
 		if p.ipOpts {

@@ -160,7 +160,8 @@ func (v TwoPath) SendDone() bool { return v.OldSentAcked == v.OldSent }
 // cut-off is known (it comes in its UDP FIN), oldRcvd ≥ cutoff is the same
 // fact without waiting for new data; this matters when the other anchor has
 // nothing more to send. The paper asks equality; old-path data can end
-// beyond the cut-off here because a straddling packet is sent whole (Decide).
+// beyond the cut-off here because a straddling packet is sent whole (Decide)
+// where the agent cannot split it (docs/protocol.md, "Two paths").
 func (v TwoPath) RecvDone(cutoff uint32, haveCutoff bool) bool {
 	if v.OldRcvdAcked != v.OldRcvd {
 		return false
@@ -170,7 +171,7 @@ func (v TwoPath) RecvDone(cutoff uint32, haveCutoff bool) bool {
 
 // Piece is where an outgoing packet goes in the two-path phase, and the
 // sequence and ack numbers it leaves with. Its payload is the whole
-// packet's: the datapath never splits a packet (see Decide).
+// packet's: Decide never splits a packet (see Decide).
 type Piece struct {
 	Path  Path   `json:"path"` // 1 old, 2 new
 	Seq   uint32 `json:"seq"`
@@ -207,9 +208,13 @@ func (d Decision) List() []Piece { return d.Pieces[:d.N] }
 //
 // Where the paper splits a packet, this sends it whole, so that the
 // datapath never has to cut or copy a packet:
-//   - data that straddles oldSent (only a retransmission that TCP collapsed
-//     can) goes whole on the old path; the receiving anchor's completion
-//     test accepts old-path data beyond the cut-off (RecvDone);
+//   - data that straddles oldSent (a retransmission that TCP collapsed, a
+//     GRO packet at a forwarding anchor) goes whole on the old path; the
+//     receiving anchor's completion test accepts old-path data beyond the
+//     cut-off (RecvDone). The agent splits such packets where it can (the
+//     datapath hands them to it, docs/protocol.md "Two paths"), and each
+//     part is then decided here on its own; this is what happens when it
+//     cannot;
 //   - a packet whose data belongs to the old path but whose ack belongs to
 //     the new one goes on the old path acknowledging oldRcvd (the ack is
 //     repeated by the next packet, on the new path);
