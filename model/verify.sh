@@ -51,7 +51,7 @@ CONFIGS=(
 	"replace2by1|-DREPLACE2BY1|ok"
 	"insert-right|-DINSERT_RIGHT|ok"
 	"replace-fin|-DREPLACE -DFINS=1|ok"
-	"contend-fin|-DCONTEND -DFINS=1|ok"
+	"contend-fin|-DCONTEND -DFINS=1 -DQS=10|ok"
 	# loss of control messages (agent.pml: at most LOSS lost, MAXTRIES sends;
 	# a control message sent to a full channel is dropped, as a network
 	# would, docs/verification.md "Channel overflow").
