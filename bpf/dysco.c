@@ -386,10 +386,43 @@ static __always_inline int clamp_window(struct __sk_buff *skb, struct pkt *p, __
 	return 0;
 }
 
+/* tp_split hands a packet of a side in its two-path phase whose data
+ * straddles the cut-off (oldSent) to the agent, which splits it there and
+ * sends both parts again (the paper's split, §3.5: each part then takes
+ * its own path, the bytes below oldSent the old one). The packet leaves
+ * the datapath unchanged, and its flow's counters are taken back: the parts
+ * are counted when they come back (ReinjectMark; they never straddle, and a
+ * re-injected packet is not split again). Only when the agent that made the
+ * record reads the hold ring (tp->split) and an agent reads it now (config
+ * split_reader); otherwise, and when the packet cannot be handed over (too
+ * long, ring full), it returns -1 and the packet goes whole on the old path
+ * (tp_decide), as the Go core's Decide sends it. */
+static __always_inline int tp_split(struct __sk_buff *skb, const struct pkt *p, struct tp_val *tp,
+				    const struct tp_key *k, struct flow_val *fp, __u32 end)
+{
+	__u32 k0 = 0, len = skb->len;
+	struct config *cfg;
+
+	if (!tp->split || !p->payload || (p->flags & TH_RST) || skb->mark == DYSCO_REINJECT_MARK ||
+	    !seq_lt(p->seq, tp->old_sent) || !seq_lt(tp->old_sent, end))
+		return -1;
+	cfg = bpf_map_lookup_elem(&dysco_config, &k0);
+	if (!cfg || !cfg->split_reader)
+		return -1;
+	if (hold_frame(skb, k->sess_id, p->v6, HOLD_F_SPLIT | (k->side == SIDE_RIGHT ? HOLD_F_RIGHT : 0)))
+		return -1;
+	__sync_fetch_and_add(&fp->packets, -1);
+	__sync_fetch_and_add(&fp->bytes, -(__u64)len);
+	tp->straddled++;
+	stat_inc(STAT_TP_STRADDLE);
+	return bpf_redirect(HOLD_SINK_IFINDEX, 0);
+}
+
 /* tp_egress sends a packet of a side in its two-path phase (§3.5): on the
  * old path with the flow's own delta, or on the new path with the new
  * subsession's. Returns -1 to let forward() go on as without a record. */
-static __attribute__((noinline)) int tp_egress(struct __sk_buff *skb, struct pkt *p, __u32 sess_id, __u32 fflags)
+static __attribute__((noinline)) int tp_egress(struct __sk_buff *skb, struct pkt *p, __u32 sess_id, __u32 fflags,
+					       struct flow_val *fp)
 {
 	struct tp_key k = {.sess_id = sess_id, .side = (fflags & FL_REV) ? SIDE_LEFT : SIDE_RIGHT};
 	struct tp_val *tp = bpf_map_lookup_elem(&dysco_tp, &k);
@@ -406,7 +439,11 @@ static __attribute__((noinline)) int tp_egress(struct __sk_buff *skb, struct pkt
 	if (st == TP_NEW)
 		path = TPD_NEW;
 	else if (st == TP_ACTIVE) {
-		path = tp_decide(tp, p->seq, p->ack, end, p->flags, &seq_to, &ack_to);
+		int rc = tp_split(skb, p, tp, &k, fp, end);
+		if (rc >= 0)
+			return rc;
+		path = tp_decide(tp, p->seq, p->ack, end, p->flags, &seq_to, &ack_to,
+				 skb->mark != DYSCO_REINJECT_MARK);
 		if (seq_to != p->seq && replace_u32(skb, p, p->l4 + 4, seq_to - p->seq))
 			goto fail;
 		if (ack_to != p->ack && replace_u32(skb, p, p->l4 + 8, ack_to - p->ack))
@@ -442,34 +479,6 @@ static __attribute__((noinline)) int tp_egress(struct __sk_buff *skb, struct pkt
 fail:
 	stat_inc(STAT_DROP_HELPER);
 	return TC_ACT_SHOT;
-}
-
-/* tp_split hands a packet of a side in its two-path phase whose data
- * straddles the cut-off (oldSent) to the agent, which splits it there and
- * sends both parts again (the paper's split, §3.5: each part then takes
- * its own path, bytes below oldSent the old one). The packet leaves the
- * datapath unchanged and uncounted: the parts are counted when they come
- * back (ReinjectMark; they never straddle, and a re-injected packet is not
- * split again). Only when the agent has said that it splits (tp->split):
- * otherwise, and when the packet cannot be handed over (too long, ring
- * full), it returns -1 and the packet goes whole on the old path
- * (tp_decide), as the Go core's Decide sends it. */
-static __attribute__((noinline)) int tp_split(struct __sk_buff *skb, struct pkt *p, __u32 sess_id, __u32 fflags)
-{
-	struct tp_key k = {.sess_id = sess_id, .side = (fflags & FL_REV) ? SIDE_LEFT : SIDE_RIGHT};
-	struct tp_val *tp = bpf_map_lookup_elem(&dysco_tp, &k);
-	__u32 end;
-
-	if (!tp || !tp->split || tp->state != TP_ACTIVE)
-		return -1;
-	end = seq_end(p->seq, p->payload, p->flags);
-	if (!seq_lt(p->seq, tp->old_sent) || !seq_lt(tp->old_sent, end))
-		return -1;
-	if (hold_frame(skb, sess_id, p->v6, HOLD_F_SPLIT | (k.side == SIDE_RIGHT ? HOLD_F_RIGHT : 0)))
-		return -1;
-	tp->straddled++;
-	stat_inc(STAT_TP_STRADDLE);
-	return bpf_redirect(HOLD_SINK_IFINDEX, 0);
 }
 
 /* tp_ingress records a packet received on the old or the new subsession of
@@ -521,13 +530,6 @@ static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct 
 	 * session uses when it is re-injected. */
 	if (egress && (f.flags & (FL_HOLD_DATA | FL_HOLD_ALL)) && hold_wanted(skb, fp, f.flags, p))
 		return hold_copy(skb, f.sess_id, p->v6);
-	/* So is a packet handed to the agent to be split (tp_split). */
-	if (egress && (f.flags & FL_TP_OUT) && p->payload && !(p->flags & (TH_SYN | TH_RST)) &&
-	    skb->mark != DYSCO_REINJECT_MARK) {
-		int rc = tp_split(skb, p, f.sess_id, f.flags);
-		if (rc >= 0)
-			return rc;
-	}
 	count(fp, skb->len);
 	if (f.flags & FL_DROP) {
 		stat_inc(STAT_DROP_ORPHAN);
@@ -561,7 +563,7 @@ static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct 
 
 	if (egress && (f.flags & FL_TP_OUT)) {
 		/* The two-path phase translates with its own deltas. */
-		int rc = tp_egress(skb, p, f.sess_id, f.flags);
+		int rc = tp_egress(skb, p, f.sess_id, f.flags, fp);
 		if (rc >= 0)
 			return rc;
 	}

@@ -159,8 +159,8 @@ struct type_val {
 
 /* Settings the agent changes while the datapath runs. */
 struct config {
-	__u32 tap_active; /* a capture is open on the session-view tap */
-	__u32 pad;
+	__u32 tap_active;   /* a capture is open on the session-view tap */
+	__u32 split_reader; /* the agent reads the hold ring and splits (tp_split) */
 };
 
 /* Two-path phase of one side of a session at an anchor (paper §3.5): keyed

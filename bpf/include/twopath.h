@@ -205,9 +205,11 @@ static __always_inline __u32 tp_deliver(const struct tp_val *tp, int new_path, _
  * goes where its ack belongs (ack <= oldRcvd: old). A packet with data on
  * the old path acknowledges at most oldRcvd (*ack_to, when it must be
  * lowered), and a pure ack on the old path never names a sequence number
- * beyond oldSent (*seq_to). A RST goes on the new path. */
+ * beyond oldSent (*seq_to). A RST goes on the new path. A straddling packet
+ * is counted unless !count (a re-injected one: counted when tp_split handed
+ * it over). */
 static __always_inline int tp_decide(struct tp_val *tp, __u32 seq, __u32 ack, __u32 end, __u8 flags,
-				     __u32 *seq_to, __u32 *ack_to)
+				     __u32 *seq_to, __u32 *ack_to, int count)
 {
 	int has_ack = flags & TH_ACK_, path;
 	__u32 a = ack;
@@ -219,7 +221,7 @@ static __always_inline int tp_decide(struct tp_val *tp, __u32 seq, __u32 ack, __
 	if (end != seq) {
 		if (seq_lt(seq, tp->old_sent)) {
 			path = TPD_OLD;
-			if (seq_lt(tp->old_sent, end)) {
+			if (count && seq_lt(tp->old_sent, end)) {
 				tp->straddled++;
 				stat_inc(STAT_TP_STRADDLE);
 			}

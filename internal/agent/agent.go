@@ -241,9 +241,11 @@ func Run(ctx context.Context, cfg Config) error {
 		if err := a.setupMigration(ctl); err != nil {
 			return err
 		}
+		a.setSplitReader(ctl.holds != nil)
 		go ctl.run(ctx)
 	} else {
 		a.log.Info("reconfiguration disabled: no control key")
+		a.setSplitReader(false)
 	}
 	a.metrics = newMetrics(a)
 	srv, err := a.serveAPI()

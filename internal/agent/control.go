@@ -208,6 +208,9 @@ func (c *control) run(ctx context.Context) {
 	for {
 		select {
 		case <-ctx.Done():
+			if c.holds != nil {
+				c.a.setSplitReader(false)
+			}
 			c.locked(func() {
 				for _, t := range c.timers {
 					t.Stop()

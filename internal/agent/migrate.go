@@ -189,6 +189,16 @@ func (a *Agent) setupMigration(c *control) error {
 	return nil
 }
 
+// setSplitReader tells the datapath whether this agent reads the hold ring
+// and so splits packets straddling a cut-off (holds.split); the flag is
+// cleared when the agent stops, so that such packets go whole on the old
+// path while no agent reads the ring.
+func (a *Agent) setSplitReader(on bool) {
+	if err := a.dp.SetSplitReader(on); err != nil {
+		a.log.Warn("datapath: cannot set whether packets straddling a cut-off are split", "on", on, "err", err)
+	}
+}
+
 // ---- holding packets ----
 
 // hold is one anchor side's held packets (the datapath copies them to the
@@ -285,15 +295,16 @@ func (hs *holds) readLoop() {
 // split cuts a packet whose data straddles the cut-off of its side's
 // two-path phase and sends both parts again (paper §3.5; bpf/dysco.c,
 // tp_split): each part then takes its own path in the datapath, the bytes
-// below oldSent the old one. The cut-off is the record's: it is fixed for
-// the phase. A packet whose record is gone (the phase ended meanwhile) or
-// that cannot be cut goes again whole, and then the path the side uses now.
+// below oldSent the old one. The cut-off is the record's, fixed while the
+// phase is active. A packet whose phase is over when it is read (its record
+// gone, or in another state: ended, or a later reconfiguration's) or that
+// cannot be cut goes again whole, and then the path the side uses now.
 func (hs *holds) split(p datapath.HeldPacket) {
 	var parts [][]byte
 	rec, ok := hs.dp.TwoPath(datapath.TPKey{SessId: p.Session, Side: p.Side})
-	if ok {
+	if ok && rec.State == datapath.TPActive {
 		var err error
-		if parts, err = datapath.SplitFrame(p.Frame, rec.OldSent); err != nil {
+		if parts, err = datapath.SplitFrame(p.Frame, rec.OldSent, int(p.GSOSize)); err != nil {
 			hs.log("splitting a packet at the cut-off failed; sent whole", "session", p.Session, "err", err)
 			parts = nil
 		}

@@ -17,6 +17,7 @@ import (
 	"slices"
 	"sort"
 	"strings"
+	"sync"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -70,6 +71,10 @@ type Datapath struct {
 	flow4Bufs   batchBufs[Tuple4, Flow4]
 	sessionBufs batchBufs[uint32, Session]
 	setupBufs   batchBufs[uint32, dyscoSynState]
+
+	// cfgMu serialises changes of dysco_config, whose fields have
+	// separate writers (setConfig).
+	cfgMu sync.Mutex
 }
 
 // Hooks on an interface.

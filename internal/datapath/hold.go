@@ -346,9 +346,11 @@ func segment(frame []byte, gsoSize, mtu int) ([][]byte, error) {
 // cut, then the payload from cut on with the FIN, if any (so a segment
 // whose payload ends at cut and that carries a FIN is cut into its data
 // and a bare FIN). The parts get lengths and checksums of their own (TCP
-// in full), FIN and PSH only on the second, CWR only on the first. It
-// refuses a frame that does not straddle cut.
-func SplitFrame(frame []byte, cut uint32) ([][]byte, error) {
+// in full), FIN and PSH only on the second, CWR only on the first. The
+// second part's IPv4 id follows those of the first's segments, if the first
+// is a GSO packet of gsoSize-byte segments (0: not GSO). It refuses a frame
+// that does not straddle cut.
+func SplitFrame(frame []byte, cut uint32, gsoSize int) ([][]byte, error) {
 	f, err := parseTCPFrame(frame)
 	if err != nil {
 		return nil, err
@@ -358,7 +360,11 @@ func SplitFrame(frame []byte, cut uint32) ([][]byte, error) {
 	if off == 0 || off > n || (off == n && f.flags&tcpFIN == 0) {
 		return nil, fmt.Errorf("segment [%d, %d) with %d payload bytes does not straddle %d", f.seq, f.seq+n, n, cut)
 	}
-	return [][]byte{f.piece(0, int(off), 0, false), f.piece(int(off), int(n), 1, true)}, nil
+	ids := 1 // the segments of the first part, and so its ids
+	if gsoSize > 0 {
+		ids = max(1, (int(off)+gsoSize-1)/gsoSize)
+	}
+	return [][]byte{f.piece(0, int(off), 0, false), f.piece(int(off), int(n), ids, true)}, nil
 }
 
 // sum16be adds b as big-endian 16-bit words to s (one's complement sum,

@@ -720,7 +720,7 @@ func TestSplitFrame(t *testing.T) {
 				off  int
 			}{{"across the sequence wrap", 4100}, {"one byte in", 1}, {"one byte short", 4999}, {"data before, FIN after", 5000}} {
 				cut := inTCP.Seq + uint32(c.off)
-				parts, err := SplitFrame(in, cut)
+				parts, err := SplitFrame(in, cut, 1000)
 				if err != nil {
 					t.Fatalf("%s: %v", c.name, err)
 				}
@@ -743,10 +743,17 @@ func TestSplitFrame(t *testing.T) {
 					if len(tcp.Options) != 3 || tcp.Ack != 99 || tcp.Window != 500 {
 						t.Errorf("%s: part %d: header not copied: %+v", c.name, i, v)
 					}
-					if !v6 && v.ID != 0x4242+uint16(i) {
-						t.Errorf("%s: part %d: IPv4 id %#x", c.name, i, v.ID)
+					// The first part is re-injected as ceil(off/1000)
+					// segments of 1000 bytes: the second's id follows theirs.
+					if wantID := 0x4242 + uint16(i*((c.off+999)/1000)); !v6 && v.ID != wantID {
+						t.Errorf("%s: part %d: IPv4 id %#x, want %#x", c.name, i, v.ID, wantID)
 					}
 				}
+			}
+			if parts, err := SplitFrame(in, inTCP.Seq+4100, 0); err != nil || len(parts) != 2 {
+				t.Fatal(err)
+			} else if checkFrame(t, parts[1]); !v6 && binary.BigEndian.Uint16(parts[1][14+4:]) != 0x4243 {
+				t.Errorf("not GSO: second part's IPv4 id %#x, want 0x4243", binary.BigEndian.Uint16(parts[1][14+4:]))
 			}
 			noFin := append([]byte(nil), in...)
 			noFin[14+ipHdr+13] &^= tcpFIN
@@ -762,7 +769,7 @@ func TestSplitFrame(t *testing.T) {
 				"truncated below its length":   {in[:len(in)-1], inTCP.Seq + 1},
 				"segment with no payload, FIN": {gsoFrame(t, v6, 0), 0xfffff000},
 			} {
-				if parts, err := SplitFrame(c.f, c.cut); err == nil {
+				if parts, err := SplitFrame(c.f, c.cut, 0); err == nil {
 					t.Errorf("%s: cut into %d parts, want an error", name, len(parts))
 				} else {
 					t.Logf("%s: %v", name, err)
@@ -795,6 +802,10 @@ func TestTwoPathSplit(t *testing.T) {
 				rec := s.record(TPActive, vars)
 				rec.Split = 1
 				s.install(t, fx, rec, nil)
+				if err := fx.d.SetSplitReader(true); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { fx.d.SetSplitReader(false) })
 				drainHeld(r)
 				ctx := skbCtx{Ifindex: uint32(fx.net.ifindex)}
 				marked := ctx
@@ -813,14 +824,16 @@ func TestTwoPathSplit(t *testing.T) {
 				}
 				fx.counterMoves(t, before, map[string]uint64{"tp_straddle": 1, "tp_old": 0, "tp_new": 0,
 					"rewrite_out": 0, "hold_pkts": 0, "hold_drop": 0})
-				if f := fx.flow(t, s.egKey()); f.Packets != fBefore.Packets || f.MkSeq != fBefore.MkSeq {
-					t.Errorf("handing over moved the flow: packets %d -> %d, mark %d -> %d", fBefore.Packets, f.Packets, fBefore.MkSeq, f.MkSeq)
+				// The counters are taken back (the parts are counted); the
+				// mark may move to the packet's end, where its parts take it.
+				if f := fx.flow(t, s.egKey()); f.Packets != fBefore.Packets || f.Bytes != fBefore.Bytes {
+					t.Errorf("handing over counted the packet: packets %d -> %d, bytes %d -> %d", fBefore.Packets, f.Packets, fBefore.Bytes, f.Bytes)
 				}
 				if rr := fx.twoPath(t, s.key()); rr.Straddled != 1 {
 					t.Errorf("record counted %d straddling packets, want 1", rr.Straddled)
 				}
 
-				parts, err := SplitFrame(h.Frame, rec.OldSent)
+				parts, err := SplitFrame(h.Frame, rec.OldSent, int(h.GSOSize))
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -848,8 +861,9 @@ func TestTwoPathSplit(t *testing.T) {
 					t.Errorf("after the parts: flow packets %d (before %d), mark %d, want %d", f.Packets, fBefore.Packets, f.MkSeq, c.p.End())
 				}
 
-				// Re-injected, a straddling packet is not handed over again:
-				// whole on the old path.
+				// Re-injected (the agent could not split it), a straddling
+				// packet is not handed over again, nor counted again: whole
+				// on the old path.
 				before = fx.stats(t)
 				verdict, out := fx.runCtx(t, marked, frame)
 				if verdict != tcActOK {
@@ -857,18 +871,32 @@ func TestTwoPathSplit(t *testing.T) {
 				}
 				expectFrame(t, out, in.with(s.oldSub))
 				expectNoHeld(t, r)
-				fx.counterMoves(t, before, map[string]uint64{"tp_straddle": 1, "tp_old": 1})
+				fx.counterMoves(t, before, map[string]uint64{"tp_straddle": 0, "tp_old": 1})
 
-				// Without tp->split: whole on the old path too.
+				// No agent reads the ring now: whole on the old path, counted.
+				whole := func(what string) {
+					t.Helper()
+					before := fx.stats(t)
+					verdict, out := fx.runCtx(t, ctx, frame)
+					if verdict != tcActOK {
+						t.Fatalf("%s: verdict %d", what, verdict)
+					}
+					expectFrame(t, out, in.with(s.oldSub))
+					expectNoHeld(t, r)
+					fx.counterMoves(t, before, map[string]uint64{"tp_straddle": 1, "tp_old": 1})
+				}
+				if err := fx.d.SetSplitReader(false); err != nil {
+					t.Fatal(err)
+				}
+				whole("no ring reader")
+				if err := fx.d.SetSplitReader(true); err != nil {
+					t.Fatal(err)
+				}
+				// A record made by an agent that does not split: whole too.
 				if err := fx.d.PutTwoPath(s.key(), s.record(TPActive, vars)); err != nil {
 					t.Fatal(err)
 				}
-				verdict, out = fx.runCtx(t, ctx, frame)
-				if verdict != tcActOK {
-					t.Fatalf("without split: verdict %d", verdict)
-				}
-				expectFrame(t, out, in.with(s.oldSub))
-				expectNoHeld(t, r)
+				whole("record without split")
 			})
 		}
 	}

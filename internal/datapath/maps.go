@@ -523,10 +523,26 @@ func Counted(f Flow, role uint8) bool {
 // SetTapActive tells the datapath whether a capture listens on the
 // session-view tap; copies are made only then.
 func (d *Datapath) SetTapActive(on bool) error {
-	v := dyscoConfig{}
-	if on {
-		v.TapActive = 1
+	return d.setConfig(func(v *dyscoConfig) { v.TapActive = uint32(boolU8(on)) })
+}
+
+// SetSplitReader tells the datapath whether the agent reads the hold ring
+// and so splits packets that straddle a cut-off (HeldPacket.Split): only
+// then does it hand them over; otherwise they go whole on the old path.
+func (d *Datapath) SetSplitReader(on bool) error {
+	return d.setConfig(func(v *dyscoConfig) { v.SplitReader = uint32(boolU8(on)) })
+}
+
+// setConfig changes the one entry of dysco_config (pinned: it outlives the
+// agent) field by field, under cfgMu.
+func (d *Datapath) setConfig(f func(*dyscoConfig)) error {
+	d.cfgMu.Lock()
+	defer d.cfgMu.Unlock()
+	var v dyscoConfig
+	if err := d.objs.DyscoConfig.Lookup(uint32(0), &v); err != nil {
+		return fmt.Errorf("datapath: configuration: %w", err)
 	}
+	f(&v)
 	return d.objs.DyscoConfig.Put(uint32(0), v)
 }
 
