@@ -329,13 +329,13 @@ func segment(frame []byte, gsoSize, mtu int) ([][]byte, error) {
 	if f.ipHdr+f.tcpHdr+len(f.payload) > mtu && len(f.payload) > mss {
 		n = (len(f.payload) + mss - 1) / mss
 	}
-	if n == 1 {
-		return [][]byte{f.piece(0, len(f.payload), 0, true)}, nil
-	}
 	out := make([][]byte, 0, n)
 	for i := 0; i < n; i++ {
-		lo := i * mss
-		out = append(out, f.piece(lo, min(lo+mss, len(f.payload)), i, i == n-1))
+		lo, hi := i*mss, len(f.payload) // the last segment: the rest (all of it when n is 1)
+		if i < n-1 {
+			hi = lo + mss
+		}
+		out = append(out, f.piece(lo, hi, i, i == n-1))
 	}
 	return out, nil
 }

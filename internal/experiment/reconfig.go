@@ -664,7 +664,6 @@ func orText(s, alt string) string {
 	return s
 }
 
-// phasesText describes the median phases, "" when unknown.
 // met tells whether the removal-time target holds: a result for each of
 // the n sessions, all succeeded, p50 ≤ 1 ms and p99 ≤ 3 ms (issue 3).
 func (s removalStats) met(n int) bool {
@@ -677,6 +676,7 @@ func (s removalStats) resultsText(n int) string {
 		s.Results, n, s.Succeeded, s.P99ms, s.MaxMs, 100*s.Under2ms, 100*s.Under4ms, orText(s.phasesText(), "phases unknown"))
 }
 
+// phasesText describes the median phases, "" when unknown.
 func (s removalStats) phasesText() string {
 	if math.IsNaN(s.LockP50ms) {
 		return ""
