@@ -393,10 +393,11 @@ static __always_inline int clamp_window(struct __sk_buff *skb, struct pkt *p, __
  * the datapath unchanged, and its flow's counters are taken back: the parts
  * are counted when they come back (ReinjectMark; they never straddle, and a
  * re-injected packet is not split again). Only when the agent that made the
- * record reads the hold ring (tp->split) and an agent reads it now (config
- * split_reader); otherwise, and when the packet cannot be handed over (too
- * long, ring full), it returns -1 and the packet goes whole on the old path
- * (tp_decide), as the Go core's Decide sends it. */
+ * record reads the hold ring (tp->split) and an agent reads it now (its
+ * lease, config split_until, has not run out); otherwise, and when the
+ * packet cannot be handed over (too long, ring full), it returns -1 and the
+ * packet goes whole on the old path (tp_decide), as the Go core's Decide
+ * sends it. */
 static __always_inline int tp_split(struct __sk_buff *skb, const struct pkt *p, struct tp_val *tp,
 				    const struct tp_key *k, struct flow_val *fp, __u32 end)
 {
@@ -407,7 +408,7 @@ static __always_inline int tp_split(struct __sk_buff *skb, const struct pkt *p, 
 	    !seq_lt(p->seq, tp->old_sent) || !seq_lt(tp->old_sent, end))
 		return -1;
 	cfg = bpf_map_lookup_elem(&dysco_config, &k0);
-	if (!cfg || !cfg->split_reader)
+	if (!cfg || !cfg->split_until || (__s32)(cfg->split_until - stamp()) <= 0)
 		return -1;
 	if (hold_frame(skb, k->sess_id, p->v6, HOLD_F_SPLIT | (k->side == SIDE_RIGHT ? HOLD_F_RIGHT : 0)))
 		return -1;

@@ -160,7 +160,11 @@ struct type_val {
 /* Settings the agent changes while the datapath runs. */
 struct config {
 	__u32 tap_active;   /* a capture is open on the session-view tap */
-	__u32 split_reader; /* the agent reads the hold ring and splits (tp_split) */
+	/* An agent reads the hold ring and splits (tp_split) until this stamp
+	 * (stamp() in dysco.c; 0: none). A lease the agent renews every second,
+	 * so that an agent that dies without clearing it stops receiving
+	 * straddling packets within seconds. */
+	__u32 split_until;
 };
 
 /* Two-path phase of one side of a session at an anchor (paper §3.5): keyed

@@ -117,6 +117,11 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 			// parts sent again), and that it sent again whole.
 			st["tp_split"], st["tp_split_whole"] = uint64(hs.splits), uint64(hs.splitWhole)
 			hs.injMu.Unlock()
+			// What is left of the lease by which the datapath hands
+			// such packets to this agent (renewed every second).
+			if left, err := a.dp.SplitReaderLease(); err == nil {
+				st["split_lease_ms"] = uint64(left / time.Millisecond)
+			}
 		}
 	}
 	sess, _ := a.dp.Sessions()

@@ -205,6 +205,7 @@ func (c *control) run(ctx context.Context) {
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()
 	defer c.conn.Close()
+	leased := time.Now() // the agent took its split lease at start (agent.go)
 	for {
 		select {
 		case <-ctx.Done():
@@ -226,6 +227,10 @@ func (c *control) run(ctx context.Context) {
 				c.locked(f)
 			}
 		case <-tick.C:
+			if c.holds != nil && time.Since(leased) >= splitLeaseRenew {
+				c.a.setSplitReader(true)
+				leased = time.Now()
+			}
 			c.locked(c.poll)
 		}
 	}

@@ -189,12 +189,27 @@ func (a *Agent) setupMigration(c *control) error {
 	return nil
 }
 
+// The lease by which this agent tells the datapath that it reads the hold
+// ring (Datapath.SetSplitReader), and how often the control loop renews it.
+// An agent that dies without clearing its lease leaves packets straddling
+// a cut-off to a ring nobody reads (TCP sends them again) for at most
+// splitLease; after that they go whole on the old path.
+const (
+	splitLease      = 3 * time.Second
+	splitLeaseRenew = time.Second
+)
+
 // setSplitReader tells the datapath whether this agent reads the hold ring
-// and so splits packets straddling a cut-off (holds.split); the flag is
-// cleared when the agent stops, so that such packets go whole on the old
-// path while no agent reads the ring.
+// and so splits packets straddling a cut-off (holds.split): on takes (or
+// renews) a lease of splitLease, off clears it, which the agent does when
+// it stops, so that such packets go whole on the old path while no agent
+// reads the ring.
 func (a *Agent) setSplitReader(on bool) {
-	if err := a.dp.SetSplitReader(on); err != nil {
+	lease := time.Duration(0)
+	if on {
+		lease = splitLease
+	}
+	if err := a.dp.SetSplitReader(lease); err != nil {
 		a.log.Warn("datapath: cannot set whether packets straddling a cut-off are split", "on", on, "err", err)
 	}
 }

@@ -21,9 +21,9 @@ type dyscoAgentState struct {
 }
 
 type dyscoConfig struct {
-	_           structs.HostLayout
-	TapActive   uint32
-	SplitReader uint32
+	_          structs.HostLayout
+	TapActive  uint32
+	SplitUntil uint32
 }
 
 type dyscoCtlArgs struct {

@@ -703,6 +703,47 @@ func TestReinject(t *testing.T) {
 // TestSplitFrame: a frame straddling a cut-off is cut into the bytes before
 // it and the rest (with the FIN), each a valid frame; a frame that does not
 // straddle is refused.
+// TestLeaseStamp: the split reader's lease in the datapath's stamps
+// (32 bits of milliseconds), 0 for none, never 0 for a lease.
+func TestLeaseStamp(t *testing.T) {
+	ms := time.Millisecond
+	for _, c := range []struct {
+		now, lease time.Duration
+		want       uint32
+	}{
+		{1000 * ms, 0, 0},
+		{1000 * ms, -time.Second, 0},
+		{1000 * ms, 3 * time.Second, 4000},
+		{1000*ms + 999*time.Microsecond, 3 * time.Second, 4000},
+		{(1<<32 - 10) * ms, 5 * ms, 1<<32 - 5},
+		{(1<<32 - 10) * ms, 20 * ms, 10},      // wraps
+		{(1<<32 - 10) * ms, 10 * ms, 1},       // would be 0, which means none
+		{(3<<32 + 7) * ms, time.Second, 1007}, // the clock past several wraps
+	} {
+		if got := leaseStamp(c.now, c.lease); got != c.want {
+			t.Errorf("leaseStamp(%v, %v) = %d, want %d", c.now, c.lease, got, c.want)
+		}
+	}
+	for _, c := range []struct {
+		until uint32
+		now   time.Duration
+		want  time.Duration
+	}{
+		{0, 1000 * ms, 0},
+		{4000, 1000 * ms, 3 * time.Second},
+		{4000, 1000*ms + 999*time.Microsecond, 3 * time.Second},
+		{4000, 4000 * ms, 0},
+		{4000, 5000 * ms, 0},
+		{10, (1<<32 - 10) * ms, 20 * ms},      // across the wrap
+		{1<<32 - 10, (1<<32 + 5) * ms, 0},     // run out across the wrap
+		{1007, (3<<32 + 7) * ms, time.Second}, // the clock past several wraps
+	} {
+		if got := leaseLeft(c.until, c.now); got != c.want {
+			t.Errorf("leaseLeft(%d, %v) = %v, want %v", c.until, c.now, got, c.want)
+		}
+	}
+}
+
 func TestSplitFrame(t *testing.T) {
 	for _, v6 := range []bool{false, true} {
 		t.Run(fmt.Sprintf("v6=%v", v6), func(t *testing.T) {
@@ -802,10 +843,13 @@ func TestTwoPathSplit(t *testing.T) {
 				rec := s.record(TPActive, vars)
 				rec.Split = 1
 				s.install(t, fx, rec, nil)
-				if err := fx.d.SetSplitReader(true); err != nil {
+				if err := fx.d.SetSplitReader(time.Minute); err != nil {
 					t.Fatal(err)
 				}
-				t.Cleanup(func() { fx.d.SetSplitReader(false) })
+				t.Cleanup(func() { fx.d.SetSplitReader(0) })
+				if left, err := fx.d.SplitReaderLease(); err != nil || left <= 50*time.Second || left > time.Minute {
+					t.Fatalf("lease of a minute: %v left (%v)", left, err)
+				}
 				drainHeld(r)
 				ctx := skbCtx{Ifindex: uint32(fx.net.ifindex)}
 				marked := ctx
@@ -885,11 +929,22 @@ func TestTwoPathSplit(t *testing.T) {
 					expectNoHeld(t, r)
 					fx.counterMoves(t, before, map[string]uint64{"tp_straddle": 1, "tp_old": 1})
 				}
-				if err := fx.d.SetSplitReader(false); err != nil {
+				if err := fx.d.SetSplitReader(0); err != nil {
 					t.Fatal(err)
 				}
 				whole("no ring reader")
-				if err := fx.d.SetSplitReader(true); err != nil {
+				// A reader's lease that ran out (its agent died without
+				// clearing it): whole too.
+				if err := fx.d.setConfig(func(v *dyscoConfig) {
+					v.SplitUntil = leaseStamp(Monotonic()-time.Minute, 50*time.Second)
+				}); err != nil {
+					t.Fatal(err)
+				}
+				if left, err := fx.d.SplitReaderLease(); err != nil || left != 0 {
+					t.Fatalf("a lease run out: %v left (%v)", left, err)
+				}
+				whole("lease run out")
+				if err := fx.d.SetSplitReader(time.Minute); err != nil {
 					t.Fatal(err)
 				}
 				// A record made by an agent that does not split: whole too.

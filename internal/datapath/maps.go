@@ -526,11 +526,52 @@ func (d *Datapath) SetTapActive(on bool) error {
 	return d.setConfig(func(v *dyscoConfig) { v.TapActive = uint32(boolU8(on)) })
 }
 
-// SetSplitReader tells the datapath whether the agent reads the hold ring
-// and so splits packets that straddle a cut-off (HeldPacket.Split): only
-// then does it hand them over; otherwise they go whole on the old path.
-func (d *Datapath) SetSplitReader(on bool) error {
-	return d.setConfig(func(v *dyscoConfig) { v.SplitReader = uint32(boolU8(on)) })
+// SetSplitReader tells the datapath that the agent reads the hold ring and
+// so splits packets that straddle a cut-off (HeldPacket.Split), for lease
+// from now on (on the datapath's clock, Monotonic); a lease of 0 or less
+// says that it does not. Only while a lease runs does the datapath hand
+// such packets over; otherwise they go whole on the old path. The agent
+// renews its lease well before it runs out, so that an agent that dies
+// without clearing it does not leave straddling packets to a ring nobody
+// reads for longer than the lease.
+func (d *Datapath) SetSplitReader(lease time.Duration) error {
+	return d.setConfig(func(v *dyscoConfig) { v.SplitUntil = leaseStamp(Monotonic(), lease) })
+}
+
+// SplitReaderLease returns what is left of the split reader's lease
+// (SetSplitReader), 0 if there is none or it has run out.
+func (d *Datapath) SplitReaderLease() (time.Duration, error) {
+	var v dyscoConfig
+	if err := d.objs.DyscoConfig.Lookup(uint32(0), &v); err != nil {
+		return 0, fmt.Errorf("datapath: configuration: %w", err)
+	}
+	return leaseLeft(v.SplitUntil, Monotonic()), nil
+}
+
+// leaseLeft is the time from now to the lease's end stamp until (modulo
+// 2^32 ms, as the datapath compares), 0 for none or one that has run out.
+func leaseLeft(until uint32, now time.Duration) time.Duration {
+	left := int32(until - uint32(now/time.Millisecond))
+	if until == 0 || left <= 0 {
+		return 0
+	}
+	return time.Duration(left) * time.Millisecond
+}
+
+// leaseStamp is the stamp (32 bits of milliseconds of Monotonic, as
+// stamp() in bpf/dysco.c) at which a lease taken at now runs out, or 0 (no
+// lease) for lease <= 0. A lease that would end at stamp 0, which means
+// none, ends a millisecond later. Leases are compared modulo 2^32 ms, so
+// they must be shorter than about 24 days.
+func leaseStamp(now, lease time.Duration) uint32 {
+	if lease <= 0 {
+		return 0
+	}
+	until := uint32((now + lease) / time.Millisecond)
+	if until == 0 {
+		until = 1
+	}
+	return until
 }
 
 // setConfig changes the one entry of dysco_config (pinned: it outlives the

@@ -169,6 +169,19 @@ func TestAgentRestart(t *testing.T) {
 	if len(e.sessions("mb1")) == 0 && e.status("mb1").Counters["rewrite_in"] == 0 {
 		t.Error("the restarted agent on mb1 sees no trace of the session")
 	}
+	// The restarted agent reads the hold ring and renews its lease for
+	// packets straddling a cut-off (docs/protocol.md, "Two paths"): what is
+	// left of it grows again within a renewal's period.
+	prev := e.status("client").Counters["split_lease_ms"]
+	if prev == 0 || prev > 3000 {
+		t.Errorf("the restarted client agent's split lease has %d ms left, want 1..3000", prev)
+	}
+	eventually(t, 10*time.Second, "the client agent to renew its split lease", func() bool {
+		left := e.status("client").Counters["split_lease_ms"]
+		renewed := left > prev
+		prev = left
+		return renewed
+	})
 	// A session begun right after the restart is chained: the restarted
 	// agent installed its policies before swapping its programs in.
 	base := e.status("mb1").Counters["setup_cont"]
