@@ -197,6 +197,7 @@ const (
 	etherIPv6   = 0x86dd
 	tcpFIN      = 0x01
 	tcpPSH      = 0x08
+	tcpURG      = 0x20
 	tcpCWR      = 0x80
 	ipv4HdrMin  = 20
 	ipv6HdrLen  = 40
@@ -269,7 +270,10 @@ func parseTCPFrame(frame []byte) (tcpFrame, error) {
 // piece returns part i of the frame cut into parts: the payload bytes
 // [lo, hi), its sequence number advanced by lo, FIN and PSH only on the
 // last part, CWR only on the first, the IPv4 id advanced by i, lengths
-// and checksums (IPv4 header, TCP in full) computed for it.
+// and checksums (IPv4 header, TCP in full) computed for it. The urgent
+// pointer (relative to the sequence number) keeps pointing at the same
+// byte; a part that starts at or after that point carries no URG, since
+// its urgent data was in an earlier part (RFC 9293 3.8.5).
 func (f tcpFrame) piece(lo, hi, i int, last bool) []byte {
 	chunk := f.payload[lo:hi]
 	out := make([]byte, f.hdrs+len(chunk))
@@ -293,6 +297,15 @@ func (f tcpFrame) piece(lo, hi, i int, last bool) []byte {
 	if i > 0 {
 		fl &^= tcpCWR
 	}
+	if fl&tcpURG != 0 && lo > 0 {
+		up := int(binary.BigEndian.Uint16(th[18:]))
+		if up > lo {
+			binary.BigEndian.PutUint16(th[18:], uint16(up-lo))
+		} else {
+			fl &^= tcpURG
+			th[18], th[19] = 0, 0
+		}
+	}
 	th[13] = fl
 	seg := th[:f.tcpHdr+len(chunk)]
 	var pseudo uint32
@@ -311,8 +324,9 @@ func (f tcpFrame) piece(lo, hi, i int, last bool) []byte {
 // packets fit mtu, as the kernel's TCP segmentation offload would: payload
 // in mss-byte segments (gsoSize, or what the MTU leaves), sequence numbers
 // advanced, IPv4 total length, id and header checksum and IPv6 payload
-// length fixed, FIN and PSH on the last segment only, CWR on the first only.
-// Every frame, segmented or not, gets its TCP checksum computed in full.
+// length fixed, FIN and PSH on the last segment only, CWR on the first only,
+// the urgent pointer kept on its byte (piece). Every frame, segmented or
+// not, gets its TCP checksum computed in full.
 func segment(frame []byte, gsoSize, mtu int) ([][]byte, error) {
 	f, err := parseTCPFrame(frame)
 	if err != nil {
@@ -346,8 +360,8 @@ func segment(frame []byte, gsoSize, mtu int) ([][]byte, error) {
 // cut, then the payload from cut on with the FIN, if any (so a segment
 // whose payload ends at cut and that carries a FIN is cut into its data
 // and a bare FIN). The parts get lengths and checksums of their own (TCP
-// in full), FIN and PSH only on the second, CWR only on the first. The
-// second part's IPv4 id follows those of the first's segments, if the first
+// in full), FIN and PSH only on the second, CWR only on the first, the
+// urgent pointer kept on its byte (piece). The second part's IPv4 id follows those of the first's segments, if the first
 // is a GSO packet of gsoSize-byte segments (0: not GSO). It refuses a frame
 // that does not straddle cut.
 func SplitFrame(frame []byte, cut uint32, gsoSize int) ([][]byte, error) {

@@ -796,6 +796,31 @@ func TestSplitFrame(t *testing.T) {
 			} else if checkFrame(t, parts[1]); !v6 && binary.BigEndian.Uint16(parts[1][14+4:]) != 0x4243 {
 				t.Errorf("not GSO: second part's IPv4 id %#x, want 0x4243", binary.BigEndian.Uint16(parts[1][14+4:]))
 			}
+			// Urgent data: the pointer keeps to its byte; a part that
+			// starts at or after that byte has no URG.
+			for _, c := range []struct {
+				ptr, want1 uint16
+				urg1       bool
+			}{{4200, 100, true}, {4101, 1, true}, {4100, 0, false}, {3000, 0, false}} {
+				urg := append([]byte(nil), in...)
+				urg[14+ipHdr+13] |= tcpURG
+				binary.BigEndian.PutUint16(urg[14+ipHdr+18:], c.ptr)
+				parts, err := SplitFrame(urg, inTCP.Seq+4100, 1000)
+				if err != nil || len(parts) != 2 {
+					t.Fatalf("urgent pointer %d: %d parts, %v", c.ptr, len(parts), err)
+				}
+				for i, f := range parts {
+					checkFrame(t, f)
+					_, tcp := decode(t, f)
+					wantURG, wantPtr := true, c.ptr
+					if i == 1 {
+						wantURG, wantPtr = c.urg1, c.want1
+					}
+					if tcp.URG != wantURG || tcp.Urgent != wantPtr {
+						t.Errorf("urgent pointer %d, cut at 4100: part %d: URG %v pointer %d, want %v %d", c.ptr, i, tcp.URG, tcp.Urgent, wantURG, wantPtr)
+					}
+				}
+			}
 			noFin := append([]byte(nil), in...)
 			noFin[14+ipHdr+13] &^= tcpFIN
 			for name, c := range map[string]struct {
