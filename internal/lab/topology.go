@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"regexp"
 	"strings"
@@ -233,6 +234,12 @@ func ParseTopology(data []byte) (Topology, error) {
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&t); err != nil {
 		return Topology{}, fmt.Errorf("decoding topology: %w", err)
+	}
+	// Decode stops after the first JSON value: anything but white space
+	// after it (a second object, a stray brace) is an error too, or it
+	// would be silently ignored (found by FuzzParseTopology).
+	if _, err := dec.Token(); err != io.EOF {
+		return Topology{}, errors.New("decoding topology: unexpected data after the topology object")
 	}
 	if err := t.Validate(); err != nil {
 		return Topology{}, err

@@ -1,0 +1,127 @@
+package protocol
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"net/netip"
+	"reflect"
+	"testing"
+
+	"github.com/dysco/dysco/internal/wire"
+)
+
+// FuzzDecode: Decode, which reads control messages from other hosts over
+// UDP, never panics, and errors are always *DecodeError. Every input is
+// decoded twice: as it is (almost always a MAC mismatch) and with its MAC
+// recomputed under the key (remac), so that the fuzzer reaches the parsing
+// and validation behind the HMAC check. What Decode accepts:
+//   - has the length its hop count says, at most wire.MaxHops hops, and a
+//     known type, flags and reason;
+//   - encodes again (Encode, same key) to bytes that decode to an equal
+//     message;
+//   - and those bytes are the input's: the encoding is canonical (IPv4
+//     addresses are written IPv4-mapped and read back unmapped; an absent
+//     address is all zeros either way) but for one field Decode drops: the
+//     blocker's id when there is no blocker address.
+//
+// `go test` runs the seeds; `go test -run '^$' -fuzz '^FuzzDecode$'
+// ./internal/protocol` searches.
+func FuzzDecode(f *testing.F) {
+	v6 := sampleMessage()
+	v6.Sub = wire.Tuple{Src: netip.MustParseAddr("2001:db8::1"), Dst: netip.MustParseAddr("2001:db8::6"), SrcPort: 1, DstPort: 2}
+	v6.Session = wire.Tuple{Src: netip.MustParseAddr("2001:db8::1"), Dst: netip.MustParseAddr("2001:db8::9"), SrcPort: 3, DstPort: 443}
+	v6.RightAnchor = netip.MustParseAddr("2001:db8::4")
+	v6.Hops = []netip.Addr{netip.MustParseAddr("2001:db8::7"), netip.MustParseAddr("2001:db8::4")}
+	var good []byte
+	for _, typ := range MsgTypes {
+		for _, base := range []*Message{sampleMessage(), v6} {
+			m := *base
+			m.Type = typ
+			if typ != MsgSyn {
+				m.Hops = nil
+			}
+			if typ != MsgNackLock {
+				m.Blocker, m.Reason = ReqKey{}, ReasonNone
+			}
+			b, err := m.Encode(testKey)
+			if err != nil {
+				f.Fatal(err)
+			}
+			f.Add(b)
+			if good == nil {
+				good = b
+			}
+		}
+	}
+	// A syn that ends at the receiver (no hops), and the largest message.
+	end := sampleMessage()
+	end.Hops, end.RightAnchor = nil, end.Sub.Dst
+	full := sampleMessage()
+	full.Hops = nil
+	for i := range wire.MaxHops {
+		full.Hops = append(full.Hops, addr(20+i))
+	}
+	full.RightAnchor = full.Hops[wire.MaxHops-1]
+	for _, m := range []*Message{end, full} {
+		b, err := m.Encode(testKey)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
+	edit := func(fn func(b []byte) []byte) []byte { return fn(append([]byte(nil), good...)) }
+	f.Add([]byte(nil))
+	f.Add(good[:5])
+	f.Add(good[:MsgHeaderLen])
+	f.Add(good[:len(good)-1])
+	f.Add(edit(func(b []byte) []byte { return append(b, 0) }))
+	f.Add(edit(func(b []byte) []byte { b[153] = 9; return remac(b) }))
+	f.Add(edit(func(b []byte) []byte { b[153] = 1; return remac(b) }))
+	f.Add(edit(func(b []byte) []byte { b[5] = 99; return remac(b) }))
+	f.Add(edit(func(b []byte) []byte { b[6] |= 0x80; return remac(b) }))
+	f.Add(edit(func(b []byte) []byte { b[154] = 1; return remac(b) }))
+	f.Add(edit(func(b []byte) []byte { clear(b[124:140]); return remac(b) })) // a blocker id, no blocker address
+	f.Add(edit(func(b []byte) []byte { clear(b[16:32]); return remac(b) }))   // no subsession source
+
+	f.Fuzz(func(t *testing.T, b []byte) {
+		check := func(in []byte) {
+			m, err := Decode(testKey, in)
+			if err != nil {
+				var de *DecodeError
+				if !errors.As(err, &de) || de.Reason < RejectMalformed || de.Reason > RejectUnexpected {
+					t.Fatalf("error %v (%T) is not a *DecodeError with a reason", err, err)
+				}
+				return
+			}
+			if len(m.Hops) > wire.MaxHops || len(in) != MsgHeaderLen+len(m.Hops)*wire.AddrLen+MACLen {
+				t.Fatalf("accepted %d bytes with %d hops", len(in), len(m.Hops))
+			}
+			if m.Type < MsgRequestLock || m.Type > MsgFinAck || m.Flags&^knownFlags != 0 || m.Reason > ReasonStale {
+				t.Fatalf("accepted type %d, flags %#x, reason %d", m.Type, m.Flags, m.Reason)
+			}
+			enc, err := m.Encode(testKey)
+			if err != nil {
+				t.Fatalf("decoded message does not encode: %v\n%s", err, m)
+			}
+			again, err := Decode(testKey, enc)
+			if err != nil {
+				t.Fatalf("re-encoded message does not decode: %v\n%s", err, m)
+			}
+			if !reflect.DeepEqual(again, m) {
+				t.Fatalf("round trip\n got %+v\nwant %+v", again, m)
+			}
+			want := append([]byte(nil), in[:len(in)-MACLen]...)
+			if !m.Blocker.LeftAnchor.IsValid() {
+				binary.BigEndian.PutUint32(want[140:], 0)
+			}
+			if !bytes.Equal(enc[:len(enc)-MACLen], want) {
+				t.Fatalf("re-encoding differs from the input\n got %x\nwant %x", enc, in)
+			}
+		}
+		check(b)
+		if len(b) >= MACLen {
+			check(remac(b))
+		}
+	})
+}
