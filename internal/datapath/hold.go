@@ -196,6 +196,8 @@ const (
 	etherIPv4   = 0x0800
 	etherIPv6   = 0x86dd
 	tcpFIN      = 0x01
+	tcpSYN      = 0x02
+	tcpRST      = 0x04
 	tcpPSH      = 0x08
 	tcpURG      = 0x20
 	tcpCWR      = 0x80
@@ -322,7 +324,8 @@ func (f tcpFrame) piece(lo, hi, i int, last bool) []byte {
 
 // segment splits an Ethernet + IPv4/IPv6 + TCP frame into frames whose IP
 // packets fit mtu, as the kernel's TCP segmentation offload would: payload
-// in mss-byte segments (gsoSize, or what the MTU leaves), sequence numbers
+// in mss-byte segments (gsoSize, or what the MTU leaves, if less; a SYN or
+// RST stays whole), sequence numbers
 // advanced, IPv4 total length, id and header checksum and IPv6 payload
 // length fixed, FIN and PSH on the last segment only, CWR on the first only,
 // the urgent pointer kept on its byte (piece). Every frame, segmented or
@@ -339,8 +342,12 @@ func segment(frame []byte, gsoSize, mtu int) ([][]byte, error) {
 	if mss <= 0 {
 		return nil, fmt.Errorf("MTU %d leaves no room for TCP payload", mtu)
 	}
+	// A GSO packet is cut into its gsoSize-byte segments even when it
+	// would fit the MTU whole: gsoSize is the MSS its sender chose (the
+	// peer's, or a clamped one). A SYN or RST is never cut (its data,
+	// if any, does not start at seq, and the flag cannot be repeated).
 	n := 1
-	if f.ipHdr+f.tcpHdr+len(f.payload) > mtu && len(f.payload) > mss {
+	if len(f.payload) > mss && f.flags&(tcpSYN|tcpRST) == 0 {
 		n = (len(f.payload) + mss - 1) / mss
 	}
 	out := make([][]byte, 0, n)
@@ -361,13 +368,17 @@ func segment(frame []byte, gsoSize, mtu int) ([][]byte, error) {
 // whose payload ends at cut and that carries a FIN is cut into its data
 // and a bare FIN). The parts get lengths and checksums of their own (TCP
 // in full), FIN and PSH only on the second, CWR only on the first, the
-// urgent pointer kept on its byte (piece). The second part's IPv4 id follows those of the first's segments, if the first
-// is a GSO packet of gsoSize-byte segments (0: not GSO). It refuses a frame
-// that does not straddle cut.
+// urgent pointer kept on its byte (piece). The second part's IPv4 id
+// follows those of the first's segments, if the first is a GSO packet of
+// gsoSize-byte segments (0: not GSO). It refuses a frame that does not
+// straddle cut, and a SYN or RST.
 func SplitFrame(frame []byte, cut uint32, gsoSize int) ([][]byte, error) {
 	f, err := parseTCPFrame(frame)
 	if err != nil {
 		return nil, err
+	}
+	if f.flags&(tcpSYN|tcpRST) != 0 {
+		return nil, errors.New("a SYN or RST is not split")
 	}
 	off := cut - f.seq
 	n := uint32(len(f.payload))

@@ -380,6 +380,12 @@ func gsoFrame(t *testing.T, v6 bool, payload int) []byte {
 	return f
 }
 
+func inTCPSeq(t *testing.T, frame []byte) uint32 {
+	t.Helper()
+	_, tcp := decode(t, frame)
+	return tcp.Seq
+}
+
 // TestSegment: a GSO frame splits into valid segments with the right
 // sequence numbers, flags and lengths; any frame gets a full checksum.
 func TestSegment(t *testing.T) {
@@ -397,7 +403,10 @@ func TestSegment(t *testing.T) {
 				gso, mtu int
 				sizes    []int
 			}{{mss, 1500, []int{mss, mss, mss}}, {0, 1000 + ipHdr + 32, []int{mss, mss, mss}},
-				{0, 1500, []int{1500 - ipHdr - 32, 1500 - ipHdr - 32, 3*mss - 2*(1500-ipHdr-32)}}} {
+				{0, 1500, []int{1500 - ipHdr - 32, 1500 - ipHdr - 32, 3*mss - 2*(1500-ipHdr-32)}},
+				// Segments of gso_size (its sender's MSS) even where the
+				// packet would fit the MTU whole.
+				{1200, 9000, []int{1200, 1200, 600}}} {
 				segs, err := segment(in, c.gso, c.mtu)
 				if err != nil {
 					t.Fatal(err)
@@ -434,6 +443,17 @@ func TestSegment(t *testing.T) {
 						t.Errorf("segment %d: gopacket finds no TCP", i)
 					}
 					off += c.sizes[i]
+				}
+			}
+			// A SYN or RST is never cut, whatever its size.
+			for _, fl := range []byte{0x02, 0x04} {
+				syn := append([]byte(nil), in...)
+				syn[14+ipHdr+13] = fl
+				if segs, err := segment(syn, 100, 1500); err != nil || len(segs) != 1 {
+					t.Errorf("flags %#x: %d segments (%v), want the packet whole", fl, len(segs), err)
+				}
+				if _, err := SplitFrame(syn, inTCPSeq(t, in)+10, 100); err == nil {
+					t.Errorf("flags %#x: split", fl)
 				}
 			}
 			// A plain frame with a partial checksum: one frame, whole checksum.
