@@ -349,24 +349,15 @@ func TestHoldRingFull(t *testing.T) {
 	expectNoHeld(t, r)
 }
 
-// gsoFrame is a TCP frame with payload 3*mss bytes and flags CWR|PSH|FIN|ACK.
+// gsoFrame is a TCP frame with payload bytes and flags CWR|PSH|FIN|ACK
+// (cutSeedFrame's), its checksum computed in full.
 func gsoFrame(t *testing.T, v6 bool, payload int) []byte {
 	t.Helper()
-	src, dst := ap("10.0.0.1:1234"), ap("10.0.0.2:80")
-	if v6 {
-		src, dst = ap("[fd00::1]:1234"), ap("[fd00::2]:80")
-	}
-	pl := make([]byte, payload)
-	for i := range pl {
-		pl[i] = byte(i * 7)
-	}
-	f := pkt{src: src, dst: dst, seq: 0xfffff000, ack: 99, flags: "APF", win: 500,
-		opts: []layers.TCPOption{optNOP(), optNOP(), optTS(1, 2)}, payload: pl}.frame(t)
+	f := cutSeedFrame(t, v6, payload, "APF", false)
 	ipHdr := 20
 	if v6 {
 		ipHdr = 40
 	}
-	f[14+ipHdr+13] |= tcpCWR
 	// The checksum again, computed here independently of segment().
 	ip := f[14:]
 	seg := ip[ipHdr:]
