@@ -57,6 +57,22 @@ static __always_inline int addr_eq(const __u8 *a, const __u8 *b)
 	return x[0] == y[0] && x[1] == y[1] && x[2] == y[2] && x[3] == y[3];
 }
 
+/* unicast tells whether a (IPv4-mapped or IPv6) can be a session's host or
+ * a hop: not unspecified, loopback, multicast or the IPv4 broadcast address
+ * (wire.Unicast, which the agent applies to the same fields). */
+static __always_inline int unicast(const __u8 *a)
+{
+	const __u32 *w = (const __u32 *)a;
+
+	if (is_mapped4(a))
+		return w[3] != 0 && a[12] != 127 && (a[12] & 0xf0) != 0xe0 && w[3] != 0xffffffff;
+	if (a[0] == 0xff)
+		return 0; /* multicast */
+	if (w[0] || w[1] || w[2])
+		return 1;
+	return w[3] != 0 && w[3] != bpf_htonl(1); /* :: and ::1 */
+}
+
 static __always_inline int is_local(const __u8 *addr)
 {
 	return bpf_map_lookup_elem(&dysco_local, addr) != 0;
@@ -711,6 +727,11 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		stat_inc(STAT_DROP_BAD_VERSION);
 		return TC_ACT_SHOT;
 	}
+	if (b[5] || b[7]) {
+		/* Version 1 defines no flags (wire.ErrReserved). */
+		stat_inc(STAT_DROP_MALFORMED);
+		return TC_ACT_SHOT;
+	}
 	n = b[6];
 	if (n > DYSCO_MAX_HOPS) {
 		stat_inc(STAT_DROP_TOO_MANY_HOPS);
@@ -728,7 +749,8 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 	__builtin_memcpy(&st->session.dport, b + 50, 2);
 	st->session.proto = IPPROTO_TCP;
 	if (!st->session.sport || !st->session.dport || is_mapped4(st->session.saddr) == p->v6 ||
-	    is_mapped4(st->session.daddr) == p->v6) {
+	    is_mapped4(st->session.daddr) == p->v6 || !unicast(st->session.saddr) || !unicast(st->session.daddr) ||
+	    (st->session.sport == st->session.dport && addr_eq(st->session.saddr, st->session.daddr))) {
 		stat_inc(STAT_DROP_BAD_SESSION);
 		return TC_ACT_SHOT;
 	}
@@ -745,8 +767,9 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		if (i >= n)
 			break;
 		__builtin_memcpy(st->hops[i], b + DYSCO_BLOCK_HEADER_LEN + i * DYSCO_ADDR_LEN, 16);
-		if (is_mapped4(st->hops[i]) == p->v6) {
-			stat_inc(STAT_DROP_MALFORMED); /* mixed families: not a loop */
+		if (is_mapped4(st->hops[i]) == p->v6 || !unicast(st->hops[i])) {
+			/* Mixed families, or an address no SYN can go to: not a loop. */
+			stat_inc(STAT_DROP_MALFORMED);
 			return TC_ACT_SHOT;
 		}
 		if (is_local(st->hops[i])) {

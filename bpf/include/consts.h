@@ -57,13 +57,13 @@ enum stat {
 	STAT_REWRITE_IN,         /* packets rewritten on ingress */
 	STAT_REWRITE_OUT,        /* packets rewritten on egress */
 	STAT_TAP,                /* packets copied to the session-view tap */
-	STAT_DROP_MALFORMED,     /* Dysco SYN: block unparsable or mixing families, or a forged local tag */
+	STAT_DROP_MALFORMED,     /* Dysco SYN: block unparsable, flags set, hops of another family or not unicast, or a forged local tag */
 	STAT_DROP_BAD_MAGIC,
 	STAT_DROP_BAD_VERSION,
 	STAT_DROP_BAD_LENGTH,    /* block length does not match option / hop count */
 	STAT_DROP_TOO_MANY_HOPS,
 	STAT_DROP_LOOP,          /* address list names this host or repeats */
-	STAT_DROP_BAD_SESSION,   /* session tuple in the block is not valid */
+	STAT_DROP_BAD_SESSION,   /* session tuple in the block is not valid (port 0, an end not unicast, both ends the same) */
 	STAT_DROP_UNTRUSTED,     /* Dysco SYN from an address not trusted */
 	STAT_DROP_SESSIONS_FULL, /* no room in the session map: fail closed */
 	STAT_DROP_FLOWS_FULL,    /* no room in the flow map: fail closed */

@@ -101,7 +101,20 @@ var (
 	ErrFamily     = errors.New("dysco syn block: mixed address families")
 	ErrLoop       = errors.New("dysco syn block: address list repeats an address")
 	ErrBadSession = errors.New("dysco syn block: invalid session tuple")
+	ErrBadHop     = errors.New("dysco syn block: a hop is not a unicast address")
+	ErrReserved   = errors.New("dysco syn block: flags or reserved byte set")
 )
+
+// Unicast reports whether a can be a host of a session or a hop of a chain:
+// a valid address that is not unspecified, loopback, multicast or the IPv4
+// broadcast address. A SYN block, a control message or a policy naming any
+// other address is refused: a SYN sent to it would go nowhere, to this
+// host, or to many hosts.
+func Unicast(a netip.Addr) bool {
+	a = a.Unmap()
+	return a.IsValid() && !a.IsUnspecified() && !a.IsLoopback() && !a.IsMulticast() &&
+		a != netip.AddrFrom4([4]byte{255, 255, 255, 255})
+}
 
 // Len is the encoded length of b.
 func (b *SynBlock) Len() int { return BlockHeaderLen + len(b.Hops)*AddrLen }
@@ -144,6 +157,11 @@ func Decode(p []byte) (*SynBlock, error) {
 	if p[4] != Version {
 		return nil, fmt.Errorf("%w %d", ErrVersion, p[4])
 	}
+	// Version 1 defines no flags: a block with any set, or with the
+	// reserved byte set, is of a version this code does not know.
+	if p[5] != 0 || p[7] != 0 {
+		return nil, ErrReserved
+	}
 	n := int(p[6])
 	if n > MaxHops {
 		return nil, ErrTooMany
@@ -169,7 +187,7 @@ func Decode(p []byte) (*SynBlock, error) {
 
 func (b *SynBlock) validate() error {
 	s := b.Session
-	if !s.Src.IsValid() || !s.Dst.IsValid() || s.SrcPort == 0 || s.DstPort == 0 || s.Src.Unmap() == s.Dst.Unmap() && s.SrcPort == s.DstPort {
+	if !Unicast(s.Src) || !Unicast(s.Dst) || s.SrcPort == 0 || s.DstPort == 0 || s.Src.Unmap() == s.Dst.Unmap() && s.SrcPort == s.DstPort {
 		return ErrBadSession
 	}
 	v4 := s.Src.Unmap().Is4()
@@ -179,6 +197,9 @@ func (b *SynBlock) validate() error {
 	for i, h := range b.Hops {
 		if h.Unmap().Is4() != v4 {
 			return ErrFamily
+		}
+		if !Unicast(h) {
+			return ErrBadHop
 		}
 		for _, g := range b.Hops[:i] {
 			if g.Unmap() == h.Unmap() {

@@ -55,6 +55,29 @@ func TestDecodeErrors(t *testing.T) {
 		"length":   {mut(func(p []byte) []byte { p[6] = 2; return p }), ErrLength},
 		"trailing": {mut(func(p []byte) []byte { return append(p, 0) }), ErrLength},
 		"port 0":   {mut(func(p []byte) []byte { p[48], p[49] = 0, 0; return p }), ErrBadSession},
+		"flags":    {mut(func(p []byte) []byte { p[5] = 1; return p }), ErrReserved},
+		"reserved": {mut(func(p []byte) []byte { p[7] = 0x80; return p }), ErrReserved},
+		"to itself": {mut(func(p []byte) []byte {
+			copy(p[32:48], p[16:32])
+			copy(p[50:52], p[48:50])
+			return p
+		}), ErrBadSession},
+		"unspecified source": {mut(func(p []byte) []byte { clear(p[28:32]); return p }), ErrBadSession},
+		"loopback destination": {mut(func(p []byte) []byte {
+			a := netip.MustParseAddr("127.0.0.1").As16()
+			copy(p[32:48], a[:])
+			return p
+		}), ErrBadSession},
+		"multicast hop": {mut(func(p []byte) []byte {
+			a := netip.MustParseAddr("239.1.2.3").As16()
+			copy(p[BlockHeaderLen:], a[:])
+			return p
+		}), ErrBadHop},
+		"broadcast hop": {mut(func(p []byte) []byte {
+			a := netip.MustParseAddr("255.255.255.255").As16()
+			copy(p[BlockHeaderLen:], a[:])
+			return p
+		}), ErrBadHop},
 		"family": {mut(func(p []byte) []byte {
 			a := netip.MustParseAddr("fd00::1").As16()
 			copy(p[BlockHeaderLen:], a[:])
@@ -72,6 +95,14 @@ func TestDecodeErrors(t *testing.T) {
 			t.Errorf("%s: got %v, want %v", name, err, tc.want)
 		}
 	}
+	good6 := SynBlock{Session: tuple("fd00::1", "fd00::9", 40000, 80), Hops: []netip.Addr{netip.MustParseAddr("fd00::5")}}
+	for _, h := range []string{"::", "::1", "ff02::1"} {
+		b := good6
+		b.Hops = []netip.Addr{netip.MustParseAddr(h)}
+		if _, err := b.Encode(nil); !errors.Is(err, ErrBadHop) {
+			t.Errorf("encode with hop %s: %v, want %v", h, err, ErrBadHop)
+		}
+	}
 	if _, err := (&SynBlock{Session: good.Session, Hops: make([]netip.Addr, MaxHops+1)}).Encode(nil); !errors.Is(err, ErrTooMany) {
 		t.Errorf("encode of too many hops: %v", err)
 	}
@@ -86,6 +117,22 @@ func TestCHeaderCommitted(t *testing.T) {
 	}
 	if !bytes.Equal(got, CHeader()) {
 		t.Fatal("bpf/include/wire_gen.h is stale: run `make generate`")
+	}
+}
+
+func TestUnicast(t *testing.T) {
+	for a, want := range map[string]bool{
+		"10.0.0.1": true, "fd00::1": true, "::ffff:10.0.0.1": true, "fe80::1": true, "192.168.1.255": true,
+		"0.0.0.0": false, "::": false, "127.0.0.1": false, "127.1.2.3": false, "::1": false,
+		"224.0.0.1": false, "239.255.255.255": false, "ff02::1": false, "255.255.255.255": false,
+		"::ffff:127.0.0.1": false, "::ffff:0.0.0.0": false,
+	} {
+		if got := Unicast(netip.MustParseAddr(a)); got != want {
+			t.Errorf("Unicast(%s) = %v, want %v", a, got, want)
+		}
+	}
+	if Unicast(netip.Addr{}) {
+		t.Error("Unicast of the zero Addr")
 	}
 }
 
