@@ -86,15 +86,12 @@ func (a *Agent) reconfig(ctx context.Context, req api.ReconfigRequest) (api.Reco
 	if a.ctl == nil {
 		return api.ReconfigReply{}, &requestError{503, errNoControl}
 	}
-	if !req.To.IsValid() {
-		return bad(errors.New("reconfig: no right anchor (to)"))
+	if err := api.CheckPath(req.To, req.Chain); err != nil {
+		return bad(fmt.Errorf("reconfig: %w", err))
 	}
 	to := req.To.Unmap()
 	chain := make([]netip.Addr, 0, len(req.Chain))
 	for _, h := range req.Chain {
-		if h.Unmap() == to {
-			return bad(fmt.Errorf("reconfig: the right anchor %s is in the chain", to))
-		}
 		chain = append(chain, h.Unmap())
 	}
 	mig, err := migrateOptions(req.Migrate, len(chain))

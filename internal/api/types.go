@@ -9,6 +9,8 @@ import (
 	"regexp"
 	"strings"
 	"time"
+
+	"github.com/dysco/dysco/internal/wire"
 )
 
 // Policy steers the sessions whose first SYN matches Filter through Chain
@@ -61,6 +63,10 @@ func ParseHop(s string) (Hop, error) {
 	return Hop{Type: s}, nil
 }
 
+// MaxInstances bounds the instances of a middlebox type (the datapath's
+// MAX_INSTANCES).
+const MaxInstances = 16
+
 // MiddleboxType is a named set of interchangeable middlebox instances.
 type MiddleboxType struct {
 	Name      string       `json:"name"`
@@ -92,6 +98,9 @@ func (p *Policy) Validate() error {
 		if h.Addr.IsValid() == (h.Type != "") {
 			return fmt.Errorf("policy %q: hop %d must be an address or a type, not both or neither", p.Name, i+1)
 		}
+		if h.Addr.IsValid() && !wire.Unicast(h.Addr) {
+			return fmt.Errorf("policy %q: hop %s is not a unicast address (unspecified, loopback, multicast or broadcast)", p.Name, h)
+		}
 		if h.Addr.IsValid() && seen[h.String()] {
 			return fmt.Errorf("policy %q: hop %s appears twice (the chain would loop)", p.Name, h)
 		}
@@ -107,6 +116,22 @@ func (t *MiddleboxType) Validate() error {
 	}
 	if len(t.Instances) == 0 {
 		return fmt.Errorf("type %q: no instances", t.Name)
+	}
+	if len(t.Instances) > MaxInstances {
+		return fmt.Errorf("type %q: %d instances, at most %d", t.Name, len(t.Instances), MaxInstances)
+	}
+	seen := map[netip.Addr]bool{}
+	for i, a := range t.Instances {
+		if !a.IsValid() {
+			return fmt.Errorf("type %q: instance %d is not an IP address", t.Name, i+1)
+		}
+		if !wire.Unicast(a) {
+			return fmt.Errorf("type %q: instance %s is not a unicast address (unspecified, loopback, multicast or broadcast)", t.Name, a)
+		}
+		if seen[a.Unmap()] {
+			return fmt.Errorf("type %q: instance %s appears twice", t.Name, a)
+		}
+		seen[a.Unmap()] = true
 	}
 	return nil
 }
@@ -135,6 +160,39 @@ type ReconfigRequest struct {
 	// Migrate moves the replaced middlebox's per-session state to its
 	// replacement before the new path carries a packet (paper §3.5, §5.3).
 	Migrate *MigrateSpec `json:"migrate,omitempty"`
+}
+
+// CheckPath checks the right anchor and new chain of a ReconfigRequest:
+// unicast addresses of one family, the anchor not in the chain, no address
+// twice, at most MaxChain hops. The CLI checks the same before asking.
+func CheckPath(to netip.Addr, chain []netip.Addr) error {
+	to = to.Unmap()
+	if !to.IsValid() {
+		return errors.New("no right anchor (to)")
+	}
+	if !wire.Unicast(to) {
+		return fmt.Errorf("the right anchor %s is not a unicast address", to)
+	}
+	if len(chain) > MaxChain {
+		return fmt.Errorf("the chain has %d hops, at most %d are allowed", len(chain), MaxChain)
+	}
+	for i, h := range chain {
+		h = h.Unmap()
+		switch {
+		case !wire.Unicast(h):
+			return fmt.Errorf("hop %s is not a unicast address", h)
+		case h == to:
+			return fmt.Errorf("the right anchor %s is in the chain", to)
+		case h.Is4() != to.Is4():
+			return fmt.Errorf("hop %s and the right anchor %s are of different address families", h, to)
+		}
+		for _, g := range chain[:i] {
+			if g.Unmap() == h {
+				return fmt.Errorf("hop %s appears twice (the path would loop)", h)
+			}
+		}
+	}
+	return nil
 }
 
 // MigrateSpec asks for state migration (docs/state-migration.md).

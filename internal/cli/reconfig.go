@@ -13,6 +13,7 @@ import (
 
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/policy"
+	"github.com/dysco/dysco/internal/wire"
 )
 
 func init() {
@@ -467,6 +468,9 @@ func parseAddr(flag, s string) (netip.Addr, error) {
 	a, err := netip.ParseAddr(strings.TrimSpace(s))
 	if err != nil {
 		return netip.Addr{}, fmt.Errorf("%s: %q is not an IP address", flag, s)
+	}
+	if !wire.Unicast(a) {
+		return netip.Addr{}, fmt.Errorf("%s: %s is not a unicast address (unspecified, loopback, multicast or broadcast)", flag, a.Unmap())
 	}
 	return a.Unmap(), nil
 }

@@ -163,6 +163,8 @@ func TestReconfigFlagErrors(t *testing.T) {
 		{[]string{"--match", "tcp"}, "--to is required"},
 		{[]string{"--match", "tcp", "--to", "x"}, `--to: "x" is not an IP address`},
 		{[]string{"--match", "tcp", "--to", "10.0.3.2/24"}, `--to: "10.0.3.2/24" is not an IP address`},
+		{[]string{"--match", "tcp", "--to", "0.0.0.0"}, `--to: 0.0.0.0 is not a unicast address`},
+		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--chain", "10.0.2.5,224.0.0.5"}, `--chain: 224.0.0.5 is not a unicast address`},
 		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--chain", "10.0.2.5,fw"}, `--chain: "fw" is not an IP address`},
 		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--chain", "10.0.2.5,10.0.3.2"}, "--chain: 10.0.3.2 is the right anchor (--to)"},
 		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--chain", "::ffff:10.0.3.2"}, "--chain: 10.0.3.2 is the right anchor (--to)"},

@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/cilium/ebpf"
+	"github.com/dysco/dysco/internal/api"
 )
 
 // requireRoot skips tests that need CAP_BPF/CAP_NET_ADMIN when not root.
@@ -143,6 +144,14 @@ func TestValueSizes(t *testing.T) {
 		if c.got != c.want {
 			t.Errorf("%s is %d bytes, want %d", c.name, c.got, c.want)
 		}
+	}
+}
+
+// TestInstancesBound: a middlebox type the API accepts fits the datapath's
+// type entry (MAX_INSTANCES).
+func TestInstancesBound(t *testing.T) {
+	if n := len(dyscoTypeVal{}.Addr); n != api.MaxInstances {
+		t.Fatalf("type_val holds %d instances, api.MaxInstances is %d", n, api.MaxInstances)
 	}
 }
 

@@ -330,29 +330,11 @@ func (s *Server) handlePutType(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, fmt.Errorf("type name in the path (%q) differs from the name in the body (%q)", name, t.Name))
 		return
 	}
-	if err := validateType(t); err != nil {
+	if err := t.Validate(); err != nil {
 		writeError(w, http.StatusBadRequest, err)
 		return
 	}
 	s.write(w, r, "type", name, func() (bool, error) { return s.st.put(bucketTypes, name, t) }, t)
-}
-
-// validateType adds to MiddleboxType.Validate the checks of its instances.
-func validateType(t api.MiddleboxType) error {
-	if err := t.Validate(); err != nil {
-		return err
-	}
-	seen := map[string]bool{}
-	for i, a := range t.Instances {
-		if !a.IsValid() {
-			return fmt.Errorf("type %q: instance %d is not an IP address", t.Name, i+1)
-		}
-		if seen[a.String()] {
-			return fmt.Errorf("type %q: instance %s appears twice", t.Name, a)
-		}
-		seen[a.String()] = true
-	}
-	return nil
 }
 
 func (s *Server) handleDeletePolicy(w http.ResponseWriter, r *http.Request) {

@@ -228,6 +228,8 @@ func TestValidationErrors(t *testing.T) {
 		{"PUT", "/v1/types/nat", `{"instances":[]}`, 400, `type "nat": no instances`},
 		{"PUT", "/v1/types/nat", `{"instances":["10.0.0.5","10.0.0.5"]}`, 400, "instance 10.0.0.5 appears twice"},
 		{"PUT", "/v1/types/nat", `{"instances":["nope"]}`, 400, "request body is not a valid middlebox type"},
+		{"PUT", "/v1/types/nat", `{"instances":["10.0.0.5","ff02::2"]}`, 400, "instance ff02::2 is not a unicast address"},
+		{"PUT", "/v1/policies/web", `{"filter":"tcp","chain":[{"addr":"127.0.0.1"}]}`, 400, `policy "web": hop 127.0.0.1 is not a unicast address`},
 		{"PUT", "/v1/types/nat", `{"name":"nut","instances":["10.0.0.5"]}`, 400, `type name in the path ("nat") differs`},
 		{"GET", "/v1/policies/web", ``, 405, "method GET is not allowed on /v1/policies/web (allowed: PUT, DELETE)"},
 		{"POST", "/v1/policies", `{}`, 405, "allowed: GET"},

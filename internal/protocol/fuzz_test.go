@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
-	"net/netip"
 	"reflect"
 	"testing"
 
@@ -28,11 +27,7 @@ import (
 // `go test` runs the seeds; `go test -run '^$' -fuzz '^FuzzDecode$'
 // ./internal/protocol` searches.
 func FuzzDecode(f *testing.F) {
-	v6 := sampleMessage()
-	v6.Sub = wire.Tuple{Src: netip.MustParseAddr("2001:db8::1"), Dst: netip.MustParseAddr("2001:db8::6"), SrcPort: 1, DstPort: 2}
-	v6.Session = wire.Tuple{Src: netip.MustParseAddr("2001:db8::1"), Dst: netip.MustParseAddr("2001:db8::9"), SrcPort: 3, DstPort: 443}
-	v6.RightAnchor = netip.MustParseAddr("2001:db8::4")
-	v6.Hops = []netip.Addr{netip.MustParseAddr("2001:db8::7"), netip.MustParseAddr("2001:db8::4")}
+	v6 := sampleMessage6()
 	var good []byte
 	for _, typ := range MsgTypes {
 		for _, base := range []*Message{sampleMessage(), v6} {

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 
 	"github.com/dysco/dysco/internal/wire"
 )
@@ -306,12 +307,31 @@ func (m *Message) validate() error {
 	if !m.Req.LeftAnchor.IsValid() || !m.RightAnchor.IsValid() {
 		return decodeErr(RejectMalformed, "missing anchor")
 	}
+	if !wire.Unicast(m.Req.LeftAnchor) || !wire.Unicast(m.RightAnchor) {
+		return decodeErr(RejectMalformed, "anchor not a unicast address")
+	}
+	// One family throughout: no chain mixes them (wire.SynBlock).
+	v4 := m.Session.Is4()
+	for _, a := range []netip.Addr{m.Sub.Src, m.Sub.Dst, m.Req.LeftAnchor, m.RightAnchor} {
+		if a.Unmap().Is4() != v4 {
+			return decodeErr(RejectMalformed, "addresses of both families")
+		}
+	}
+	if b := m.Blocker.LeftAnchor; b.IsValid() && (!wire.Unicast(b) || b.Unmap().Is4() != v4) {
+		return decodeErr(RejectMalformed, "blocker %s invalid", b)
+	}
 	if m.Reason > ReasonStale {
 		return decodeErr(RejectMalformed, "unknown reason %d", m.Reason)
 	}
 	for i, h := range m.Hops {
-		if !h.IsValid() || h.IsUnspecified() {
+		if !wire.Unicast(h) {
 			return decodeErr(RejectMalformed, "hop %d invalid", i)
+		}
+		if h.Unmap().Is4() != v4 {
+			return decodeErr(RejectMalformed, "hop %d of the other family", i)
+		}
+		if slices.Contains(m.Hops[:i], h) {
+			return decodeErr(RejectMalformed, "hop %d repeats %s (the path would loop)", i, h)
 		}
 	}
 	if m.Type == MsgSyn {
@@ -330,7 +350,7 @@ func (m *Message) validate() error {
 }
 
 func validTuple(t wire.Tuple) bool {
-	return t.Src.IsValid() && t.Dst.IsValid() && !t.Src.IsUnspecified() && !t.Dst.IsUnspecified() &&
+	return wire.Unicast(t.Src) && wire.Unicast(t.Dst) && t.Src.Unmap().Is4() == t.Dst.Unmap().Is4() &&
 		t.SrcPort != 0 && t.DstPort != 0
 }
 

@@ -28,11 +28,20 @@ func sampleMessage() *Message {
 	}
 }
 
+// sampleMessage6 is sampleMessage with IPv6 addresses throughout.
+func sampleMessage6() *Message {
+	a := func(i int) netip.Addr { return netip.AddrFrom16([16]byte{0x20, 0x01, 0x0d, 0xb8, 15: byte(i)}) }
+	m := sampleMessage()
+	m.Sub = wire.Tuple{Src: a(1), Dst: a(6), SrcPort: 1, DstPort: 2}
+	m.Session = wire.Tuple{Src: a(1), Dst: a(9), SrcPort: 3, DstPort: 443}
+	m.Req.LeftAnchor, m.RightAnchor, m.Blocker.LeftAnchor = a(1), a(4), a(2)
+	m.Hops = []netip.Addr{a(7), a(4)}
+	return m
+}
+
 func TestMessageRoundTrip(t *testing.T) {
-	v6 := sampleMessage()
-	v6.Sub = wire.Tuple{Src: netip.MustParseAddr("2001:db8::1"), Dst: netip.MustParseAddr("2001:db8::6"), SrcPort: 1, DstPort: 2}
 	for _, typ := range MsgTypes {
-		for _, base := range []*Message{sampleMessage(), v6} {
+		for _, base := range []*Message{sampleMessage(), sampleMessage6()} {
 			m := *base
 			m.Type = typ
 			if typ != MsgSyn {
@@ -91,6 +100,38 @@ func TestMessageRejects(t *testing.T) {
 		{"reserved flag", edit(func(b []byte) []byte { b[6] |= 0x80; return remac(b) }), testKey, RejectMalformed},
 		{"reserved bytes", edit(func(b []byte) []byte { b[154] = 1; return remac(b) }), testKey, RejectMalformed},
 		{"zero port", edit(func(b []byte) []byte { binary.BigEndian.PutUint16(b[48:], 0); return remac(b) }), testKey, RejectMalformed},
+		{"multicast hop", edit(func(b []byte) []byte {
+			putAddr(b[MsgHeaderLen:], netip.MustParseAddr("224.0.0.1"))
+			return remac(b)
+		}), testKey, RejectMalformed},
+		{"repeated hop", edit(func(b []byte) []byte {
+			putAddr(b[MsgHeaderLen:], addr(4))
+			return remac(b)
+		}), testKey, RejectMalformed},
+		{"hop of the other family", edit(func(b []byte) []byte {
+			putAddr(b[MsgHeaderLen:], netip.MustParseAddr("2001:db8::7"))
+			return remac(b)
+		}), testKey, RejectMalformed},
+		{"subsession of both families", edit(func(b []byte) []byte {
+			putAddr(b[32:48], netip.MustParseAddr("2001:db8::6"))
+			return remac(b)
+		}), testKey, RejectMalformed},
+		{"loopback session destination", edit(func(b []byte) []byte {
+			putAddr(b[68:84], netip.MustParseAddr("127.0.0.1"))
+			return remac(b)
+		}), testKey, RejectMalformed},
+		{"broadcast left anchor", edit(func(b []byte) []byte {
+			putAddr(b[88:104], netip.MustParseAddr("255.255.255.255"))
+			return remac(b)
+		}), testKey, RejectMalformed},
+		{"right anchor of the other family", edit(func(b []byte) []byte {
+			putAddr(b[108:124], netip.MustParseAddr("2001:db8::4"))
+			return remac(b)
+		}), testKey, RejectMalformed},
+		{"unspecified blocker", edit(func(b []byte) []byte {
+			putAddr(b[124:140], netip.MustParseAddr("::ffff:0.0.0.0"))
+			return remac(b)
+		}), testKey, RejectMalformed},
 		{"syn list not ending at right anchor", edit(func(b []byte) []byte {
 			b[MsgHeaderLen+2*wire.AddrLen-1] = 99 // last hop 10.0.0.99
 			return remac(b)
