@@ -722,6 +722,9 @@ func (d *Datapath) PrependHops(id uint32, hops []netip.Addr) ([]netip.Addr, erro
 		if h.Unmap().Is4() != v4 {
 			return nil, fmt.Errorf("hop %s is not of the session's address family", h)
 		}
+		if !wire.Unicast(h) {
+			return nil, fmt.Errorf("hop %s is not a unicast address", h.Unmap())
+		}
 		list[i] = h.Unmap().As16()
 	}
 	copy(list[len(hops):], st.Hops[:n])

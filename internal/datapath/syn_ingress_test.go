@@ -2,6 +2,7 @@ package datapath
 
 import (
 	"net/netip"
+	"strings"
 	"testing"
 	"time"
 
@@ -295,5 +296,44 @@ func TestIngressBadSYN(t *testing.T) {
 				t.Errorf("packet changed:\n got %x\nwant %x", out, frame)
 			}
 		})
+	}
+}
+
+// TestPrependHops: a middlebox host's agent prepends hops to the rest of a
+// held SYN's address list (paper §2.2), and refuses lists the next hop
+// would drop: another family, an address that is not unicast, an address
+// twice, too many hops.
+func TestPrependHops(t *testing.T) {
+	fx := newFixture(t)
+	frame := dyscoSYN(subIn4, block(t, sess4, nonceOf(4), serverV4), 68).frame(t)
+	if verdict, _ := fx.run(t, fx.ingress, frame); verdict != tcActOK {
+		t.Fatalf("verdict %d for the SYN", verdict)
+	}
+	ss := fx.sessions(t)
+	if len(ss) != 1 {
+		t.Fatalf("%d sessions", len(ss))
+	}
+	id := ss[0].ID
+	many := []netip.Addr{}
+	for i := 0; i < wire.MaxHops; i++ {
+		many = append(many, netip.AddrFrom4([4]byte{10, 1, 0, byte(100 + i)}))
+	}
+	for _, tc := range []struct {
+		hops []netip.Addr
+		want string
+	}{
+		{[]netip.Addr{serverV6}, "not of the session's address family"},
+		{[]netip.Addr{netip.MustParseAddr("224.0.0.1")}, "224.0.0.1 is not a unicast address"},
+		{[]netip.Addr{netip.MustParseAddr("127.0.0.2")}, "127.0.0.2 is not a unicast address"},
+		{[]netip.Addr{mbox2V4, serverV4}, "would appear twice"},
+		{many, "at most 8"},
+	} {
+		if _, err := fx.d.PrependHops(id, tc.hops); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("prepend %v: %v, want %q", tc.hops, err, tc.want)
+		}
+	}
+	chain, err := fx.d.PrependHops(id, []netip.Addr{mbox2V4})
+	if err != nil || !equalAddrs(chain, []netip.Addr{mbox2V4, serverV4}) {
+		t.Fatalf("prepend %v: chain %v, %v", mbox2V4, chain, err)
 	}
 }
