@@ -58,20 +58,31 @@ listen relay
 // removed from a live session while data flows both ways (paper §2.4,
 // §4.2); the session goes on directly between client and server, every byte
 // arrives, and the proxy host sees none of the session's packets afterwards.
+//
+// server-plain, client-plain: that host has TCP timestamps and SACK off, so
+// the proxy's two sessions negotiated different options; after the removal
+// one end uses options the other never agreed to (the end without them
+// ignores them; the one with them gets segments without).
 func TestProxyRemoval(t *testing.T) {
 	for _, off := range []bool{false, true} {
 		name := "offload"
 		if off {
 			name = "tx-csum-off"
 		}
-		t.Run(name, func(t *testing.T) { proxyRemoval(t, off) })
+		t.Run(name, func(t *testing.T) { proxyRemoval(t, off, "") })
+	}
+	for _, h := range []string{"server", "client"} {
+		t.Run(h+"-plain", func(t *testing.T) { proxyRemoval(t, false, h) })
 	}
 }
 
-func proxyRemoval(t *testing.T, off bool) {
+func proxyRemoval(t *testing.T, off bool, plain string) {
 	e := newLab(t, labOpts{topology: lab.Star("client", "proxy", "server")})
 	if off {
 		e.txOff("client", "proxy", "server")
+	}
+	if plain != "" {
+		e.run(plain, "sysctl", "-qw", "net.ipv4.tcp_timestamps=0", "net.ipv4.tcp_sack=0")
 	}
 	proxy, server := e.addr("proxy", false), e.addr("server", false)
 	// Both TCP sessions are Dysco sessions with no middlebox, so that
