@@ -71,6 +71,8 @@ func (a *Agent) handleSplice(w http.ResponseWriter, r *http.Request) {
 		if errors.As(err, &be) {
 			code = 400
 		}
+		a.log.Warn("proxy splice refused", "in", req.In.Remote.String()+"->"+req.In.Local.String(),
+			"out", req.Out.Local.String()+"->"+req.Out.Remote.String(), "err", err)
 		writeErr(w, code, err)
 		return
 	}
@@ -136,6 +138,16 @@ func (c *control) splice(req api.SpliceRequest) (uint32, chan triggerMsg, error)
 	if cS.Role != datapath.RoleEnd || sS.Role != datapath.RoleStart {
 		return 0, nil, fmt.Errorf("splice: the sockets must be a session accepted here from a Dysco client and a session this host opened as a Dysco session (roles %s and %s)",
 			datapath.RoleName(cS.Role), datapath.RoleName(sS.Role))
+	}
+	if cS.IsV6 != sS.IsV6 {
+		fam := func(s datapath.Session) string {
+			if s.IsV6 != 0 {
+				return "IPv6"
+			}
+			return "IPv4"
+		}
+		return 0, nil, badSplice{fmt.Errorf("splice: the client's session is %s and the server's %s: one TCP session cannot change address family, so the proxy stays on the path",
+			fam(cS), fam(sS))}
 	}
 	for _, s := range []datapath.Session{cS, sS} {
 		if s.State&datapath.StEst == 0 || s.State&(datapath.StRST|datapath.StFINFwd|datapath.StFINRev) != 0 {

@@ -637,7 +637,15 @@ func (a *Agent) onReconfigure(e Reconfigure) {
 }
 
 func (a *Agent) checkChain(ra netip.Addr, chain []netip.Addr) error {
-	if !ra.IsValid() || ra == a.cfg.Self {
+	// Every address is unicast and of this agent's family, as Decode
+	// demands of the messages that will carry them: a request that mixes
+	// families (an IPv6 session, an IPv4 right anchor) would otherwise
+	// send messages that every peer refuses as malformed, until it times
+	// out.
+	ok := func(x netip.Addr) bool {
+		return x.IsValid() && wire.Unicast(x) && x.Unmap().Is4() == a.cfg.Self.Unmap().Is4()
+	}
+	if !ok(ra) || ra == a.cfg.Self {
 		return errors.New("right anchor")
 	}
 	if len(chain)+1 > wire.MaxHops {
@@ -645,7 +653,7 @@ func (a *Agent) checkChain(ra netip.Addr, chain []netip.Addr) error {
 	}
 	seen := map[netip.Addr]bool{a.cfg.Self: true, ra: true}
 	for _, h := range chain {
-		if !h.IsValid() || seen[h] {
+		if !ok(h) || seen[h] {
 			return errors.New("repeated or invalid address")
 		}
 		seen[h] = true

@@ -578,3 +578,32 @@ func TestFinNotCopiedThroughMiddlebox(t *testing.T) {
 		}
 	}
 }
+
+// A request whose right anchor or new hops are not unicast addresses of the
+// agent's family is refused at once as invalid: the messages it would send
+// are ones every peer's Decode refuses as malformed.
+func TestReconfigureBadAddresses(t *testing.T) {
+	for i, c := range []struct {
+		name  string
+		ra    netip.Addr
+		chain []netip.Addr
+	}{
+		{"anchor of the other family", netip.MustParseAddr("fd00::3"), nil},
+		{"hop of the other family", addr(3), []netip.Addr{netip.MustParseAddr("fd00::2")}},
+		{"multicast anchor", netip.MustParseAddr("224.0.0.1"), nil},
+		{"unspecified hop", addr(3), []netip.Addr{netip.IPv4Unspecified()}},
+		{"loopback hop", addr(3), []netip.Addr{netip.MustParseAddr("127.0.0.2")}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			h := newHarness(t, 3)
+			h.chain([]int{1, 2, 3}, nil)
+			tok := uint64(i + 1)
+			h.deliver(addr(1), Reconfigure{Session: sid, RightAnchor: c.ra, Chain: c.chain, Token: tok})
+			h.run()
+			if r := h.result(tok); r.Outcome != Refused || r.Reason != ReasonInvalid {
+				t.Fatalf("%+v\n%s", r, h.trace())
+			}
+			h.assertClean(1, 2, 3)
+		})
+	}
+}

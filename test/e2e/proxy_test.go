@@ -20,7 +20,7 @@ import (
 
 // haproxy starts an unmodified HAProxy in TCP mode with splicing forced on,
 // under libdysco's LD_PRELOAD, relaying listen to backend, and waits until
-// it accepts connections.
+// it listens.
 func (e *env) haproxy(host string, listen, backend netip.AddrPort) {
 	e.t.Helper()
 	dir := e.t.TempDir()
@@ -44,14 +44,10 @@ listen relay
 	if _, err := e.lab.Start(host, "haproxy", "env", "LD_PRELOAD="+libdysco, "haproxy", "-db", "-f", conf); err != nil {
 		e.t.Fatal(err)
 	}
-	eventually(e.t, 10*time.Second, "haproxy to accept connections", func() bool {
-		c, err := e.dial(host, listen, time.Second)
-		if err != nil {
-			return false
-		}
-		c.Close()
-		return true
-	})
+	// Not a probe connection: HAProxy would open one to the backend for it,
+	// and retry it for seconds if the backend is not up yet, so that the
+	// test's server could accept the probe's instead of the session's.
+	e.waitListen(host, int(listen.Port()))
 }
 
 // TestProxyRemoval: an unmodified HAProxy that splices its sockets is
@@ -69,14 +65,15 @@ func TestProxyRemoval(t *testing.T) {
 		if off {
 			name = "tx-csum-off"
 		}
-		t.Run(name, func(t *testing.T) { proxyRemoval(t, off, "") })
+		t.Run(name, func(t *testing.T) { proxyRemoval(t, off, "", false) })
 	}
 	for _, h := range []string{"server", "client"} {
-		t.Run(h+"-plain", func(t *testing.T) { proxyRemoval(t, false, h) })
+		t.Run(h+"-plain", func(t *testing.T) { proxyRemoval(t, false, h, false) })
 	}
+	t.Run("ipv6", func(t *testing.T) { proxyRemoval(t, false, "", true) })
 }
 
-func proxyRemoval(t *testing.T, off bool, plain string) {
+func proxyRemoval(t *testing.T, off bool, plain string, v6 bool) {
 	e := newLab(t, labOpts{topology: lab.Star("client", "proxy", "server")})
 	if off {
 		e.txOff("client", "proxy", "server")
@@ -84,7 +81,7 @@ func proxyRemoval(t *testing.T, off bool, plain string) {
 	if plain != "" {
 		e.run(plain, "sysctl", "-qw", "net.ipv4.tcp_timestamps=0", "net.ipv4.tcp_sack=0")
 	}
-	proxy, server := e.addr("proxy", false), e.addr("server", false)
+	proxy, server := e.addr("proxy", v6), e.addr("server", v6)
 	// Both TCP sessions are Dysco sessions with no middlebox, so that
 	// they can be reconfigured (joined) later.
 	e.policy("client", "to-proxy", "tcp dst port 9400")
@@ -128,8 +125,10 @@ func proxyRemoval(t *testing.T, off bool, plain string) {
 // clientGoesDirect tells whether the client's session now has its right
 // subsession to the server.
 func clientGoesDirect(e *env, server netip.Addr) bool {
+	// "-> 10.0.3.2:" or "-> [fd00::2]:", as the sessions table writes them.
+	to := "-> " + strings.TrimSuffix(netip.AddrPortFrom(server, 0).String(), "0")
 	for _, s := range e.sessions("client") {
-		if strings.Contains(s.Right, "-> "+server.String()+":") {
+		if strings.Contains(s.Right, to) {
 			return true
 		}
 	}
@@ -276,5 +275,29 @@ func proxyRemovalDelta(t *testing.T, restartInsert bool) {
 	}
 	if !strings.Contains(stderr.String(), "dysco_splice: ok") {
 		t.Errorf("lenproxy: %s", stderr.String())
+	}
+}
+
+// TestProxyRemovalMixedFamilies: a proxy that accepts its client over IPv6
+// and reaches its server over IPv4 cannot be removed (one TCP session cannot
+// change family). Its splice is refused with a clear reason, the proxy stays
+// on the path, and every byte arrives both ways.
+func TestProxyRemovalMixedFamilies(t *testing.T) {
+	e := newLab(t, labOpts{topology: lab.Star("client", "proxy", "server")})
+	proxy6, server4 := e.addr("proxy", true), e.addr("server", false)
+	e.policy("client", "to-proxy", "tcp dst port 9400")
+	e.policy("proxy", "to-server", "tcp dst port 9401")
+	e.haproxy("proxy", netip.AddrPortFrom(proxy6, 9400), netip.AddrPortFrom(server4, 9401))
+
+	const total = 16 * mib
+	lt := e.startTransferVia("client", "server", netip.AddrPortFrom(server4, 9401), netip.AddrPortFrom(proxy6, 9400), total, 8*mib)
+	lt.wait(t)
+	hlog := filepath.Join(e.lab.RunDir(), "proxy.haproxy.log")
+	b, _ := os.ReadFile(hlog)
+	if !bytes.Contains(b, []byte("the agent refused to splice")) || !bytes.Contains(b, []byte("family")) {
+		t.Errorf("libdysco did not report the agent's refusal, naming the families:\n%s", b)
+	}
+	if clientGoesDirect(e, server4) {
+		t.Error("the client's session went direct to the server")
 	}
 }
