@@ -146,11 +146,12 @@ func clientGoesDirect(e *env, server netip.Addr) bool {
 // they taken them for zero, the insertion would compose wrong deltas and the
 // stream would break.
 func TestProxyRemovalDelta(t *testing.T) {
-	t.Run("remove", func(t *testing.T) { proxyRemovalDelta(t, false) })
-	t.Run("restart-then-insert", func(t *testing.T) { proxyRemovalDelta(t, true) })
+	t.Run("remove", func(t *testing.T) { proxyRemovalDelta(t, false, false) })
+	t.Run("remove-ipv6", func(t *testing.T) { proxyRemovalDelta(t, false, true) })
+	t.Run("restart-then-insert", func(t *testing.T) { proxyRemovalDelta(t, true, false) })
 }
 
-func proxyRemovalDelta(t *testing.T, restartInsert bool) {
+func proxyRemovalDelta(t *testing.T, restartInsert, v6 bool) {
 	bin := filepath.Join(t.TempDir(), "lenproxy")
 	root, _ := filepath.Abs("../..")
 	lib := filepath.Dir(libdysco)
@@ -166,7 +167,7 @@ func proxyRemovalDelta(t *testing.T, restartInsert bool) {
 		n = 64 * mib // long enough for two restarts and an insertion
 	}
 	e := newLab(t, labOpts{topology: lab.Star(hosts...)})
-	proxy, server := e.addr("proxy", false), e.addr("server", false)
+	proxy, server := e.addr("proxy", v6), e.addr("server", v6)
 	e.policy("client", "to-proxy", "tcp and dst host "+proxy.String())
 	e.policy("proxy", "to-server", "tcp dst port 9701")
 
