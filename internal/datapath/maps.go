@@ -394,6 +394,43 @@ func (d *Datapath) SetTrusted(prefixes []netip.Prefix) error {
 
 // Stats sums the per-CPU counters.
 func (d *Datapath) Stats() (map[string]uint64, error) {
+	if out, ok := d.statsBatch(); ok {
+		return out, nil
+	}
+	return d.statsEach()
+}
+
+// statsBatch reads every counter of every CPU with one batch lookup (`dysco
+// status` and each metrics scrape read them all); ok is false if the
+// kernel refuses it.
+func (d *Datapath) statsBatch() (map[string]uint64, bool) {
+	ncpu, err := ebpf.PossibleCPU()
+	if err != nil {
+		return nil, false
+	}
+	keys := make([]uint32, len(StatNames))
+	per := make([]uint64, len(StatNames)*ncpu)
+	var cur ebpf.MapBatchCursor
+	n, err := d.objs.DyscoStats.BatchLookup(&cur, keys, per, nil)
+	if (err != nil && !errors.Is(err, ebpf.ErrKeyNotExist)) || n != len(StatNames) {
+		return nil, false
+	}
+	out := make(map[string]uint64, len(StatNames))
+	for i, k := range keys {
+		if int(k) >= len(StatNames) {
+			return nil, false
+		}
+		var sum uint64
+		for _, v := range per[i*ncpu : (i+1)*ncpu] {
+			sum += v
+		}
+		out[StatNames[k]] = sum
+	}
+	return out, len(out) == len(StatNames)
+}
+
+// statsEach reads the counters one lookup each.
+func (d *Datapath) statsEach() (map[string]uint64, error) {
 	out := make(map[string]uint64, len(StatNames))
 	for i, name := range StatNames {
 		var per []uint64

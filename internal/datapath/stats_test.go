@@ -5,6 +5,8 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+
+	"github.com/cilium/ebpf"
 )
 
 // TestStatNames checks that every counter of the datapath has a name: the
@@ -60,5 +62,47 @@ func TestStatEnum(t *testing.T) {
 		if StatNames[i] != want {
 			t.Errorf("counter %d: enum STAT_%s, StatNames %q", i, strings.ToUpper(e), StatNames[i])
 		}
+	}
+}
+
+// TestStatsBatch: the batch read of the counters (one system call) sums the
+// same per-CPU values, under the same names, as one lookup per counter.
+func TestStatsBatch(t *testing.T) {
+	requireRoot(t)
+	d, err := Load(Config{PinDir: testPinDir(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Close() })
+	ncpu, err := ebpf.PossibleCPU()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]uint64{}
+	for i, name := range StatNames {
+		per := make([]uint64, ncpu)
+		for c := range per {
+			per[c] = uint64(1000*i + c + 1)
+			want[name] += per[c]
+		}
+		if err := d.objs.DyscoStats.Put(uint32(i), per); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, ok := d.statsBatch()
+	if !ok {
+		t.Fatal("the kernel refused the batch lookup")
+	}
+	each, err := d.statsEach()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range StatNames {
+		if got[name] != want[name] || each[name] != want[name] {
+			t.Errorf("%s: batch %d, one by one %d, want %d", name, got[name], each[name], want[name])
+		}
+	}
+	if len(got) != len(StatNames) {
+		t.Errorf("batch read %d counters, want %d", len(got), len(StatNames))
 	}
 }
