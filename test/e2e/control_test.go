@@ -307,8 +307,13 @@ func (x *ctlTransfer) finish(t *testing.T) {
 // not change, the transfer goes on byte for byte, and a legitimate
 // reconfiguration afterwards succeeds.
 func TestControlForgedMessages(t *testing.T) {
+	t.Run("ipv4", func(t *testing.T) { controlForged(t, false) })
+	t.Run("ipv6", func(t *testing.T) { controlForged(t, true) })
+}
+
+func controlForged(t *testing.T, v6 bool) {
 	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server")})
-	cli, mb1, dst := e.addr("client", false), e.addr("mb1", false), e.addr("server", false)
+	cli, mb1, dst := e.addr("client", v6), e.addr("mb1", v6), e.addr("server", v6)
 	const port = 9400
 	e.policy("client", "f", fmt.Sprintf("tcp dst port %d", port), mb1.String())
 

@@ -204,14 +204,25 @@ func (e *env) holdSession(client, server string, dst netip.Addr, port uint16) (c
 // client..server) and mb1 (segment mb1..server). Exactly one wins each
 // time, the other is refused cleanly, and no lock is left behind: the
 // session can be reconfigured again at once and still carries data.
+//
+// ipv6: the same with an IPv6 session, in fewer rounds.
 func TestReconfigureContention(t *testing.T) {
+	t.Run("ipv4", func(t *testing.T) { contention(t, false, 8) })
+	t.Run("ipv6", func(t *testing.T) { contention(t, true, 4) })
+}
+
+func contention(t *testing.T, v6 bool, rounds int) {
 	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "server")})
-	dst := e.addr("server", false)
-	mb1, mb2 := e.addr("mb1", false), e.addr("mb2", false)
+	dst := e.addr("server", v6)
+	mb1, mb2 := e.addr("mb1", v6), e.addr("mb2", v6)
 	e.policy("client", "r", "tcp dst portrange 9500-9599", mb1.String(), mb2.String())
+	ipt := "iptables"
+	if v6 {
+		ipt = "ip6tables"
+	}
 
 	wins := map[string]int{}
-	for i := range 8 {
+	for i := range rounds {
 		port := uint16(9500 + i)
 		check := e.holdSession("client", "server", dst, port)
 		if err := check(); err != nil {
@@ -222,7 +233,7 @@ func TestReconfigureContention(t *testing.T) {
 		// mb1 holds one request (its right side lockPending) and has
 		// queued the other.
 		drop := []string{"-p", "udp", "--dport", "4790", "-j", "DROP"}
-		e.run("mb2", append([]string{"iptables", "-I", "INPUT"}, drop...)...)
+		e.run("mb2", append([]string{ipt, "-I", "INPUT"}, drop...)...)
 		var wg sync.WaitGroup
 		res := map[string][]api.ReconfigResult{}
 		var mu sync.Mutex
@@ -244,7 +255,7 @@ func TestReconfigureContention(t *testing.T) {
 			}
 			return false
 		})
-		e.run("mb2", append([]string{"iptables", "-D", "INPUT"}, drop...)...)
+		e.run("mb2", append([]string{ipt, "-D", "INPUT"}, drop...)...)
 		wg.Wait()
 		won := ""
 		for h, r := range res {
