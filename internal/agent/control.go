@@ -1356,6 +1356,10 @@ func (c *control) reconfigure(ctx context.Context, ids []uint32, to netip.Addr, 
 				p.err = err
 				continue
 			}
+			if err := c.sameFamily(id, to); err != nil {
+				p.err = err
+				continue
+			}
 			c.checkReady(c.pidOf[id])
 			c.token++
 			c.waiters[c.token] = p.ch
@@ -1393,6 +1397,20 @@ func (c *control) reconfigure(ctx context.Context, ids []uint32, to netip.Addr, 
 		}
 	}
 	return out
+}
+
+// sameFamily refuses a right anchor of another address family than the
+// session's (announced) id: the new path carries the same TCP session. The
+// protocol would refuse it too, as an invalid request; this says why.
+func (c *control) sameFamily(id uint32, to netip.Addr) error {
+	if v6 := c.famOf[id]; v6 == to.Unmap().Is4() {
+		fam := "IPv4"
+		if v6 {
+			fam = "IPv6"
+		}
+		return fmt.Errorf("the session is %s and the right anchor %s is not: a new path keeps the session's address family", fam, to)
+	}
+	return nil
 }
 
 type reconfigOutcome struct {

@@ -206,6 +206,10 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 			answer(triggerMsg{Outcome: "refused", Reason: err.Error()})
 			return
 		}
+		if err := c.sameFamily(id, m.RightAnchor); err != nil {
+			answer(triggerMsg{Outcome: "refused", Reason: err.Error()})
+			return
+		}
 		c.token++
 		ch := make(chan protocol.Result, 1)
 		c.waiters[c.token] = ch

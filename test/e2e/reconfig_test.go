@@ -147,6 +147,15 @@ func reconfigure(t *testing.T, off, v6 bool) {
 		eventually(t, 10*time.Second, host+" to carry the session", func() bool { return rewrites(e.status(host)) > before+100 })
 	}
 
+	// A right anchor of the other family: refused with the reason, and
+	// the session goes on through mb1.
+	other := e.addr("server", !v6)
+	if res := e.reconfig("client", "tcp port 9300", other, e.addr("mb2", !v6)); len(res) != 1 || res[0].Outcome != "refused" ||
+		!strings.Contains(res[0].Reason, "address family") {
+		t.Fatalf("right anchor %s for the session to %s: %+v", other, dst, res)
+	}
+	carries("mb1")
+
 	step("replace mb1 by mb2", mb2)
 	left("mb1")
 	carries("mb2")
