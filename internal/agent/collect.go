@@ -78,8 +78,8 @@ func (a *Agent) collect() {
 		a.log.Warn("collector: list sessions", "err", err)
 		return
 	}
+	a.dp.DeleteSessions(dead)
 	for _, id := range dead {
-		a.dp.DeleteSession(id)
 		a.dp.DeleteReconfigState(id)
 	}
 	if a.ctl != nil && len(dead) > 0 {
@@ -87,13 +87,14 @@ func (a *Agent) collect() {
 	}
 	// Set-up state is small and short-lived: drop it once the session is
 	// established (or gone).
-	var setupDone []uint32
-	_ = a.dp.EachSetup(func(id uint32) { setupDone = append(setupDone, id) })
-	for _, id := range setupDone {
+	var setups, setupDone []uint32
+	_ = a.dp.EachSetup(func(id uint32) { setups = append(setups, id) })
+	for _, id := range setups {
 		if s, ok := a.dp.Session(id); !ok || s.State&datapath.StEst != 0 {
-			a.dp.DeleteSynState(id)
+			setupDone = append(setupDone, id)
 		}
 	}
+	a.dp.DeleteSynStates(setupDone)
 	// Flows of ended sessions, and flows whose session is missing. A flow is
 	// created just after its session, so an orphan seen here may be brand
 	// new: it is removed only if its session is still missing now.
@@ -114,9 +115,7 @@ func (a *Agent) collect() {
 				keys = append(keys, *k)
 			}
 		})
-		for _, k := range keys {
-			a.dp.DeleteFlow(k) // and its delta
-		}
+		a.dp.DeleteFlows(keys) // and their deltas
 		stale = len(keys)
 	}
 	if len(dead) > 0 || stale > 0 {

@@ -71,6 +71,7 @@ type Datapath struct {
 	flow4Bufs   batchBufs[Tuple4, Flow4]
 	sessionBufs batchBufs[uint32, Session]
 	setupBufs   batchBufs[uint32, dyscoSynState]
+	deltaBufs   batchBufs[Tuple, Delta]
 
 	// cfgMu serialises changes of dysco_config, whose fields have
 	// separate writers (setConfig).

@@ -1,6 +1,7 @@
 package datapath
 
 import (
+	"fmt"
 	"net/netip"
 	"testing"
 
@@ -110,6 +111,92 @@ func TestFlowMapsByFamily(t *testing.T) {
 		fx.d.DeleteFlow(k)
 		if _, ok := fx.d.Flow(k); ok {
 			t.Errorf("flow %s outlived DeleteFlow", k)
+		}
+	}
+}
+
+// TestDeleteBatches: the collector's batch deletions remove exactly the
+// flows, deltas, sessions and set-up state asked for, of both families,
+// and go on past keys that are already gone (the datapath frees some
+// itself) in the middle of a batch.
+func TestDeleteBatches(t *testing.T) {
+	requireRoot(t)
+	d, err := Load(Config{PinDir: testPinDir(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Close() })
+	var del, keep []Tuple
+	for i := range 40 {
+		for _, s := range [][2]string{
+			{"10.1.0.20:%d -> 10.1.0.1:80", "10.3.0.30:%d -> 10.9.0.9:81"},
+			{"[fd00:1::20]:%d -> [fd00:1::1]:80", "[fd00:3::30]:%d -> [fd00:9::9]:81"},
+		} {
+			k := TupleFrom(mustTuple(t, fmt.Sprintf(s[0], 20000+i)))
+			out := EndsFrom(mustTuple(t, fmt.Sprintf(s[1], 40000+i)))
+			if err := d.PutFlow(k, Flow{SessId: uint32(i + 1), Out: out}, ebpf.UpdateNoExist); err != nil {
+				t.Fatal(err)
+			}
+			if i%3 == 0 {
+				if err := d.PutDelta(k, Delta{Seq: int32(i)}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if i%2 == 0 {
+				del = append(del, k)
+			} else {
+				keep = append(keep, k)
+			}
+		}
+	}
+	// Keys that are gone already, first, in the middle and last.
+	gone := []Tuple{TupleFrom(mustTuple(t, "10.7.0.1:1 -> 10.7.0.2:2")), TupleFrom(mustTuple(t, "[fd00:7::1]:1 -> [fd00:7::2]:2"))}
+	ask := append(append(append([]Tuple{gone[0]}, del[:len(del)/2]...), gone...), del[len(del)/2:]...)
+	ask = append(ask, gone[1])
+	if n := d.DeleteFlows(ask); n != len(del) {
+		t.Errorf("DeleteFlows deleted %d flows, want %d", n, len(del))
+	}
+	deltas := map[Tuple]bool{}
+	_ = eachBatch(d.objs.DyscoDeltas, "deltas", &batchBufs[Tuple, Delta]{}, func(k *Tuple, _ *Delta) { deltas[*k] = true })
+	for _, k := range del {
+		if _, ok := d.Flow(k); ok {
+			t.Errorf("flow %s not deleted", k)
+		}
+		if deltas[k] {
+			t.Errorf("delta of %s not deleted", k)
+		}
+	}
+	for i, k := range keep {
+		if _, ok := d.Flow(k); !ok {
+			t.Errorf("flow %s deleted", k)
+		}
+		if want := (i/2*2+1)%3 == 0; deltas[k] != want {
+			t.Errorf("delta of %s: present %v, want %v", k, deltas[k], want)
+		}
+	}
+
+	var ids, keepIDs []uint32
+	for i := range 20 {
+		id, err := d.InsertSession(Session{Tuple: EndsFrom(mustTuple(t, fmt.Sprintf("10.2.0.1:%d -> 10.2.0.2:80", 30000+i)))})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i%2 == 0 {
+			ids = append(ids, id)
+		} else {
+			keepIDs = append(keepIDs, id)
+		}
+	}
+	// Ids above InsertSession's range: gone, first and in the middle.
+	d.DeleteSessions(append(append([]uint32{1<<24 + 1}, ids[:5]...), append([]uint32{1<<24 + 2}, ids[5:]...)...))
+	for _, id := range ids {
+		if d.SessionExists(id) {
+			t.Errorf("session %d not deleted", id)
+		}
+	}
+	for _, id := range keepIDs {
+		if !d.SessionExists(id) {
+			t.Errorf("session %d deleted", id)
 		}
 	}
 }

@@ -649,6 +649,71 @@ func (d *Datapath) DeleteSynState(id uint32) {
 	_ = d.objs.DyscoSyns.Delete(id)
 }
 
+// deleteBatch deletes keys from m with as few system calls as the kernel
+// allows: a batch deletion stops at a key that is gone (the datapath may
+// have freed it), so it goes on after that key. If batches are refused it
+// deletes one key at a time. It returns how many keys were deleted.
+func deleteBatch[K any](m *ebpf.Map, keys []K) int {
+	deleted := 0
+	for len(keys) > 0 {
+		n, err := m.BatchDelete(keys, nil)
+		deleted += n
+		switch {
+		case err == nil:
+			return deleted
+		case errors.Is(err, ebpf.ErrKeyNotExist) && n < len(keys):
+			keys = keys[n+1:] // keys[n] is gone
+		default:
+			for i := n; i < len(keys); i++ {
+				if m.Delete(&keys[i]) == nil {
+					deleted++
+				}
+			}
+			return deleted
+		}
+	}
+	return deleted
+}
+
+// DeleteSessions removes sessions and their set-up state, in batches (the
+// collector ends many at once).
+func (d *Datapath) DeleteSessions(ids []uint32) {
+	deleteBatch(d.objs.DyscoSessions, ids)
+}
+
+// DeleteSynStates removes set-up state, in batches.
+func (d *Datapath) DeleteSynStates(ids []uint32) {
+	deleteBatch(d.objs.DyscoSyns, ids)
+}
+
+// DeleteFlows removes flows and the deltas attached to them, in batches:
+// the flows of each family with one call per batch, and of the deltas (a
+// small map: only reconfigured flows have one) those it holds for the
+// keys, found by one walk of it rather than a deletion per key, which
+// would mostly miss. It returns how many flows it deleted.
+func (d *Datapath) DeleteFlows(keys []Tuple) int {
+	var k4s []Tuple4
+	var k6s []Tuple
+	want := make(map[Tuple]bool, len(keys))
+	for _, k := range keys {
+		want[k] = true
+		if k.Is4() {
+			k4s = append(k4s, k.To4())
+		} else {
+			k6s = append(k6s, k)
+		}
+	}
+	n := deleteBatch(d.objs.DyscoFlows4, k4s) + deleteBatch(d.objs.DyscoFlows6, k6s)
+	var dks []Tuple
+	_ = eachBatch(d.objs.DyscoDeltas, "deltas", &d.deltaBufs, func(k *Tuple, _ *Delta) {
+		if want[*k] {
+			dks = append(dks, *k)
+		}
+	})
+	deleteBatch(d.objs.DyscoDeltas, dks)
+	return n
+}
+
 // DeleteFlow removes one flow and any delta attached to it.
 func (d *Datapath) DeleteFlow(k Tuple) {
 	if k.Is4() {

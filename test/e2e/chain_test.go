@@ -160,9 +160,17 @@ func TestChainOneMiddlebox(t *testing.T) {
 						}
 					}
 				}
-				// Teardown: every session ends on every host.
+				// Teardown: every session ends on every host, and
+				// nothing of it stays in the datapath's maps.
 				for _, h := range []string{"client", "mb1", "server"} {
 					eventually(t, 15*time.Second, "sessions on "+h+" to be collected", func() bool { return len(e.sessions(h)) == 0 })
+					eventually(t, 5*time.Second, "the flows and set-up state of "+h+" to be freed", func() bool {
+						n := 0
+						for _, m := range []string{"dysco_flows4", "dysco_flows6", "dysco_syns", "dysco_deltas", "dysco_sessions"} {
+							n += e.pinnedEntries(h, m)
+						}
+						return n == 0
+					})
 				}
 			})
 		}
