@@ -204,6 +204,10 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 	if a.ctl != nil {
 		views = a.ctl.views()
 	}
+	synHops, err := a.dp.AllSynHops()
+	if err != nil {
+		return nil, err
+	}
 	out := make([]api.Session, 0, len(sessions))
 	for _, s := range sessions {
 		t := counts[s.ID]
@@ -247,7 +251,7 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 		if s.Policy > 0 && int(s.Policy) <= len(eff) {
 			as.Policy = eff[s.Policy-1].Name
 		}
-		if hops, ok := a.dp.SynHops(s.ID); ok {
+		if hops, ok := synHops[s.ID]; ok {
 			for _, h := range hops {
 				as.Chain = append(as.Chain, h.String())
 			}

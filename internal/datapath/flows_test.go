@@ -200,3 +200,43 @@ func TestDeleteBatches(t *testing.T) {
 		}
 	}
 }
+
+// TestAllSynHops: the one-walk listing of set-up state gives each session's
+// remaining hops, IPv4 unmapped and IPv6 as they are, and nothing for
+// sessions without set-up state.
+func TestAllSynHops(t *testing.T) {
+	requireRoot(t)
+	d, err := Load(Config{PinDir: testPinDir(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Close() })
+	want := map[uint32][]netip.Addr{
+		3: {netip.MustParseAddr("10.0.0.7"), netip.MustParseAddr("10.0.0.9")},
+		4: {netip.MustParseAddr("fd00::7")},
+		5: nil,
+	}
+	for id, hops := range want {
+		var st dyscoSynState
+		for i, h := range hops {
+			st.Hops[i] = h.As16()
+		}
+		st.N_hops = uint8(len(hops))
+		if err := d.objs.DyscoSyns.Put(id, &st); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := d.AllSynHops()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != len(want) {
+		t.Errorf("%d sessions with set-up state, want %d: %v", len(got), len(want), got)
+	}
+	for id, hops := range want {
+		g, ok := got[id]
+		if !ok || fmt.Sprint(g) != fmt.Sprint(hops) {
+			t.Errorf("session %d: %v (%v), want %v", id, g, ok, hops)
+		}
+	}
+}

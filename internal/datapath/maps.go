@@ -624,17 +624,23 @@ func (d *Datapath) setConfig(f func(*dyscoConfig)) error {
 	return d.objs.DyscoConfig.Put(uint32(0), v)
 }
 
-// SynHops returns the address list a session's SYN still had to visit.
-func (d *Datapath) SynHops(id uint32) ([]netip.Addr, bool) {
-	var st dyscoSynState
-	if err := d.objs.DyscoSyns.Lookup(id, &st); err != nil {
-		return nil, false
-	}
+// synHops returns the address list a session's SYN still had to visit.
+func synHops(st *dyscoSynState) []netip.Addr {
 	var out []netip.Addr
 	for i := 0; i < int(st.N_hops) && i < len(st.Hops); i++ {
 		out = append(out, netip.AddrFrom16(st.Hops[i]).Unmap())
 	}
-	return out, true
+	return out
+}
+
+// AllSynHops returns, by session id, the address list still to visit of
+// every session that has set-up state, from one walk of the map: a session
+// listing would otherwise make a lookup per session, most of which miss
+// (set-up state goes once a session is established).
+func (d *Datapath) AllSynHops() (map[uint32][]netip.Addr, error) {
+	out := map[uint32][]netip.Addr{}
+	err := eachBatch(d.objs.DyscoSyns, "set-up state", &d.setupBufs, func(k *uint32, st *dyscoSynState) { out[*k] = synHops(st) })
+	return out, err
 }
 
 // DeleteSession removes a session and its set-up state; flows are removed
