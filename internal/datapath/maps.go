@@ -650,11 +650,6 @@ func (d *Datapath) DeleteSession(id uint32) {
 	_ = d.objs.DyscoSyns.Delete(id)
 }
 
-// DeleteSynState removes the set-up state of an established session.
-func (d *Datapath) DeleteSynState(id uint32) {
-	_ = d.objs.DyscoSyns.Delete(id)
-}
-
 // deleteBatch deletes keys from m with as few system calls as the kernel
 // allows: a batch deletion stops at a key that is gone (the datapath may
 // have freed it), so it goes on after that key. If batches are refused it
