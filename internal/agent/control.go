@@ -1404,13 +1404,17 @@ func (c *control) reconfigure(ctx context.Context, ids []uint32, to netip.Addr, 
 // protocol would refuse it too, as an invalid request; this says why.
 func (c *control) sameFamily(id uint32, to netip.Addr) error {
 	if v6 := c.famOf[id]; v6 == to.Unmap().Is4() {
-		fam := "IPv4"
-		if v6 {
-			fam = "IPv6"
-		}
-		return fmt.Errorf("the session is %s and the right anchor %s is not: a new path keeps the session's address family", fam, to)
+		return fmt.Errorf("the session is %s and the right anchor %s is not: a new path keeps the session's address family", famName(v6), to)
 	}
 	return nil
+}
+
+// famName names an address family for messages.
+func famName(v6 bool) string {
+	if v6 {
+		return "IPv6"
+	}
+	return "IPv4"
 }
 
 type reconfigOutcome struct {

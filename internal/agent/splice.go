@@ -140,14 +140,8 @@ func (c *control) splice(req api.SpliceRequest) (uint32, chan triggerMsg, error)
 			datapath.RoleName(cS.Role), datapath.RoleName(sS.Role))
 	}
 	if cS.IsV6 != sS.IsV6 {
-		fam := func(s datapath.Session) string {
-			if s.IsV6 != 0 {
-				return "IPv6"
-			}
-			return "IPv4"
-		}
 		return 0, nil, badSplice{fmt.Errorf("splice: the client's session is %s and the server's %s: one TCP session cannot change address family, so the proxy stays on the path",
-			fam(cS), fam(sS))}
+			famName(cS.IsV6 != 0), famName(sS.IsV6 != 0))}
 	}
 	for _, s := range []datapath.Session{cS, sS} {
 		if s.State&datapath.StEst == 0 || s.State&(datapath.StRST|datapath.StFINFwd|datapath.StFINRev) != 0 {

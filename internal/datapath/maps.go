@@ -676,8 +676,8 @@ func deleteBatch[K any](m *ebpf.Map, keys []K) int {
 	return deleted
 }
 
-// DeleteSessions removes sessions and their set-up state, in batches (the
-// collector ends many at once).
+// DeleteSessions removes sessions, in batches (the collector ends many at
+// once); their set-up state goes with DeleteSynStates.
 func (d *Datapath) DeleteSessions(ids []uint32) {
 	deleteBatch(d.objs.DyscoSessions, ids)
 }
