@@ -657,6 +657,21 @@ static __attribute__((noinline)) int reclaim(const struct dysco_tuple *key)
 /* strip_block removes the SYN's address-list block and turns the marking
  * option into a local tag (keep_tag) or removes it, so that the middlebox or
  * the end host sees a plain SYN of the session (§2.1, §4.2 tagging). */
+/* tag_opt writes the local tag of session id tag (§4.2 "Tagging SYN
+ * packets"): the marking option with type LOCAL_TAG and the id in its last
+ * three bytes. */
+static __always_inline void tag_opt(__u8 *o, __u32 tag)
+{
+	o[0] = DYSCO_OPT_KIND;
+	o[1] = DYSCO_OPT_LEN;
+	o[2] = DYSCO_OPT_EXID >> 8;
+	o[3] = DYSCO_OPT_EXID & 0xff;
+	o[4] = DYSCO_OPT_TYPE_LOCAL_TAG;
+	o[5] = (tag >> 16) & 0xff;
+	o[6] = (tag >> 8) & 0xff;
+	o[7] = tag & 0xff;
+}
+
 static __always_inline int strip_block(struct __sk_buff *skb, struct pkt *p, __u8 *opt, __u32 blen,
 				       __u8 *block, int keep_tag, __u32 tag)
 {
@@ -665,9 +680,11 @@ static __always_inline int strip_block(struct __sk_buff *skb, struct pkt *p, __u
 	if (csum_bytes(skb, p, block, blen, 1))
 		return -1;
 	if (keep_tag) {
-		__u8 nopt[DYSCO_OPT_LEN] = {DYSCO_OPT_KIND, DYSCO_OPT_LEN, DYSCO_OPT_EXID >> 8, DYSCO_OPT_EXID & 0xff,
-					    DYSCO_OPT_TYPE_LOCAL_TAG, (tag >> 16) & 0xff, (tag >> 8) & 0xff, tag & 0xff};
-		__s64 diff = bpf_csum_diff((__u32 *)opt, DYSCO_OPT_LEN, (__u32 *)nopt, DYSCO_OPT_LEN, 0);
+		__u8 nopt[DYSCO_OPT_LEN];
+		__s64 diff;
+
+		tag_opt(nopt, tag);
+		diff = bpf_csum_diff((__u32 *)opt, DYSCO_OPT_LEN, (__u32 *)nopt, DYSCO_OPT_LEN, 0);
 		if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, 0) ||
 		    bpf_skb_store_bytes(skb, p->l4 + p->doff - DYSCO_OPT_LEN, nopt, DYSCO_OPT_LEN, 0))
 			return -1;
@@ -683,6 +700,28 @@ static __always_inline int strip_block(struct __sk_buff *skb, struct pkt *p, __u
 	if (bpf_skb_change_tail(skb, skb->len - cut, 0))
 		return -1;
 	p->payload = 0;
+	return 0;
+}
+
+/* tap_syn copies a tagged SYN to the session-view tap as the session's end
+ * hosts see it: without the local tag, which never leaves this host (§4.2).
+ * The tag is the last 8 bytes of the options and the SYN has no payload
+ * left (strip_block), so it is cut off for the copy and appended again. */
+static __attribute__((noinline)) int tap_syn(struct __sk_buff *skb, struct pkt *p, __u32 tag)
+{
+	__u8 o[DYSCO_OPT_LEN];
+	__u32 at;
+
+	tag_opt(o, tag);
+	if (set_doff(skb, p, p->doff - DYSCO_OPT_LEN) || csum_bytes(skb, p, o, DYSCO_OPT_LEN, 1) ||
+	    set_l3_len(skb, p, p->l3_len - DYSCO_OPT_LEN) || bpf_skb_change_tail(skb, skb->len - DYSCO_OPT_LEN, 0))
+		return -1;
+	bpf_clone_redirect(skb, tap_ifindex, BPF_F_INGRESS);
+	at = skb->len;
+	if (bpf_skb_change_tail(skb, at + DYSCO_OPT_LEN, 0) || bpf_skb_store_bytes(skb, at, o, DYSCO_OPT_LEN, 0) ||
+	    set_doff(skb, p, p->doff + DYSCO_OPT_LEN) || csum_bytes(skb, p, o, DYSCO_OPT_LEN, 0) ||
+	    set_l3_len(skb, p, p->l3_len + DYSCO_OPT_LEN))
+		return -1;
 	return 0;
 }
 
@@ -845,7 +884,10 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		return TC_ACT_SHOT;
 	}
 	if ((n > 0 || !local_dst) && tap_on()) {
-		bpf_clone_redirect(skb, tap_ifindex, BPF_F_INGRESS);
+		if (tap_syn(skb, p, id)) {
+			stat_inc(STAT_DROP_HELPER);
+			return TC_ACT_SHOT;
+		}
 		stat_inc(STAT_TAP);
 	}
 	return TC_ACT_OK;

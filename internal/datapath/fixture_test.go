@@ -182,9 +182,20 @@ type fixture struct {
 
 func newFixture(t testing.TB) *fixture {
 	t.Helper()
+	return newFixtureWith(t, nil)
+}
+
+// newFixtureWith is newFixture with the load configuration changed by
+// configure, which sees the namespace (its interfaces) first.
+func newFixtureWith(t testing.TB, configure func(n *testNet, cfg *Config)) *fixture {
+	t.Helper()
 	requireRoot(t)
 	fx := &fixture{net: newTestNet(t)}
-	d, err := Load(Config{PinDir: testPinDir(t), PortLo: fxPortLo, PortN: fxPortN})
+	cfg := Config{PinDir: testPinDir(t), PortLo: fxPortLo, PortN: fxPortN}
+	if configure != nil {
+		configure(fx.net, &cfg)
+	}
+	d, err := Load(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -138,6 +138,20 @@ func TestChainOneMiddlebox(t *testing.T) {
 				if !sawSession {
 					t.Errorf("tcpdump on dysco-tap did not see the session %s -> %s:9000; it saw:\n%s", clientAddr, dst, strings.Join(head(tapLines, 5), "\n"))
 				}
+				// It saw the SYN as the server does: the local tag (option
+				// 253) never leaves mb1, not even to its monitors.
+				sawSYN := false
+				for _, l := range tapLines {
+					if strings.Contains(l, "Flags [S]") {
+						sawSYN = true
+						if strings.Contains(l, "unknown-253") || strings.Contains(l, "exp-") {
+							t.Errorf("the tap's SYN carries the local tag: %s", l)
+						}
+					}
+				}
+				if !sawSYN {
+					t.Errorf("tcpdump on dysco-tap saw no SYN; it saw:\n%s", strings.Join(head(tapLines, 5), "\n"))
+				}
 				// On the wire, the middlebox's packets carry subsession
 				// tuples: nothing from client to server directly.
 				for _, l := range head(wireLines, 2000) {
