@@ -740,6 +740,12 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		return TC_ACT_SHOT;
 	st = &sc->st;
 	b = sc->buf;
+	if (opt[5]) {
+		/* Byte 5 of a SYN block's option is 0 in version 1 (only a
+		 * local tag uses it, and that never arrives from the wire). */
+		stat_inc(STAT_DROP_MALFORMED);
+		return TC_ACT_SHOT;
+	}
 	blen = ((__u32)opt[6] << 8) | opt[7];
 	if (blen < DYSCO_BLOCK_HEADER_LEN || p->payload != blen) {
 		stat_inc(STAT_DROP_BAD_LENGTH);

@@ -209,6 +209,17 @@ func TestIngressBadSYN(t *testing.T) {
 		{name: "zero destination port in session tuple", in: dyscoSYN(subIn6, rawBlock(tup(apOf(clientV6, 40000), apOf(serverV6, 0)), n, 1, serverV6), 68), verdict: tcActShot, stat: "drop_bad_session"},
 		{name: "flags set", in: dyscoSYN(subIn4, mut(good(), func(b []byte) { b[5] = 1 }), 68), verdict: tcActShot, stat: "drop_malformed"},
 		{name: "reserved byte set", in: dyscoSYN(subIn6, mut(good6(), func(b []byte) { b[7] = 0x80 }), 68), verdict: tcActShot, stat: "drop_malformed"},
+		{
+			name: "marking option's byte 5 set",
+			in: func() pkt {
+				p := dyscoSYN(subIn4, good(), 68)
+				o := wire.Option(68)
+				o[5] = 1
+				p.opts[len(p.opts)-1] = optRaw(o[:]...)
+				return p
+			}(),
+			verdict: tcActShot, stat: "drop_malformed",
+		},
 		{name: "session from an end to itself", in: dyscoSYN(subIn4, rawBlock(tup(apOf(clientV4, 40000), apOf(clientV4, 40000)), n, 1, serverV4), 68), verdict: tcActShot, stat: "drop_bad_session"},
 		{name: "session from an end to itself v6", in: dyscoSYN(subIn6, rawBlock(tup(apOf(serverV6, 443), apOf(serverV6, 443)), n, 1, serverV6), 68), verdict: tcActShot, stat: "drop_bad_session"},
 		{name: "unspecified session source", in: dyscoSYN(subIn4, rawBlock(tup(apOf(netip.AddrFrom4([4]byte{}), 40000), apOf(serverV4, 80)), n, 1, serverV4), 68), verdict: tcActShot, stat: "drop_bad_session"},
