@@ -87,7 +87,6 @@ func setupStat(b wire.SynBlock) string {
 	return "setup_end"
 }
 
-
 // drain empties the packet socket of what earlier cases left.
 func drain(fd int) {
 	buf := make([]byte, 2048)
