@@ -79,9 +79,7 @@ func (a *Agent) collect() {
 		return
 	}
 	a.dp.DeleteSessions(dead)
-	for _, id := range dead {
-		a.dp.DeleteReconfigState(id)
-	}
+	a.dp.DeleteReconfigStates(dead)
 	if a.ctl != nil && len(dead) > 0 {
 		a.ctl.sessionsEnded(dead)
 	}

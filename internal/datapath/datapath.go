@@ -72,6 +72,8 @@ type Datapath struct {
 	sessionBufs batchBufs[uint32, Session]
 	setupBufs   batchBufs[uint32, dyscoSynState]
 	deltaBufs   batchBufs[Tuple, Delta]
+	tpBufs      batchBufs[TPKey, TPVal]
+	tpReqBufs   batchBufs[TPKey, TPReq]
 
 	// cfgMu serialises changes of dysco_config, whose fields have
 	// separate writers (setConfig).
@@ -129,6 +131,7 @@ func Load(cfg Config) (*Datapath, error) {
 		return nil, err
 	}
 	d := &Datapath{cfg: cfg, links: map[string]link.Link{}, Sizing: sizing}
+	d.tpBufs.size, d.tpReqBufs.size = reconfBatch, reconfBatch
 	err = spec.LoadAndAssign(&d.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinDir}})
 	if err != nil {
 		var ve *ebpf.VerifierError

@@ -465,6 +465,9 @@ type batchBufs[K, V any] struct {
 	mu   sync.Mutex
 	keys []K
 	vals []V
+	// size is the batch, batchSize if 0: smaller for maps of big values
+	// that hold few entries (the two-path records).
+	size int
 }
 
 // eachBatch reads m in batches and calls fn for every entry, with the
@@ -472,14 +475,18 @@ type batchBufs[K, V any] struct {
 func eachBatch[K, V any](m *ebpf.Map, what string, b *batchBufs[K, V], fn func(k *K, v *V)) error {
 	var keys []K
 	var vals []V
+	size := batchSize
+	if b.size > 0 {
+		size = b.size
+	}
 	if b.mu.TryLock() {
 		defer b.mu.Unlock()
 		if b.keys == nil {
-			b.keys, b.vals = make([]K, batchSize), make([]V, batchSize)
+			b.keys, b.vals = make([]K, size), make([]V, size)
 		}
 		keys, vals = b.keys, b.vals
 	} else {
-		keys, vals = make([]K, batchSize), make([]V, batchSize)
+		keys, vals = make([]K, size), make([]V, size)
 	}
 	var cursor ebpf.MapBatchCursor
 	for {

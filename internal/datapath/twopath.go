@@ -267,6 +267,38 @@ func (d *Datapath) DeleteReconfigState(id uint32) {
 	_ = d.ctlArgs(dyscoCtlArgs{Op: ctlFreeReconf, Tp: TPKey{SessId: id}})
 }
 
+// reconfBatch is the batch of the walks of the two-path records and
+// requests: their values are hundreds of bytes, and the maps hold entries
+// only for sessions that were reconfigured.
+const reconfBatch = 256
+
+// DeleteReconfigStates is DeleteReconfigState for the sessions the
+// collector ends together: the records and requests among them are found
+// by one walk of each map and deleted in batches, so that sessions never
+// reconfigured (most of them) cost no system call each.
+func (d *Datapath) DeleteReconfigStates(ids []uint32) {
+	if len(ids) == 0 {
+		return
+	}
+	dead := make(map[uint32]bool, len(ids))
+	for _, id := range ids {
+		dead[id] = true
+	}
+	var tks, rks []TPKey
+	_ = eachBatch(d.objs.DyscoTp, "two-path records", &d.tpBufs, func(k *TPKey, _ *TPVal) {
+		if dead[k.SessId] {
+			tks = append(tks, *k)
+		}
+	})
+	_ = eachBatch(d.objs.DyscoTpReq, "requests", &d.tpReqBufs, func(k *TPKey, _ *TPReq) {
+		if dead[k.SessId] {
+			rks = append(rks, *k)
+		}
+	})
+	deleteBatch(d.objs.DyscoTp, tks)
+	deleteBatch(d.objs.DyscoTpReq, rks)
+}
+
 // TPReqOf reads the request behind a side's two-path record.
 func (d *Datapath) TPReqOf(k TPKey) (TPReq, bool) {
 	var v TPReq

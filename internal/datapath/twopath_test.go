@@ -991,6 +991,63 @@ func TestKeptLock(t *testing.T) {
 	}
 }
 
+// TestDeleteReconfigStates: the collector's batch removes every two-path
+// record, request and kept lock of the ended sessions, and nothing of the
+// others; ids without any (sessions never reconfigured) are no error.
+func TestDeleteReconfigStates(t *testing.T) {
+	fx := newFixture(t)
+	la := netip.MustParseAddr("10.0.0.1").As16()
+	var ended, live []uint32
+	for id := uint32(1); id <= 300; id++ { // over one batch of the walk
+		for side := uint32(0); side < 2; side++ {
+			k := TPKey{SessId: id, Side: side}
+			if err := fx.d.PutTwoPath(k, TPVal{State: 1}); err != nil {
+				t.Fatal(err)
+			}
+			if err := fx.d.objs.DyscoTpReq.Put(&k, &TPReq{Id: id}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := fx.d.PutLock(id, la, id); err != nil {
+			t.Fatal(err)
+		}
+		if id%3 == 0 {
+			live = append(live, id)
+		} else {
+			ended = append(ended, id)
+		}
+	}
+	// Ids with nothing to delete, first, among and last.
+	ask := append(append([]uint32{100000}, ended[:50]...), 100001)
+	ask = append(append(ask, ended[50:]...), 100002)
+	fx.d.DeleteReconfigStates(ask)
+	fx.d.DeleteReconfigStates(nil)
+	has := func(id uint32) (n int) {
+		for side := uint32(0); side < 2; side++ {
+			if _, ok := fx.d.TwoPath(TPKey{SessId: id, Side: side}); ok {
+				n++
+			}
+			if _, ok := fx.d.TPReqOf(TPKey{SessId: id, Side: side}); ok {
+				n++
+			}
+		}
+		if _, _, ok := fx.d.Lock(id); ok {
+			n++
+		}
+		return n
+	}
+	for _, id := range ended {
+		if n := has(id); n != 0 {
+			t.Errorf("session %d ended: %d entries of 5 left", id, n)
+		}
+	}
+	for _, id := range live {
+		if n := has(id); n != 5 {
+			t.Errorf("session %d live: %d entries of 5 left", id, n)
+		}
+	}
+}
+
 // TestCtlArgsLayout: ctlArgs hands dysco_ctl the Go struct's own memory,
 // which must be what encoding/binary would have written (no hidden
 // padding, fields where C has them).

@@ -164,6 +164,36 @@ func reconfigure(t *testing.T, off, v6 bool) {
 	step("insert mb1", mb1)
 	carries("mb1")
 	lt.wait(t)
+
+	// Once the session ends, nothing of its three reconfigurations stays:
+	// the collector frees the anchors' two-path records and requests with
+	// the session.
+	hosts := []string{"client", "mb1", "mb2", "server"}
+	eventually(t, 30*time.Second, "the session to be collected everywhere", func() bool {
+		n := 0
+		for _, h := range hosts {
+			n += len(e.sessions(h))
+		}
+		return n == 0
+	})
+	reconfState := func() (kept []string) {
+		for _, h := range hosts {
+			for _, m := range []string{"dysco_tp", "dysco_tp_req"} {
+				if n := e.pinnedEntries(h, m); n != 0 {
+					kept = append(kept, fmt.Sprintf("%s: %d in %s", h, n, m))
+				}
+			}
+		}
+		return kept
+	}
+	// The same pass of the collector removes them, just after the session.
+	deadline := time.Now().Add(5 * time.Second)
+	for len(reconfState()) > 0 && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if kept := reconfState(); len(kept) > 0 {
+		t.Errorf("reconfiguration state kept after the session ended: %s", strings.Join(kept, ", "))
+	}
 }
 
 // holdSession opens a session from client to server on port and keeps it
