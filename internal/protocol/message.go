@@ -1,13 +1,17 @@
 package protocol
 
 import (
+	"bytes"
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash"
 	"net/netip"
 	"slices"
+	"sync"
+	"sync/atomic"
 
 	"github.com/dysco/dysco/internal/wire"
 )
@@ -235,7 +239,7 @@ func (m *Message) Encode(key []byte) ([]byte, error) {
 		a := h.As16()
 		b = append(b, a[:]...)
 	}
-	return append(b, mac(key, b)...), nil
+	return appendMAC(b, key, b), nil
 }
 
 // Decode authenticates and parses a message. Errors are *DecodeError.
@@ -260,7 +264,8 @@ func Decode(key, b []byte) (*Message, error) {
 		return nil, decodeErr(RejectMalformed, "%d bytes, %d hops need %d", len(b), n, want)
 	}
 	body := b[:len(b)-MACLen]
-	if !hmac.Equal(b[len(b)-MACLen:], mac(key, body)) {
+	var sum [MACLen]byte
+	if !hmac.Equal(b[len(b)-MACLen:], appendMAC(sum[:0], key, body)) {
 		return nil, decodeErr(RejectMAC, "HMAC mismatch")
 	}
 	m := &Message{
@@ -354,11 +359,34 @@ func validTuple(t wire.Tuple) bool {
 		t.SrcPort != 0 && t.DstPort != 0
 }
 
-func mac(key, body []byte) []byte {
-	h := hmac.New(sha256.New, key)
+// appendMAC appends to dst the HMAC-SHA-256 of body under key, truncated to
+// MACLen. The
+// HMAC states come from a pool kept for the last key used (an agent has one
+// deployment key): hmac.New would hash the key's two pads again for every
+// message, two of the five SHA-256 blocks a message costs, and allocate
+// (BenchmarkMessage).
+func appendMAC(dst, key, body []byte) []byte {
+	p := macs.Load()
+	if p == nil || !bytes.Equal(p.key, key) {
+		k := bytes.Clone(key)
+		p = &macPool{key: k, pool: sync.Pool{New: func() any { return hmac.New(sha256.New, k) }}}
+		macs.Store(p)
+	}
+	h := p.pool.Get().(hash.Hash)
+	h.Reset()
 	h.Write(body)
-	return h.Sum(nil)[:MACLen]
+	var sum [sha256.Size]byte
+	dst = append(dst, h.Sum(sum[:0])[:MACLen]...)
+	p.pool.Put(h)
+	return dst
 }
+
+type macPool struct {
+	key  []byte
+	pool sync.Pool
+}
+
+var macs atomic.Pointer[macPool]
 
 func putAddr(b []byte, a netip.Addr) {
 	if !a.IsValid() {

@@ -3,8 +3,10 @@ package protocol
 import (
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"net/netip"
 	"reflect"
+	"sync"
 	"testing"
 
 	"github.com/dysco/dysco/internal/wire"
@@ -69,7 +71,7 @@ func TestMessageRoundTrip(t *testing.T) {
 // authentic but malformed, so that the later checks are exercised.
 func remac(b []byte) []byte {
 	body := b[:len(b)-MACLen]
-	return append(append([]byte(nil), body...), mac(testKey, body)...)
+	return appendMAC(append([]byte(nil), body...), testKey, body)
 }
 
 func TestMessageRejects(t *testing.T) {
@@ -202,5 +204,58 @@ func TestAgentRejects(t *testing.T) {
 				t.Fatalf("state changed\n%+v\n%+v", before, after)
 			}
 		})
+	}
+}
+
+// TestMACKeys: messages under different keys, encoded and decoded at once
+// from many goroutines, each authenticate under their own key only (the
+// HMAC states are pooled for the last key used).
+func TestMACKeys(t *testing.T) {
+	keys := [][]byte{[]byte("key one"), []byte("key two"), []byte("a third, longer key than SHA-256's block of sixty-four bytes")}
+	var wg sync.WaitGroup
+	errs := make(chan error, 64)
+	for g := range 8 {
+		wg.Go(func() {
+			for i := range 200 {
+				k, other := keys[(g+i)%3], keys[(g+i+1)%3]
+				m := sampleMessage()
+				m.Req.ID = uint32(g*1000 + i)
+				b, err := m.Encode(k)
+				if err != nil {
+					errs <- err
+					return
+				}
+				if got, err := Decode(k, b); err != nil || got.Req.ID != m.Req.ID {
+					errs <- fmt.Errorf("decode under its own key: %v", err)
+					return
+				}
+				if _, err := Decode(other, b); err == nil {
+					errs <- errors.New("a message authenticated under another key")
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+}
+
+// BenchmarkMessage is what an agent pays per control message for its
+// encoding and authentication: Encode at the sender, Decode at the
+// receiver.
+func BenchmarkMessage(b *testing.B) {
+	key := []byte("deployment key of the benchmark")
+	m := sampleMessage()
+	for b.Loop() {
+		buf, err := m.Encode(key)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := Decode(key, buf); err != nil {
+			b.Fatal(err)
+		}
 	}
 }
