@@ -498,8 +498,8 @@ type ctlCapture struct {
 
 func ctlHtons(v uint16) uint16 { return v<<8 | v>>8 }
 
-// ctlCaptureUDP captures the IPv4 UDP datagrams to port on host's lab
-// interface (AF_PACKET socket opened in its namespace: capturing from the
+// ctlCaptureUDP captures the IPv4 and IPv6 UDP datagrams to port on host's
+// lab interface (AF_PACKET socket opened in its namespace: capturing from the
 // moment it returns).
 func (e *env) ctlCaptureUDP(host string, port uint16) *ctlCapture {
 	e.t.Helper()
@@ -509,11 +509,11 @@ func (e *env) ctlCaptureUDP(host string, port uint16) *ctlCapture {
 		if err != nil {
 			return err
 		}
-		fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, int(ctlHtons(unix.ETH_P_IP)))
+		fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, int(ctlHtons(unix.ETH_P_ALL)))
 		if err != nil {
 			return err
 		}
-		if err := unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: ctlHtons(unix.ETH_P_IP), Ifindex: ifc.Index}); err != nil {
+		if err := unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: ctlHtons(unix.ETH_P_ALL), Ifindex: ifc.Index}); err != nil {
 			unix.Close(fd)
 			return err
 		}
@@ -532,21 +532,25 @@ func (e *env) ctlCaptureUDP(host string, port uint16) *ctlCapture {
 				return
 			}
 			b := buf[:n]
-			if n < 20 || b[0]>>4 != 4 || b[9] != unix.IPPROTO_UDP {
+			var src, dst netip.Addr
+			var u []byte
+			switch {
+			case n >= 20 && b[0]>>4 == 4 && b[9] == unix.IPPROTO_UDP && n >= int(b[0]&0xf)*4+8:
+				src, dst = netip.AddrFrom4([4]byte(b[12:16])), netip.AddrFrom4([4]byte(b[16:20]))
+				u = b[int(b[0]&0xf)*4:]
+			case n >= 48 && b[0]>>4 == 6 && b[6] == unix.IPPROTO_UDP: // no extension headers in the lab
+				src, dst = netip.AddrFrom16([16]byte(b[8:24])), netip.AddrFrom16([16]byte(b[24:40]))
+				u = b[40:]
+			default:
 				continue
 			}
-			ihl := int(b[0]&0xf) * 4
-			if n < ihl+8 {
-				continue
-			}
-			u := b[ihl:]
 			ulen := int(binary.BigEndian.Uint16(u[4:]))
 			if ulen < 8 || ulen > len(u) || binary.BigEndian.Uint16(u[2:]) != port {
 				continue
 			}
 			p := ctlPkt{
-				src:     netip.AddrPortFrom(netip.AddrFrom4([4]byte(b[12:16])), binary.BigEndian.Uint16(u[0:])),
-				dst:     netip.AddrPortFrom(netip.AddrFrom4([4]byte(b[16:20])), binary.BigEndian.Uint16(u[2:])),
+				src:     netip.AddrPortFrom(src, binary.BigEndian.Uint16(u[0:])),
+				dst:     netip.AddrPortFrom(dst, binary.BigEndian.Uint16(u[2:])),
 				payload: append([]byte(nil), u[8:ulen]...),
 			}
 			c.mu.Lock()
@@ -573,8 +577,19 @@ func (c *ctlCapture) stop() []ctlPkt {
 // replay is refused and counted, none is answered, and the session stays
 // as the reconfiguration left it.
 func TestControlReplay(t *testing.T) {
+	t.Run("ipv4", func(t *testing.T) { controlReplay(t, false) })
+	t.Run("ipv6", func(t *testing.T) { controlReplay(t, true) })
+}
+
+// addrPrefix is how the sessions table begins an address and port:
+// "10.0.3.2:" or "[fd00::2]:".
+func addrPrefix(a netip.Addr) string {
+	return strings.TrimSuffix(netip.AddrPortFrom(a, 0).String(), "0")
+}
+
+func controlReplay(t *testing.T, v6 bool) {
 	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server")})
-	mb1, dst := e.addr("mb1", false), e.addr("server", false)
+	mb1, dst := e.addr("mb1", v6), e.addr("server", v6)
 	const port = 9410
 	e.policy("client", "r", fmt.Sprintf("tcp dst port %d", port), mb1.String())
 
@@ -597,7 +612,7 @@ func TestControlReplay(t *testing.T) {
 	// receive about this reconfiguration.
 	eventually(t, 15*time.Second, "the server to complete", func() bool {
 		s, ok := e.ctlSession("server", port)
-		return ok && strings.HasPrefix(s.Left, e.addr("client", false).String()+":")
+		return ok && strings.HasPrefix(s.Left, addrPrefix(e.addr("client", v6)))
 	})
 	eventually(t, 15*time.Second, "the server's old subsession to go", func() bool { return !e.ctlHasFlow("server", oldLeft) })
 	eventually(t, 15*time.Second, "mb1 to leave the path", func() bool { _, ok := e.ctlSession("mb1", port); return !ok })
@@ -606,7 +621,7 @@ func TestControlReplay(t *testing.T) {
 	key := e.ctlKey()
 	hostOf := map[netip.Addr]string{}
 	for _, h := range e.lab.Hosts() {
-		hostOf[h.Addr4] = h.Name
+		hostOf[h.Addr4], hostOf[h.Addr6] = h.Name, h.Name
 	}
 	var replay []ctlPkt
 	n := uint64(0) // messages: a bundle carries several
@@ -732,13 +747,17 @@ const (
 
 // ctlTransparent sets IP_TRANSPARENT (and IP_RECVORIGDSTADDR) on a socket
 // before it is bound.
-func ctlTransparent(origDst bool) func(network, address string, c syscall.RawConn) error {
+func ctlTransparent(origDst, v6 bool) func(network, address string, c syscall.RawConn) error {
+	level, transparent, recvOrig := unix.SOL_IP, unix.IP_TRANSPARENT, unix.IP_RECVORIGDSTADDR
+	if v6 {
+		level, transparent, recvOrig = unix.SOL_IPV6, unix.IPV6_TRANSPARENT, unix.IPV6_RECVORIGDSTADDR
+	}
 	return func(_, _ string, c syscall.RawConn) error {
 		var serr error
 		err := c.Control(func(fd uintptr) {
-			serr = unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_TRANSPARENT, 1)
+			serr = unix.SetsockoptInt(int(fd), level, transparent, 1)
 			if serr == nil && origDst {
-				serr = unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_RECVORIGDSTADDR, 1)
+				serr = unix.SetsockoptInt(int(fd), level, recvOrig, 1)
 			}
 		})
 		if err != nil {
@@ -748,25 +767,33 @@ func ctlTransparent(origDst bool) func(network, address string, c syscall.RawCon
 	}
 }
 
-// ctlStartLossy diverts the control traffic crossing the router to a
-// lossy relay, until the test ends.
-func (e *env) ctlStartLossy() *ctlLossy {
+// ctlStartLossy diverts the control traffic of one address family crossing
+// the router to a lossy relay, until the test ends.
+func (e *env) ctlStartLossy(v6 bool) *ctlLossy {
 	e.t.Helper()
 	r := &ctlLossy{out: map[netip.Addr]*net.UDPConn{}, done: make(chan struct{})}
+	network, any, ipt, ip, local := "udp4", netip.IPv4Unspecified(), "iptables", "-4", "0.0.0.0/0"
+	if v6 {
+		network, any, ipt, ip, local = "udp6", netip.IPv6Unspecified(), "ip6tables", "-6", "::/0"
+	}
 	err := e.inNS("router", func() error {
-		lc := net.ListenConfig{Control: ctlTransparent(true)}
-		pc, err := lc.ListenPacket(context.Background(), "udp4", fmt.Sprintf("0.0.0.0:%d", ctlRelayPort))
+		lc := net.ListenConfig{Control: ctlTransparent(true, v6)}
+		pc, err := lc.ListenPacket(context.Background(), network, netip.AddrPortFrom(any, ctlRelayPort).String())
 		if err != nil {
 			return err
 		}
 		r.conn = pc.(*net.UDPConn)
 		for _, h := range e.lab.Hosts() {
-			lc := net.ListenConfig{Control: ctlTransparent(false)}
-			pc, err := lc.ListenPacket(context.Background(), "udp4", netip.AddrPortFrom(h.Addr4, 0).String())
-			if err != nil {
-				return fmt.Errorf("sending socket for %s: %w", h.Addr4, err)
+			a := h.Addr4
+			if v6 {
+				a = h.Addr6
 			}
-			r.out[h.Addr4] = pc.(*net.UDPConn)
+			lc := net.ListenConfig{Control: ctlTransparent(false, v6)}
+			pc, err := lc.ListenPacket(context.Background(), network, netip.AddrPortFrom(a, 0).String())
+			if err != nil {
+				return fmt.Errorf("sending socket for %s: %w", a, err)
+			}
+			r.out[a] = pc.(*net.UDPConn)
 		}
 		return nil
 	})
@@ -776,10 +803,10 @@ func (e *env) ctlStartLossy() *ctlLossy {
 	e.t.Cleanup(r.stop)
 	go r.loop()
 	// The relay is listening: divert the control port to it.
-	e.run("router", "iptables", "-t", "mangle", "-A", "PREROUTING", "-p", "udp", "--dport", strconv.Itoa(ctlPort),
+	e.run("router", ipt, "-t", "mangle", "-A", "PREROUTING", "-p", "udp", "--dport", strconv.Itoa(ctlPort),
 		"-j", "TPROXY", "--on-port", strconv.Itoa(ctlRelayPort), "--tproxy-mark", "0x1/0x1")
-	e.run("router", "ip", "rule", "add", "fwmark", "0x1/0x1", "lookup", "100")
-	e.run("router", "ip", "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "100")
+	e.run("router", "ip", ip, "rule", "add", "fwmark", "0x1/0x1", "lookup", "100")
+	e.run("router", "ip", ip, "route", "add", "local", local, "dev", "lo", "table", "100")
 	return r
 }
 
@@ -839,6 +866,10 @@ func ctlOrigDst(oob []byte) (netip.AddrPort, bool) {
 		if m.Header.Level == unix.SOL_IP && m.Header.Type == unix.IP_ORIGDSTADDR && len(m.Data) >= 8 {
 			return netip.AddrPortFrom(netip.AddrFrom4([4]byte(m.Data[4:8])), binary.BigEndian.Uint16(m.Data[2:4])), true
 		}
+		if m.Header.Level == unix.SOL_IPV6 && m.Header.Type == unix.IPV6_ORIGDSTADDR && len(m.Data) >= 24 {
+			// struct sockaddr_in6: family, port, flow info, address.
+			return netip.AddrPortFrom(netip.AddrFrom16([16]byte(m.Data[8:24])), binary.BigEndian.Uint16(m.Data[2:4])), true
+		}
 	}
 	return netip.AddrPort{}, false
 }
@@ -860,17 +891,22 @@ func (r *ctlLossy) String() string {
 }
 
 // TestControlLoss runs the reconfigurations of TestReconfigure on a live
-// IPv4 session (mb1 replaced by mb2, mb2 deleted, mb1 inserted) while
-// every control message between hosts is lost with probability 0.2,
+// session, IPv4 and IPv6 (mb1 replaced by mb2, mb2 deleted, mb1 inserted)
+// while every control message between hosts is lost with probability 0.2,
 // delayed 5 ms ± 2 ms, and reordered (a quarter overtake the others); data
 // packets are untouched. Every reconfiguration succeeds and every byte
 // arrives.
 func TestControlLoss(t *testing.T) {
+	t.Run("ipv4", func(t *testing.T) { controlLoss(t, false) })
+	t.Run("ipv6", func(t *testing.T) { controlLoss(t, true) })
+}
+
+func controlLoss(t *testing.T, v6 bool) {
 	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "server")})
-	cli, mb1, mb2, dst := e.addr("client", false), e.addr("mb1", false), e.addr("mb2", false), e.addr("server", false)
+	cli, mb1, mb2, dst := e.addr("client", v6), e.addr("mb1", v6), e.addr("mb2", v6), e.addr("server", v6)
 	const port = 9420
 	e.policy("client", "l", fmt.Sprintf("tcp dst port %d", port), mb1.String())
-	r := e.ctlStartLossy()
+	r := e.ctlStartLossy(v6)
 
 	const total = 256 * mib // slow while reconfiguring, then at full speed
 	x := e.ctlStartTransfer("client", "server", dst, port, total, 4*mib)
@@ -891,7 +927,7 @@ func TestControlLoss(t *testing.T) {
 		// new neighbour.
 		eventually(t, 30*time.Second, "the server to complete "+what, func() bool {
 			s, ok := e.ctlSession("server", port)
-			return ok && strings.HasPrefix(s.Left, neighbour.String()+":")
+			return ok && strings.HasPrefix(s.Left, addrPrefix(neighbour))
 		})
 	}
 	left := func(host string) {
@@ -920,7 +956,7 @@ func TestControlLoss(t *testing.T) {
 
 	r.stop()
 	t.Logf("relay: %s", r)
-	ipt := e.run("router", "iptables", "-t", "mangle", "-L", "PREROUTING", "-n", "-v", "-x")
+	ipt := e.run("router", map[bool]string{false: "iptables", true: "ip6tables"}[v6], "-t", "mangle", "-L", "PREROUTING", "-n", "-v", "-x")
 	t.Logf("router mangle PREROUTING:\n%s", ipt)
 	if r.seen.Load() == 0 || r.delayed.Load() == 0 {
 		t.Fatalf("no control message went through the lossy relay: %s", r)
@@ -940,8 +976,13 @@ func TestControlLoss(t *testing.T) {
 // the reconfiguration fails, and nothing is left behind: a new session
 // through the same middlebox is reconfigured at once.
 func TestControlSessionEnds(t *testing.T) {
+	t.Run("ipv4", func(t *testing.T) { controlSessionEnds(t, false) })
+	t.Run("ipv6", func(t *testing.T) { controlSessionEnds(t, true) })
+}
+
+func controlSessionEnds(t *testing.T, v6 bool) {
 	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server")})
-	mb1, dst := e.addr("mb1", false), e.addr("server", false)
+	mb1, dst := e.addr("mb1", v6), e.addr("server", v6)
 	const port, port2 = 9430, 9431
 	e.policy("client", "s", fmt.Sprintf("tcp dst portrange %d-%d", port, port2), mb1.String())
 
@@ -949,9 +990,9 @@ func TestControlSessionEnds(t *testing.T) {
 	eventually(t, 30*time.Second, "the transfer to start", func() bool { return x.received.Load() > mib })
 	e.ctlMustSession("mb1", port)
 
-	b := dst.As4()
-	b[3] = 250
-	nowhere := netip.AddrFrom4(b) // in the server's subnet; no host answers
+	b := dst.As16()
+	b[15] = 250
+	nowhere := netip.AddrFrom16(b).Unmap() // in the server's subnet; no host answers
 	out := func(host string) uint64 { return e.status(host).Counters["control_messages_out"] }
 	base := map[string]uint64{"client": out("client"), "server": out("server")}
 
