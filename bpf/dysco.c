@@ -654,9 +654,6 @@ static __attribute__((noinline)) int reclaim(const struct dysco_tuple *key)
 	return 1;
 }
 
-/* strip_block removes the SYN's address-list block and turns the marking
- * option into a local tag (keep_tag) or removes it, so that the middlebox or
- * the end host sees a plain SYN of the session (§2.1, §4.2 tagging). */
 /* tag_opt writes the local tag of session id tag (§4.2 "Tagging SYN
  * packets"): the marking option with type LOCAL_TAG and the id in its last
  * three bytes. */
@@ -672,6 +669,9 @@ static __always_inline void tag_opt(__u8 *o, __u32 tag)
 	o[7] = tag & 0xff;
 }
 
+/* strip_block removes the SYN's address-list block and turns the marking
+ * option into a local tag (keep_tag) or removes it, so that the middlebox or
+ * the end host sees a plain SYN of the session (§2.1, §4.2 tagging). */
 static __always_inline int strip_block(struct __sk_buff *skb, struct pkt *p, __u8 *opt, __u32 blen,
 				       __u8 *block, int keep_tag, __u32 tag)
 {

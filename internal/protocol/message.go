@@ -360,11 +360,10 @@ func validTuple(t wire.Tuple) bool {
 }
 
 // appendMAC appends to dst the HMAC-SHA-256 of body under key, truncated to
-// MACLen. The
-// HMAC states come from a pool kept for the last key used (an agent has one
-// deployment key): hmac.New would hash the key's two pads again for every
-// message, two of the five SHA-256 blocks a message costs, and allocate
-// (BenchmarkMessage).
+// MACLen. The HMAC states come from a pool kept for the last key used (an
+// agent has one deployment key): hmac.New would hash the key's two pads
+// again for every message, two of the about seven SHA-256 blocks a message
+// costs, and allocate (BenchmarkMessage).
 func appendMAC(dst, key, body []byte) []byte {
 	p := macs.Load()
 	if p == nil || !bytes.Equal(p.key, key) {
