@@ -125,8 +125,7 @@ func proxyRemoval(t *testing.T, off bool, plain string, v6 bool) {
 // clientGoesDirect tells whether the client's session now has its right
 // subsession to the server.
 func clientGoesDirect(e *env, server netip.Addr) bool {
-	// "-> 10.0.3.2:" or "-> [fd00::2]:", as the sessions table writes them.
-	to := "-> " + strings.TrimSuffix(netip.AddrPortFrom(server, 0).String(), "0")
+	to := "-> " + addrPrefix(server)
 	for _, s := range e.sessions("client") {
 		if strings.Contains(s.Right, to) {
 			return true
