@@ -187,13 +187,16 @@ func reconfigure(t *testing.T, off, v6 bool) {
 		return kept
 	}
 	// The same pass of the collector removes them, just after the session.
-	deadline := time.Now().Add(5 * time.Second)
-	for len(reconfState()) > 0 && time.Now().Before(deadline) {
-		time.Sleep(50 * time.Millisecond)
-	}
-	if kept := reconfState(); len(kept) > 0 {
-		t.Errorf("reconfiguration state kept after the session ended: %s", strings.Join(kept, ", "))
-	}
+	var kept []string
+	defer func() {
+		if len(kept) > 0 {
+			t.Logf("reconfiguration state kept after the session ended: %s", strings.Join(kept, ", "))
+		}
+	}()
+	eventually(t, 5*time.Second, "the session's reconfiguration state to go with it", func() bool {
+		kept = reconfState()
+		return len(kept) == 0
+	})
 }
 
 // holdSession opens a session from client to server on port and keeps it
