@@ -234,6 +234,11 @@ func TestQuick(t *testing.T) {
 		if missing {
 			t.Errorf("figure %s has no Dysco value: %+v", f.Key, f)
 		}
+		// The datapath cost is judged net of the statistics' own cost,
+		// measured with an empty program on the baseline lab's hooks.
+		if strings.HasPrefix(f.Key, "bpf-") && !(f.Baseline > 0 && f.Measured == f.Dysco-f.Baseline) {
+			t.Errorf("figure %s: no floor measured (baseline %v, measured %v, Dysco %v): %s", f.Key, f.Baseline, f.Measured, f.Dysco, f.Note)
+		}
 		if f.Met != "yes" && f.Met != "no" && !(f.Met == "–" && f.Target == "(reported)") {
 			t.Errorf("figure %s: met = %q", f.Key, f.Met)
 		}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"net"
 	"os"
 	"path/filepath"
 	"sort"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
 	"github.com/dysco/dysco/internal/lab"
 	"golang.org/x/sys/unix"
@@ -160,6 +162,97 @@ func takeSnap(ctx context.Context, l *lab.Lab, host string, hooks []hook, progs 
 	return s, nil
 }
 
+// Names of the empty programs that measure what the run-time statistics
+// cost by themselves (attachEmpty).
+const (
+	emptyIngress = "empty_ingress"
+	emptyEgress  = "empty_egress"
+)
+
+// emptyHooks is an empty TC program (it returns TCX_NEXT and does nothing
+// else) attached to the hooks of one host, and the hooks, for takeSnap.
+type emptyHooks struct {
+	hooks []hook
+	progs map[ebpf.ProgramID]*ebpf.Program
+	links []link.Link
+}
+
+func (e *emptyHooks) Close() {
+	for _, l := range e.links {
+		l.Close()
+	}
+	for _, p := range e.progs {
+		p.Close()
+	}
+}
+
+// attachEmpty attaches an empty program (TCX, first in line) to the hooks
+// of host that like carries Dysco's programs in the Dysco lab: one program
+// for the ingress hooks and one for the egress hooks, as the agent has.
+// What the kernel's statistics give per run for it is their own cost (two
+// clock reads around the run, which are slow on a VM, and the program's
+// call), measured on the same hooks and the same workload: the floor that
+// every program's figure includes. Nothing is pinned, so the programs go
+// with the runner even if it dies.
+func attachEmpty(l *lab.Lab, host string, like []hook) (_ *emptyHooks, err error) {
+	e := &emptyHooks{progs: map[ebpf.ProgramID]*ebpf.Program{}}
+	defer func() {
+		if err != nil {
+			e.Close()
+		}
+	}()
+	byHook := map[string]*ebpf.Program{}
+	for _, hk := range []struct{ hook, name string }{{"ingress", emptyIngress}, {"egress", emptyEgress}} {
+		prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+			Name: hk.name, Type: ebpf.SchedCLS, License: "GPL",
+			Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, -1 /* TCX_NEXT */), asm.Return()},
+		})
+		if err != nil {
+			return nil, fmt.Errorf("loading an empty program: %w", err)
+		}
+		info, err := prog.Info()
+		if err != nil {
+			prog.Close()
+			return nil, err
+		}
+		id, _ := info.ID()
+		e.progs[id] = prog
+		byHook[hk.hook] = prog
+	}
+	err = l.Do(host, func() error {
+		for _, h := range like {
+			if h.Program != "dysco_ingress" && h.Program != "dysco_egress" {
+				continue
+			}
+			ifc, err := net.InterfaceByName(h.Iface)
+			if err != nil {
+				return fmt.Errorf("interface %s of %s: %w", h.Iface, host, err)
+			}
+			at := ebpf.AttachTCXIngress
+			if h.Hook == "egress" {
+				at = ebpf.AttachTCXEgress
+			}
+			prog := byHook[h.Hook]
+			lk, err := link.AttachTCX(link.TCXOptions{Interface: ifc.Index, Program: prog, Attach: at, Anchor: link.Head()})
+			if err != nil {
+				return fmt.Errorf("attaching an empty program to %s %s of %s: %w", h.Iface, h.Hook, host, err)
+			}
+			e.links = append(e.links, lk)
+			info, _ := prog.Info()
+			id, _ := info.ID()
+			e.hooks = append(e.hooks, hook{Iface: h.Iface, Hook: h.Hook, Program: info.Name, ID: uint32(id)})
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	if len(e.hooks) == 0 {
+		return nil, fmt.Errorf("%s has no hook with a Dysco program to compare with", host)
+	}
+	return e, nil
+}
+
 // progCost is the cost of a program during one workload.
 type progCost struct {
 	Host     string `json:"host"`
@@ -254,6 +347,17 @@ func benchBPFStats(ctx context.Context, o *Options, p *pair, r *Report, pr *prog
 			return fmt.Errorf("mb1 of lab %s has no program %s attached", l.Name(), want)
 		}
 	}
+	// The floor: an empty program on the same hooks of the baseline lab's
+	// mb1, under the same workload.
+	var empty *emptyHooks
+	floorErr := ""
+	if p.base == nil {
+		floorErr = "no baseline lab"
+	} else if empty, err = attachEmpty(p.base.lab, "mb1", hooks["mb1"]); err != nil {
+		floorErr = err.Error()
+	} else {
+		defer empty.Close()
+	}
 	method, restore, err := enableBPFStats()
 	if err != nil {
 		return fmt.Errorf("enabling BPF statistics: %w", err)
@@ -263,9 +367,10 @@ func benchBPFStats(ctx context.Context, o *Options, p *pair, r *Report, pr *prog
 			err = errors.Join(err, fmt.Errorf("restoring BPF statistics: %w", rerr))
 		}
 	}()
-	var all []progCost
+	var all, floors []progCost
 	mb1Counters := map[string]map[string]uint64{}
-	r.Details["bpfstats"] = map[string]any{"method": method, "hooks": hooks, "costs": &all, "mb1_counters": mb1Counters}
+	r.Details["bpfstats"] = map[string]any{"method": method, "hooks": hooks, "costs": &all, "mb1_counters": mb1Counters,
+		"floor": "an empty program (returns TCX_NEXT) on the same hooks of the baseline lab's mb1, same workload", "floor_costs": &floors, "floor_error": floorErr}
 	workloads := []struct {
 		name    string
 		argv    []string
@@ -273,6 +378,11 @@ func benchBPFStats(ctx context.Context, o *Options, p *pair, r *Report, pr *prog
 	}{
 		{"iperf3", iperfArgv(p.dysco.server.String(), o, 1), o.IperfTime + 60*time.Second},
 		{"wrk", wrkArgv(p.dysco.server.String(), o), o.WrkTime + 60*time.Second},
+	}
+	baseArgv := map[string][]string{}
+	if p.base != nil {
+		baseArgv["iperf3"] = iperfArgv(p.base.server.String(), o, 1)
+		baseArgv["wrk"] = wrkArgv(p.base.server.String(), o)
 	}
 	for _, w := range workloads {
 		pr.logf("datapath cost: %s through the Dysco lab with BPF statistics on", w.name)
@@ -312,9 +422,28 @@ func benchBPFStats(ctx context.Context, o *Options, p *pair, r *Report, pr *prog
 			}
 			return progCost{}, false
 		}
-		floor := ""
-		if c, ok := find("mb1", "dysco_tap_drop"); ok && c.Runs > 0 {
-			floor = fmt.Sprintf("; for scale, dysco_tap_drop (a program that only drops) took %.0f ns per run", c.NsPerRun)
+		// The same workload through the baseline lab, with the empty
+		// programs on its mb1.
+		floor := map[string]float64{"dysco_ingress": math.NaN(), "dysco_egress": math.NaN()}
+		wFloorErr := floorErr
+		if empty != nil {
+			pr.logf("datapath cost: %s through the baseline lab with an empty program on mb1's hooks", w.name)
+			fc, err := emptyCost(ctx, p.base.lab, empty, w.name, baseArgv[w.name], w.timeout)
+			if err != nil {
+				return err
+			}
+			floors = append(floors, fc...)
+			for _, c := range fc {
+				if c.Packets == 0 {
+					continue
+				}
+				switch c.Program {
+				case emptyIngress:
+					floor["dysco_ingress"] = c.NsPerPacket
+				case emptyEgress:
+					floor["dysco_egress"] = c.NsPerPacket
+				}
+			}
 		}
 		cmd := "ip netns exec LAB-client " + strings.Join(w.argv, " ")
 		for _, prog := range []string{"dysco_ingress", "dysco_egress"} {
@@ -330,18 +459,46 @@ func benchBPFStats(ctx context.Context, o *Options, p *pair, r *Report, pr *prog
 			if cc, ok := find("client", prog); ok && cc.Packets > 0 {
 				client = fmt.Sprintf("; on the client (end host) %.0f ns per packet", cc.NsPerPacket)
 			}
+			// What the target judges: the program's own cost, the
+			// figure less the statistics' floor on the same hook; the
+			// gross figure where the floor could not be measured.
+			fl := floor[prog]
+			measured, floorNote := c.NsPerPacket-fl, fmt.Sprintf("; measured = Dysco − baseline, the baseline being what the statistics give for an empty program on the same hooks of the baseline lab's mb1 under the same workload (%.0f ns: their own cost, two clock reads per run)", fl)
+			if math.IsNaN(fl) {
+				if wFloorErr == "" {
+					wFloorErr = "the empty program saw no packet"
+				}
+				measured, floorNote = c.NsPerPacket, "; measured = Dysco (with the statistics' own cost): the floor was not measured: "+wFloorErr
+			}
 			r.add(&Figure{
 				Key:     fmt.Sprintf("bpf-%s-%s", prog, w.name),
 				Name:    fmt.Sprintf("datapath cost per packet, mb1 %s hook (%s)", strings.TrimPrefix(prog, "dysco_"), w.name),
 				Command: fmt.Sprintf("%s; Δrun_time_ns of %s on LAB-mb1 ÷ Δ%s_packets of its interfaces", cmd, prog, map[bool]string{true: "rx", false: "tx"}[prog == "dysco_ingress"]),
-				Unit:    "ns", Dysco: c.NsPerPacket, Baseline: math.NaN(), Ratio: math.NaN(),
-				Measured: c.NsPerPacket, MeasuredUnit: "ns/packet",
+				Unit:    "ns", Dysco: c.NsPerPacket, Baseline: fl, Ratio: math.NaN(),
+				Measured: measured, MeasuredUnit: "ns/packet",
 				Target: "≤ 100 ns", Paper: "131 ns lookup + 214 ns rewrite",
-				Met: metStr(c.NsPerPacket <= 100),
+				Met: metStr(measured <= 100),
 				Note: fmt.Sprintf("%d packets (skbs: a GSO packet counts once), %.2f runs and %.2f rewrites per packet, %.0f ns per run%s%s",
-					c.Packets, float64(c.Runs)/float64(c.Packets), float64(rewrites)/float64(c.Packets), c.NsPerRun, client, floor),
+					c.Packets, float64(c.Runs)/float64(c.Packets), float64(rewrites)/float64(c.Packets), c.NsPerRun, client, floorNote),
 			})
 		}
 	}
 	return nil
+}
+
+// emptyCost runs argv at the client of the baseline lab and returns what the
+// empty programs on its mb1 cost per packet meanwhile.
+func emptyCost(ctx context.Context, l *lab.Lab, e *emptyHooks, workload string, argv []string, timeout time.Duration) ([]progCost, error) {
+	before, err := takeSnap(ctx, l, "mb1", e.hooks, e.progs)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := run(ctx, l, "client", timeout, argv...); err != nil {
+		return nil, err
+	}
+	after, err := takeSnap(ctx, l, "mb1", e.hooks, e.progs)
+	if err != nil {
+		return nil, err
+	}
+	return costs("mb1", workload, e.hooks, after, before), nil
 }
