@@ -345,17 +345,25 @@ func contention(t *testing.T, v6 bool, rounds int) {
 // down: nothing answers at its address). The left anchor cancels (§3.6),
 // the session goes on on its old path, and every lock is released: a later
 // reconfiguration succeeds.
+//
+// ipv6: the same with an IPv6 session (the dead middlebox is an unused
+// address of the server's IPv6 subnet).
 func TestReconfigureCancel(t *testing.T) {
+	t.Run("ipv4", func(t *testing.T) { reconfigureCancel(t, false) })
+	t.Run("ipv6", func(t *testing.T) { reconfigureCancel(t, true) })
+}
+
+func reconfigureCancel(t *testing.T, v6 bool) {
 	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server")})
-	dst := e.addr("server", false)
-	mb1 := e.addr("mb1", false)
+	dst := e.addr("server", v6)
+	mb1 := e.addr("mb1", v6)
 	e.policy("client", "r", "tcp dst port 9600", mb1.String())
 	const total = 48 * mib
 	lt := e.startTransfer("client", "server", dst, 9600, total, 3*mib)
 	eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > mib })
-	b := dst.As4()
-	b[3] = 250 // an address of the lab's network that no host has
-	dead := netip.AddrFrom4(b)
+	b := dst.As16()
+	b[15] = 250 // an address of the server's subnet that no host has
+	dead := netip.AddrFrom16(b).Unmap()
 	res := e.reconfig("client", "tcp port 9600", dst, dead)
 	if len(res) != 1 || res[0].Outcome != "failed" || !strings.Contains(res[0].Reason, "new path") {
 		t.Fatalf("reconfiguration through a dead middlebox: %+v (want failed: new path could not be set up)", res)
@@ -375,10 +383,17 @@ func TestReconfigureCancel(t *testing.T) {
 // TestReconfigureMonitor: a tcpdump monitor is inserted into a live iperf3
 // session and sees it on its session-view tap; two middleboxes are replaced
 // by one, and the monitor is deleted again. iperf3 finishes without error.
+//
+// ipv6: the same with an IPv6 session.
 func TestReconfigureMonitor(t *testing.T) {
+	t.Run("ipv4", func(t *testing.T) { reconfigureMonitor(t, false) })
+	t.Run("ipv6", func(t *testing.T) { reconfigureMonitor(t, true) })
+}
+
+func reconfigureMonitor(t *testing.T, v6 bool) {
 	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "mb3", "server")})
-	dst := e.addr("server", false)
-	mb1, mb2, mon := e.addr("mb1", false), e.addr("mb2", false), e.addr("mb3", false)
+	dst := e.addr("server", v6)
+	mb1, mb2, mon := e.addr("mb1", v6), e.addr("mb2", v6), e.addr("mb3", v6)
 	e.policy("client", "r", "tcp dst port 5301", mb1.String(), mb2.String())
 	e.iperfServer("server", 5301)
 	stop := e.capture("mb3", "dysco-tap", "tcp port 5301")
@@ -443,20 +458,34 @@ func TestReconfigureMonitor(t *testing.T) {
 // middlebox leaves the session, every byte arrives, and the session can be
 // reconfigured again (a restarted left anchor numbers its requests above
 // those it used before, or the right anchor would refuse them).
+//
+// ipv6: the middle agent's restart with an IPv6 session (the case that
+// exercises the most: its lock is established again from the datapath;
+// the anchors resume from the same family-blind records).
 func TestReconfigureAgentRestart(t *testing.T) {
-	for _, c := range []struct{ name, host, role string }{
+	cases := []struct{ name, host, role string }{
 		{"left-anchor", "client", "leftAnchor"},
 		{"right-anchor", "server", "rightAnchor"},
 		{"middle", "mb1", "middle"},
-	} {
-		t.Run(c.name, func(t *testing.T) { reconfigureRestart(t, c.host, c.role) })
 	}
+	t.Run("ipv4", func(t *testing.T) {
+		for _, c := range cases {
+			t.Run(c.name, func(t *testing.T) { reconfigureRestart(t, c.host, c.role, false) })
+		}
+	})
+	t.Run("ipv6", func(t *testing.T) {
+		t.Run("middle", func(t *testing.T) { reconfigureRestart(t, "mb1", "middle", true) })
+	})
 }
 
-func reconfigureRestart(t *testing.T, host, role string) {
+func reconfigureRestart(t *testing.T, host, role string, v6 bool) {
 	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "server")})
-	dst := e.addr("server", false)
-	mb1, mb2 := e.addr("mb1", false), e.addr("mb2", false)
+	dst := e.addr("server", v6)
+	mb1, mb2 := e.addr("mb1", v6), e.addr("mb2", v6)
+	ipt := "iptables"
+	if v6 {
+		ipt = "ip6tables"
+	}
 	const port = 9310
 	e.policy("client", "r", fmt.Sprintf("tcp dst port %d", port), mb1.String())
 	const total = 64 * mib
@@ -471,20 +500,20 @@ func reconfigureRestart(t *testing.T, host, role string) {
 		{"FORWARD", "-p", "tcp", "--sport", strconv.Itoa(port), "-j", "DROP"},
 	}
 	for _, r := range holds {
-		e.run("mb1", append([]string{"iptables", "-I"}, r...)...)
+		e.run("mb1", append([]string{ipt, "-I"}, r...)...)
 	}
 	released := false
 	release := func() {
 		if !released {
 			released = true
 			for _, r := range holds {
-				e.run("mb1", append([]string{"iptables", "-D"}, r...)...)
+				e.run("mb1", append([]string{ipt, "-D"}, r...)...)
 			}
 		}
 	}
 	defer release()
 	eventually(t, 10*time.Second, "mb1 to drop data of both ends", func() bool {
-		return ruleDrops(e, "mb1", fmt.Sprintf("dpt:%d", port)) > 0 && ruleDrops(e, "mb1", fmt.Sprintf("spt:%d", port)) > 0
+		return ruleDrops(e, ipt, "mb1", fmt.Sprintf("dpt:%d", port)) > 0 && ruleDrops(e, ipt, "mb1", fmt.Sprintf("spt:%d", port)) > 0
 	})
 
 	type outcome struct {
@@ -568,15 +597,15 @@ func reconfigureRestart(t *testing.T, host, role string) {
 }
 
 // ruleDrops returns the packets counted by the FORWARD rule of host whose
-// listing contains match.
-func ruleDrops(e *env, host, match string) uint64 {
+// listing contains match, in the table of ipt (iptables or ip6tables).
+func ruleDrops(e *env, ipt, host, match string) uint64 {
 	e.t.Helper()
-	for _, l := range strings.Split(e.run(host, "iptables", "-L", "FORWARD", "-n", "-v", "-x"), "\n") {
+	for _, l := range strings.Split(e.run(host, ipt, "-L", "FORWARD", "-n", "-v", "-x"), "\n") {
 		if f := strings.Fields(l); len(f) > 2 && strings.Contains(l, match) && f[2] == "DROP" {
 			n, _ := strconv.ParseUint(f[0], 10, 64)
 			return n
 		}
 	}
-	e.t.Fatalf("%s: no FORWARD rule with %s", host, match)
+	e.t.Fatalf("%s: no %s FORWARD rule with %s", host, ipt, match)
 	return 0
 }
