@@ -318,7 +318,10 @@ func (c progCost) MarshalJSON() ([]byte, error) {
 // transfer and during wrk: the kernel's run_time_ns over the packets that
 // the interfaces carrying the hook counted. Per packet rather than per run:
 // a program may run more than once per packet (bpf_redirect_neigh from the
-// egress hook passes the packet through the egress hook again).
+// egress hook passes the packet through the egress hook again). Each
+// workload then runs through the baseline lab with an empty program on its
+// mb1's hooks (attachEmpty): what the statistics cost by themselves, which
+// the figures judged against the target leave out.
 func benchBPFStats(ctx context.Context, o *Options, p *pair, r *Report, pr *progress) (err error) {
 	l := p.dysco.lab
 	hosts := []string{"mb1", "client"}

@@ -230,7 +230,7 @@ func plan(o *Options) []planned {
 		}
 		add("rps", nmb, fmt.Sprintf("nginx+wrk, %d mb", nmb), time.Duration(o.Reps)*2*(o.WrkTime+1500*time.Millisecond), benchRPS)
 		if nmb == 1 {
-			add("bpfstats", 1, "datapath cost (BPF stats), 1 mb", it+o.WrkTime+8*time.Second, benchBPFStats)
+			add("bpfstats", 1, "datapath cost (BPF stats), 1 mb", 2*(it+o.WrkTime)+8*time.Second, benchBPFStats) // each workload in both labs
 		}
 		add("connect", nmb, fmt.Sprintf("connect() latency, %d mb, tx offload on", nmb), connectEst, withOffload(true))
 		add("connect", nmb, fmt.Sprintf("connect() latency, %d mb, tx offload off", nmb), connectEst, withOffload(false))
