@@ -462,6 +462,13 @@ func TestDownByNameAfterCrash(t *testing.T) {
 	}
 	strayDone := make(chan struct{})
 	go func() { stray.Wait(); close(strayDone) }()
+	// Both run in their namespaces before the crash: until `ip netns exec`
+	// has entered the namespace it is in the root one, where no teardown
+	// looks, and if it opened the namespace before the teardown deleted it
+	// it enters it afterwards, out of reach (seen once in CI).
+	waitFor(t, "the processes to enter their namespaces", func() bool {
+		return pidInNetns(sleeper.Pid(), name+"-server") && pidInNetns(stray.Process.Pid, name+"-client")
+	})
 	l = nil // the crash: only the system remembers the lab
 
 	if err := DownByName(name); err != nil {
