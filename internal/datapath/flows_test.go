@@ -120,12 +120,7 @@ func TestFlowMapsByFamily(t *testing.T) {
 // and go on past keys that are already gone (the datapath frees some
 // itself) in the middle of a batch.
 func TestDeleteBatches(t *testing.T) {
-	requireRoot(t)
-	d, err := Load(Config{PinDir: testPinDir(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { d.Close() })
+	d := loadTest(t)
 	var del, keep []Tuple
 	for i := range 40 {
 		for _, s := range [][2]string{
@@ -205,12 +200,7 @@ func TestDeleteBatches(t *testing.T) {
 // remaining hops, IPv4 unmapped and IPv6 as they are, and nothing for
 // sessions without set-up state.
 func TestAllSynHops(t *testing.T) {
-	requireRoot(t)
-	d, err := Load(Config{PinDir: testPinDir(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { d.Close() })
+	d := loadTest(t)
 	want := map[uint32][]netip.Addr{
 		3: {netip.MustParseAddr("10.0.0.7"), netip.MustParseAddr("10.0.0.9")},
 		4: {netip.MustParseAddr("fd00::7")},

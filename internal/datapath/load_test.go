@@ -28,13 +28,23 @@ func testPinDir(t testing.TB) string {
 	return dir
 }
 
-func TestLoadVerifies(t *testing.T) {
+// loadTest loads the datapath with the default configuration under the
+// test's own pin directory; it is closed when the test ends.
+func loadTest(t *testing.T) *Datapath {
+	t.Helper()
 	requireRoot(t)
 	d, err := Load(Config{PinDir: testPinDir(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer d.Close()
+	t.Cleanup(func() { d.Close() })
+	return d
+}
+
+// TestLoadVerifies: the object loads (every program passes the verifier)
+// and closes again.
+func TestLoadVerifies(t *testing.T) {
+	loadTest(t)
 }
 
 // TestLoadRefusesIncompatiblePins: maps pinned by a version whose layouts

@@ -13,12 +13,7 @@ import (
 // stats map has one slot per entry of enum stat, and StatNames one name per
 // slot.
 func TestStatNames(t *testing.T) {
-	requireRoot(t)
-	d, err := Load(Config{PinDir: testPinDir(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { d.Close() })
+	d := loadTest(t)
 	if n := d.Maps()["stats"].MaxEntries(); int(n) != len(StatNames) {
 		t.Errorf("stats map has %d counters, StatNames names %d", n, len(StatNames))
 	}
@@ -68,12 +63,7 @@ func TestStatEnum(t *testing.T) {
 // TestStatsBatch: the batch read of the counters (one system call) sums the
 // same per-CPU values, under the same names, as one lookup per counter.
 func TestStatsBatch(t *testing.T) {
-	requireRoot(t)
-	d, err := Load(Config{PinDir: testPinDir(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { d.Close() })
+	d := loadTest(t)
 	ncpu, err := ebpf.PossibleCPU()
 	if err != nil {
 		t.Fatal(err)

@@ -202,6 +202,7 @@ func attachEmpty(l *lab.Lab, host string, like []hook) (_ *emptyHooks, err error
 		}
 	}()
 	byHook := map[string]*ebpf.Program{}
+	ids, names := map[string]ebpf.ProgramID{}, map[string]string{}
 	for _, hk := range []struct{ hook, name string }{{"ingress", emptyIngress}, {"egress", emptyEgress}} {
 		prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
 			Name: hk.name, Type: ebpf.SchedCLS, License: "GPL",
@@ -217,7 +218,7 @@ func attachEmpty(l *lab.Lab, host string, like []hook) (_ *emptyHooks, err error
 		}
 		id, _ := info.ID()
 		e.progs[id] = prog
-		byHook[hk.hook] = prog
+		byHook[hk.hook], ids[hk.hook], names[hk.hook] = prog, id, hk.name
 	}
 	err = l.Do(host, func() error {
 		for _, h := range like {
@@ -232,15 +233,12 @@ func attachEmpty(l *lab.Lab, host string, like []hook) (_ *emptyHooks, err error
 			if h.Hook == "egress" {
 				at = ebpf.AttachTCXEgress
 			}
-			prog := byHook[h.Hook]
-			lk, err := link.AttachTCX(link.TCXOptions{Interface: ifc.Index, Program: prog, Attach: at, Anchor: link.Head()})
+			lk, err := link.AttachTCX(link.TCXOptions{Interface: ifc.Index, Program: byHook[h.Hook], Attach: at, Anchor: link.Head()})
 			if err != nil {
 				return fmt.Errorf("attaching an empty program to %s %s of %s: %w", h.Iface, h.Hook, host, err)
 			}
 			e.links = append(e.links, lk)
-			info, _ := prog.Info()
-			id, _ := info.ID()
-			e.hooks = append(e.hooks, hook{Iface: h.Iface, Hook: h.Hook, Program: info.Name, ID: uint32(id)})
+			e.hooks = append(e.hooks, hook{Iface: h.Iface, Hook: h.Hook, Program: names[h.Hook], ID: uint32(ids[h.Hook])})
 		}
 		return nil
 	})
