@@ -234,8 +234,9 @@ var procNameRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$`)
 // Name identifies the program; it must be unique among the programs of the
 // host that are still running. Down stops it, if Proc.Stop has not.
 //
-// Start does not wait for the program to be ready: wait for what it offers
-// (Dial a port) rather than for a while.
+// Start returns once the process is in the host's namespace (so that Down,
+// or DownByName after a crash, finds it there), not once the program is
+// ready: wait for what it offers (Dial a port) rather than for a while.
 func (l *Lab) Start(host, name string, argv ...string) (*Proc, error) {
 	h, err := l.host(host)
 	if err != nil {
@@ -265,6 +266,10 @@ func (l *Lab) Start(host, name string, argv ...string) (*Proc, error) {
 	p, err := spawn(host, name, filepath.Join(l.runDir, host+"."+name+".log"), full)
 	if err != nil {
 		return nil, err
+	}
+	if err := p.waitNetns(h.Namespace, 10*time.Second); err != nil {
+		p.Stop()
+		return nil, fmt.Errorf("starting %s on %s: %w", name, host, err)
 	}
 	l.procs = slices.DeleteFunc(l.procs, func(q *Proc) bool { return q.Host == host && q.Name == name })
 	l.procs = append(l.procs, p)

@@ -454,6 +454,9 @@ func TestDownByNameAfterCrash(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if !pidInNetns(sleeper.Pid(), name+"-server") {
+		t.Fatal("Start returned before its process was in the server's namespace")
+	}
 	procs = append(procs, sleeper)
 	// A process started behind the lab's back.
 	stray := exec.Command("ip", "netns", "exec", name+"-client", "sleep", "600")
@@ -462,12 +465,13 @@ func TestDownByNameAfterCrash(t *testing.T) {
 	}
 	strayDone := make(chan struct{})
 	go func() { stray.Wait(); close(strayDone) }()
-	// Both run in their namespaces before the crash: until `ip netns exec`
-	// has entered the namespace it is in the root one, where no teardown
-	// looks, and if it opened the namespace before the teardown deleted it
-	// it enters it afterwards, out of reach (seen once in CI).
-	waitFor(t, "the processes to enter their namespaces", func() bool {
-		return pidInNetns(sleeper.Pid(), name+"-server") && pidInNetns(stray.Process.Pid, name+"-client")
+	// The stray runs in its namespace before the crash (Start waits for
+	// its own processes): until `ip netns exec` has entered the namespace
+	// it is in the root one, where no teardown looks, and if it opened the
+	// namespace before the teardown deleted it it enters it afterwards, out
+	// of reach (seen once in CI).
+	waitFor(t, "the stray process to enter its namespace", func() bool {
+		return pidInNetns(stray.Process.Pid, name+"-client")
 	})
 	l = nil // the crash: only the system remembers the lab
 

@@ -62,6 +62,30 @@ func spawn(host, name, logPath string, argv []string) (*Proc, error) {
 	return p, nil
 }
 
+// waitNetns waits until the process is in namespace ns. `ip netns exec`
+// opens the namespace, enters it and then executes the program under the
+// same pid; until it has entered, the process is in the caller's namespace,
+// where a teardown's scan of the lab's namespaces does not look, and if the
+// namespace is deleted meanwhile the process enters it afterwards, out of
+// reach. A process that exits first is not waited for (Err tells how it
+// ended); one that is still outside after timeout is an error.
+func (p *Proc) waitNetns(ns string, timeout time.Duration) error {
+	deadline := time.NewTimer(timeout)
+	defer deadline.Stop()
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	for !pidInNetns(p.Pid(), ns) {
+		select {
+		case <-p.done:
+			return nil // gone already: nothing left to reach (how it exited is Err's)
+		case <-deadline.C:
+			return fmt.Errorf("it did not enter namespace %s within %s", ns, timeout)
+		case <-tick.C:
+		}
+	}
+	return nil
+}
+
 // Pid returns the process id.
 func (p *Proc) Pid() int { return p.cmd.Process.Pid }
 
