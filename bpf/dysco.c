@@ -1484,7 +1484,8 @@ static __attribute__((noinline)) int session_flows(__u32 id, __u32 op)
 }
 
 /* free_reconf deletes what reconfigurations left of session id: its
- * two-path records, the requests behind them and a kept lock. */
+ * two-path records, the requests behind them, a kept lock and a proxy's
+ * joined sessions. */
 static __attribute__((noinline)) void free_reconf(__u32 id)
 {
 	struct tp_key tk = {.sess_id = id};
@@ -1496,6 +1497,8 @@ static __attribute__((noinline)) void free_reconf(__u32 id)
 		bpf_map_delete_elem(&dysco_tp_req, &tk);
 	}
 	tk.side = SIDE_LOCK;
+	bpf_map_delete_elem(&dysco_tp_req, &tk);
+	tk.side = SIDE_SPLICE;
 	bpf_map_delete_elem(&dysco_tp_req, &tk);
 }
 

@@ -207,18 +207,29 @@ struct tp_val {
  * Keyed like dysco_tp, written with the side's new subsession and deleted
  * when the side's two-path phase ends; never read by the programs. A middle
  * agent of an old path keeps the request it is locked for under side 2
- * (protocol.KeepLock), from the lock to its release or the session's end. */
+ * (protocol.KeepLock), from the lock to its release or the session's end.
+ * A proxy's agent keeps the two sessions it joined (§2.4, §4.2:
+ * agent/splice.go) under side 3 of the client's session, from the splice
+ * to the proxy's removal or the sessions' end. */
 struct tp_req {
 	__u8 left_anchor[16];  /* the request's key (protocol.ReqKey): its left anchor */
 	__u32 id;              /* and its number */
 	__u8 role;             /* 1: this host is the left anchor, 2: the right anchor,
 	                        * 3: a middle agent's lock (key side 2; only the
-	                        * request's key is set) */
+	                        * request's key is set), 4: a proxy's joined
+	                        * sessions (key side 3; only peer_id and app) */
 	__u8 has_prev;         /* prev holds the side's record before this request */
 	__u8 pad[2];
 	__u8 right_anchor[16];
 	__u8 old_nonce[DYSCO_NONCE_LEN]; /* the nonce of the old subsession's messages */
 	struct tp_val prev;    /* restored if the request is cancelled */
+	/* Role 4: the session the proxy opened to the server (the key's is the
+	 * one the client opened to it), and the proxy's own delta (§3.4,
+	 * protocol.AppDelta): sequence and timestamp left to right, then right
+	 * to left. */
+	__u32 peer_id;
+	__u32 app[4];
+	__u32 pad3;
 };
 /* State of the agent kept across its restarts (one entry; never read by
  * the programs). */

@@ -30,6 +30,8 @@
 #define SIDE_RIGHT 1
 /* dysco_tp_req only: a middle agent's kept lock (datapath.TPSideLock) */
 #define SIDE_LOCK 2
+/* dysco_tp_req only: a proxy's joined sessions (datapath.TPSideSplice) */
+#define SIDE_SPLICE 3
 
 static __always_inline int seq_lt(__u32 a, __u32 b) { return (__s32)(a - b) < 0; }
 static __always_inline int seq_leq(__u32 a, __u32 b) { return (__s32)(a - b) <= 0; }

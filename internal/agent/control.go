@@ -153,7 +153,11 @@ func newControl(a *Agent, port int, key []byte) (*control, error) {
 		triggers: map[uint64]*trigger{}, trigAnswers: map[triggerKey][]byte{}, wake: make(chan struct{}, 1),
 		migrations: map[uint64]*migration{}, migReports: map[uint64]api.MigrationReport{}, migCalls: map[uint64]*migCall{},
 		migAnswers: map[triggerKey][]byte{}, rightHolds: map[datapath.TPKey]*rightHold{}, exported: map[uint32]wire.Tuple{},
-		migOut: map[uint64]chan api.MigrationReport{}}
+		migOut: map[uint64]chan api.MigrationReport{},
+		// Tokens name this agent's triggers at their receivers, which
+		// answer a token they have seen with their first answer: a
+		// restarted agent must not reuse its predecessor's.
+		token: uint64(time.Now().UnixNano())}
 	if err := c.loadReqs(); err != nil {
 		conn.Close()
 		return nil, fmt.Errorf("agent: request numbers: %w", err)
@@ -641,8 +645,12 @@ func addrFrom16(b [16]byte) netip.Addr { return netip.AddrFrom16(b).Unmap() }
 // with a lock the agent held as a middle agent of an old path
 // (protocol.KeepLock), is announced to the protocol at once, which resumes
 // them (reconfigured, SessionUp.Lock).
+// A proxy's joined sessions are taken up first (resumeSpliced): the lock
+// kept for one is under its client session, which must not be announced
+// as a session of its own.
 // Loop goroutine.
 func (c *control) resumeAll() {
+	c.resumeSpliced()
 	ids := map[uint32]bool{}
 	if err := c.a.dp.EachTwoPath(func(k datapath.TPKey, v datapath.TPVal) {
 		if v.State != datapath.TPNew {
@@ -1058,14 +1066,16 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 		return c.join(v6, x)
 	case protocol.KeepLock:
 		// A middle agent's lock, for its next run if it restarts (§3.2):
-		// announce gives it back (SessionUp.Lock). The protocol emits it
+		// announce gives it back (SessionUp.Lock), and resumeSpliced for
+		// a proxy's joined session (kept under its client session, whose
+		// id is the joined session's). The protocol emits it
 		// after the ackLock it passes on, which leaves first: the map
 		// write (some 20 µs here) is not on the request's path.
 		c.flush()
 		id := c.dpID(x.Session)
 		if id == 0 || c.pidOf[id] != x.Session {
-			// A proxy's spliced sessions (no datapath session of their
-			// own), or a session freed meanwhile: nothing to keep.
+			// A session freed meanwhile (a new path through this host
+			// took its place): nothing to keep.
 			return nil
 		}
 		if x.Req.IsZero() {

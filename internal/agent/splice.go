@@ -148,17 +148,6 @@ func (c *control) splice(req api.SpliceRequest) (uint32, chan triggerMsg, error)
 			return 0, nil, errors.New("splice: a session is not established (or is closing)")
 		}
 	}
-	left, ok1 := c.currentSub(cID, cS.Tuple.Wire(), protocol.SideLeft)
-	right, ok2 := c.currentSub(sID, sS.Tuple.Wire(), protocol.SideRight)
-	if !ok1 || !ok2 {
-		return 0, nil, errors.New("splice: the sessions have no subsessions at this host")
-	}
-	ws := func(v uint8) uint8 {
-		if v == 0xff {
-			return 0
-		}
-		return v
-	}
 	app := protocol.AppDelta{
 		Right: protocol.Delta{Seq: sS.Isn[0] - cS.Isn[0] + uint32(int32(lenLR)), TS: tsOffset(sS, 0) - tsOffset(cS, 0)},
 		Left:  protocol.Delta{Seq: cS.Isn[1] - sS.Isn[1] + uint32(int32(lenRL)), TS: tsOffset(cS, 1) - tsOffset(sS, 1)},
@@ -167,29 +156,134 @@ func (c *control) splice(req api.SpliceRequest) (uint32, chan triggerMsg, error)
 		app.Right.TS += tsMarginMS
 		app.Left.TS += tsMarginMS
 	}
-	// Any earlier announcement of either session goes: the joined session
-	// replaces both.
-	v6 := cS.IsV6 != 0
+	up, err := c.joinedUp(cID, cS, sID, sS, app)
+	if err != nil {
+		return 0, nil, err
+	}
+	// Kept in the datapath for this agent's next run, should it restart
+	// before the proxy has left (resumeSpliced). Without it a restart
+	// would leave the proxy on the path: nothing lost, but not removed.
+	if err := c.a.dp.PutSplice(datapath.Splice{Client: cID, Server: sID,
+		SeqLR: app.Right.Seq, TSLR: app.Right.TS, SeqRL: app.Left.Seq, TSRL: app.Left.TS}); err != nil {
+		c.a.log.Warn("proxy splice: cannot keep the joined sessions for a restart of this agent", "err", err)
+	}
+	c.adoptJoined(up, cID, sID, cS.IsV6 != 0)
+	ch, err := c.sendTrigger(up.Left.Sub.Src, triggerMsg{Sub: &up.Left.Sub, RightAnchor: up.Right.Sub.Dst})
+	if err != nil {
+		return 0, nil, err
+	}
+	return cID, ch, nil
+}
+
+// joinedUp describes a proxy's joined session to the protocol (§2.4,
+// §4.2): the session cID that the client opened to the proxy ends here, the
+// one (sID) that the proxy opened to the server starts here; the joined
+// session has the client's tuple and nonce, its left side is the client's
+// subsession, its right side the server's, and the proxy's delta is app.
+func (c *control) joinedUp(cID uint32, cS datapath.Session, sID uint32, sS datapath.Session, app protocol.AppDelta) (protocol.SessionUp, error) {
+	left, ok1 := c.currentSub(cID, cS.Tuple.Wire(), protocol.SideLeft)
+	right, ok2 := c.currentSub(sID, sS.Tuple.Wire(), protocol.SideRight)
+	if !ok1 || !ok2 {
+		return protocol.SessionUp{}, errors.New("splice: the sessions have no subsessions at this host")
+	}
+	ws := func(v uint8) uint8 {
+		if v == 0xff {
+			return 0
+		}
+		return v
+	}
+	return protocol.SessionUp{Session: protocol.SessionID(cID), Tuple: cS.Tuple.Wire(), Nonce: cS.Nonce, App: app,
+		Left:  &protocol.SideInfo{Peer: left.Src, Sub: left, SendWScale: ws(cS.Ws[1]), PeerWScale: ws(cS.Ws[0]), Nonce: cS.Nonce},
+		Right: &protocol.SideInfo{Peer: right.Dst, Sub: right, SendWScale: ws(sS.Ws[0]), PeerWScale: ws(sS.Ws[1]), Nonce: sS.Nonce},
+	}, nil
+}
+
+// adoptJoined hands a joined session to the protocol in place of its two
+// sessions: any earlier announcement of either goes.
+func (c *control) adoptJoined(up protocol.SessionUp, cID, sID uint32, v6 bool) {
 	for _, id := range []uint32{cID, sID} {
 		if pid, ok := c.pidOf[id]; ok {
 			c.handle(c.famOf[id], protocol.SessionEnd{Session: pid, Cause: "spliced"})
 			delete(c.pidOf, id)
 		}
 	}
-	pid := protocol.SessionID(cID)
-	up := protocol.SessionUp{Session: pid, Tuple: cS.Tuple.Wire(), Nonce: cS.Nonce, App: app,
-		Left:  &protocol.SideInfo{Peer: left.Src, Sub: left, SendWScale: ws(cS.Ws[1]), PeerWScale: ws(cS.Ws[0]), Nonce: cS.Nonce},
-		Right: &protocol.SideInfo{Peer: right.Dst, Sub: right, SendWScale: ws(sS.Ws[0]), PeerWScale: ws(sS.Ws[1]), Nonce: sS.Nonce},
-	}
-	c.pidOf[cID], c.famOf[cID] = pid, v6
-	c.pidOf[sID], c.famOf[sID] = pid, v6
-	c.spliced[pid] = splicedPair{client: cID, server: sID}
+	c.pidOf[cID], c.famOf[cID] = up.Session, v6
+	c.pidOf[sID], c.famOf[sID] = up.Session, v6
+	c.spliced[up.Session] = splicedPair{client: cID, server: sID}
 	c.handle(v6, up)
-	ch, err := c.sendTrigger(left.Src, triggerMsg{Sub: &left, RightAnchor: right.Dst})
-	if err != nil {
-		return 0, nil, err
+}
+
+// resumeSpliced takes up the sessions that an earlier agent of this proxy
+// host joined (PutSplice) and that have not left the path yet: an agent
+// restart between the proxy's splice and the old path's teardown. Each is
+// handed to the protocol again with its delta and, if the old agent was
+// locked for the left anchor's request (KeepLock), locked again, so that
+// the anchors' removal goes on through this host. One that was not locked
+// yet asks the left anchor again (the earlier agent's trigger went with
+// it; a left anchor that is already at it refuses the second as busy).
+// Loop goroutine, at start.
+func (c *control) resumeSpliced() {
+	var sps []datapath.Splice
+	if err := c.a.dp.EachSplice(func(sp datapath.Splice) { sps = append(sps, sp) }); err != nil {
+		c.a.log.Warn("control: a proxy's joined sessions kept by an earlier agent", "err", err)
+		return
 	}
-	return cID, ch, nil
+	for _, sp := range sps {
+		locked, err := c.resumeSplice(sp)
+		if err != nil {
+			c.a.dp.DeleteSplice(sp.Client)
+			c.a.log.Warn("control: a proxy's joined sessions of an earlier agent are not taken up", "client_session", sp.Client,
+				"server_session", sp.Server, "err", err)
+			continue
+		}
+		c.a.log.Info("control: took up a proxy's joined sessions of an earlier agent", "client_session", sp.Client,
+			"server_session", sp.Server, "locked", locked)
+	}
+}
+
+func (c *control) resumeSplice(sp datapath.Splice) (locked bool, err error) {
+	dp := c.a.dp
+	cS, ok1 := dp.Session(sp.Client)
+	sS, ok2 := dp.Session(sp.Server)
+	if !ok1 || !ok2 {
+		return false, errors.New("a session is gone")
+	}
+	if cS.Role != datapath.RoleEnd || sS.Role != datapath.RoleStart {
+		return false, fmt.Errorf("roles %s and %s, not a proxy's", datapath.RoleName(cS.Role), datapath.RoleName(sS.Role))
+	}
+	for _, s := range []datapath.Session{cS, sS} {
+		if s.State&datapath.StEst == 0 || s.State&(datapath.StRST|datapath.StFINFwd|datapath.StFINRev) != 0 {
+			return false, errors.New("a session is closing")
+		}
+		t := s.Tuple.Wire()
+		for _, k := range []wire.Tuple{t, t.Reverse()} {
+			if f, ok := dp.Flow(datapath.TupleFrom(k)); ok && f.Flags&datapath.FlDrop != 0 {
+				return false, errors.New("the proxy was cut off its sessions already (it has left the path)")
+			}
+		}
+	}
+	up, err := c.joinedUp(sp.Client, cS, sp.Server, sS, protocol.AppDelta{
+		Right: protocol.Delta{Seq: sp.SeqLR, TS: sp.TSLR}, Left: protocol.Delta{Seq: sp.SeqRL, TS: sp.TSRL}})
+	if err != nil {
+		return false, err
+	}
+	if la, n, ok := dp.Lock(sp.Client); ok {
+		up.Lock = protocol.ReqKey{LeftAnchor: addrFrom16(la), ID: n}
+	}
+	c.adoptJoined(up, sp.Client, sp.Server, cS.IsV6 != 0)
+	if !up.Lock.IsZero() {
+		return true, nil
+	}
+	ch, err := c.sendTrigger(up.Left.Sub.Src, triggerMsg{Sub: &up.Left.Sub, RightAnchor: up.Right.Sub.Dst})
+	if err != nil {
+		c.a.log.Warn("proxy removal not asked again after an agent restart", "session", sp.Client, "err", err)
+		return false, nil // taken up all the same: a middle agent of its path
+	}
+	go func() {
+		m := <-ch
+		c.a.log.Info("proxy removal asked again after an agent restart", "session", sp.Client, "outcome", m.Outcome, "reason", m.Reason)
+	}()
+	return false, nil
 }
 
 // tsOffset is the timestamp clock offset of the sender of direction dir of

@@ -196,6 +196,9 @@ type dyscoTpReq struct {
 	RightAnchor [16]uint8
 	OldNonce    [8]uint8
 	Prev        dyscoTpVal
+	PeerId      uint32
+	App         [4]uint32
+	Pad3        uint32
 }
 
 type dyscoTpVal struct {

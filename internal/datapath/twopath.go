@@ -131,8 +131,9 @@ func (d *Datapath) ctlRun(a dyscoCtlArgs) (int, error) {
 // run of the control program (some thirty map operations from user space):
 // its flows, found from its tuple and its two-path records and each only if
 // it is still the session's (a newer session may reuse a tuple), with their
-// deltas; its two-path records, the requests behind them and a kept lock;
-// its set-up state; the session. It returns how many flows went.
+// deltas; its two-path records, the requests behind them, a kept lock and
+// joined sessions (Splice); its set-up state; the session. It returns how
+// many flows went.
 func (d *Datapath) FreeSession(id uint32) (int, error) {
 	return d.ctlRun(dyscoCtlArgs{Op: ctlFree, Tp: TPKey{SessId: id}})
 }
@@ -225,9 +226,51 @@ const (
 	TPReqMiddle = 3
 )
 
+// TPReqSplice: a proxy's two joined sessions (Splice), kept under the
+// client session's TPSideSplice key.
+const TPReqSplice = 4
+
 // TPSideLock is the Side of the TPKey under which a middle agent keeps the
 // lock it holds (TPReqMiddle); sides 0 and 1 are the session's own.
 const TPSideLock = 2
+
+// TPSideSplice is the Side of the TPKey under which a proxy's agent keeps
+// the sessions it joined (TPReqSplice).
+const TPSideSplice = 3
+
+// Splice is what a proxy's agent keeps of the two TCP sessions it joined
+// into one (paper §2.4, §4.2; agent/splice.go), so that a restarted agent
+// can take the joined session up again: the session the client opened to
+// the proxy (Client), the one the proxy opened to the server (Server), and
+// the proxy's own delta (protocol.AppDelta): sequence number and timestamp
+// left to right (SeqLR, TSLR) and right to left (SeqRL, TSRL).
+type Splice struct {
+	Client, Server           uint32
+	SeqLR, TSLR, SeqRL, TSRL uint32
+}
+
+// PutSplice keeps a proxy's joined sessions until the proxy has left the
+// path (DeleteSplice) or the client's session ends (FreeSession,
+// DeleteReconfigState(s)).
+func (d *Datapath) PutSplice(sp Splice) error {
+	v := TPReq{Role: TPReqSplice, PeerId: sp.Server, App: [4]uint32{sp.SeqLR, sp.TSLR, sp.SeqRL, sp.TSRL}}
+	return d.objs.DyscoTpReq.Update(&TPKey{SessId: sp.Client, Side: TPSideSplice}, &v, ebpf.UpdateAny)
+}
+
+// DeleteSplice forgets the joined sessions kept for client session id.
+func (d *Datapath) DeleteSplice(id uint32) {
+	_ = d.objs.DyscoTpReq.Delete(&TPKey{SessId: id, Side: TPSideSplice})
+}
+
+// EachSplice calls fn for every proxy's joined sessions kept by PutSplice
+// (read at agent start only).
+func (d *Datapath) EachSplice(fn func(Splice)) error {
+	return eachBatch(d.objs.DyscoTpReq, "joined sessions", &batchBufs[TPKey, TPReq]{}, func(k *TPKey, v *TPReq) {
+		if k.Side == TPSideSplice && v.Role == TPReqSplice {
+			fn(Splice{Client: k.SessId, Server: v.PeerId, SeqLR: v.App[0], TSLR: v.App[1], SeqRL: v.App[2], TSRL: v.App[3]})
+		}
+	})
+}
 
 // PutLock keeps the request (its left anchor and number) that a middle
 // agent holds the lock of session id for.
@@ -261,7 +304,8 @@ func (d *Datapath) EachLock(fn func(id uint32)) error {
 }
 
 // DeleteReconfigState removes what reconfigurations left of session id:
-// both sides' two-path records, the requests behind them and a kept lock.
+// both sides' two-path records, the requests behind them, a kept lock and
+// a proxy's joined sessions (Splice, when id is the client's session).
 // One run of the control program, not five map deletions.
 func (d *Datapath) DeleteReconfigState(id uint32) {
 	_ = d.ctlArgs(dyscoCtlArgs{Op: ctlFreeReconf, Tp: TPKey{SessId: id}})

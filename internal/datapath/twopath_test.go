@@ -991,6 +991,70 @@ func TestKeptLock(t *testing.T) {
 	}
 }
 
+// TestKeptSplice: a proxy's joined sessions (PutSplice) are listed with
+// their delta, are neither a lock nor a side's request, and go with
+// DeleteSplice, DeleteReconfigState and FreeSession of the client's
+// session.
+func TestKeptSplice(t *testing.T) {
+	fx := newFixture(t)
+	want := Splice{Client: 7, Server: 9, SeqLR: 0xfffffff9, TSLR: 16, SeqRL: 1234, TSRL: 0x80000000}
+	list := func() []Splice {
+		t.Helper()
+		var got []Splice
+		if err := fx.d.EachSplice(func(sp Splice) { got = append(got, sp) }); err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	put := func() {
+		t.Helper()
+		if err := fx.d.PutSplice(want); err != nil {
+			t.Fatal(err)
+		}
+		if got := list(); len(got) != 1 || got[0] != want {
+			t.Fatalf("EachSplice: %+v, want %+v", got, want)
+		}
+	}
+	put()
+	if _, _, ok := fx.d.Lock(want.Client); ok {
+		t.Error("joined sessions taken for a kept lock")
+	}
+	var locks []uint32
+	if err := fx.d.EachLock(func(id uint32) { locks = append(locks, id) }); err != nil || len(locks) != 0 {
+		t.Errorf("EachLock: %v %v", locks, err)
+	}
+	for side := uint32(0); side < 2; side++ {
+		if _, ok := fx.d.TPReqOf(TPKey{SessId: want.Client, Side: side}); ok {
+			t.Fatalf("side %d has a request", side)
+		}
+	}
+	fx.d.DeleteSplice(want.Client)
+	if got := list(); len(got) != 0 {
+		t.Fatalf("after DeleteSplice: %+v", got)
+	}
+	put()
+	fx.d.DeleteReconfigState(want.Server) // not the key's session
+	if len(list()) != 1 {
+		t.Fatal("DeleteReconfigState of the server's session took the client's")
+	}
+	fx.d.DeleteReconfigState(want.Client)
+	if got := list(); len(got) != 0 {
+		t.Fatalf("after DeleteReconfigState: %+v", got)
+	}
+	put()
+	fx.d.DeleteReconfigStates([]uint32{want.Client})
+	if got := list(); len(got) != 0 {
+		t.Fatalf("after DeleteReconfigStates: %+v", got)
+	}
+	put()
+	if _, err := fx.d.FreeSession(want.Client); err != nil {
+		t.Fatal(err)
+	}
+	if got := list(); len(got) != 0 {
+		t.Fatalf("after FreeSession: %+v", got)
+	}
+}
+
 // TestDeleteReconfigStates: the collector's batch removes every two-path
 // record, request and kept lock of the ended sessions, and nothing of the
 // others; ids without any (sessions never reconfigured) are no error.

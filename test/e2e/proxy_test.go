@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"crypto/sha256"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -11,10 +12,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/lab"
 )
 
@@ -144,13 +147,26 @@ func clientGoesDirect(e *env, server netip.Addr) bool {
 // agents learn the sides' deltas from the datapath (control.sideDelta); had
 // they taken them for zero, the insertion would compose wrong deltas and the
 // stream would break.
+//
+// proxy-restart-unlocked, proxy-restart-locked: the proxy's agent restarts
+// in the middle of its removal, before the left anchor's request has
+// reached it (the proxy host drops the client's control messages until
+// then), or while it is locked for it (the client's messages to the server,
+// those of the new path, are dropped until then). The restarted agent takes
+// the joined session up from what the datapath kept (control.resumeSpliced):
+// the proxy's delta, which the request gathers only after the restart in
+// the first case, and the lock in the second, so that the old path's
+// teardown crosses it and cuts the proxy off.
 func TestProxyRemovalDelta(t *testing.T) {
-	t.Run("remove", func(t *testing.T) { proxyRemovalDelta(t, false, false) })
-	t.Run("remove-ipv6", func(t *testing.T) { proxyRemovalDelta(t, false, true) })
-	t.Run("restart-then-insert", func(t *testing.T) { proxyRemovalDelta(t, true, false) })
+	t.Run("remove", func(t *testing.T) { proxyRemovalDelta(t, "", false) })
+	t.Run("remove-ipv6", func(t *testing.T) { proxyRemovalDelta(t, "", true) })
+	t.Run("restart-then-insert", func(t *testing.T) { proxyRemovalDelta(t, "restart-then-insert", false) })
+	t.Run("proxy-restart-unlocked", func(t *testing.T) { proxyRemovalDelta(t, "proxy-restart-unlocked", false) })
+	t.Run("proxy-restart-locked", func(t *testing.T) { proxyRemovalDelta(t, "proxy-restart-locked", false) })
 }
 
-func proxyRemovalDelta(t *testing.T, restartInsert, v6 bool) {
+func proxyRemovalDelta(t *testing.T, mode string, v6 bool) {
+	restartInsert := mode == "restart-then-insert"
 	bin := filepath.Join(t.TempDir(), "lenproxy")
 	root, _ := filepath.Abs("../..")
 	lib := filepath.Dir(libdysco)
@@ -169,6 +185,14 @@ func proxyRemovalDelta(t *testing.T, restartInsert, v6 bool) {
 	proxy, server := e.addr("proxy", v6), e.addr("server", v6)
 	e.policy("client", "to-proxy", "tcp and dst host "+proxy.String())
 	e.policy("proxy", "to-server", "tcp dst port 9701")
+	// The hold of a proxy restart, in place before the splice.
+	var hold *ruleHold
+	switch mode {
+	case "proxy-restart-unlocked":
+		hold = e.holdRule("proxy", "iptables", "INPUT", "-p", "udp", "-s", e.addr("client", false).String(), "--dport", strconv.Itoa(ctlPort))
+	case "proxy-restart-locked":
+		hold = e.holdRule("client", "iptables", "OUTPUT", "-p", "udp", "-d", server.String(), "--dport", strconv.Itoa(ctlPort))
+	}
 
 	const rate = 6 * mib
 	line := "GET /hello HTTP/1.0\n"
@@ -241,7 +265,37 @@ func proxyRemovalDelta(t *testing.T, restartInsert, v6 bool) {
 		m, err := io.Copy(h, c)
 		read <- readResult{m, err}
 	}()
+	if hold != nil {
+		restartProxyMidRemoval(e, hold, mode == "proxy-restart-locked")
+	}
 	eventually(t, 20*time.Second, "the proxy to leave the path", func() bool { return clientGoesDirect(e, server) })
+	if hold != nil {
+		// The old path's teardown crossed the restarted agent: it cut the
+		// proxy off its sessions and kept nothing of the removal.
+		eventually(t, 20*time.Second, "the old path through the proxy to be torn down", func() bool {
+			for _, s := range e.sessions("proxy") {
+				if s.Left != "" || s.Right != "" {
+					return false
+				}
+			}
+			return true
+		})
+		if n := e.pinnedEntries("proxy", "dysco_tp_req"); n != 0 {
+			t.Errorf("the proxy host keeps %d entries of dysco_tp_req after its removal", n)
+		}
+		var rep api.ReconfigReply
+		out := e.dysco("client", "reconfig", "history", "--json")
+		if err := json.Unmarshal([]byte(out), &rep); err != nil {
+			t.Fatalf("history: %v\n%s", err, out)
+		}
+		ok := false
+		for _, r := range rep.Results {
+			ok = ok || r.Outcome == "succeeded"
+		}
+		if !ok {
+			t.Fatalf("no successful removal in the client's history: %+v", rep.Results)
+		}
+	}
 	if restartInsert {
 		for _, h := range []string{"client", "server"} {
 			if err := e.lab.RestartAgent(h); err != nil {
@@ -276,6 +330,84 @@ func proxyRemovalDelta(t *testing.T, restartInsert, v6 bool) {
 	if !strings.Contains(stderr.String(), "dysco_splice: ok") {
 		t.Errorf("lenproxy: %s", stderr.String())
 	}
+}
+
+// restartProxyMidRemoval waits until the proxy's removal is held where
+// hold holds it (locked: the proxy's agent locked for the request; else:
+// the client's request dropped on its way to the proxy), restarts the
+// proxy's agent, checks that the new agent took the joined session up as
+// the old one left it, and releases the hold.
+func restartProxyMidRemoval(e *env, hold *ruleHold, locked bool) {
+	e.t.Helper()
+	want := "unlocked"
+	if locked {
+		want = "locked"
+	}
+	joined := func() bool {
+		ss := e.sessions("proxy")
+		n := 0
+		for _, s := range ss {
+			if s.Lock == want {
+				n++
+			}
+		}
+		return n == 2 // the client's session and the server's: one joined session
+	}
+	requested := func() bool {
+		for _, s := range e.sessions("client") {
+			if strings.HasPrefix(s.Reconfig, "leftAnchor:") {
+				return true
+			}
+		}
+		return false
+	}
+	eventually(e.t, 30*time.Second, "the removal to be held before the restart", func() bool {
+		return hold.drops() > 0 && requested() && joined()
+	})
+	if err := e.lab.RestartAgent("proxy"); err != nil {
+		e.t.Fatalf("restart agent on proxy: %v", err)
+	}
+	if !joined() {
+		e.t.Fatalf("the restarted proxy agent did not take up the joined session (%s): %+v", want, e.sessions("proxy"))
+	}
+	hold.release()
+}
+
+// ruleHold is an iptables DROP rule a test inserts and later deletes.
+type ruleHold struct {
+	e                *env
+	host, ipt, chain string
+	spec             []string
+	released         bool
+}
+
+// holdRule inserts a DROP rule at the head of chain on host; it is deleted
+// by release, or when the test ends.
+func (e *env) holdRule(host, ipt, chain string, spec ...string) *ruleHold {
+	e.t.Helper()
+	h := &ruleHold{e: e, host: host, ipt: ipt, chain: chain, spec: spec}
+	e.run(host, append(append([]string{ipt, "-I", chain}, spec...), "-j", "DROP")...)
+	e.t.Cleanup(h.release)
+	return h
+}
+
+func (h *ruleHold) release() {
+	if !h.released {
+		h.released = true
+		h.e.run(h.host, append(append([]string{h.ipt, "-D", h.chain}, h.spec...), "-j", "DROP")...)
+	}
+}
+
+// drops returns the packets the rule dropped: it is the first of its chain.
+func (h *ruleHold) drops() uint64 {
+	h.e.t.Helper()
+	lines := strings.Split(h.e.run(h.host, h.ipt, "-L", h.chain, "1", "-n", "-v", "-x"), "\n")
+	if f := strings.Fields(lines[0]); len(f) > 2 && f[2] == "DROP" {
+		n, _ := strconv.ParseUint(f[0], 10, 64)
+		return n
+	}
+	h.e.t.Fatalf("%s: %s %s: the first rule is not the hold: %q", h.host, h.ipt, h.chain, lines[0])
+	return 0
 }
 
 // TestProxyRemovalMixedFamilies: a proxy that accepts its client over IPv6
