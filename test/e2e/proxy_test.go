@@ -163,6 +163,7 @@ func TestProxyRemovalDelta(t *testing.T) {
 	t.Run("restart-then-insert", func(t *testing.T) { proxyRemovalDelta(t, "restart-then-insert", false) })
 	t.Run("proxy-restart-unlocked", func(t *testing.T) { proxyRemovalDelta(t, "proxy-restart-unlocked", false) })
 	t.Run("proxy-restart-locked", func(t *testing.T) { proxyRemovalDelta(t, "proxy-restart-locked", false) })
+	t.Run("proxy-restart-locked-ipv6", func(t *testing.T) { proxyRemovalDelta(t, "proxy-restart-locked", true) })
 }
 
 func proxyRemovalDelta(t *testing.T, mode string, v6 bool) {
@@ -187,11 +188,15 @@ func proxyRemovalDelta(t *testing.T, mode string, v6 bool) {
 	e.policy("proxy", "to-server", "tcp dst port 9701")
 	// The hold of a proxy restart, in place before the splice.
 	var hold *ruleHold
+	ipt := "iptables"
+	if v6 {
+		ipt = "ip6tables"
+	}
 	switch mode {
 	case "proxy-restart-unlocked":
-		hold = e.holdRule("proxy", "iptables", "INPUT", "-p", "udp", "-s", e.addr("client", false).String(), "--dport", strconv.Itoa(ctlPort))
+		hold = e.holdRule("proxy", ipt, "INPUT", "-p", "udp", "-s", e.addr("client", v6).String(), "--dport", strconv.Itoa(ctlPort))
 	case "proxy-restart-locked":
-		hold = e.holdRule("client", "iptables", "OUTPUT", "-p", "udp", "-d", server.String(), "--dport", strconv.Itoa(ctlPort))
+		hold = e.holdRule("client", ipt, "OUTPUT", "-p", "udp", "-d", server.String(), "--dport", strconv.Itoa(ctlPort))
 	}
 
 	const rate = 6 * mib
