@@ -224,12 +224,15 @@ struct tp_req {
 	__u8 old_nonce[DYSCO_NONCE_LEN]; /* the nonce of the old subsession's messages */
 	struct tp_val prev;    /* restored if the request is cancelled */
 	/* Role 4: the session the proxy opened to the server (the key's is the
-	 * one the client opened to it), and the proxy's own delta (§3.4,
+	 * one the client opened to it); the proxy's own delta (§3.4,
 	 * protocol.AppDelta): sequence and timestamp left to right, then right
-	 * to left. */
+	 * to left; both sessions' created_ms, which tell that an id still names
+	 * the same session; whether the left anchor answered the proxy's
+	 * trigger (a restarted agent asks again only if it did not). */
 	__u32 peer_id;
 	__u32 app[4];
-	__u32 pad3;
+	__u32 created_ms[2]; /* the client's session's, the server's */
+	__u32 answered;
 };
 /* State of the agent kept across its restarts (one entry; never read by
  * the programs). */

@@ -664,6 +664,9 @@ func (c *control) resumeAll() {
 		c.a.log.Warn("control: locks kept by an earlier agent", "err", err)
 	}
 	for id := range ids {
+		if _, ok := c.pidOf[id]; ok {
+			continue // a proxy's joined session, taken up already
+		}
 		if err := c.announce(id); err != nil {
 			if _, ok := c.a.dp.Session(id); !ok {
 				c.a.dp.DeleteLock(id) // kept for a session gone meanwhile
@@ -845,6 +848,14 @@ func (c *control) sessionsEnded(ids []uint32) {
 			}
 			c.handle(c.famOf[id], protocol.SessionEnd{Session: pid, Cause: "ended"})
 			c.forget(id, pid)
+			if p, ok := c.spliced[pid]; ok {
+				// One of a proxy's joined sessions ended, and the joined
+				// session with it: nothing of it is to be taken up after
+				// a restart (the record and a kept lock are under the
+				// client's session, which may outlive the server's).
+				delete(c.spliced, pid)
+				c.a.dp.DeleteReconfigState(p.client)
+			}
 		}
 	})
 }

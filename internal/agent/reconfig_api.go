@@ -248,7 +248,7 @@ func (c *control) removeSelf(ctx context.Context, sessions []datapath.SessionEnt
 			for _, h := range with {
 				chain = append(chain, h.Unmap())
 			}
-			ch, err := c.sendTrigger(left.Src, triggerMsg{Sub: &left, RightAnchor: right.Dst, Chain: chain, Migrate: mig})
+			ch, err := c.sendTrigger(left.Src, triggerMsg{Sub: &left, RightAnchor: right.Dst, Chain: chain, Migrate: mig}, 0)
 			if err != nil {
 				p.res.Outcome, p.res.Reason = "failed", err.Error()
 				continue

@@ -164,11 +164,12 @@ func (c *control) splice(req api.SpliceRequest) (uint32, chan triggerMsg, error)
 	// before the proxy has left (resumeSpliced). Without it a restart
 	// would leave the proxy on the path: nothing lost, but not removed.
 	if err := c.a.dp.PutSplice(datapath.Splice{Client: cID, Server: sID,
-		SeqLR: app.Right.Seq, TSLR: app.Right.TS, SeqRL: app.Left.Seq, TSRL: app.Left.TS}); err != nil {
+		SeqLR: app.Right.Seq, TSLR: app.Right.TS, SeqRL: app.Left.Seq, TSRL: app.Left.TS,
+		ClientCreatedMs: cS.CreatedMs, ServerCreatedMs: sS.CreatedMs}); err != nil {
 		c.a.log.Warn("proxy splice: cannot keep the joined sessions for a restart of this agent", "err", err)
 	}
 	c.adoptJoined(up, cID, sID, cS.IsV6 != 0)
-	ch, err := c.sendTrigger(up.Left.Sub.Src, triggerMsg{Sub: &up.Left.Sub, RightAnchor: up.Right.Sub.Dst})
+	ch, err := c.sendTrigger(up.Left.Sub.Src, triggerMsg{Sub: &up.Left.Sub, RightAnchor: up.Right.Sub.Dst}, cID)
 	if err != nil {
 		return 0, nil, err
 	}
@@ -219,9 +220,10 @@ func (c *control) adoptJoined(up protocol.SessionUp, cID, sID uint32, v6 bool) {
 // handed to the protocol again with its delta and, if the old agent was
 // locked for the left anchor's request (KeepLock), locked again, so that
 // the anchors' removal goes on through this host. One that was not locked
-// yet asks the left anchor again (the earlier agent's trigger went with
-// it; a left anchor that is already at it refuses the second as busy).
-// Loop goroutine, at start.
+// yet asks the left anchor again, unless the left anchor had answered the
+// earlier agent's trigger (the earlier agent's trigger went with it; a left
+// anchor that is already at it refuses the second as busy). Loop
+// goroutine, at start.
 func (c *control) resumeSpliced() {
 	var sps []datapath.Splice
 	if err := c.a.dp.EachSplice(func(sp datapath.Splice) { sps = append(sps, sp) }); err != nil {
@@ -231,7 +233,10 @@ func (c *control) resumeSpliced() {
 	for _, sp := range sps {
 		locked, err := c.resumeSplice(sp)
 		if err != nil {
+			// Neither is the lock kept for it: the client's session must
+			// not be announced as a session of its own with it.
 			c.a.dp.DeleteSplice(sp.Client)
+			c.a.dp.DeleteLock(sp.Client)
 			c.a.log.Warn("control: a proxy's joined sessions of an earlier agent are not taken up", "client_session", sp.Client,
 				"server_session", sp.Server, "err", err)
 			continue
@@ -245,8 +250,8 @@ func (c *control) resumeSplice(sp datapath.Splice) (locked bool, err error) {
 	dp := c.a.dp
 	cS, ok1 := dp.Session(sp.Client)
 	sS, ok2 := dp.Session(sp.Server)
-	if !ok1 || !ok2 {
-		return false, errors.New("a session is gone")
+	if !ok1 || !ok2 || cS.CreatedMs != sp.ClientCreatedMs || sS.CreatedMs != sp.ServerCreatedMs {
+		return false, errors.New("a session is gone (its id is free or names another session)")
 	}
 	if cS.Role != datapath.RoleEnd || sS.Role != datapath.RoleStart {
 		return false, fmt.Errorf("roles %s and %s, not a proxy's", datapath.RoleName(cS.Role), datapath.RoleName(sS.Role))
@@ -274,7 +279,13 @@ func (c *control) resumeSplice(sp datapath.Splice) (locked bool, err error) {
 	if !up.Lock.IsZero() {
 		return true, nil
 	}
-	ch, err := c.sendTrigger(up.Left.Sub.Src, triggerMsg{Sub: &up.Left.Sub, RightAnchor: up.Right.Sub.Dst})
+	if sp.Answered {
+		// The left anchor answered the earlier agent's trigger: the
+		// removal failed or was refused (had it succeeded, the teardown
+		// would have locked this agent). Not asked again unprompted.
+		return false, nil
+	}
+	ch, err := c.sendTrigger(up.Left.Sub.Src, triggerMsg{Sub: &up.Left.Sub, RightAnchor: up.Right.Sub.Dst}, sp.Client)
 	if err != nil {
 		c.a.log.Warn("proxy removal not asked again after an agent restart", "session", sp.Client, "err", err)
 		return false, nil // taken up all the same: a middle agent of its path

@@ -21,6 +21,8 @@ import (
 	"net/netip"
 	"time"
 
+	"github.com/cilium/ebpf"
+
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/datapath"
 	"github.com/dysco/dysco/internal/protocol"
@@ -62,6 +64,9 @@ type trigger struct {
 	ch    chan triggerMsg
 	tries int
 	timer *time.Timer
+	// splice is the client session of the proxy's joined sessions this
+	// trigger asks to remove (0: none): their record notes the answer.
+	splice uint32
 }
 
 var errTriggerMAC = errors.New("trigger MAC mismatch")
@@ -148,6 +153,13 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 		}
 		delete(c.triggers, m.Token)
 		t.timer.Stop()
+		if t.splice != 0 {
+			// Answered, whatever the outcome: a restarted agent does
+			// not ask again (resumeSplice).
+			if err := c.a.dp.SpliceAnswered(t.splice); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+				c.a.log.Warn("proxy removal: cannot note the left anchor's answer", "session", t.splice, "err", err)
+			}
+		}
 		t.ch <- m
 	case triggerRequest:
 		k := triggerKey{from, m.Token}
@@ -249,8 +261,10 @@ func (c *control) sideSettled(id uint32, side protocol.Side) bool {
 }
 
 // sendTrigger asks from's left neighbour to reconfigure; the result
-// arrives on the returned channel. Loop goroutine.
-func (c *control) sendTrigger(to netip.Addr, m triggerMsg) (chan triggerMsg, error) {
+// arrives on the returned channel. splice is the client session of a
+// proxy's joined sessions that the trigger asks to remove, 0 for other
+// triggers. Loop goroutine.
+func (c *control) sendTrigger(to netip.Addr, m triggerMsg, splice uint32) (chan triggerMsg, error) {
 	c.token++
 	m.Token = c.token
 	m.SentUnixMS = time.Now().UnixMilli()
@@ -258,7 +272,7 @@ func (c *control) sendTrigger(to netip.Addr, m triggerMsg) (chan triggerMsg, err
 	if err != nil {
 		return nil, err
 	}
-	t := &trigger{to: to, data: b, ch: make(chan triggerMsg, 1)}
+	t := &trigger{to: to, data: b, ch: make(chan triggerMsg, 1), splice: splice}
 	c.triggers[m.Token] = t
 	token := m.Token
 	var send func()

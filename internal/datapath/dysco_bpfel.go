@@ -198,7 +198,8 @@ type dyscoTpReq struct {
 	Prev        dyscoTpVal
 	PeerId      uint32
 	App         [4]uint32
-	Pad3        uint32
+	CreatedMs   [2]uint32
+	Answered    uint32
 }
 
 type dyscoTpVal struct {

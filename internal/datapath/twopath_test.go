@@ -997,7 +997,8 @@ func TestKeptLock(t *testing.T) {
 // session.
 func TestKeptSplice(t *testing.T) {
 	fx := newFixture(t)
-	want := Splice{Client: 7, Server: 9, SeqLR: 0xfffffff9, TSLR: 16, SeqRL: 1234, TSRL: 0x80000000}
+	want := Splice{Client: 7, Server: 9, SeqLR: 0xfffffff9, TSLR: 16, SeqRL: 1234, TSRL: 0x80000000,
+		ClientCreatedMs: 0xfffffffe, ServerCreatedMs: 3}
 	list := func() []Splice {
 		t.Helper()
 		var got []Splice
@@ -1027,6 +1028,17 @@ func TestKeptSplice(t *testing.T) {
 		if _, ok := fx.d.TPReqOf(TPKey{SessId: want.Client, Side: side}); ok {
 			t.Fatalf("side %d has a request", side)
 		}
+	}
+	if err := fx.d.SpliceAnswered(want.Client); err != nil {
+		t.Fatal(err)
+	}
+	answered := want
+	answered.Answered = true
+	if got := list(); len(got) != 1 || got[0] != answered {
+		t.Fatalf("after SpliceAnswered: %+v, want %+v", got, answered)
+	}
+	if err := fx.d.SpliceAnswered(want.Server); !errors.Is(err, ebpf.ErrKeyNotExist) {
+		t.Errorf("SpliceAnswered with nothing kept: %v, want ErrKeyNotExist", err)
 	}
 	fx.d.DeleteSplice(want.Client)
 	if got := list(); len(got) != 0 {
