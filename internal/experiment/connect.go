@@ -63,6 +63,11 @@ type connectResult struct {
 	Dysco       []float64 `json:"dysco_us"`
 	Baseline    []float64 `json:"baseline_us"`
 	Interrupted int       `json:"interrupted"`
+	// ChainSetups is, per middlebox of the Dysco lab (mb1 first), how
+	// many SYNs its datapath continued along the chain (status counter
+	// setup_cont) while the Dysco samples were taken: at least one per
+	// sample when every connect() went through the whole chain.
+	ChainSetups []uint64 `json:"chain_setups"`
 }
 
 // benchConnect measures connect() latency through the pair's middleboxes
@@ -82,6 +87,21 @@ func benchConnect(ctx context.Context, o *Options, p *pair, r *Report, pr *progr
 			return fmt.Errorf("%s, %s lab, warm-up: %w", what, v.name, err)
 		}
 	}
+	setups := func() ([]uint64, error) {
+		var n []uint64
+		for _, h := range p.dysco.mbs {
+			st, err := agentStatus(ctx, o, p.dysco.lab, h)
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", what, err)
+			}
+			n = append(n, st.Counters["setup_cont"])
+		}
+		return n, nil
+	}
+	before, err := setups()
+	if err != nil {
+		return err
+	}
 	for c := 1; c <= chunks; c++ {
 		pr.logf("%s: chunk %d/%d, %d calls per lab", what, c, chunks, per)
 		for _, v := range p.both() {
@@ -96,6 +116,13 @@ func benchConnect(ctx context.Context, o *Options, p *pair, r *Report, pr *progr
 				res.Baseline = append(res.Baseline, ss...)
 			}
 		}
+	}
+	after, err := setups()
+	if err != nil {
+		return err
+	}
+	for i := range after {
+		res.ChainSetups = append(res.ChainSetups, after[i]-before[i])
 	}
 	dm, bm := median(res.Dysco), median(res.Baseline)
 	d99, b99 := quantile(res.Dysco, 0.99), quantile(res.Baseline, 0.99)
