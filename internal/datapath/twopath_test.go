@@ -1266,7 +1266,8 @@ func TestFreeAndCutSession(t *testing.T) {
 }
 
 // TestCtlConsts checks the Go mirrors of dysco_ctl's operations (consts.h)
-// and of the kept lock's side (twopath.h).
+// and of the sides of a kept lock and of a proxy's joined sessions
+// (twopath.h).
 func TestCtlConsts(t *testing.T) {
 	var src []byte
 	for _, f := range []string{"consts.h", "twopath.h"} {
@@ -1280,7 +1281,7 @@ func TestCtlConsts(t *testing.T) {
 		"CTL_FLAGS_SET": ctlFlagsSet, "CTL_FLAGS_CLEAR": ctlFlagsClear, "CTL_TP_START": ctlTPStart,
 		"CTL_TP_STATE": ctlTPState, "CTL_TP_CLAMP": ctlTPClamp, "CTL_MARKS_MERGE": ctlMarksMerge,
 		"CTL_FREE": ctlFree, "CTL_CUT": ctlCut, "CTL_FREE_RECONF": ctlFreeReconf, "CTL_ADD_SUB": ctlAddSub,
-		"SIDE_LOCK": TPSideLock,
+		"SIDE_LOCK": TPSideLock, "SIDE_SPLICE": TPSideSplice,
 	} {
 		m := regexp.MustCompile(`(?m)^#define ` + name + `\s+(\d+)`).FindSubmatch(src)
 		if m == nil {
