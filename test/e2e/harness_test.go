@@ -19,6 +19,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -68,8 +70,9 @@ func TestMain(m *testing.M) {
 
 // env is one lab under test.
 type env struct {
-	t   *testing.T
-	lab *lab.Lab
+	t     *testing.T
+	lab   *lab.Lab
+	holds int // hold rules inserted so far (holdRule names them)
 }
 
 type labOpts struct {
@@ -452,4 +455,48 @@ func raiseFileLimit() uint64 {
 	lim.Cur = lim.Max
 	syscall.Setrlimit(syscall.RLIMIT_NOFILE, &lim)
 	return lim.Cur
+}
+
+// ruleHold is an iptables DROP rule a test inserts and later deletes. Its
+// comment names it, so that its counter is found among other rules.
+type ruleHold struct {
+	e                *env
+	host, ipt, chain string
+	spec             []string // match, DROP target and comment included
+	tag              string
+	released         bool
+}
+
+// holdRule inserts a DROP rule with the matches spec at the head of chain
+// on host; it is deleted by release, or when the test ends.
+func (e *env) holdRule(host, ipt, chain string, spec ...string) *ruleHold {
+	e.t.Helper()
+	e.holds++
+	tag := fmt.Sprintf("dysco-test-hold-%d", e.holds)
+	h := &ruleHold{e: e, host: host, ipt: ipt, chain: chain, tag: tag,
+		spec: append(append(slices.Clone(spec), "-m", "comment", "--comment", tag), "-j", "DROP")}
+	e.run(host, append([]string{ipt, "-I", chain}, h.spec...)...)
+	e.t.Cleanup(h.release)
+	return h
+}
+
+func (h *ruleHold) release() {
+	if !h.released {
+		h.released = true
+		h.e.run(h.host, append([]string{h.ipt, "-D", h.chain}, h.spec...)...)
+	}
+}
+
+// drops returns the packets the rule dropped.
+func (h *ruleHold) drops() uint64 {
+	h.e.t.Helper()
+	out := h.e.run(h.host, h.ipt, "-L", h.chain, "-n", "-v", "-x")
+	for _, l := range strings.Split(out, "\n") {
+		if f := strings.Fields(l); len(f) > 2 && f[2] == "DROP" && strings.Contains(l, "/* "+h.tag+" */") {
+			n, _ := strconv.ParseUint(f[0], 10, 64)
+			return n
+		}
+	}
+	h.e.t.Fatalf("%s: %s %s: no rule %s:\n%s", h.host, h.ipt, h.chain, h.tag, out)
+	return 0
 }

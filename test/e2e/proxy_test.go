@@ -388,43 +388,6 @@ func restartProxyMidRemoval(e *env, hold *ruleHold, locked bool) {
 	hold.release()
 }
 
-// ruleHold is an iptables DROP rule a test inserts and later deletes.
-type ruleHold struct {
-	e                *env
-	host, ipt, chain string
-	spec             []string
-	released         bool
-}
-
-// holdRule inserts a DROP rule at the head of chain on host; it is deleted
-// by release, or when the test ends.
-func (e *env) holdRule(host, ipt, chain string, spec ...string) *ruleHold {
-	e.t.Helper()
-	h := &ruleHold{e: e, host: host, ipt: ipt, chain: chain, spec: spec}
-	e.run(host, append(append([]string{ipt, "-I", chain}, spec...), "-j", "DROP")...)
-	e.t.Cleanup(h.release)
-	return h
-}
-
-func (h *ruleHold) release() {
-	if !h.released {
-		h.released = true
-		h.e.run(h.host, append(append([]string{h.ipt, "-D", h.chain}, h.spec...), "-j", "DROP")...)
-	}
-}
-
-// drops returns the packets the rule dropped: it is the first of its chain.
-func (h *ruleHold) drops() uint64 {
-	h.e.t.Helper()
-	lines := strings.Split(h.e.run(h.host, h.ipt, "-L", h.chain, "1", "-n", "-v", "-x"), "\n")
-	if f := strings.Fields(lines[0]); len(f) > 2 && f[2] == "DROP" {
-		n, _ := strconv.ParseUint(f[0], 10, 64)
-		return n
-	}
-	h.e.t.Fatalf("%s: %s %s: the first rule is not the hold: %q", h.host, h.ipt, h.chain, lines[0])
-	return 0
-}
-
 // TestProxyRemovalMixedFamilies: a proxy that accepts its client over IPv6
 // and reaches its server over IPv4 cannot be removed (one TCP session cannot
 // change family). Its splice is refused with a clear reason, the proxy stays

@@ -495,25 +495,11 @@ func reconfigureRestart(t *testing.T, host, role string, v6 bool) {
 	// Hold the old path: mb1 drops the session's packets both ways, so
 	// that what each end sent on it stays unacknowledged and both anchors
 	// stay in their two-path phase until the hold ends.
-	holds := [][]string{
-		{"FORWARD", "-p", "tcp", "--dport", strconv.Itoa(port), "-j", "DROP"},
-		{"FORWARD", "-p", "tcp", "--sport", strconv.Itoa(port), "-j", "DROP"},
-	}
-	for _, r := range holds {
-		e.run("mb1", append([]string{ipt, "-I"}, r...)...)
-	}
-	released := false
-	release := func() {
-		if !released {
-			released = true
-			for _, r := range holds {
-				e.run("mb1", append([]string{ipt, "-D"}, r...)...)
-			}
-		}
-	}
-	defer release()
+	fwd := e.holdRule("mb1", ipt, "FORWARD", "-p", "tcp", "--dport", strconv.Itoa(port))
+	rev := e.holdRule("mb1", ipt, "FORWARD", "-p", "tcp", "--sport", strconv.Itoa(port))
+	release := func() { fwd.release(); rev.release() }
 	eventually(t, 10*time.Second, "mb1 to drop data of both ends", func() bool {
-		return ruleDrops(e, ipt, "mb1", fmt.Sprintf("dpt:%d", port)) > 0 && ruleDrops(e, ipt, "mb1", fmt.Sprintf("spt:%d", port)) > 0
+		return fwd.drops() > 0 && rev.drops() > 0
 	})
 
 	type outcome struct {
@@ -594,18 +580,4 @@ func reconfigureRestart(t *testing.T, host, role string, v6 bool) {
 		t.Fatalf("a reconfiguration after the restart: %+v", res)
 	}
 	lt.wait(t)
-}
-
-// ruleDrops returns the packets counted by the FORWARD rule of host whose
-// listing contains match, in the table of ipt (iptables or ip6tables).
-func ruleDrops(e *env, ipt, host, match string) uint64 {
-	e.t.Helper()
-	for _, l := range strings.Split(e.run(host, ipt, "-L", "FORWARD", "-n", "-v", "-x"), "\n") {
-		if f := strings.Fields(l); len(f) > 2 && strings.Contains(l, match) && f[2] == "DROP" {
-			n, _ := strconv.ParseUint(f[0], 10, 64)
-			return n
-		}
-	}
-	e.t.Fatalf("%s: no %s FORWARD rule with %s", host, ipt, match)
-	return 0
 }
