@@ -1438,8 +1438,12 @@ static __attribute__((noinline)) int session_flow(const struct dysco_tuple *k, _
  * host, found from its tuple without walking the flow map (as the agent's
  * flowKeysOf does): the egress flow of each direction, the ingress flow of
  * the subsession each sends on, and the flows of the subsessions in its
- * two-path records. Returns how many flows were the session's. */
-static __attribute__((noinline)) int session_flows(__u32 id, __u32 op)
+ * two-path records. Behind a middlebox that changes the five-tuple (a
+ * NAT), the egress flow of the SYN's direction is keyed by the middlebox's
+ * output, which the datapath does not keep: the agent gives it as onward
+ * (its proto 0: none; agent/onward.go). Returns how many flows were the
+ * session's. */
+static __attribute__((noinline)) int session_flows(__u32 id, __u32 op, const struct dysco_tuple *onward)
 {
 	struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &id);
 	struct dysco_tuple k, in;
@@ -1451,7 +1455,7 @@ static __attribute__((noinline)) int session_flows(__u32 id, __u32 op)
 
 	if (!s)
 		return 0;
-	for (d = 0; d < 2; d++) {
+	for (d = 0; d < 3; d++) {
 		if (d == 0) {
 			__builtin_memcpy(k.saddr, s->tuple.saddr, 16);
 			__builtin_memcpy(k.daddr, s->tuple.daddr, 16);
@@ -1459,8 +1463,13 @@ static __attribute__((noinline)) int session_flows(__u32 id, __u32 op)
 			k.dport = s->tuple.dport;
 			k.proto = IPPROTO_TCP;
 			k.pad[0] = k.pad[1] = k.pad[2] = 0;
-		} else {
+		} else if (d == 1) {
 			reverse(&k, &s->tuple);
+		} else {
+			if (onward->proto != IPPROTO_TCP)
+				break;
+			__builtin_memcpy(&k, onward, sizeof(k));
+			k.pad[0] = k.pad[1] = k.pad[2] = 0;
 		}
 		f = flow_get(&k, &out);
 		if (!f || f->sess_id != id)
@@ -1610,7 +1619,7 @@ int dysco_ctl(struct ctl_args *a)
 	 * some thirty map operations from user space. */
 	if (op == CTL_FREE) {
 		__u32 id = tk.sess_id;
-		int n = session_flows(id, CTL_FREE);
+		int n = session_flows(id, CTL_FREE, &key);
 
 		free_reconf(id);
 		bpf_map_delete_elem(&dysco_syns, &id);
@@ -1618,7 +1627,7 @@ int dysco_ctl(struct ctl_args *a)
 		return n;
 	}
 	if (op == CTL_CUT)
-		return session_flows(tk.sess_id, CTL_CUT);
+		return session_flows(tk.sess_id, CTL_CUT, &key);
 	if (op == CTL_ADD_SUB)
 		return add_sub(a, &key, &tk);
 	if (op == CTL_FREE_RECONF) {

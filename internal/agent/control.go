@@ -83,6 +83,12 @@ type control struct {
 	ticks       uint64
 	deferred    []func() // work of the loop itself, run after the current event's actions
 
+	// Sessions leaving this host with another tuple than they arrived
+	// with (onward.go), and when the flows were last walked for them.
+	onwardOf      map[uint32]onwardEntry
+	onwardScanAt  uint32
+	onwardScanned bool
+
 	// State migration (migrate.go).
 	holds      *holds // nil: the datapath cannot hold packets
 	states     *migrate.Set
@@ -150,6 +156,7 @@ func newControl(a *Agent, port int, key []byte) (*control, error) {
 		joinedDP: map[protocol.SessionID]uint32{}, pidOf: map[uint32]protocol.SessionID{}, famOf: map[uint32]bool{},
 		notReady: map[protocol.SessionID]*readyPoll{}, waiters: map[uint64]chan protocol.Result{}, started: map[uint64]time.Time{},
 		active: map[datapath.TPKey]bool{}, prevTP: map[datapath.TPKey]datapath.TPVal{}, spliced: map[protocol.SessionID]splicedPair{},
+		onwardOf: map[uint32]onwardEntry{},
 		triggers: map[uint64]*trigger{}, trigAnswers: map[triggerKey][]byte{}, wake: make(chan struct{}, 1),
 		migrations: map[uint64]*migration{}, migReports: map[uint64]api.MigrationReport{}, migCalls: map[uint64]*migCall{},
 		migAnswers: map[triggerKey][]byte{}, rightHolds: map[datapath.TPKey]*rightHold{}, exported: map[uint32]wire.Tuple{},
@@ -526,6 +533,12 @@ func (c *control) announce(id uint32) error {
 	}
 	t := s.Tuple.Wire()
 	up := protocol.SessionUp{Session: protocol.SessionID(id), Tuple: t, Nonce: s.Nonce}
+	if s.Role == datapath.RoleStart || s.Role == datapath.RoleMiddle {
+		// The tuple a new path to the right carries (its SYN's session
+		// tuple) is the one the old path carried from here: behind a NAT,
+		// the middlebox's output.
+		up.Tuple = c.onward(id, &s)
+	}
 	ws := func(i int) uint8 {
 		if s.Ws[i] == 0xff {
 			return 0
@@ -534,7 +547,7 @@ func (c *control) announce(id uint32) error {
 	}
 	// Right side: the egress flow of the SYN's direction.
 	if s.Role == datapath.RoleStart || s.Role == datapath.RoleMiddle {
-		if sub, ok := c.currentSub(id, t, protocol.SideRight); ok {
+		if sub, ok := c.currentSub(id, up.Tuple, protocol.SideRight); ok {
 			up.Right = &protocol.SideInfo{Peer: sub.Dst, Sub: sub, SendWScale: ws(0), PeerWScale: ws(1)}
 			c.reconfigured(id, protocol.SideRight, up.Right)
 		}
@@ -547,7 +560,7 @@ func (c *control) announce(id uint32) error {
 	}
 	if up.Left == nil && up.Right == nil {
 		detail := ""
-		for _, k := range []wire.Tuple{t, t.Reverse()} {
+		for _, k := range []wire.Tuple{up.Tuple, t.Reverse()} {
 			if f, ok := c.a.dp.Flow(datapath.TupleFrom(k)); ok {
 				detail += fmt.Sprintf("; flow %s: session %d flags %#x -> %s", k, f.SessId, f.Flags, f.Out.Wire())
 			} else {
@@ -679,7 +692,8 @@ func (c *control) resumeAll() {
 }
 
 // currentSub returns the subsession a side of a session sends on, written
-// as its SYN went.
+// as its SYN went. t is the tuple the session leaves by on that side: its
+// session tuple on the left, its onward tuple on the right (onward).
 func (c *control) currentSub(id uint32, t wire.Tuple, side protocol.Side) (wire.Tuple, bool) {
 	eg := t
 	if side == protocol.SideLeft {
@@ -753,7 +767,7 @@ func (c *control) flowKeysOf(id uint32) []datapath.Tuple {
 		}
 	}
 	t := s.Tuple.Wire()
-	for _, eg := range []wire.Tuple{t, t.Reverse()} {
+	for _, eg := range []wire.Tuple{c.onward(id, &s), t.Reverse()} {
 		k := datapath.TupleFrom(eg)
 		if f, ok := c.a.dp.Flow(k); ok && f.SessId == id {
 			add(k)
@@ -842,6 +856,7 @@ func (c *control) checkReady(pid protocol.SessionID) bool {
 func (c *control) sessionsEnded(ids []uint32) {
 	c.post(func() {
 		for _, id := range ids {
+			delete(c.onwardOf, id)
 			pid, ok := c.pidOf[id]
 			if !ok {
 				continue
@@ -867,6 +882,7 @@ func (c *control) forget(id uint32, pid protocol.SessionID) {
 
 // drop is forget for a session whose datapath state is freed already.
 func (c *control) drop(id uint32, pid protocol.SessionID) {
+	delete(c.onwardOf, id)
 	delete(c.pidOf, id)
 	delete(c.famOf, id)
 	delete(c.joinedDP, pid)
@@ -1149,7 +1165,14 @@ func (c *control) addSub(x protocol.AddSubsession) error {
 		return fmt.Errorf("no datapath session %d", id)
 	}
 	t := s.Tuple.Wire()
-	eg, newOut, inFlow := t, x.Sub, datapath.Flow{Out: datapath.EndsFrom(t.Reverse()), SessId: id,
+	// On the right the session leaves with its onward tuple, and the new
+	// subsession's packets enter as the reverse of it (behind a NAT, what
+	// the middlebox expects back).
+	on := t
+	if x.Side == protocol.SideRight {
+		on = c.onward(id, &s)
+	}
+	eg, newOut, inFlow := on, x.Sub, datapath.Flow{Out: datapath.EndsFrom(on.Reverse()), SessId: id,
 		Flags: datapath.FlIngress | datapath.FlRev | datapath.FlEst | datapath.FlTPNew | datapath.FlDelta}
 	sndWS := s.Ws[0]
 	if x.Side == protocol.SideLeft {
@@ -1350,7 +1373,7 @@ func (c *control) join(v6 bool, x protocol.JoinSession) error {
 // call: datapath.FreeSession). Should that fail, the collector still ends
 // the session when it falls idle, and its flows with it.
 func (c *control) free(id uint32) {
-	if _, err := c.a.dp.FreeSession(id); err != nil {
+	if _, err := c.a.dp.FreeSession(id, c.onwardKey(id)); err != nil {
 		c.a.log.Warn("control: cannot free a session's state; the collector will", "id", id, "err", err)
 	}
 }

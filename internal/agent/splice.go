@@ -315,7 +315,7 @@ func tsOffset(s datapath.Session, dir int) uint32 {
 func (c *control) freeSpliced(p splicedPair) {
 	for _, id := range []uint32{p.client, p.server} {
 		// One system call per session (datapath.CutSession).
-		if _, err := c.a.dp.CutSession(id); err != nil {
+		if _, err := c.a.dp.CutSession(id, c.onwardKey(id)); err != nil {
 			c.a.log.Warn("control: cannot cut the proxy off a spliced session", "id", id, "err", err)
 		}
 	}

@@ -132,18 +132,20 @@ func (d *Datapath) ctlRun(a dyscoCtlArgs) (int, error) {
 // its flows, found from its tuple and its two-path records and each only if
 // it is still the session's (a newer session may reuse a tuple), with their
 // deltas; its two-path records, the requests behind them, a kept lock and
-// joined sessions (Splice); its set-up state; the session. It returns how
-// many flows went.
-func (d *Datapath) FreeSession(id uint32) (int, error) {
-	return d.ctlRun(dyscoCtlArgs{Op: ctlFree, Tp: TPKey{SessId: id}})
+// joined sessions (Splice); its set-up state; the session. onward is the
+// key of the session's egress flow of the SYN's direction where that is not
+// its tuple (behind a NAT: the middlebox's output; the agent's onward), the
+// zero Tuple otherwise. It returns how many flows went.
+func (d *Datapath) FreeSession(id uint32, onward Tuple) (int, error) {
+	return d.ctlRun(dyscoCtlArgs{Op: ctlFree, Key: onward, Tp: TPKey{SessId: id}})
 }
 
 // CutSession cuts this host off session id, in one run of the control
 // program: the session's ingress flows go (with their deltas), its egress
 // flows get FlDrop; the session stays. Flows are found as FreeSession finds
-// them. It returns how many flows were the session's.
-func (d *Datapath) CutSession(id uint32) (int, error) {
-	return d.ctlRun(dyscoCtlArgs{Op: ctlCut, Tp: TPKey{SessId: id}})
+// them (onward as there). It returns how many flows were the session's.
+func (d *Datapath) CutSession(id uint32, onward Tuple) (int, error) {
+	return d.ctlRun(dyscoCtlArgs{Op: ctlCut, Key: onward, Tp: TPKey{SessId: id}})
 }
 
 // Flow returns the flow at key k.

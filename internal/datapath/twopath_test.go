@@ -1059,7 +1059,7 @@ func TestKeptSplice(t *testing.T) {
 		t.Fatalf("after DeleteReconfigStates: %+v", got)
 	}
 	put()
-	if _, err := fx.d.FreeSession(want.Client); err != nil {
+	if _, err := fx.d.FreeSession(want.Client, Tuple{}); err != nil {
 		t.Fatal(err)
 	}
 	if got := list(); len(got) != 0 {
@@ -1217,7 +1217,7 @@ func TestFreeAndCutSession(t *testing.T) {
 		return entries(t, m[name])
 	}
 
-	got, err := fx.d.CutSession(id)
+	got, err := fx.d.CutSession(id, Tuple{})
 	if err != nil || got != 4 {
 		t.Fatalf("CutSession = %d, %v; want its 4 flows", got, err)
 	}
@@ -1238,7 +1238,7 @@ func TestFreeAndCutSession(t *testing.T) {
 		t.Fatalf("after the cut: session kept %v, deltas %d (want the egress flow's and the foreign one)", fx.d.SessionExists(id), count("deltas"))
 	}
 
-	got, err = fx.d.FreeSession(id)
+	got, err = fx.d.FreeSession(id, Tuple{})
 	if err != nil || got != 2 {
 		t.Fatalf("FreeSession = %d, %v; want the 2 egress flows left", got, err)
 	}
@@ -1260,7 +1260,7 @@ func TestFreeAndCutSession(t *testing.T) {
 		t.Error("FreeSession took another session's flow")
 	}
 	// A session that is gone: nothing to do, no error.
-	if got, err := fx.d.FreeSession(id); err != nil || got != 0 {
+	if got, err := fx.d.FreeSession(id, Tuple{}); err != nil || got != 0 {
 		t.Errorf("FreeSession of a freed session = %d, %v", got, err)
 	}
 }
@@ -1413,5 +1413,68 @@ func TestAddSubsession(t *testing.T) {
 				t.Errorf("AddSubsession without the egress flow: %v, want ENOENT", err)
 			}
 		})
+	}
+}
+
+// TestFreeAndCutSessionOnward: behind a NAT the session leaves a
+// middlebox host with the middlebox's output tuple, which keys its egress
+// flow of the SYN's direction (and the right subsession's ingress flow
+// rewrites to the reverse of it). Given that tuple, CutSession and
+// FreeSession find the right side's two flows too; without it they find
+// the left side's only, as before.
+func TestFreeAndCutSessionOnward(t *testing.T) {
+	fx := newFixture(t)
+	fx.reset(t)
+	sess := tup(ap("10.1.0.1:40000"), ap("10.9.0.5:80"))
+	nat := tup(ap("10.1.0.30:61000"), ap("10.9.0.5:80")) // MASQUERADE's output
+	l := tup(ap("10.1.0.20:41001"), ap("10.1.0.30:41002"))
+	r := tup(ap("10.1.0.30:41003"), ap("10.1.0.40:41004"))
+	install := func() uint32 {
+		t.Helper()
+		id, err := fx.d.InsertSession(Session{Tuple: EndsFrom(sess), Role: RoleMiddle, State: StEst})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for k, f := range map[Tuple]Flow{
+			TupleFrom(l):              {Out: EndsFrom(sess), SessId: id, Flags: FlIngress | FlEst},
+			TupleFrom(sess.Reverse()): {Out: EndsFrom(l.Reverse()), SessId: id, Flags: FlRev | FlEst},
+			TupleFrom(nat):            {Out: EndsFrom(r), SessId: id, Flags: FlEst},
+			TupleFrom(r.Reverse()):    {Out: EndsFrom(nat.Reverse()), SessId: id, Flags: FlIngress | FlRev | FlEst},
+		} {
+			if err := fx.d.AddFlow(k, f); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return id
+	}
+	flows := func() int { return entries(t, fx.d.objs.DyscoFlows4) + entries(t, fx.d.objs.DyscoFlows6) }
+
+	id := install()
+	if got, err := fx.d.FreeSession(id, Tuple{}); err != nil || got != 2 {
+		t.Fatalf("FreeSession without the onward tuple = %d, %v; want the left side's 2 flows", got, err)
+	}
+	for _, k := range []Tuple{TupleFrom(nat), TupleFrom(r.Reverse())} {
+		fx.d.DeleteFlow(k)
+	}
+	if n := flows(); n != 0 {
+		t.Fatalf("%d flows left before the second round", n)
+	}
+
+	id = install()
+	got, err := fx.d.CutSession(id, TupleFrom(nat))
+	if err != nil || got != 4 {
+		t.Fatalf("CutSession = %d, %v; want 4 flows", got, err)
+	}
+	if f, ok := fx.d.Flow(TupleFrom(nat)); !ok || f.Flags&FlDrop == 0 {
+		t.Errorf("the onward egress flow after the cut: %+v %v, want FlDrop", f, ok)
+	}
+	if _, ok := fx.d.Flow(TupleFrom(r.Reverse())); ok {
+		t.Error("the right subsession's ingress flow outlived the cut")
+	}
+	if got, err := fx.d.FreeSession(id, TupleFrom(nat)); err != nil || got != 2 {
+		t.Fatalf("FreeSession after the cut = %d, %v; want the 2 egress flows", got, err)
+	}
+	if n := flows(); n != 0 || fx.d.SessionExists(id) {
+		t.Errorf("after FreeSession: %d flows left, session kept %v", n, fx.d.SessionExists(id))
 	}
 }

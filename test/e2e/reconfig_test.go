@@ -129,23 +129,8 @@ func reconfigure(t *testing.T, off, v6 bool) {
 			t.Fatalf("%s: the transfer ended before the reconfiguration: pace it slower", what)
 		}
 	}
-	left := func(host string) {
-		t.Helper()
-		// The host freed the session (FreeSession) and sees none of its
-		// packets any more.
-		eventually(t, 10*time.Second, host+" to leave the path", func() bool { return len(e.sessions(host)) == 0 })
-		before := rewrites(e.status(host))
-		at := lt.received.Load()
-		eventually(t, 30*time.Second, "more data", func() bool { return lt.received.Load() > at+2*mib })
-		if after := rewrites(e.status(host)); after != before {
-			t.Errorf("%s still rewrites packets after leaving the path: %d -> %d", host, before, after)
-		}
-	}
-	carries := func(host string) {
-		t.Helper()
-		before := rewrites(e.status(host))
-		eventually(t, 10*time.Second, host+" to carry the session", func() bool { return rewrites(e.status(host)) > before+100 })
-	}
+	left := func(host string) { t.Helper(); e.leftPath(host, lt) }
+	carries := e.carries
 
 	// A right anchor of the other family: refused with the reason, and
 	// the session goes on through mb1.
@@ -197,6 +182,30 @@ func reconfigure(t *testing.T, off, v6 bool) {
 		kept = reconfState()
 		return len(kept) == 0
 	})
+}
+
+// leftPath checks that host left the path of lt's session: it freed the
+// session (FreeSession: no session and no flow left) and rewrites none of
+// the packets that keep flowing.
+func (e *env) leftPath(host string, lt *liveTransfer) {
+	e.t.Helper()
+	eventually(e.t, 10*time.Second, host+" to leave the path", func() bool { return len(e.sessions(host)) == 0 })
+	if n := e.pinnedEntries(host, "dysco_flows4") + e.pinnedEntries(host, "dysco_flows6"); n != 0 {
+		e.t.Errorf("%s freed the session but kept %d flows", host, n)
+	}
+	before := rewrites(e.status(host))
+	at := lt.received.Load()
+	eventually(e.t, 30*time.Second, "more data", func() bool { return lt.received.Load() > at+2*mib })
+	if after := rewrites(e.status(host)); after != before {
+		e.t.Errorf("%s still rewrites packets after leaving the path: %d -> %d", host, before, after)
+	}
+}
+
+// carries waits until host rewrites the packets of a live session.
+func (e *env) carries(host string) {
+	e.t.Helper()
+	before := rewrites(e.status(host))
+	eventually(e.t, 10*time.Second, host+" to carry the session", func() bool { return rewrites(e.status(host)) > before+100 })
 }
 
 // holdSession opens a session from client to server on port and keeps it
@@ -580,4 +589,107 @@ func reconfigureRestart(t *testing.T, host, role string, v6 bool) {
 		t.Fatalf("a reconfiguration after the restart: %+v", res)
 	}
 	lt.wait(t)
+}
+
+// TestReconfigureNAT reconfigures a session through a NAT middlebox
+// (MASQUERADE on mb1: the session leaves mb1 with mb1's address and
+// port, paper §2.1), where each side of mb1 has its own session tuple:
+//   - mb1 as left anchor inserts mb2 behind it: mb2 sees the tuple after
+//     the NAT;
+//   - the client inserts mb3 before mb1 (mb1 the right anchor): mb3 sees
+//     the client's tuple;
+//   - mb1 takes itself out (`dysco middlebox remove`): mb3 and mb2, which
+//     see the session with different tuples, meet directly;
+//   - the client deletes every middlebox up to the server: the server's
+//     socket keeps seeing mb1's address, now translated by the two
+//     anchors.
+//
+// Every byte arrives both ways, and each host that leaves the path frees
+// the session with all its flows.
+func TestReconfigureNAT(t *testing.T) {
+	for _, v6 := range []bool{false, true} {
+		t.Run(map[bool]string{false: "ipv4", true: "ipv6"}[v6], func(t *testing.T) { reconfigureNAT(t, v6) })
+	}
+}
+
+func reconfigureNAT(t *testing.T, v6 bool) {
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "mb3", "server")})
+	cli, dst := e.addr("client", v6), e.addr("server", v6)
+	mb1, mb2, mb3 := e.addr("mb1", v6), e.addr("mb2", v6), e.addr("mb3", v6)
+	ipt := map[bool]string{false: "iptables", true: "ip6tables"}[v6]
+	e.run("mb1", ipt, "-t", "nat", "-A", "POSTROUTING", "-p", "tcp", "-j", "MASQUERADE")
+	e.policy("client", "nat", "tcp dst port 9310", mb1.String())
+
+	const total = 96 * mib
+	lt := e.startTransfer("client", "server", dst, 9310, total, 12*mib)
+	eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > 4*mib })
+	src := func(host string) string {
+		t.Helper()
+		ss := e.sessions(host)
+		if len(ss) != 1 {
+			t.Fatalf("%s holds %d sessions, want 1: %+v", host, len(ss), ss)
+		}
+		return ss[0].Session
+	}
+	if s := src("server"); !strings.HasPrefix(s, addrPrefix(mb1)) {
+		t.Fatalf("the server's session is %s, want it from the NAT's address %s", s, mb1)
+	}
+	step := func(what, host string, to netip.Addr, chain ...netip.Addr) {
+		t.Helper()
+		res := e.reconfig(host, "tcp port 9310", to, chain...)
+		if len(res) != 1 || res[0].Outcome != "succeeded" {
+			t.Fatalf("%s: %+v", what, res)
+		}
+		t.Logf("%s: %.2f ms", what, float64(res[0].Micros)/1000)
+		if lt.received.Load() >= total {
+			t.Fatalf("%s: the transfer ended before the reconfiguration: pace it slower", what)
+		}
+	}
+
+	step("mb1 inserts mb2 behind the NAT", "mb1", dst, mb2)
+	e.carries("mb2")
+	if s := src("mb2"); !strings.HasPrefix(s, addrPrefix(mb1)) {
+		t.Errorf("mb2 sees the session as %s, want the NAT's output (from %s)", s, mb1)
+	}
+	step("the client inserts mb3 before the NAT", "client", mb1, mb3)
+	e.carries("mb3")
+	if s := src("mb3"); !strings.HasPrefix(s, addrPrefix(cli)) {
+		t.Errorf("mb3 sees the session as %s, want the client's tuple (from %s)", s, cli)
+	}
+	// The NAT takes itself out (`dysco middlebox remove` at mb1): mb3, its
+	// left neighbour, reconfigures the segment up to mb2, and the two
+	// sides of the old NAT now meet on a direct subsession.
+	out, err := e.lab.Command(t.Context(), "mb1", dyscoBin, "middlebox", "remove", "--json").Output()
+	var rep api.ReconfigReply
+	if jerr := json.Unmarshal(out, &rep); jerr != nil || len(rep.Results) != 1 || rep.Results[0].Outcome != "succeeded" {
+		t.Fatalf("mb1: dysco middlebox remove: %v %v\n%s", err, jerr, out)
+	}
+	t.Logf("the NAT removes itself: %.2f ms", float64(rep.Results[0].Micros)/1000)
+	e.leftPath("mb1", lt)
+	e.carries("mb2")
+	e.carries("mb3")
+	step("the client deletes every middlebox", "client", dst)
+	for _, h := range []string{"mb2", "mb3"} {
+		e.leftPath(h, lt)
+	}
+	if s := src("server"); !strings.HasPrefix(s, addrPrefix(mb1)) {
+		t.Errorf("after the NAT left the path the server's session is %s, want it still from %s", s, mb1)
+	}
+	lt.wait(t)
+
+	hosts := []string{"client", "mb1", "mb2", "mb3", "server"}
+	eventually(t, 30*time.Second, "the session to be collected everywhere", func() bool {
+		n := 0
+		for _, h := range hosts {
+			n += len(e.sessions(h))
+		}
+		return n == 0
+	})
+	eventually(t, 5*time.Second, "the reconfiguration state to go with the session", func() bool {
+		n := 0
+		for _, h := range hosts {
+			n += e.pinnedEntries(h, "dysco_tp") + e.pinnedEntries(h, "dysco_tp_req")
+		}
+		return n == 0
+	})
 }

@@ -1,0 +1,95 @@
+package agent
+
+import (
+	"time"
+
+	"github.com/dysco/dysco/internal/datapath"
+	"github.com/dysco/dysco/internal/wire"
+)
+
+// A session leaves a host towards the right with the tuple its middlebox
+// sends it with. That is the tuple it arrived with (its session tuple in the
+// datapath), except behind a middlebox that changes the five-tuple (a NAT,
+// paper §2.1 "local tag"): there the egress flow of the SYN's direction is
+// keyed by the middlebox's output, and the reconfiguration of a segment
+// that begins at, or passes through, such a host needs that key to find the
+// session's right side (docs/protocol.md, "Middleboxes that change the
+// five-tuple").
+//
+// The datapath keeps no record of it beyond the flow itself: onward finds
+// the flow by a walk of the session and flow maps (scanOnward), made only
+// for a session whose tuple keys no egress flow of its own, and remembers
+// what it found for such sessions until they end.
+
+// onwardEntry is a session's onward tuple and the session's creation stamp,
+// which tells that an id still names the same session.
+type onwardEntry struct {
+	t       wire.Tuple
+	created uint32
+}
+
+// onwardRescan is how recently a session must have been created, before the
+// last walk began, for that walk to maybe have missed its egress flow: the
+// datapath inserts a session on the SYN's ingress and its egress flow on the
+// SYN's egress, moments later.
+const onwardRescan = time.Second
+
+// onward returns the tuple with which session id (s at this host) leaves it
+// towards the right.
+func (c *control) onward(id uint32, s *datapath.Session) wire.Tuple {
+	t := s.Tuple.Wire()
+	if f, ok := c.a.dp.Flow(datapath.TupleFrom(t)); ok && f.SessId == id && f.Flags&datapath.FlIngress == 0 {
+		return t
+	}
+	if o, ok := c.onwardOf[id]; ok && o.created == s.CreatedMs {
+		return o.t
+	}
+	now := datapath.Now()
+	if c.onwardScanned && datapath.Age(now, s.CreatedMs) > datapath.Age(now, c.onwardScanAt)+onwardRescan {
+		return t // the last walk saw its flows: it has no egress flow
+	}
+	c.scanOnward()
+	if o, ok := c.onwardOf[id]; ok && o.created == s.CreatedMs {
+		return o.t
+	}
+	return t
+}
+
+// scanOnward walks the flows and the sessions once and records the onward
+// tuple of every session whose egress flow of the SYN's direction is not
+// keyed by its session tuple.
+func (c *control) scanOnward() {
+	c.onwardScanAt, c.onwardScanned = datapath.Now(), true
+	eg := map[uint32]datapath.Tuple{}
+	if err := c.a.dp.EachFlow(func(k *datapath.Tuple, f *datapath.Flow) {
+		if f.Flags&(datapath.FlIngress|datapath.FlRev) == 0 {
+			eg[f.SessId] = *k
+		}
+	}); err != nil {
+		c.a.log.Warn("control: list flows for onward tuples", "err", err)
+		return
+	}
+	if err := c.a.dp.EachSession(func(id uint32, s *datapath.Session) {
+		k, ok := eg[id]
+		if !ok || k.Wire() == s.Tuple.Wire() {
+			return
+		}
+		c.onwardOf[id] = onwardEntry{t: k.Wire(), created: s.CreatedMs}
+	}); err != nil {
+		c.a.log.Warn("control: list sessions for onward tuples", "err", err)
+	}
+}
+
+// onwardKey is what FreeSession and CutSession take for session id: the key
+// of its egress flow of the SYN's direction if that is not its tuple, the
+// zero Tuple otherwise (or if the session is gone).
+func (c *control) onwardKey(id uint32) datapath.Tuple {
+	s, ok := c.a.dp.Session(id)
+	if !ok || (s.Role != datapath.RoleStart && s.Role != datapath.RoleMiddle) {
+		return datapath.Tuple{}
+	}
+	if on := c.onward(id, &s); on != s.Tuple.Wire() {
+		return datapath.TupleFrom(on)
+	}
+	return datapath.Tuple{}
+}
