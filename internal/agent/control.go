@@ -86,7 +86,7 @@ type control struct {
 	// Sessions leaving this host with another tuple than they arrived
 	// with (onward.go), and when the flows were last walked for them.
 	onwardOf      map[uint32]onwardEntry
-	onwardScanAt  uint32
+	onwardScanAt  time.Time
 	onwardScanned bool
 
 	// State migration (migrate.go).
@@ -767,7 +767,11 @@ func (c *control) flowKeysOf(id uint32) []datapath.Tuple {
 		}
 	}
 	t := s.Tuple.Wire()
-	for _, eg := range []wire.Tuple{c.onward(id, &s), t.Reverse()} {
+	on := t
+	if s.Role == datapath.RoleStart || s.Role == datapath.RoleMiddle {
+		on = c.onward(id, &s)
+	}
+	for _, eg := range []wire.Tuple{on, t.Reverse()} {
 		k := datapath.TupleFrom(eg)
 		if f, ok := c.a.dp.Flow(k); ok && f.SessId == id {
 			add(k)
@@ -1340,10 +1344,12 @@ func (c *control) join(v6 bool, x protocol.JoinSession) error {
 			if v, ok := c.protos[c.famOf[old]].View(pid); ok && !v.Teardown && v.Sides[0] != nil && v.Sides[1] != nil && v.Lingering == 0 {
 				return fmt.Errorf("join: session %s is already on a live path through this host", t)
 			}
-			c.drop(old, pid)
 		}
 		c.a.log.Info("join: the old path's state of the session gives way to the new path", "session", t.String(), "old_id", old)
-		c.free(old)
+		c.free(old) // while its onward tuple is still known
+		if known {
+			c.drop(old, pid)
+		}
 	}
 	flows := []struct {
 		k datapath.Tuple

@@ -894,7 +894,19 @@ func (c *control) onExport(from netip.Addr, m migMsg, answer, answerLater func(m
 		answer(migMsg{Err: bad})
 		return
 	}
-	if right, ok := c.currentSub(id, t, protocol.SideRight); !ok || right.Dst != m.RightAnchor {
+	on := t
+	if s, ok := c.a.dp.Session(id); ok {
+		on = c.onward(id, &s)
+	}
+	if on != t {
+		// This middlebox translates the session (a NAT): its replacement
+		// would send the session on with the NAT's output, and a host
+		// joining a new path keys the session's egress by the tuple in
+		// the SYN (docs/state-migration.md, "What is not covered").
+		answer(migMsg{Err: fmt.Sprintf("this middlebox translates the session's tuple (%s leaves as %s): a replacement cannot take it over on a new path", t, on)})
+		return
+	}
+	if right, ok := c.currentSub(id, on, protocol.SideRight); !ok || right.Dst != m.RightAnchor {
 		answer(migMsg{Err: fmt.Sprintf("the old segment has more than this middlebox before the right anchor %s: state migration replaces one middlebox by one", m.RightAnchor)})
 		return
 	}

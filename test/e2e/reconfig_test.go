@@ -592,17 +592,21 @@ func reconfigureRestart(t *testing.T, host, role string, v6 bool) {
 }
 
 // TestReconfigureNAT reconfigures a session through a NAT middlebox
-// (MASQUERADE on mb1: the session leaves mb1 with mb1's address and
-// port, paper §2.1), where each side of mb1 has its own session tuple:
-//   - mb1 as left anchor inserts mb2 behind it: mb2 sees the tuple after
-//     the NAT;
+// (MASQUERADE with random ports on mb1: the session leaves mb1 with mb1's
+// address and another port, paper §2.1), where each side of mb1 has its own
+// session tuple. The chain is mb1, mb2; then:
+//   - a state migration that would replace the NAT is refused;
+//   - mb2 takes itself out (`dysco middlebox remove`): the NAT's host, its
+//     left neighbour, takes the trigger and reconfigures a side that no
+//     reconfiguration has touched yet;
+//   - mb1 as left anchor inserts mb2 again: mb2 sees the tuple after the
+//     NAT;
 //   - the client inserts mb3 before mb1 (mb1 the right anchor): mb3 sees
 //     the client's tuple;
-//   - mb1 takes itself out (`dysco middlebox remove`): mb3 and mb2, which
-//     see the session with different tuples, meet directly;
-//   - the client deletes every middlebox up to the server: the server's
-//     socket keeps seeing mb1's address, now translated by the two
-//     anchors.
+//   - mb1 takes itself out: mb3 and mb2, which see the session with
+//     different tuples, meet directly;
+//   - the client deletes every middlebox up to the server: the client and
+//     the server meet directly, each anchor translating to its own tuple.
 //
 // Every byte arrives both ways, and each host that leaves the path frees
 // the session with all its flows.
@@ -617,54 +621,74 @@ func reconfigureNAT(t *testing.T, v6 bool) {
 	cli, dst := e.addr("client", v6), e.addr("server", v6)
 	mb1, mb2, mb3 := e.addr("mb1", v6), e.addr("mb2", v6), e.addr("mb3", v6)
 	ipt := map[bool]string{false: "iptables", true: "ip6tables"}[v6]
-	e.run("mb1", ipt, "-t", "nat", "-A", "POSTROUTING", "-p", "tcp", "-j", "MASQUERADE")
-	e.policy("client", "nat", "tcp dst port 9310", mb1.String())
+	e.run("mb1", ipt, "-t", "nat", "-A", "POSTROUTING", "-p", "tcp", "-j", "MASQUERADE", "--random-fully")
+	e.policy("client", "nat", "tcp dst port 9310", mb1.String(), mb2.String())
 
-	const total = 96 * mib
+	const total = 160 * mib
 	lt := e.startTransfer("client", "server", dst, 9310, total, 12*mib)
 	eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > 4*mib })
-	src := func(host string) string {
+	session := func(host string) api.Session {
 		t.Helper()
 		ss := e.sessions(host)
 		if len(ss) != 1 {
 			t.Fatalf("%s holds %d sessions, want 1: %+v", host, len(ss), ss)
 		}
-		return ss[0].Session
+		return ss[0]
 	}
-	if s := src("server"); !strings.HasPrefix(s, addrPrefix(mb1)) {
-		t.Fatalf("the server's session is %s, want it from the NAT's address %s", s, mb1)
+	// in: the session as the client sent it; out: as the NAT sends it on.
+	in, out := session("mb1").Session, session("server").Session
+	if !strings.HasPrefix(out, addrPrefix(mb1)) {
+		t.Fatalf("the server's session is %s: want it from the NAT's address %s", out, mb1)
 	}
-	step := func(what, host string, to netip.Addr, chain ...netip.Addr) {
+	t.Logf("the NAT sends %s on as %s", in, out)
+	check := func(what string, res []api.ReconfigResult, err error) {
 		t.Helper()
-		res := e.reconfig(host, "tcp port 9310", to, chain...)
-		if len(res) != 1 || res[0].Outcome != "succeeded" {
-			t.Fatalf("%s: %+v", what, res)
+		if err != nil || len(res) != 1 || res[0].Outcome != "succeeded" {
+			t.Fatalf("%s: %+v %v", what, res, err)
 		}
 		t.Logf("%s: %.2f ms", what, float64(res[0].Micros)/1000)
 		if lt.received.Load() >= total {
 			t.Fatalf("%s: the transfer ended before the reconfiguration: pace it slower", what)
 		}
 	}
+	step := func(what, host string, to netip.Addr, chain ...netip.Addr) {
+		t.Helper()
+		check(what, e.reconfig(host, "tcp port 9310", to, chain...), nil)
+	}
+	removeSelf := func(what, host string) {
+		t.Helper()
+		out, err := e.lab.Command(t.Context(), host, dyscoBin, "middlebox", "remove", "--json").Output()
+		var rep api.ReconfigReply
+		if jerr := json.Unmarshal(out, &rep); jerr != nil {
+			t.Fatalf("%s: dysco middlebox remove: %v %v\n%s", host, err, jerr, out)
+		}
+		check(what, rep.Results, err)
+	}
 
+	if s := session("mb2").Session; s != out {
+		t.Errorf("mb2 sees the session as %s, want the NAT's output %s", s, out)
+	}
+	// A state migration cannot replace the NAT (its replacement would be
+	// on the new path): refused with the reason, the session stays on mb1.
+	if res := e.migrateReconfig("client", "tcp port 9310", mb2, mb3, "--migrate-state"); len(res) != 1 ||
+		res[0].Outcome == "succeeded" || !strings.Contains(res[0].Reason, "translates the session's tuple") {
+		t.Fatalf("migrating the NAT's state: %+v", res)
+	}
+	e.carries("mb1")
+
+	removeSelf("mb2 takes itself out (the NAT's host takes the trigger)", "mb2")
+	e.leftPath("mb2", lt)
 	step("mb1 inserts mb2 behind the NAT", "mb1", dst, mb2)
 	e.carries("mb2")
-	if s := src("mb2"); !strings.HasPrefix(s, addrPrefix(mb1)) {
-		t.Errorf("mb2 sees the session as %s, want the NAT's output (from %s)", s, mb1)
+	if s := session("mb2").Session; s != out {
+		t.Errorf("mb2 sees the session as %s, want the NAT's output %s", s, out)
 	}
 	step("the client inserts mb3 before the NAT", "client", mb1, mb3)
 	e.carries("mb3")
-	if s := src("mb3"); !strings.HasPrefix(s, addrPrefix(cli)) {
-		t.Errorf("mb3 sees the session as %s, want the client's tuple (from %s)", s, cli)
+	if s := session("mb3").Session; s != in {
+		t.Errorf("mb3 sees the session as %s, want the client's tuple %s", s, in)
 	}
-	// The NAT takes itself out (`dysco middlebox remove` at mb1): mb3, its
-	// left neighbour, reconfigures the segment up to mb2, and the two
-	// sides of the old NAT now meet on a direct subsession.
-	out, err := e.lab.Command(t.Context(), "mb1", dyscoBin, "middlebox", "remove", "--json").Output()
-	var rep api.ReconfigReply
-	if jerr := json.Unmarshal(out, &rep); jerr != nil || len(rep.Results) != 1 || rep.Results[0].Outcome != "succeeded" {
-		t.Fatalf("mb1: dysco middlebox remove: %v %v\n%s", err, jerr, out)
-	}
-	t.Logf("the NAT removes itself: %.2f ms", float64(rep.Results[0].Micros)/1000)
+	removeSelf("the NAT takes itself out", "mb1")
 	e.leftPath("mb1", lt)
 	e.carries("mb2")
 	e.carries("mb3")
@@ -672,8 +696,11 @@ func reconfigureNAT(t *testing.T, v6 bool) {
 	for _, h := range []string{"mb2", "mb3"} {
 		e.leftPath(h, lt)
 	}
-	if s := src("server"); !strings.HasPrefix(s, addrPrefix(mb1)) {
-		t.Errorf("after the NAT left the path the server's session is %s, want it still from %s", s, mb1)
+	// The two ends meet: the server's left subsession comes from the
+	// client, and each end keeps the tuple its socket knows.
+	if c, s := session("client"), session("server"); !strings.Contains(c.Right, "-> "+addrPrefix(dst)) ||
+		!strings.HasPrefix(s.Left, addrPrefix(cli)) || c.Session != in || s.Session != out {
+		t.Errorf("after the deletion: client %s on %s, server %s from %s; want %s to the server, %s from the client", c.Session, c.Right, s.Session, s.Left, in, out)
 	}
 	lt.wait(t)
 
