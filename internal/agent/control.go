@@ -532,13 +532,10 @@ func (c *control) announce(id uint32) error {
 		return fmt.Errorf("session %d is not established", id)
 	}
 	t := s.Tuple.Wire()
-	up := protocol.SessionUp{Session: protocol.SessionID(id), Tuple: t, Nonce: s.Nonce}
-	if s.Role == datapath.RoleStart || s.Role == datapath.RoleMiddle {
-		// The tuple a new path to the right carries (its SYN's session
-		// tuple) is the one the old path carried from here: behind a NAT,
-		// the middlebox's output.
-		up.Tuple = c.onward(id, &s)
-	}
+	// The tuple a new path to the right carries (its SYN's session tuple)
+	// is the one the old path carried from here: behind a NAT, the
+	// middlebox's output.
+	up := protocol.SessionUp{Session: protocol.SessionID(id), Tuple: c.onward(id, &s), Nonce: s.Nonce}
 	ws := func(i int) uint8 {
 		if s.Ws[i] == 0xff {
 			return 0
@@ -767,11 +764,7 @@ func (c *control) flowKeysOf(id uint32) []datapath.Tuple {
 		}
 	}
 	t := s.Tuple.Wire()
-	on := t
-	if s.Role == datapath.RoleStart || s.Role == datapath.RoleMiddle {
-		on = c.onward(id, &s)
-	}
-	for _, eg := range []wire.Tuple{on, t.Reverse()} {
+	for _, eg := range []wire.Tuple{c.onward(id, &s), t.Reverse()} {
 		k := datapath.TupleFrom(eg)
 		if f, ok := c.a.dp.Flow(k); ok && f.SessId == id {
 			add(k)

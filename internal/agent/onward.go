@@ -35,9 +35,13 @@ type onwardEntry struct {
 const onwardMargin = time.Second
 
 // onward returns the tuple with which session id (s at this host) leaves it
-// towards the right.
+// towards the right: its session tuple where it has no right side (this host
+// ends it).
 func (c *control) onward(id uint32, s *datapath.Session) wire.Tuple {
 	t := s.Tuple.Wire()
+	if s.Role != datapath.RoleStart && s.Role != datapath.RoleMiddle {
+		return t
+	}
 	if f, ok := c.a.dp.Flow(datapath.TupleFrom(t)); ok && f.SessId == id && f.Flags&datapath.FlIngress == 0 {
 		return t
 	}
@@ -93,7 +97,7 @@ func (c *control) scanOnward() {
 // zero Tuple otherwise (or if the session is gone).
 func (c *control) onwardKey(id uint32) datapath.Tuple {
 	s, ok := c.a.dp.Session(id)
-	if !ok || (s.Role != datapath.RoleStart && s.Role != datapath.RoleMiddle) {
+	if !ok {
 		return datapath.Tuple{}
 	}
 	if on := c.onward(id, &s); on != s.Tuple.Wire() {
