@@ -544,13 +544,13 @@ func (c *control) announce(id uint32) error {
 	}
 	// Right side: the egress flow of the SYN's direction.
 	if s.Role == datapath.RoleStart || s.Role == datapath.RoleMiddle {
-		if sub, ok := c.currentSub(id, up.Tuple, protocol.SideRight); ok {
+		if sub, ok := c.currentSub(id, &s, protocol.SideRight); ok {
 			up.Right = &protocol.SideInfo{Peer: sub.Dst, Sub: sub, SendWScale: ws(0), PeerWScale: ws(1)}
 			c.reconfigured(id, protocol.SideRight, up.Right)
 		}
 	}
 	if s.Role != datapath.RoleStart {
-		if sub, ok := c.currentSub(id, t, protocol.SideLeft); ok {
+		if sub, ok := c.currentSub(id, &s, protocol.SideLeft); ok {
 			up.Left = &protocol.SideInfo{Peer: sub.Src, Sub: sub, SendWScale: ws(1), PeerWScale: ws(0)}
 			c.reconfigured(id, protocol.SideLeft, up.Left)
 		}
@@ -688,23 +688,27 @@ func (c *control) resumeAll() {
 	}
 }
 
-// currentSub returns the subsession a side of a session sends on, written
-// as its SYN went. t is the tuple the session leaves by on that side: its
-// session tuple on the left, its onward tuple on the right (onward).
-func (c *control) currentSub(id uint32, t wire.Tuple, side protocol.Side) (wire.Tuple, bool) {
-	eg := t
-	if side == protocol.SideLeft {
-		eg = t.Reverse()
-	}
+// currentSub returns the subsession a side of session id (s at this host)
+// sends on, written as its SYN went: from the side's two-path record once
+// a reconfiguration has touched it, else from the side's egress flow, keyed
+// on the left by the reverse of the session tuple and on the right by the
+// onward tuple (behind a NAT, the middlebox's output: onward).
+func (c *control) currentSub(id uint32, s *datapath.Session, side protocol.Side) (wire.Tuple, bool) {
 	var out wire.Tuple
 	if tp, ok := c.a.dp.TwoPath(datapath.TPKey{SessId: id, Side: uint32(side)}); ok && tp.State == datapath.TPNew {
 		out = tp.NewOut.Wire()
 	} else if ok {
 		out = tp.OldOut.Wire() // in a reconfiguration: the old path (after an earlier one, not the flow's)
-	} else if f, ok := c.a.dp.Flow(datapath.TupleFrom(eg)); ok && f.SessId == id && f.Flags&datapath.FlIngress == 0 {
-		out = f.Out.Wire()
 	} else {
-		return wire.Tuple{}, false
+		eg := s.Tuple.Wire().Reverse()
+		if side == protocol.SideRight {
+			eg = c.onward(id, s)
+		}
+		f, ok := c.a.dp.Flow(datapath.TupleFrom(eg))
+		if !ok || f.SessId != id || f.Flags&datapath.FlIngress != 0 {
+			return wire.Tuple{}, false
+		}
+		out = f.Out.Wire()
 	}
 	if side == protocol.SideLeft {
 		return out.Reverse(), true

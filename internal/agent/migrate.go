@@ -868,37 +868,34 @@ func (c *control) releaseRightHold(k datapath.TPKey) {
 // stateSession finds the session a state request names by the subsession
 // from the left anchor to this host (as its SYN went), which the sender
 // must be the left end of.
-func (c *control) stateSession(from netip.Addr, m migMsg) (uint32, wire.Tuple, string) {
+func (c *control) stateSession(from netip.Addr, m migMsg) (uint32, datapath.Session, string) {
 	if m.Sub == nil || m.Sub.Src != from {
-		return 0, wire.Tuple{}, m.Op + " must come from the left end of the named subsession"
+		return 0, datapath.Session{}, m.Op + " must come from the left end of the named subsession"
 	}
 	id, ok := c.sessionBySub(*m.Sub)
 	if !ok {
-		return 0, wire.Tuple{}, "no session on subsession " + m.Sub.String()
+		return 0, datapath.Session{}, "no session on subsession " + m.Sub.String()
 	}
 	s, ok := c.a.dp.Session(id)
 	if !ok {
-		return 0, wire.Tuple{}, "session gone"
+		return 0, datapath.Session{}, "session gone"
 	}
 	if c.states == nil {
-		return 0, wire.Tuple{}, "state migration is disabled on this agent (no --state-plugins)"
+		return 0, datapath.Session{}, "state migration is disabled on this agent (no --state-plugins)"
 	}
-	return id, s.Tuple.Wire(), ""
+	return id, s, ""
 }
 
 // onExport: the old middlebox exports the session's state (the plug-ins'
 // Set refuses a bundle too large for one control message).
 func (c *control) onExport(from netip.Addr, m migMsg, answer, answerLater func(migMsg)) {
-	id, t, bad := c.stateSession(from, m)
+	id, s, bad := c.stateSession(from, m)
 	if bad != "" {
 		answer(migMsg{Err: bad})
 		return
 	}
-	on := t
-	if s, ok := c.a.dp.Session(id); ok {
-		on = c.onward(id, &s)
-	}
-	if on != t {
+	t := s.Tuple.Wire()
+	if on := c.onward(id, &s); on != t {
 		// This middlebox translates the session (a NAT): its replacement
 		// would send the session on with the NAT's output, and a host
 		// joining a new path keys the session's egress by the tuple in
@@ -906,7 +903,7 @@ func (c *control) onExport(from netip.Addr, m migMsg, answer, answerLater func(m
 		answer(migMsg{Err: fmt.Sprintf("this middlebox translates the session's tuple (%s leaves as %s): a replacement cannot take it over on a new path", t, on)})
 		return
 	}
-	if right, ok := c.currentSub(id, on, protocol.SideRight); !ok || right.Dst != m.RightAnchor {
+	if right, ok := c.currentSub(id, &s, protocol.SideRight); !ok || right.Dst != m.RightAnchor {
 		answer(migMsg{Err: fmt.Sprintf("the old segment has more than this middlebox before the right anchor %s: state migration replaces one middlebox by one", m.RightAnchor)})
 		return
 	}
@@ -926,11 +923,12 @@ func (c *control) onExport(from netip.Addr, m migMsg, answer, answerLater func(m
 // onImport: the new middlebox installs the state before any packet of the
 // session reaches it.
 func (c *control) onImport(from netip.Addr, m migMsg, answer, answerLater func(migMsg)) {
-	id, t, bad := c.stateSession(from, m)
+	id, s, bad := c.stateSession(from, m)
 	if bad != "" {
 		answer(migMsg{Err: bad})
 		return
 	}
+	t := s.Tuple.Wire()
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), defaultMigTimeout)
 		defer cancel()

@@ -237,8 +237,8 @@ func (c *control) removeSelf(ctx context.Context, sessions []datapath.SessionEnt
 			}
 			p := &pending{res: api.ReconfigResult{ID: s.ID, Session: s.Tuple.Wire().String()}, at: time.Now()}
 			ps = append(ps, p)
-			left, ok1 := c.currentSub(s.ID, s.Tuple.Wire(), protocol.SideLeft)
-			right, ok2 := c.currentSub(s.ID, c.onward(s.ID, &s.Session), protocol.SideRight)
+			left, ok1 := c.currentSub(s.ID, &s.Session, protocol.SideLeft)
+			right, ok2 := c.currentSub(s.ID, &s.Session, protocol.SideRight)
 			if !ok1 || !ok2 {
 				p.res.Outcome, p.res.Reason = "refused", "this host is not in the middle of the session"
 				continue

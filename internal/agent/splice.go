@@ -182,8 +182,8 @@ func (c *control) splice(req api.SpliceRequest) (uint32, chan triggerMsg, error)
 // session has the client's tuple and nonce, its left side is the client's
 // subsession, its right side the server's, and the proxy's delta is app.
 func (c *control) joinedUp(cID uint32, cS datapath.Session, sID uint32, sS datapath.Session, app protocol.AppDelta) (protocol.SessionUp, error) {
-	left, ok1 := c.currentSub(cID, cS.Tuple.Wire(), protocol.SideLeft)
-	right, ok2 := c.currentSub(sID, sS.Tuple.Wire(), protocol.SideRight)
+	left, ok1 := c.currentSub(cID, &cS, protocol.SideLeft)
+	right, ok2 := c.currentSub(sID, &sS, protocol.SideRight)
 	if !ok1 || !ok2 {
 		return protocol.SessionUp{}, errors.New("splice: the sessions have no subsessions at this host")
 	}

@@ -202,7 +202,7 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 		// protocol answers busy, which the sender may retry; currentSub
 		// would name the wrong path then.
 		if sess, ok := c.a.dp.Session(id); ok && c.sideSettled(id, protocol.SideRight) {
-			if cur, ok := c.currentSub(id, c.onward(id, &sess), protocol.SideRight); !ok || cur != *m.Sub {
+			if cur, ok := c.currentSub(id, &sess, protocol.SideRight); !ok || cur != *m.Sub {
 				answer(triggerMsg{Outcome: "refused", Reason: "the sender is no longer this session's next hop (its path changed)"})
 				return
 			}
