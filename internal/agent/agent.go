@@ -109,7 +109,7 @@ func (c *Config) defaults() {
 		c.Name, _ = os.Hostname()
 	}
 	if c.PinDir == "" {
-		c.PinDir = "/sys/fs/bpf/dysco/" + netnsID()
+		c.PinDir = DefaultPinDir()
 	}
 	if c.StateDir == "" {
 		c.StateDir = "/var/lib/dysco/" + netnsID()
@@ -136,6 +136,10 @@ func (c *Config) defaults() {
 		c.Log = slog.Default()
 	}
 }
+
+// DefaultPinDir is where an agent of the current network namespace pins its
+// datapath when --pin-dir is not given.
+func DefaultPinDir() string { return "/sys/fs/bpf/dysco/" + netnsID() }
 
 // netnsID names the current network namespace by its inode.
 func netnsID() string {
@@ -285,6 +289,10 @@ func Run(ctx context.Context, cfg Config) error {
 		defer os.Remove(cfg.ReadyFile)
 	}
 	a.log.Info("agent ready", "pin_dir", cfg.PinDir, "attach", dp.Attach, "tap", cfg.Tap, "ifaces", a.ifaceList())
+	if dp.MountedBPFFS {
+		a.log.Warn("no bpffs was mounted at /sys/fs/bpf: the agent mounted one for its pins; under ip netns exec (which remounts /sys in a mount namespace of its own) that mount, and with it the pinned datapath and every session through this host, goes when the agent exits: start agents for network namespaces with 'nsenter --net=/run/netns/NAME dysco agent'",
+			"pin_dir", cfg.PinDir)
+	}
 
 	gc := time.NewTicker(cfg.GCInterval)
 	defer gc.Stop()

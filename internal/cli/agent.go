@@ -2,9 +2,12 @@ package cli
 
 import (
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
+	"net"
 	"net/netip"
 	"os"
 	"runtime/pprof"
@@ -13,11 +16,40 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/agent"
+	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/datapath"
 	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
 )
 
 func init() { register(newAgentCmd) }
+
+// resetDatapath removes the pinned datapath at pinDir (this namespace's
+// default when empty). It refuses while an agent answers on socket: the
+// agent would go on with maps no longer pinned, and its next restart would
+// start afresh anyway.
+func resetDatapath(w io.Writer, pinDir, socket string) error {
+	if pinDir == "" {
+		pinDir = agent.DefaultPinDir()
+	}
+	if c, err := net.DialTimeout("unix", socket, time.Second); err == nil {
+		c.Close()
+		return fmt.Errorf("an agent is running in this network namespace (it answers on %s): stop it before 'dysco agent --reset'", socket)
+	}
+	if _, err := os.Stat(pinDir); errors.Is(err, fs.ErrNotExist) {
+		var st unix.Statfs_t
+		if strings.HasPrefix(pinDir, "/sys/fs/bpf/") && (unix.Statfs("/sys/fs/bpf", &st) != nil || st.Type != unix.BPF_FS_MAGIC) {
+			return fmt.Errorf("nothing pinned at %s, and no bpffs is mounted at /sys/fs/bpf here (ip netns exec remounts /sys): run 'nsenter --net=/run/netns/NAME dysco agent --reset'", pinDir)
+		}
+		_, err := fmt.Fprintf(w, "dysco: nothing pinned at %s\n", pinDir)
+		return err
+	}
+	if err := datapath.Reset(pinDir); err != nil {
+		return err
+	}
+	_, err := fmt.Fprintf(w, "dysco: removed the pinned datapath %s (every session it carried has ended)\n", pinDir)
+	return err
+}
 
 func newAgentCmd() *cobra.Command {
 	var cfg agent.Config
@@ -32,7 +64,8 @@ interface of the network namespace, keeps policies, collects ended sessions and
 serves the local API that the other dysco commands use.
 
 Restarting the agent does not disturb live sessions: the datapath stays pinned
-under --pin-dir. 'dysco agent --reset' removes it (every session on the host ends).`,
+under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
+--pin-dir if it was given one) removes it: every session on the host ends.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			level := slog.LevelInfo
@@ -41,10 +74,7 @@ under --pin-dir. 'dysco agent --reset' removes it (every session on the host end
 			}
 			cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 			if reset {
-				if cfg.PinDir == "" {
-					return fmt.Errorf("--reset needs --pin-dir")
-				}
-				return datapath.Reset(cfg.PinDir)
+				return resetDatapath(cmd.ErrOrStderr(), cfg.PinDir, api.AgentSocket)
 			}
 			for _, t := range trusted {
 				p, err := parsePrefix(t)
@@ -105,7 +135,7 @@ under --pin-dir. 'dysco agent --reset' removes it (every session on the host end
 	f.IntVar(&cfg.MaxSessions, "max-sessions", 0, fmt.Sprintf("sessions the datapath's maps hold, 1 to %d, four flow entries each (default: the datapath's own size, MAX_SESSIONS; 'dysco status' shows capacity_sessions); maps already pinned keep their size until --reset", datapath.MaxSessionsLimit))
 	f.StringVar(&ports, "ports", "", "subsession port range LOW-HIGH (default 20000-59999)")
 	f.StringSliceVar(&trusted, "trusted", nil, "accept Dysco SYNs only from these prefixes (default: from anyone)")
-	f.BoolVar(&reset, "reset", false, "remove the pinned datapath under --pin-dir and exit")
+	f.BoolVar(&reset, "reset", false, "remove the pinned datapath under --pin-dir (default: this namespace's) and exit")
 	f.BoolVar(&debug, "debug", false, "debug logging")
 	f.StringVar(&cpuProfile, "cpu-profile", "", "write a CPU profile of the agent to this file until it exits (go tool pprof); {name} in it becomes --name")
 	f.StringVar(&execTrace, "exec-trace", "", "write a Go execution trace of the agent to this file until it exits (go tool trace); {name} in it becomes --name")

@@ -64,7 +64,11 @@ type Datapath struct {
 	Attach string
 	// Sizing is the capacity of the session maps.
 	Sizing Sizing
-	links  map[string]link.Link
+	// MountedBPFFS tells that Load found no bpffs at /sys/fs/bpf and
+	// mounted one for the pins: in a mount namespace of the process's own
+	// (ip netns exec) the pins then go when the process exits.
+	MountedBPFFS bool
+	links        map[string]link.Link
 
 	// Buffers of the walks of the session maps (eachBatch).
 	flow6Bufs   batchBufs[Tuple, Flow]
@@ -97,7 +101,8 @@ func Load(cfg Config) (*Datapath, error) {
 	if int(cfg.PortLo)+int(cfg.PortN) > 65536 {
 		return nil, fmt.Errorf("datapath: port range %d+%d passes 65535", cfg.PortLo, cfg.PortN)
 	}
-	if err := ensureBPFFS(cfg.PinDir); err != nil {
+	mounted, err := ensureBPFFS(cfg.PinDir)
+	if err != nil {
 		return nil, err
 	}
 	spec, err := loadDysco()
@@ -130,7 +135,7 @@ func Load(cfg Config) (*Datapath, error) {
 	if err := checkPinned(spec, cfg.PinDir); err != nil {
 		return nil, err
 	}
-	d := &Datapath{cfg: cfg, links: map[string]link.Link{}, Sizing: sizing}
+	d := &Datapath{cfg: cfg, links: map[string]link.Link{}, Sizing: sizing, MountedBPFFS: mounted}
 	d.tpBufs.size, d.tpReqBufs.size = reconfBatch, reconfBatch
 	err = spec.LoadAndAssign(&d.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinDir}})
 	if err != nil {
@@ -287,20 +292,21 @@ func boolU8(b bool) uint8 {
 }
 
 // ensureBPFFS makes dir, mounting a bpffs at /sys/fs/bpf first if the
-// directory is not already on one.
-func ensureBPFFS(dir string) error {
+// directory is not already on one (mounted tells that it did).
+func ensureBPFFS(dir string) (mounted bool, err error) {
 	if onBPFFS(filepath.Dir(dir)) || onBPFFS(dir) {
-		return os.MkdirAll(dir, 0o700)
+		return false, os.MkdirAll(dir, 0o700)
 	}
 	if !strings.HasPrefix(dir, "/sys/fs/bpf/") {
-		return fmt.Errorf("datapath: %s is not on a bpffs; mount one (mount -t bpf bpf DIR) or use a directory under /sys/fs/bpf", dir)
+		return false, fmt.Errorf("datapath: %s is not on a bpffs; mount one (mount -t bpf bpf DIR) or use a directory under /sys/fs/bpf", dir)
 	}
 	if !onBPFFS("/sys/fs/bpf") {
 		if err := unix.Mount("bpf", "/sys/fs/bpf", "bpf", 0, ""); err != nil {
-			return fmt.Errorf("datapath: mount bpffs at /sys/fs/bpf: %w", err)
+			return false, fmt.Errorf("datapath: mount bpffs at /sys/fs/bpf: %w", err)
 		}
+		mounted = true
 	}
-	return os.MkdirAll(dir, 0o700)
+	return mounted, os.MkdirAll(dir, 0o700)
 }
 
 func onBPFFS(dir string) bool {

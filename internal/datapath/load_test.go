@@ -54,7 +54,7 @@ func TestLoadVerifies(t *testing.T) {
 func TestLoadRefusesIncompatiblePins(t *testing.T) {
 	requireRoot(t)
 	dir := testPinDir(t)
-	if err := ensureBPFFS(dir); err != nil {
+	if _, err := ensureBPFFS(dir); err != nil {
 		t.Fatal(err)
 	}
 	spec, err := loadDysco()
