@@ -19,7 +19,6 @@ import (
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/datapath"
 	"github.com/spf13/cobra"
-	"golang.org/x/sys/unix"
 )
 
 func init() { register(newAgentCmd) }
@@ -37,8 +36,7 @@ func resetDatapath(w io.Writer, pinDir, socket string) error {
 		return fmt.Errorf("an agent is running in this network namespace (it answers on %s): stop it before 'dysco agent --reset'", socket)
 	}
 	if _, err := os.Stat(pinDir); errors.Is(err, fs.ErrNotExist) {
-		var st unix.Statfs_t
-		if strings.HasPrefix(pinDir, "/sys/fs/bpf/") && (unix.Statfs("/sys/fs/bpf", &st) != nil || st.Type != unix.BPF_FS_MAGIC) {
+		if strings.HasPrefix(pinDir, "/sys/fs/bpf/") && !datapath.OnBPFFS("/sys/fs/bpf") {
 			return fmt.Errorf("nothing pinned at %s, and no bpffs is mounted at /sys/fs/bpf here (ip netns exec remounts /sys): run 'nsenter --net=/run/netns/NAME dysco agent --reset'", pinDir)
 		}
 		_, err := fmt.Fprintf(w, "dysco: nothing pinned at %s\n", pinDir)

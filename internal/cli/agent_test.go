@@ -7,17 +7,44 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/dysco/dysco/internal/datapath"
+	"golang.org/x/sys/unix"
 )
 
-// TestResetDatapath: --reset removes the pin directory, says so when there
-// is nothing to remove, and refuses while an agent answers on its socket.
-func TestResetDatapath(t *testing.T) {
-	sock := fmt.Sprintf("@dysco-test-reset-%d", os.Getpid())
-	dir := filepath.Join(t.TempDir(), "pins")
-	if err := os.MkdirAll(filepath.Join(dir, "links"), 0o755); err != nil {
+// TestResetRefusesOtherDirectories: --reset removes nothing that is not on a
+// bpffs (a mistyped --pin-dir), and says why.
+func TestResetRefusesOtherDirectories(t *testing.T) {
+	dir := t.TempDir()
+	keep := filepath.Join(dir, "precious")
+	if err := os.WriteFile(keep, []byte("x"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(dir, "dysco_sessions"), nil, 0o600); err != nil {
+	var out strings.Builder
+	err := resetDatapath(&out, dir, fmt.Sprintf("@dysco-test-reset-none-%d", os.Getpid()))
+	if err == nil || !strings.Contains(err.Error(), "not on a bpffs") {
+		t.Fatalf("reset of %s: err = %v, want a refusal", dir, err)
+	}
+	if _, err := os.Stat(keep); err != nil {
+		t.Fatalf("refused reset removed a file: %v", err)
+	}
+}
+
+// TestResetDatapath: --reset removes a pin directory, says so when there is
+// nothing to remove, and refuses while an agent answers on its socket.
+func TestResetDatapath(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: makes a directory on the bpffs")
+	}
+	if !datapath.OnBPFFS("/sys/fs/bpf") {
+		if err := unix.Mount("bpf", "/sys/fs/bpf", "bpf", 0, ""); err != nil {
+			t.Fatalf("mounting a bpffs on /sys/fs/bpf: %v", err)
+		}
+	}
+	sock := fmt.Sprintf("@dysco-test-reset-%d", os.Getpid())
+	dir := "/sys/fs/bpf/dysco-test/" + t.Name()
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	if err := os.MkdirAll(filepath.Join(dir, "links"), 0o700); err != nil {
 		t.Fatal(err)
 	}
 

@@ -294,13 +294,13 @@ func boolU8(b bool) uint8 {
 // ensureBPFFS makes dir, mounting a bpffs at /sys/fs/bpf first if the
 // directory is not already on one (mounted tells that it did).
 func ensureBPFFS(dir string) (mounted bool, err error) {
-	if onBPFFS(filepath.Dir(dir)) || onBPFFS(dir) {
+	if OnBPFFS(filepath.Dir(dir)) || OnBPFFS(dir) {
 		return false, os.MkdirAll(dir, 0o700)
 	}
 	if !strings.HasPrefix(dir, "/sys/fs/bpf/") {
 		return false, fmt.Errorf("datapath: %s is not on a bpffs; mount one (mount -t bpf bpf DIR) or use a directory under /sys/fs/bpf", dir)
 	}
-	if !onBPFFS("/sys/fs/bpf") {
+	if !OnBPFFS("/sys/fs/bpf") {
 		if err := unix.Mount("bpf", "/sys/fs/bpf", "bpf", 0, ""); err != nil {
 			return false, fmt.Errorf("datapath: mount bpffs at /sys/fs/bpf: %w", err)
 		}
@@ -309,7 +309,9 @@ func ensureBPFFS(dir string) (mounted bool, err error) {
 	return mounted, os.MkdirAll(dir, 0o700)
 }
 
-func onBPFFS(dir string) bool {
+// OnBPFFS tells whether dir, or the nearest of its parents that exists, is
+// on a bpffs.
+func OnBPFFS(dir string) bool {
 	for d := dir; ; d = filepath.Dir(d) {
 		var st unix.Statfs_t
 		if err := unix.Statfs(d, &st); err == nil {
@@ -466,9 +468,14 @@ func (d *Datapath) Close() error {
 }
 
 // Reset removes everything pinned under dir: every session on this host ends.
+// It refuses a directory that is not on a bpffs: whatever else it names (a
+// mistyped --pin-dir) holds no pins and is not to be removed.
 func Reset(dir string) error {
 	if dir == "" || dir == "/" {
 		return fmt.Errorf("datapath: refusing to reset %q", dir)
+	}
+	if !OnBPFFS(dir) {
+		return fmt.Errorf("datapath: %s is not on a bpffs, so it holds no pinned datapath: refusing to remove it", dir)
 	}
 	if links, err := os.ReadDir(filepath.Join(dir, "links")); err == nil {
 		for _, e := range links {
