@@ -143,7 +143,13 @@ func TestAgentRestart(t *testing.T) {
 	}
 	defer c.Close()
 	clientErr := make(chan error, 1)
-	go func() { clientErr <- transfer(pacedConn{c, 16 * mib}, 1, 2, total) }()
+	// 16 MiB/s, slowed to a trickle after 8 MiB until the agents are back:
+	// however long the restarts take, data flows through them and most of
+	// the transfer comes after.
+	restarted := make(chan struct{})
+	go func() {
+		clientErr <- transfer(&slowedConn{Conn: c, fast: 16 * mib, slow: 256 << 10, at: 8 * mib, until: restarted}, 1, 2, total)
+	}()
 
 	// Restart once data flows, and check that it flows on afterwards.
 	eventually(t, 30*time.Second, "the transfer to start", func() bool { return received.Load() > 4*mib })
@@ -152,10 +158,10 @@ func TestAgentRestart(t *testing.T) {
 			t.Fatalf("restart agent on %s: %v", h, err)
 		}
 	}
-	before := received.Load()
-	if before >= total {
-		t.Fatalf("the transfer ended before the agents restarted: pace it slower")
+	if got := received.Load(); got >= total {
+		t.Fatalf("the transfer ended before the agents restarted (%d bytes received)", got)
 	}
+	close(restarted)
 	for _, ch := range []chan error{clientErr, serverErr} {
 		select {
 		case err := <-ch:
@@ -210,6 +216,37 @@ func (c countingConn) Read(p []byte) (int, error) {
 	c.n.Add(int64(n))
 	return n, err
 }
+
+// slowedConn writes at about fast bytes per second, but at slow from the
+// moment at bytes are written until until is closed: a transfer that must
+// run through a step of the test, however long the step takes on a loaded
+// machine, without either stopping or ending before it.
+type slowedConn struct {
+	net.Conn
+	fast, slow, at int64
+	until          <-chan struct{}
+	written        int64 // by the one writing goroutine only
+}
+
+func (c *slowedConn) rate() int64 {
+	if c.written < c.at {
+		return c.fast
+	}
+	select {
+	case <-c.until:
+		return c.fast
+	default:
+		return c.slow
+	}
+}
+
+func (c *slowedConn) Write(p []byte) (int, error) {
+	n, err := pacedWrite(c.Conn, p, c.rate)
+	c.written += int64(n)
+	return n, err
+}
+
+func (c *slowedConn) CloseWrite() error { return pacedConn{Conn: c.Conn}.CloseWrite() }
 
 // pacedConn writes at about rate bytes per second, so that a transfer lasts
 // long enough to restart agents in its middle.

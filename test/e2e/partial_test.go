@@ -1,7 +1,9 @@
 package e2e
 
 import (
+	"context"
 	"net/netip"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -20,7 +22,17 @@ func TestPartialChains(t *testing.T) {
 	if err := e.lab.Agent("client").Stop(); err != nil {
 		t.Logf("stop client agent: %v", err)
 	}
-	e.run("client", dyscoBin, "agent", "--reset", "--pin-dir", lab.PinDir(e.host("client").Namespace))
+	// Through nsenter, as the lab starts agents: under ip netns exec the
+	// host's bpffs, where the pins are, is not mounted.
+	ns := e.host("client").Namespace
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if out, err := exec.CommandContext(ctx, "nsenter", "--net=/run/netns/"+ns, "--",
+		dyscoBin, "agent", "--reset", "--pin-dir", lab.PinDir(ns)).CombinedOutput(); err != nil {
+		t.Fatalf("reset the client's datapath: %v\n%s", err, out)
+	} else if !strings.Contains(string(out), "removed the pinned datapath") {
+		t.Fatalf("reset the client's datapath: %s", out)
+	}
 
 	dst := e.addr("server", false)
 	mb1 := e.host("mb1")
