@@ -379,12 +379,15 @@ inline evaluate() {
 inline middleFinAck() {
 	finPassed[me] = finPassed[me] | (m.from == leftN[me] -> 1 : 2);
 	if
-	:: finPassed[me] == 3 -> freed[me] = 1; lock[me] = unlocked; requestor[me] = 0; hist[HI(me, r)] = resDone
+	:: (finPassed[me] & 3) == 3 -> freed[me] = 1; lock[me] = unlocked; requestor[me] = 0; hist[HI(me, r)] = resDone
 	:: else
 	fi
 }
 
-/* TimerLease (onLease): a right anchor before the switch, or a middle's lock */
+/* TimerLease (onLease): a right anchor before the switch, or a middle's lock;
+ * a middle of the old path that passed both anchors' fins (bits 2 and 3 of
+ * finPassed) but not both finAcks frees the session: nothing more crosses
+ * the old path (agent.go onLease) */
 #define LEASE(i) ((busyRA[i] != 0 && (stageR[busyRA[i]] == waitSyn || stageR[busyRA[i]] == waitAck)) || \
 	(lock[i] != unlocked && requestor[i] != 0 && la[requestor[i]] != i && !freed[i]))
 inline onLease() {
@@ -392,7 +395,12 @@ inline onLease() {
 	:: busyRA[me] != 0 && (stageR[busyRA[me]] == waitSyn || stageR[busyRA[me]] == waitAck) ->
 		r = busyRA[me]; releaseRight(r, resExpired)
 	:: else ->
-		r = requestor[me]; lock[me] = unlocked; requestor[me] = 0; hist[HI(me, r)] = resExpired
+		r = requestor[me];
+		if
+		:: (finPassed[me] & 12) == 12 -> REACHED(56); freed[me] = 1; hist[HI(me, r)] = resDone
+		:: else -> hist[HI(me, r)] = resExpired
+		fi;
+		lock[me] = unlocked; requestor[me] = 0
 	fi
 }
 
@@ -581,6 +589,7 @@ inline onMessage() {
 		fi
 	:: m.t == fin && me != la[r] && me != ra[r] ->
 		lockByTeardown(r);
+		finPassed[me] = finPassed[me] | (m.from == leftN[me] -> 4 : 8);
 		fwn = (m.from == leftN[me] -> rightN[me] : leftN[me]); fwx = (m.from == leftN[me] -> XFINL : XFINR);
 		ctl(fwn, fin, r, m.x, m.s, fwx)
 	:: m.t == finAck && (me == la[r] || me == ra[r]) ->

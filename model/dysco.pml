@@ -89,7 +89,7 @@ byte probes[NA];                /* anchor.probes: fins sent to ask for the other
 byte lingerN[NA], lingerD[NA];  /* old subsession kept after completion */
 byte lingerC[NA];               /* tomb.cutoff: the cut-off its fin carried */
 bool lingerAcked[NA];           /* tomb.acked: its old path answered our fin (or we gave up) */
-byte finPassed[NA];             /* middles: fin-acks seen (bit 0 rightward, bit 1 leftward) */
+byte finPassed[NA];             /* middles: fin-acks seen (bit 0 rightward, bit 1 leftward), fins (bits 2, 3) */
 
 /* marks of each side (twopath.go Marks), session space */
 byte sndNxt[2*NA], ackSent[2*NA], rcvNxt[2*NA], ackRcvd[2*NA];

@@ -232,7 +232,16 @@ type cancelJob struct {
 
 type teardown struct {
 	req     ReqKey
-	finAcks [2]bool // seen travelling rightward [0] / leftward [1]
+	fins    [2]bool // seen travelling rightward [0] / leftward [1]
+	finAcks [2]bool // the same for the answers
+}
+
+// dir is the index of m's direction in a teardown's arrays.
+func (td *teardown) dir(m *Message) int {
+	if m.Flags&FlagLeftward != 0 {
+		return 1
+	}
+	return 0
 }
 
 type tomb struct {
@@ -1132,6 +1141,22 @@ func (a *Agent) onLease(s *session, k ReqKey) {
 		a.releaseRight(s, r, resExpired)
 		return
 	}
+	if td := s.teardown; td != nil && td.req == k && td.fins[0] && td.fins[1] && s.left == nil && s.right == nil {
+		// A middle agent of an old path that passed both anchors' fins
+		// but not both finAcks, and nothing of the request for a lease
+		// since: every copy of a finAck was lost on one of its hops, or
+		// the tombs that answer the fins are gone. Each anchor sent its
+		// fin only once everything it had sent on the old path was
+		// acknowledged (§3.5), so the old path carries nothing more: it
+		// leaves the session, as after the finAcks (onLinger). Without
+		// this it kept the session until the idle timeout, with nothing
+		// crossing it (TestControlLoss, seen once in CI).
+		a.progress(s, k, RoleMiddle, StageDone, "old path torn down (finAcks lost)")
+		s.resolve(resolution{req: k, kind: resDone})
+		a.emit(FreeSession{Session: s.id})
+		a.drop(s)
+		return
+	}
 	if s.lock != Unlocked && s.requestor == k && s.left == nil {
 		if s.lock == Locked {
 			a.emit(KeepLock{Session: s.id}) // released
@@ -1771,6 +1796,7 @@ func (a *Agent) onFin(s *session, ref subRef, m *Message) {
 		return
 	}
 	if a.passOldPath(s, ref, m) {
+		s.teardown.fins[s.teardown.dir(m)] = true
 		return
 	}
 	a.reject(RejectUnexpected, m, ref.peer, "fin for %s", m.Req)
@@ -1799,12 +1825,8 @@ func (a *Agent) onFinAck(s *session, ref subRef, m *Message) {
 		return
 	}
 	if a.passOldPath(s, ref, m) {
-		dir := 0
-		if m.Flags&FlagLeftward != 0 {
-			dir = 1
-		}
 		td := s.teardown
-		td.finAcks[dir] = true
+		td.finAcks[td.dir(m)] = true
 		if td.finAcks[0] && td.finAcks[1] {
 			a.setTimer(s, TimerLinger, m.Req, a.cfg.Linger)
 		}

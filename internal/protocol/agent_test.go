@@ -557,6 +557,53 @@ func testFinOnDirectNewPath(t *testing.T, lose bool) {
 	h.assertClean(1, 3)
 }
 
+// An old path's middle agent that passed both anchors' fins but never a
+// finAck (every copy lost on its way to it) leaves the session when its
+// lease expires: both anchors had everything they sent on the old path
+// acknowledged, so nothing more crosses it. One that saw the fin of one
+// anchor only keeps the session (unlocked): the other anchor may still
+// send on the old path. Seen in TestControlLoss: the middlebox kept the
+// session until its idle timeout.
+func TestOldPathMiddleFreedByLease(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		lose  func(e envelope) bool
+		freed bool
+	}{
+		{"finAcks lost", func(e envelope) bool { return e.msg.Type == MsgFinAck && e.to == addr(2) }, true},
+		{"leftward fins lost", func(e envelope) bool {
+			return e.msg.Type == MsgFin && e.to == addr(2) && e.msg.Flags&FlagLeftward != 0
+		}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHarness(t, 3)
+			h.chain([]int{1, 2, 3}, nil)
+			h.reconfigure(1, 3, nil, 1)
+			h.runLossy(func(_ int, e envelope) bool { return tc.lose(e) }, false)
+			if r := h.result(1); r.Outcome != Succeeded {
+				t.Fatalf("%+v\n%s", r, h.trace())
+			}
+			h.assertClean(1, 3)
+			v, kept := h.view(2)
+			if tc.freed {
+				if kept || len(h.frees[addr(2)]) != 1 {
+					t.Fatalf("the old path's middlebox keeps the session (frees %v)\n%s", h.frees[addr(2)], h.trace())
+				}
+				if !strings.Contains(h.trace(), "old path torn down (finAcks lost)") {
+					t.Fatalf("freed, but not by the lease\n%s", h.trace())
+				}
+				return
+			}
+			if !kept || len(h.frees[addr(2)]) != 0 {
+				t.Fatalf("the middlebox left the session with one anchor's fin unseen (frees %v)\n%s", h.frees[addr(2)], h.trace())
+			}
+			if v.Lock != Unlocked {
+				t.Fatalf("lock %s by %s after the lease\n%s", v.Lock, v.Requestor, h.trace())
+			}
+		})
+	}
+}
+
 // A new path through a middlebox carries no copies: the fins go on the old
 // path only.
 func TestFinNotCopiedThroughMiddlebox(t *testing.T) {
