@@ -1634,6 +1634,19 @@ int dysco_ctl(struct ctl_args *a)
 		free_reconf(tk.sess_id);
 		return 0;
 	}
+	if (op == CTL_CLOSED) {
+		/* A middlebox that joined a new path learns of FINs that the
+		 * old path carried (the anchors' closed notice): the collector
+		 * then ends the session as if it had seen them, after the
+		 * close linger from now. */
+		struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &tk.sess_id);
+
+		if (!s)
+			return -2;
+		__sync_fetch_and_or(&s->state, arg & (ST_FIN_FWD | ST_FIN_REV));
+		s->last_ms = a->stamp;
+		return 0;
+	}
 	tp = bpf_map_lookup_elem(&dysco_tp, &tk);
 	if (!tp)
 		return -2;

@@ -157,6 +157,7 @@ enum role {
 #define CTL_CUT 8         /* tp.sess_id: its ingress flows go, its egress flows drop */
 #define CTL_FREE_RECONF 9 /* tp.sess_id: its two-path records and kept requests */
 #define CTL_ADD_SUB 10    /* tp: a side's new subsession (add_sub): req, tpv; key: its ingress flow, delta */
+#define CTL_CLOSED 11     /* tp.sess_id: state |= arg & (ST_FIN_FWD | ST_FIN_REV): FINs that passed elsewhere */
 
 /* Packet holding (hold.h). The agent re-injects held packets through an
  * AF_PACKET socket with this socket mark; the datapath never holds a packet

@@ -254,7 +254,7 @@ struct ctl_args {
 	__u32 op;   /* CTL_* */
 	__u32 arg;
 	__s32 ret;
-	__u32 pad;
+	__u32 stamp; /* CTL_CLOSED: the agent's clock (stamp(), which this program type cannot read) */
 	struct dysco_tuple key;
 	struct tp_key tp;
 	struct dysco_tuple key2;

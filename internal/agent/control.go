@@ -70,7 +70,7 @@ type control struct {
 	pidOf       map[uint32]protocol.SessionID // datapath id → protocol id, for every session the protocol knows
 	famOf       map[uint32]bool
 	notReady    map[protocol.SessionID]*readyPoll // joined sessions waiting for packets both ways
-	waiters     map[uint64]chan protocol.Result
+	waiters     map[uint64]chan waited
 	started     map[uint64]time.Time           // when each request (token) began
 	phases      map[protocol.ReqKey]phaseTimes // the left anchor's requests: when they reached their phases
 	history     []api.ReconfigResult           // the last historyLen results at this left anchor
@@ -154,7 +154,7 @@ func newControl(a *Agent, port int, key []byte) (*control, error) {
 	c := &control{a: a, conn: conn, port: port, key: key,
 		protos: map[bool]*protocol.Agent{}, timers: map[timerKey]*time.Timer{},
 		joinedDP: map[protocol.SessionID]uint32{}, pidOf: map[uint32]protocol.SessionID{}, famOf: map[uint32]bool{},
-		notReady: map[protocol.SessionID]*readyPoll{}, waiters: map[uint64]chan protocol.Result{}, started: map[uint64]time.Time{},
+		notReady: map[protocol.SessionID]*readyPoll{}, waiters: map[uint64]chan waited{}, started: map[uint64]time.Time{},
 		active: map[datapath.TPKey]bool{}, prevTP: map[datapath.TPKey]datapath.TPVal{}, spliced: map[protocol.SessionID]splicedPair{},
 		onwardOf: map[uint32]onwardEntry{},
 		triggers: map[uint64]*trigger{}, trigAnswers: map[triggerKey][]byte{}, wake: make(chan struct{}, 1),
@@ -491,7 +491,15 @@ func (c *control) onPacket(from netip.Addr, data []byte) {
 	// A message about a session the protocol does not know yet: announce
 	// the session from the datapath first (sessions are announced lazily,
 	// when a reconfiguration first concerns them).
-	if m, err := protocol.Decode(c.key, data); err == nil && m.Type != protocol.MsgSyn {
+	onPath := false
+	if m, err := protocol.Decode(c.key, data); err == nil && m.Type == protocol.MsgSyn {
+		// A new path's SYN that would make this host join it: refused
+		// if the session crosses this host already (one datapath state
+		// per session tuple; protocol.MessageIn.OnPath).
+		if _, _, known := p.Lookup(m.Sub); !known && m.RightAnchor != p.Self() && len(m.Hops) > 0 {
+			_, onPath = c.liveHere(m.Session, m.Nonce)
+		}
+	} else if err == nil {
 		pid, _, ok := p.Lookup(m.Sub)
 		if !ok {
 			if id, ok := c.sessionBySub(m.Sub); ok {
@@ -504,7 +512,41 @@ func (c *control) onPacket(from netip.Addr, data []byte) {
 			c.checkReady(pid)
 		}
 	}
-	c.handle(v6, protocol.MessageIn{From: from, Data: data})
+	c.handle(v6, protocol.MessageIn{From: from, Data: data, OnPath: onPath})
+}
+
+// liveHere reports whether this host carries a session of tuple t (as it
+// arrives here) on a live path, which a new path's SYN for the session of
+// nonce must not replace: a datapath session keyed by t, not reset, that
+// the protocol either does not know (a chain set up through this host that
+// no reconfiguration touched here) or knows on a live path
+// (protocol.Agent.OnLivePath: not an old path past which both anchors'
+// fins have gone), and that is either the session of nonce (FINs both
+// ways do not end it: the bytes before them may still be on their way, or
+// be sent again) or another one not closed both ways (a stale SYN of an
+// earlier connection must not take over the tuple). A session of another
+// nonce closed both ways is an earlier TCP connection of the same tuple:
+// it gives way. It returns the session.
+func (c *control) liveHere(t wire.Tuple, nonce [wire.NonceLen]byte) (uint32, bool) {
+	const closed = datapath.StFINFwd | datapath.StFINRev
+	for _, k := range []wire.Tuple{t, t.Reverse()} {
+		f, ok := c.a.dp.Flow(datapath.TupleFrom(k))
+		if !ok {
+			continue
+		}
+		s, ok := c.a.dp.Session(f.SessId)
+		if !ok || s.State&datapath.StRST != 0 || s.Nonce != nonce && s.State&closed == closed {
+			continue
+		}
+		pid, known := c.pidOf[f.SessId]
+		if !known {
+			return f.SessId, true
+		}
+		if p := c.protos[c.famOf[f.SessId]]; p == nil || p.OnLivePath(pid) {
+			return f.SessId, true
+		}
+	}
+	return 0, false
 }
 
 // sessionBySub finds the datapath session that has subsession sub (as its
@@ -528,8 +570,15 @@ func (c *control) announce(id uint32) error {
 	if !ok {
 		return fmt.Errorf("no session %d", id)
 	}
-	if s.State&datapath.StEst == 0 || s.State&(datapath.StRST|datapath.StFINFwd|datapath.StFINRev) != 0 {
+	// A session that one end has closed carries the other's data still,
+	// and a FIN is a byte of the stream for the two-path rules (§3.5):
+	// such a session is reconfigured like any other. One that has not
+	// completed its handshake, or is reset, has nothing to reconfigure.
+	if s.State&datapath.StEst == 0 {
 		return fmt.Errorf("session %d is not established", id)
+	}
+	if s.State&datapath.StRST != 0 {
+		return fmt.Errorf("session %d was reset", id)
 	}
 	t := s.Tuple.Wire()
 	// The tuple a new path to the right carries (its SYN's session tuple)
@@ -931,13 +980,22 @@ func (c *control) views() map[uint32]protocol.SessionView {
 // historyLen bounds the results kept for `dysco reconfig history`.
 const historyLen = 4096
 
-// record keeps a result (loop goroutine).
-func (c *control) record(x protocol.Result, rep api.MigrationReport, hasRep bool) {
+// waited is what a caller waiting for a request's result gets: the result
+// and its record as `dysco reconfig history` shows it (times measured when
+// the result came, not when the caller looked).
+type waited struct {
+	res protocol.Result
+	rec api.ReconfigResult
+}
+
+// record keeps a result (loop goroutine) and returns the record.
+func (c *control) record(x protocol.Result, rep api.MigrationReport, hasRep bool) api.ReconfigResult {
 	// The time first: what follows is this record's bookkeeping, not the
 	// reconfiguration's.
 	at, timed := c.started[x.Token]
 	took := time.Since(at)
-	r := api.ReconfigResult{ID: c.dpID(x.Session), Outcome: x.Outcome.String(), Reason: reasonText(x), Blocker: blockerText(x)}
+	r := api.ReconfigResult{ID: c.dpID(x.Session), Outcome: x.Outcome.String(), Reason: reasonText(x), Blocker: blockerText(x),
+		Unchanged: x.Unchanged}
 	if hasRep {
 		r.Migration = &rep
 		if rep.Error != "" {
@@ -964,6 +1022,7 @@ func (c *control) record(x protocol.Result, rep api.MigrationReport, hasRep bool
 		c.history = append(c.history[:0], c.history[len(c.history)-historyLen/2:]...)
 	}
 	c.history = append(c.history, r)
+	return r
 }
 
 // phaseTimes are when a request this host is the left anchor of reached
@@ -1073,6 +1132,14 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 			_ = dp.MergeMarks(tp.InOld, datapath.TupleFrom(tp.NewOut.Wire().Reverse()))
 		}
 		dp.DeleteTPReq(k)
+		// FINs that went on the old path: the new path's middleboxes
+		// never saw them (protocol.FinsSeen). After the current actions.
+		id, sess := k.SessId, x.Session
+		c.deferred = append(c.deferred, func() {
+			if s, ok := dp.Session(id); ok && s.State&(datapath.StFINFwd|datapath.StFINRev) != 0 {
+				c.handle(v6, protocol.FinsSeen{Session: sess, Fwd: s.State&datapath.StFINFwd != 0, Rev: s.State&datapath.StFINRev != 0})
+			}
+		})
 		return dp.SetTwoPathState(k, datapath.TPNew)
 	case protocol.RemoveSubsession:
 		if x.Side == protocol.SideLeft {
@@ -1091,7 +1158,14 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 		return nil
 	case protocol.JoinSession:
 		c.flush() // as AddSubsession: the SYN goes on first
-		return c.join(v6, x)
+		if err := c.join(v6, x); err != nil {
+			// The protocol must not go on with a path this host does
+			// not carry: it refuses the new path (after the current
+			// actions).
+			c.deferred = append(c.deferred, func() { c.handle(v6, protocol.JoinFailed{Session: x.Session}) })
+			return err
+		}
+		return nil
 	case protocol.KeepLock:
 		// A middle agent's lock, for its next run if it restarts (§3.2):
 		// announce gives it back (SessionUp.Lock), and resumeSpliced for
@@ -1130,18 +1204,31 @@ func (c *control) do(v6 bool, act protocol.Action) error {
 		}
 		c.free(id)
 		c.drop(id, x.Session)
+	case protocol.MarkClosed:
+		id := c.dpID(x.Session)
+		if id == 0 {
+			return nil
+		}
+		var dirs uint32
+		if x.Fwd {
+			dirs |= datapath.StFINFwd
+		}
+		if x.Rev {
+			dirs |= datapath.StFINRev
+		}
+		return dp.MarkClosed(id, dirs)
 	case protocol.Result:
 		c.migrationEnded(x.Token)
 		rep, hasRep := c.migReports[x.Token]
 		delete(c.migReports, x.Token)
-		c.record(x, rep, hasRep)
+		rec := c.record(x, rep, hasRep)
 		if ch, ok := c.migOut[x.Token]; ok {
 			delete(c.migOut, x.Token)
 			ch <- rep
 		}
 		if ch, ok := c.waiters[x.Token]; ok {
 			delete(c.waiters, x.Token)
-			ch <- x
+			ch <- waited{res: x, rec: rec}
 		}
 		c.a.log.Info("reconfiguration", "session", x.Session, "req", x.Req.String(), "outcome", x.Outcome.String(),
 			"reason", x.Reason.String(), "blocker", x.Blocker.String())
@@ -1306,6 +1393,11 @@ func (c *control) removeSub(x protocol.RemoveSubsession) error {
 func (c *control) join(v6 bool, x protocol.JoinSession) error {
 	dp := c.a.dp
 	t, l, r := x.Tuple, x.Left.Sub, x.Right.Sub
+	// The SYN was checked when it came (onPacket: liveHere), but the
+	// session may have come through this host since.
+	if _, live := c.liveHere(t, x.Nonce); live {
+		return fmt.Errorf("join: session %s is already on a live path through this host", t)
+	}
 	sess := datapath.Session{Tuple: datapath.EndsFrom(t), Nonce: x.Nonce, Role: datapath.RoleMiddle,
 		State: datapath.StSYN | datapath.StSYNACK | datapath.StEst | datapath.StSetupDone}
 	if v6 {
@@ -1314,10 +1406,6 @@ func (c *control) join(v6 bool, x protocol.JoinSession) error {
 	sess.Ws = [2]uint8{0xff, 0xff}
 	sess.CreatedMs = datapath.Now()
 	sess.LastMs = sess.CreatedMs
-	id, err := dp.InsertSession(sess)
-	if err != nil {
-		return err
-	}
 	reroute := func(from, to netip.Addr) uint32 {
 		if from == to || c.a.sameRoute(from, to) {
 			return 0
@@ -1329,7 +1417,9 @@ func (c *control) join(v6 bool, x protocol.JoinSession) error {
 		tap = datapath.FlTap
 	}
 	// This host may still hold the session from an old path being torn
-	// down (it lingers to pass retransmissions): the new path replaces it.
+	// down (both anchors' fins have passed it, it lingers to pass
+	// retransmissions), or from a session that has ended: the new path
+	// replaces it.
 	for _, k := range []wire.Tuple{l, t, r.Reverse(), t.Reverse()} {
 		f, ok := dp.Flow(datapath.TupleFrom(k))
 		if !ok {
@@ -1337,16 +1427,19 @@ func (c *control) join(v6 bool, x protocol.JoinSession) error {
 		}
 		old := f.SessId
 		pid, known := c.pidOf[old]
-		if known {
-			if v, ok := c.protos[c.famOf[old]].View(pid); ok && !v.Teardown && v.Sides[0] != nil && v.Sides[1] != nil && v.Lingering == 0 {
-				return fmt.Errorf("join: session %s is already on a live path through this host", t)
-			}
-		}
 		c.a.log.Info("join: the old path's state of the session gives way to the new path", "session", t.String(), "old_id", old)
 		c.free(old) // while its onward tuple is still known
 		if known {
+			// The protocol forgets it as if the collector had ended it
+			// (after the current actions): its datapath state is gone.
+			fam := c.famOf[old]
 			c.drop(old, pid)
+			c.deferred = append(c.deferred, func() { c.handle(fam, protocol.SessionEnd{Session: pid, Cause: "replaced"}) })
 		}
+	}
+	id, err := dp.InsertSession(sess)
+	if err != nil {
+		return err
 	}
 	flows := []struct {
 		k datapath.Tuple
@@ -1388,7 +1481,7 @@ func (c *control) free(id uint32) {
 func (c *control) reconfigure(ctx context.Context, ids []uint32, to netip.Addr, chain []netip.Addr, mig *MigrateOptions) []reconfigOutcome {
 	type pending struct {
 		id    uint32
-		ch    chan protocol.Result
+		ch    chan waited
 		mig   chan api.MigrationReport
 		start time.Time
 		err   error
@@ -1397,7 +1490,7 @@ func (c *control) reconfigure(ctx context.Context, ids []uint32, to netip.Addr, 
 	done := make(chan struct{})
 	c.post(func() {
 		for i, id := range ids {
-			p := &pending{id: id, ch: make(chan protocol.Result, 1), start: time.Now()}
+			p := &pending{id: id, ch: make(chan waited, 1), start: time.Now()}
 			ps[i] = p
 			if err := c.announce(id); err != nil {
 				p.err = err
@@ -1432,9 +1525,8 @@ func (c *control) reconfigure(ctx context.Context, ids []uint32, to netip.Addr, 
 			continue
 		}
 		select {
-		case r := <-p.ch:
-			out[i].res = &r
-			out[i].took = time.Since(p.start)
+		case w := <-p.ch:
+			out[i].res, out[i].rec = &w.res, w.rec
 			if p.mig != nil {
 				rep := <-p.mig // sent with the result
 				out[i].mig = &rep
@@ -1468,7 +1560,7 @@ type reconfigOutcome struct {
 	mig     *api.MigrationReport
 	id      uint32
 	res     *protocol.Result
-	took    time.Duration
+	rec     api.ReconfigResult // with res: as history records it
 	outcome string
 	reason  string
 }

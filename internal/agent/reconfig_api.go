@@ -30,8 +30,11 @@ func reconfigWait(ms int) time.Duration {
 	return min(time.Duration(ms)*time.Millisecond, maxReconfigWait)
 }
 
-// liveSessions returns the established sessions matching m for which this
-// host has the sides the caller needs.
+// liveSessions returns the sessions matching m that carry data, and for
+// which this host has the sides the caller needs: established, not reset,
+// not closed both ways (a session one end has closed still carries the
+// other end's data, and is reconfigured like any other). Sessions still in
+// their handshake are not included.
 func (a *Agent) liveSessions(m *policy.SessionMatcher, needLeft, needRight bool) ([]datapath.SessionEntry, error) {
 	all, err := a.dp.Sessions()
 	if err != nil {
@@ -39,7 +42,8 @@ func (a *Agent) liveSessions(m *policy.SessionMatcher, needLeft, needRight bool)
 	}
 	var out []datapath.SessionEntry
 	for _, s := range all {
-		if s.State&datapath.StEst == 0 || s.State&(datapath.StRST|datapath.StFINFwd|datapath.StFINRev) != 0 {
+		if s.State&datapath.StEst == 0 || s.State&datapath.StRST != 0 ||
+			s.State&(datapath.StFINFwd|datapath.StFINRev) == datapath.StFINFwd|datapath.StFINRev {
 			continue
 		}
 		hasRight := s.Role == datapath.RoleStart || s.Role == datapath.RoleMiddle
@@ -118,13 +122,15 @@ func (a *Agent) reconfig(ctx context.Context, req api.ReconfigRequest) (api.Reco
 	for _, o := range a.ctl.reconfigure(ctx, ids, to, chain, mig) {
 		res := api.ReconfigResult{ID: o.id, Session: tuples[o.id], Outcome: o.outcome, Reason: o.reason}
 		if o.res != nil {
-			res.Outcome, res.Reason, res.Blocker = o.res.Outcome.String(), reasonText(*o.res), blockerText(*o.res)
-			res.Micros = o.took.Microseconds()
-		}
-		if o.mig != nil {
-			res.Migration = o.mig
-			if o.mig.Error != "" {
-				res.Reason = joinNote(res.Reason, o.mig.Error)
+			// As history has it (with the migration's report): the
+			// times of its phases, measured when the result came.
+			res = o.rec
+			res.ID, res.Session = o.id, tuples[o.id]
+			if o.mig != nil && res.Migration == nil {
+				res.Migration = o.mig
+				if o.mig.Error != "" {
+					res.Reason = joinNote(res.Reason, o.mig.Error)
+				}
 			}
 		}
 		rep.Results = append(rep.Results, res)

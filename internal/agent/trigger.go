@@ -223,7 +223,7 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 			return
 		}
 		c.token++
-		ch := make(chan protocol.Result, 1)
+		ch := make(chan waited, 1)
 		c.waiters[c.token] = ch
 		c.started[c.token] = start
 		var migc chan api.MigrationReport
@@ -233,7 +233,7 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 		}
 		c.handle(c.famOf[id], protocol.Reconfigure{Session: c.pidOf[id], RightAnchor: m.RightAnchor, Chain: m.Chain, Token: c.token, Gate: mig != nil})
 		go func() {
-			r := <-ch
+			r := (<-ch).res
 			var rep *api.MigrationReport
 			if migc != nil {
 				x := <-migc
@@ -304,8 +304,14 @@ func (c *control) sendTrigger(to netip.Addr, m triggerMsg, splice uint32) (chan 
 
 func reasonText(r protocol.Result) string {
 	text := r.Reason.String()
+	if r.Reason == protocol.ReasonOnPath && r.Hop.IsValid() {
+		text = r.Hop.String() + " is already on the session's path (a middlebox cannot be on the old and the new path at once; to keep it, anchor the request at it)"
+	}
 	if r.Outcome == protocol.Succeeded {
 		text = ""
+		if r.Unchanged {
+			text = "unchanged: the session already takes this path"
+		}
 		if r.Unconfirmed {
 			text = "old path torn down without confirmation"
 		}

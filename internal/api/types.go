@@ -239,6 +239,9 @@ type ReconfigResult struct {
 	// completed; the session goes on on its old path).
 	Outcome string `json:"outcome"`
 	Reason  string `json:"reason,omitempty"`
+	// Unchanged (succeeded): the new chain was the session's current
+	// segment between the anchors; nothing changed.
+	Unchanged bool `json:"unchanged,omitempty"`
 	// Blocker is the request that held the lock, for contention refusals.
 	Blocker string `json:"blocker,omitempty"`
 	// Micros is the time from the request to the old path no longer being

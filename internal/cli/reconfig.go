@@ -34,10 +34,14 @@ const outcomeSemantics = `Each matching session gets one line: its id at this ag
 outcome, the reason (and, when another reconfiguration holds part of the
 path, that request as "blocked by ANCHOR#ID") and the time taken. The
 outcome is
-  succeeded  the session runs on the new path; the old one is gone;
+  succeeded  the session runs on the new path; the old one is gone (or,
+             with the reason "unchanged", the segment already was the
+             new chain: nothing was to change);
   refused    nothing changed: part of the path was locked by another
              reconfiguration (§3.2), an anchor was busy, the request does
-             not fit the session, or the right anchor is not on its path;
+             not fit the session, the right anchor is not on its path, or
+             a hop of --chain is on the session's path already (named in
+             the reason);
   failed     the reconfiguration started but could not complete (the new
              path could not be set up, no answer in time, the session
              ended); the session goes on on its old path.
@@ -69,8 +73,13 @@ unbroken.
 RIGHT_ANCHOR is a host after this one on the session's path (a middlebox of
 its chain, or the session's destination) and runs an agent. The hops of
 --chain are middlebox addresses (no type names), of the session's address
-family, running agents; neither anchor may appear among them. The three
-operations are uses of this one primitive:
+family, running agents; neither anchor may appear among them. A host carries
+a session once: a hop that the session already crosses cannot be on the new
+segment too (the request is refused, naming it), unless --chain is exactly
+the segment as it is (then nothing changes, and the request succeeds as
+"unchanged"). To keep a middlebox and change what follows or precedes it,
+anchor the request at it. The three operations are uses of this one
+primitive:
 
   insert   --to the current next hop, --chain the new middlebox(es): they
            go between this host and its next hop;
@@ -81,8 +90,10 @@ operations are uses of this one primitive:
            replacement(s).
 
 The sessions this host can reconfigure are those it starts a chain for or
-forwards as a middlebox: it must have a next hop. To act from a middlebox on
-the sessions passing through it, see "dysco middlebox".
+forwards as a middlebox: it must have a next hop. Sessions that one end has
+closed are included (the other end's data still flows); sessions closed
+both ways or reset, and those still in their handshake, are not. To act
+from a middlebox on the sessions passing through it, see "dysco middlebox".
 
 With --server URL --host AGENT the request goes to the policy server, which
 relays it to the agent named AGENT (its --name); that agent is then "this

@@ -31,7 +31,7 @@ type dyscoCtlArgs struct {
 	Op    uint32
 	Arg   uint32
 	Ret   int32
-	Pad   uint32
+	Stamp uint32
 	Key   dyscoDyscoTuple
 	Tp    dyscoTpKey
 	Key2  dyscoDyscoTuple

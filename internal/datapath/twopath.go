@@ -37,6 +37,7 @@ const (
 	ctlCut        = 8
 	ctlFreeReconf = 9
 	ctlAddSub     = 10
+	ctlClosed     = 11
 
 	evProgress = 1
 )
@@ -138,6 +139,15 @@ func (d *Datapath) ctlRun(a dyscoCtlArgs) (int, error) {
 // zero Tuple otherwise. It returns how many flows went.
 func (d *Datapath) FreeSession(id uint32, onward Tuple) (int, error) {
 	return d.ctlRun(dyscoCtlArgs{Op: ctlFree, Key: onward, Tp: TPKey{SessId: id}})
+}
+
+// MarkClosed records in session id's state FINs that this host did not
+// see (StFINFwd, StFINRev in dirs; other bits are ignored), and restarts
+// its idle time: the collector then ends it the close linger from now, as
+// if the FINs had passed. A middlebox that joined a new path misses the
+// FINs that the old path carried.
+func (d *Datapath) MarkClosed(id uint32, dirs uint32) error {
+	return d.ctlArgs(dyscoCtlArgs{Op: ctlClosed, Tp: TPKey{SessId: id}, Arg: dirs, Stamp: Now()})
 }
 
 // CutSession cuts this host off session id, in one run of the control

@@ -1280,7 +1280,7 @@ func TestCtlConsts(t *testing.T) {
 	for name, want := range map[string]int{
 		"CTL_FLAGS_SET": ctlFlagsSet, "CTL_FLAGS_CLEAR": ctlFlagsClear, "CTL_TP_START": ctlTPStart,
 		"CTL_TP_STATE": ctlTPState, "CTL_TP_CLAMP": ctlTPClamp, "CTL_MARKS_MERGE": ctlMarksMerge,
-		"CTL_FREE": ctlFree, "CTL_CUT": ctlCut, "CTL_FREE_RECONF": ctlFreeReconf, "CTL_ADD_SUB": ctlAddSub,
+		"CTL_FREE": ctlFree, "CTL_CUT": ctlCut, "CTL_FREE_RECONF": ctlFreeReconf, "CTL_ADD_SUB": ctlAddSub, "CTL_CLOSED": ctlClosed,
 		"SIDE_LOCK": TPSideLock, "SIDE_SPLICE": TPSideSplice,
 	} {
 		m := regexp.MustCompile(`(?m)^#define ` + name + `\s+(\d+)`).FindSubmatch(src)
@@ -1476,5 +1476,38 @@ func TestFreeAndCutSessionOnward(t *testing.T) {
 	}
 	if n := flows(); n != 0 || fx.d.SessionExists(id) {
 		t.Errorf("after FreeSession: %d flows left, session kept %v", n, fx.d.SessionExists(id))
+	}
+}
+
+// TestMarkClosed: a middlebox that joined a new path records FINs it did
+// not see (the anchors' closed notice). Only the FIN bits are set, other
+// state stays, the idle time restarts, and a session that is gone is an
+// error.
+func TestMarkClosed(t *testing.T) {
+	fx := newFixture(t)
+	s := Session{State: StSYN | StSYNACK | StEst | StSetupDone, Role: RoleMiddle, CreatedMs: Now() - 60000, LastMs: Now() - 60000}
+	id, err := fx.d.InsertSession(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := fx.d.MarkClosed(id, StFINFwd|StRST); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := fx.d.Session(id)
+	if got.State != s.State|StFINFwd {
+		t.Fatalf("state %#x, want %#x (only the FIN bit set)", got.State, s.State|StFINFwd)
+	}
+	if Age(Now(), got.LastMs) > 5*time.Second {
+		t.Fatalf("the idle time did not restart: %s", Age(Now(), got.LastMs))
+	}
+	if err := fx.d.MarkClosed(id, StFINRev); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := fx.d.Session(id); got.State != s.State|StFINFwd|StFINRev {
+		t.Fatalf("state %#x after the second notice", got.State)
+	}
+	fx.d.DeleteSession(id)
+	if err := fx.d.MarkClosed(id, StFINFwd); err == nil {
+		t.Fatal("MarkClosed of a session that is gone succeeded")
 	}
 }

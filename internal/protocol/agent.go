@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"sort"
 	"time"
 
@@ -113,7 +114,9 @@ type session struct {
 	sides   [2]*SideInfo
 	app     AppDelta
 	joinReq ReqKey // set when a new-path SYN created the session
-	ready   bool   // the datapath knows the marks (always, unless joined)
+	// joinRight is the right anchor of joinReq.
+	joinRight netip.Addr
+	ready     bool // the datapath knows the marks (always, unless joined)
 
 	// §3.2: the state of the subsession to the right, kept here.
 	lock      LockState
@@ -228,6 +231,10 @@ type cancelJob struct {
 	rightAnchor netip.Addr
 	tries       int
 	anchor      *anchor // the left anchor's own cancellation (§3.6), or nil for a stale lock
+	// end, when set, is what the left anchor reports once the locks are
+	// released (a new chain that equals the old segment, or crosses it);
+	// otherwise the new path failed (ReasonSetupFailed, ReasonAborted).
+	end *Result
 }
 
 type teardown struct {
@@ -255,6 +262,11 @@ type tomb struct {
 	tries       int
 	unconfirmed bool // we completed Unconfirmed: the other anchor may lack our fin
 	rightAnchor netip.Addr
+	// viaMiddles: the new path that replaced this one has middleboxes
+	// (they get the closed notice, onFinsSeen); closed: the flags of the
+	// notice sent so far.
+	viaMiddles bool
+	closed     uint8
 }
 
 // New returns an agent with no sessions. Zero durations and counts in cfg
@@ -322,6 +334,10 @@ func (a *Agent) Handle(now time.Duration, ev Event) []Action {
 		a.onReconfigure(e)
 	case Proceed:
 		a.onProceed(e)
+	case JoinFailed:
+		a.onJoinFailed(e)
+	case FinsSeen:
+		a.onFinsSeen(e)
 	case TimerFired:
 		a.onTimer(e.ID)
 	case TwoPathProgress:
@@ -445,6 +461,14 @@ func (a *Agent) newSession(id SessionID, t wire.Tuple, nonce [wire.NonceLen]byte
 // a FIN or RST may arrive in any state): requests fail, locks go.
 func (a *Agent) endSession(s *session) {
 	if l := s.left; l != nil && l.stage != StageDone {
+		if (l.stage == StageSettingUp || l.stage == StageTwoPath) && !l.direct() {
+			// Free the middleboxes that joined the new path (best
+			// effort): with the session gone nothing will ever cancel
+			// it or cross it, and its FINs may have gone the old way.
+			c := a.msg(s, MsgCancelLock, l.newSub, l.req, l.rightAnchor)
+			c.Flags = FlagNewPath
+			a.send(l.newPeer, c)
+		}
 		a.emit(Result{Session: s.id, Token: l.token, Req: l.req, Outcome: Failed, Reason: ReasonSessionEnded})
 	}
 	for _, q := range s.queue {
@@ -629,6 +653,16 @@ func (a *Agent) onReconfigure(e Reconfigure) {
 		refuse(ReasonBusy, s.joinReq) // joined a new path; the datapath has not seen traffic yet
 		return
 	}
+	if len(e.Chain) == 0 && s.sides[SideRight].Peer == e.RightAnchor && s.lock == Unlocked {
+		// A delete of a segment with nothing to delete: the right anchor
+		// is our neighbour already. Nothing to lock or change.
+		a.nextReq++
+		k := ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq}
+		s.resolve(resolution{req: k, kind: resDone})
+		a.progress(s, k, RoleLeftAnchor, StageDone, "succeeded: unchanged (the right anchor is the next hop)")
+		a.emit(Result{Session: e.Session, Token: e.Token, Req: k, Outcome: Succeeded, Unchanged: true})
+		return
+	}
 	a.nextReq++
 	l := &anchor{role: RoleLeftAnchor, req: ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq}, token: e.Token,
 		rightAnchor: e.RightAnchor, chain: append([]netip.Addr(nil), e.Chain...), gate: e.Gate}
@@ -761,7 +795,7 @@ func (a *Agent) onMessage(e MessageIn) {
 	ref, ok := a.subs[m.Sub]
 	if !ok {
 		if m.Type == MsgSyn {
-			a.onNewSyn(e.From, m)
+			a.onNewSyn(e.From, m, e.OnPath)
 			return
 		}
 		if m.Type == MsgCancelLock && m.Flags&FlagNewPath != 0 {
@@ -788,6 +822,10 @@ func (a *Agent) onMessage(e MessageIn) {
 		return
 	}
 	if s.sides[ref.side].Sub != m.Sub && !a.onNewSub(s, ref, m) {
+		return
+	}
+	if m.Flags&flagsClosed != 0 {
+		a.onClosedNotice(s, ref, m)
 		return
 	}
 	switch m.Type {
@@ -1015,6 +1053,9 @@ func (a *Agent) onAckLock(s *session, m *Message) {
 		if l.stage != StageLocking {
 			return // duplicate, or the granting synAck came first
 		}
+		if a.sameOrCrossing(s, l, m) {
+			return
+		}
 		a.granted(s, l, m)
 		return
 	}
@@ -1037,6 +1078,7 @@ func (a *Agent) onAckLock(s *session, m *Message) {
 		}
 		f := *m
 		f.Delta = m.Delta.Add(s.contribution(SideLeft))
+		a.listSelf(&f)
 		a.sendRequestor(s, &f)
 		a.setTimer(s, TimerLease, k, a.cfg.LockLease)
 		if locking {
@@ -1045,6 +1087,67 @@ func (a *Agent) onAckLock(s *session, m *Message) {
 		return
 	}
 	a.reject(RejectUnexpected, m, s.sides[SideRight].Peer, "ackLock for %s, lock %s by %s", k, s.lock, s.requestor)
+}
+
+// listSelf adds this middle agent in front of an ackLock's list of the old
+// segment's middle agents (the left anchor compares it with the new chain:
+// sameOrCrossing). A list that is full, or names this agent already, stays
+// as it is and is marked partial.
+func (a *Agent) listSelf(m *Message) {
+	if m.Flags&FlagPartial != 0 {
+		return
+	}
+	if len(m.Hops) >= wire.MaxHops || slices.Contains(m.Hops, a.cfg.Self) {
+		m.Flags |= FlagPartial
+		return
+	}
+	m.Hops = append([]netip.Addr{a.cfg.Self}, m.Hops...)
+}
+
+// sameOrCrossing is the left anchor's check of its new chain against the
+// old segment, which the ackLock lists (listSelf), before it sets the new
+// path up. A host holds one state per session tuple, so a middlebox
+// cannot be on the old and the new path at once: the new path through it
+// would replace the old path's state there while the old path still
+// carries the session (docs/protocol.md, "A middlebox on both paths").
+// If the new chain equals the old segment, nothing is to change: the
+// request succeeds as unchanged. If it names a middlebox of the old
+// segment otherwise, the request is refused (ReasonOnPath, naming it).
+// Either way the segment is locked now: the locks are released with
+// cancelLock (§3.6) and the result is reported once they are. It reports
+// whether it took the request over. A partial list (FlagPartial) proves
+// nothing: the request goes on, and a middlebox of the new path that
+// holds the session refuses to join (onNewSyn).
+func (a *Agent) sameOrCrossing(s *session, l *anchor, m *Message) bool {
+	if len(l.chain) == 0 || m.Flags&FlagPartial != 0 || a.cfg.Faults&FaultNoPathCheck != 0 {
+		return false
+	}
+	end := &Result{Session: s.id, Token: l.token, Req: l.req}
+	note := ""
+	if slices.Equal(l.chain, m.Hops) {
+		end.Outcome, end.Unchanged = Succeeded, true
+		note = "unchanged: the new chain is the old segment"
+	} else {
+		for _, h := range l.chain {
+			if slices.Contains(m.Hops, h) {
+				end.Outcome, end.Reason, end.Hop = Refused, ReasonOnPath, h
+				note = "refused: " + h.String() + " is on the old segment"
+				break
+			}
+		}
+		if end.Outcome == 0 {
+			return false
+		}
+	}
+	a.cancelTimer(s, TimerRequest, l.req)
+	s.lock = Locked
+	l.delta, l.peerWS = m.Delta, m.WScale
+	a.nackQueue(s)
+	l.stage = StageCancelling
+	a.progress(s, l.req, RoleLeftAnchor, StageCancelling, note)
+	a.startCancel(s, l.req, l.rightAnchor, l)
+	s.cancels[l.req].end = end
+	return true
 }
 
 // granted is the left anchor's step when the right anchor grants its
@@ -1120,20 +1223,26 @@ func (a *Agent) onNackLock(s *session, m *Message) {
 
 // finishLeft ends the left anchor's part in its request and reports it.
 func (a *Agent) finishLeft(s *session, o Outcome, r Reason, blocker ReqKey) {
+	a.finishLeftWith(s, Result{Outcome: o, Reason: r, Blocker: blocker})
+}
+
+// finishLeftWith is finishLeft with the whole result (Unchanged, Hop).
+func (a *Agent) finishLeftWith(s *session, res Result) {
 	l := s.left
 	s.left = nil
 	if ref, ok := a.subs[l.newSub]; ok && l.stage == StageLocking && ref.id == s.id {
 		delete(a.subs, l.newSub) // the early SYN's subsession, never installed
 	}
 	kind := resDone
-	if o != Succeeded {
+	if res.Outcome != Succeeded {
 		kind = resNacked
 	}
-	s.resolve(resolution{req: l.req, kind: kind, reason: r, blocker: blocker})
+	s.resolve(resolution{req: l.req, kind: kind, reason: res.Reason, blocker: res.Blocker})
 	l.stage = StageDone
-	a.progress(s, l.req, RoleLeftAnchor, StageDone, o.String()+": "+r.String())
-	a.emit(Result{Session: s.id, Token: l.token, Req: l.req, Outcome: o, Reason: r, Blocker: blocker,
-		Unconfirmed: l.unconfirmed, Resumed: l.resumed})
+	a.progress(s, l.req, RoleLeftAnchor, StageDone, res.Outcome.String()+": "+res.Reason.String())
+	res.Session, res.Token, res.Req = s.id, l.token, l.req
+	res.Unconfirmed, res.Resumed = l.unconfirmed, l.resumed
+	a.emit(res)
 }
 
 func (a *Agent) onLease(s *session, k ReqKey) {
@@ -1187,11 +1296,14 @@ func (a *Agent) cancelDone(s *session, j *cancelJob) {
 	a.cancelTimer(s, TimerCancel, j.req)
 	if l := j.anchor; l != nil && s.left == l {
 		s.lock, s.requestor = Unlocked, ReqKey{}
-		r := ReasonSetupFailed
-		if l.aborted {
-			r = ReasonAborted
+		switch {
+		case j.end != nil:
+			a.finishLeftWith(s, *j.end)
+		case l.aborted:
+			a.finishLeft(s, Failed, ReasonAborted, ReqKey{})
+		default:
+			a.finishLeft(s, Failed, ReasonSetupFailed, ReqKey{})
 		}
-		a.finishLeft(s, Failed, r, ReqKey{})
 		a.releaseQueue(s)
 	}
 }
@@ -1221,6 +1333,14 @@ func (a *Agent) onProceed(e Proceed) {
 // abortSetup gives up a new path that does not answer (§3.6): the session
 // stays on the old path and every lock is released with cancelLock.
 func (a *Agent) abortSetup(s *session, l *anchor) {
+	a.dropNewPath(s, l, "new path does not answer", nil)
+}
+
+// dropNewPath abandons the new path being set up (§3.6): the session stays
+// on the old path, the middleboxes that joined the new path are freed
+// (best effort), and every lock is released with cancelLock; end, if set,
+// is what the request reports then (cancelJob.end).
+func (a *Agent) dropNewPath(s *session, l *anchor, note string, end *Result) {
 	a.cancelTimer(s, TimerSyn, l.req)
 	// Best effort: free the middleboxes that joined the new path.
 	c := a.msg(s, MsgCancelLock, l.newSub, l.req, l.rightAnchor)
@@ -1229,8 +1349,9 @@ func (a *Agent) abortSetup(s *session, l *anchor) {
 	delete(a.subs, l.newSub)
 	a.emit(RemoveSubsession{Session: s.id, Side: SideRight, Sub: l.newSub})
 	l.stage = StageCancelling
-	a.progress(s, l.req, RoleLeftAnchor, StageCancelling, "new path does not answer")
+	a.progress(s, l.req, RoleLeftAnchor, StageCancelling, note)
 	a.startCancel(s, l.req, l.rightAnchor, l)
+	s.cancels[l.req].end = end
 }
 
 func (a *Agent) onCancelLock(s *session, m *Message) {
@@ -1379,8 +1500,10 @@ func (a *Agent) sendSyn(s *session, l *anchor) {
 }
 
 // onNewSyn handles a SYN on a subsession nobody knows yet: at the right
-// anchor it completes the new path; elsewhere the agent joins it.
-func (a *Agent) onNewSyn(from netip.Addr, m *Message) {
+// anchor it completes the new path; elsewhere the agent joins it, unless
+// the session crosses this host already (onPath: MessageIn.OnPath), which
+// it then refuses to the left (refuseSyn).
+func (a *Agent) onNewSyn(from netip.Addr, m *Message, onPath bool) {
 	if m.Sub.Dst != a.cfg.Self || m.Sub.Src != from {
 		a.reject(RejectWrongPeer, m, from, "syn for %s", m.Sub)
 		return
@@ -1402,9 +1525,13 @@ func (a *Agent) onNewSyn(from netip.Addr, m *Message) {
 		a.reject(RejectMalformed, m, from, "syn with no hops for a middlebox")
 		return
 	}
+	if onPath {
+		a.refuseSyn(from, m, ReasonOnPath)
+		return
+	}
 	a.nextJoin++
 	s := a.newSession(a.nextJoin, m.Session, m.Nonce)
-	s.joinReq = m.Req
+	s.joinReq, s.joinRight = m.Req, m.RightAnchor
 	next := m.Hops[0]
 	left := SideInfo{Peer: from, Sub: m.Sub, Nonce: m.Nonce}
 	right := SideInfo{Peer: next, Sub: a.allocPort(next, m.Session.DstPort), Nonce: m.Nonce}
@@ -1521,6 +1648,36 @@ func (a *Agent) takeEarlySyn(k ReqKey) (earlySyn, bool) {
 	return e, a.now-e.at < a.cfg.LockLease
 }
 
+// refuseSyn answers a new path's SYN with a synAck that refuses it
+// (FlagRefuse, reason r, naming this host in its list), back the way the
+// SYN came: this host will not join. The hosts that joined before it pass the refusal on and leave
+// (onSynAck); the left anchor abandons the new path and cancels (§3.6).
+// Stateless: a retransmitted SYN gets the same answer.
+func (a *Agent) refuseSyn(from netip.Addr, m *Message, r Reason) {
+	n := &Message{Type: MsgSynAck, Flags: FlagRefuse, Reason: r, Nonce: m.Nonce, Sub: m.Sub,
+		Session: m.Session, Req: m.Req, RightAnchor: m.RightAnchor, Hops: []netip.Addr{a.cfg.Self}}
+	a.send(from, n)
+}
+
+// onJoinFailed: the agent could not install a session this agent joined
+// (JoinFailed). The SYN went on already (onNewSyn sends it first): the
+// left anchor learns of the refusal, the hosts after this one are freed
+// with a cancelLock on the new path, and the session is forgotten here.
+func (a *Agent) onJoinFailed(e JoinFailed) {
+	s := a.sessions[e.Session]
+	if s == nil || s.joinReq.IsZero() || s.sides[SideLeft] == nil || s.sides[SideRight] == nil {
+		return
+	}
+	left := s.sides[SideLeft]
+	a.progress(s, s.joinReq, RoleNewHop, StageDone, "refused: the datapath could not install the session")
+	a.refuseSyn(left.Peer, &Message{Nonce: left.Nonce, Sub: left.Sub, Session: s.tuple, Req: s.joinReq,
+		RightAnchor: s.joinRight}, ReasonSetupFailed)
+	c := a.msg(s, MsgCancelLock, wire.Tuple{}, s.joinReq, s.joinRight)
+	c.Flags = FlagNewPath
+	a.sendSide(s, SideRight, c)
+	a.drop(s)
+}
+
 func (a *Agent) forwardSyn(s *session, m *Message) {
 	f := *m
 	f.Hops = m.Hops[1:]
@@ -1542,6 +1699,23 @@ func (a *Agent) onSynDup(s *session, ref subRef, m *Message) {
 
 func (a *Agent) onSynAck(s *session, ref subRef, m *Message) {
 	if l := s.left; l != nil && l.req == m.Req && l.newSub == m.Sub {
+		if m.Flags&FlagRefuse != 0 {
+			// A host of the new path refused to join it (refuseSyn).
+			if l.stage == StageSettingUp && !l.gated {
+				// A host that carries the session already: nothing
+				// changed, the request does not fit the path (refused).
+				// One that could not install it: the new path failed.
+				end := &Result{Outcome: Failed, Reason: ReasonSetupFailed}
+				if m.Reason == ReasonOnPath {
+					end = &Result{Outcome: Refused, Reason: ReasonOnPath}
+				}
+				if len(m.Hops) == 1 {
+					end.Hop = m.Hops[0] // the host that refused
+				}
+				a.dropNewPath(s, l, "new path refused: "+m.Reason.String(), end)
+			}
+			return
+		}
 		switch {
 		case l.stage == StageLocking && m.Flags&FlagGrant != 0 && len(l.chain) == 0 &&
 			ref.peer == l.rightAnchor && s.lock == LockPending && s.requestor == l.req:
@@ -1563,6 +1737,14 @@ func (a *Agent) onSynAck(s *session, ref subRef, m *Message) {
 	if s.joinReq == m.Req && ref.side == SideRight {
 		f := *m
 		a.sendSide(s, SideLeft, &f)
+		if m.Flags&FlagRefuse != 0 {
+			// A host after us refused the new path: it will never be
+			// used. Leave it (the left anchor's cancelLock on the new
+			// path would find nothing here to pass on to).
+			a.progress(s, m.Req, RoleNewHop, StageDone, "new path refused further on: "+m.Reason.String())
+			a.emit(FreeSession{Session: s.id})
+			a.drop(s)
+		}
 		return
 	}
 	a.reject(RejectUnexpected, m, ref.peer, "synAck for %s", m.Req)
@@ -1885,7 +2067,7 @@ func (a *Agent) complete(s *session, an *anchor) {
 		ra = a.cfg.Self
 	}
 	s.tombs = append(s.tombs, tomb{sub: old, side: side, req: an.req, cutoff: an.vars.OldSent,
-		acked: an.finOldAcked, tries: an.tries, unconfirmed: an.unconfirmed, rightAnchor: ra})
+		acked: an.finOldAcked, tries: an.tries, unconfirmed: an.unconfirmed, rightAnchor: ra, viaMiddles: !an.direct()})
 	a.setTimer(s, TimerLinger, an.req, a.cfg.Linger)
 	sd.Sub, sd.Peer, sd.Delta = an.newSub, an.newPeer, an.newDelta
 	sd.Nonce = a.subs[an.newSub].nonce
@@ -1904,6 +2086,56 @@ func (a *Agent) complete(s *session, an *anchor) {
 		note = "unconfirmed"
 	}
 	a.progress(s, an.req, RoleRightAnchor, StageDone, note)
+}
+
+// onFinsSeen sends the closed notice (FlagClosedFwd/Rev) on each side of
+// s that completed a reconfiguration through middleboxes within the last
+// Linger (it has a tomb): the FINs the datapath saw here went on the old
+// path if they were sent before the cut-off, and the new path's
+// middleboxes never saw them. The notice goes from the left anchor as an
+// ack, from the right anchor as a synAck, along the new path, whose
+// middleboxes record the FINs (MarkClosed) and pass it on; the other
+// anchor drops it. Each anchor sends it, so one copy lost leaves the
+// other; both lost, the middleboxes keep the session until their idle
+// timeout, as before.
+func (a *Agent) onFinsSeen(e FinsSeen) {
+	s := a.sessions[e.Session]
+	if s == nil {
+		return
+	}
+	var flags uint8
+	if e.Fwd {
+		flags |= FlagClosedFwd
+	}
+	if e.Rev {
+		flags |= FlagClosedRev
+	}
+	for i := range s.tombs {
+		t := &s.tombs[i]
+		if !t.viaMiddles || flags&^t.closed == 0 || s.sides[t.side] == nil {
+			continue
+		}
+		t.closed |= flags
+		typ := MsgAck
+		if t.side == SideLeft {
+			typ = MsgSynAck
+		}
+		m := a.msg(s, typ, wire.Tuple{}, t.req, t.rightAnchor)
+		m.Flags = t.closed
+		a.sendSide(s, t.side, m)
+	}
+}
+
+// onClosedNotice handles a closed notice (onFinsSeen) at the hosts of the
+// new path: a middlebox that joined it for the notice's request records
+// the FINs and passes it on; the other anchor drops it.
+func (a *Agent) onClosedNotice(s *session, ref subRef, m *Message) {
+	rightward := m.Type == MsgAck
+	if s.joinReq == m.Req && (ref.side == SideLeft) == rightward {
+		f := *m
+		a.sendSide(s, ref.side.Other(), &f)
+		a.emit(MarkClosed{Session: s.id, Fwd: m.Flags&FlagClosedFwd != 0, Rev: m.Flags&FlagClosedRev != 0})
+	}
 }
 
 // onTomb answers a retransmitted FIN on a torn-down old path.

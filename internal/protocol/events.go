@@ -89,6 +89,13 @@ type SetAppDelta struct {
 type MessageIn struct {
 	From netip.Addr
 	Data []byte
+	// OnPath (a new path's SYN that would make this agent join it): the
+	// session's tuple is live in this host's datapath already, on a path
+	// that is not being torn down. The datapath holds one state per
+	// session tuple, so this host cannot be on the old and the new path
+	// at once (nor twice on one path): the agent refuses the new path
+	// (a synAck with FlagRefuse, ReasonOnPath) instead of joining it.
+	OnPath bool
 }
 
 // Reconfigure is an operator's (or a middlebox's) request that this agent,
@@ -116,6 +123,27 @@ type Proceed struct {
 	Session SessionID
 	Req     ReqKey
 	Abort   string
+}
+
+// JoinFailed reports that the agent could not carry out a JoinSession
+// (its datapath refused the session: full maps, or the session's tuple
+// became live here meanwhile). The protocol refuses the new path (a synAck
+// with FlagRefuse, ReasonSetupFailed, to the left), frees the middleboxes
+// it passed the SYN to (cancelLock on the new path) and forgets the
+// session.
+type JoinFailed struct {
+	Session SessionID
+}
+
+// FinsSeen reports the TCP FINs this agent's datapath has seen for a
+// session (Fwd: in the SYN's direction, Rev: the other), when a side of it
+// has just completed a reconfiguration (EndTwoPath). A FIN sent before the
+// cut-off travels the old path only, so the middleboxes that joined the
+// new path never see it and would keep the session until their idle
+// timeout: the protocol tells them (a closed notice on the new path).
+type FinsSeen struct {
+	Session  SessionID
+	Fwd, Rev bool
 }
 
 // TimerFired reports that a timer set by SetTimer expired.
@@ -152,6 +180,8 @@ func (TimerFired) event()      {}
 func (TwoPathProgress) event() {}
 func (SessionEnd) event()      {}
 func (Proceed) event()         {}
+func (JoinFailed) event()      {}
+func (FinsSeen) event()        {}
 
 // TimerKind says what a timer is for.
 type TimerKind uint8
@@ -323,6 +353,15 @@ type KeepLock struct {
 // the path (a middlebox of a torn-down old path, §3.5).
 type FreeSession struct{ Session SessionID }
 
+// MarkClosed records in a joined session's datapath state the FINs that
+// the old path carried and this agent did not see (FinsSeen at an anchor,
+// passed on by a closed notice): its collector then ends the session as
+// any host that saw them does.
+type MarkClosed struct {
+	Session  SessionID
+	Fwd, Rev bool
+}
+
 // Result reports the end of a reconfiguration request at its left anchor.
 type Result struct {
 	Session SessionID
@@ -338,6 +377,12 @@ type Result struct {
 	// Resumed: the request was begun by an earlier run of the agent, which
 	// restarted in its middle (SideInfo.Resume).
 	Resumed bool
+	// Unchanged (Succeeded): the new chain is the segment's current one;
+	// nothing was changed (the locks were taken and released).
+	Unchanged bool
+	// Hop (ReasonOnPath) is the hop of the new chain already on the
+	// session's path, when the left anchor knows it.
+	Hop netip.Addr
 }
 
 // Rejected reports a control message this agent refused, for counters.
@@ -368,6 +413,7 @@ func (EndTwoPath) action()       {}
 func (RemoveSubsession) action() {}
 func (SetWindowClamp) action()   {}
 func (FreeSession) action()      {}
+func (MarkClosed) action()       {}
 func (KeepLock) action()         {}
 func (NewPathReady) action()     {}
 func (Result) action()           {}

@@ -160,8 +160,28 @@ func (h *harness) step() bool {
 	}
 	e := h.queue[0]
 	h.queue = h.queue[1:]
-	h.deliver(e.to, MessageIn{From: e.from, Data: e.data})
+	h.deliver(e.to, h.messageIn(e))
 	return true
+}
+
+// messageIn is what the agent makes of a datagram: a new path's SYN for a
+// session the receiver holds on a live path already is marked OnPath, as
+// the agent does from its datapath (one state per session tuple).
+func (h *harness) messageIn(e envelope) MessageIn {
+	in := MessageIn{From: e.from, Data: e.data}
+	if e.msg.Type != MsgSyn || e.msg.RightAnchor == e.to {
+		return in
+	}
+	a := h.agents[e.to]
+	if _, _, known := a.Lookup(e.msg.Sub); known {
+		return in
+	}
+	for _, id := range a.Sessions() {
+		if v, _ := a.View(id); v.Tuple == e.msg.Session && a.OnLivePath(id) {
+			in.OnPath = true
+		}
+	}
+	return in
 }
 
 // stepType delivers the first queued message of type t (out of order).
@@ -169,7 +189,7 @@ func (h *harness) stepType(t MsgType, to netip.Addr) {
 	for i, e := range h.queue {
 		if e.msg.Type == t && e.to == to {
 			h.queue = append(h.queue[:i:i], h.queue[i+1:]...)
-			h.deliver(e.to, MessageIn{From: e.from, Data: e.data})
+			h.deliver(e.to, h.messageIn(e))
 			return
 		}
 	}

@@ -70,9 +70,12 @@ func (t MsgType) String() string {
 const (
 	// MsgMagic opens every control message ("DYSR").
 	MsgMagic = 0x44595352
-	// MsgVersion is the version this code writes and accepts (2 since
-	// the granting SYN-ACK: the leftDelta gathered by requestLock).
-	MsgVersion = 2
+	// MsgVersion is the version this code writes and accepts (3 since
+	// the ackLock names the old segment's middle agents and a synAck can
+	// refuse a new path; 2 added the leftDelta gathered by requestLock).
+	// Every agent of a deployment must speak the same version: a left
+	// anchor takes an ackLock's list for the whole old segment.
+	MsgVersion = 3
 	// MsgHeaderLen is the fixed part before the hops.
 	MsgHeaderLen = 172
 	// MACLen is the length of the truncated HMAC-SHA256 that ends a message.
@@ -99,8 +102,29 @@ const (
 	// leftDelta and the window scale, as the ackLock does, so the left
 	// anchor need not wait for the ackLock's two hops back along the old
 	// path (docs/protocol.md, "The granting SYN-ACK").
-	FlagGrant  = 1 << 3
-	knownFlags = FlagLeftward | FlagNewPath | FlagDone | FlagGrant
+	FlagGrant = 1 << 3
+	// FlagPartial marks an ackLock whose hop list does not name every
+	// middle agent of the old segment (it was full, or an agent found
+	// itself in it already): the left anchor cannot compare the new chain
+	// with the old path (onAckLock) and goes on; a middlebox of the new
+	// path that holds the session already refuses it (FlagRefuse).
+	FlagPartial = 1 << 4
+	// FlagRefuse marks a synAck by which a host named in the new path
+	// refuses to join it (the reason byte says why: ReasonOnPath, the
+	// session already crosses that host; ReasonSetupFailed, it could not
+	// install the session). It travels back to the left anchor like a
+	// synAck; the left anchor abandons the new path and cancels (§3.6).
+	FlagRefuse = 1 << 5
+	// FlagClosedFwd and FlagClosedRev make an ack (from the left anchor)
+	// or a synAck (from the right anchor) sent after the anchor completed
+	// a closed notice: the TCP session's FIN in the SYN's direction, or in
+	// the other, went on the old path before the cut-off, and the
+	// middleboxes of the new path, which never saw it, record it
+	// (FinsSeen, MarkClosed).
+	FlagClosedFwd = 1 << 6
+	FlagClosedRev = 1 << 7
+	flagsClosed   = FlagClosedFwd | FlagClosedRev
+	knownFlags    = FlagLeftward | FlagNewPath | FlagDone | FlagGrant | FlagPartial | FlagRefuse | flagsClosed
 )
 
 // Message is a decoded control message.
@@ -121,7 +145,8 @@ const (
 //	164 left delta seq (4), ts (4): the leftDelta gathered so far
 //	    (requestLock: each middle adds what it will add to the ackLock)
 //	172 hops, 16 bytes each (syn: the addresses after the receiver, ending
-//	    with the right anchor)
+//	    with the right anchor; ackLock: the middle agents of the old
+//	    segment it has passed, in path order)
 //	end HMAC-SHA256 under the deployment key of everything before it,
 //	    truncated to 16 bytes
 type Message struct {
@@ -325,7 +350,7 @@ func (m *Message) validate() error {
 	if b := m.Blocker.LeftAnchor; b.IsValid() && (!wire.Unicast(b) || b.Unmap().Is4() != v4) {
 		return decodeErr(RejectMalformed, "blocker %s invalid", b)
 	}
-	if m.Reason > ReasonStale {
+	if m.Reason > ReasonStale && m.Reason != ReasonOnPath {
 		return decodeErr(RejectMalformed, "unknown reason %d", m.Reason)
 	}
 	for i, h := range m.Hops {
@@ -338,6 +363,20 @@ func (m *Message) validate() error {
 		if slices.Contains(m.Hops[:i], h) {
 			return decodeErr(RejectMalformed, "hop %d repeats %s (the path would loop)", i, h)
 		}
+	}
+	if m.Flags&FlagPartial != 0 && m.Type != MsgAckLock || m.Flags&FlagRefuse != 0 && m.Type != MsgSynAck ||
+		m.Flags&flagsClosed != 0 && (m.Type != MsgAck && m.Type != MsgSynAck || m.Flags&^flagsClosed != 0) {
+		return decodeErr(RejectMalformed, "flags %#x on a %s", m.Flags, m.Type)
+	}
+	switch {
+	case m.Type == MsgSyn, m.Type == MsgAckLock:
+	case m.Type == MsgSynAck && m.Flags&FlagRefuse != 0:
+		// A refusal names the host that refused (refuseSyn), and why.
+		if len(m.Hops) != 1 || m.Reason != ReasonOnPath && m.Reason != ReasonSetupFailed {
+			return decodeErr(RejectMalformed, "refusing synAck with %d hops, reason %d", len(m.Hops), m.Reason)
+		}
+	case len(m.Hops) > 0:
+		return decodeErr(RejectMalformed, "%d hops on a %s", len(m.Hops), m.Type)
 	}
 	if m.Type == MsgSyn {
 		// The receiver of a syn is the packet's destination; the list

@@ -259,3 +259,55 @@ func BenchmarkMessage(b *testing.B) {
 		}
 	}
 }
+
+// The flags and lists that version 3 added: where they may appear.
+func TestMessageListsAndFlags(t *testing.T) {
+	mk := func(typ MsgType, flags uint8, r Reason, hops ...int) *Message {
+		m := sampleMessage()
+		m.Type, m.Flags, m.Reason, m.Hops = typ, flags, r, nil
+		for _, h := range hops {
+			m.Hops = append(m.Hops, addr(h))
+		}
+		return m
+	}
+	for _, tc := range []struct {
+		name string
+		m    *Message
+		ok   bool
+	}{
+		{"ackLock listing the old segment", mk(MsgAckLock, 0, 0, 2, 3), true},
+		{"partial ackLock", mk(MsgAckLock, FlagPartial, 0, 2), true},
+		{"refusing synAck", mk(MsgSynAck, FlagRefuse, ReasonOnPath, 5), true},
+		{"refusing synAck, setup failed", mk(MsgSynAck, FlagRefuse, ReasonSetupFailed, 5), true},
+		{"closed notice (ack)", mk(MsgAck, FlagClosedFwd, 0), true},
+		{"closed notice (synAck)", mk(MsgSynAck, FlagClosedFwd|FlagClosedRev, 0), true},
+		{"refusal naming nobody", mk(MsgSynAck, FlagRefuse, ReasonOnPath), false},
+		{"refusal naming two", mk(MsgSynAck, FlagRefuse, ReasonOnPath, 5, 6), false},
+		{"refusal for contention", mk(MsgSynAck, FlagRefuse, ReasonLocked, 5), false},
+		{"partial fin", mk(MsgFin, FlagPartial, 0), false},
+		{"refusing ack", mk(MsgAck, FlagRefuse, ReasonOnPath, 5), false},
+		{"closed fin", mk(MsgFin, FlagClosedFwd, 0), false},
+		{"closed granting synAck", mk(MsgSynAck, FlagClosedFwd|FlagGrant, 0), false},
+		{"list on a fin", mk(MsgFin, 0, 0, 2), false},
+		{"list on a plain synAck", mk(MsgSynAck, 0, 0, 2), false},
+		{"list on a requestLock", mk(MsgRequestLock, 0, 0, 2), false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b, err := tc.m.Encode(testKey)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := Decode(testKey, b)
+			if tc.ok {
+				if err != nil || !reflect.DeepEqual(got, tc.m) {
+					t.Fatalf("round trip: %v\n got %+v\nwant %+v", err, got, tc.m)
+				}
+				return
+			}
+			var de *DecodeError
+			if !errors.As(err, &de) || de.Reason != RejectMalformed {
+				t.Fatalf("got %v, want malformed", err)
+			}
+		})
+	}
+}

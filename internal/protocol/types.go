@@ -207,6 +207,7 @@ const (
 	ReasonSessionEnded        // the TCP session ended (FIN, RST, idle) first
 	ReasonStale               // an answer to a request that is already resolved
 	ReasonAborted             // the agent aborted a gated request before the switch (Proceed.Abort)
+	ReasonOnPath              // a hop of the new chain is already on the session's path (Result.Hop)
 )
 
 func (r Reason) String() string {
@@ -233,6 +234,8 @@ func (r Reason) String() string {
 		return "stale request"
 	case ReasonAborted:
 		return "aborted before the switch"
+	case ReasonOnPath:
+		return "a middlebox of the new chain is already on the session's path"
 	}
 	return fmt.Sprintf("reason-%d", uint8(r))
 }
@@ -278,4 +281,10 @@ const (
 	// ack (Deliver does nothing), and end hosts discard them once the ack
 	// is more than a window old.
 	FaultStaleOldAcks
+	// FaultNoPathCheck: the left anchor does not compare its new chain
+	// with the old segment the ackLock lists (sameOrCrossing), so a new
+	// path may name a middlebox of the old one. With an agent that joins
+	// such a path anyway, this is how reconfigurations behaved before the
+	// check (docs/protocol.md, "A middlebox on both paths").
+	FaultNoPathCheck
 )

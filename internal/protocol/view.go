@@ -93,3 +93,18 @@ func (a *Agent) RightAnchorOf(k ReqKey) (SessionID, bool) {
 	id, ok := a.rightReq[k]
 	return id, ok
 }
+
+// OnLivePath reports whether this agent's session id is on the session's
+// live path: known here, and not a middle agent of an old path past which
+// both anchors' fins have gone (then neither anchor sends on that path any
+// more, §3.5, and the session only lingers here). A host holds one
+// datapath state per session tuple, so a new path's SYN for a session that
+// is on a live path here must be refused (MessageIn.OnPath), not joined.
+func (a *Agent) OnLivePath(id SessionID) bool {
+	s := a.sessions[id]
+	if s == nil {
+		return false
+	}
+	td := s.teardown
+	return td == nil || !(td.fins[0] && td.fins[1])
+}

@@ -28,9 +28,22 @@ func (w *world) build() {
 			live = append(live, h)
 		}
 	}
-	nS := 1 + r.IntN(3)
+	// Sessions start at random times, several at once, so that some are
+	// set up while others are being reconfigured; some reuse the tuple of
+	// an earlier one once it has closed, as a client reuses its ports,
+	// while middleboxes may still hold the earlier one's state.
+	nS := 1 + r.IntN(6)
 	for i := 0; i < nS; i++ {
-		w.newSession(i, live)
+		var reuse *simSession
+		if i > 0 && r.IntN(4) == 0 {
+			reuse = w.sessions[r.IntN(len(w.sessions))]
+		}
+		s := w.newSession(i, live, reuse)
+		if i == 0 {
+			w.startSession(s, live, 0)
+		} else {
+			w.startSession(s, live, time.Duration(r.IntN(2500))*time.Millisecond)
+		}
 	}
 	w.stats.Sessions, w.stats.Hosts = nS, len(w.hosts)
 	w.tracef("seed %d: loss %.2f dup %.2f jitter %s, %d middleboxes, %d sessions", w.opts.Seed, w.loss, w.dup, w.jitter, nM, nS)
@@ -54,10 +67,53 @@ func (w *world) randDelta() protocol.Delta {
 	return d
 }
 
-func (w *world) newSession(i int, live []*host) {
+// newSession makes session i: on its own client and server, or on those
+// and the tuple of reuse.
+func (w *world) newSession(i int, live []*host, reuse *simSession) *simSession {
 	r := w.rng
-	c := w.newHost(fmt.Sprintf("c%d", i), false)
-	sv := w.newHost(fmt.Sprintf("s%d", i), false)
+	s := &simSession{idx: i}
+	if reuse != nil {
+		s.client, s.server, s.tuple = reuse.client, reuse.server, reuse.tuple
+		w.stats.Reused++
+	} else {
+		s.client = w.newHost(fmt.Sprintf("c%d", i), false)
+		s.server = w.newHost(fmt.Sprintf("s%d", i), false)
+		s.tuple = wire.Tuple{Src: s.client.addr, Dst: s.server.addr, SrcPort: uint16(30000 + i), DstPort: 80}
+	}
+	for j := range s.nonce {
+		s.nonce[j] = byte(r.IntN(256))
+	}
+	w.sessions = append(w.sessions, s)
+	return s
+}
+
+// startSession sets session s up after d: at once, or, for a session that
+// reuses a tuple, once the earlier sessions of that tuple have closed at
+// both ends.
+func (w *world) startSession(s *simSession, live []*host, d time.Duration) {
+	w.after(d, func() {
+		for _, o := range w.sessions {
+			if o.idx >= s.idx || o.tuple != s.tuple {
+				continue
+			}
+			if o.ends[0] == nil || !o.rst && (o.ends[0].state == tcpOpen || o.ends[1].state == tcpOpen) {
+				if w.now > horizon/2 {
+					return // the earlier one never closes: the run checks it
+				}
+				w.startSession(s, live, 200*time.Millisecond)
+				return
+			}
+		}
+		w.setUp(s, live)
+	})
+}
+
+// setUp sets a session up through a chain of live middleboxes: its state
+// at every host (announced to the agents lazily), its traffic, the
+// requests and resets to come.
+func (w *world) setUp(s *simSession, live []*host) {
+	r := w.rng
+	i, c, sv := s.idx, s.client, s.server
 	k := r.IntN(min(4, len(live)) + 1)
 	hosts := []*host{c}
 	for _, j := range r.Perm(len(live))[:k] {
@@ -65,11 +121,6 @@ func (w *world) newSession(i int, live []*host) {
 	}
 	hosts = append(hosts, sv)
 	n := len(hosts)
-	s := &simSession{idx: i, tuple: wire.Tuple{Src: c.addr, Dst: sv.addr, SrcPort: uint16(30000 + i), DstPort: 80}}
-	for j := range s.nonce {
-		s.nonce[j] = byte(r.IntN(256))
-	}
-	w.sessions = append(w.sessions, s)
 
 	apps := make([]protocol.AppDelta, n)
 	for j := 1; j < n-1; j++ {
@@ -115,8 +166,9 @@ func (w *world) newSession(i int, live []*host) {
 			h.addSub(sub)
 			up.Right = &protocol.SideInfo{Peer: sub.peer, Sub: sub.tuple}
 		}
+		ds.up = &up
 		h.dp[ds.id] = ds
-		h.handle(up)
+		w.holdStart(s, h)
 		h.idleCheck(ds)
 		dss = append(dss, ds)
 	}
@@ -137,7 +189,7 @@ func (w *world) newSession(i int, live []*host) {
 	for j, h := range hosts {
 		names = append(names, fmt.Sprintf("%s%s", h, apps[j]))
 	}
-	w.tracef("session s%d: %v, %d bytes right, %d bytes left", i, names, totA, totB)
+	w.tracef("session s%d: %v %s, %d bytes right, %d bytes left", i, names, s.tuple, totA, totB)
 
 	// Reconfiguration requests, alone and in bursts on overlapping
 	// segments; a reset now and then.
@@ -193,27 +245,46 @@ func (w *world) issue(s *simSession, n int) {
 		if hs[ri] == hs[li] {
 			continue // a host on the path twice (two new paths through it): it cannot anchor both ends
 		}
-		// New middleboxes: hosts with no state of this session at all.
-		var cand []*host
+		// New middleboxes: mostly hosts with no state of this session at
+		// all; sometimes the segment as it is (nothing to change), or a
+		// host that carries the session (on the path, or lingering after
+		// an old path went), which the request must not put on its new
+		// path as well.
+		var free, carrying []*host
 		for _, h := range w.hosts {
-			if !h.mbox {
+			if !h.mbox || h == hs[li] || h == hs[ri] {
 				continue
 			}
 			busy := false
 			for _, ds := range h.dp {
-				busy = busy || ds.sess == s
+				busy = busy || ds.sess == s && !ds.gone
 			}
-			if !busy {
-				cand = append(cand, h)
+			if busy {
+				carrying = append(carrying, h)
+			} else {
+				free = append(free, h)
 			}
 		}
 		var chain []*host
+		switch x := r.IntN(10); {
+		case x < 2:
+			chain = append(chain, hs[li+1:ri]...)
+		case x < 4 && len(carrying) > 0:
+			for _, j := range r.Perm(len(free))[:min(len(free), r.IntN(2))] {
+				chain = append(chain, free[j])
+			}
+			at := r.IntN(len(chain) + 1)
+			chain = append(chain[:at], append([]*host{carrying[r.IntN(len(carrying))]}, chain[at:]...)...)
+		default:
+			for _, j := range r.Perm(len(free))[:min(len(free), r.IntN(3))] {
+				chain = append(chain, free[j])
+			}
+		}
 		var addrs []netip.Addr
 		dead := false
-		for _, j := range r.Perm(len(cand))[:min(len(cand), r.IntN(3))] {
-			chain = append(chain, cand[j])
-			addrs = append(addrs, cand[j].addr)
-			dead = dead || cand[j].dead
+		for _, h := range chain {
+			addrs = append(addrs, h.addr)
+			dead = dead || h.dead
 		}
 		w.tokens++
 		req := &request{token: w.tokens, sess: s, left: hs[li], right: hs[ri], chain: chain, deadChain: dead,
@@ -225,6 +296,12 @@ func (w *world) issue(s *simSession, n int) {
 		w.byToken[req.token] = req
 		w.stats.Requests++
 		w.tracef("OPERATOR %s", req)
+		if !hs[li].announce(dss[li]) {
+			// The agent refuses a session it cannot announce (reset).
+			w.onResult(hs[li], protocol.Result{Session: dss[li].id, Token: req.token, Outcome: protocol.Refused,
+				Reason: protocol.ReasonNoSession, Req: protocol.ReqKey{LeftAnchor: hs[li].addr}})
+			continue
+		}
 		hs[li].handle(protocol.Reconfigure{Session: dss[li].id, RightAnchor: hs[ri].addr, Chain: addrs, Token: req.token, Gate: req.gate})
 		w.checkLocks()
 	}

@@ -76,6 +76,27 @@ func (w *world) finish() {
 	if w.err != nil {
 		return
 	}
+	// The streams first: what the applications see.
+	for _, s := range w.sessions {
+		if s.ends[0] == nil {
+			w.fail("s%d was never set up", s.idx)
+			return
+		}
+		if s.rst {
+			continue // a reset stream may stop anywhere, but what arrived was checked
+		}
+		for _, e := range s.ends {
+			if e.state != tcpTimeWait {
+				w.fail("%s: not closed at the end (state %d, sent %d of %d acked %d, received %d of %d)",
+					e.name, e.state, e.sndNxt-e.iss, e.total, e.sndUna-e.iss, e.rcvOff, e.peerTotal)
+				return
+			}
+			if e.rcvOff != e.peerTotal+1 {
+				w.fail("%s: received %d bytes of %d", e.name, e.rcvOff, e.peerTotal)
+				return
+			}
+		}
+	}
 	for _, h := range w.hosts {
 		if ids := h.agent.Sessions(); len(ids) > 0 {
 			var desc []string
@@ -134,22 +155,6 @@ func (w *world) finish() {
 			}
 		}
 	}
-	for _, s := range w.sessions {
-		if s.rst {
-			continue // a reset stream may stop anywhere, but what arrived was checked
-		}
-		for _, e := range s.ends {
-			if e.state != tcpTimeWait {
-				w.fail("%s: not closed at the end (state %d, sent %d of %d acked %d, received %d of %d)",
-					e.name, e.state, e.sndNxt-e.iss, e.total, e.sndUna-e.iss, e.rcvOff, e.peerTotal)
-				return
-			}
-			if e.rcvOff != e.peerTotal+1 {
-				w.fail("%s: received %d bytes of %d", e.name, e.rcvOff, e.peerTotal)
-				return
-			}
-		}
-	}
 }
 
 // unjustified says why an outcome breaks the §3.7 properties, or "".
@@ -164,7 +169,10 @@ func (w *world) unjustified(r *request, depth int) string {
 		return ""
 	case protocol.Failed:
 		switch {
-		case ending:
+		case r.sess.rst, r.sess.ending && r.sess.endingAt <= r.resAt:
+			// The session ended (or was reset) first: a request cannot
+			// wait for it, nor fail because of it, while it still
+			// carries traffic.
 			return ""
 		case res.Reason == protocol.ReasonSetupFailed && r.deadChain:
 			return ""
@@ -190,7 +198,10 @@ func (w *world) unjustified(r *request, depth int) string {
 		if why := w.unjustified(b, depth+1); why != "" {
 			return fmt.Sprintf("blocked by %s, which %s (%s): %s", b, b.res.Outcome, b.res.Reason, why)
 		}
-		if b.res.Outcome == protocol.Refused && !b.res.Reason.Contention() {
+		// (A request refused because its new chain crosses the path did
+		// hold the segment: it learns the old segment from the ackLock,
+		// or the refusal from its new path, once it is locked.)
+		if b.res.Outcome == protocol.Refused && !b.res.Reason.Contention() && b.res.Reason != protocol.ReasonOnPath {
 			return fmt.Sprintf("blocked by %s, which never held the segment (%s)", b, b.res.Reason)
 		}
 		return ""
@@ -211,6 +222,22 @@ func (w *world) unjustified(r *request, depth int) string {
 			return ""
 		}
 		return "session did not end"
+	case protocol.ReasonOnPath:
+		// A host holds one state per session tuple: the hop named (or,
+		// if none is, one of the new chain) carried the session, or an
+		// earlier session of the same tuple not yet closed there.
+		hops := r.chain
+		if h := w.byAddr[res.Hop]; h != nil {
+			hops = []*host{h}
+		}
+		for _, h := range hops {
+			for _, o := range w.sessions {
+				if o.tuple == r.sess.tuple && w.heldDuring(o, h, r.issued, r.resAt) {
+					return ""
+				}
+			}
+		}
+		return "no hop of the new chain carried the session's tuple"
 	}
 	return "unexpected refusal"
 }

@@ -23,6 +23,9 @@ type dpSess struct {
 	joined bool
 	ready  bool
 	gone   bool
+	// up is what the agent announces to its protocol, lazily (announce);
+	// nil for a joined session, which the protocol made itself.
+	up *protocol.SessionUp
 
 	// collector
 	lastActive time.Duration
@@ -30,6 +33,10 @@ type dpSess struct {
 	finOff     [2]uint32
 	finAcked   [2]bool
 	ending     bool
+	rstSeen    bool
+	// closedMark: FINs the old path carried, which a closed notice told
+	// this joined middlebox of (MarkClosed).
+	closedMark [2]bool
 
 	// stateful middlebox check: the highest sequence number (plus one)
 	// seen arriving in each direction, in the arrival side's session space.
@@ -231,6 +238,7 @@ func (ds *dpSess) observe(p pkt) {
 	w := ds.h.w
 	ds.lastActive = w.now
 	if p.flags&protocol.TCPRst != 0 {
+		ds.rstSeen = true
 		if !ds.ending {
 			ds.ending = true
 			ds.sess.markEnding(w.now)
@@ -244,11 +252,7 @@ func (ds *dpSess) observe(p pkt) {
 	if o := 1 - p.dir; p.flags&protocol.TCPAck != 0 && ds.finSeen[o] && !seqLT(p.ackOff, ds.finOff[o]+1) {
 		ds.finAcked[o] = true
 	}
-	if ds.finAcked[0] && ds.finAcked[1] && !ds.ending {
-		ds.ending = true
-		ds.sess.markEnding(w.now)
-		w.after(closeLinger, func() { ds.h.endSession(ds, "fin") })
-	}
+	ds.closeCheck()
 	if ds.joined && !ds.ready {
 		l, r := ds.sides[protocol.SideLeft], ds.sides[protocol.SideRight]
 		if l.marks.Ready() && r.marks.Ready() {
@@ -260,6 +264,29 @@ func (ds *dpSess) observe(p pkt) {
 			})
 		}
 	}
+}
+
+// closeCheck starts the close linger once the session is closed both ways:
+// each FIN seen and acknowledged here, or recorded by a closed notice.
+func (ds *dpSess) closeCheck() {
+	w := ds.h.w
+	closed := func(d int) bool { return ds.finAcked[d] || ds.closedMark[d] }
+	if closed(0) && closed(1) && !ds.ending {
+		ds.ending = true
+		ds.sess.markEnding(w.now)
+		w.after(closeLinger, func() { ds.h.endSession(ds, "fin") })
+	}
+}
+
+// markClosed records FINs the old path carried (protocol.MarkClosed).
+func (ds *dpSess) markClosed(fwd, rev bool) {
+	if fwd {
+		ds.closedMark[0], ds.finSeen[0] = true, true
+	}
+	if rev {
+		ds.closedMark[1], ds.finSeen[1] = true, true
+	}
+	ds.closeCheck()
 }
 
 func (h *host) startTwoPath(ds *dpSess, side protocol.Side) {
@@ -299,6 +326,10 @@ func (h *host) applyDatapath(act protocol.Action) {
 	switch x := act.(type) {
 	case protocol.AddSubsession:
 		ds := h.dp[x.Session]
+		if ds == nil {
+			w.fail("%s: AddSubsession for session %d, which the datapath does not hold", h, x.Session)
+			return
+		}
 		sub := &dpSub{ds: ds, side: x.Side, tuple: x.Sub, peer: x.Peer, delta: x.Delta}
 		sd := ds.sides[x.Side]
 		sd.neu, sd.armed = sub, x.Armed
@@ -311,7 +342,34 @@ func (h *host) applyDatapath(act protocol.Action) {
 				s = c
 			}
 		}
+		// One state per session tuple, as in the datapath: a session
+		// carried here on a live path cannot be joined again (the agent
+		// checked the SYN, onPath; the protocol refuses if this fails),
+		// and stale state of the tuple gives way to the new path.
+		if live := h.liveHere(x.Tuple, x.Nonce); live != nil {
+			if w.opts.old&oldJoin != 0 {
+				w.tracef("%s cannot join s%d: it carries it already; the agent goes on", h, s.idx)
+				return
+			}
+			w.tracef("%s cannot join s%d: it carries it already", h, s.idx)
+			w.after(0, func() { h.handle(protocol.JoinFailed{Session: x.Session}) })
+			return
+		}
+		for _, id := range h.dpIDs() {
+			if old := h.dp[id]; old.sess.tuple == x.Tuple {
+				w.tracef("%s: the state of session %d (s%d) gives way to the new path", h, id, old.sess.idx)
+				known := h.known[id]
+				h.freeDP(old)
+				if known {
+					// The agent ends it in its protocol too (after the
+					// current actions), as the collector would have.
+					w.after(0, func() { h.handle(protocol.SessionEnd{Session: id, Cause: "replaced"}) })
+				}
+			}
+		}
 		ds := &dpSess{h: h, id: x.Session, sess: s, joined: true, lastActive: w.now}
+		h.known[ds.id] = true
+		w.holdStart(s, h)
 		for i, info := range []protocol.SideInfo{x.Left, x.Right} {
 			sub := &dpSub{ds: ds, side: protocol.Side(i), tuple: info.Sub, peer: info.Peer}
 			ds.sides[i] = &dpSide{cur: sub}
@@ -330,6 +388,10 @@ func (h *host) applyDatapath(act protocol.Action) {
 		}
 	case protocol.EndTwoPath:
 		ds := h.dp[x.Session]
+		if ds == nil {
+			w.fail("%s: EndTwoPath for session %d, which the datapath does not hold", h, x.Session)
+			return
+		}
 		sd := ds.sides[x.Side]
 		if sd.neu == nil || sd.neu.tuple != x.New {
 			w.fail("%s: EndTwoPath for %s, new subsession %v", h, x.New, sd.neu)
@@ -337,6 +399,14 @@ func (h *host) applyDatapath(act protocol.Action) {
 		}
 		sd.cur, sd.neu, sd.tp = sd.neu, nil, nil
 		w.tracef("%s end two-path %s side s%d", h, x.Side, ds.sess.idx)
+		if w.opts.old&oldNoNotice == 0 {
+			id := ds.id
+			w.after(0, func() {
+				if !ds.gone && (ds.finSeen[0] || ds.finSeen[1]) {
+					h.handle(protocol.FinsSeen{Session: id, Fwd: ds.finSeen[0], Rev: ds.finSeen[1]})
+				}
+			})
+		}
 	case protocol.RemoveSubsession:
 		sub := h.subs[x.Sub]
 		if sub == nil {
@@ -377,6 +447,9 @@ func (h *host) addSub(sub *dpSub) {
 }
 
 func (h *host) freeDP(ds *dpSess) {
+	if !ds.gone {
+		h.w.holdEnd(ds.sess, h)
+	}
 	ds.gone = true
 	for t, sub := range h.subs {
 		if sub.ds == ds {
@@ -384,6 +457,35 @@ func (h *host) freeDP(ds *dpSess) {
 		}
 	}
 	delete(h.dp, ds.id)
+	delete(h.known, ds.id)
+}
+
+// holdStart and holdEnd record when host h holds datapath state of s.
+func (w *world) holdStart(s *simSession, h *host) {
+	if w.held[s] == nil {
+		w.held[s] = map[*host][]span{}
+	}
+	w.held[s][h] = append(w.held[s][h], span{start: w.now, end: -1})
+}
+
+func (w *world) holdEnd(s *simSession, h *host) {
+	sp := w.held[s][h]
+	for i := len(sp) - 1; i >= 0; i-- {
+		if sp[i].end < 0 {
+			sp[i].end = w.now
+			return
+		}
+	}
+}
+
+// heldDuring reports whether h held state of s at some time in [from, to].
+func (w *world) heldDuring(s *simSession, h *host, from, to time.Duration) bool {
+	for _, sp := range w.held[s][h] {
+		if sp.start <= to && (sp.end < 0 || sp.end >= from) {
+			return true
+		}
+	}
+	return false
 }
 
 // endSession is the collector ending a session (§3.7: FIN or RST in any
@@ -393,6 +495,13 @@ func (h *host) endSession(ds *dpSess, cause string) {
 		return
 	}
 	h.w.tracef("%s collector ends session %d (s%d): %s", h, ds.id, ds.sess.idx, cause)
+	if cause == "idle" && h.w.loss == 0 && !ds.sess.rst {
+		// Without loss every host of the path sees the session's FINs, or
+		// learns of those that went on an old path (FinsSeen): none keeps
+		// it until its idle timeout.
+		h.w.fail("%s keeps s%d (session %d) until its idle timeout", h, ds.sess.idx, ds.id)
+		return
+	}
 	ds.sess.markEnding(h.w.now)
 	// §3.7: a reconfiguration completes unless its new path fails; one
 	// still going when the session ends must not be stuck (after a reset,
@@ -404,7 +513,9 @@ func (h *host) endSession(ds *dpSess, cause string) {
 			}
 		}
 	}
-	h.handle(protocol.SessionEnd{Session: ds.id, Cause: cause})
+	if h.known[ds.id] {
+		h.handle(protocol.SessionEnd{Session: ds.id, Cause: cause})
+	}
 	h.freeDP(ds)
 	h.w.checkLocks()
 }

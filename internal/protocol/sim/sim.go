@@ -45,7 +45,28 @@ type Options struct {
 	// noLockWalk turns the continuous lock check off, to show that the
 	// end-of-run checks catch broken locking on their own.
 	noLockWalk bool
+	// old makes the hosts behave as the agent did before (with
+	// protocol.FaultNoPathCheck, the old behaviour), to show that the
+	// checkers catch each flaw.
+	old oldAgent
 }
+
+// oldAgent selects behaviours of the agent before it checked its datapath
+// for the sessions it carries.
+type oldAgent uint8
+
+const (
+	// oldJoin: a new path's SYN is never marked OnPath, and a JoinSession
+	// whose tuple the datapath holds live fails silently: the protocol
+	// goes on with a path this host does not carry.
+	oldJoin oldAgent = 1 << iota
+	// oldAnnounce: a session that has seen a FIN is not announced to the
+	// protocol, so its control messages are rejected.
+	oldAnnounce
+	// oldNoNotice: no FinsSeen after a reconfiguration, so the middleboxes
+	// of a new path never learn of FINs that went the old way.
+	oldNoNotice
+)
 
 // Report is the outcome of one run.
 type Report struct {
@@ -63,10 +84,15 @@ type Stats struct {
 	SetupFailed                          int // new path through a dead middlebox: cancelled
 	Unconfirmed                          int
 	Resets                               int
-	ControlSent, DataSent                int
-	Lost, Duplicated                     int
-	Rejected                             map[string]int
-	Outcomes                             map[string]int // outcome: reason
+	// A new chain equal to the old segment (succeeded unchanged), one
+	// naming a middlebox that carries the session (refused on-path),
+	// closed notices recorded by joined middleboxes, sessions that reuse
+	// an earlier session's tuple, requests issued right after a result.
+	Unchanged, OnPath, ClosedMarks, Reused, BackToBack int
+	ControlSent, DataSent                              int
+	Lost, Duplicated                                   int
+	Rejected                                           map[string]int
+	Outcomes                                           map[string]int // outcome: reason
 	// The two-path phase at work (§3.5): cut-offs, packets split at
 	// oldSent, extra acks of oldRcvd on the old path, data received on
 	// each path after a cut-off, late old-path packets whose ack was
@@ -89,6 +115,11 @@ func (s *Stats) Add(o Stats) {
 	s.SetupFailed += o.SetupFailed
 	s.Unconfirmed += o.Unconfirmed
 	s.Resets += o.Resets
+	s.Unchanged += o.Unchanged
+	s.OnPath += o.OnPath
+	s.ClosedMarks += o.ClosedMarks
+	s.Reused += o.Reused
+	s.BackToBack += o.BackToBack
 	s.ControlSent += o.ControlSent
 	s.DataSent += o.DataSent
 	s.Lost += o.Lost
@@ -126,11 +157,11 @@ func (s Stats) String() string {
 		}
 		return strings.Join(l, " ")
 	}
-	return fmt.Sprintf("sessions=%d requests=%d succeeded=%d refused=%d (contention %d) failed=%d (dead new path %d) "+
-		"unconfirmed=%d resets=%d\n  outcomes[%s]\n  two-path: cut-offs=%d splits=%d extra-old-acks=%d old-path-data=%d new-path-data=%d raised-acks=%d too-old-acks=%d\n"+
+	return fmt.Sprintf("sessions=%d (reused tuples %d) requests=%d (back to back %d) succeeded=%d (unchanged %d) refused=%d (contention %d, on path %d) failed=%d (dead new path %d) "+
+		"unconfirmed=%d resets=%d closed-marks=%d\n  outcomes[%s]\n  two-path: cut-offs=%d splits=%d extra-old-acks=%d old-path-data=%d new-path-data=%d raised-acks=%d too-old-acks=%d\n"+
 		"  control=%d data=%d lost=%d dup=%d rejected[%s] simtime=%s events=%d",
-		s.Sessions, s.Requests, s.Succeeded, s.Refused, s.Contended, s.Failed, s.SetupFailed, s.Unconfirmed,
-		s.Resets, list(s.Outcomes), s.CutOffs, s.Splits, s.ExtraOldAcks, s.OldPathData, s.NewPathData, s.RaisedAcks, s.TooOldAcks,
+		s.Sessions, s.Reused, s.Requests, s.BackToBack, s.Succeeded, s.Unchanged, s.Refused, s.Contended, s.OnPath, s.Failed, s.SetupFailed, s.Unconfirmed,
+		s.Resets, s.ClosedMarks, list(s.Outcomes), s.CutOffs, s.Splits, s.ExtraOldAcks, s.OldPathData, s.NewPathData, s.RaisedAcks, s.TooOldAcks,
 		s.ControlSent, s.DataSent, s.Lost, s.Duplicated, list(s.Rejected), s.SimTime, s.Events)
 }
 
@@ -195,7 +226,13 @@ type world struct {
 	tokens           uint64
 	locked           map[protocol.ReqKey]lockRec // when each request locked its segment, and the segment
 	started          map[protocol.ReqKey]time.Duration
+	// held records when each host held datapath state of each session
+	// (to judge on-path refusals).
+	held map[*simSession]map[*host][]span
 }
+
+// span is a time a host held state of a session; end < 0: still.
+type span struct{ start, end time.Duration }
 
 // lockRec is a request's segment (the subsessions of the path between its
 // anchors) when its left anchor got ackLock.
@@ -207,7 +244,8 @@ type lockRec struct {
 func newWorld(opts Options) *world {
 	w := &world{opts: opts, rng: rand.New(rand.NewPCG(uint64(opts.Seed), 0x9e3779b97f4a7c15)),
 		byAddr: map[netip.Addr]*host{}, byToken: map[uint64]*request{}, byReq: map[protocol.ReqKey]*request{},
-		locked: map[protocol.ReqKey]lockRec{}, started: map[protocol.ReqKey]time.Duration{}}
+		locked: map[protocol.ReqKey]lockRec{}, started: map[protocol.ReqKey]time.Duration{},
+		held: map[*simSession]map[*host][]span{}}
 	w.stats.Rejected, w.stats.Outcomes = map[string]int{}, map[string]int{}
 	return w
 }
@@ -323,6 +361,10 @@ type host struct {
 	dp    map[protocol.SessionID]*dpSess
 	subs  map[wire.Tuple]*dpSub
 	tmr   map[protocol.TimerID]*event
+	// known: the sessions announced to the agent (SessionUp), lazily, as
+	// the agent does: when a request or a control message first concerns
+	// them (announce).
+	known map[protocol.SessionID]bool
 }
 
 func (h *host) String() string { return h.name }
@@ -337,7 +379,8 @@ func (w *world) newHost(name string, mbox bool) *host {
 		Faults: w.opts.Faults,
 	}
 	h := &host{w: w, name: name, addr: a, mbox: mbox, agent: protocol.New(cfg),
-		dp: map[protocol.SessionID]*dpSess{}, subs: map[wire.Tuple]*dpSub{}, tmr: map[protocol.TimerID]*event{}}
+		dp: map[protocol.SessionID]*dpSess{}, subs: map[wire.Tuple]*dpSub{}, tmr: map[protocol.TimerID]*event{},
+		known: map[protocol.SessionID]bool{}}
 	w.hosts = append(w.hosts, h)
 	w.byAddr[a] = h
 	return h
@@ -359,7 +402,7 @@ func (h *host) apply(act protocol.Action) {
 		w.tracef("%s -> %s %s", h, to, x.Msg)
 		data := x.Data
 		w.deliver(h, to, x.Msg.Type.String(), func() {
-			to.handle(protocol.MessageIn{From: h.addr, Data: data})
+			to.handle(to.messageIn(h.addr, data))
 			w.checkLocks()
 		})
 	case protocol.SetTimer:
@@ -380,6 +423,12 @@ func (h *host) apply(act protocol.Action) {
 		}
 	case protocol.Result:
 		w.onResult(h, x)
+	case protocol.MarkClosed:
+		if ds := h.dp[x.Session]; ds != nil {
+			w.stats.ClosedMarks++
+			w.tracef("%s closed notice s%d fwd=%v rev=%v", h, ds.sess.idx, x.Fwd, x.Rev)
+			ds.markClosed(x.Fwd, x.Rev)
+		}
 	case protocol.NewPathReady:
 		// The agent moves state meanwhile: it answers after a while, or
 		// aborts (an export that fails).
@@ -430,6 +479,113 @@ type simSession struct {
 	rst      bool          // an end host reset the session (or gave up)
 	ending   bool          // a collector saw the session end (FINs both ways acknowledged, or RST)
 	endingAt time.Duration // when it first did
+	// client and server host it (a later session may reuse them and the
+	// tuple, as a client reuses a port).
+	client, server *host
+}
+
+// segment returns the hosts strictly between left and right on s's path
+// now, or nil if the path does not go from left to right.
+func (w *world) segment(s *simSession, left, right *host) []*host {
+	hs, _ := w.path(s)
+	for i, h := range hs {
+		if h != left {
+			continue
+		}
+		for j := i + 1; j < len(hs); j++ {
+			if hs[j] == right {
+				return append([]*host{}, hs[i+1:j]...)
+			}
+		}
+	}
+	return nil
+}
+
+func sameHosts(a, b []*host) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// messageIn is what the agent makes of a datagram (agent/control.go
+// onPacket): a control message about a session the protocol does not know
+// yet announces it first (announce); a new path's SYN that would make this
+// host join a session it carries on a live path is marked OnPath.
+func (h *host) messageIn(from netip.Addr, data []byte) protocol.MessageIn {
+	in := protocol.MessageIn{From: from, Data: data}
+	m, err := protocol.Decode(deploymentKey, data)
+	if err != nil {
+		return in
+	}
+	if _, _, known := h.agent.Lookup(m.Sub); known {
+		return in
+	}
+	if m.Type == protocol.MsgSyn {
+		if m.RightAnchor != h.addr && len(m.Hops) > 0 && h.w.opts.old&oldJoin == 0 {
+			in.OnPath = h.liveHere(m.Session, m.Nonce) != nil
+		}
+		return in
+	}
+	if sub := h.subs[m.Sub]; sub != nil {
+		h.announce(sub.ds)
+	}
+	return in
+}
+
+// announce tells the agent's protocol about a datapath session, unless it
+// knows it already, as the agent does (control.announce): not one that was
+// reset (nor, as the agent did before, one that has seen a FIN). It
+// reports whether the protocol knows the session.
+func (h *host) announce(ds *dpSess) bool {
+	if ds.gone {
+		return false
+	}
+	if h.known[ds.id] {
+		return true
+	}
+	if ds.up == nil || ds.rstSeen || h.w.opts.old&oldAnnounce != 0 && (ds.finSeen[0] || ds.finSeen[1]) {
+		return false
+	}
+	h.known[ds.id] = true
+	h.handle(*ds.up)
+	return true
+}
+
+// liveHere returns a session of tuple t that this host carries on a live
+// path (agent/control.go liveHere): not reset, either unknown to the
+// protocol or on its live path (protocol.Agent.OnLivePath), and either the
+// session of nonce (FINs both ways do not end it: the bytes before them
+// may still be on their way, or be sent again) or another one that is not
+// closed both ways (a session of another nonce closed both ways is an
+// earlier TCP connection of the same tuple, which gives way).
+func (h *host) liveHere(t wire.Tuple, nonce [wire.NonceLen]byte) *dpSess {
+	for _, id := range h.dpIDs() {
+		ds := h.dp[id]
+		if ds.gone || ds.sess.tuple != t || ds.rstSeen || ds.sess.nonce != nonce && ds.finSeen[0] && ds.finSeen[1] {
+			continue
+		}
+		if !h.known[id] || h.agent.OnLivePath(id) {
+			return ds
+		}
+	}
+	return nil
+}
+
+// dpIDs returns the ids of the host's datapath sessions, sorted (the
+// simulation must not depend on map order).
+func (h *host) dpIDs() []protocol.SessionID {
+	ids := make([]protocol.SessionID, 0, len(h.dp))
+	for id := range h.dp {
+		ids = append(ids, id)
+	}
+	sort.Slice(ids, func(i, j int) bool { return ids[i] < ids[j] })
+	return ids
 }
 
 type request struct {
@@ -469,7 +625,31 @@ func (w *world) onResult(h *host, x protocol.Result) {
 	}
 	r.res, r.resAt, r.key = &x, w.now, x.Req
 	w.byReq[x.Req] = r
-	w.tracef("%s RESULT %s %s: %s %s blocker=%s unconfirmed=%v", h, r, x.Req, x.Outcome, x.Reason, x.Blocker, x.Unconfirmed)
+	if x.Unchanged {
+		// The segment between the anchors is the new chain: nothing was
+		// to change (the locks were held until now, so it is as it was).
+		w.stats.Unchanged++
+		if seg := w.segment(r.sess, r.left, r.right); !r.sess.rst && !r.sess.ending && !sameHosts(seg, r.chain) {
+			w.fail("%s: succeeded unchanged, but the segment is %v", r, seg)
+			return
+		}
+	}
+	if x.Reason == protocol.ReasonOnPath {
+		w.stats.OnPath++
+	}
+	if !r.sess.rst && !r.sess.ending && w.rng.IntN(4) == 0 {
+		// The same session again at once (back to back).
+		w.stats.BackToBack++
+		w.after(0, func() { w.issue(r.sess, 1) })
+	}
+	note := ""
+	if x.Unchanged {
+		note = " unchanged"
+	}
+	if x.Hop.IsValid() {
+		note += " hop=" + x.Hop.String()
+	}
+	w.tracef("%s RESULT %s %s: %s %s blocker=%s unconfirmed=%v%s", h, r, x.Req, x.Outcome, x.Reason, x.Blocker, x.Unconfirmed, note)
 	switch x.Outcome {
 	case protocol.Succeeded:
 		w.stats.Succeeded++

@@ -148,29 +148,49 @@ func TestSimCatchesBrokenVariants(t *testing.T) {
 		name       string
 		fault      protocol.Fault
 		noLockWalk bool
+		old        oldAgent
 		expect     []string // what the first failure may say
 	}{
-		{"skip lock", protocol.FaultSkipLock, false, []string{"overlapping reconfigurations"}},
+		{"skip lock", protocol.FaultSkipLock, false, 0, []string{"overlapping reconfigurations"}},
 		// Without the lock check, the damage shows: two overlapping
 		// requests succeed, old-path middleboxes see acks for data that
 		// went on the other request's new path, or an anchor tears its old
 		// path down while the other anchor never answered its fin.
-		{"skip lock, end-to-end checks only", protocol.FaultSkipLock, true,
-			[]string{"both succeeded", "beyond the data it forwarded", "stuck", "old path torn down without a FIN-ACK"}},
-		{"acks on old path", protocol.FaultAcksOnOldPath, false, []string{"beyond the data it forwarded"}},
+		{"skip lock, end-to-end checks only", protocol.FaultSkipLock, true, 0,
+			[]string{"both succeeded", "beyond the data it forwarded", "stuck", "old path torn down without a FIN-ACK",
+				"a reconfiguration whose new path works must succeed"}},
+		{"acks on old path", protocol.FaultAcksOnOldPath, false, 0, []string{"beyond the data it forwarded"}},
 		// End hosts discard the late old data (its ack is too old), so the
 		// anchor never sees it acknowledged: it stays in the two-path
 		// phase, or, once the other anchor has given up asking for its fin
 		// (TimerFin probes, after the middleboxes' leases ended), the
 		// stream is never delivered. Rare: the first seed is in the
 		// thousands.
-		{"stale acks on late old-path packets", protocol.FaultStaleOldAcks, false, []string{"stuck in twoPath", "not closed at the end"}},
+		{"stale acks on late old-path packets", protocol.FaultStaleOldAcks, false, 0, []string{"stuck in twoPath", "not closed at the end"}},
+		// A new path through a middlebox that carries the session already
+		// (the left anchor does not compare, the middlebox joins anyway,
+		// its datapath cannot hold the second state): the session's
+		// packets on the new path are dropped there and the streams stall
+		// (docs/verification.md, "A middlebox on both paths").
+		{"new path through a middlebox that carries the session", protocol.FaultNoPathCheck, false, oldJoin,
+			[]string{"not closed at the end", "stuck", "until its idle timeout", "agent keeps state after the run"}},
+		// Middle agents that do not announce a session once it has seen a
+		// FIN: a request for a half-closed session gets no answer.
+		{"half-closed sessions not announced", 0, false, oldAnnounce,
+			[]string{"a reconfiguration whose new path works must succeed"}},
+		// No closed notice: a middlebox of a new path that missed the
+		// session's FINs (they went on the old path) keeps it.
+		{"no closed notice", 0, false, oldNoNotice, []string{"until its idle timeout"}},
+		// All of it: the agent and the protocol as they were.
+		{"the old agent", protocol.FaultNoPathCheck, false, oldJoin | oldAnnounce | oldNoNotice,
+			[]string{"not closed at the end", "stuck", "until its idle timeout", "agent keeps state after the run",
+				"a reconfiguration whose new path works must succeed"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			// Seeds in order, so that the first failure is always the same.
 			var r *Report
 			for seed := int64(1); seed <= maxBrokenSeeds && r == nil; seed++ {
-				if x := Run(Options{Seed: seed, Faults: tc.fault, noLockWalk: tc.noLockWalk}); x.Err != nil {
+				if x := Run(Options{Seed: seed, Faults: tc.fault, noLockWalk: tc.noLockWalk, old: tc.old}); x.Err != nil {
 					r = x
 				}
 			}
