@@ -11,8 +11,16 @@ import (
 // WriteNginxConfig writes dir/nginx.conf for an nginx that runs in the
 // foreground (`nginx -c dir/nginx.conf -p dir`), keeps its pid, logs and
 // temporary files under dir, and serves dir/www on port of each address.
-// It creates dir/www and returns the configuration's path.
+// It creates dir/www and returns the configuration's path. Keep-alive
+// connections serve any number of requests.
 func WriteNginxConfig(dir string, port int, addrs ...netip.Addr) (string, error) {
+	return WriteNginxConfigKeepalive(dir, port, 1000000, addrs...)
+}
+
+// WriteNginxConfigKeepalive is WriteNginxConfig with nginx closing each
+// keep-alive connection after keepaliveRequests requests (its
+// keepalive_requests): the client then opens a new one.
+func WriteNginxConfigKeepalive(dir string, port, keepaliveRequests int, addrs ...netip.Addr) (string, error) {
 	var listen strings.Builder
 	for _, a := range addrs {
 		if a.Is6() {
@@ -35,12 +43,12 @@ http {
   uwsgi_temp_path %[1]s/uwsgi;
   scgi_temp_path %[1]s/scgi;
   sendfile on;
-  keepalive_requests 1000000;
+  keepalive_requests %[3]d;
   server {
 %[2]s    root %[1]s/www;
   }
 }
-`, dir, listen.String())
+`, dir, listen.String(), keepaliveRequests)
 	if err := os.MkdirAll(filepath.Join(dir, "www"), 0o755); err != nil {
 		return "", err
 	}
