@@ -64,7 +64,8 @@ func (e *end) Err() error {
 // rate bytes a second in 100 ms steps, then half-closes (FIN).
 func (e *end) send(stop *atomic.Bool, rate int64) {
 	const tick = 100 * time.Millisecond
-	chunk := 60000 // at most patLen
+	const piece = 60000 // at most patLen
+	chunk := piece
 	if rate > 0 {
 		chunk = max(int(rate*int64(tick)/int64(time.Second)), 1)
 	}
@@ -77,12 +78,16 @@ func (e *end) send(stop *atomic.Bool, rate int64) {
 			}
 			next = next.Add(tick)
 		}
-		off := int(e.tx.Load() % patLen)
-		n, err := e.c.Write(pattern2[off : off+chunk])
-		e.tx.Add(int64(n))
-		if err != nil {
-			e.fail(fmt.Errorf("write after %d bytes: %w", e.tx.Load(), err))
-			return
+		// A step's bytes, in writes of at most one pattern period.
+		for left := chunk; left > 0; {
+			off := int(e.tx.Load() % patLen)
+			n, err := e.c.Write(pattern2[off : off+min(left, piece)])
+			e.tx.Add(int64(n))
+			left -= n
+			if err != nil {
+				e.fail(fmt.Errorf("write after %d bytes: %w", e.tx.Load(), err))
+				return
+			}
 		}
 	}
 	if err := e.c.CloseWrite(); err != nil {
