@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -19,9 +20,10 @@ func newLabRunCmd() *cobra.Command {
 		quick, full, tiny, list bool
 		out, agentBin, lib      string
 		agentArgs               []string
+		duration                time.Duration
 	)
 	cmd := &cobra.Command{
-		Use:   "run EXPERIMENT [--quick|--full] [--out DIR]",
+		Use:   "run EXPERIMENT [--quick|--full|--tiny] [--duration D] [--out DIR]",
 		Short: "Run one of the paper's experiments in labs: raw data, plots and a report",
 		Long: `Run an experiment of the paper's evaluation (§5) in labs built for it, and
 write its raw data (CSV, data.json), PNG plots and report.md (our figures
@@ -29,10 +31,12 @@ beside the paper's) to --out (default out/experiments/EXPERIMENT). Progress
 goes to stderr; the labs are always torn down, also on failure or Ctrl-C.
 
 --quick (the default) takes a few minutes on two cores; --full uses the
-paper's scale where the machine allows. Experiments: ` + strings.Join(experiment.Names(), ", ") + `.
+paper's scale where the machine allows. Experiments that run a workload for
+as long as asked (churn) also take --duration. Experiments: ` + strings.Join(experiment.Names(), ", ") + `.
 See docs/experiments.md.`,
 		Example: `  dysco lab run proxy-removal
   dysco lab run goodput --full --out /tmp/goodput
+  dysco lab run churn --duration 30m
   dysco lab run --list`,
 		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -77,7 +81,7 @@ See docs/experiments.md.`,
 				}
 			}
 			res, err := experiment.RunExperiment(cmd.Context(), args[0], experiment.Config{
-				Dysco: agentBin, Libdysco: lib, Size: size, OutDir: out, AgentArgs: agentArgs,
+				Dysco: agentBin, Libdysco: lib, Size: size, OutDir: out, AgentArgs: agentArgs, Duration: duration,
 				Log: cmd.ErrOrStderr(), Command: "dysco lab run " + strings.Join(os.Args[3:], " "),
 			})
 			if res != nil {
@@ -107,5 +111,6 @@ See docs/experiments.md.`,
 	f.StringVar(&agentBin, "agent-binary", "", "dysco binary for the agents and the CLI (default: this binary)")
 	f.StringVar(&lib, "libdysco", "", "libdysco.so preloaded into HAProxy (default lib/libdysco.so, or ../lib beside the binary)")
 	f.StringArrayVar(&agentArgs, "agent-arg", nil, "extra argument for every agent (repeat for several)")
+	f.DurationVar(&duration, "duration", 0, "how long the workload runs, for experiments that take it (churn); the other figures come from the size")
 	return cmd
 }

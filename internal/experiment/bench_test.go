@@ -96,7 +96,7 @@ func TestPlan(t *testing.T) {
 		names = append(names, p.name)
 	}
 	got := strings.Join(names, "|")
-	for _, want := range []string{"labs, 1 mb|goodput, 1 mb|", "memory per session|teardown, 1 mb|labs, 4 mb|nginx+wrk, 4 mb|", "teardown, 4 mb|labs, proxy removal|proxy removal, 60 sessions|teardown, proxy removal|labs, disruption|disruption of one session by a reconfiguration, 4s, SACK on and off|teardown, disruption"} {
+	for _, want := range []string{"labs, 1 mb|goodput, 1 mb|", "memory per session|teardown, 1 mb|labs, 4 mb|nginx+wrk, 4 mb|", "teardown, 4 mb|labs, proxy removal|proxy removal, 60 sessions|teardown, proxy removal|labs, churn|reconfiguration under churn, 6 rounds|teardown, churn|labs, disruption|disruption of one session by a reconfiguration, 4s, SACK on and off|teardown, disruption"} {
 		if !strings.Contains(got, want) {
 			t.Errorf("plan %q lacks %q", got, want)
 		}
@@ -159,6 +159,17 @@ func TestPlan(t *testing.T) {
 	if _, err := ParseFlags([]string{"--only", "disruption", "--disruption-time", "2s"}); err == nil {
 		t.Error("--disruption-time 2s accepted")
 	}
+	o, _ = ParseFlags([]string{"--only", "churn"})
+	names = nil
+	for _, p := range plan(o) {
+		names = append(names, p.name)
+	}
+	if got := strings.Join(names, "|"); got != "labs, churn|reconfiguration under churn, 20 rounds|teardown, churn" || o.Markdown != "" {
+		t.Errorf("--only churn plans %q (markdown %q)", got, o.Markdown)
+	}
+	if o, _ := ParseFlags([]string{"--only", "churn", "--churn-rounds", "50"}); o.ChurnRounds != 50 {
+		t.Errorf("--churn-rounds 50: %d rounds", o.ChurnRounds)
+	}
 	if _, err := ParseFlags([]string{"--only", "nonsense"}); err == nil {
 		t.Error("unknown benchmark accepted")
 	}
@@ -213,7 +224,7 @@ func TestQuick(t *testing.T) {
 		"bpf-dysco_ingress-iperf3", "bpf-dysco_egress-wrk",
 		"connect-1mb-offload-on", "connect-1mb-offload-off", "connect-4mb-offload-on", "connect-4mb-offload-off",
 		"memory-all-mb1", "memory-all-client", "memory-fixed-client",
-		"reconfig-proxy-removal", "reconfig-goodput",
+		"reconfig-proxy-removal", "reconfig-goodput", "churn-reconfig",
 		"disruption-sack-on", "disruption-sack-off"}
 	got := map[string]*Figure{}
 	for _, f := range rep.Figures {

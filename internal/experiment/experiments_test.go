@@ -67,7 +67,7 @@ func needLab(t *testing.T, tools ...string) {
 // TestRegistry checks that every experiment the issue names is registered
 // with phases for every size.
 func TestRegistry(t *testing.T) {
-	for _, n := range []string{"setup-latency", "goodput", "nginx", "proxy-removal", "disruption", "firewall-migration"} {
+	for _, n := range []string{"setup-latency", "goodput", "nginx", "proxy-removal", "disruption", "firewall-migration", "churn"} {
 		e, err := Lookup(n)
 		if err != nil {
 			t.Fatal(err)
@@ -192,6 +192,30 @@ func TestExperimentsTiny(t *testing.T) {
 			}
 			if d.Mb1After != 0 {
 				t.Errorf("%d sessions still on mb1 after every bundle moved", d.Mb1After)
+			}
+		},
+		// churn fails by itself (RunExperiment's error) on resets, failed
+		// transfers, stuck phases and results that do not fit their
+		// session's fate; here, that the workload and the rounds ran.
+		"churn": func(t *testing.T, r *Result) {
+			d := r.Data.(*churnData).Run
+			fams := map[string]int{}
+			results := 0
+			for _, rd := range d.Rounds {
+				fams[rd.Family]++
+				results += len(rd.Results)
+			}
+			if len(d.Rounds) < 5 || fams["IPv4"] == 0 || fams["IPv6"] == 0 || results < 10 || d.Times.N == 0 {
+				t.Errorf("%d rounds (by family %v), %d results, %d succeeded", len(d.Rounds), fams, results, d.Times.N)
+			}
+			if len(d.Wrk) != 2 || d.Wrk[0].Requests == 0 || d.Wrk[1].Requests == 0 {
+				t.Errorf("wrk: %+v", d.Wrk)
+			}
+			if d.Streams == nil || d.Streams.Completed == 0 || d.Shorts == nil || d.Shorts.Completed == 0 {
+				t.Errorf("streams %+v, short connections %+v", d.Streams, d.Shorts)
+			}
+			if d.SocketPolls < 10 || d.SocketLives == 0 {
+				t.Errorf("the socket poller listed the client's sockets %d times and saw %d sessions", d.SocketPolls, d.SocketLives)
 			}
 		},
 		"disruption": func(t *testing.T, r *Result) {

@@ -22,6 +22,10 @@
 //	reconfig  an unmodified HAProxy under libdysco removed from 600 live
 //	          sessions: reconfiguration time at the left anchor, goodput
 //	          through the proxy and after its removal (own star lab)
+//	churn     the reconfiguration time of rounds that replace the
+//	          middlebox of keep-alive HTTP sessions (nginx closing them
+//	          every 200 requests, wrk -c50) every 0.5 s, and the
+//	          resets (own star lab)
 //	disruption  one greedy session across a live reconfiguration (mb1
 //	          replaced by mb2), SACK on and off: goodput and congestion
 //	          window every 50 ms (own star lab)
@@ -70,10 +74,13 @@ type Options struct {
 	// DisruptionTime is how long the disruption benchmark's session
 	// sends; the reconfiguration starts at 3/8 of it.
 	DisruptionTime time.Duration `json:"disruption_time"`
+
+	// ChurnRounds is the number of rounds of the churn benchmark.
+	ChurnRounds int `json:"churn_rounds"`
 }
 
 // Benchmark names, in run order.
-var allBenchmarks = []string{"goodput", "rps", "connect", "bpfstats", "memory", "reconfig", "disruption"}
+var allBenchmarks = []string{"goodput", "rps", "connect", "bpfstats", "memory", "reconfig", "churn", "disruption"}
 
 func (o *Options) wants(name string) bool {
 	for _, b := range o.Only {
@@ -106,6 +113,7 @@ func ParseFlags(args []string) (*Options, error) {
 	fs.Float64Var(&o.ReconfigOpenRate, "reconfig-open-rate", 0, "sessions opened per second by the reconfig benchmark (0: back to back, so that their removals overlap)")
 	fs.Float64Var(&o.ReconfigSpacedRate, "reconfig-spaced-rate", 50, "after the back-to-back repetitions, one more repetition of the reconfig benchmark with the sessions opened at this rate (sessions/s), so that the removals do not overlap; 0: none (not run when --reconfig-open-rate is set)")
 	fs.DurationVar(&o.DisruptionTime, "disruption-time", 0, "how long the disruption benchmark's session sends, sampled every 50 ms; mb1 is replaced by mb2 at 3/8 of it (default 8s, quick 4s)")
+	fs.IntVar(&o.ChurnRounds, "churn-rounds", 0, "rounds of the churn benchmark, one every 0.5 s, each replacing the middlebox of every live HTTP session (default 20, quick 6)")
 	fs.StringVar(&o.Libdysco, "libdysco", "lib/libdysco.so", "libdysco, preloaded into HAProxy by the reconfig benchmark")
 	fs.StringVar(&o.OutDir, "out", "out/bench", "directory for the raw JSON results")
 	md := fs.String("markdown", "", "rewrite the results section of this file (default: BENCHMARKS.md for a full run of every benchmark with default agents, none otherwise); \"-\" for none")
@@ -189,6 +197,7 @@ func (o *Options) defaults() {
 	def(&o.Sessions, 100000, 100000)
 	def(&o.ReconfigSessions, 600, 60)
 	def(&o.ReconfigReps, 3, 1)
+	def(&o.ChurnRounds, 20, 6)
 	defd(&o.IperfTime, 6*time.Second, time.Second)
 	defd(&o.WrkTime, 6*time.Second, time.Second)
 	defd(&o.ReconfigWindow, 5*time.Second, 2*time.Second)

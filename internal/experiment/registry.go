@@ -84,6 +84,10 @@ type Experiment struct {
 	// down), writes its CSV files and plots through env, and returns the
 	// report's content; an error means no usable result.
 	Run func(ctx context.Context, env *Env) (*Result, error)
+	// TimedPhases, if set, makes the experiment take a duration (`dysco
+	// lab run --duration`, Config.Duration): its workload runs that long,
+	// with the other figures of its size, and these are its phases.
+	TimedPhases func(d time.Duration) []Phase
 }
 
 var registry = map[string]*Experiment{}
@@ -119,12 +123,15 @@ func Names() []string {
 
 // Config is what a run of an experiment needs from its caller.
 type Config struct {
-	Dysco     string    // dysco binary for the agents and the CLI
-	Libdysco  string    // lib/libdysco.so (proxy-removal)
-	Size      Size      // tiny, quick or full
-	OutDir    string    // where its files go (created)
-	AgentArgs []string  // extra arguments for every agent
-	Log       io.Writer // progress lines
+	Dysco     string   // dysco binary for the agents and the CLI
+	Libdysco  string   // lib/libdysco.so (proxy-removal)
+	Size      Size     // tiny, quick or full
+	OutDir    string   // where its files go (created)
+	AgentArgs []string // extra arguments for every agent
+	// Duration, if set, is how long the workload of a timed experiment
+	// runs (Experiment.TimedPhases); 0 for its size's default.
+	Duration time.Duration
+	Log      io.Writer // progress lines
 	// Command is the command line, for the report.
 	Command string
 }
@@ -210,6 +217,12 @@ func RunExperiment(ctx context.Context, name string, cfg Config) (res *Result, e
 	if cfg.Log == nil {
 		cfg.Log = io.Discard
 	}
+	if cfg.Duration != 0 && (e.TimedPhases == nil || cfg.Duration < 0) {
+		if e.TimedPhases == nil {
+			return nil, fmt.Errorf("experiment %s does not take a duration (its sizes set how long it runs)", name)
+		}
+		return nil, fmt.Errorf("duration %v: not positive", cfg.Duration)
+	}
 	bin, err := exec.LookPath(cfg.Dysco)
 	if err != nil {
 		return nil, fmt.Errorf("dysco binary %q: %w (run `make build`)", cfg.Dysco, err)
@@ -251,7 +264,11 @@ func RunExperiment(ctx context.Context, name string, cfg Config) (res *Result, e
 	}
 	env := &Env{Config: cfg, O: o, rep: newReport(o), set: &labSet{logDir: logDir}, Prefix: prefix}
 	var phases []phase
-	for _, p := range e.Phases(cfg.Size) {
+	plan := e.Phases(cfg.Size)
+	if cfg.Duration > 0 {
+		plan = e.TimedPhases(cfg.Duration)
+	}
+	for _, p := range plan {
 		phases = append(phases, phase{p.Name, p.Est})
 	}
 	env.pr = newProgress(cfg.Log, phases)

@@ -29,6 +29,9 @@ func Run(ctx context.Context, o *Options, log io.Writer) (rep *Report, err error
 	if o.wants("reconfig") || o.wants("disruption") {
 		tools = append(tools, "sysctl")
 	}
+	if o.wants("churn") {
+		tools = append(tools, "nstat")
+	}
 	for _, tool := range tools {
 		if _, err := exec.LookPath(tool); err != nil {
 			return nil, fmt.Errorf("%s is missing: run scripts/deps.sh (%w)", tool, err)
@@ -112,6 +115,9 @@ func Run(ctx context.Context, o *Options, log io.Writer) (rep *Report, err error
 	if o.wants("reconfig") {
 		runReconfig(ctx, o, set, prefix, r, pr, step)
 	}
+	if o.wants("churn") {
+		runChurnBench(ctx, o, set, prefix, r, pr, step)
+	}
 	if o.wants("disruption") {
 		runDisruption(ctx, o, set, prefix, r, pr, step)
 	}
@@ -184,8 +190,8 @@ func runDisruption(ctx context.Context, o *Options, set *labSet, prefix string, 
 
 func describe(o *Options) string {
 	mode := o.mode()
-	return fmt.Sprintf("%s run of %v, %d repetitions, iperf3 %v, wrk %v, %d connects, %d sessions, proxy removal of %d sessions (opened %s) with %v goodput windows, %d repetition(s), disruption session of %v",
-		mode, o.Only, o.Reps, o.IperfTime, o.WrkTime, o.Connects, o.Sessions, o.ReconfigSessions, openRate(o.ReconfigOpenRate), o.ReconfigWindow, o.ReconfigReps, o.DisruptionTime)
+	return fmt.Sprintf("%s run of %v, %d repetitions, iperf3 %v, wrk %v, %d connects, %d sessions, proxy removal of %d sessions (opened %s) with %v goodput windows, %d repetition(s), %d churn rounds, disruption session of %v",
+		mode, o.Only, o.Reps, o.IperfTime, o.WrkTime, o.Connects, o.Sessions, o.ReconfigSessions, openRate(o.ReconfigOpenRate), o.ReconfigWindow, o.ReconfigReps, o.ChurnRounds, o.DisruptionTime)
 }
 
 func openRate(r float64) string {
@@ -256,6 +262,12 @@ func plan(o *Options) []planned {
 			planned{phase: phase{reconfigLabs, 5 * time.Second}},
 			planned{phase: phase{reconfigPhaseName(o), reconfigEst(o)}, bench: "reconfig"},
 			planned{phase: phase{reconfigTeardown, 3 * time.Second}})
+	}
+	if o.wants("churn") {
+		out = append(out,
+			planned{phase: phase{churnLabs, 5 * time.Second}},
+			planned{phase: phase{churnPhaseName(o), churnEst(o)}, bench: "churn"},
+			planned{phase: phase{churnTeardown, 3 * time.Second}})
 	}
 	if o.wants("disruption") {
 		out = append(out,
