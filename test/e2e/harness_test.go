@@ -81,13 +81,20 @@ type labOpts struct {
 	// hostArgs are added to agentArgs on the named hosts.
 	hostArgs map[string][]string
 	noAgents bool
+	// prefix starts the lab's name instead of "e" (a test whose labs
+	// should be told apart from the others').
+	prefix string
 }
 
 // newLab builds a lab whose name is unique to this run; it is torn down when
 // the test ends, also when it fails.
 func newLab(t *testing.T, o labOpts) *env {
 	t.Helper()
-	name := fmt.Sprintf("e%05d", rand.IntN(100000))
+	prefix := o.prefix
+	if prefix == "" {
+		prefix = "e"
+	}
+	name := fmt.Sprintf("%s%05d", prefix, rand.IntN(100000))
 	cfg := lab.Config{Name: name, Topology: o.topology}
 	if !o.noAgents {
 		cfg.AgentBinary = dyscoBin
