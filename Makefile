@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin/dysco
 export CGO_ENABLED := 1
 
-.PHONY: all build deps generate check-generate vet test demo bench soak verify clean lab-clean
+.PHONY: all build deps generate check-generate vet test demo bench soak soak-e2e verify clean lab-clean
 
 all: build
 
@@ -57,6 +57,16 @@ verify: deps
 SEEDS ?= 100000
 soak:
 	$(GO) test -count=1 -timeout 0 -run Sim ./internal/protocol/sim -seeds $(SEEDS)
+
+# Live reconfiguration under churn in a lab (dysco lab run churn,
+# docs/experiments.md): random rounds on HTTP, bulk and short sessions that
+# come and go; fails on any reset, failed transfer or stuck phase. The quick
+# size by default (a few minutes); make soak-e2e DURATION=2h for as long as
+# asked. Report, plot and data in SOAK_OUT.
+DURATION ?=
+SOAK_OUT ?= out/soak-e2e
+soak-e2e: build
+	$(BIN) lab run churn $(if $(DURATION),--duration $(DURATION),--quick) --out $(SOAK_OUT)
 
 # Remove lab namespaces left by an interrupted run.
 lab-clean:
