@@ -112,8 +112,9 @@ type ChurnSpec struct {
 	// FollowUps is the fraction of random rounds that start as soon as
 	// the previous one returned, on the same sessions.
 	FollowUps float64
-	// SlowAfter: a result that took longer than this, unless its session
-	// ended, is a stuck phase (default 1 s).
+	// SlowAfter: a result that took longer than this is a stuck phase,
+	// unless it is "session ended" for a session that did end (default
+	// 1 s; ClassSlow names it so).
 	SlowAfter time.Duration
 	// Logf receives progress lines; nil for none.
 	Logf func(format string, args ...any)
@@ -247,9 +248,9 @@ const (
 	ClassEndedOtherReason = "ended session failed with another reason than \"session ended\""
 	// ClassClaimedEnded: "session ended" for a session still open.
 	ClassClaimedEnded = "\"session ended\" for a session still open"
-	// ClassSlow: a result slower than SlowAfter on a session that did
-	// not end.
-	ClassSlow = "slow result on a session that did not end"
+	// ClassSlow: a result slower than SlowAfter, unless it is "session
+	// ended" for a session that did end.
+	ClassSlow = "slower than 1 s, and not \"session ended\" of an ended session"
 )
 
 // ChurnOutcome is one session's result of a round, with what the round
@@ -1735,7 +1736,7 @@ func benchChurn(ctx context.Context, o *Options, l *lab.Lab, r *Report, pr *prog
 		results += len(rd.Results)
 	}
 	note := fmt.Sprintf("%d rounds, %d results (%s); p90 %.2f ms, max %.2f ms over the %d succeeded; wrk: %s; kernel reset counters over the workload: %s; "+
-		"%d results on sessions that did not end slower than 1 s; %d results that do not fit their session's fate",
+		"%d results slower than 1 s (not \"session ended\" of an ended session); %d results that do not fit their session's fate",
 		len(cr.Rounds), results, strings.Join(sortedCounts(cr.Outcomes), ", "), cr.Times.P90, cr.Times.Max, cr.Times.N, strings.Join(wrk, "; "),
 		countsText(cr.KernelResets), cr.ClassCount(ClassSlow), len(cr.Unexpected))
 	if len(problems) > 0 {

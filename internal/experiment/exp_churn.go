@@ -213,7 +213,7 @@ func churnReport(env *Env, res *Result, d *churnData, spec ChurnSpec) error {
 		fmt.Sprintf("Rounds, from 1 s on, %v after the previous one returned, for %v: at the client, `dysco reconfig --match FILTER --to SERVER [--chain HOPS]` with a random family, workload (or all three) and chain: the chain of the last round on those sessions (15 %%), the policy's (15 %%), none (15 %%), one of mb1–mb3 (40 %%) or two of them (15 %%). "+
 			"A quarter of the rounds follow the previous one at once, on the same sessions with another chain. The seed was %d.", z.Interval, z.Duration, d.Seed),
 		"What a result asked of its session comes from the path the runner gave it (its policy's chain, then the chain of its last successful round): insert (no middlebox before), delete (none after), replace, unchanged (the chain is its path) or overlap (the chain names a middlebox already on its path, and is not that path). What became of the session comes from the kernel: the client's sockets, listed every 50 ms (sock_diag).",
-		"Resets: wrk's socket errors, resets seen by the runner's sessions, TcpEstabResets of the client and the server and TcpOutRsts of the middleboxes (nstat) over the workload. Failed transfers: bytes missing or wrong, wrk's non-2xx. Stuck phases: a lock or reconfiguration stage held on any host 3 s after the last round, on a session still open, and results slower than 1 s on sessions that did not end. " +
+		"Resets: wrk's socket errors, resets seen by the runner's sessions, TcpEstabResets of the client and the server and TcpOutRsts of the middleboxes (nstat) over the workload. Failed transfers: bytes missing or wrong, wrk's non-2xx. Stuck phases: a lock or reconfiguration stage held on any host 3 s after the last round, on a session still open, and results slower than 1 s unless they are \"session ended\" for a session that did end. " +
 			"Results that do not fit: a session still open after its round and not reconfigured (unless refused for an overlap), a session that ended during its round and failed with another reason than \"session ended\", \"session ended\" for a session still open.",
 	}
 	outcomes := sortedCounts(r.Outcomes)
@@ -256,7 +256,7 @@ func churnReport(env *Env, res *Result, d *churnData, spec ChurnSpec) error {
 			Paper:      "none",
 			Difference: same(len(r.Failed) == 0, "transfers failed: a bug")},
 		{What: "stuck phases",
-			Ours:       fmt.Sprintf("%d (%d results slower than 1 s on sessions that did not end); %d phases left on sessions that had ended", len(r.Stuck), r.ClassCount(ClassSlow), len(r.Leftover)),
+			Ours:       fmt.Sprintf("%d (%d results slower than 1 s that are not \"session ended\" of an ended session); %d phases left on sessions that had ended", len(r.Stuck), r.ClassCount(ClassSlow), len(r.Leftover)),
 			Paper:      "none: a reconfiguration ends when the old path's last bytes are acknowledged (§3.5)",
 			Difference: same(len(r.Stuck) == 0, "reconfigurations stalled: a bug")},
 		{What: fmt.Sprintf("reconfiguration time at the left anchor, %d succeeded results", r.Times.N),

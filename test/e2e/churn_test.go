@@ -27,8 +27,8 @@ import (
 // No connection may be reset (wrk's socket errors, the ends' and the
 // middleboxes' reset counters), every session still open after a round
 // must have been reconfigured, a session that ended during a round reports
-// "session ended", and no result takes longer than a second unless its
-// session ended. The runner is the churn experiment's (internal/experiment,
+// "session ended", and no result takes longer than a second unless it is
+// "session ended" for a session that did end. The runner is the churn experiment's (internal/experiment,
 // RunChurn); what became of each session comes from the client's sockets.
 func TestReconfigureUnderChurn(t *testing.T) {
 	for _, tool := range []string{"wrk", "nginx", "nstat"} {
