@@ -194,7 +194,7 @@ func churnReport(env *Env, res *Result, d *churnData, spec ChurnSpec) error {
 	}
 	tl.Y.Scale, tl.Y.Tick.Marker = plot.LogScale{}, plot.LogTicks{Prec: -1}
 	tl.X.Min, tl.X.Max = 0, r.Seconds+0.5
-	tl.Legend.Left = true
+	tl.Legend.Top = false
 	if len(outs) > 0 {
 		if err := env.SavePlots("churn_times.png", 3.2*vg.Inch, cp, tl); err != nil {
 			return err
