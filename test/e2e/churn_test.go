@@ -58,12 +58,14 @@ func reconfigureUnderChurn(t *testing.T, v6 bool) {
 		t.Logf("round %d at %.2f s, chain %v: %s", rd.N, rd.At, rd.Chain, summary(rd))
 	}
 	var outcomes []string
+	results := 0
 	for k, n := range res.Outcomes {
 		outcomes = append(outcomes, fmt.Sprintf("%s ×%d", k, n))
+		results += n
 	}
 	sort.Strings(outcomes)
-	t.Logf("%d rounds, %d results: %s; reconfiguration times (succeeded) p50 %.1f ms, p90 %.1f, p99 %.1f, max %.1f",
-		len(res.Rounds), res.Times.N, strings.Join(outcomes, ", "), res.Times.P50, res.Times.P90, res.Times.P99, res.Times.Max)
+	t.Logf("%d rounds, %d results: %s; reconfiguration times of the %d succeeded: p50 %.1f ms, p90 %.1f, p99 %.1f, max %.1f",
+		len(res.Rounds), results, strings.Join(outcomes, ", "), res.Times.N, res.Times.P50, res.Times.P90, res.Times.P99, res.Times.Max)
 	for _, w := range res.Wrk {
 		t.Logf("wrk (%s): %d requests, %.0f/s; socket errors connect %d, read %d, write %d, timeout %d; non-2xx %d",
 			w.Family, w.Requests, w.RPS, w.Connect, w.Read, w.Write, w.Timeout, w.Non2xx)
