@@ -385,7 +385,9 @@ type churn struct {
 	nginx           *lab.Proc
 
 	// paths are the sessions' paths as the runner made them (absent:
-	// their policy's chain).
+	// their policy's chain), by pathKey: a tuple is used again by later
+	// sessions (wrk's ports wrap around in a long run), which the
+	// client's agent gives new ids.
 	paths map[string][]string
 	// last is the last chain a round asked for, by match.
 	last map[string][]string
@@ -927,22 +929,26 @@ func (c *churn) runRound(ctx context.Context, rd *ChurnRound, f *churnFam) {
 	c.last[rd.Match] = rd.Chain
 	for _, r := range rep.Results {
 		o := &ChurnOutcome{ReconfigResult: r}
-		o.Path = c.pathOf(r.Session)
+		o.Path = c.pathOf(r)
 		o.Kind = churnKind(o.Path, rd.Chain)
 		if r.Outcome == "succeeded" {
-			c.paths[r.Session] = slices.Clone(rd.Chain)
+			c.paths[pathKey(r)] = slices.Clone(rd.Chain)
 		}
 		rd.Results = append(rd.Results, o)
 	}
 }
 
+// pathKey names a session at the client's agent: its id there and its
+// tuple.
+func pathKey(r api.ReconfigResult) string { return fmt.Sprintf("%d %s", r.ID, r.Session) }
+
 // pathOf is the path the runner knows a session has: the chain of its last
 // successful round, or its policy's.
-func (c *churn) pathOf(session string) []string {
-	if p, ok := c.paths[session]; ok {
+func (c *churn) pathOf(r api.ReconfigResult) []string {
+	if p, ok := c.paths[pathKey(r)]; ok {
 		return p
 	}
-	_, dst, ok := parseSession(session)
+	_, dst, ok := parseSession(r.Session)
 	if !ok {
 		return nil
 	}
