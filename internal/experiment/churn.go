@@ -383,6 +383,10 @@ type churn struct {
 	lns             []net.Listener
 	dir             string
 	nginx           *lab.Proc
+	// sessionsAtStop is every agent's sessions when the last round was
+	// over, one JSON record a line with whether the client's socket was
+	// open, for churn.log.
+	sessionsAtStop strings.Builder
 
 	// paths are the sessions' paths as the runner made them (absent:
 	// their policy's chain), by pathKey: a tuple is used again by later
@@ -982,7 +986,7 @@ func (c *churn) phasesLeft(ctx context.Context) error {
 	hosts := append(append([]string{"client"}, c.spec.Middleboxes...), "server")
 	var left []string
 	var leftLive []bool
-	for deadline := time.Now().Add(3 * time.Second); ; {
+	for first, deadline := true, time.Now().Add(3*time.Second); ; first = false {
 		left, leftLive = nil, nil
 		for _, h := range hosts {
 			out, err := c.dysco(ctx, h, 30*time.Second, "sessions", "-o", "json")
@@ -992,6 +996,14 @@ func (c *churn) phasesLeft(ctx context.Context) error {
 			var ss []api.Session
 			if err := json.Unmarshal([]byte(out), &ss); err != nil {
 				return fmt.Errorf("dysco sessions on %s: %w", h, err)
+			}
+			if first {
+				fmt.Fprintf(&c.sessionsAtStop, "\n%s: %d sessions when the last round was over\n", h, len(ss))
+				for _, x := range ss {
+					src, dst, _ := parseSession(x.Session)
+					j, _ := json.Marshal(x)
+					fmt.Fprintf(&c.sessionsAtStop, "  client socket %s %s\n", map[bool]string{true: "open  ", false: "closed"}[c.socks.aliveNow(src, dst)], j)
+				}
 			}
 			for _, x := range ss {
 				var in []string
@@ -1112,6 +1124,7 @@ func (c *churn) writeLog() {
 	for _, w := range r.Wrk {
 		fmt.Fprintf(&b, "\nwrk (%s):\n%s\n", w.Family, w.Output)
 	}
+	b.WriteString(c.sessionsAtStop.String())
 	os.WriteFile(filepath.Join(c.l.RunDir(), "churn.log"), []byte(b.String()), 0o644)
 }
 
