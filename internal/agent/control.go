@@ -196,6 +196,11 @@ func (c *control) proto(v6 bool) *protocol.Agent {
 	cfg.Linger = 3 * time.Second
 	cfg.LockLease = 30 * time.Second
 	cfg.FirstReq = c.reqBase
+	if v6 {
+		// Both halves' sessions share the agent's maps (joinedDP,
+		// pidOf...): their joined sessions must not share ids.
+		cfg.JoinedBase = protocol.JoinedBase6
+	}
 	p := protocol.New(cfg)
 	c.protos[v6] = p
 	return p
@@ -491,7 +496,7 @@ func (c *control) onPacket(from netip.Addr, data []byte) {
 	// A message about a session the protocol does not know yet: announce
 	// the session from the datapath first (sessions are announced lazily,
 	// when a reconfiguration first concerns them).
-	onPath := false
+	onPath, gone := false, false
 	if m, err := protocol.Decode(c.key, data); err == nil && m.Type == protocol.MsgSyn {
 		// A new path's SYN that would make this host join it: refused
 		// if the session crosses this host already (one datapath state
@@ -504,6 +509,8 @@ func (c *control) onPacket(from netip.Addr, data []byte) {
 		if !ok {
 			if id, ok := c.sessionBySub(m.Sub); ok {
 				_ = c.announce(id)
+			} else {
+				gone = true // no session of the datapath has it
 			}
 		} else if m.Type == protocol.MsgRequestLock && m.RightAnchor == p.Self() {
 			// A joined session may be the right anchor now. (A middle
@@ -512,7 +519,7 @@ func (c *control) onPacket(from netip.Addr, data []byte) {
 			c.checkReady(pid)
 		}
 	}
-	c.handle(v6, protocol.MessageIn{From: from, Data: data, OnPath: onPath})
+	c.handle(v6, protocol.MessageIn{From: from, Data: data, OnPath: onPath, Gone: gone})
 }
 
 // liveHere reports whether this host carries a session of tuple t (as it

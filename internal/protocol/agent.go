@@ -39,6 +39,12 @@ type Config struct {
 	WindowClamp uint32
 	// PortBase and PortCount bound the ports of new subsessions.
 	PortBase, PortCount uint16
+	// JoinedBase is the number after which this agent numbers the sessions
+	// it creates itself (a middlebox joining a new path); zero means
+	// 1<<63, above every id an agent announces (SessionUp). Agents whose
+	// session ids share one space (an agent's IPv4 and IPv6 halves) need
+	// ranges that do not meet.
+	JoinedBase SessionID
 	// FirstReq is the number after which this agent numbers its requests
 	// (ReqKey.ID). Other agents refuse a request not newer than the last
 	// one they saw from this agent for a session, so an agent that
@@ -297,6 +303,9 @@ func New(cfg Config) *Agent {
 	if cfg.PortCount == 0 {
 		cfg.PortBase, cfg.PortCount = d.PortBase, d.PortCount
 	}
+	if cfg.JoinedBase == 0 {
+		cfg.JoinedBase = joinedIDBit
+	}
 	return &Agent{
 		cfg:        cfg,
 		sessions:   map[SessionID]*session{},
@@ -304,7 +313,7 @@ func New(cfg Config) *Agent {
 		rightReq:   map[ReqKey]SessionID{},
 		earlySyns:  map[ReqKey]earlySyn{},
 		reqWindows: map[netip.Addr]*reqWindow{},
-		nextJoin:   joinedIDBit,
+		nextJoin:   cfg.JoinedBase,
 		nextReq:    cfg.FirstReq,
 	}
 }
@@ -802,6 +811,14 @@ func (a *Agent) onMessage(e MessageIn) {
 			return // the new path's state is already gone
 		}
 		a.reject(RejectUnknownSession, m, e.From, "no subsession %s", m.Sub)
+		if e.Gone && m.Type == MsgRequestLock {
+			// The session ended here: its request cannot lock the
+			// segment. Tell the left anchor now (the answer goes back
+			// the way the request came, as any nackLock).
+			n := &Message{Type: MsgNackLock, Reason: ReasonSessionEnded, Nonce: m.Nonce, Sub: m.Sub,
+				Session: m.Session, Req: m.Req, RightAnchor: m.RightAnchor}
+			a.send(e.From, n)
+		}
 		return
 	}
 	s := a.sessions[ref.id]

@@ -96,6 +96,12 @@ type MessageIn struct {
 	// at once (nor twice on one path): the agent refuses the new path
 	// (a synAck with FlagRefuse, ReasonOnPath) instead of joining it.
 	OnPath bool
+	// Gone: the subsession the message names belongs to no session of
+	// this host's datapath (the session ended here, and its state was
+	// collected). A requestLock is then refused at once (nackLock,
+	// ReasonSessionEnded), so that its left anchor does not wait for
+	// every retransmission before it gives up.
+	Gone bool
 }
 
 // Reconfigure is an operator's (or a middlebox's) request that this agent,

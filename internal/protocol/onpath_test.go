@@ -294,3 +294,29 @@ func TestSessionEndFreesNewPath(t *testing.T) {
 		t.Fatalf("agent 4 keeps %d sessions (freed %v)\n%s", n, h.frees[addr(4)], h.trace())
 	}
 }
+
+// A request for a session that ended at a middle agent (its datapath has
+// collected it: MessageIn.Gone) is refused at once, "session ended", not
+// after every retransmission of requestLock.
+func TestRequestForGoneSession(t *testing.T) {
+	h := newHarness(t, 3)
+	h.chain([]int{1, 2, 3}, nil)
+	h.deliver(addr(2), SessionEnd{Session: sid, Cause: "fin"})
+	h.reconfigure(1, 3, nil, 1)
+	for len(h.queue) > 0 {
+		e := h.queue[0]
+		h.queue = h.queue[1:]
+		in := h.messageIn(e)
+		if _, _, known := h.agents[e.to].Lookup(e.msg.Sub); !known && e.msg.Type != MsgSyn {
+			in.Gone = true
+		}
+		h.deliver(e.to, in)
+	}
+	r := h.result(1)
+	if r.Outcome != Refused || r.Reason != ReasonSessionEnded {
+		t.Fatalf("result %s %s, want refused: session ended\n%s", r.Outcome, r.Reason, h.trace())
+	}
+	if h.sent[addr(1)][MsgRequestLock] != 1 {
+		t.Fatalf("requestLock sent %d times", h.sent[addr(1)][MsgRequestLock])
+	}
+}

@@ -13,6 +13,11 @@ type SessionID uint64
 // joinedIDBit marks session ids allocated by the protocol.
 const joinedIDBit SessionID = 1 << 63
 
+// JoinedBase6 is a JoinedBase for the IPv6 half of an agent whose IPv4
+// half uses the default: the two number joined sessions apart (2^62 ids
+// each).
+const JoinedBase6 = joinedIDBit | 1<<62
+
 // Side is one of the two sides of a session at an agent: the subsession to
 // its left (towards the session's initiator) or to its right.
 type Side uint8

@@ -534,6 +534,8 @@ func (h *host) messageIn(from netip.Addr, data []byte) protocol.MessageIn {
 	}
 	if sub := h.subs[m.Sub]; sub != nil {
 		h.announce(sub.ds)
+	} else if h.w.opts.old&oldAnnounce == 0 {
+		in.Gone = true
 	}
 	return in
 }
