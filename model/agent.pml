@@ -6,7 +6,7 @@
  * onTimer, the history of resolved requests).
  */
 
-#define PENDING(me) ((la[1] == me && stageL[1] == 0) || (la[NR] == me && stageL[NR] == 0))
+#define PENDING(me) ((la[1] == me && stageL[1] == 0) || (la[NR] == me && stageL[NR] == 0 && AFTER1))
 
 /* the exchange of a message type (fin and finAck name theirs explicitly) */
 #define XOF(t) ((t == requestLock || t == ackLock || t == nackLock) -> XREQ : \
@@ -32,9 +32,10 @@
  * Send a control message (UDP): the network may lose it (at most LOSS in a
  * run). A loss marks exchange X of request r: the sender's timer for it may
  * fire from then on. fl is the message's flag (syn: position in the address
- * list; cancelLock: 1 = FlagNewPath; fin: FlagDone).
+ * list; cancelLock: 1 = FlagNewPath; fin: FlagDone; ackLock: FlagPartial;
+ * synAck: 1 = the grant, FlagRefuse).
  */
-inline ctlA(cnb, ct, cr, cx, cfl, ca, cX) {
+inline ctlA(cnb, ct, cr, cx, cfl, ca, cst, cX) {
 	if
 	:: LOSS > 0 && len(net[cnb]) >= QS ->
 		/* the receiver's queue is full for control messages (the search
@@ -53,12 +54,13 @@ inline ctlA(cnb, ct, cr, cx, cfl, ca, cX) {
 		nlost++; lossy[cr] = lossy[cr] | ARM(cX); lostNow[cr] = lostNow[cr] | ARM(cX)
 	:: LOSS == 0 || len(net[cnb]) < QS ->
 		assert(len(net[cnb]) < QS);   /* without loss the channels never fill */
-		net[cnb]!ct(me, cr, cx, cfl, ca, 0, 0)
+		net[cnb]!ct(me, cr, cx, cfl, ca, cst, 0)
 	fi
 }
 /* ca: a second value, the leftDelta gathered by a requestLock (its field
- * a, unused by other control messages) */
-#define ctl(cnb, ct, cr, cx, cfl, cX) ctlA(cnb, ct, cr, cx, cfl, 0, cX)
+ * a), the set of agents an ackLock lists, the host a refusing synAck
+ * names; cst: a third, the ackLock's list in path order (field st) */
+#define ctl(cnb, ct, cr, cx, cfl, cX) ctlA(cnb, ct, cr, cx, cfl, 0, 0, cX)
 #define CTL(nb, t, r, x) ctl(nb, t, r, x, 0, XOF(t))
 
 /* one lost message never makes a sender give up: it gives up only if at
@@ -111,11 +113,12 @@ inline sendEarlySyn(r) {
 inline sendSynAck(r, sfrom) {
 	if
 	:: sfrom == la[r] -> ctl(sfrom, synAck, r, grantL[r], 1, XSYN)
-	:: else -> ctl(sfrom, synAck, r, 0, 0, XSYN)
+	:: else -> ctlA(sfrom, synAck, r, 0, 0, 0, genR[GX(me)], XSYN)
 	fi
 }
-inline acceptSyn(r, sfrom) {
-	newN[me] = sfrom; dNew[me] = sdL[me] + rightDelta[r];
+/* sgen: which subsession of sfrom the SYN came on (joinGen, below) */
+inline acceptSyn(r, sfrom, sgen) {
+	newN[me] = sfrom; genR[GX(me)] = sgen; dNew[me] = sdL[me] + rightDelta[r];
 	stageR[r] = waitAck;
 	sendSynAck(r, sfrom)
 }
@@ -126,7 +129,13 @@ inline startReq(r) {
 	:: freed[me] || rightN[me] == NONE ->
 		stageL[r] = done; outcome[r] = Refused; reason[r] = ReasonNoSession
 	:: else -> if
-		:: lock[me] == unlocked ->
+		:: nh[r] == 0 && rightN[me] == ra[r] && lock[me] == unlocked ->
+			/* onReconfigure: a delete with nothing to delete (the right
+			 * anchor is our neighbour already): Succeeded, Unchanged, no
+			 * message */
+			REACHED(64); stageL[r] = done; outcome[r] = Succeeded; reason[r] = ReasonNone;
+			unchanged[r] = 1; hist[HI(me, r)] = resDone
+		:: !(nh[r] == 0 && rightN[me] == ra[r]) && lock[me] == unlocked ->
 			/* startLeft */
 			lock[me] = lockPending; requestor[me] = r; stageL[r] = locking; laReq[me] = r;
 			sendRequestLock(r);
@@ -163,7 +172,7 @@ inline newRequestLock(r, dl, dll, fromQueue, rfrom) {
 		busyRA[me] = r; stageR[r] = waitSyn; rightDelta[r] = dl; grantL[r] = dll;
 		CTL(leftN[me], ackLock, r, 0);
 		if
-		:: pendSyn[r] -> REACHED(50); pendSyn[r] = 0; acceptSyn(r, la[r])   /* its early SYN came first */
+		:: pendSyn[r] -> REACHED(50); pendSyn[r] = 0; acceptSyn(r, la[r], 0)   /* its early SYN came first */
 		:: else
 		fi
 	:: !freed[me] && busyRA[me] == 0 && me != ra[r] && rightN[me] == NONE ->
@@ -172,12 +181,12 @@ inline newRequestLock(r, dl, dll, fromQueue, rfrom) {
 #ifdef BROKEN_SKIP_LOCK
 		/* broken: the lock is taken over whatever its state */
 		lock[me] = lockPending; requestor[me] = r; reqFrom[me] = rfrom;
-		ctlA(rightN[me], requestLock, r, dl + sdL[me] + appR[me], 0, dll + sdR[me] + appL[me], XREQ)
+		ctlA(rightN[me], requestLock, r, dl + sdL[me] + appR[me], 0, dll + sdR[me] + appL[me], 0, XREQ)
 #else
 		if
 		:: lock[me] == unlocked ->
 			lock[me] = lockPending; requestor[me] = r; reqFrom[me] = rfrom;
-			ctlA(rightN[me], requestLock, r, dl + sdL[me] + appR[me], 0, dll + sdR[me] + appL[me], XREQ)
+			ctlA(rightN[me], requestLock, r, dl + sdL[me] + appR[me], 0, dll + sdR[me] + appL[me], 0, XREQ)
 		:: lock[me] == lockPending ->
 			assert(qreq[me] == 0 && !fromQueue);
 			qreq[me] = r; qdelta[me] = dl; qldelta[me] = dll; qfrom[me] = rfrom
@@ -210,7 +219,7 @@ inline onRequestLock(r, dl, dll, fromQueue, rfrom) {
 		dropped(r, XREQ)   /* Rejected: already resolved */
 	:: hist[HI(me, r)] == 0 && busyRA[me] == r -> REACHED(5); CTL(leftN[me], ackLock, r, 0)
 	:: hist[HI(me, r)] == 0 && busyRA[me] != r && lock[me] != unlocked && requestor[me] == r ->
-		REACHED(6); ctlA(rightN[me], requestLock, r, dl + sdL[me] + appR[me], 0, dll + sdR[me] + appL[me], XREQ)
+		REACHED(6); ctlA(rightN[me], requestLock, r, dl + sdL[me] + appR[me], 0, dll + sdR[me] + appL[me], 0, XREQ)
 	:: hist[HI(me, r)] == 0 && busyRA[me] != r && !(lock[me] != unlocked && requestor[me] == r) &&
 	   qreq[me] == r && la[r] != me -> REACHED(7)
 	:: else -> newRequestLock(r, dl, dll, fromQueue, rfrom)
@@ -259,25 +268,132 @@ inline startCancel(r, anchor) {
 inline cancelDone(r) {
 	canJob[r] = 0;
 	if
-	:: canAnchor[r] && stageL[r] == cancelling ->
+	:: canAnchor[r] && stageL[r] == cancelling && canOut[r] == 0 ->
 		lock[me] = unlocked; requestor[me] = 0;
 		finishLeft(r, Failed, ReasonSetupFailed)
+	:: canAnchor[r] && stageL[r] == cancelling && canOut[r] != 0 ->
+		/* cancelJob.end: the new chain was the old segment, crossed it,
+		 * or a host of the new path refused it (finishLeftWith) */
+		lock[me] = unlocked; requestor[me] = 0;
+		unchanged[r] = (canOut[r] == Succeeded);
+		finishLeft(r, canOut[r], CANREASON(r))
 	:: else
 	fi
 }
 
-/* abortSetup: the new path does not answer. RemoveSubsession, a
- * best-effort cancelLock on the new path (frees joined middleboxes; not
- * retransmitted), then cancelLock on the old path */
-inline abortSetup(r) {
+/* dropNewPath: the left anchor abandons the new path being set up.
+ * RemoveSubsession, a best-effort cancelLock on the new path (frees joined
+ * middleboxes; not retransmitted), then cancelLock on the old path; o, hp:
+ * what the request reports once the locks are released (cancelJob.end, its
+ * reason CANREASON; o = 0: Failed setupFailed) and the hop it names */
+inline dropNewPath(r, o, hp) {
 	ctl(newN[me], cancelLock, r, 0, 1, 0);
 	newN[me] = NONE; held[r] = 0; stageL[r] = cancelling;
+	startCancel(r, 1);
+	canOut[r] = o; refHop[r] = hp
+}
+/* abortSetup: the new path does not answer */
+inline abortSetup(r) {
+	dropNewPath(r, 0, 0)
+}
+
+/* listSelf: a middle agent forwarding an ackLock puts itself in front of
+ * its list of the old segment's middle agents; a full list, or one naming
+ * it already, stays as it is and is marked FlagPartial (in place, in m) */
+inline listSelf() {
+	if
+	:: (m.s & FlagPartial) != 0 -> skip
+	:: (m.s & FlagPartial) == 0 && (LISTLEN(m.a) >= MAXLIST || BIT(m.a, me)) ->
+		REACHED(57); m.s = m.s | FlagPartial
+	:: (m.s & FlagPartial) == 0 && LISTLEN(m.a) < MAXLIST && !BIT(m.a, me) ->
+		m.st = (LISTLEN(m.a) == 0 -> me + 1 : (LISTLEN(m.a) == 1 -> (me + 1)*8 + m.st : 255));
+		m.a = m.a | (1 << me)
+	fi
+}
+
+/* sameOrCrossing: the left anchor's ackLock lists the whole old segment
+ * (not partial) and its new chain, not empty, equals it (SAME) or names
+ * one of its middleboxes (CROSS): nothing is set up; the segment is locked
+ * now, the locks are released with cancelLock (§3.6), and the request
+ * reports Succeeded Unchanged, or Refused onPath naming the hop */
+#define LISTSAME(r) (LISTLEN(m.a) == nh[r] && m.st == CHAINCODE(r))
+#define SAMEORCROSS(r) (nh[r] > 0 && (m.s & FlagPartial) == 0 && (LISTSAME(r) || (m.a & CHAINMASK(r)) != 0))
+inline sameOrCrossing(r) {
+	lock[me] = locked; leftDelta[r] = m.x;
+	nackQueue();
+	if
+	:: LISTSAME(r) -> REACHED(58); canOut[r] = Succeeded
+	:: !LISTSAME(r) -> REACHED(59); canOut[r] = Refused;
+		refHop[r] = (BIT(m.a, hop[2*r]) -> hop[2*r] : hop[2*r+1])
+	fi;
+	stageL[r] = cancelling;
 	startCancel(r, 1)
+}
+
+/* refuseSyn: a synAck with FlagRefuse (reason in x, this host in a) back
+ * the way the SYN came (on the subsession sgen of sto); this host does not
+ * join (stateless: a retransmitted SYN gets the same answer) */
+inline refuseSyn(sto, r, rs, sgen) {
+	ctlA(sto, synAck, r, rs, FlagRefuse, me, sgen, XSYN)
+}
+
+/* onJoinFailed (JoinFailed, handled in the step of the join, as the agent
+ * does: deferred after the step's actions): the datapath could not install
+ * the joined session. The SYN went on already: a refusing synAck
+ * (setupFailed) to the left; the session stays (jfail), with no datapath,
+ * to refuse the SYN again if it comes again, and passes the left anchor's
+ * cancelLock on the new path on to the hosts after it and the right
+ * anchor. (Its lease, which sends that cancelLock on should it never come,
+ * is not modelled: with loss the final check allows joined hosts left
+ * behind, as for any lost cancelLock of a new path.) */
+inline onJoinFailed(r) {
+	REACHED(65); joinFails++;
+	refuseSyn(leftN[me], r, ReasonSetupFailed, genL[GX(me)]);
+	jfail[GX(me)] = r
+}
+
+/* onNewSyn: a new path's SYN at a host that has not joined it. OnPath (the
+ * session is live here, ONPATH): refuse. Otherwise JoinSession: the
+ * datapath holds one state per session tuple, so joining while the session
+ * is live here would break it (asserted: what the old protocol did). A
+ * middle agent of an old path past which both anchors' fins have gone
+ * joins: the new path takes its datapath state, and the old path's session
+ * is set aside (oReq ...) to pass that path's fins and finAcks. */
+inline onNewSyn(r) {
+	if
+	:: ONPATH(me) ->
+		/* only a host that carries the session on a live path refuses:
+		 * not a freed one, not a middle past which both fins have gone */
+		assert(HOLDS(me) && (finPassed[me] & 12) != 12);
+		REACHED(60); refuseSyn(m.from, r, ReasonOnPath, m.st)
+	:: !ONPATH(me) ->
+		assert(!LIVE(me));   /* the datapath: one state per session tuple */
+		if
+		:: HOLDS(me) || freed[me] ->
+			REACHED(66);
+			assert(tdReq[OX(me)] != 0 && oReq[OX(me)] == 0 && qreq[me] == 0 && busyRA[me] == 0 && !tp[me]);
+			oReq[OX(me)] = tdReq[OX(me)]; oL[OX(me)] = leftN[me]; oR[OX(me)] = rightN[me];
+			oFP[OX(me)] = (freed[me] -> 3 : finPassed[me] & 3);
+			oLock[OX(me)] = (!freed[me] && lock[me] != unlocked);
+			lock[me] = unlocked; requestor[me] = 0; finPassed[me] = 0; freed[me] = 0; tdReq[OX(me)] = 0
+		:: else
+		fi;
+		/* JoinSession: a new hop, no deltas, not an original middlebox */
+		orig[me] = 0; sdL[me] = 0; sdR[me] = 0; joinedAny = 1;
+		leftN[me] = m.from; joinReq[me] = r; genL[GX(me)] = m.st;
+		NEWGEN(me);
+		rightN[me] = (m.s + 1 < nh[r] -> hop[2*r + m.s + 1] : ra[r]);
+		ctlA(rightN[me], syn, r, 0, m.s + 1, 0, joinGen[GX(me)], XSYN);
+		if
+		:: joinFails < JOINFAIL -> onJoinFailed(r)
+		:: true
+		fi
+	fi
 }
 
 /* the right anchor abandons a request that never switched (releaseRight) */
 inline releaseRight(r, kind) {
-	busyRA[me] = 0; newN[me] = NONE; stageR[r] = done; hist[HI(me, r)] = kind
+	busyRA[me] = 0; newN[me] = NONE; genR[GX(me)] = 0; stageR[r] = done; hist[HI(me, r)] = kind
 }
 
 #define FINX(me, r) (la[r] == me -> XFINL : XFINR)     /* exchange of the fin an anchor sends */
@@ -322,7 +438,7 @@ inline complete(r) {
 	:: tpSide[me] == RIGHT -> lingerD[me] = sdR[me]; rightN[me] = newN[me]; sdR[me] = dNew[me]
 	:: else -> lingerD[me] = sdL[me]; leftN[me] = newN[me]; sdL[me] = dNew[me]
 	fi;
-	newN[me] = NONE;
+	newN[me] = NONE; genR[GX(me)] = 0;
 	if
 	:: la[r] == me ->
 		lock[me] = unlocked; requestor[me] = 0; held[r] = 0;
@@ -389,12 +505,16 @@ inline middleFinAck() {
  * finPassed) but not both finAcks frees the session: nothing more crosses
  * the old path (agent.go onLease) */
 #define LEASE(i) ((busyRA[i] != 0 && (stageR[busyRA[i]] == waitSyn || stageR[busyRA[i]] == waitAck)) || \
-	(lock[i] != unlocked && requestor[i] != 0 && la[requestor[i]] != i && !freed[i]))
+	(lock[i] != unlocked && requestor[i] != 0 && la[requestor[i]] != i && !freed[i]) || oLock[OX(i)])
 inline onLease() {
 	if
-	:: busyRA[me] != 0 && (stageR[busyRA[me]] == waitSyn || stageR[busyRA[me]] == waitAck) ->
+	:: oLock[OX(me)] ->
+		/* the old path's session set aside at a rejoined middle: both
+		 * fins passed it, so it is freed (as branch 56) */
+		REACHED(68); oLock[OX(me)] = 0; hist[HI(me, oReq[OX(me)])] = resDone
+	:: !oLock[OX(me)] && busyRA[me] != 0 && (stageR[busyRA[me]] == waitSyn || stageR[busyRA[me]] == waitAck) ->
 		r = busyRA[me]; releaseRight(r, resExpired)
-	:: else ->
+	:: !oLock[OX(me)] && !(busyRA[me] != 0 && (stageR[busyRA[me]] == waitSyn || stageR[busyRA[me]] == waitAck)) ->
 		r = requestor[me];
 		if
 		:: (finPassed[me] & 12) == 12 -> REACHED(56); freed[me] = 1; hist[HI(me, r)] = resDone
@@ -425,7 +545,7 @@ inline granted(r, ld, viaSynAck) {
 	od;
 	/* (waitAck: it answered our early SYN) */
 	assert(busyRA[q] == r && (stageR[r] == waitSyn || stageR[r] == waitAck));
-	assert(!(held[1] && held[NR]) || NR == 1);
+	assert(!(held[1] && held[NR]) || NR == 1 || DISJOINT);
 	nackQueue();
 	/* beginSetup: the UDP SYN, then AddSubsession to the first new hop (one
 	 * atomic step here, as in the agent: their order is not observable) */
@@ -466,7 +586,14 @@ inline onMessage() {
 	:: m.t == ackLock && me == la[r] ->
 		if
 		:: stageL[r] == locking && lock[me] == lockPending && requestor[me] == r ->
-			granted(r, m.x, 0)
+#ifndef BROKEN_ONPATH
+			if
+			:: SAMEORCROSS(r) -> sameOrCrossing(r)
+			:: else -> granted(r, m.x, 0)
+			fi
+#else
+			granted(r, m.x, 0)   /* broken: the old behaviour, no comparison */
+#endif
 		:: stageL[r] == done && outcome[r] != Succeeded && !canJob[r] ->
 			/* an answer to a request this agent gave up: somebody holds a
 			 * lock for it; release it (§3.6) */
@@ -480,7 +607,8 @@ inline onMessage() {
 			:: lock[me] == lockPending -> lock[me] = locked; nackQueue()
 			:: else -> REACHED(10)   /* a duplicate: forward it again */
 			fi;
-			CTL(reqFrom[me], ackLock, r, m.x + sdR[me] + appL[me])
+			listSelf();
+			ctlA(reqFrom[me], ackLock, r, m.x + sdR[me] + appL[me], m.s, m.a, m.st, XREQ)
 		:: else -> REACHED(11); dropped(r, XREQ)   /* Rejected: unexpected */
 		fi
 	:: m.t == nackLock && me == la[r] ->
@@ -500,8 +628,8 @@ inline onMessage() {
 		fi
 	:: m.t == syn && me == ra[r] ->
 		if
-		:: busyRA[me] == r && stageR[r] == waitSyn -> acceptSyn(r, m.from)
-		:: busyRA[me] == r && stageR[r] != waitSyn && m.from == newN[me] ->
+		:: busyRA[me] == r && stageR[r] == waitSyn -> acceptSyn(r, m.from, m.st)
+		:: busyRA[me] == r && stageR[r] != waitSyn && m.from == newN[me] && m.st == genR[GX(me)] ->
 			REACHED(14); sendSynAck(r, m.from)   /* onSynDup: a retransmitted SYN */
 		:: busyRA[me] != r && hist[HI(me, r)] == 0 && m.from == la[r] && !pendSyn[r] ->
 			/* an early SYN before r's requestLock: kept (onNewSyn; Go keeps
@@ -511,16 +639,26 @@ inline onMessage() {
 		:: else -> REACHED(15); dropped(r, XSYN)   /* Rejected: not (or no longer) locked here */
 		fi
 	:: m.t == syn && me != ra[r] ->
-		/* JoinSession: a new hop, no deltas; forward with the rest of the
-		 * list (a retransmitted SYN is forwarded again) */
 		if
-		:: joinReq[me] == r -> REACHED(16)
-		:: else
-		fi;
-		leftN[me] = m.from; joinReq[me] = r;
-		rightN[me] = (m.s + 1 < nh[r] -> hop[2*r + m.s + 1] : ra[r]);
-		ctl(rightN[me], syn, r, 0, m.s + 1, XSYN)
-	:: m.t == synAck && me == la[r] ->
+		:: joinReq[me] == r && leftN[me] == m.from && genL[GX(me)] == m.st && jfail[GX(me)] != r ->
+			/* onSynDup: a retransmitted SYN is forwarded again */
+			REACHED(16); ctlA(rightN[me], syn, r, 0, m.s + 1, 0, joinGen[GX(me)], XSYN)
+		:: joinReq[me] == r && leftN[me] == m.from && genL[GX(me)] == m.st && jfail[GX(me)] == r ->
+			/* onSynDup after a JoinFailed: the refusal again (it was lost) */
+			REACHED(70); refuseSyn(m.from, r, ReasonSetupFailed, m.st)
+		:: !(joinReq[me] == r && leftN[me] == m.from && genL[GX(me)] == m.st) ->
+			/* onNewSyn: join with the rest of the list, or refuse */
+			onNewSyn(r)
+		fi
+	:: m.t == synAck && me == la[r] && (m.s & FlagRefuse) != 0 ->
+		/* onSynAck: a host of the new path refused to join it */
+		if
+		:: stageL[r] == settingUp && m.from == newN[me] ->
+			REACHED(62);
+			dropNewPath(r, (m.x == ReasonOnPath -> Refused : Failed), m.a)
+		:: else -> REACHED(63)   /* after the first refusal, or not set up (ignored) */
+		fi
+	:: m.t == synAck && me == la[r] && (m.s & FlagRefuse) == 0 ->
 		if
 		:: stageL[r] == settingUp && m.from == newN[me] ->
 			CTL(newN[me], ack, r, 0);
@@ -537,8 +675,30 @@ inline onMessage() {
 		fi
 	:: m.t == synAck && me != la[r] ->
 		if
-		:: joinReq[me] == r && leftN[me] != NONE -> CTL(leftN[me], synAck, r, 0)
-		:: else -> REACHED(19); dropped(r, XSYN)
+		:: joinReq[me] == r && leftN[me] != NONE && m.st == joinGen[GX(me)] && jfail[GX(me)] == r ->
+			REACHED(71)   /* refused here already: not passed on */
+		:: joinReq[me] == r && leftN[me] != NONE && m.st == joinGen[GX(me)] && jfail[GX(me)] != r ->
+			ctlA(leftN[me], synAck, r, m.x, m.s, m.a, genL[GX(me)], XSYN);
+			if
+			:: (m.s & FlagRefuse) != 0 && m.x == ReasonOnPath ->
+				/* refused further on, the SYN not passed on after it:
+				 * pass it on and leave (FreeSession) */
+				REACHED(61); leftN[me] = NONE; rightN[me] = NONE; joinReq[me] = 0; LEAVEGEN(me)
+			:: (m.s & FlagRefuse) != 0 && m.x != ReasonOnPath ->
+				/* a join failed further on, after the SYN went past
+				 * it: stay, for the left anchor's cancelLock to pass
+				 * through (joinFailed) */
+				REACHED(72); jfail[GX(me)] = r
+			:: else
+			fi
+		:: !(joinReq[me] == r && leftN[me] != NONE && m.st == joinGen[GX(me)]) && joinFails > 0 && joinReq[me] != r ->
+			/* the right anchor's answer to a SYN passed on before a
+			 * JoinFailed, at the host that failed or one its cancelLock
+			 * freed: rejected, but the left anchor has its answer (the
+			 * refusal; if that is lost, the loss lets its timer fire) */
+			REACHED(69)
+		:: !(joinReq[me] == r && leftN[me] != NONE && m.st == joinGen[GX(me)]) && !(joinFails > 0 && joinReq[me] != r) ->
+			REACHED(19); dropped(r, XSYN)
 		fi
 	:: m.t == ack && me == ra[r] ->
 		if
@@ -547,7 +707,7 @@ inline onMessage() {
 		fi
 	:: m.t == ack && me != ra[r] ->
 		if
-		:: joinReq[me] == r && rightN[me] != NONE -> CTL(rightN[me], ack, r, 0)
+		:: joinReq[me] == r && rightN[me] != NONE && jfail[GX(me)] != r -> CTL(rightN[me], ack, r, 0)
 		:: else -> REACHED(21)
 		fi
 	:: m.t == fin && (me == la[r] || me == ra[r]) ->
@@ -587,8 +747,13 @@ inline onMessage() {
 			assert((me == la[r] && stageL[r] == done) || (me == ra[r] && stageR[r] == done));
 			REACHED(26); dropped(r, ARM(FINACKX(me, r)))
 		fi
-	:: m.t == fin && me != la[r] && me != ra[r] ->
-		lockByTeardown(r);
+	:: m.t == fin && me != la[r] && me != ra[r] && oReq[OX(me)] == r && joinReq[me] != r ->
+		/* the old path's session set aside here (onNewSyn) passes it */
+		REACHED(67);
+		fwn = (m.from == oL[OX(me)] -> oR[OX(me)] : oL[OX(me)]); fwx = (m.from == oL[OX(me)] -> XFINL : XFINR);
+		ctl(fwn, fin, r, m.x, m.s, fwx)
+	:: m.t == fin && me != la[r] && me != ra[r] && !(oReq[OX(me)] == r && joinReq[me] != r) ->
+		lockByTeardown(r); NOTETD(r);
 		finPassed[me] = finPassed[me] | (m.from == leftN[me] -> 4 : 8);
 		fwn = (m.from == leftN[me] -> rightN[me] : leftN[me]); fwx = (m.from == leftN[me] -> XFINL : XFINR);
 		ctl(fwn, fin, r, m.x, m.s, fwx)
@@ -608,8 +773,17 @@ inline onMessage() {
 			assert((me == la[r] && stageL[r] == done) || (me == ra[r] && stageR[r] == done));
 			REACHED(30)
 		fi
-	:: m.t == finAck && me != la[r] && me != ra[r] ->
-		lockByTeardown(r);
+	:: m.t == finAck && me != la[r] && me != ra[r] && oReq[OX(me)] == r && joinReq[me] != r ->
+		REACHED(67);
+		fwn = (m.from == oL[OX(me)] -> oR[OX(me)] : oL[OX(me)]); fwx = (m.from == oL[OX(me)] -> XFINR : XFINL);
+		ctl(fwn, finAck, r, 0, 0, fwx);
+		oFP[OX(me)] = oFP[OX(me)] | (m.from == oL[OX(me)] -> 1 : 2);
+		if
+		:: oFP[OX(me)] == 3 && oLock[OX(me)] -> oLock[OX(me)] = 0; hist[HI(me, r)] = resDone
+		:: else
+		fi
+	:: m.t == finAck && me != la[r] && me != ra[r] && !(oReq[OX(me)] == r && joinReq[me] != r) ->
+		lockByTeardown(r); NOTETD(r);
 		fwn = (m.from == leftN[me] -> rightN[me] : leftN[me]); fwx = (m.from == leftN[me] -> XFINR : XFINL);
 		ctl(fwn, finAck, r, 0, 0, fwx);
 		middleFinAck()
@@ -619,7 +793,7 @@ inline onMessage() {
 		:: joinReq[me] == r && me != ra[r] && rightN[me] != NONE ->
 			ctl(rightN[me], cancelLock, r, 0, 1, 0);
 			/* FreeSession of the joined session */
-			leftN[me] = NONE; rightN[me] = NONE; joinReq[me] = 0
+			leftN[me] = NONE; rightN[me] = NONE; joinReq[me] = 0; LEAVEGEN(me); jfail[GX(me)] = 0
 		:: me == ra[r] && busyRA[me] == r && stageR[r] != twoPath -> releaseRight(r, resCancelled)
 		:: else -> REACHED(33)
 		fi

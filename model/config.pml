@@ -19,6 +19,23 @@
  *   REPLACE2BY1   0-1-2-4, r1: 0 replaces 1,2 by 3 (0→4, [3]), deltas on 1 and 2
  *   INSERT_RIGHT  0-1-3,   r1: 1 inserts 2 right of middlebox 1 (1→3, [2]), delta on 1
  *
+ * A host on both paths (message version 3; docs/verification.md, "A
+ * middlebox on both paths: the model"):
+ *   ONPATH_SAME   0-1-2,   r1: 0 replaces 0..2 by [1], the segment it has: unchanged
+ *   ONPATH_SAME2  0-1-2-3, r1: 0 replaces 0..3 by [1,2], the segment it has: unchanged
+ *                 (with -DMAXLIST=1 the ackLock's list is partial: 1 refuses the SYN)
+ *   ONPATH_CROSS  0-1-3,   r1: 0 replaces 0..3 by [1,2]: 1 is on the old segment, refused
+ *   ONPATH_REORDER 0-1-2-3, r1: 0 replaces 0..3 by [2,1]: refused (2 named first)
+ *   ONPATH_OUTSIDE 0-1-2-3, r1: 2 inserts 1 between 2 and 3 (2→3, [1]): 1 carries the
+ *                 session outside the segment and refuses the SYN
+ *   ONPATH_OUTSIDE2 0-1-2-4, r1: 2 inserts [3,1] between 2 and 4: 3 joins, 1 refuses,
+ *                 3 passes the refusal on and leaves
+ *   ONPATH_NONE   0-2,     r1: 0 deletes nothing (0→2, []): unchanged at once
+ *   REJOIN        0-1-2-3-4, r1: 0 deletes 1 (0→2); r2, once r1 has its result: 3
+ *                 inserts 1 between 3 and 4 (3→4, [1]), while r1's fins or finAcks may
+ *                 still cross 1; with REJOIN_ANY r2 comes at any moment
+ *   -DJOINFAIL=1  the datapath may refuse one JoinSession (JoinFailed)
+ *
  * Loss (agent.pml): -DLOSS=N lets the network lose up to N control
  * messages per run (default 0); -DMAXTRIES=N transmissions before a sender
  * gives up (default 2: one retransmission).
@@ -147,6 +164,95 @@
 #define NC 4
 #define CHAIN chain[0]=0; chain[1]=1; chain[2]=3; chain[3]=4
 #define REQS la[1]=0; ra[1]=4; nh[1]=0; la[2]=1; ra[2]=3; nh[2]=1; hop[4]=2
+#endif
+
+#ifdef ONPATH_SAME
+#define ONPATH_CHECKS
+#define NA 3
+#define NR 1
+#define NC 3
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=2
+#define REQS la[1]=0; ra[1]=2; nh[1]=1; hop[2]=1
+#endif
+
+#ifdef ONPATH_SAME2
+#define ONPATH_CHECKS
+#define NA 4
+#define NR 1
+#define NC 4
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=2; chain[3]=3
+#define REQS la[1]=0; ra[1]=3; nh[1]=2; hop[2]=1; hop[3]=2
+#endif
+
+#ifdef ONPATH_CROSS
+#define ONPATH_CHECKS
+#define NA 4
+#define NR 1
+#define NC 3
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=3
+#define REQS la[1]=0; ra[1]=3; nh[1]=2; hop[2]=1; hop[3]=2
+#endif
+
+#ifdef ONPATH_REORDER
+#define ONPATH_CHECKS
+#define NA 4
+#define NR 1
+#define NC 4
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=2; chain[3]=3
+#define REQS la[1]=0; ra[1]=3; nh[1]=2; hop[2]=2; hop[3]=1
+#endif
+
+#ifdef ONPATH_OUTSIDE
+#define ONPATH_CHECKS
+#define NA 4
+#define NR 1
+#define NC 4
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=2; chain[3]=3
+#define REQS la[1]=2; ra[1]=3; nh[1]=1; hop[2]=1
+#endif
+
+#ifdef ONPATH_OUTSIDE2
+#define ONPATH_CHECKS
+#define NA 5
+#define NR 1
+#define NC 4
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=2; chain[3]=4
+#define REQS la[1]=2; ra[1]=4; nh[1]=2; hop[2]=3; hop[3]=1
+#endif
+
+#ifdef ONPATH_NONE
+#define ONPATH_CHECKS
+#define NA 3
+#define NR 1
+#define NC 2
+#define CHAIN chain[0]=0; chain[1]=2
+#define REQS la[1]=0; ra[1]=2; nh[1]=0
+#endif
+
+#ifdef REJOIN
+#define ONPATH_CHECKS
+#define NA 5
+#define NR 2
+#define NC 5
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=2; chain[3]=3; chain[4]=4
+#define REQS la[1]=0; ra[1]=2; nh[1]=0; la[2]=3; ra[2]=4; nh[2]=1; hop[4]=1
+/* the two segments are disjoint: both requests may hold theirs at once */
+#define DISJOINT 1
+#ifndef REJOIN_ANY
+/* r2 is asked for once r1 has its result (the operator's sequence) */
+#define AFTER1 (stageL[1] == done)
+#endif
+#endif
+
+#if JOINFAIL > 0
+#define ONPATH_CHECKS
+#endif
+
+#ifndef AFTER1
+#define AFTER1 1
+#endif
+#ifndef DISJOINT
+#define DISJOINT 0
 #endif
 
 #ifndef NA

@@ -32,6 +32,7 @@ mtype = { tcp };
 #define ReasonNoSession 5
 #define ReasonTimeout   6
 #define ReasonSetupFailed 7
+#define ReasonOnPath    11   /* a hop of the new chain is already on the session's path */
 
 /* resKind (agent.go): how a request was resolved at an agent (its history,
  * which answers retransmissions); 0 = not resolved here. */
@@ -158,6 +159,102 @@ bool hFinSent[2], hFinRcvd[2];
 #endif
 /* the flag of a fin re-sent by a tomb (message.go FlagDone), in the message's s field */
 #define FlagDone 4
+/* message.go FlagPartial (an ackLock whose list does not name every middle
+ * agent of the old segment) and FlagRefuse (a synAck refusing the new
+ * path), in the message's s field, with the Go values */
+#define FlagPartial 16
+#define FlagRefuse  32
+
+/* ---- a host on both paths (message version 3; docs/verification.md,
+ * "A middlebox on both paths: the model") ----
+ * The ackLock lists the old segment's middle agents (listSelf): in its a
+ * field as a set (bit i: agent i), in st in path order for up to two
+ * (LISTCODE: first+1, or (first+1)*8 + second+1; 255 for more); the count
+ * is the size of the set (a repeat makes the list partial, FlagPartial). */
+#ifndef MAXLIST
+#define MAXLIST 8               /* wire.MaxHops: a list this long is full */
+#endif
+#define BIT(v, i) (((v) >> (i)) & 1)
+#define LISTLEN(v) (BIT(v,0) + BIT(v,1) + BIT(v,2) + BIT(v,3) + BIT(v,4) + BIT(v,5) + BIT(v,6) + BIT(v,7))
+/* the new chain of r in the list's two encodings */
+#define CHAINMASK(r) ((nh[r] >= 1 -> (1 << hop[2*(r)]) : 0) | (nh[r] >= 2 -> (1 << hop[2*(r)+1]) : 0))
+#define CHAINCODE(r) (nh[r] == 1 -> hop[2*(r)] + 1 : (nh[r] == 2 -> (hop[2*(r)] + 1)*8 + hop[2*(r)+1] + 1 : 0))
+/* The datapath holds one state per session tuple. HOLDS: this agent has a
+ * state of the session; LIVE: on a live path (Agent.OnLivePath: not a
+ * middle agent of an old path past which both anchors' fins have gone,
+ * finPassed bits 2 and 3). A host that joins a new path while LIVE breaks
+ * the session: asserted at JoinSession (onNewSyn). */
+#define HOLDS(i) (!freed[i] && (leftN[i] != NONE || rightN[i] != NONE))
+#ifdef BROKEN_LIVE_KNOWN
+#define LIVE(i) HOLDS(i)        /* broken: known here is on the live path */
+#else
+#define LIVE(i) (HOLDS(i) && (finPassed[i] & 12) != 12)
+#endif
+/* MessageIn.OnPath, as the agent marks a new path's SYN (control.go liveHere) */
+#ifdef BROKEN_ONPATH
+#define ONPATH(i) false         /* broken: the old behaviour, the host joins anyway */
+#else
+#define ONPATH(i) LIVE(i)
+#endif
+bool unchanged[NR+1];           /* Result.Unchanged */
+byte refHop[NR+1];              /* Result.Hop: the hop already on the path (0: none; set with cancelJob.end) */
+byte canOut[NR+1];              /* cancelJob.end: the outcome the request reports once the locks are released (0: Failed setupFailed) */
+#define CANREASON(r) (canOut[r] == Refused -> ReasonOnPath : (canOut[r] == Failed -> ReasonSetupFailed : ReasonNone))
+bool joinedAny;                 /* some host joined a new path (JoinSession) */
+byte joinFails;                 /* JoinFailed events so far (at most JOINFAIL) */
+#ifndef JOINFAIL
+#define JOINFAIL 0
+#endif
+/* the old path's session at a middle agent whose datapath state a new path
+ * took over (it joined after both anchors' fins had passed it): Go keeps
+ * it as a separate session that passes the old path's fins and finAcks
+ * until they are done (or its lease expires). oReq its request, oL / oR
+ * its neighbours, oFP the finAcks passed (bit 0 rightward, 1 leftward),
+ * oLock its lock still held. tdReq: the request whose fins passed this
+ * middle (Go teardown.req). Only configurations that can rejoin (REJOIN)
+ * keep them per agent; the others have one slot, never written (OX), so
+ * that their state vectors do not grow. */
+#ifdef REJOIN
+#define OX(i) (i)
+#define ONA NA
+#else
+#define OX(i) 0
+#define ONA 1
+#endif
+byte oReq[ONA], oL[ONA], oR[ONA], oFP[ONA], tdReq[ONA];
+/* Subsessions of a new path are told apart by their tuples in Go (a host
+ * that joins again gets a new port to its right); the model names them by
+ * neighbour, so syn and synAck carry in st which subsession of a joined
+ * host they travel on: joinGen, counted up at each join of that host
+ * (genL: the one of its left neighbour, genR: the right anchor's new
+ * subsession). A synAck for an earlier join of a host that joined again is
+ * rejected there, as Go rejects it (unknown subsession). */
+/* A host joins the same request's new path again only after a JoinFailed
+ * (the SYN is then retransmitted through it): configurations without
+ * -DJOINFAIL keep one slot, always 0 (GX), so that their state vectors do
+ * not grow and every check on it holds. */
+#if JOINFAIL > 0
+#define GX(i) (i)
+#define GNA NA
+#define NEWGEN(me) joinGen[me]++; assert(joinGen[me] < 8)
+#else
+#define GX(i) 0
+#define GNA 1
+#define NEWGEN(me) skip
+#endif
+byte joinGen[GNA], genL[GNA], genR[GNA];
+/* jfail: the request whose join failed at this host (JoinFailed): the host
+ * keeps its joined state, with no datapath, to refuse the SYN again, until
+ * the left anchor's cancelLock on the new path (agent.go joinFailed) */
+byte jfail[GNA];
+/* a host leaves a new path: its subsessions are gone */
+#define LEAVEGEN(me) genL[GX(me)] = 0
+bool oLock[ONA];
+#ifdef REJOIN
+#define NOTETD(r) tdReq[OX(me)] = r
+#else
+#define NOTETD(r) skip
+#endif
 
 #include "tcp.pml"
 #include "agent.pml"
@@ -211,7 +308,8 @@ inline finalCheck() {
 		assert(len(net[i]) == 0);
 		/* every lock back to unlocked, no queue, no two-path state */
 		assert(qreq[i] == 0);
-		assert(lock[i] == unlocked && busyRA[i] == 0 && !tp[i] && newN[i] == NONE);
+		/* (oLock: the old path's session set aside at a rejoined middle is done) */
+		assert(lock[i] == unlocked && busyRA[i] == 0 && !tp[i] && newN[i] == NONE && !oLock[OX(i)]);
 		i++
 	:: else -> break
 	od;
@@ -233,6 +331,29 @@ inline finalCheck() {
 	:: gaveUp == 0 ->
 #if defined(CANCEL)
 		assert(outcome[1] == Failed && reason[1] == ReasonSetupFailed);
+#elif (defined(ONPATH_SAME) || defined(ONPATH_SAME2)) && MAXLIST > 1
+		/* the new chain is the old segment: nothing changed, nothing joined */
+		assert(outcome[1] == Succeeded && unchanged[1] && !joinedAny);
+#elif defined(ONPATH_SAME2)
+		/* the same with a partial list: the left anchor goes on, the
+		 * first hop of the new chain, on the old path, refuses */
+		assert(outcome[1] == Refused && reason[1] == ReasonOnPath && refHop[1] == 1 && !joinedAny);
+#elif defined(ONPATH_CROSS) || defined(ONPATH_OUTSIDE)
+		assert(outcome[1] == Refused && reason[1] == ReasonOnPath && refHop[1] == 1 && !joinedAny);
+#elif defined(ONPATH_REORDER)
+		assert(outcome[1] == Refused && reason[1] == ReasonOnPath && refHop[1] == 2 && !joinedAny);
+#elif defined(ONPATH_OUTSIDE2)
+		/* 3 joined before 1 refused; the check below wants it gone */
+		assert(outcome[1] == Refused && reason[1] == ReasonOnPath && refHop[1] == 1 && joinedAny);
+#elif defined(ONPATH_NONE)
+		assert(outcome[1] == Succeeded && unchanged[1]);
+#elif defined(REJOIN)
+		/* the delete succeeds; the insert of its middlebox elsewhere
+		 * succeeds, or is refused by it while it is still on the old path */
+		assert(outcome[1] == Succeeded && !unchanged[1]);
+		assert(outcome[2] == Succeeded || (outcome[2] == Refused && reason[2] == ReasonOnPath && refHop[2] == 1));
+#elif JOINFAIL > 0
+		assert(outcome[1] == Succeeded || (outcome[1] == Failed && reason[1] == ReasonSetupFailed && joinFails > 0));
 #elif defined(CONTEND)
 		/* exactly one of the contending requests succeeds (once one has
 		 * succeeded the other's segment no longer exists) */
@@ -252,6 +373,7 @@ inline finalCheck() {
 		do
 		:: i <= NR ->
 			assert(outcome[i] == Succeeded || (outcome[i] == Refused && NR == 2) ||
+			       (outcome[i] == Refused && reason[i] == ReasonOnPath) ||
 			       (outcome[i] == Failed && (reason[i] == ReasonTimeout || reason[i] == ReasonSetupFailed)));
 			i++
 		:: else -> break
@@ -271,6 +393,26 @@ inline finalCheck() {
 		a = j; i++
 	:: else -> break
 	od;
+#if defined(ONPATH_CHECKS)
+	/* a host that joined a new path is on the chain, or has left it
+	 * (refused further on, JoinFailed, the new path's cancelLock) */
+	if
+	:: nlost == 0 ->
+		i = 1;
+		do
+		:: i < LAST ->
+			a = 0;
+			do
+			:: a != LAST && a != i -> a = rightN[a]
+			:: else -> break
+			od;
+			assert(a == i || joinReq[i] == 0 || freed[i] || (leftN[i] == NONE && rightN[i] == NONE));
+			i++
+		:: else -> break
+		od
+	:: else
+	fi;
+#endif
 	/* the new path is the one requested */
 	i = 1;
 	do

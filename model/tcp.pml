@@ -135,9 +135,12 @@ inline hostRecv(h) {
 inline tcpIn() {
 	if
 	:: tp[me] && m.from == newN[me] -> side = tpSide[me]; path = 2; d = dNew[me]
-	:: !tp[me] && newN[me] != NONE && m.from == newN[me] ->
+	:: !tp[me] && newN[me] != NONE && m.from == newN[me] && busyRA[me] != 0 ->
 		/* armed subsession: the first packet on the new path starts the
-		 * two-path phase at the right anchor (ack lost or late) */
+		 * two-path phase at the right anchor (ack lost or late). (A left
+		 * anchor setting up a new path whose first hop is its neighbour
+		 * already, which refuses it, gets that neighbour's packets on its
+		 * old subsession: below.) */
 		assert(stageR[busyRA[me]] == waitAck);
 		startTwoPath(me, LEFT, busyRA[me]);
 		stageR[busyRA[me]] = twoPath;

@@ -122,7 +122,16 @@ type session struct {
 	joinReq ReqKey // set when a new-path SYN created the session
 	// joinRight is the right anchor of joinReq.
 	joinRight netip.Addr
-	ready     bool // the datapath knows the marks (always, unless joined)
+	// joinFailed: this joined session's new path failed: its datapath
+	// could not install it (JoinFailed; the session has no datapath
+	// state), or a host after it could not (a setup-failed refusal passed
+	// on). Kept until the left anchor's cancelLock on the new path or a
+	// lease, to refuse the SYN again if it comes again and to pass that
+	// cancelLock on.
+	joinFailed bool
+	// failedAt is the host whose join failed (this one, or one after it).
+	failedAt netip.Addr
+	ready    bool // the datapath knows the marks (always, unless joined)
 
 	// §3.2: the state of the subsession to the right, kept here.
 	lock      LockState
@@ -662,16 +671,6 @@ func (a *Agent) onReconfigure(e Reconfigure) {
 		refuse(ReasonBusy, s.joinReq) // joined a new path; the datapath has not seen traffic yet
 		return
 	}
-	if len(e.Chain) == 0 && s.sides[SideRight].Peer == e.RightAnchor && s.lock == Unlocked {
-		// A delete of a segment with nothing to delete: the right anchor
-		// is our neighbour already. Nothing to lock or change.
-		a.nextReq++
-		k := ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq}
-		s.resolve(resolution{req: k, kind: resDone})
-		a.progress(s, k, RoleLeftAnchor, StageDone, "succeeded: unchanged (the right anchor is the next hop)")
-		a.emit(Result{Session: e.Session, Token: e.Token, Req: k, Outcome: Succeeded, Unchanged: true})
-		return
-	}
 	a.nextReq++
 	l := &anchor{role: RoleLeftAnchor, req: ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq}, token: e.Token,
 		rightAnchor: e.RightAnchor, chain: append([]netip.Addr(nil), e.Chain...), gate: e.Gate}
@@ -713,8 +712,17 @@ func (a *Agent) checkChain(ra netip.Addr, chain []netip.Addr) error {
 	return nil
 }
 
-// startLeft takes the lock of the right side and sends requestLock (§3.2).
+// startLeft takes the lock of the right side and sends requestLock (§3.2),
+// unless the request is a delete of a segment with nothing in it (the
+// right anchor is the next hop already): that one succeeds as unchanged at
+// once, with nothing locked.
 func (a *Agent) startLeft(s *session, l *anchor) {
+	if len(l.chain) == 0 && s.sides[SideRight].Peer == l.rightAnchor {
+		s.resolve(resolution{req: l.req, kind: resDone})
+		a.progress(s, l.req, RoleLeftAnchor, StageDone, "succeeded: unchanged (the right anchor is the next hop)")
+		a.emit(Result{Session: s.id, Token: l.token, Req: l.req, Outcome: Succeeded, Unchanged: true})
+		return
+	}
 	s.left = l
 	l.stage = StageLocking
 	s.lock, s.requestor = LockPending, l.req
@@ -1263,6 +1271,16 @@ func (a *Agent) finishLeftWith(s *session, res Result) {
 }
 
 func (a *Agent) onLease(s *session, k ReqKey) {
+	if s.joinFailed && s.joinReq == k {
+		// A refused new path that nobody cancelled: free the hosts
+		// after this one (best effort) and leave.
+		c := a.msg(s, MsgCancelLock, wire.Tuple{}, s.joinReq, s.joinRight)
+		c.Flags = FlagNewPath
+		a.sendSide(s, SideRight, c)
+		a.emit(FreeSession{Session: s.id})
+		a.drop(s)
+		return
+	}
 	if r := s.right; r != nil && r.req == k && (r.stage == StageWaitSyn || r.stage == StageWaitAck) {
 		a.releaseRight(s, r, resExpired)
 		return
@@ -1543,7 +1561,7 @@ func (a *Agent) onNewSyn(from netip.Addr, m *Message, onPath bool) {
 		return
 	}
 	if onPath {
-		a.refuseSyn(from, m, ReasonOnPath)
+		a.refuseSyn(from, m, ReasonOnPath, a.cfg.Self)
 		return
 	}
 	a.nextJoin++
@@ -1559,7 +1577,7 @@ func (a *Agent) onNewSyn(from netip.Addr, m *Message, onPath bool) {
 	// packets reach this host only after the SYN-ACK, which this agent
 	// passes back after this step.
 	a.forwardSyn(s, m)
-	a.emit(JoinSession{Session: s.id, Tuple: s.tuple, Nonce: s.nonce, Left: left, Right: right})
+	a.emit(JoinSession{Session: s.id, Tuple: s.tuple, Nonce: s.nonce, Left: left, Right: right, Req: m.Req})
 	a.progress(s, m.Req, RoleNewHop, StageSettingUp, "joined")
 }
 
@@ -1666,33 +1684,43 @@ func (a *Agent) takeEarlySyn(k ReqKey) (earlySyn, bool) {
 }
 
 // refuseSyn answers a new path's SYN with a synAck that refuses it
-// (FlagRefuse, reason r, naming this host in its list), back the way the
-// SYN came: this host will not join. The hosts that joined before it pass the refusal on and leave
+// (FlagRefuse, reason r, naming the host by that refused in its list),
+// back the way the SYN came: this host will not join. The hosts that joined before it pass the refusal on and leave
 // (onSynAck); the left anchor abandons the new path and cancels (§3.6).
 // Stateless: a retransmitted SYN gets the same answer.
-func (a *Agent) refuseSyn(from netip.Addr, m *Message, r Reason) {
+func (a *Agent) refuseSyn(from netip.Addr, m *Message, r Reason, by netip.Addr) {
 	n := &Message{Type: MsgSynAck, Flags: FlagRefuse, Reason: r, Nonce: m.Nonce, Sub: m.Sub,
-		Session: m.Session, Req: m.Req, RightAnchor: m.RightAnchor, Hops: []netip.Addr{a.cfg.Self}}
+		Session: m.Session, Req: m.Req, RightAnchor: m.RightAnchor, Hops: []netip.Addr{by}}
 	a.send(from, n)
 }
 
 // onJoinFailed: the agent could not install a session this agent joined
 // (JoinFailed). The SYN went on already (onNewSyn sends it first): the
-// left anchor learns of the refusal, the hosts after this one are freed
-// with a cancelLock on the new path, and the session is forgotten here.
+// left anchor learns of the refusal and abandons the new path
+// (dropNewPath). The session stays, with no datapath state: a SYN sent
+// again (the refusal lost) is refused again (onSynDup) rather than joined
+// and passed on, and the left anchor's cancelLock on the new path passes
+// through it to free the hosts after it and the right anchor
+// (onCancelLock), which are thus released only once the left anchor has
+// let the request go. Should that cancelLock never come, the lease sends
+// it on and forgets the session (onLease).
 func (a *Agent) onJoinFailed(e JoinFailed) {
 	s := a.sessions[e.Session]
-	if s == nil || s.joinReq.IsZero() || s.sides[SideLeft] == nil || s.sides[SideRight] == nil {
+	if s == nil || s.joinReq.IsZero() || s.joinFailed || s.sides[SideLeft] == nil || s.sides[SideRight] == nil {
 		return
 	}
-	left := s.sides[SideLeft]
+	s.joinFailed, s.failedAt = true, a.cfg.Self
 	a.progress(s, s.joinReq, RoleNewHop, StageDone, "refused: the datapath could not install the session")
+	a.refuseJoin(s)
+	a.setTimer(s, TimerLease, s.joinReq, a.cfg.LockLease)
+}
+
+// refuseJoin sends the refusal of a joined session whose new path failed
+// to its left, naming the host whose join failed.
+func (a *Agent) refuseJoin(s *session) {
+	left := s.sides[SideLeft]
 	a.refuseSyn(left.Peer, &Message{Nonce: left.Nonce, Sub: left.Sub, Session: s.tuple, Req: s.joinReq,
-		RightAnchor: s.joinRight}, ReasonSetupFailed)
-	c := a.msg(s, MsgCancelLock, wire.Tuple{}, s.joinReq, s.joinRight)
-	c.Flags = FlagNewPath
-	a.sendSide(s, SideRight, c)
-	a.drop(s)
+		RightAnchor: s.joinRight}, ReasonSetupFailed, s.failedAt)
 }
 
 func (a *Agent) forwardSyn(s *session, m *Message) {
@@ -1705,6 +1733,10 @@ func (a *Agent) forwardSyn(s *session, m *Message) {
 func (a *Agent) onSynDup(s *session, ref subRef, m *Message) {
 	if r := s.right; r != nil && r.req == m.Req && r.newSub == m.Sub {
 		a.sendSynAck(s, r, r.newPeer, m.Sub)
+		return
+	}
+	if s.joinFailed && s.joinReq == m.Req && ref.side == SideLeft {
+		a.refuseJoin(s) // the refusal was lost: the same answer
 		return
 	}
 	if s.joinReq == m.Req && ref.side == SideLeft && len(m.Hops) > 0 {
@@ -1752,15 +1784,28 @@ func (a *Agent) onSynAck(s *session, ref subRef, m *Message) {
 		return
 	}
 	if s.joinReq == m.Req && ref.side == SideRight {
+		if s.joinFailed {
+			return // refused already: the new path will not be used
+		}
 		f := *m
 		a.sendSide(s, SideLeft, &f)
 		if m.Flags&FlagRefuse != 0 {
 			// A host after us refused the new path: it will never be
-			// used. Leave it (the left anchor's cancelLock on the new
-			// path would find nothing here to pass on to).
+			// used.
 			a.progress(s, m.Req, RoleNewHop, StageDone, "new path refused further on: "+m.Reason.String())
-			a.emit(FreeSession{Session: s.id})
-			a.drop(s)
+			if m.Reason == ReasonOnPath {
+				// It did not pass the SYN on: nothing after it to free.
+				// Leave (the left anchor's cancelLock on the new path
+				// would find nothing here to pass on to).
+				a.emit(FreeSession{Session: s.id})
+				a.drop(s)
+				return
+			}
+			// Its join failed after it passed the SYN on: stay, as it
+			// does, for the left anchor's cancelLock on the new path to
+			// pass through to the hosts after it (onJoinFailed).
+			s.joinFailed, s.failedAt = true, m.Hops[0]
+			a.setTimer(s, TimerLease, s.joinReq, a.cfg.LockLease)
 		}
 		return
 	}
@@ -1804,7 +1849,7 @@ func (a *Agent) onAck(s *session, ref subRef, m *Message) {
 		}
 		return
 	}
-	if s.joinReq == m.Req && ref.side == SideLeft {
+	if s.joinReq == m.Req && ref.side == SideLeft && !s.joinFailed {
 		f := *m
 		a.sendSide(s, SideRight, &f)
 		return

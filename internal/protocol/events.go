@@ -291,6 +291,7 @@ type JoinSession struct {
 	Tuple       wire.Tuple
 	Nonce       [wire.NonceLen]byte
 	Left, Right SideInfo
+	Req         ReqKey // the request whose new path it is
 }
 
 // StartTwoPath starts the two-path phase on a side (§3.5): the datapath

@@ -90,6 +90,7 @@ func TestModelReasonsAndOutcomes(t *testing.T) {
 		"ReasonSessionEnded": int(ReasonSessionEnded),
 		"ReasonStale":        int(ReasonStale),
 		"ReasonAborted":      int(ReasonAborted),
+		"ReasonOnPath":       int(ReasonOnPath),
 		"Succeeded":          int(Succeeded),
 		"Refused":            int(Refused),
 		"Failed":             int(Failed),

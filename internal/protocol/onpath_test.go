@@ -320,3 +320,37 @@ func TestRequestForGoneSession(t *testing.T) {
 		t.Fatalf("requestLock sent %d times", h.sent[addr(1)][MsgRequestLock])
 	}
 }
+
+// The refusal of a failed join lost: the SYN sent again is refused again
+// by the host that failed (it keeps the session, without datapath state,
+// until the cancelLock), and the request fails at once, not after every
+// retransmission of the SYN.
+func TestJoinFailedRefusalLost(t *testing.T) {
+	h := newHarness(t, 5)
+	h.chain([]int{1, 2, 3}, nil)
+	h.reconfigure(1, 3, []int{4, 5}, 1)
+	for i := 0; i < 1000 && len(h.joins[addr(4)]) == 0; i++ {
+		if !h.step() {
+			break
+		}
+	}
+	if len(h.joins[addr(4)]) != 1 {
+		t.Fatalf("agent 4 never joined\n%s", h.trace())
+	}
+	h.deliver(addr(4), JoinFailed{Session: h.joins[addr(4)][0].Session})
+	h.dropType(MsgSynAck, addr(1))
+	h.run()
+	r := h.result(1)
+	if r.Outcome != Failed || r.Reason != ReasonSetupFailed || r.Hop != addr(4) {
+		t.Fatalf("result %s %s hop %s, want failed setup at 10.0.0.4\n%s", r.Outcome, r.Reason, r.Hop, h.trace())
+	}
+	if n := h.sent[addr(1)][MsgSyn]; n != 2 {
+		t.Fatalf("the left anchor sent %d SYNs, want 2 (the first, one retransmission)\n%s", n, h.trace())
+	}
+	for _, i := range []int{4, 5} {
+		if n := len(h.agents[addr(i)].Sessions()); n != 0 {
+			t.Fatalf("agent %d keeps %d sessions\n%s", i, n, h.trace())
+		}
+	}
+	h.quiet(1, 2, 3)
+}

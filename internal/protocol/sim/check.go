@@ -174,7 +174,7 @@ func (w *world) unjustified(r *request, depth int) string {
 			// wait for it, nor fail because of it, while it still
 			// carries traffic.
 			return ""
-		case res.Reason == protocol.ReasonSetupFailed && r.deadChain:
+		case res.Reason == protocol.ReasonSetupFailed && (r.deadChain || w.joinFails[r.key]):
 			return ""
 		case res.Reason == protocol.ReasonAborted && r.abort:
 			return ""

@@ -355,6 +355,13 @@ func (h *host) applyDatapath(act protocol.Action) {
 			w.after(0, func() { h.handle(protocol.JoinFailed{Session: x.Session}) })
 			return
 		}
+		if w.opts.old == 0 && w.rng.IntN(50) == 0 {
+			// Now and then the datapath refuses a join (full maps).
+			w.tracef("%s cannot join s%d: its datapath refuses (full)", h, s.idx)
+			w.joinFails[x.Req] = true
+			w.after(0, func() { h.handle(protocol.JoinFailed{Session: x.Session}) })
+			return
+		}
 		for _, id := range h.dpIDs() {
 			if old := h.dp[id]; old.sess.tuple == x.Tuple {
 				w.tracef("%s: the state of session %d (s%d) gives way to the new path", h, id, old.sess.idx)

@@ -229,6 +229,8 @@ type world struct {
 	// held records when each host held datapath state of each session
 	// (to judge on-path refusals).
 	held map[*simSession]map[*host][]span
+	// joinFails: requests whose new path a datapath refused to join.
+	joinFails map[protocol.ReqKey]bool
 }
 
 // span is a time a host held state of a session; end < 0: still.
@@ -245,7 +247,7 @@ func newWorld(opts Options) *world {
 	w := &world{opts: opts, rng: rand.New(rand.NewPCG(uint64(opts.Seed), 0x9e3779b97f4a7c15)),
 		byAddr: map[netip.Addr]*host{}, byToken: map[uint64]*request{}, byReq: map[protocol.ReqKey]*request{},
 		locked: map[protocol.ReqKey]lockRec{}, started: map[protocol.ReqKey]time.Duration{},
-		held: map[*simSession]map[*host][]span{}}
+		held: map[*simSession]map[*host][]span{}, joinFails: map[protocol.ReqKey]bool{}}
 	w.stats.Rejected, w.stats.Outcomes = map[string]int{}, map[string]int{}
 	return w
 }

@@ -158,7 +158,7 @@ func TestSimCatchesBrokenVariants(t *testing.T) {
 		// path down while the other anchor never answered its fin.
 		{"skip lock, end-to-end checks only", protocol.FaultSkipLock, true, 0,
 			[]string{"both succeeded", "beyond the data it forwarded", "stuck", "old path torn down without a FIN-ACK",
-				"a reconfiguration whose new path works must succeed"}},
+				"a reconfiguration whose new path works must succeed", "until its idle timeout"}},
 		{"acks on old path", protocol.FaultAcksOnOldPath, false, 0, []string{"beyond the data it forwarded"}},
 		// End hosts discard the late old data (its ack is too old), so the
 		// anchor never sees it acknowledged: it stays in the two-path
