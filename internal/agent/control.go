@@ -510,7 +510,10 @@ func (c *control) onPacket(from netip.Addr, data []byte) {
 			if id, ok := c.sessionBySub(m.Sub); ok {
 				_ = c.announce(id)
 			} else {
-				gone = true // no session of the datapath has it
+				// No session of the datapath has the subsession, nor
+				// the session it names (an old path's subsession of a
+				// live session is not an ended session).
+				gone = !c.hasSession(m.Session, m.Nonce)
 			}
 		} else if m.Type == protocol.MsgRequestLock && m.RightAnchor == p.Self() {
 			// A joined session may be the right anchor now. (A middle
@@ -554,6 +557,19 @@ func (c *control) liveHere(t wire.Tuple, nonce [wire.NonceLen]byte) (uint32, boo
 		}
 	}
 	return 0, false
+}
+
+// hasSession reports whether the datapath holds a session of tuple t (as
+// it arrives here, either way) with the given nonce.
+func (c *control) hasSession(t wire.Tuple, nonce [wire.NonceLen]byte) bool {
+	for _, k := range []wire.Tuple{t, t.Reverse()} {
+		if f, ok := c.a.dp.Flow(datapath.TupleFrom(k)); ok {
+			if s, ok := c.a.dp.Session(f.SessId); ok && s.Nonce == nonce {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // sessionBySub finds the datapath session that has subsession sub (as its

@@ -819,10 +819,16 @@ func (a *Agent) onMessage(e MessageIn) {
 			return // the new path's state is already gone
 		}
 		a.reject(RejectUnknownSession, m, e.From, "no subsession %s", m.Sub)
-		if e.Gone && m.Type == MsgRequestLock {
+		if e.Gone && m.Type == MsgRequestLock && !a.knownReq(m.Req) {
 			// The session ended here: its request cannot lock the
 			// segment. Tell the left anchor now (the answer goes back
-			// the way the request came, as any nackLock).
+			// the way the request came, as any nackLock). Only once,
+			// and only for a request not heard of here before (the
+			// window of replay.go): a replayed requestLock of a
+			// session that has ended gets no answer. A retransmission
+			// of one whose nack was lost gets none either; its left
+			// anchor gives up when its retransmissions run out.
+			a.heardOf(m.Req)
 			n := &Message{Type: MsgNackLock, Reason: ReasonSessionEnded, Nonce: m.Nonce, Sub: m.Sub,
 				Session: m.Session, Req: m.Req, RightAnchor: m.RightAnchor}
 			a.send(e.From, n)
@@ -928,8 +934,11 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 	// grants k the lock, dropped otherwise (sendEarlySyn).
 	var early earlySyn
 	hasEarly := false
+	// Every request is marked in its left anchor's window here, also
+	// at a middle agent: a replay after the session ended must not be
+	// answered (onMessage, MessageIn.Gone).
+	a.heardOf(k)
 	if m.RightAnchor == a.cfg.Self {
-		a.heardOf(k)
 		early, hasEarly = a.takeEarlySyn(k)
 	}
 	if r, ok := s.resolved(k); ok {

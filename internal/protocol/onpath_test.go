@@ -303,12 +303,16 @@ func TestRequestForGoneSession(t *testing.T) {
 	h.chain([]int{1, 2, 3}, nil)
 	h.deliver(addr(2), SessionEnd{Session: sid, Cause: "fin"})
 	h.reconfigure(1, 3, nil, 1)
+	var gone []MessageIn // what agent 2 was told about the ended session
 	for len(h.queue) > 0 {
 		e := h.queue[0]
 		h.queue = h.queue[1:]
 		in := h.messageIn(e)
 		if _, _, known := h.agents[e.to].Lookup(e.msg.Sub); !known && e.msg.Type != MsgSyn {
 			in.Gone = true
+			if e.to == addr(2) {
+				gone = append(gone, in)
+			}
 		}
 		h.deliver(e.to, in)
 	}
@@ -318,6 +322,16 @@ func TestRequestForGoneSession(t *testing.T) {
 	}
 	if h.sent[addr(1)][MsgRequestLock] != 1 {
 		t.Fatalf("requestLock sent %d times", h.sent[addr(1)][MsgRequestLock])
+	}
+	// The same requestLock again (a replay, or a retransmission whose
+	// nack was lost) is not answered: the request was heard of.
+	if len(gone) != 1 {
+		t.Fatalf("agent 2 was told %d messages of the ended session, want the requestLock", len(gone))
+	}
+	nacks := h.sent[addr(2)][MsgNackLock]
+	h.deliver(addr(2), gone[0])
+	if len(h.queue) != 0 || h.sent[addr(2)][MsgNackLock] != nacks {
+		t.Fatalf("agent 2 answered a replayed requestLock of an ended session\n%s", h.trace())
 	}
 }
 

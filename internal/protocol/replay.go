@@ -11,12 +11,14 @@ import (
 // session is another TCP session than the left anchor's (§2.4). So the
 // per-session replay checks (history, maxID) cannot see it. Instead the
 // right anchor remembers, per left anchor, which request numbers it has
-// heard of as their right anchor (a requestLock naming it, or an early
+// heard of (a requestLock that came to it or through it, or an early
 // SYN), in a sliding window like IPsec's anti-replay window (RFC 4303
 // §3.4.3): a left anchor numbers its requests upwards across all its
 // sessions (Config.FirstReq), so an early SYN whose request is already
 // known here, or older than the window, is a replay or a stale
-// retransmission and is refused and counted.
+// retransmission and is refused and counted. The same window keeps a
+// replayed requestLock of a session that has ended here from being
+// answered (MessageIn.Gone).
 
 const (
 	// reqWindowBits is how far below the newest request heard of from a
@@ -69,7 +71,7 @@ func (w *reqWindow) mark(id uint32) {
 	w.seen[id/64%uint32(len(w.seen))] |= 1 << (id % 64)
 }
 
-// heardOf records that request k named this agent as its right anchor.
+// heardOf records that request k came to this agent.
 func (a *Agent) heardOf(k ReqKey) {
 	w := a.reqWindows[k.LeftAnchor]
 	if w == nil {
@@ -96,8 +98,8 @@ func (a *Agent) heardOf(k ReqKey) {
 	w.last = a.now
 }
 
-// knownReq reports whether request k has been heard of here as one naming
-// this agent its right anchor, or is too old to tell.
+// knownReq reports whether request k has been heard of here, or is too
+// old to tell.
 func (a *Agent) knownReq(k ReqKey) bool {
 	w := a.reqWindows[k.LeftAnchor]
 	return w != nil && w.known(k.ID)
