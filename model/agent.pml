@@ -1,8 +1,8 @@
 /*
- * The control half of an agent (agent.go): locking (§3.2), deltas (§3.4),
+ * The control half of an agent (internal/protocol): locking (§3.2), deltas (§3.4),
  * the UDP SYN handshake of the new path (§3.1, §3.3), UDP FIN / FIN-ACK
  * teardown of the old path (§3.5), cancelLock / ackCancel (§3.6), and the
- * retransmission timers with the receivers' duplicate handling (agent.go
+ * retransmission timers with the receivers' duplicate handling (internal/protocol
  * onTimer, the history of resolved requests).
  */
 
@@ -400,12 +400,12 @@ inline releaseRight(r, kind) {
 #define FINACKX(me, r) (la[r] == me -> XFINR : XFINL)  /* exchange of the finAck an anchor sends */
 #define WAITX(me, r) (la[r] == me -> XWAITL : XWAITR)   /* an anchor's probes */
 /* waitFin: our fin is answered, the other's has not come: TimerFin stays
- * armed and sends our fin again as a probe (agent.go waitFin, onTimer) */
+ * armed and sends our fin again as a probe (internal/protocol waitFin, onTimer) */
 #define WAITFIN(i) (tp[i] && finAcked[i] && !haveCut[i])
 
 /* sendFin: the fin carries the cut-off; retransmitted on TimerFin. On a
  * direct new path (no middlebox: nh[r] == 0, newN is the other anchor) a
- * copy goes on it too (agent.go sendFin, anchor.direct) */
+ * copy goes on it too (internal/protocol sendFin, anchor.direct) */
 inline sendFin(r) {
 	finTries[me]++;
 	ctl(oldN[me], fin, r, oldSent[me], 0, FINX(me, r));
@@ -415,7 +415,7 @@ inline sendFin(r) {
 	fi
 }
 
-/* sendFinAck: answer the other's fin the ways it came (agent.go sendFinAck) */
+/* sendFinAck: answer the other's fin the ways it came (internal/protocol sendFinAck) */
 inline sendFinAck(r, via) {
 	if
 	:: (via & 1) != 0 -> ctl(oldN[me], finAck, r, 0, 0, FINACKX(me, r))
@@ -503,7 +503,7 @@ inline middleFinAck() {
 /* TimerLease (onLease): a right anchor before the switch, or a middle's lock;
  * a middle of the old path that passed both anchors' fins (bits 2 and 3 of
  * finPassed) but not both finAcks frees the session: nothing more crosses
- * the old path (agent.go onLease) */
+ * the old path (internal/protocol onLease) */
 #define LEASE(i) ((busyRA[i] != 0 && (stageR[busyRA[i]] == waitSyn || stageR[busyRA[i]] == waitAck)) || \
 	(lock[i] != unlocked && requestor[i] != 0 && la[requestor[i]] != i && !freed[i]) || oLock[OX(i)])
 inline onLease() {
@@ -525,7 +525,7 @@ inline onLease() {
 }
 
 /* granted: the left anchor holds r, granted by the ackLock (viaSynAck 0)
- * or by the right anchor's synAck (viaSynAck 1: agent.go granted,
+ * or by the right anchor's synAck (viaSynAck 1: internal/protocol granted,
  * synAckMsg); ld is leftDelta. Every agent of the old path is locked by r,
  * or, granted by the synAck, its lock may still be pending for r (the
  * ackLock, which locks it, is on its way) */
@@ -569,7 +569,7 @@ inline granted(r, ld, viaSynAck) {
 }
 
 /* a middle agent whose lock is still pending for r when a fin or finAck of
- * r passes it takes it then (agent.go passOldPath): the anchors send them
+ * r passes it takes it then (internal/protocol passOldPath): the anchors send them
  * only once r was granted, and with the granting synAck the ackLock may
  * still be on its way, or lost (the left anchor no longer asks) */
 inline lockByTeardown(r) {
@@ -842,7 +842,7 @@ inline onMessage() {
 #define TOLD(me) ((tp[me] && finAcked[me] && !finOldAcked[me]) || (!tp[me] && lingerN[me] != NONE && !lingerAcked[me]))
 #define OLDR(me) (tp[me] -> tpReq[me] : lingerR[me])
 #ifdef BROKEN_NO_PROBE
-#define TPROBE(me) false   /* broken: agent.go before waitFin */
+#define TPROBE(me) false   /* broken: internal/protocol before waitFin */
 #else
 #define TPROBE(me) WAITFIN(me)
 #endif
@@ -980,7 +980,7 @@ end:
 		fi;
 		/* the end of every event: evaluate the two-path phase, and let
 		 * the first queued request go on if the lock was released
-		 * (releaseQueue, wherever agent.go unlocks) */
+		 * (releaseQueue, wherever internal/protocol unlocks) */
 		evaluate();
 		releaseQueue() }
 	od

@@ -34,7 +34,7 @@ mtype = { tcp };
 #define ReasonSetupFailed 7
 #define ReasonOnPath    11   /* a hop of the new chain is already on the session's path */
 
-/* resKind (agent.go): how a request was resolved at an agent (its history,
+/* resKind (internal/protocol): how a request was resolved at an agent (its history,
  * which answers retransmissions); 0 = not resolved here. */
 #define resNacked    1
 #define resCancelled 2
@@ -101,7 +101,7 @@ byte fwdR[NA], fwdL[NA];
 mtype stageL[NR+1], stageR[NR+1];
 byte rightDelta[NR+1], leftDelta[NR+1];
 /* the leftDelta a request's requestLock gathered on its way (Message.LeftDelta),
- * kept by its right anchor for the granting synAck (agent.go synAckMsg) */
+ * kept by its right anchor for the granting synAck (internal/protocol synAckMsg) */
 byte grantL[NR+1];
 byte outcome[NR+1], reason[NR+1];
 byte reqTries[NR+1], synTries[NR+1];  /* anchor.tries while locking / settingUp */
@@ -245,7 +245,7 @@ byte oReq[ONA], oL[ONA], oR[ONA], oFP[ONA], tdReq[ONA];
 byte joinGen[GNA], genL[GNA], genR[GNA];
 /* jfail: the request whose join failed at this host (JoinFailed): the host
  * keeps its joined state, with no datapath, to refuse the SYN again, until
- * the left anchor's cancelLock on the new path (agent.go joinFailed) */
+ * the left anchor's cancelLock on the new path (internal/protocol joinFailed) */
 byte jfail[GNA];
 /* a host leaves a new path: its subsessions are gone */
 #define LEAVEGEN(me) genL[GX(me)] = 0
