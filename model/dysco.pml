@@ -190,7 +190,7 @@ bool hFinSent[2], hFinRcvd[2];
 #else
 #define LIVE(i) (HOLDS(i) && (finPassed[i] & 12) != 12)
 #endif
-/* MessageIn.OnPath, as the agent marks a new path's SYN (control.go liveHere) */
+/* MessageIn.OnPath, as the agent marks a new path's SYN (internal/reconfig liveHere) */
 #ifdef BROKEN_ONPATH
 #define ONPATH(i) false         /* broken: the old behaviour, the host joins anyway */
 #else

@@ -26,6 +26,7 @@ import (
 	"github.com/dysco/dysco/internal/migrate"
 	"github.com/dysco/dysco/internal/policy"
 	"github.com/dysco/dysco/internal/policyserver"
+	"github.com/dysco/dysco/internal/reconfig"
 	"github.com/vishvananda/netlink"
 )
 
@@ -73,6 +74,9 @@ type Config struct {
 	Log                              *slog.Logger
 }
 
+// DefaultControlPort is the UDP port of the reconfiguration protocol.
+const DefaultControlPort = reconfig.DefaultControlPort
+
 // Agent is a running agent.
 type Agent struct {
 	cfg     Config
@@ -92,8 +96,9 @@ type Agent struct {
 
 	tapActive atomic.Bool
 
-	// ctl is the reconfiguration machinery (control.go); nil when disabled.
-	ctl *control
+	// ctl is the reconfiguration machinery (internal/reconfig); nil when
+	// disabled.
+	ctl *reconfig.Shell
 	// providers are the middleboxes that registered their state with the
 	// local API (the "api" state plug-in).
 	providers *migrate.Providers
@@ -130,7 +135,7 @@ func (c *Config) defaults() {
 		c.GCInterval = time.Second
 	}
 	if c.ControlPort == 0 {
-		c.ControlPort = DefaultControlPort
+		c.ControlPort = reconfig.DefaultControlPort
 	}
 	if c.Log == nil {
 		c.Log = slog.Default()
@@ -237,19 +242,30 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 
 	if len(cfg.ControlKey) > 0 {
-		ctl, err := newControl(a, cfg.ControlPort, cfg.ControlKey)
+		var states *migrate.Set
+		if len(cfg.StatePlugins) > 0 {
+			a.providers = &migrate.Providers{}
+			set, err := migrate.NewSet(cfg.StatePlugins, migrate.Options{APIProviders: a.providers,
+				FailExport: cfg.StateFailExport, FailImport: cfg.StateFailImport, DelayExport: cfg.StateDelayExport})
+			if err != nil {
+				return fmt.Errorf("--state-plugins: %w", err)
+			}
+			states = set
+		}
+		ctl, err := reconfig.New(reconfig.Config{Port: cfg.ControlPort, Key: cfg.ControlKey, Datapath: a.dp,
+			Log: a.log, SelfAddr: a.selfAddr, SameRoute: a.sameRoute, Tap: cfg.Tap != "", States: states})
 		if err != nil {
 			return err
 		}
 		a.ctl = ctl
-		if err := a.setupMigration(ctl); err != nil {
-			return err
-		}
-		a.setSplitReader(ctl.holds != nil)
-		go ctl.run(ctx)
+		go ctl.Run(ctx)
 	} else {
 		a.log.Info("reconfiguration disabled: no control key")
-		a.setSplitReader(false)
+		// No agent reads the hold ring: packets straddling a cut-off
+		// go whole on the old path.
+		if err := a.dp.SetSplitReader(0); err != nil {
+			a.log.Warn("datapath: cannot clear the split reader", "err", err)
+		}
 	}
 	a.metrics = newMetrics(a)
 	srv, err := a.serveAPI()

@@ -97,28 +97,13 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 	// Capacity of the session maps (--max-sessions).
 	st["capacity_sessions"], st["capacity_flows"] = uint64(a.dp.Sizing.Sessions), uint64(a.dp.Sizing.Flows)
 	if a.ctl != nil {
-		// Control messages refused, by reason (forged, replayed,
-		// malformed, ...), and messages in and out (§3.3); the
-		// datagrams that carried them (a bundle carries several,
-		// docs/protocol.md "Bundles").
-		for r, n := range a.ctl.rejectedCounts() {
-			st["control_rejected_"+r] = n
+		for k, v := range a.ctl.Counters() {
+			st[k] = v
 		}
-		st["control_messages_in"] = a.ctl.msgsIn.Load()
-		st["control_messages_out"] = a.ctl.msgsOut.Load()
-		st["control_datagrams_in"] = a.ctl.dgramsIn.Load()
-		st["control_datagrams_out"] = a.ctl.dgramsOut.Load()
-		if hs := a.ctl.holds; hs != nil {
-			// Held packets sent on again, failures, and packets that
-			// arrived for no hold (sent on at once).
-			hs.injMu.Lock()
-			st["hold_reinjected"], st["hold_reinject_errors"], st["hold_stray"] = uint64(hs.injected), uint64(hs.injectErrs), uint64(hs.stray)
-			// Packets straddling a cut-off that the agent split (both
-			// parts sent again), and that it sent again whole.
-			st["tp_split"], st["tp_split_whole"] = uint64(hs.splits), uint64(hs.splitWhole)
-			hs.injMu.Unlock()
+		if a.ctl.Holds() {
 			// What is left of the lease by which the datapath hands
-			// such packets to this agent (renewed every second).
+			// packets straddling a cut-off to this agent (renewed
+			// every second).
 			if left, err := a.dp.SplitReaderLease(); err == nil {
 				st["split_lease_ms"] = uint64(left / time.Millisecond)
 			}
@@ -202,7 +187,7 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 	a.mu.Unlock()
 	var views map[uint32]protocol.SessionView
 	if a.ctl != nil {
-		views = a.ctl.views()
+		views = a.ctl.Views()
 	}
 	synHops, err := a.dp.AllSynHops()
 	if err != nil {

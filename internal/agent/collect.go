@@ -81,7 +81,7 @@ func (a *Agent) collect() {
 	a.dp.DeleteSessions(dead)
 	a.dp.DeleteReconfigStates(dead)
 	if a.ctl != nil && len(dead) > 0 {
-		a.ctl.sessionsEnded(dead)
+		a.ctl.SessionsEnded(dead)
 	}
 	// Set-up state is small and short-lived: drop it once the session is
 	// established (or gone).

@@ -12,7 +12,7 @@ import (
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/datapath"
 	"github.com/dysco/dysco/internal/policy"
-	"github.com/dysco/dysco/internal/protocol"
+	"github.com/dysco/dysco/internal/reconfig"
 	"github.com/vishvananda/netlink"
 )
 
@@ -98,7 +98,7 @@ func (a *Agent) reconfig(ctx context.Context, req api.ReconfigRequest) (api.Reco
 	for _, h := range req.Chain {
 		chain = append(chain, h.Unmap())
 	}
-	mig, err := migrateOptions(req.Migrate, len(chain))
+	mig, err := reconfig.ParseMigrate(req.Migrate, len(chain))
 	if err != nil {
 		return bad(err)
 	}
@@ -119,38 +119,23 @@ func (a *Agent) reconfig(ctx context.Context, req api.ReconfigRequest) (api.Reco
 	ctx, cancel := context.WithTimeout(ctx, reconfigWait(req.TimeoutMS))
 	defer cancel()
 	rep := api.ReconfigReply{Results: []api.ReconfigResult{}}
-	for _, o := range a.ctl.reconfigure(ctx, ids, to, chain, mig) {
-		res := api.ReconfigResult{ID: o.id, Session: tuples[o.id], Outcome: o.outcome, Reason: o.reason}
-		if o.res != nil {
+	for _, o := range a.ctl.Reconfigure(ctx, ids, to, chain, mig) {
+		res := api.ReconfigResult{ID: o.ID, Session: tuples[o.ID], Outcome: o.Outcome, Reason: o.Reason}
+		if o.Result != nil {
 			// As history has it (with the migration's report): the
 			// times of its phases, measured when the result came.
-			res = o.rec
-			res.ID, res.Session = o.id, tuples[o.id]
-			if o.mig != nil && res.Migration == nil {
-				res.Migration = o.mig
-				if o.mig.Error != "" {
-					res.Reason = joinNote(res.Reason, o.mig.Error)
+			res = o.Record
+			res.ID, res.Session = o.ID, tuples[o.ID]
+			if o.Migration != nil && res.Migration == nil {
+				res.Migration = o.Migration
+				if o.Migration.Error != "" {
+					res.Reason = reconfig.JoinNote(res.Reason, o.Migration.Error)
 				}
 			}
 		}
 		rep.Results = append(rep.Results, res)
 	}
 	return rep, nil
-}
-
-// migrateOptions checks a request's state migration part.
-func migrateOptions(spec *api.MigrateSpec, hops int) (*MigrateOptions, error) {
-	if spec == nil {
-		return nil, nil
-	}
-	o := &MigrateOptions{Semantics: spec.Semantics, HoldLimit: spec.HoldLimit, Timeout: time.Duration(spec.TimeoutMS) * time.Millisecond}
-	if err := o.normalize(); err != nil {
-		return nil, fmt.Errorf("migrate: %w", err)
-	}
-	if hops != 1 {
-		return nil, fmt.Errorf("migrate: state migration replaces one middlebox by one: the new chain has %d", hops)
-	}
-	return o, nil
 }
 
 // handleReconfigHistory lists the last reconfigurations this agent ran as
@@ -160,7 +145,7 @@ func (a *Agent) handleReconfigHistory(w http.ResponseWriter, r *http.Request) {
 		writeErr(w, 503, errNoControl)
 		return
 	}
-	writeJSON(w, 200, api.ReconfigReply{Results: a.ctl.reconfigHistory()})
+	writeJSON(w, 200, api.ReconfigReply{Results: a.ctl.History()})
 }
 
 // handleMiddlebox asks the left neighbour of each matching session through
@@ -186,7 +171,7 @@ func (a *Agent) middlebox(ctx context.Context, req api.MiddleboxRequest) (api.Re
 	if a.ctl == nil {
 		return api.ReconfigReply{}, &requestError{503, errNoControl}
 	}
-	if _, err := migrateOptions(req.Migrate, len(req.With)); err != nil {
+	if _, err := reconfig.ParseMigrate(req.Migrate, len(req.With)); err != nil {
 		return api.ReconfigReply{}, &requestError{400, err}
 	}
 	m, err := policy.CompileMatch(req.Match)
@@ -200,7 +185,7 @@ func (a *Agent) middlebox(ctx context.Context, req api.MiddleboxRequest) (api.Re
 	ctx, cancel := context.WithTimeout(ctx, reconfigWait(req.TimeoutMS))
 	defer cancel()
 	rep := api.ReconfigReply{Results: []api.ReconfigResult{}}
-	rep.Results = append(rep.Results, a.ctl.removeSelf(ctx, sessions, req.With, req.Migrate)...)
+	rep.Results = append(rep.Results, a.ctl.RemoveSelf(ctx, sessions, req.With, req.Migrate)...)
 	return rep, nil
 }
 
@@ -224,80 +209,6 @@ func (a *Agent) execOperation(ctx context.Context, op api.Operation) api.Operati
 	}
 	a.log.Info("operation carried out", "id", op.ID, "sessions", len(rep.Results))
 	return api.OperationResult{Reply: &rep}
-}
-
-// removeSelf sends a trigger per session and collects the results.
-func (c *control) removeSelf(ctx context.Context, sessions []datapath.SessionEntry, with []netip.Addr, mig *api.MigrateSpec) []api.ReconfigResult {
-	type pending struct {
-		res api.ReconfigResult
-		ch  chan triggerMsg
-		at  time.Time
-	}
-	var ps []*pending
-	done := make(chan struct{})
-	c.post(func() {
-		defer close(done)
-		for _, s := range sessions {
-			if c.leftPath(s.ID) {
-				continue // no longer passing through this host
-			}
-			p := &pending{res: api.ReconfigResult{ID: s.ID, Session: s.Tuple.Wire().String()}, at: time.Now()}
-			ps = append(ps, p)
-			left, ok1 := c.currentSub(s.ID, &s.Session, protocol.SideLeft)
-			right, ok2 := c.currentSub(s.ID, &s.Session, protocol.SideRight)
-			if !ok1 || !ok2 {
-				p.res.Outcome, p.res.Reason = "refused", "this host is not in the middle of the session"
-				continue
-			}
-			var chain []netip.Addr
-			for _, h := range with {
-				chain = append(chain, h.Unmap())
-			}
-			ch, err := c.sendTrigger(left.Src, triggerMsg{Sub: &left, RightAnchor: right.Dst, Chain: chain, Migrate: mig}, 0)
-			if err != nil {
-				p.res.Outcome, p.res.Reason = "failed", err.Error()
-				continue
-			}
-			p.ch = ch
-		}
-	})
-	select {
-	case <-done:
-	case <-ctx.Done():
-		return nil
-	}
-	out := make([]api.ReconfigResult, 0, len(ps))
-	for _, p := range ps {
-		if p.ch != nil {
-			select {
-			case m := <-p.ch:
-				p.res.Outcome, p.res.Reason, p.res.Blocker = m.Outcome, m.Reason, m.Blocker
-				p.res.Micros = m.Micros
-				p.res.Migration = m.Migration
-			case <-ctx.Done():
-				p.res.Outcome, p.res.Reason = "failed", "no result before the deadline"
-			}
-		}
-		out = append(out, p.res)
-	}
-	return out
-}
-
-// leftPath tells whether this host is a middle of an old path of session
-// id, torn down or being torn down by a reconfiguration (§3.5): the session
-// lingers here to answer FINs, but no longer passes through this host.
-// Loop goroutine.
-func (c *control) leftPath(id uint32) bool {
-	pid, ok := c.pidOf[id]
-	if !ok {
-		return false
-	}
-	p := c.protos[c.famOf[id]]
-	if p == nil {
-		return false
-	}
-	v, ok := p.View(pid)
-	return ok && v.Teardown
 }
 
 // selfAddr returns this host's first global address of a family: the

@@ -251,7 +251,7 @@ const TPSideLock = 2
 const TPSideSplice = 3
 
 // Splice is what a proxy's agent keeps of the two TCP sessions it joined
-// into one (paper §2.4, §4.2; agent/splice.go), so that a restarted agent
+// into one (paper §2.4, §4.2; internal/reconfig/splice.go), so that a restarted agent
 // can take the joined session up again: the session the client opened to
 // the proxy (Client), the one the proxy opened to the server (Server), the
 // proxy's own delta (protocol.AppDelta): sequence number and timestamp

@@ -195,7 +195,7 @@ func (e *env) pinnedEntries(host, name string) int {
 }
 
 // ctlTrigger builds a DYST trigger: magic, version, kind, JSON body, then
-// HMAC-SHA256/16 under key (internal/agent/trigger.go).
+// HMAC-SHA256/16 under key (internal/reconfig/trigger.go).
 func ctlTrigger(key []byte, version, kind byte, body any) []byte {
 	j, _ := json.Marshal(body)
 	b := append([]byte("DYST"), version, kind)

@@ -515,7 +515,7 @@ func sameHosts(a, b []*host) bool {
 	return true
 }
 
-// messageIn is what the agent makes of a datagram (agent/control.go
+// messageIn is what the agent makes of a datagram (internal/reconfig
 // onPacket): a control message about a session the protocol does not know
 // yet announces it first (announce); a new path's SYN that would make this
 // host join a session it carries on a live path is marked OnPath.
@@ -562,7 +562,7 @@ func (h *host) announce(ds *dpSess) bool {
 }
 
 // liveHere returns a session of tuple t that this host carries on a live
-// path (agent/control.go liveHere): not reset, either unknown to the
+// path (internal/reconfig liveHere): not reset, either unknown to the
 // protocol or on its live path (protocol.Agent.OnLivePath), and either the
 // session of nonce (FINs both ways do not end it: the bytes before them
 // may still be on their way, or be sent again) or another one that is not

@@ -1,4 +1,4 @@
-package agent
+package reconfig
 
 // Proxy removal (paper §2.4, §4.2 "Triggering a reconfiguration using
 // splice"): a session-terminating proxy (HAProxy under libdysco's
@@ -13,12 +13,8 @@ package agent
 // never delivered to the ends that now talk directly.
 
 import (
-	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"net/http"
-	"time"
 
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/datapath"
@@ -37,83 +33,58 @@ const tsMarginMS = 16
 // opened to the server (this host its start).
 type splicedPair struct{ client, server uint32 }
 
-func (a *Agent) handleSplice(w http.ResponseWriter, r *http.Request) {
-	if a.ctl == nil {
-		writeErr(w, 503, errNoControl)
-		return
-	}
-	var req api.SpliceRequest
-	if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<16)).Decode(&req); err != nil {
-		writeErr(w, 400, fmt.Errorf("splice: bad JSON: %w", err))
-		return
-	}
-	for _, sp := range []api.SocketPair{req.In, req.Out} {
-		if !sp.Local.IsValid() || !sp.Remote.IsValid() {
-			writeErr(w, 400, errors.New("splice: both sockets need local and remote addresses"))
-			return
-		}
-	}
+// Splice joins the two sessions of a proxy's sockets and asks the left
+// neighbour to remove this host from the chain (a trigger). It returns the
+// client session's id and a channel that receives the outcome once.
+// Errors of a BadSpliceError are the caller's (a socket that names no
+// session, or a bad delta); the others are this host's state.
+func (c *Shell) Splice(req api.SpliceRequest) (uint32, <-chan api.ReconfigResult, error) {
 	var (
-		rep api.SpliceReply
+		id  uint32
 		ch  chan triggerMsg
 		err error
-		at  = time.Now()
 	)
 	done := make(chan struct{})
-	a.ctl.post(func() {
+	c.post(func() {
 		defer close(done)
-		rep.ID, ch, err = a.ctl.splice(req)
+		id, ch, err = c.splice(req)
 	})
 	<-done
 	if err != nil {
-		code := 409
-		var be badSplice
-		if errors.As(err, &be) {
-			code = 400
-		}
-		a.log.Warn("proxy splice refused", "in", req.In.Remote.String()+"->"+req.In.Local.String(),
-			"out", req.Out.Local.String()+"->"+req.Out.Remote.String(), "err", err)
-		writeErr(w, code, err)
-		return
+		return id, nil, err
 	}
-	a.log.Info("proxy splice: removal requested", "in", req.In.Remote.String()+"->"+req.In.Local.String(),
-		"out", req.Out.Local.String()+"->"+req.Out.Remote.String(), "delta", req.Delta, "delta_rev", req.DeltaRev)
-	if req.Wait {
-		ctx, cancel := context.WithTimeout(r.Context(), defaultReconfigWait)
-		defer cancel()
-		res := api.ReconfigResult{ID: rep.ID}
-		select {
-		case m := <-ch:
-			res.Outcome, res.Reason, res.Blocker = m.Outcome, m.Reason, m.Blocker
-			res.Micros = time.Since(at).Microseconds()
-		case <-ctx.Done():
-			res.Outcome, res.Reason = "failed", "no result before the deadline"
-		}
-		rep.Result = &res
-	} else {
-		go func() {
-			m := <-ch
-			a.log.Info("proxy removal", "session", rep.ID, "outcome", m.Outcome, "reason", m.Reason)
-		}()
-	}
-	writeJSON(w, 200, rep)
+	out := make(chan api.ReconfigResult, 1)
+	go func() {
+		m := <-ch
+		out <- api.ReconfigResult{ID: id, Outcome: m.Outcome, Reason: m.Reason, Blocker: m.Blocker, Micros: m.Micros}
+	}()
+	return id, out, nil
 }
 
-type badSplice struct{ error }
+// BadSpliceError is a splice request that is wrong as asked.
+type BadSpliceError struct{ error }
+
+func (e BadSpliceError) Unwrap() error { return e.error }
 
 // splice joins the two sessions of a proxy and sends the trigger (loop
 // goroutine).
-func (c *control) splice(req api.SpliceRequest) (uint32, chan triggerMsg, error) {
-	dp := c.a.dp
+func (c *Shell) splice(req api.SpliceRequest) (uint32, chan triggerMsg, error) {
+	dp := c.dp
 	find := func(sp api.SocketPair) (uint32, datapath.Session, error) {
 		k := wire.Tuple{Src: sp.Local.Addr().Unmap(), Dst: sp.Remote.Addr().Unmap(), SrcPort: sp.Local.Port(), DstPort: sp.Remote.Port()}
 		f, ok := dp.Flow(datapath.TupleFrom(k))
 		if !ok || f.Flags&datapath.FlIngress != 0 {
 			return 0, datapath.Session{}, fmt.Errorf("splice: no Dysco session for socket %s -> %s at this host (the client and the proxy need a policy that makes their sessions Dysco sessions, e.g. one with no chain)", sp.Local, sp.Remote)
 		}
+		if f.Flags&datapath.FlDrop != 0 {
+			return 0, datapath.Session{}, fmt.Errorf("splice: the session of %s -> %s was spliced already: this host is off its path", sp.Local, sp.Remote)
+		}
 		s, ok := dp.Session(f.SessId)
 		if !ok {
 			return 0, datapath.Session{}, fmt.Errorf("splice: session of %s -> %s is gone", sp.Local, sp.Remote)
+		}
+		if _, ok := c.spliced[protocol.SessionID(f.SessId)]; ok {
+			return 0, datapath.Session{}, fmt.Errorf("splice: the session of %s -> %s is being spliced already", sp.Local, sp.Remote)
 		}
 		return f.SessId, s, nil
 	}
@@ -126,7 +97,7 @@ func (c *control) splice(req api.SpliceRequest) (uint32, chan triggerMsg, error)
 		return 0, nil, err
 	}
 	if inID == outID {
-		return 0, nil, badSplice{errors.New("splice: both sockets are the same session")}
+		return 0, nil, BadSpliceError{errors.New("splice: both sockets are the same session")}
 	}
 	// The client's session ends here, the server's starts here.
 	cID, cS, sID, sS := inID, inS, outID, outS
@@ -140,7 +111,7 @@ func (c *control) splice(req api.SpliceRequest) (uint32, chan triggerMsg, error)
 			datapath.RoleName(cS.Role), datapath.RoleName(sS.Role))
 	}
 	if cS.IsV6 != sS.IsV6 {
-		return 0, nil, badSplice{fmt.Errorf("splice: the client's session is %s and the server's %s: one TCP session cannot change address family, so the proxy stays on the path",
+		return 0, nil, BadSpliceError{fmt.Errorf("splice: the client's session is %s and the server's %s: one TCP session cannot change address family, so the proxy stays on the path",
 			famName(cS.IsV6 != 0), famName(sS.IsV6 != 0))}
 	}
 	for _, s := range []datapath.Session{cS, sS} {
@@ -163,10 +134,10 @@ func (c *control) splice(req api.SpliceRequest) (uint32, chan triggerMsg, error)
 	// Kept in the datapath for this agent's next run, should it restart
 	// before the proxy has left (resumeSpliced). Without it a restart
 	// would leave the proxy on the path: nothing lost, but not removed.
-	if err := c.a.dp.PutSplice(datapath.Splice{Client: cID, Server: sID,
+	if err := c.dp.PutSplice(datapath.Splice{Client: cID, Server: sID,
 		SeqLR: app.Right.Seq, TSLR: app.Right.TS, SeqRL: app.Left.Seq, TSRL: app.Left.TS,
 		ClientCreatedMs: cS.CreatedMs, ServerCreatedMs: sS.CreatedMs}); err != nil {
-		c.a.log.Warn("proxy splice: cannot keep the joined sessions for a restart of this agent", "err", err)
+		c.log.Warn("proxy splice: cannot keep the joined sessions for a restart of this agent", "err", err)
 	}
 	c.adoptJoined(up, cID, sID, cS.IsV6 != 0)
 	ch, err := c.sendTrigger(up.Left.Sub.Src, triggerMsg{Sub: &up.Left.Sub, RightAnchor: up.Right.Sub.Dst}, cID)
@@ -181,7 +152,7 @@ func (c *control) splice(req api.SpliceRequest) (uint32, chan triggerMsg, error)
 // one (sID) that the proxy opened to the server starts here; the joined
 // session has the client's tuple and nonce, its left side is the client's
 // subsession, its right side the server's, and the proxy's delta is app.
-func (c *control) joinedUp(cID uint32, cS datapath.Session, sID uint32, sS datapath.Session, app protocol.AppDelta) (protocol.SessionUp, error) {
+func (c *Shell) joinedUp(cID uint32, cS datapath.Session, sID uint32, sS datapath.Session, app protocol.AppDelta) (protocol.SessionUp, error) {
 	left, ok1 := c.currentSub(cID, &cS, protocol.SideLeft)
 	right, ok2 := c.currentSub(sID, &sS, protocol.SideRight)
 	if !ok1 || !ok2 {
@@ -201,7 +172,7 @@ func (c *control) joinedUp(cID uint32, cS datapath.Session, sID uint32, sS datap
 
 // adoptJoined hands a joined session to the protocol in place of its two
 // sessions: any earlier announcement of either goes.
-func (c *control) adoptJoined(up protocol.SessionUp, cID, sID uint32, v6 bool) {
+func (c *Shell) adoptJoined(up protocol.SessionUp, cID, sID uint32, v6 bool) {
 	for _, id := range []uint32{cID, sID} {
 		if pid, ok := c.pidOf[id]; ok {
 			c.handle(c.famOf[id], protocol.SessionEnd{Session: pid, Cause: "spliced"})
@@ -224,10 +195,10 @@ func (c *control) adoptJoined(up protocol.SessionUp, cID, sID uint32, v6 bool) {
 // earlier agent's trigger (the earlier agent's trigger went with it; a left
 // anchor that is already at it refuses the second as busy). Loop
 // goroutine, at start.
-func (c *control) resumeSpliced() {
+func (c *Shell) resumeSpliced() {
 	var sps []datapath.Splice
-	if err := c.a.dp.EachSplice(func(sp datapath.Splice) { sps = append(sps, sp) }); err != nil {
-		c.a.log.Warn("control: a proxy's joined sessions kept by an earlier agent", "err", err)
+	if err := c.dp.EachSplice(func(sp datapath.Splice) { sps = append(sps, sp) }); err != nil {
+		c.log.Warn("control: a proxy's joined sessions kept by an earlier agent", "err", err)
 		return
 	}
 	for _, sp := range sps {
@@ -235,19 +206,19 @@ func (c *control) resumeSpliced() {
 		if err != nil {
 			// Neither is the lock kept for it: the client's session must
 			// not be announced as a session of its own with it.
-			c.a.dp.DeleteSplice(sp.Client)
-			c.a.dp.DeleteLock(sp.Client)
-			c.a.log.Warn("control: a proxy's joined sessions of an earlier agent are not taken up", "client_session", sp.Client,
+			c.dp.DeleteSplice(sp.Client)
+			c.dp.DeleteLock(sp.Client)
+			c.log.Warn("control: a proxy's joined sessions of an earlier agent are not taken up", "client_session", sp.Client,
 				"server_session", sp.Server, "err", err)
 			continue
 		}
-		c.a.log.Info("control: took up a proxy's joined sessions of an earlier agent", "client_session", sp.Client,
+		c.log.Info("control: took up a proxy's joined sessions of an earlier agent", "client_session", sp.Client,
 			"server_session", sp.Server, "locked", locked)
 	}
 }
 
-func (c *control) resumeSplice(sp datapath.Splice) (locked bool, err error) {
-	dp := c.a.dp
+func (c *Shell) resumeSplice(sp datapath.Splice) (locked bool, err error) {
+	dp := c.dp
 	cS, ok1 := dp.Session(sp.Client)
 	sS, ok2 := dp.Session(sp.Server)
 	if !ok1 || !ok2 || cS.CreatedMs != sp.ClientCreatedMs || sS.CreatedMs != sp.ServerCreatedMs {
@@ -287,12 +258,12 @@ func (c *control) resumeSplice(sp datapath.Splice) (locked bool, err error) {
 	}
 	ch, err := c.sendTrigger(up.Left.Sub.Src, triggerMsg{Sub: &up.Left.Sub, RightAnchor: up.Right.Sub.Dst}, sp.Client)
 	if err != nil {
-		c.a.log.Warn("proxy removal not asked again after an agent restart", "session", sp.Client, "err", err)
+		c.log.Warn("proxy removal not asked again after an agent restart", "session", sp.Client, "err", err)
 		return false, nil // taken up all the same: a middle agent of its path
 	}
 	go func() {
 		m := <-ch
-		c.a.log.Info("proxy removal asked again after an agent restart", "session", sp.Client, "outcome", m.Outcome, "reason", m.Reason)
+		c.log.Info("proxy removal asked again after an agent restart", "session", sp.Client, "outcome", m.Outcome, "reason", m.Reason)
 	}()
 	return false, nil
 }
@@ -312,11 +283,11 @@ func tsOffset(s datapath.Session, dir int) uint32 {
 // it is torn down: their ingress flows go, their egress flows drop what the
 // proxy still sends (its sockets live on until it closes them). The
 // sessions stay for the collector, which ends them when they fall idle.
-func (c *control) freeSpliced(p splicedPair) {
+func (c *Shell) freeSpliced(p splicedPair) {
 	for _, id := range []uint32{p.client, p.server} {
 		// One system call per session (datapath.CutSession).
-		if _, err := c.a.dp.CutSession(id, c.onwardKey(id)); err != nil {
-			c.a.log.Warn("control: cannot cut the proxy off a spliced session", "id", id, "err", err)
+		if _, err := c.dp.CutSession(id, c.onwardKey(id)); err != nil {
+			c.log.Warn("control: cannot cut the proxy off a spliced session", "id", id, "err", err)
 		}
 	}
 }

@@ -1,4 +1,4 @@
-package agent
+package reconfig
 
 import (
 	"time"
@@ -37,12 +37,12 @@ const onwardMargin = time.Second
 // onward returns the tuple with which session id (s at this host) leaves it
 // towards the right: its session tuple where it has no right side (this host
 // ends it).
-func (c *control) onward(id uint32, s *datapath.Session) wire.Tuple {
+func (c *Shell) onward(id uint32, s *datapath.Session) wire.Tuple {
 	t := s.Tuple.Wire()
 	if s.Role != datapath.RoleStart && s.Role != datapath.RoleMiddle {
 		return t
 	}
-	if f, ok := c.a.dp.Flow(datapath.TupleFrom(t)); ok && f.SessId == id && f.Flags&datapath.FlIngress == 0 {
+	if f, ok := c.dp.Flow(datapath.TupleFrom(t)); ok && f.SessId == id && f.Flags&datapath.FlIngress == 0 {
 		return t
 	}
 	if o, ok := c.onwardOf[id]; ok && o.created == s.CreatedMs {
@@ -68,25 +68,25 @@ func (c *control) onward(id uint32, s *datapath.Session) wire.Tuple {
 // scanOnward walks the flows and the sessions once and records the onward
 // tuple of every session whose egress flow of the SYN's direction is not
 // keyed by its session tuple. A walk that fails does not count as one.
-func (c *control) scanOnward() {
+func (c *Shell) scanOnward() {
 	at := time.Now()
 	eg := map[uint32]datapath.Tuple{}
-	if err := c.a.dp.EachFlow(func(k *datapath.Tuple, f *datapath.Flow) {
+	if err := c.dp.EachFlow(func(k *datapath.Tuple, f *datapath.Flow) {
 		if f.Flags&(datapath.FlIngress|datapath.FlRev) == 0 {
 			eg[f.SessId] = *k
 		}
 	}); err != nil {
-		c.a.log.Warn("control: list flows for onward tuples", "err", err)
+		c.log.Warn("control: list flows for onward tuples", "err", err)
 		return
 	}
-	if err := c.a.dp.EachSession(func(id uint32, s *datapath.Session) {
+	if err := c.dp.EachSession(func(id uint32, s *datapath.Session) {
 		k, ok := eg[id]
 		if !ok || k.Wire() == s.Tuple.Wire() {
 			return
 		}
 		c.onwardOf[id] = onwardEntry{t: k.Wire(), created: s.CreatedMs}
 	}); err != nil {
-		c.a.log.Warn("control: list sessions for onward tuples", "err", err)
+		c.log.Warn("control: list sessions for onward tuples", "err", err)
 		return
 	}
 	c.onwardScanAt, c.onwardScanned = at, true
@@ -95,8 +95,8 @@ func (c *control) scanOnward() {
 // onwardKey is what FreeSession and CutSession take for session id: the key
 // of its egress flow of the SYN's direction if that is not its tuple, the
 // zero Tuple otherwise (or if the session is gone).
-func (c *control) onwardKey(id uint32) datapath.Tuple {
-	s, ok := c.a.dp.Session(id)
+func (c *Shell) onwardKey(id uint32) datapath.Tuple {
+	s, ok := c.dp.Session(id)
 	if !ok {
 		return datapath.Tuple{}
 	}

@@ -1,4 +1,4 @@
-package agent
+package reconfig
 
 // Triggers: a middlebox host asks the left neighbour of one of its sessions
 // to reconfigure the segment around it (paper §2.3: "a middlebox can ask to
@@ -133,7 +133,7 @@ type triggerKey struct {
 }
 
 // onTrigger handles a trigger request or result (loop goroutine).
-func (c *control) onTrigger(from netip.Addr, data []byte) {
+func (c *Shell) onTrigger(from netip.Addr, data []byte) {
 	kind, m, err := decodeTrigger(c.key, data)
 	if err != nil {
 		reason := "trigger_malformed"
@@ -141,7 +141,7 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 			reason = "trigger_bad_mac"
 		}
 		c.countReject(reason)
-		c.a.log.Debug("trigger refused", "from", from, "err", err)
+		c.log.Debug("trigger refused", "from", from, "err", err)
 		return
 	}
 	switch kind {
@@ -156,8 +156,8 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 		if t.splice != 0 {
 			// Answered, whatever the outcome: a restarted agent does
 			// not ask again (resumeSplice).
-			if err := c.a.dp.SpliceAnswered(t.splice); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-				c.a.log.Warn("proxy removal: cannot note the left anchor's answer", "session", t.splice, "err", err)
+			if err := c.dp.SpliceAnswered(t.splice); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+				c.log.Warn("proxy removal: cannot note the left anchor's answer", "session", t.splice, "err", err)
 			}
 		}
 		t.ch <- m
@@ -201,13 +201,13 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 		// reconfiguration itself (its record not back to TPNew), the
 		// protocol answers busy, which the sender may retry; currentSub
 		// would name the wrong path then.
-		if sess, ok := c.a.dp.Session(id); ok && c.sideSettled(id, protocol.SideRight) {
+		if sess, ok := c.dp.Session(id); ok && c.sideSettled(id, protocol.SideRight) {
 			if cur, ok := c.currentSub(id, &sess, protocol.SideRight); !ok || cur != *m.Sub {
 				answer(triggerMsg{Outcome: "refused", Reason: "the sender is no longer this session's next hop (its path changed)"})
 				return
 			}
 		}
-		mig, err := migrateOptions(m.Migrate, len(m.Chain))
+		mig, err := ParseMigrate(m.Migrate, len(m.Chain))
 		if err != nil {
 			answer(triggerMsg{Outcome: "refused", Reason: err.Error()})
 			return
@@ -255,8 +255,8 @@ func (c *control) onTrigger(from netip.Addr, data []byte) {
 
 // sideSettled tells whether a side of session id is in no reconfiguration
 // at this host: it has no two-path record, or its record is back to TPNew.
-func (c *control) sideSettled(id uint32, side protocol.Side) bool {
-	tp, ok := c.a.dp.TwoPath(datapath.TPKey{SessId: id, Side: uint32(side)})
+func (c *Shell) sideSettled(id uint32, side protocol.Side) bool {
+	tp, ok := c.dp.TwoPath(datapath.TPKey{SessId: id, Side: uint32(side)})
 	return !ok || tp.State == datapath.TPNew
 }
 
@@ -264,7 +264,7 @@ func (c *control) sideSettled(id uint32, side protocol.Side) bool {
 // arrives on the returned channel. splice is the client session of a
 // proxy's joined sessions that the trigger asks to remove, 0 for other
 // triggers. Loop goroutine.
-func (c *control) sendTrigger(to netip.Addr, m triggerMsg, splice uint32) (chan triggerMsg, error) {
+func (c *Shell) sendTrigger(to netip.Addr, m triggerMsg, splice uint32) (chan triggerMsg, error) {
 	c.token++
 	m.Token = c.token
 	m.SentUnixMS = time.Now().UnixMilli()
