@@ -17,7 +17,7 @@
  * segment again at once and enter CWR).
  *
  * The same ring carries packets of a two-path phase that straddle the
- * cut-off (HOLD_F_SPLIT, tp_split in dysco.c): the agent cuts them at
+ * cut-off (HOLD_F_SPLIT, tp_split in twopath_fwd.h): the agent cuts them at
  * oldSent and re-injects both parts the same way. */
 #ifndef DYSCO_HOLD_H
 #define DYSCO_HOLD_H

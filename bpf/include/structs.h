@@ -74,7 +74,7 @@ struct flow_val {
 	 * taken from them. Valid once FL_MARKS is set. */
 	__u32 mk_seq;
 	__u32 mk_ack;
-	__u32 last_ms; /* last packet, a stamp (stamp() in dysco.c) */
+	__u32 last_ms; /* last packet, a stamp (stamp() in session.h) */
 	struct dysco_ends out; /* IPv6 (dysco_flows6) */
 };
 
@@ -98,7 +98,7 @@ struct flow_val4 {
  * "Small entries"). */
 struct session_val {
 	struct dysco_ends tuple; /* session tuple as it entered this host (TCP) */
-	__u32 created_ms;        /* stamps (stamp() in dysco.c) */
+	__u32 created_ms;        /* stamps (stamp() in session.h) */
 	__u32 last_ms;           /* last state change (packets: see the flows) */
 	__u8 nonce[DYSCO_NONCE_LEN];
 	__u32 state;             /* ST_* */
@@ -161,9 +161,9 @@ struct type_val {
 struct config {
 	__u32 tap_active;   /* a capture is open on the session-view tap */
 	/* An agent reads the hold ring and splits (tp_split) until this stamp
-	 * (stamp() in dysco.c; 0: none). A lease the agent renews every second,
-	 * so that an agent that dies without clearing it stops receiving
-	 * straddling packets within seconds. */
+	 * (stamp() in session.h; 0: none). A lease the agent renews every
+	 * second, so that an agent that dies without clearing it stops
+	 * receiving straddling packets within seconds. */
 	__u32 split_until;
 };
 

@@ -6,7 +6,7 @@
  *
  * Data that straddles the cut-off (a retransmission that Linux collapsed, a
  * GRO packet at a forwarding anchor) is split as the paper's tables say, but
- * not here: tp_split (dysco.c) hands it to the agent, which cuts it at
+ * not here: tp_split (twopath_fwd.h) hands it to the agent, which cuts it at
  * oldSent and sends both parts again. Where the agent cannot (no hold ring
  * reader, ring full, packet too long) it goes whole on the old path, the
  * variant the Go core's Decide implements and the simulation verifies; the

@@ -49,7 +49,7 @@ const (
 // A packet with Split is not held but handed over to be split: its data
 // straddles the cut-off (OldSent) of the two-path record {Session, Side},
 // and the agent sends it again as two packets (SplitFrame), each of which
-// then takes its own path (paper §3.5; bpf/dysco.c, tp_split).
+// then takes its own path (paper §3.5; bpf/include/twopath_fwd.h, tp_split).
 type HeldPacket struct {
 	Session uint32
 	Ifindex int

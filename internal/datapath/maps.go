@@ -603,7 +603,7 @@ func leaseLeft(until uint32, now time.Duration) time.Duration {
 }
 
 // leaseStamp is the stamp (32 bits of milliseconds of Monotonic, as
-// stamp() in bpf/dysco.c) at which a lease taken at now runs out, or 0 (no
+// stamp() in bpf/include/session.h) at which a lease taken at now runs out, or 0 (no
 // lease) for lease <= 0. A lease that would end at stamp 0, which means
 // none, ends a millisecond later. Leases are compared modulo 2^32 ms, so
 // they must be shorter than about 24 days.
@@ -743,7 +743,7 @@ func Monotonic() time.Duration {
 // Stamps. The datapath stamps flows (Flow.LastMs, every packet) and
 // sessions (Session.CreatedMs, Session.LastMs, state changes) with 32 bits
 // of Monotonic in milliseconds: the stamp wraps every 2^32 ms, 49.7 days
-// (stamp() in bpf/dysco.c). 32 bits keep the values at 72 and 80 bytes.
+// (stamp() in bpf/include/session.h). 32 bits keep the values at 72 and 80 bytes.
 //
 // An age is therefore known modulo 2^32 ms only. Age(now, t) is (now - t)
 // mod 2^32 ms: exact for ages up to MaxAge, and for older stamps shorter

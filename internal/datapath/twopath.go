@@ -176,7 +176,7 @@ func (d *Datapath) AddFlow(k Tuple, f Flow) error {
 }
 
 // AddSubsession installs the new subsession of side k in one run of the
-// control program (add_sub in bpf/dysco.c), where the agent made six map
+// control program (add_sub in bpf/include/control.h), where the agent made six map
 // operations: the request behind it (req, for an agent that restarts), the
 // side's two-path record tp, the translation delta and the flow f of the
 // new subsession's ingress at in, and the flags that point the side's

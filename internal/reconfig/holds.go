@@ -129,9 +129,9 @@ func (hs *holds) readLoop() {
 }
 
 // split cuts a packet whose data straddles the cut-off of its side's
-// two-path phase and sends both parts again (paper §3.5; bpf/dysco.c,
-// tp_split): each part then takes its own path in the datapath, the bytes
-// below oldSent the old one. The cut-off is the record's, fixed while the
+// two-path phase and sends both parts again (paper §3.5;
+// bpf/include/twopath_fwd.h, tp_split): each part then takes its own path
+// in the datapath, the bytes below oldSent the old one. The cut-off is the record's, fixed while the
 // phase is active. A packet whose phase is over when it is read (its record
 // gone, or in another state: ended, or a later reconfiguration's) or that
 // cannot be cut goes again whole, and then the path the side uses now.
