@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR MIT) */
 /* Maps of the datapath. Session state lives in plain hash maps, never LRU
- * maps: an eviction would silently break a connection (DESIGN requirement 7).
+ * maps: an eviction would silently break a connection.
  * They are not preallocated: memory follows the live sessions, while
  * max_entries still bounds them (a full map refuses new sessions). Every map
  * is pinned by name so that an agent restart keeps live sessions. */

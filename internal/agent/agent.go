@@ -47,7 +47,7 @@ type Config struct {
 	MetricsAddr string
 	// Socket is the local API socket (default api.AgentSocket).
 	Socket string
-	// Timeouts of the session collector (requirement 8).
+	// Timeouts of the session collector.
 	IdleTimeout, HalfOpenTimeout, CloseLinger time.Duration
 	// GCInterval is how often ended sessions are collected.
 	GCInterval time.Duration
@@ -346,7 +346,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 }
 
-// ensureTap creates the session-view tap (requirement 2): one end of a veth
+// ensureTap creates the session-view tap: one end of a veth
 // pair, up, with no addresses. The datapath copies each packet of the
 // sessions chained through this host to its ingress; capture tools listen on
 // it, and a drop program keeps the copies out of the stack.

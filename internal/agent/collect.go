@@ -7,7 +7,7 @@ import (
 	"github.com/dysco/dysco/internal/datapath"
 )
 
-// collect ends sessions (DESIGN requirement 8; paper §2.1 "Flexible session
+// collect ends sessions (paper §2.1 "Flexible session
 // teardown"): after a reset, or FINs in both directions, plus a linger that
 // lets the last ACK and retransmitted FINs through; after the half-open
 // timeout for sessions never established; after the idle timeout for the

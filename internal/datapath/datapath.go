@@ -3,8 +3,8 @@
 //
 // Maps are pinned by name under Config.PinDir and TCX links under
 // PinDir/links, so that an agent restart reloads the programs into the same
-// maps and swaps them into the same links: live sessions are not disturbed
-// (DESIGN requirement 9).
+// maps and swaps them into the same links: live sessions are not
+// disturbed.
 package datapath
 
 import (

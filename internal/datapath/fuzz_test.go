@@ -12,7 +12,7 @@ import (
 // FuzzIngressSYN feeds the real ingress program (BPF_PROG_TEST_RUN) SYNs
 // that carry Dysco's option, on an IPv4 or an IPv6 subsession, with
 // whatever block, announced block length and option type the fuzzer makes. Whatever it
-// gets, the datapath must do one of three things (DESIGN.md: bad input is
+// gets, the datapath must do one of three things (bad input is
 // a counted drop, never a leak or a bypass):
 //   - drop the SYN, move exactly one drop counter, and keep no state;
 //   - let it pass unchanged and keep no state (not a Dysco SYN);

@@ -233,7 +233,7 @@ func TestSteadyStateRewrite(t *testing.T) {
 	}
 }
 
-// TestDeltas covers sequence translation (§3.4, DESIGN requirement 6): seq,
+// TestDeltas covers sequence translation (§3.4): seq,
 // ack, SACK edges, TSval/TSecr and window scaling, as nf_conntrack_seqadj
 // does, with checksums right.
 func TestDeltas(t *testing.T) {

@@ -357,7 +357,7 @@ func TestEgressContinuation(t *testing.T) {
 }
 
 // TestSessionsFull fills the session map: new chained sessions are refused
-// and counted, and never pass unchained (DESIGN requirement 7).
+// and counted, and never pass unchained.
 func TestSessionsFull(t *testing.T) {
 	fx := newFixture(t)
 	m := fx.d.Maps()["sessions"]

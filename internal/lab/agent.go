@@ -16,7 +16,7 @@ import (
 )
 
 // TapName is the session-view tap the agents of middlebox hosts offer
-// (DESIGN.md, datapath requirement 2).
+// (a veth end that capture tools listen on).
 const TapName = "dysco-tap"
 
 // bpffsRoot is where the agents pin their maps and links.

@@ -19,7 +19,7 @@ import (
 const mib = 1 << 20
 
 // transferSize is what each direction carries in the byte-exact checks
-// (the issue asks for 100 MB each way; -short uses 8 MB).
+// (100 MB each way; -short uses 8 MB).
 func transferSize() int64 {
 	if testing.Short() {
 		return 8 * mib

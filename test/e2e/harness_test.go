@@ -370,7 +370,7 @@ func checkStream(h hash.Hash, seed uint64, n int64) error {
 
 // txOff turns transmit checksum offload off on the host's interfaces, so
 // that every checksum the datapath writes is checked by the receiver
-// (DESIGN requirement 4: veth hides wrong checksums under CHECKSUM_PARTIAL).
+// (veth hides wrong checksums under CHECKSUM_PARTIAL).
 func (e *env) txOff(hosts ...string) {
 	for _, h := range hosts {
 		e.run(h, "ethtool", "-K", e.host(h).Iface, "tx", "off")

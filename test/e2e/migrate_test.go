@@ -18,7 +18,7 @@ import (
 	"github.com/dysco/dysco/internal/wire"
 )
 
-// strictFirewall makes a host a strict stateful firewall (issue 5): the
+// strictFirewall makes a host a strict stateful firewall: the
 // FORWARD chain drops everything but established traffic and new SYNs,
 // and conntrack neither picks up connections mid-stream nor lets packets
 // outside the tracked windows through.
@@ -87,7 +87,7 @@ func (e *env) migrateReconfig(host, match string, to netip.Addr, chain netip.Add
 }
 
 // TestStateMigration replaces a strict stateful firewall by another under
-// running transfers in both directions (paper §3.5, §5.3; issue 5): with
+// running transfers in both directions (paper §3.5, §5.3): with
 // state migration every byte arrives and the new firewall's conntrack
 // holds the session, for each cut-over semantics; failures of the export,
 // of the import and a full hold buffer cancel cleanly (the session goes on
