@@ -25,7 +25,7 @@ import (
 	"github.com/dysco/dysco/internal/datapath"
 	"github.com/dysco/dysco/internal/migrate"
 	"github.com/dysco/dysco/internal/policy"
-	"github.com/dysco/dysco/internal/policyserver"
+	"github.com/dysco/dysco/internal/psclient"
 	"github.com/dysco/dysco/internal/reconfig"
 	"github.com/vishvananda/netlink"
 )
@@ -225,7 +225,7 @@ func Run(ctx context.Context, cfg Config) error {
 	// program array of a new load starts empty, and a session a policy
 	// sends through a middlebox must never slip through unchained.
 	if cfg.PolicyServer != "" {
-		if ps, err := policyserver.ReadCache(a.serverCache(), cfg.Name); err == nil {
+		if ps, err := psclient.ReadCache(a.serverCache(), cfg.Name); err == nil {
 			a.server = ps
 		} else if !errors.Is(err, os.ErrNotExist) {
 			a.log.Warn("policy server cache not used", "err", err)
@@ -281,7 +281,7 @@ func Run(ctx context.Context, cfg Config) error {
 		defer ms.Close()
 	}
 	if cfg.PolicyServer != "" {
-		go policyserver.Watch(ctx, policyserver.WatchConfig{
+		go psclient.Watch(ctx, psclient.WatchConfig{
 			URL: cfg.PolicyServer, Host: cfg.Name, CacheFile: a.serverCache(),
 			OnUpdate: a.onServerPolicies,
 			OnStatus: func(ok bool, err error) {
@@ -294,7 +294,7 @@ func Run(ctx context.Context, cfg Config) error {
 				}
 			},
 		})
-		go policyserver.ServeOperations(ctx, policyserver.OpsConfig{
+		go psclient.ServeOperations(ctx, psclient.OpsConfig{
 			URL: cfg.PolicyServer, Host: cfg.Name, Exec: a.execOperation, Logger: a.log,
 		})
 	}

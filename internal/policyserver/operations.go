@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/psclient"
 )
 
 // Operator verbs through the policy server (paper §2.3's use cases: take a
@@ -36,11 +37,6 @@ const (
 	maxKeptOps = 1024
 	// keepFinished is how long a finished operation stays readable.
 	keepFinished = time.Hour
-	// defaultOpTimeout is the agent's wait for results when the request
-	// gives none (agent.defaultReconfigWait).
-	defaultOpTimeout = 10 * time.Second
-	// maxOpTimeout is the most an agent waits (agent.maxReconfigWait).
-	maxOpTimeout = 5 * time.Minute
 )
 
 // Timing of the operations; variables so that tests can shorten them.
@@ -48,8 +44,9 @@ var (
 	// claimTimeout is how long a queued operation waits for its agent.
 	claimTimeout = 15 * time.Second
 	// reportSlack is how much longer than its own timeout a claimed
-	// operation may take before it is declared lost.
-	reportSlack = 30 * time.Second
+	// operation may take before it is declared lost (the agent gives up
+	// reporting after psclient.ReportSlack).
+	reportSlack = psclient.ReportSlack
 	// seenWithin is how recently an agent must have polled for operations
 	// (or be polling now) for new operations to be accepted for it.
 	seenWithin = MaxWait + 15*time.Second
@@ -158,11 +155,7 @@ func (o *ops) expire(now time.Time) {
 
 // runDeadline is when a claimed operation must have been reported.
 func runDeadline(op *api.Operation, claimed time.Time) time.Time {
-	t := defaultOpTimeout
-	if ms := op.TimeoutMS(); ms > 0 {
-		t = min(time.Duration(ms)*time.Millisecond, maxOpTimeout)
-	}
-	return claimed.Add(t + reportSlack)
+	return claimed.Add(psclient.OpTimeout(op) + reportSlack)
 }
 
 func (s *Server) handleCreateOp(w http.ResponseWriter, r *http.Request) {
@@ -190,7 +183,7 @@ func (s *Server) handleCreateOp(w http.ResponseWriter, r *http.Request) {
 		writeError(w, code, err)
 		return
 	}
-	s.log.Info("operation queued", "id", stored.ID, "host", stored.Host, "kind", opKind(&stored))
+	s.log.Info("operation queued", "id", stored.ID, "host", stored.Host, "kind", psclient.OpKind(&stored))
 	writeJSON(w, http.StatusCreated, stored)
 }
 
@@ -220,13 +213,6 @@ func (o *ops) create(op api.Operation) (api.Operation, int, error) {
 	o.order = append(o.order, op.ID)
 	o.bump()
 	return stored, 0, nil
-}
-
-func opKind(op *api.Operation) string {
-	if op.Reconfig != nil {
-		return "reconfig"
-	}
-	return "middlebox"
 }
 
 func (s *Server) handleListOps(w http.ResponseWriter, r *http.Request) {

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/psclient"
 )
 
 // shorten sets the operations' timing for one test.
@@ -230,7 +231,7 @@ func TestServeOperations(t *testing.T) {
 	release := make(chan struct{})
 	done := make(chan error, 1)
 	go func() {
-		done <- ServeOperations(ctx, OpsConfig{URL: ts.url, Host: "mb1", Wait: time.Second, Logger: quietLogger(),
+		done <- psclient.ServeOperations(ctx, psclient.OpsConfig{URL: ts.url, Host: "mb1", Wait: time.Second, Logger: quietLogger(),
 			Exec: func(ctx context.Context, op api.Operation) api.OperationResult {
 				mu.Lock()
 				seen = append(seen, op.ID)
@@ -292,7 +293,7 @@ func TestServeOperationsReplyRefused(t *testing.T) {
 	c := api.NewServerClient(ts.url)
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
-	go ServeOperations(ctx, OpsConfig{URL: ts.url, Host: "fw1", Wait: time.Second, Logger: quietLogger(),
+	go psclient.ServeOperations(ctx, psclient.OpsConfig{URL: ts.url, Host: "fw1", Wait: time.Second, Logger: quietLogger(),
 		Exec: func(ctx context.Context, op api.Operation) api.OperationResult {
 			rep := &api.ReconfigReply{}
 			for i := range 50 {

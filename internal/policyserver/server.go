@@ -1,7 +1,8 @@
 // Package policyserver is Dysco's management plane (paper §2.2, "Role of the
 // policy server"): it keeps policies and middlebox types in a bbolt database,
 // serves them over HTTP/JSON, and hands each agent the policies meant for it
-// through a long poll (/v1/watch). Watch is the agent's side of that poll.
+// through a long poll (/v1/watch). The agent's side of that poll, and of
+// the operations the server relays, is internal/psclient.
 //
 // Every change bumps a version number kept in the database, so that agents
 // (which cache the last set they got and keep working while the server is
@@ -18,7 +19,6 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -27,6 +27,7 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/psclient"
 )
 
 // Defaults of Config and of the watch route.
@@ -35,8 +36,8 @@ const (
 	DefaultDB     = "/var/lib/dysco/policy.db"
 	// DefaultWait is how long a watch waits for a change when the request
 	// does not say; MaxWait is the most it may ask for.
-	DefaultWait = 30 * time.Second
-	MaxWait     = 120 * time.Second
+	DefaultWait = psclient.DefaultWait
+	MaxWait     = psclient.MaxWait
 )
 
 // maxRequestBody bounds the JSON body of a PUT.
@@ -238,7 +239,7 @@ func Run(ctx context.Context, cfg Config) error {
 	s.log.Info("policy server listening", "addr", ln.Addr().String(), "db", s.cfg.DB,
 		"version", cur.Version, "policies", len(cur.Policies), "types", len(cur.Types))
 	if cfg.ReadyFile != "" {
-		if err := writeFileAtomic(cfg.ReadyFile, []byte(ln.Addr().String()+"\n"), 0o644); err != nil {
+		if err := psclient.WriteFileAtomic(cfg.ReadyFile, []byte(ln.Addr().String()+"\n"), 0o644); err != nil {
 			ln.Close()
 			return fmt.Errorf("ready file: %w", err)
 		}
@@ -493,45 +494,4 @@ func writeJSON(w http.ResponseWriter, code int, v any) {
 
 func writeError(w http.ResponseWriter, code int, err error) {
 	writeJSON(w, code, api.Error{Error: err.Error()})
-}
-
-// writeFileAtomic writes data to path through a temporary file in the same
-// directory and a rename, so that readers see the old content or the new,
-// never a part.
-func writeFileAtomic(path string, data []byte, perm os.FileMode) error {
-	dir := filepath.Dir(path)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp*")
-	if err != nil {
-		return err
-	}
-	tmp := f.Name()
-	defer os.Remove(tmp) // no-op after the rename
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Chmod(perm); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Close(); err != nil {
-		return err
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		return err
-	}
-	// Make the rename itself durable; a failure here loses nothing but
-	// durability, so it is not reported.
-	if d, err := os.Open(dir); err == nil {
-		d.Sync()
-		d.Close()
-	}
-	return nil
 }

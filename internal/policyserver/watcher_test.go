@@ -12,9 +12,10 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/psclient"
 )
 
-// runWatch runs Watch on a goroutine and hands out what it reports; the
+// runWatch runs psclient.Watch on a goroutine and hands out what it reports; the
 // returned stop cancels it and waits for it to return.
 type watchRun struct {
 	updates chan api.PolicySet
@@ -22,7 +23,7 @@ type watchRun struct {
 	stop    func()
 }
 
-func runWatch(t *testing.T, cfg WatchConfig) *watchRun {
+func runWatch(t *testing.T, cfg psclient.WatchConfig) *watchRun {
 	t.Helper()
 	w := &watchRun{updates: make(chan api.PolicySet, 100), status: make(chan error, 1000)}
 	cfg.OnUpdate = func(s api.PolicySet) { w.updates <- s }
@@ -40,7 +41,7 @@ func runWatch(t *testing.T, cfg WatchConfig) *watchRun {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- Watch(ctx, cfg) }()
+	go func() { done <- psclient.Watch(ctx, cfg) }()
 	stopped := false
 	w.stop = func() {
 		if stopped {
@@ -90,7 +91,7 @@ func TestWatcherFollowsServer(t *testing.T) {
 	mustPut(t, ts.url, "/v1/policies/other", `{"filter":"tcp port 81","hosts":["h2"]}`)
 	cache := filepath.Join(t.TempDir(), "state", "policies.json")
 
-	w := runWatch(t, WatchConfig{URL: ts.url, Host: "h1", CacheFile: cache})
+	w := runWatch(t, psclient.WatchConfig{URL: ts.url, Host: "h1", CacheFile: cache})
 	set := w.next(t)
 	if set.Version != 2 || !reflect.DeepEqual(policyNames(set), []string{"web"}) {
 		t.Fatalf("first update %+v", set)
@@ -121,7 +122,7 @@ func TestWatcherFollowsServer(t *testing.T) {
 
 func readCacheT(t *testing.T, path string) api.PolicySet {
 	t.Helper()
-	set, err := readCache(path, "h1")
+	set, err := psclient.ReadCache(path, "h1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -134,14 +135,14 @@ func TestWatcherCacheSurvivesServerDown(t *testing.T) {
 	mustPut(t, ts.url, "/v1/policies/web", `{"filter":"tcp port 80","chain":[{"type":"nat"}]}`)
 	cache := filepath.Join(t.TempDir(), "policies.json")
 
-	w := runWatch(t, WatchConfig{URL: ts.url, Host: "h1", CacheFile: cache})
+	w := runWatch(t, psclient.WatchConfig{URL: ts.url, Host: "h1", CacheFile: cache})
 	want := w.next(t)
 	w.stop()
 	ts.stop()
 
 	// A new watcher (an agent restarted while the server is down) starts
 	// with the cached set and reports the server unreachable.
-	w = runWatch(t, WatchConfig{URL: ts.url, Host: "h1", CacheFile: cache})
+	w = runWatch(t, psclient.WatchConfig{URL: ts.url, Host: "h1", CacheFile: cache})
 	if got := w.next(t); !reflect.DeepEqual(got, want) {
 		t.Fatalf("cached update %+v, want %+v", got, want)
 	}
@@ -168,7 +169,7 @@ func TestWatcherNeverGoesBack(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	w := runWatch(t, WatchConfig{URL: ts.url, Host: "h1", CacheFile: cache, Wait: time.Second})
+	w := runWatch(t, psclient.WatchConfig{URL: ts.url, Host: "h1", CacheFile: cache, Wait: time.Second})
 	if got := w.next(t); !reflect.DeepEqual(got, cached) {
 		t.Fatalf("cached update %+v", got)
 	}
@@ -185,23 +186,14 @@ func TestWatcherIgnoresOtherHostsCache(t *testing.T) {
 	ts := startServer(t, Config{})
 	mustPut(t, ts.url, "/v1/policies/p", `{"filter":"tcp"}`)
 	cache := filepath.Join(t.TempDir(), "policies.json")
-	if err := writeCache(cache, "h2", api.PolicySet{Version: 9}); err != nil {
+	if err := os.WriteFile(cache, []byte(`{"version":9,"host":"h2"}`), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	w := runWatch(t, WatchConfig{URL: ts.url, Host: "h1", CacheFile: cache})
+	w := runWatch(t, psclient.WatchConfig{URL: ts.url, Host: "h1", CacheFile: cache})
 	if got := w.next(t); got.Version != 1 {
 		t.Fatalf("first update %+v, want the server's version 1, not h2's cache", got)
 	}
 	if got := readCacheT(t, cache); got.Version != 1 {
 		t.Fatalf("cache not replaced: %+v", got)
-	}
-}
-
-func TestWatchConfigErrors(t *testing.T) {
-	if err := Watch(t.Context(), WatchConfig{Host: "h"}); err == nil {
-		t.Error("Watch without URL succeeded")
-	}
-	if err := Watch(t.Context(), WatchConfig{URL: "http://x"}); err == nil {
-		t.Error("Watch without host succeeded")
 	}
 }

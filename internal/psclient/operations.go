@@ -1,4 +1,4 @@
-package policyserver
+package psclient
 
 import (
 	"context"
@@ -28,7 +28,7 @@ type OpsConfig struct {
 }
 
 // ServeOperations is the agent's side of the operator verbs relayed by the
-// policy server (operations.go): until ctx is done it long-polls for the
+// policy server (internal/policyserver, operations.go): until ctx is done it long-polls for the
 // operations named for cfg.Host, carries each out with cfg.Exec (up to
 // cfg.Parallel at once) and reports the result, retrying the report until
 // the server takes it, refuses it for good, or the operation's own bounds
@@ -71,7 +71,7 @@ func ServeOperations(ctx context.Context, cfg OpsConfig) error {
 			continue
 		}
 		backoff = minBackoff
-		log.Info("operation from the policy server", "id", op.ID, "kind", opKind(&op))
+		log.Info("operation from the policy server", "id", op.ID, "kind", OpKind(&op))
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -91,7 +91,7 @@ func ServeOperations(ctx context.Context, cfg OpsConfig) error {
 // ended (the agent stops), one last attempt is made on a short detached
 // context: the operator should hear now, not at the deadline.
 func report(ctx context.Context, c *api.Client, log *slog.Logger, op api.Operation, res api.OperationResult) {
-	give := runDeadline(&op, time.Now())
+	give := time.Now().Add(OpTimeout(&op) + ReportSlack)
 	backoff := minBackoff
 	for {
 		rctx, cancel := ctx, context.CancelFunc(func() {})
@@ -118,4 +118,35 @@ func report(ctx context.Context, c *api.Client, log *slog.Logger, op api.Operati
 			continue // one last attempt, detached
 		}
 	}
+}
+
+// Bounds of an operation the agent has claimed, the server's and the
+// agent's alike: the server declares the operation lost, and the agent
+// stops reporting it, ReportSlack after its own timeout.
+const (
+	// DefaultOpTimeout is the agent's wait for results when the request
+	// gives none (agent.defaultReconfigWait).
+	DefaultOpTimeout = 10 * time.Second
+	// MaxOpTimeout is the most an agent waits (agent.maxReconfigWait).
+	MaxOpTimeout = 5 * time.Minute
+	// ReportSlack is how much longer than its own timeout a claimed
+	// operation may take before it is declared lost.
+	ReportSlack = 30 * time.Second
+)
+
+// OpTimeout is the time an agent may take over a claimed operation: its own
+// timeout, within MaxOpTimeout, or DefaultOpTimeout.
+func OpTimeout(op *api.Operation) time.Duration {
+	if ms := op.TimeoutMS(); ms > 0 {
+		return min(time.Duration(ms)*time.Millisecond, MaxOpTimeout)
+	}
+	return DefaultOpTimeout
+}
+
+// OpKind names an operation's verb for logs: "reconfig" or "middlebox".
+func OpKind(op *api.Operation) string {
+	if op.Reconfig != nil {
+		return "reconfig"
+	}
+	return "middlebox"
 }

@@ -1,4 +1,11 @@
-package policyserver
+// Package psclient is the agent's side of the policy server
+// (internal/policyserver): Watch follows the policies meant for an agent
+// through the server's long poll (/v1/watch) and keeps a cache of them;
+// ServeOperations carries out the operator verbs the server relays. It
+// needs neither the server nor its database, so that an agent links
+// neither. The wire types are those of internal/api; the bounds both sides
+// must agree on (the watch's waits, an operation's deadline) are here.
+package psclient
 
 import (
 	"context"
@@ -8,9 +15,18 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"os"
+	"path/filepath"
 	"time"
 
 	"github.com/dysco/dysco/internal/api"
+)
+
+// Bounds of the watch route, the server's and the agent's alike.
+const (
+	// DefaultWait is how long a watch waits for a change when the request
+	// does not say; MaxWait is the most it may ask for.
+	DefaultWait = 30 * time.Second
+	MaxWait     = 120 * time.Second
 )
 
 // Back-off between failed polls: doubling from minBackoff to maxBackoff,
@@ -183,7 +199,7 @@ func writeCache(path, host string, set api.PolicySet) error {
 	if err != nil {
 		return err
 	}
-	return writeFileAtomic(path, append(data, '\n'), 0o644)
+	return WriteFileAtomic(path, append(data, '\n'), 0o644)
 }
 
 // ReadCache returns the policy set an agent cached for host, so that the
@@ -198,4 +214,45 @@ func agentLogger(l *slog.Logger, url, host string) *slog.Logger {
 		l = slog.Default()
 	}
 	return l.With("server", url, "host", host)
+}
+
+// WriteFileAtomic writes data to path through a temporary file in the same
+// directory and a rename, so that readers see the old content or the new,
+// never a part. The policy server writes its ready file with it.
+func WriteFileAtomic(path string, data []byte, perm os.FileMode) error {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp*")
+	if err != nil {
+		return err
+	}
+	tmp := f.Name()
+	defer os.Remove(tmp) // no-op after the rename
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Chmod(perm); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		return err
+	}
+	// Make the rename itself durable; a failure here loses nothing but
+	// durability, so it is not reported.
+	if d, err := os.Open(dir); err == nil {
+		d.Sync()
+		d.Close()
+	}
+	return nil
 }
