@@ -23,6 +23,7 @@ import (
 	"github.com/vishvananda/netns"
 
 	"github.com/dysco/dysco/internal/migrate"
+	"github.com/dysco/dysco/internal/testutil"
 	"github.com/dysco/dysco/internal/wire"
 )
 
@@ -48,12 +49,6 @@ func TestParseFrameCounts(t *testing.T) {
 // the first counts the first part of a session, its counters move to the
 // second through the "api" plug-in, and the second's counts continue from
 // them.
-
-func requireRoot(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: creates network namespaces and packet sockets")
-	}
-}
 
 func runCmd(t *testing.T, args ...string) {
 	t.Helper()
@@ -95,17 +90,6 @@ func inNS(t *testing.T, ns string, fn func()) {
 	}()
 	if err := <-errc; err != nil {
 		t.Fatal(err)
-	}
-}
-
-func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", timeout, what)
-		}
-		time.Sleep(20 * time.Millisecond)
 	}
 }
 
@@ -185,7 +169,7 @@ func exchange(t *testing.T, a, b net.Conn, ab, ba int) {
 }
 
 func TestStateMovesBetweenInstances(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "creates network namespaces and packet sockets")
 	dir := t.TempDir()
 	bin := filepath.Join(dir, "statecounter")
 	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
@@ -209,7 +193,7 @@ func TestStateMovesBetweenInstances(t *testing.T) {
 	}
 	// Instance A counts on the client's side of the link.
 	startCounter(t, bin, cli, "va", filepath.Join(dir, "agent-a.sock"), sockA)
-	waitFor(t, 10*time.Second, "instance A to register", registered(agentA, sockA))
+	testutil.Eventually(t, 10*time.Second, "instance A to register", registered(agentA, sockA))
 
 	// One IPv4 and one IPv6 session.
 	type conn struct {
@@ -244,7 +228,7 @@ func TestStateMovesBetweenInstances(t *testing.T) {
 		t.Helper()
 		ps := migrate.ProviderSessionOf(s)
 		var last *row
-		waitFor(t, 10*time.Second, fmt.Sprintf("%s to count %s: %d and %d bytes", sock, s, fwd, rev), func() bool {
+		testutil.Eventually(t, 10*time.Second, fmt.Sprintf("%s to count %s: %d and %d bytes", sock, s, fwd, rev), func() bool {
 			last = find(counters(t, sock), ps)
 			return last != nil && last.Fwd.Bytes == fwd && last.Rev.Bytes == rev
 		})
@@ -256,7 +240,7 @@ func TestStateMovesBetweenInstances(t *testing.T) {
 
 	// Instance B, on the server's side, starts only now: it saw none of it.
 	startCounter(t, bin, srv, "vb", filepath.Join(dir, "agent-b.sock"), sockB)
-	waitFor(t, 10*time.Second, "instance B to register", registered(agentB, sockB))
+	testutil.Eventually(t, 10*time.Second, "instance B to register", registered(agentB, sockB))
 	setA, err := migrate.NewSet([]string{"api"}, migrate.Options{APIProviders: agentA})
 	if err != nil {
 		t.Fatal(err)

@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/dysco/dysco/internal/datapath"
+	"github.com/dysco/dysco/internal/testutil"
 	"golang.org/x/sys/unix"
 )
 
@@ -33,9 +34,7 @@ func TestResetRefusesOtherDirectories(t *testing.T) {
 // TestResetDatapath: --reset removes a pin directory, says so when there is
 // nothing to remove, and refuses while an agent answers on its socket.
 func TestResetDatapath(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: makes a directory on the bpffs")
-	}
+	testutil.RequireRoot(t, "makes a directory on the bpffs")
 	if !datapath.OnBPFFS("/sys/fs/bpf") {
 		if err := unix.Mount("bpf", "/sys/fs/bpf", "bpf", 0, ""); err != nil {
 			t.Fatalf("mounting a bpffs on /sys/fs/bpf: %v", err)

@@ -12,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 // runCLI runs the dysco command line in this process.
@@ -26,9 +27,7 @@ func runCLI(ctx context.Context, args ...string) (string, error) {
 }
 
 func TestLabCLI(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("lab tests need root: they create network namespaces (run `go test` as root)")
-	}
+	testutil.RequireRoot(t, "creates network namespaces")
 	fake := filepath.Join(t.TempDir(), "fakeagent")
 	if out, err := exec.Command("go", "build", "-o", fake, "../lab/testdata/fakeagent").CombinedOutput(); err != nil {
 		t.Fatalf("building the fake agent: %v\n%s", err, out)

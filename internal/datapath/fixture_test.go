@@ -20,6 +20,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/dysco/dysco/internal/testutil"
 	"github.com/dysco/dysco/internal/wire"
 )
 
@@ -189,7 +190,7 @@ func newFixture(t testing.TB) *fixture {
 // configure, which sees the namespace (its interfaces) first.
 func newFixtureWith(t testing.TB, configure func(n *testNet, cfg *Config)) *fixture {
 	t.Helper()
-	requireRoot(t)
+	testutil.RequireRoot(t)
 	fx := &fixture{net: newTestNet(t)}
 	cfg := Config{PinDir: testPinDir(t), PortLo: fxPortLo, PortN: fxPortN}
 	if configure != nil {

@@ -29,6 +29,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/dysco/dysco/internal/protocol"
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 // TestHoldConsts checks the Go mirrors of consts.h and the layout of
@@ -531,7 +532,7 @@ func (n *holdNS) do(fn func()) {
 // checksums, while the flow still holds new data, which proves the
 // re-injected packets carried ReinjectMark.
 func TestReinject(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t)
 	host, peer := newHoldNS(t, "h"), newHoldNS(t, "p")
 	hh, err := netlink.NewHandleAt(host.ns)
 	if err != nil {

@@ -10,15 +10,8 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/testutil"
 )
-
-// requireRoot skips tests that need CAP_BPF/CAP_NET_ADMIN when not root.
-func requireRoot(t testing.TB) {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: loads eBPF programs")
-	}
-}
 
 func testPinDir(t testing.TB) string {
 	t.Helper()
@@ -32,7 +25,7 @@ func testPinDir(t testing.TB) string {
 // test's own pin directory; it is closed when the test ends.
 func loadTest(t *testing.T) *Datapath {
 	t.Helper()
-	requireRoot(t)
+	testutil.RequireRoot(t)
 	d, err := Load(Config{PinDir: testPinDir(t)})
 	if err != nil {
 		t.Fatal(err)
@@ -52,7 +45,7 @@ func TestLoadVerifies(t *testing.T) {
 // shrunk to 72 and 80 bytes) are not reused. Load names every such map
 // with both sizes, touches nothing, and works once the pins are reset.
 func TestLoadRefusesIncompatiblePins(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t)
 	dir := testPinDir(t)
 	if _, err := ensureBPFFS(dir); err != nil {
 		t.Fatal(err)
@@ -170,7 +163,7 @@ func TestInstancesBound(t *testing.T) {
 // entries, when the datapath is loaded again with another size; a size out
 // of range is refused.
 func TestLoadSizing(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t)
 	spec, err := loadDysco()
 	if err != nil {
 		t.Fatal(err)

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 func TestQuantile(t *testing.T) {
@@ -182,14 +183,8 @@ func TestQuick(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: the quick benchmark run takes about a minute")
 	}
-	if os.Geteuid() != 0 {
-		t.Skip("needs root (network namespaces, eBPF)")
-	}
-	for _, tool := range []string{"iperf3", "wrk", "nginx", "ethtool", "haproxy"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("%s is not installed (scripts/deps.sh installs it)", tool)
-		}
-	}
+	testutil.RequireRoot(t, "builds labs: network namespaces, agents loading eBPF programs")
+	testutil.RequireTools(t, "iperf3", "wrk", "nginx", "ethtool", "haproxy")
 	dir := t.TempDir()
 	bin := filepath.Join(dir, "dysco")
 	if out, err := exec.Command("go", "build", "-o", bin, "../../cmd/dysco").CombinedOutput(); err != nil {

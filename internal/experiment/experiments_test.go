@@ -11,6 +11,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 // testBinDir holds the dysco that testBinaries built; TestMain removes it.
@@ -54,14 +56,8 @@ func (e *buildError) Error() string {
 
 func needLab(t *testing.T, tools ...string) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root (network namespaces, eBPF)")
-	}
-	for _, tool := range tools {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("%s is not installed (scripts/deps.sh installs it)", tool)
-		}
-	}
+	testutil.RequireRoot(t, "builds labs: network namespaces, agents loading eBPF programs")
+	testutil.RequireTools(t, tools...)
 }
 
 // TestRegistry checks that every experiment the issue names is registered

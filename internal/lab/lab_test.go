@@ -17,14 +17,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
-)
 
-func requireRoot(t *testing.T) {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("lab tests need root: they create network namespaces, veth links and bpffs pins (run `go test` as root)")
-	}
-}
+	"github.com/dysco/dysco/internal/testutil"
+)
 
 // labName returns a fresh lab name: "lt" and six random digits.
 func labName(t *testing.T) string {
@@ -76,18 +71,6 @@ func assertGone(t *testing.T, name string) {
 	}
 	if pins, _ := filepath.Glob(filepath.Join(PinRoot, name+"-*")); len(pins) > 0 {
 		t.Errorf("pin directories left over: %v", pins)
-	}
-}
-
-// waitFor polls cond until it holds, failing the test after 10 s.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
 
@@ -160,7 +143,7 @@ func ping(t *testing.T, l *Lab, from string, to netip.Addr) {
 }
 
 func TestStarUpDown(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t)
 	l := up(t, Config{Topology: Star("client", "mb1", "mb2", "server")})
 	name := l.Name()
 
@@ -223,7 +206,7 @@ func TestStarUpDown(t *testing.T) {
 	if _, err := l.Start("server", "echo", "true"); err == nil {
 		t.Error("Start with a name in use: no error")
 	}
-	waitFor(t, "the echo program's output", func() bool {
+	testutil.Eventually(t, 10*time.Second, "the echo program's output", func() bool {
 		log, _ := os.ReadFile(p.Log)
 		return strings.Contains(string(log), "hello from 10.200.4.2/24")
 	})
@@ -256,7 +239,7 @@ func TestStarUpDown(t *testing.T) {
 }
 
 func TestLineConnectivity(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t)
 	l := up(t, Config{Topology: Line(DefaultLineHosts...)})
 	client, server := l.Host("client"), l.Host("server")
 	if l.Host("router") != nil {
@@ -305,7 +288,7 @@ func TestLineConnectivity(t *testing.T) {
 // Agents start through nsenter in their host's namespace, see the bpffs pin
 // directory, get the tap only on middleboxes, and restart.
 func TestAgents(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t)
 	bin := buildFakeAgent(t)
 	l := up(t, Config{
 		Topology:    Star("client", "mb1", "server"),
@@ -380,7 +363,7 @@ func TestAgents(t *testing.T) {
 // An agent that dies before it is ready makes Up fail with its log, and
 // leaves nothing behind.
 func TestAgentExitsEarly(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t)
 	bin := buildFakeAgent(t)
 	name := labName(t)
 	t.Cleanup(func() { DownByName(name) })
@@ -409,7 +392,7 @@ func TestAgentExitsEarly(t *testing.T) {
 // An agent that never gets ready makes Up fail at the deadline, or when the
 // context ends; either way nothing is left.
 func TestAgentNeverReady(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t)
 	bin := buildFakeAgent(t)
 	args := func(h *Host) []string {
 		if h.Name == "server" {
@@ -445,7 +428,7 @@ func TestAgentNeverReady(t *testing.T) {
 // After a crash of the process that built a lab, DownByName removes it from
 // what is on the system alone.
 func TestDownByNameAfterCrash(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t)
 	bin := buildFakeAgent(t)
 	l := up(t, Config{Topology: Star("client", "mb1", "server"), AgentBinary: bin})
 	name := l.Name()
@@ -470,7 +453,7 @@ func TestDownByNameAfterCrash(t *testing.T) {
 	// it is in the root one, where no teardown looks, and if it opened the
 	// namespace before the teardown deleted it it enters it afterwards, out
 	// of reach (seen once in CI).
-	waitFor(t, "the stray process to enter its namespace", func() bool {
+	testutil.Eventually(t, 10*time.Second, "the stray process to enter its namespace", func() bool {
 		return pidInNetns(stray.Process.Pid, name+"-client")
 	})
 	l = nil // the crash: only the system remembers the lab
@@ -494,7 +477,7 @@ func TestDownByNameAfterCrash(t *testing.T) {
 
 // Up refuses a name that is in use, and leaves that lab alone.
 func TestUpRefusesExisting(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t)
 	l := up(t, Config{Topology: Star("a", "b")})
 	_, err := Up(context.Background(), Config{Name: l.Name(), Topology: Star("c")})
 	if err == nil || !strings.Contains(err.Error(), "already exists") {

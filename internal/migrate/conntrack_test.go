@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/dysco/dysco/internal/testutil"
 	"github.com/dysco/dysco/internal/wire"
 )
 
@@ -143,7 +144,7 @@ func sessionOf(t *testing.T, cli net.Conn) Session {
 // saw, and lets them through both ways once the entry exported from the
 // firewall that carried the connection is imported.
 func TestConntrackMigration(t *testing.T) {
-	requireRoot(t)
+	requireNetfilter(t)
 	l := newFwLab(t)
 	set, err := NewSet([]string{"conntrack"}, Options{})
 	if err != nil {
@@ -172,7 +173,7 @@ func TestConntrackMigration(t *testing.T) {
 			l.route(t, 2, "replace")
 			drops := policyDrops(t, l.fw2, fam.v6)
 			go func() { _, _ = c1.Write([]byte("lost")) }()
-			waitFor(t, 10*time.Second, "fw2 to drop the connection's packets", func() bool { return policyDrops(t, l.fw2, fam.v6) > drops })
+			testutil.Eventually(t, 10*time.Second, "fw2 to drop the connection's packets", func() bool { return policyDrops(t, l.fw2, fam.v6) > drops })
 			_ = s1.SetReadDeadline(time.Now().Add(time.Second))
 			if n, err := s1.Read(make([]byte, 10)); err == nil || !os.IsTimeout(err) {
 				t.Fatalf("server received %d bytes through fw2 without the entry (err %v)", n, err)
@@ -274,7 +275,7 @@ func TestConntrackMigration(t *testing.T) {
 // equivalent rule (other comment, interface names) it succeeds. The entries
 // are made through ctnetlink, one of them with a NAT binding.
 func TestConntrackImportNeedsRules(t *testing.T) {
-	requireRoot(t)
+	requireNetfilter(t)
 	a, b := newNS(t, "a"), newNS(t, "b")
 	nsRun(t, a, "iptables", "-A", "FORWARD", "-i", "eth0", "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-m", "comment", "--comment", "stateful firewall", "-j", "ACCEPT")
 	nsRun(t, a, "iptables", "-A", "FORWARD", "-p", "tcp", "--dport", "22", "-j", "ACCEPT")

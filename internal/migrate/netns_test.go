@@ -4,26 +4,26 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
-	"os"
 	"os/exec"
 	"runtime"
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/vishvananda/netns"
+
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 // Test helpers: named network namespaces ("dmig-" prefix, deleted by
 // t.Cleanup even when the test fails), commands run in them, and Go code run
 // in them on a thread locked to it.
 
-func requireRoot(t *testing.T) {
+// requireNetfilter skips a test unless it runs as root, and fails it if the
+// firewall tools it drives are missing.
+func requireNetfilter(t *testing.T) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: creates network namespaces, firewall rules and conntrack entries")
-	}
+	testutil.RequireRoot(t, "creates network namespaces, firewall rules and conntrack entries")
 	for _, c := range []string{"ip", "iptables", "iptables-save", "ip6tables", "ip6tables-save"} {
 		if _, err := exec.LookPath(c); err != nil {
 			t.Fatalf("%s not installed (Debian package iproute2 or iptables)", c)
@@ -87,18 +87,6 @@ func inNS(t testing.TB, ns string, fn func()) {
 	}()
 	if err := <-errc; err != nil {
 		t.Fatal(err)
-	}
-}
-
-// waitFor polls cond until it holds or timeout passes.
-func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", timeout, what)
-		}
-		time.Sleep(20 * time.Millisecond)
 	}
 }
 

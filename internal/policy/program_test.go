@@ -12,6 +12,7 @@ import (
 	"github.com/cilium/ebpf/asm"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 // setupRetBase is what the stand-in set-up program adds to cb[0], so that a
@@ -26,13 +27,6 @@ type classifier struct {
 	progs *ebpf.Map
 }
 
-func requireBPF(t *testing.T) {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("loading BPF programs and BPF_PROG_TEST_RUN need root")
-	}
-}
-
 // newClassifier builds the classifier for filters (policy i is named "p<i>")
 // and puts it into slot ClassifierSlot of a fresh prog array. With setup, slot
 // SetupSlot holds a program that returns setupRetBase + cb[0].
@@ -43,7 +37,7 @@ func newClassifier(t *testing.T, filters []string, setup bool) *classifier {
 
 func loadClassifier(t *testing.T, policies []Compiled, setup bool) *classifier {
 	t.Helper()
-	requireBPF(t)
+	testutil.RequireRoot(t, "loads BPF programs and runs them with BPF_PROG_TEST_RUN")
 	progs, err := ebpf.NewMap(&ebpf.MapSpec{
 		Type:       ebpf.ProgramArray,
 		KeySize:    4,
@@ -301,7 +295,7 @@ var oracleFilters = []string{
 // VM on random frames, one filter at a time (so that every filter's verdict is
 // seen, not just the first match) and all filters together.
 func TestClassifierAgainstOracle(t *testing.T) {
-	requireBPF(t)
+	testutil.RequireRoot(t, "loads BPF programs and runs them with BPF_PROG_TEST_RUN")
 	// A fixed seed keeps failures reproducible; change it to explore.
 	r := rand.New(rand.NewPCG(2017, 1))
 	frames := make([][]byte, 400)

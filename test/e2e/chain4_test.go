@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 // iperf runs iperf3 from client to an iperf3 server on server (forward,
@@ -76,7 +77,7 @@ func (e *env) iperfServer(host string, port int) {
 // listener do nothing.
 func (e *env) waitListen(host string, port int) {
 	e.t.Helper()
-	eventually(e.t, 10*time.Second, fmt.Sprintf("a listener on port %d of %s", port, host), func() bool {
+	testutil.Eventually(e.t, 10*time.Second, fmt.Sprintf("a listener on port %d of %s", port, host), func() bool {
 		return strings.TrimSpace(e.run(host, "ss", "-Hltn", fmt.Sprintf("sport = :%d", port))) != ""
 	})
 }
@@ -162,7 +163,7 @@ func chainFour(t *testing.T, v6, off bool) {
 			}
 		}
 		for _, h := range []string{"client", "mb1", "mb2", "mb3", "mb4", "server"} {
-			eventually(t, 20*time.Second, "sessions on "+h+" to be collected", func() bool { return len(e.sessions(h)) == 0 })
+			testutil.Eventually(t, 20*time.Second, "sessions on "+h+" to be collected", func() bool { return len(e.sessions(h)) == 0 })
 		}
 	})
 }

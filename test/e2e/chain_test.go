@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 const mib = 1 << 20
@@ -39,7 +40,7 @@ func (e *env) nginx(host, dir string) {
 	if _, err := e.lab.Start(host, "nginx", "nginx", "-c", conf, "-p", dir); err != nil {
 		e.t.Fatal(err)
 	}
-	eventually(e.t, 10*time.Second, "nginx to accept connections", func() bool {
+	testutil.Eventually(e.t, 10*time.Second, "nginx to accept connections", func() bool {
 		c, err := e.dial(host, netip.AddrPortFrom(h.Addr4, 80), time.Second)
 		if err != nil {
 			return false
@@ -177,8 +178,8 @@ func TestChainOneMiddlebox(t *testing.T) {
 				// Teardown: every session ends on every host, and
 				// nothing of it stays in the datapath's maps.
 				for _, h := range []string{"client", "mb1", "server"} {
-					eventually(t, 15*time.Second, "sessions on "+h+" to be collected", func() bool { return len(e.sessions(h)) == 0 })
-					eventually(t, 5*time.Second, "the flows and set-up state of "+h+" to be freed", func() bool {
+					testutil.Eventually(t, 15*time.Second, "sessions on "+h+" to be collected", func() bool { return len(e.sessions(h)) == 0 })
+					testutil.Eventually(t, 5*time.Second, "the flows and set-up state of "+h+" to be freed", func() bool {
 						n := 0
 						for _, m := range []string{"dysco_flows4", "dysco_flows6", "dysco_syns", "dysco_deltas", "dysco_sessions"} {
 							n += e.pinnedEntries(h, m)

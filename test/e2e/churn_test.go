@@ -3,7 +3,6 @@ package e2e
 import (
 	"context"
 	"fmt"
-	"os/exec"
 	"sort"
 	"strings"
 	"testing"
@@ -11,6 +10,7 @@ import (
 
 	"github.com/dysco/dysco/internal/experiment"
 	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 // TestReconfigureUnderChurn reconfigures keep-alive HTTP sessions while
@@ -31,11 +31,7 @@ import (
 // "session ended" for a session that did end. The runner is the churn experiment's (internal/experiment,
 // RunChurn); what became of each session comes from the client's sockets.
 func TestReconfigureUnderChurn(t *testing.T) {
-	for _, tool := range []string{"wrk", "nginx", "nstat"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("%s is not installed (scripts/deps.sh installs it)", tool)
-		}
-	}
+	testutil.RequireTools(t, "wrk", "nginx", "nstat")
 	for _, c := range []struct {
 		name string
 		v6   bool

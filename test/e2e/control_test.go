@@ -37,6 +37,7 @@ import (
 	"github.com/dysco/dysco/internal/datapath"
 	"github.com/dysco/dysco/internal/lab"
 	"github.com/dysco/dysco/internal/protocol"
+	"github.com/dysco/dysco/internal/testutil"
 	"github.com/dysco/dysco/internal/wire"
 )
 
@@ -322,7 +323,7 @@ func controlForged(t *testing.T, v6 bool) {
 
 	const total = 96 * mib // about 12 s at 8 MiB/s
 	lt := e.startTransfer("client", "server", dst, port, total, 8*mib)
-	eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > 2*mib })
+	testutil.Eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > 2*mib })
 
 	key := e.ctlKey()
 	wrongKey := make([]byte, len(key))
@@ -427,13 +428,13 @@ func controlForged(t *testing.T, v6 bool) {
 		b := before[tg.host]
 		var got map[string]uint64
 		var st api.Status
-		eventually(t, 10*time.Second, "the agent of "+tg.host+" to read every forged message", func() bool {
+		testutil.Eventually(t, 10*time.Second, "the agent of "+tg.host+" to read every forged message", func() bool {
 			st = e.status(tg.host)
 			return st.Counters["control_messages_in"] >= b.in+uint64(nmsgs)
 		})
 		// Every message read has been refused and counted once the loop
 		// got to it: wait for the counts, then compare exactly.
-		eventually(t, 10*time.Second, "the refusals at "+tg.host+" to be counted", func() bool {
+		testutil.Eventually(t, 10*time.Second, "the refusals at "+tg.host+" to be counted", func() bool {
 			st = e.status(tg.host)
 			got = ctlDiff(b.rej, ctlRejected(st))
 			return ctlSum(got) >= uint64(nmsgs)
@@ -461,7 +462,7 @@ func controlForged(t *testing.T, v6 bool) {
 	// Nothing changed: the sessions are the same, mb1 still carries the
 	// session, and data flows on.
 	at := lt.received.Load()
-	eventually(t, 30*time.Second, "more data after the forgeries", func() bool { return lt.received.Load() > at+2*mib })
+	testutil.Eventually(t, 30*time.Second, "more data after the forgeries", func() bool { return lt.received.Load() > at+2*mib })
 	for _, tg := range targets {
 		now := snap(tg.host)
 		if !ctlSameSession(now.sess, before[tg.host].sess) {
@@ -481,7 +482,7 @@ func controlForged(t *testing.T, v6 bool) {
 		t.Fatalf("reconfiguration after the forgeries: %+v", res)
 	}
 	t.Logf("delete mb1 after the forgeries: %.2f ms", float64(res[0].Micros)/1000)
-	eventually(t, 15*time.Second, "mb1 to leave the path", func() bool { _, ok := e.ctlSession("mb1", port); return !ok })
+	testutil.Eventually(t, 15*time.Second, "mb1 to leave the path", func() bool { _, ok := e.ctlSession("mb1", port); return !ok })
 	lt.wait(t)
 }
 
@@ -599,7 +600,7 @@ func controlReplay(t *testing.T, v6 bool) {
 
 	const total = 96 * mib // about 12 s at 8 MiB/s
 	lt := e.startTransfer("client", "server", dst, port, total, 8*mib)
-	eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > 2*mib })
+	testutil.Eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > 2*mib })
 	oldLeft := ctlTuple(t, e.ctlMustSession("server", port).Left)
 	if oldLeft.Src != mb1 {
 		t.Fatalf("the server's left subsession %s does not come from mb1", oldLeft)
@@ -614,12 +615,12 @@ func controlReplay(t *testing.T, v6 bool) {
 	// direct subsession), then its old subsession lingers to answer
 	// retransmitted FINs and goes: from then on it has nothing more to
 	// receive about this reconfiguration.
-	eventually(t, 15*time.Second, "the server to complete", func() bool {
+	testutil.Eventually(t, 15*time.Second, "the server to complete", func() bool {
 		s, ok := e.ctlSession("server", port)
 		return ok && strings.HasPrefix(s.Left, addrPrefix(e.addr("client", v6)))
 	})
-	eventually(t, 15*time.Second, "the server's old subsession to go", func() bool { return !e.ctlHasFlow("server", oldLeft) })
-	eventually(t, 15*time.Second, "mb1 to leave the path", func() bool { _, ok := e.ctlSession("mb1", port); return !ok })
+	testutil.Eventually(t, 15*time.Second, "the server's old subsession to go", func() bool { return !e.ctlHasFlow("server", oldLeft) })
+	testutil.Eventually(t, 15*time.Second, "mb1 to leave the path", func() bool { _, ok := e.ctlSession("mb1", port); return !ok })
 	pkts := capture.stop()
 
 	key := e.ctlKey()
@@ -675,7 +676,7 @@ func controlReplay(t *testing.T, v6 bool) {
 			ctlSend(t, socks[p.src.Addr()], dst, p.payload)
 		}
 		var after api.Status
-		eventually(t, 10*time.Second, "the server to refuse every replay "+when, func() bool {
+		testutil.Eventually(t, 10*time.Second, "the server to refuse every replay "+when, func() bool {
 			after = e.status("server")
 			return after.Counters["control_messages_in"] >= before.Counters["control_messages_in"]+n &&
 				ctlSum(ctlDiff(ctlRejected(before), ctlRejected(after))) >= n
@@ -701,7 +702,7 @@ func controlReplay(t *testing.T, v6 bool) {
 	replayAll("during the session")
 	// The session did not change, and carries on.
 	at := lt.received.Load()
-	eventually(t, 30*time.Second, "more data after the replays", func() bool { return lt.received.Load() > at+mib })
+	testutil.Eventually(t, 30*time.Second, "more data after the replays", func() bool { return lt.received.Load() > at+mib })
 	sessAfter := e.ctlMustSession("server", port)
 	if !ctlSameSession(sessAfter, sessBefore) {
 		t.Errorf("the server's session changed:\nbefore %+v\nafter  %+v", sessBefore, sessAfter)
@@ -715,7 +716,7 @@ func controlReplay(t *testing.T, v6 bool) {
 	// subsessions any more: the early SYN of the delete (sent beside
 	// requestLock, docs/protocol.md) is told a replay by its request's
 	// number alone, and must still be refused and counted, not kept.
-	eventually(t, 15*time.Second, "the server's session to be collected", func() bool { return len(e.sessions("server")) == 0 })
+	testutil.Eventually(t, 15*time.Second, "the server's session to be collected", func() bool { return len(e.sessions("server")) == 0 })
 	replayAll("after the session")
 	if ss := e.sessions("server"); len(ss) != 0 {
 		t.Errorf("replays after the session made sessions at the server: %v", ss)
@@ -914,7 +915,7 @@ func controlLoss(t *testing.T, v6 bool) {
 
 	const total = 256 * mib // slow while reconfiguring, then at full speed
 	x := e.ctlStartTransfer("client", "server", dst, port, total, 4*mib)
-	eventually(t, 30*time.Second, "the transfer to start", func() bool { return x.received.Load() > 2*mib })
+	testutil.Eventually(t, 30*time.Second, "the transfer to start", func() bool { return x.received.Load() > 2*mib })
 
 	match := fmt.Sprintf("tcp port %d", port)
 	step := func(what string, neighbour netip.Addr, chain ...netip.Addr) {
@@ -929,7 +930,7 @@ func controlLoss(t *testing.T, v6 bool) {
 		t.Logf("%s: %.2f ms %s", what, float64(res[0].Micros)/1000, res[0].Reason)
 		// The right anchor completes too: its left side comes from the
 		// new neighbour.
-		eventually(t, 30*time.Second, "the server to complete "+what, func() bool {
+		testutil.Eventually(t, 30*time.Second, "the server to complete "+what, func() bool {
 			s, ok := e.ctlSession("server", port)
 			return ok && strings.HasPrefix(s.Left, addrPrefix(neighbour))
 		})
@@ -937,7 +938,7 @@ func controlLoss(t *testing.T, v6 bool) {
 	left := func(host string) {
 		t.Helper()
 		start := time.Now()
-		eventually(t, 45*time.Second, host+" to leave the path", func() bool { _, ok := e.ctlSession(host, port); return !ok })
+		testutil.Eventually(t, 45*time.Second, host+" to leave the path", func() bool { _, ok := e.ctlSession(host, port); return !ok })
 		t.Logf("%s left the path after %v", host, time.Since(start).Round(time.Millisecond))
 	}
 	carries := e.carries
@@ -987,7 +988,7 @@ func controlSessionEnds(t *testing.T, v6 bool) {
 	e.policy("client", "s", fmt.Sprintf("tcp dst portrange %d-%d", port, port2), mb1.String())
 
 	x := e.ctlStartTransfer("client", "server", dst, port, 256*mib, 2*mib)
-	eventually(t, 30*time.Second, "the transfer to start", func() bool { return x.received.Load() > mib })
+	testutil.Eventually(t, 30*time.Second, "the transfer to start", func() bool { return x.received.Load() > mib })
 	e.ctlMustSession("mb1", port)
 
 	b := dst.As16()
@@ -1010,7 +1011,7 @@ func controlSessionEnds(t *testing.T, v6 bool) {
 	// and retransmitted at least once: the reconfiguration is stuck in
 	// its set-up.
 	var early *outcome
-	eventually(t, 10*time.Second, "the reconfiguration to wait for the new path", func() bool {
+	testutil.Eventually(t, 10*time.Second, "the reconfiguration to wait for the new path", func() bool {
 		select {
 		case o := <-done:
 			early = &o
@@ -1059,12 +1060,12 @@ func controlSessionEnds(t *testing.T, v6 bool) {
 	}
 	// The session is gone everywhere.
 	for _, h := range []string{"client", "mb1", "server"} {
-		eventually(t, 15*time.Second, "the reset session to go at "+h, func() bool { _, ok := e.ctlSession(h, port); return !ok })
+		testutil.Eventually(t, 15*time.Second, "the reset session to go at "+h, func() bool { _, ok := e.ctlSession(h, port); return !ok })
 	}
 
 	// A new session through mb1: mb1 can be deleted from it at once.
 	y := e.ctlStartTransfer("client", "server", dst, port2, 64*mib, 4*mib)
-	eventually(t, 30*time.Second, "the second transfer to start", func() bool { return y.received.Load() > mib })
+	testutil.Eventually(t, 30*time.Second, "the second transfer to start", func() bool { return y.received.Load() > mib })
 	e.ctlMustSession("mb1", port2)
 	res, err := e.ctlReconfig("client", 10*time.Second, fmt.Sprintf("tcp port %d", port2), dst)
 	if err != nil {
@@ -1074,7 +1075,7 @@ func controlSessionEnds(t *testing.T, v6 bool) {
 		t.Fatalf("delete mb1 from a new session: %+v", res)
 	}
 	t.Logf("delete mb1 from a new session: %.2f ms", float64(res[0].Micros)/1000)
-	eventually(t, 15*time.Second, "mb1 to leave the new session's path", func() bool { _, ok := e.ctlSession("mb1", port2); return !ok })
+	testutil.Eventually(t, 15*time.Second, "mb1 to leave the new session's path", func() bool { _, ok := e.ctlSession("mb1", port2); return !ok })
 	if y.received.Load() >= 64*mib {
 		t.Fatal("the second transfer ended before the reconfiguration: pace it slower")
 	}

@@ -29,6 +29,7 @@ import (
 
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/testutil"
 	"github.com/vishvananda/netns"
 )
 
@@ -209,19 +210,6 @@ func (e *env) sessions(host string) []api.Session {
 		e.t.Fatalf("sessions of %s: %v", host, err)
 	}
 	return ss
-}
-
-// eventually polls cond until it holds or the deadline passes: the condition
-// is the ready signal, the interval only paces the polling.
-func eventually(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", d, what)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
 }
 
 // inNS runs f on an OS thread switched into the host's network namespace.
@@ -413,7 +401,7 @@ func (e *env) capture(host, iface, filter string, extra ...string) (stop func() 
 	if iface == "dysco-tap" {
 		// The datapath copies to the tap only while a capture is open:
 		// wait until the agent has seen this one.
-		eventually(e.t, 5*time.Second, "the agent to see the capture on the tap", func() bool { return e.status(host).TapActive })
+		testutil.Eventually(e.t, 5*time.Second, "the agent to see the capture on the tap", func() bool { return e.status(host).TapActive })
 	}
 	return func() []string {
 		cancel()

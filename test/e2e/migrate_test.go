@@ -15,6 +15,7 @@ import (
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/lab"
 	"github.com/dysco/dysco/internal/migrate"
+	"github.com/dysco/dysco/internal/testutil"
 	"github.com/dysco/dysco/internal/wire"
 )
 
@@ -158,7 +159,7 @@ func TestStateMigration(t *testing.T) {
 		}
 		lts[c.port] = e.startTransfer("client", "server", dst, c.port, total, rate)
 		lt := lts[c.port]
-		eventually(t, 30*time.Second, c.name+" transfer to start", func() bool { return lt.received.Load() > mib })
+		testutil.Eventually(t, 30*time.Second, c.name+" transfer to start", func() bool { return lt.received.Load() > mib })
 		tu := sessionOf(c.port)
 		if !e.tracked(hostOf(e, c.via), tu) {
 			t.Fatalf("%s: the old firewall does not track %s", c.name, tu)
@@ -182,14 +183,14 @@ func TestStateMigration(t *testing.T) {
 			if !e.tracked("mb2", tu) {
 				t.Errorf("%s: mb2's conntrack does not hold the session", c.name)
 			}
-			eventually(t, 15*time.Second, c.name+": mb1 to leave the path", func() bool { return !hasSession(e, "mb1", c.port) })
+			testutil.Eventually(t, 15*time.Second, c.name+": mb1 to leave the path", func() bool { return !hasSession(e, "mb1", c.port) })
 			at := lts[c.port].received.Load()
-			eventually(t, 30*time.Second, c.name+": data through mb2", func() bool { return lts[c.port].received.Load() > at+2*mib })
+			testutil.Eventually(t, 30*time.Second, c.name+": data through mb2", func() bool { return lts[c.port].received.Load() > at+2*mib })
 			if d := e.forwardDrops("mb2") - drops; d != 0 {
 				t.Errorf("%s: mb2's firewall dropped %d packets after the migration", c.name, d)
 			}
 			// The old instance lets go of the state once the old path is freed.
-			eventually(t, 20*time.Second, c.name+": mb1 to release the state", func() bool { return !e.tracked("mb1", tu) })
+			testutil.Eventually(t, 20*time.Second, c.name+": mb1 to release the state", func() bool { return !e.tracked("mb1", tu) })
 			continue
 		}
 		if r.Outcome != "failed" || !strings.Contains(r.Reason, c.fail) {
@@ -199,7 +200,7 @@ func TestStateMigration(t *testing.T) {
 		// The session goes on through the old firewall, which still
 		// tracks it; the new one neither holds the state nor the session.
 		at := lts[c.port].received.Load()
-		eventually(t, 30*time.Second, c.name+": data through "+c.stayOn, func() bool { return lts[c.port].received.Load() > at+2*mib })
+		testutil.Eventually(t, 30*time.Second, c.name+": data through "+c.stayOn, func() bool { return lts[c.port].received.Load() > at+2*mib })
 		if !e.tracked(c.stayOn, tu) {
 			t.Errorf("%s: %s lost the session's state", c.name, c.stayOn)
 		}
@@ -208,7 +209,7 @@ func TestStateMigration(t *testing.T) {
 		}
 		// A replacement cancelled after its import lets go of the state.
 		h := hostOf(e, c.to)
-		eventually(t, 15*time.Second, c.name+": "+h+" to hold no state of the session", func() bool { return !e.tracked(h, tu) })
+		testutil.Eventually(t, 15*time.Second, c.name+": "+h+" to hold no state of the session", func() bool { return !e.tracked(h, tu) })
 	}
 	for _, c := range cases {
 		lts[c.port].wait(t)
@@ -219,13 +220,13 @@ func TestStateMigration(t *testing.T) {
 	// Without migration the same replacement breaks the session: mb2
 	// drops its mid-stream packets (the test above can fail).
 	lt := e.startTransfer("client", "server", dst, 9405, total, 6*mib)
-	eventually(t, 30*time.Second, "the plain transfer to start", func() bool { return lt.received.Load() > mib })
+	testutil.Eventually(t, 30*time.Second, "the plain transfer to start", func() bool { return lt.received.Load() > mib })
 	drops := e.forwardDrops("mb2")
 	res := e.reconfig("client", "tcp port 9405", dst, mb2)
 	if len(res) != 1 {
 		t.Fatalf("plain replacement: %+v", res)
 	}
-	eventually(t, 15*time.Second, "mb2 to drop the session's packets", func() bool { return e.forwardDrops("mb2") > drops+10 })
+	testutil.Eventually(t, 15*time.Second, "mb2 to drop the session's packets", func() bool { return e.forwardDrops("mb2") > drops+10 })
 	at := lt.received.Load()
 	deadline := time.Now().Add(3 * time.Second)
 	for time.Now().Before(deadline) {

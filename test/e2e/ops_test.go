@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/testutil"
 	"github.com/dysco/dysco/internal/wire"
 	"github.com/gopacket/gopacket"
 	"github.com/gopacket/gopacket/layers"
@@ -45,7 +46,7 @@ func TestManySessions(t *testing.T) {
 	if _, err := e.lab.Start("server", "echo", "env", "DYSCO_E2E_ECHO="+srv.String(), self); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, "the echo server to listen", func() bool {
+	testutil.Eventually(t, 10*time.Second, "the echo server to listen", func() bool {
 		c, err := e.dial("server", srv, time.Second)
 		if err == nil {
 			c.Close()
@@ -104,7 +105,7 @@ func TestManySessions(t *testing.T) {
 		c.Close()
 	}
 	for _, h := range []string{"client", "mb1", "server"} {
-		eventually(t, 60*time.Second, "sessions on "+h+" to be collected", func() bool { return e.status(h).Sessions == 0 })
+		testutil.Eventually(t, 60*time.Second, "sessions on "+h+" to be collected", func() bool { return e.status(h).Sessions == 0 })
 	}
 	for _, h := range []string{"client", "mb1", "server"} {
 		st := e.status(h)
@@ -152,7 +153,7 @@ func TestAgentRestart(t *testing.T) {
 	}()
 
 	// Restart once data flows, and check that it flows on afterwards.
-	eventually(t, 30*time.Second, "the transfer to start", func() bool { return received.Load() > 4*mib })
+	testutil.Eventually(t, 30*time.Second, "the transfer to start", func() bool { return received.Load() > 4*mib })
 	for _, h := range []string{"mb1", "client"} {
 		if err := e.lab.RestartAgent(h); err != nil {
 			t.Fatalf("restart agent on %s: %v", h, err)
@@ -182,7 +183,7 @@ func TestAgentRestart(t *testing.T) {
 	if prev == 0 || prev > 3000 {
 		t.Errorf("the restarted client agent's split lease has %d ms left, want 1..3000", prev)
 	}
-	eventually(t, 10*time.Second, "the client agent to renew its split lease", func() bool {
+	testutil.Eventually(t, 10*time.Second, "the client agent to renew its split lease", func() bool {
 		left := e.status("client").Counters["split_lease_ms"]
 		renewed := left > prev
 		prev = left
@@ -291,10 +292,10 @@ func TestPolicyServer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, "the policy server's ready file", func() bool { _, err := os.Stat(ready); return err == nil })
+	testutil.Eventually(t, 10*time.Second, "the policy server's ready file", func() bool { _, err := os.Stat(ready); return err == nil })
 	dst := e.addr("server", false)
 	e.dysco("client", "policy", "add", "central", "--server", url, "--chain", e.addr("mb1", false).String(), "tcp dst portrange 9300-9309")
-	eventually(t, 20*time.Second, "the client agent to get the policy", func() bool { return e.status("client").PolicyVersion >= 1 })
+	testutil.Eventually(t, 20*time.Second, "the client agent to get the policy", func() bool { return e.status("client").PolicyVersion >= 1 })
 
 	through := func() uint64 { return e.status("mb1").Counters["setup_cont"] }
 	base := through()
@@ -305,7 +306,7 @@ func TestPolicyServer(t *testing.T) {
 	if err := ps.Stop(); err != nil {
 		t.Logf("policy server stop: %v", err)
 	}
-	eventually(t, 20*time.Second, "the client agent to notice the server is down", func() bool { return !e.status("client").PolicyServerOK })
+	testutil.Eventually(t, 20*time.Second, "the client agent to notice the server is down", func() bool { return !e.status("client").PolicyServerOK })
 	e.exchange("client", "server", dst, 9301, mib)
 	if through() != base+2 {
 		t.Fatalf("with the server down, the session did not go through mb1")
@@ -355,7 +356,7 @@ func TestBadSYNs(t *testing.T) {
 			l = len(c.block)
 		}
 		e.sendRawSYN("client", src, mb, uint16(30000+i), 20000, l, c.block)
-		eventually(t, 5*time.Second, c.name+" to be counted as "+c.counter, func() bool {
+		testutil.Eventually(t, 5*time.Second, c.name+" to be counted as "+c.counter, func() bool {
 			return e.status("mb1").Counters[c.counter] > before
 		})
 	}
@@ -432,11 +433,11 @@ func TestRerouteSettled(t *testing.T) {
 	}
 	step(0)
 	settled := func() uint64 { return e.status("client").Counters["agent_reroutes_settled"] }
-	eventually(t, 10*time.Second, "the client's agent to settle the re-routing", func() bool { return settled() >= 1 })
+	testutil.Eventually(t, 10*time.Second, "the client's agent to settle the re-routing", func() bool { return settled() >= 1 })
 	step(1)
 	before := settled()
 	e.run("client", "ip", "route", "add", e.addr("mb1", false).String()+"/32", "via", e.host("client").Gateway4.String())
-	eventually(t, 10*time.Second, "the client's agent to decide again after the route change", func() bool { return settled() > before })
+	testutil.Eventually(t, 10*time.Second, "the client's agent to decide again after the route change", func() bool { return settled() > before })
 	step(2)
 	if err := <-srvErr; err != nil {
 		t.Fatal(err)
@@ -514,7 +515,7 @@ func TestTupleReuse(t *testing.T) {
 			t.Errorf("connection %d took %v: its SYN was not taken at once", i, took)
 		}
 		// Wait until the client's agent has seen both FINs of this session.
-		eventually(t, 5*time.Second, "the session to close", func() bool {
+		testutil.Eventually(t, 5*time.Second, "the session to close", func() bool {
 			for _, s := range e.sessions("client") {
 				if s.State != "closed" && s.State != "reset" {
 					return false

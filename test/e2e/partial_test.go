@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 // TestPartialChains covers chains that do not span the whole TCP session
@@ -96,7 +97,7 @@ func TestClassifierPrepends(t *testing.T) {
 		dialed <- err
 	}()
 	var session string
-	eventually(t, 10*time.Second, "mb1 to hold the session's SYN", func() bool {
+	testutil.Eventually(t, 10*time.Second, "mb1 to hold the session's SYN", func() bool {
 		for _, s := range e.sessions("mb1") {
 			if strings.HasSuffix(s.Session, ":9600") {
 				session = s.Session

@@ -8,6 +8,7 @@ import (
 
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 // TestReconfigureOnPath: a host carries a session once (its datapath holds
@@ -48,7 +49,7 @@ func TestReconfigureOnPath(t *testing.T) {
 		f.lt = e.startTransfer("client", "server", f.dst, f.port, total, 8*mib)
 	}
 	for _, f := range fams {
-		eventually(t, 30*time.Second, f.name+" transfer to start", func() bool { return f.lt.received.Load() > 2*mib })
+		testutil.Eventually(t, 30*time.Second, f.name+" transfer to start", func() bool { return f.lt.received.Load() > 2*mib })
 	}
 	one := func(what string, res []api.ReconfigResult) api.ReconfigResult {
 		t.Helper()
@@ -94,10 +95,10 @@ func TestReconfigureOnPath(t *testing.T) {
 	// mb1 leaves the IPv4 session's path; the IPv6 one goes on through it.
 	move(v4, v4.mb2)
 	at := v6.lt.received.Load()
-	eventually(t, 30*time.Second, "the ipv6 transfer to go on through mb1", func() bool { return v6.lt.received.Load() > at+4*mib })
-	eventually(t, 10*time.Second, "mb1 to free the ipv4 session (after its linger)", func() bool { return len(e.sessions("mb1")) == 1 })
+	testutil.Eventually(t, 30*time.Second, "the ipv6 transfer to go on through mb1", func() bool { return v6.lt.received.Load() > at+4*mib })
+	testutil.Eventually(t, 10*time.Second, "mb1 to free the ipv4 session (after its linger)", func() bool { return len(e.sessions("mb1")) == 1 })
 	at = v6.lt.received.Load()
-	eventually(t, 30*time.Second, "the ipv6 transfer to go on after that", func() bool { return v6.lt.received.Load() > at+4*mib })
+	testutil.Eventually(t, 30*time.Second, "the ipv6 transfer to go on after that", func() bool { return v6.lt.received.Load() > at+4*mib })
 	if s := e.sessions("mb1"); len(s) != 1 || !strings.HasPrefix(s[0].Session, "fd00:") && !strings.HasPrefix(s[0].Session, "[") {
 		t.Fatalf("mb1 keeps %+v, want the ipv6 session", s)
 	}

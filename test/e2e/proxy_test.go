@@ -19,6 +19,7 @@ import (
 
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 // haproxy starts an unmodified HAProxy in TCP mode with splicing forced on,
@@ -94,7 +95,7 @@ func proxyRemoval(t *testing.T, off bool, plain string, v6 bool) {
 	const total = 64 * mib
 	before := e.status("proxy").Counters
 	lt := e.startTransferVia("client", "server", netip.AddrPortFrom(server, 9401), netip.AddrPortFrom(proxy, 9400), total, 8*mib)
-	eventually(t, 30*time.Second, "the proxy to leave the path", func() bool {
+	testutil.Eventually(t, 30*time.Second, "the proxy to leave the path", func() bool {
 		return len(e.sessions("server")) > 0 && e.status("proxy").Counters["rewrite_in"] > before["rewrite_in"] &&
 			clientGoesDirect(e, server)
 	})
@@ -103,7 +104,7 @@ func proxyRemoval(t *testing.T, off bool, plain string, v6 bool) {
 	}
 	// The old path through the proxy lingers a few seconds for late
 	// packets; then the proxy's sessions are cut off (no subsessions).
-	eventually(t, 20*time.Second, "the old path through the proxy to be torn down", func() bool {
+	testutil.Eventually(t, 20*time.Second, "the old path through the proxy to be torn down", func() bool {
 		for _, s := range e.sessions("proxy") {
 			if s.Left != "" || s.Right != "" {
 				return false
@@ -113,7 +114,7 @@ func proxyRemoval(t *testing.T, off bool, plain string, v6 bool) {
 	})
 	at := rewrites(e.status("proxy"))
 	n := lt.received.Load()
-	eventually(t, 30*time.Second, "more data", func() bool { return lt.received.Load() > n+4*mib })
+	testutil.Eventually(t, 30*time.Second, "more data", func() bool { return lt.received.Load() > n+4*mib })
 	if got := rewrites(e.status("proxy")); got != at {
 		t.Errorf("the proxy host still rewrites the session's packets after leaving: %d -> %d", at, got)
 	}
@@ -273,11 +274,11 @@ func proxyRemovalDelta(t *testing.T, mode string, v6 bool) {
 	if hold != nil {
 		restartProxyMidRemoval(e, hold, mode == "proxy-restart-locked")
 	}
-	eventually(t, 20*time.Second, "the proxy to leave the path", func() bool { return clientGoesDirect(e, server) })
+	testutil.Eventually(t, 20*time.Second, "the proxy to leave the path", func() bool { return clientGoesDirect(e, server) })
 	if hold != nil {
 		// The old path's teardown crossed the restarted agent: it cut the
 		// proxy off its sessions and kept nothing of the removal.
-		eventually(t, 20*time.Second, "the old path through the proxy to be torn down", func() bool {
+		testutil.Eventually(t, 20*time.Second, "the old path through the proxy to be torn down", func() bool {
 			for _, s := range e.sessions("proxy") {
 				if s.Left != "" || s.Right != "" {
 					return false
@@ -376,7 +377,7 @@ func restartProxyMidRemoval(e *env, hold *ruleHold, locked bool) {
 		}
 		return false
 	}
-	eventually(e.t, 30*time.Second, "the removal to be held before the restart", func() bool {
+	testutil.Eventually(e.t, 30*time.Second, "the removal to be held before the restart", func() bool {
 		return hold.drops() > 0 && requested() && joined()
 	})
 	if err := e.lab.RestartAgent("proxy"); err != nil {
@@ -408,7 +409,7 @@ func TestProxyRemovalMixedFamilies(t *testing.T) {
 	// libdysco logs the agent's answer from its own thread: wait for it
 	// (the log is printed with the others if it never comes).
 	hlog := filepath.Join(e.lab.RunDir(), "proxy.haproxy.log")
-	eventually(t, 10*time.Second, "libdysco to report the agent's refusal, naming the families", func() bool {
+	testutil.Eventually(t, 10*time.Second, "libdysco to report the agent's refusal, naming the families", func() bool {
 		b, _ := os.ReadFile(hlog)
 		return bytes.Contains(b, []byte("the agent refused to splice")) && bytes.Contains(b, []byte("family"))
 	})

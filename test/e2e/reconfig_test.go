@@ -17,6 +17,7 @@ import (
 
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 // liveTransfer runs a paced transfer of total bytes each way between client
@@ -116,7 +117,7 @@ func reconfigure(t *testing.T, off, v6 bool) {
 
 	const total = 96 * mib
 	lt := e.startTransfer("client", "server", dst, 9300, total, 12*mib)
-	eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > 4*mib })
+	testutil.Eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > 4*mib })
 
 	step := func(what string, chain ...netip.Addr) {
 		t.Helper()
@@ -154,7 +155,7 @@ func reconfigure(t *testing.T, off, v6 bool) {
 	// the collector frees the anchors' two-path records and requests with
 	// the session.
 	hosts := []string{"client", "mb1", "mb2", "server"}
-	eventually(t, 30*time.Second, "the session to be collected everywhere", func() bool {
+	testutil.Eventually(t, 30*time.Second, "the session to be collected everywhere", func() bool {
 		n := 0
 		for _, h := range hosts {
 			n += len(e.sessions(h))
@@ -178,7 +179,7 @@ func reconfigure(t *testing.T, off, v6 bool) {
 			t.Logf("reconfiguration state kept after the session ended: %s", strings.Join(kept, ", "))
 		}
 	}()
-	eventually(t, 5*time.Second, "the session's reconfiguration state to go with it", func() bool {
+	testutil.Eventually(t, 5*time.Second, "the session's reconfiguration state to go with it", func() bool {
 		kept = reconfState()
 		return len(kept) == 0
 	})
@@ -189,13 +190,13 @@ func reconfigure(t *testing.T, off, v6 bool) {
 // the packets that keep flowing.
 func (e *env) leftPath(host string, lt *liveTransfer) {
 	e.t.Helper()
-	eventually(e.t, 10*time.Second, host+" to leave the path", func() bool { return len(e.sessions(host)) == 0 })
+	testutil.Eventually(e.t, 10*time.Second, host+" to leave the path", func() bool { return len(e.sessions(host)) == 0 })
 	if n := e.pinnedEntries(host, "dysco_flows4") + e.pinnedEntries(host, "dysco_flows6"); n != 0 {
 		e.t.Errorf("%s freed the session but kept %d flows", host, n)
 	}
 	before := rewrites(e.status(host))
 	at := lt.received.Load()
-	eventually(e.t, 30*time.Second, "more data", func() bool { return lt.received.Load() > at+2*mib })
+	testutil.Eventually(e.t, 30*time.Second, "more data", func() bool { return lt.received.Load() > at+2*mib })
 	if after := rewrites(e.status(host)); after != before {
 		e.t.Errorf("%s still rewrites packets after leaving the path: %d -> %d", host, before, after)
 	}
@@ -205,7 +206,7 @@ func (e *env) leftPath(host string, lt *liveTransfer) {
 func (e *env) carries(host string) {
 	e.t.Helper()
 	before := rewrites(e.status(host))
-	eventually(e.t, 10*time.Second, host+" to carry the session", func() bool { return rewrites(e.status(host)) > before+100 })
+	testutil.Eventually(e.t, 10*time.Second, host+" to carry the session", func() bool { return rewrites(e.status(host)) > before+100 })
 }
 
 // holdSession opens a session from client to server on port and keeps it
@@ -298,7 +299,7 @@ func contention(t *testing.T, v6 bool, rounds int) {
 				mu.Unlock()
 			}()
 		}
-		eventually(t, 20*time.Second, "both requests to meet at mb1", func() bool {
+		testutil.Eventually(t, 20*time.Second, "both requests to meet at mb1", func() bool {
 			for _, s := range e.sessions("mb1") {
 				if strings.HasSuffix(s.Session, fmt.Sprintf(":%d", port)) {
 					return s.Lock == "lockPending" && s.Queued == 1
@@ -369,7 +370,7 @@ func reconfigureCancel(t *testing.T, v6 bool) {
 	e.policy("client", "r", "tcp dst port 9600", mb1.String())
 	const total = 48 * mib
 	lt := e.startTransfer("client", "server", dst, 9600, total, 3*mib)
-	eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > mib })
+	testutil.Eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > mib })
 	b := dst.As16()
 	b[15] = 250 // an address of the server's subnet that no host has
 	dead := netip.AddrFrom16(b).Unmap()
@@ -381,7 +382,7 @@ func reconfigureCancel(t *testing.T, v6 bool) {
 		t.Fatal("the transfer ended before the cancellation: pace it slower")
 	}
 	before := rewrites(e.status("mb1"))
-	eventually(t, 10*time.Second, "mb1 to go on carrying the session", func() bool { return rewrites(e.status("mb1")) > before+50 })
+	testutil.Eventually(t, 10*time.Second, "mb1 to go on carrying the session", func() bool { return rewrites(e.status("mb1")) > before+50 })
 	res = e.reconfig("client", "tcp port 9600", dst)
 	if len(res) != 1 || res[0].Outcome != "succeeded" {
 		t.Fatalf("reconfiguration after the cancellation: %+v", res)
@@ -418,7 +419,7 @@ func reconfigureMonitor(t *testing.T, v6 bool) {
 		}
 		done <- string(out)
 	}()
-	eventually(t, 20*time.Second, "iperf3 data to flow through mb2", func() bool {
+	testutil.Eventually(t, 20*time.Second, "iperf3 data to flow through mb2", func() bool {
 		return rewrites(e.status("mb2")) > 2000
 	})
 	step := func(what string, chain ...netip.Addr) {
@@ -435,11 +436,11 @@ func reconfigureMonitor(t *testing.T, v6 bool) {
 		t.Logf("%s: %d sessions", what, len(res))
 	}
 	step("replace mb1, mb2 by the monitor", mon)
-	eventually(t, 10*time.Second, "mb1 and mb2 to leave", func() bool { return len(e.sessions("mb1"))+len(e.sessions("mb2")) == 0 })
+	testutil.Eventually(t, 10*time.Second, "mb1 and mb2 to leave", func() bool { return len(e.sessions("mb1"))+len(e.sessions("mb2")) == 0 })
 	before := rewrites(e.status("mb3"))
-	eventually(t, 10*time.Second, "the monitor to carry the session", func() bool { return rewrites(e.status("mb3")) > before+1000 })
+	testutil.Eventually(t, 10*time.Second, "the monitor to carry the session", func() bool { return rewrites(e.status("mb3")) > before+1000 })
 	step("delete the monitor")
-	eventually(t, 10*time.Second, "the monitor to leave", func() bool { return len(e.sessions("mb3")) == 0 })
+	testutil.Eventually(t, 10*time.Second, "the monitor to leave", func() bool { return len(e.sessions("mb3")) == 0 })
 	seen := stop()
 	n := 0
 	for _, l := range seen {
@@ -499,7 +500,7 @@ func reconfigureRestart(t *testing.T, host, role string, v6 bool) {
 	e.policy("client", "r", fmt.Sprintf("tcp dst port %d", port), mb1.String())
 	const total = 64 * mib
 	lt := e.startTransfer("client", "server", dst, port, total, 4*mib)
-	eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > 2*mib })
+	testutil.Eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > 2*mib })
 
 	// Hold the old path: mb1 drops the session's packets both ways, so
 	// that what each end sent on it stays unacknowledged and both anchors
@@ -507,7 +508,7 @@ func reconfigureRestart(t *testing.T, host, role string, v6 bool) {
 	fwd := e.holdRule("mb1", ipt, "FORWARD", "-p", "tcp", "--dport", strconv.Itoa(port))
 	rev := e.holdRule("mb1", ipt, "FORWARD", "-p", "tcp", "--sport", strconv.Itoa(port))
 	release := func() { fwd.release(); rev.release() }
-	eventually(t, 10*time.Second, "mb1 to drop data of both ends", func() bool {
+	testutil.Eventually(t, 10*time.Second, "mb1 to drop data of both ends", func() bool {
 		return fwd.drops() > 0 && rev.drops() > 0
 	})
 
@@ -537,7 +538,7 @@ func reconfigureRestart(t *testing.T, host, role string, v6 bool) {
 			return stage("client", "leftAnchor") && stage("server", "rightAnchor") && stage(host, role)
 		}
 	}
-	eventually(t, 30*time.Second, host+" to be in its two-path phase", inTwoPath)
+	testutil.Eventually(t, 30*time.Second, host+" to be in its two-path phase", inTwoPath)
 	if err := e.lab.RestartAgent(host); err != nil {
 		t.Fatalf("restart agent on %s: %v", host, err)
 	}
@@ -547,7 +548,7 @@ func reconfigureRestart(t *testing.T, host, role string, v6 bool) {
 	}
 	release()
 
-	eventually(t, 60*time.Second, "mb1 to leave the path", func() bool { return len(e.sessions("mb1")) == 0 })
+	testutil.Eventually(t, 60*time.Second, "mb1 to leave the path", func() bool { return len(e.sessions("mb1")) == 0 })
 	// Nothing of the request is kept anywhere: the anchors' requests went
 	// with their two-path phases, mb1's kept lock with the session.
 	for _, h := range []string{"client", "mb1", "server"} {
@@ -577,7 +578,7 @@ func reconfigureRestart(t *testing.T, host, role string, v6 bool) {
 	}
 	before := rewrites(e.status("mb1"))
 	at := lt.received.Load()
-	eventually(t, 30*time.Second, "more data", func() bool { return lt.received.Load() > at+2*mib })
+	testutil.Eventually(t, 30*time.Second, "more data", func() bool { return lt.received.Load() > at+2*mib })
 	if after := rewrites(e.status("mb1")); after != before {
 		t.Errorf("mb1 still rewrites packets after leaving the path: %d -> %d", before, after)
 	}
@@ -626,7 +627,7 @@ func reconfigureNAT(t *testing.T, v6 bool) {
 
 	const total = 160 * mib
 	lt := e.startTransfer("client", "server", dst, 9310, total, 12*mib)
-	eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > 4*mib })
+	testutil.Eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > 4*mib })
 	session := func(host string) api.Session {
 		t.Helper()
 		ss := e.sessions(host)
@@ -705,14 +706,14 @@ func reconfigureNAT(t *testing.T, v6 bool) {
 	lt.wait(t)
 
 	hosts := []string{"client", "mb1", "mb2", "mb3", "server"}
-	eventually(t, 30*time.Second, "the session to be collected everywhere", func() bool {
+	testutil.Eventually(t, 30*time.Second, "the session to be collected everywhere", func() bool {
 		n := 0
 		for _, h := range hosts {
 			n += len(e.sessions(h))
 		}
 		return n == 0
 	})
-	eventually(t, 5*time.Second, "the reconfiguration state to go with the session", func() bool {
+	testutil.Eventually(t, 5*time.Second, "the reconfiguration state to go with the session", func() bool {
 		n := 0
 		for _, h := range hosts {
 			n += e.pinnedEntries(h, "dysco_tp") + e.pinnedEntries(h, "dysco_tp_req")

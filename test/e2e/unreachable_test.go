@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 // TestUnreachableNextHop: a chain whose next hop cannot be reached fails the
@@ -44,7 +45,7 @@ func TestUnreachableNextHop(t *testing.T) {
 			if n := e.status("client").Counters["icmp"]; n == 0 {
 				t.Error("the client's agent translated no ICMP error")
 			}
-			eventually(t, 15*time.Second, "the half-open session to be collected", func() bool { return len(e.sessions("client")) == 0 })
+			testutil.Eventually(t, 15*time.Second, "the half-open session to be collected", func() bool { return len(e.sessions("client")) == 0 })
 		})
 	}
 }

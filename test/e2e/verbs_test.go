@@ -11,6 +11,7 @@ import (
 
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 // TestOperatorVerbs: the paper's use cases (§2.3) from one place, through
@@ -30,15 +31,15 @@ func TestOperatorVerbs(t *testing.T) {
 	if _, err := e.lab.Start("router", "policy-server", dyscoBin, "policy-server", "--listen", router+":7017", "--db", filepath.Join(dir, "p.db"), "--ready-file", ready); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, "the policy server's ready file", func() bool { _, err := os.Stat(ready); return err == nil })
+	testutil.Eventually(t, 10*time.Second, "the policy server's ready file", func() bool { _, err := os.Stat(ready); return err == nil })
 	dst, mb1, mb2 := e.addr("server", false), e.addr("mb1", false), e.addr("mb2", false)
 	e.dysco("client", "policy", "add", "central", "--server", url, "--chain", mb1.String(), "tcp dst portrange 9500-9501")
-	eventually(t, 20*time.Second, "the client agent to get the policy", func() bool { return e.status("client").PolicyVersion >= 1 })
+	testutil.Eventually(t, 20*time.Second, "the client agent to get the policy", func() bool { return e.status("client").PolicyVersion >= 1 })
 
 	const total = 64 * mib
 	a := e.startTransfer("client", "server", dst, 9500, total, 8*mib)
 	b := e.startTransfer("client", "server", dst, 9501, total, 8*mib)
-	eventually(t, 30*time.Second, "the transfers to start", func() bool {
+	testutil.Eventually(t, 30*time.Second, "the transfers to start", func() bool {
 		return a.received.Load() > 2*mib && b.received.Load() > 2*mib
 	})
 	if n := len(e.sessions("mb1")); n != 2 {
@@ -77,7 +78,7 @@ func TestOperatorVerbs(t *testing.T) {
 		before := rewrites(e.status(host))
 		for _, l := range lt {
 			at := l.received.Load()
-			eventually(t, 30*time.Second, "more data", func() bool { return l.received.Load() > at+mib })
+			testutil.Eventually(t, 30*time.Second, "more data", func() bool { return l.received.Load() > at+mib })
 		}
 		if after := rewrites(e.status(host)); after != before {
 			t.Errorf("%s still rewrites packets after leaving the paths: %d -> %d", host, before, after)
@@ -88,11 +89,11 @@ func TestOperatorVerbs(t *testing.T) {
 	succeeded("replace mb1 by mb2 (at mb1, through the server)", res, stderr, err)
 	res, stderr, err = remote("middlebox", "remove", "--host", "mb1")
 	succeeded("remove mb1 (at mb1, through the server)", res, stderr, err)
-	eventually(t, 10*time.Second, "mb1 to leave both paths", func() bool { return len(e.sessions("mb1")) == 0 })
+	testutil.Eventually(t, 10*time.Second, "mb1 to leave both paths", func() bool { return len(e.sessions("mb1")) == 0 })
 	quiet("mb1", a, b)
 	res, stderr, err = remote("reconfig", "--host", "client", "--match", "tcp dst port 9500", "--to", dst.String())
 	succeeded("delete mb2 (at the client, through the server)", res, stderr, err)
-	eventually(t, 10*time.Second, "mb2 to leave the path", func() bool { return len(e.sessions("mb2")) == 0 })
+	testutil.Eventually(t, 10*time.Second, "mb2 to leave the path", func() bool { return len(e.sessions("mb2")) == 0 })
 	quiet("mb2", a)
 
 	// Refusals: no such agent (the server's), nothing to do (the agent's
