@@ -1,6 +1,6 @@
 // Command bench runs Dysco's benchmarks (`make bench`, scripts/bench.sh):
 // Dysco against a plain-routing baseline, side by side in one run. The
-// runners live in internal/experiment, which `dysco lab run` shares; see
+// runners live in internal/bench, which `dysco lab run` shares; see
 // BENCHMARKS.md for the method and docs/experiments.md for the paper's
 // evaluation.
 package main
@@ -14,11 +14,11 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/dysco/dysco/internal/experiment"
+	"github.com/dysco/dysco/internal/bench"
 )
 
 func main() {
-	o, err := experiment.ParseFlags(os.Args[1:])
+	o, err := bench.ParseFlags(os.Args[1:])
 	if errors.Is(err, flag.ErrHelp) {
 		os.Exit(0)
 	}
@@ -34,14 +34,14 @@ func main() {
 	// further ones do not kill the runner before it has torn the labs down.
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM, syscall.SIGHUP)
 	defer stop()
-	rep, err := experiment.Run(ctx, o, os.Stderr)
+	rep, err := bench.Run(ctx, o, os.Stderr)
 	if ctx.Err() != nil {
 		// Partial results go to JSON only, never over the last full
 		// results in the Markdown file.
 		o.Markdown = ""
 	}
 	if rep != nil {
-		if werr := experiment.WriteOutputs(o, rep, os.Stderr); werr != nil {
+		if werr := bench.WriteOutputs(o, rep, os.Stderr); werr != nil {
 			err = errors.Join(err, werr)
 		}
 	}

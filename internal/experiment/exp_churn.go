@@ -8,8 +8,8 @@ package experiment
 // them round after round (random chains among mb1, mb2, mb3 and none; some
 // rounds right after the previous one, some asking for the path the
 // sessions already have). It fails on any reset, failed transfer or stuck
-// phase. The runner is churn.go's, shared with `make bench` and the
-// end-to-end test.
+// phase. The runner is internal/bench's RunChurn, shared with `make bench`
+// and the end-to-end test.
 
 import (
 	"context"
@@ -26,7 +26,9 @@ import (
 	"gonum.org/v1/plot/plotter"
 	"gonum.org/v1/plot/vg"
 
+	"github.com/dysco/dysco/internal/bench"
 	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/labkit"
 )
 
 func init() {
@@ -34,7 +36,7 @@ func init() {
 		Summary:     "random insert/delete/replace rounds on HTTP, bulk and short sessions that come and go, IPv4 and IPv6: resets, failed transfers, stuck phases, times",
 		Tools:       []string{"nginx", "wrk", "nstat"},
 		Phases:      func(s Size) []Phase { return churnPhases(churnSizes(s).Duration) },
-		TimedPhases: churnPhases, Run: runChurnExp})
+		TimedPhases: churnPhases, Run: runChurn})
 }
 
 // churnSize is a run's workload: Duration of rounds, and per family wrk's
@@ -63,12 +65,12 @@ func churnPhases(d time.Duration) []Phase {
 
 // churnData is the experiment's raw data.
 type churnData struct {
-	Size churnSize    `json:"size"`
-	Seed uint64       `json:"seed"`
-	Run  *ChurnResult `json:"run"`
+	Size churnSize          `json:"size"`
+	Seed uint64             `json:"seed"`
+	Run  *bench.ChurnResult `json:"run"`
 }
 
-func runChurnExp(ctx context.Context, env *Env) (*Result, error) {
+func runChurn(ctx context.Context, env *Env) (*Result, error) {
 	z := churnSizes(env.Size)
 	if env.Duration > 0 {
 		z.Duration = env.Duration
@@ -79,27 +81,19 @@ func runChurnExp(ctx context.Context, env *Env) (*Result, error) {
 	res := &Result{Title: "live reconfiguration under churn", Data: d}
 
 	env.Begin("lab")
-	cfg := lab.Config{Name: env.Prefix + "ch", Topology: lab.Star("client", "mb1", "mb2", "mb3", "server"), AgentBinary: env.O.Dysco}
-	if len(env.AgentArgs) > 0 {
-		args := env.AgentArgs
-		cfg.AgentArgs = func(*lab.Host) []string { return args }
-	}
-	upCtx, cancel := context.WithTimeout(ctx, 90*time.Second)
-	l, err := lab.Up(upCtx, cfg)
-	cancel()
+	l, err := env.set.Up(ctx, env.Prefix+"ch", lab.Star("client", "mb1", "mb2", "mb3", "server"), env.O.Agents())
 	if err != nil {
-		return res, fmt.Errorf("lab %s: %w", cfg.Name, err)
+		return res, err
 	}
-	env.set.add(l)
 
 	env.Begin("workload under reconfiguration rounds")
-	spec := ChurnSpec{Lab: l, Dysco: env.O.Dysco, Middleboxes: []string{"mb1", "mb2", "mb3"}, IPv4: true, IPv6: true,
+	spec := bench.ChurnSpec{Lab: l, Dysco: env.O.Dysco, Middleboxes: []string{"mb1", "mb2", "mb3"}, IPv4: true, IPv6: true,
 		HTTPChain: []string{"mb1"}, StreamChain: []string{"mb2"},
 		Keepalive: z.Keepalive, FileSize: 64 << 10, WrkThreads: 1, WrkConns: z.WrkConns,
 		Streams: z.Streams, StreamRate: z.StreamRate, StreamLife: z.StreamLife, Shorts: z.Shorts, ShortGap: 50 * time.Millisecond,
 		Start: time.Second, Interval: z.Interval, Duration: z.Duration, Seed: d.Seed, FollowUps: 0.25,
 		SlowAfter: time.Second, Logf: env.Logf}
-	d.Run, err = RunChurn(ctx, spec)
+	d.Run, err = bench.RunChurn(ctx, spec)
 	if err != nil {
 		return res, err
 	}
@@ -111,7 +105,7 @@ func runChurnExp(ctx context.Context, env *Env) (*Result, error) {
 }
 
 // churnReport writes the CSV files and the plot, and fills the report.
-func churnReport(env *Env, res *Result, d *churnData, spec ChurnSpec) error {
+func churnReport(env *Env, res *Result, d *churnData, spec bench.ChurnSpec) error {
 	r := d.Run
 	var rounds, results [][]string
 	var follow int
@@ -150,7 +144,7 @@ func churnReport(env *Env, res *Result, d *churnData, spec ChurnSpec) error {
 	}
 	for _, x := range []struct {
 		name string
-		f    *ChurnFlows
+		f    *bench.ChurnFlows
 	}{{"streams", r.Streams}, {"short connections", r.Shorts}} {
 		if x.f != nil {
 			wl = append(wl, []string{x.name, strconv.FormatInt(x.f.Sessions, 10), "", "", "", "", "", "", strconv.FormatInt(x.f.Resets, 10), strconv.FormatInt(x.f.Failed, 10),
@@ -209,27 +203,27 @@ func churnReport(env *Env, res *Result, d *churnData, spec ChurnSpec) error {
 		fmt.Sprintf("Workload, %s side by side: nginx (1 worker) serves a 64 KiB file and closes each keep-alive connection after %d requests; `wrk -t1 -c%d --timeout 4s` per family asks for it, opening a new connection each time nginx closes one. "+
 			"%d bulk sessions per family at any time, each sending the runner's pattern both ways at %d KiB/s per direction for up to %v, then the client half-closes, the server goes on sending for up to 300 ms and closes too, and every byte is compared; the next one opens at once. "+
 			"%d worker%s per family open short connections one after the other (connect, a 16-byte request, a 1–60 KB response checked byte by byte, close), %v apart.",
-			fams, z.Keepalive, z.WrkConns, z.Streams, z.StreamRate>>10, z.StreamLife, z.Shorts, plural(z.Shorts), spec.ShortGap),
+			fams, z.Keepalive, z.WrkConns, z.Streams, z.StreamRate>>10, z.StreamLife, z.Shorts, labkit.Plural(z.Shorts), spec.ShortGap),
 		fmt.Sprintf("Rounds, from 1 s on, %v after the previous one returned, for %v: at the client, `dysco reconfig --match FILTER --to SERVER [--chain HOPS]` with a random family, workload (or all three) and chain: the chain of the last round on those sessions (15 %%), the policy's (15 %%), none (15 %%), one of mb1–mb3 (40 %%) or two of them (15 %%). "+
 			"A quarter of the rounds follow the previous one at once, on the same sessions with another chain. The seed was %d.", z.Interval, z.Duration, d.Seed),
 		"What a result asked of its session comes from the path the runner gave it (its policy's chain, then the chain of its last successful round): insert (no middlebox before), delete (none after), replace, unchanged (the chain is its path) or overlap (the chain names a middlebox already on its path, and is not that path). What became of the session comes from the kernel: the client's sockets, listed every 50 ms (sock_diag).",
 		"Resets: wrk's socket errors, resets seen by the runner's sessions, TcpEstabResets of the client and the server and TcpOutRsts of the middleboxes (nstat) over the workload. Failed transfers: bytes missing or wrong, wrk's non-2xx. Stuck phases: a lock or reconfiguration stage held on any host 3 s after the last round, on a session still open, and results slower than 1 s unless they are \"session ended\" for a session that did end. " +
 			"Results that do not fit: a session still open after its round and not reconfigured (unless refused for an overlap), a session that ended during its round and failed with another reason than \"session ended\", \"session ended\" for a session still open.",
 	}
-	outcomes := sortedCounts(r.Outcomes)
-	kindCounts := sortedCounts(r.Kinds)
+	outcomes := labkit.SortedCounts(r.Outcomes)
+	kindCounts := labkit.SortedCounts(r.Kinds)
 	var wrkText []string
 	for _, w := range r.Wrk {
 		wrkText = append(wrkText, fmt.Sprintf("wrk %s %d/%d/%d/%d", w.Family, w.Connect, w.Read, w.Write, w.Timeout))
 	}
 	resets := r.ResetCount()
-	flowsText := func(f *ChurnFlows) string {
+	flowsText := func(f *bench.ChurnFlows) string {
 		if f == nil {
 			return "none"
 		}
 		return fmt.Sprintf("%d of %d", f.Resets, f.Sessions)
 	}
-	failedText := func(f *ChurnFlows) string {
+	failedText := func(f *bench.ChurnFlows) string {
 		if f == nil {
 			return "none"
 		}
@@ -248,7 +242,7 @@ func churnReport(env *Env, res *Result, d *churnData, spec ChurnSpec) error {
 	res.Comparisons = []Comparison{
 		{What: "connections reset",
 			Ours: fmt.Sprintf("%d seen by the applications: %s (socket errors connect/read/write/timeout), streams %s, short connections %s; kernel counters: %s",
-				resets, strings.Join(wrkText, ", "), flowsText(r.Streams), flowsText(r.Shorts), countsText(r.KernelResets)),
+				resets, strings.Join(wrkText, ", "), flowsText(r.Streams), flowsText(r.Shorts), labkit.CountsText(r.KernelResets)),
 			Paper:      "none: the endpoints see the same TCP session go on (§3.1)",
 			Difference: same(len(r.Resets) == 0, "connections were reset: a bug (the checks that failed name them; churn.log in the lab's logs has every round)")},
 		{What: "failed transfers (bytes missing or wrong)",
@@ -256,7 +250,7 @@ func churnReport(env *Env, res *Result, d *churnData, spec ChurnSpec) error {
 			Paper:      "none",
 			Difference: same(len(r.Failed) == 0, "transfers failed: a bug")},
 		{What: "stuck phases",
-			Ours:       fmt.Sprintf("%d (%d results slower than 1 s that are not \"session ended\" of an ended session); %d phases left on sessions that had ended", len(r.Stuck), r.ClassCount(ClassSlow), len(r.Leftover)),
+			Ours:       fmt.Sprintf("%d (%d results slower than 1 s that are not \"session ended\" of an ended session); %d phases left on sessions that had ended", len(r.Stuck), r.ClassCount(bench.ClassSlow), len(r.Leftover)),
 			Paper:      "none: a reconfiguration ends when the old path's last bytes are acknowledged (§3.5)",
 			Difference: same(len(r.Stuck) == 0, "reconfigurations stalled: a bug")},
 		{What: fmt.Sprintf("reconfiguration time at the left anchor, %d succeeded results", r.Times.N),
@@ -276,14 +270,14 @@ func churnReport(env *Env, res *Result, d *churnData, spec ChurnSpec) error {
 		Shows: fmt.Sprintf("Top: the CDF of the time from the request to the old path unused, for the %d succeeded results, all and by what the round asked (log scale). "+
 			"Bottom: every result of every round at the time its round started, by outcome; a column of points is one round, and a stall shows as a column high up.", r.Times.N)}}
 	res.Headline = []string{
-		fmt.Sprintf("churn: %d rounds over %.0f s (%s), %s", len(r.Rounds), r.Seconds, fams, strings.Join(firstN(outcomes, 4), ", ")),
+		fmt.Sprintf("churn: %d rounds over %.0f s (%s), %s", len(r.Rounds), r.Seconds, fams, strings.Join(labkit.FirstN(outcomes, 4), ", ")),
 		fmt.Sprintf("connections reset %d (kernel counters +%d), failed transfers %d, stuck phases %d, results that do not fit %d", resets, r.KernelResetCount(), len(r.Failed), len(r.Stuck), len(r.Unexpected)),
 		fmt.Sprintf("reconfiguration time p50 %s ms, p90 %s, p99 %s, max %s (%d succeeded)", f2(r.Times.P50), f2(r.Times.P90), f2(r.Times.P99), f2(r.Times.Max), r.Times.N),
 	}
 	if len(r.Leftover) > 0 {
-		res.Notes = append(res.Notes, fmt.Sprintf("Phases left on sessions that had ended (not counted as stuck): %s", strings.Join(firstN(r.Leftover, 5), "; ")))
+		res.Notes = append(res.Notes, fmt.Sprintf("Phases left on sessions that had ended (not counted as stuck): %s", strings.Join(labkit.FirstN(r.Leftover, 5), "; ")))
 	}
-	res.Notes = append(res.Notes, fmt.Sprintf("RSTs the client and the server sent over the workload (for information): %s; the agents' counter changes are in data.json.", countsText(r.KernelOutRsts)))
+	res.Notes = append(res.Notes, fmt.Sprintf("RSTs the client and the server sent over the workload (for information): %s; the agents' counter changes are in data.json.", labkit.CountsText(r.KernelOutRsts)))
 	return nil
 }
 
@@ -298,29 +292,7 @@ func clampPos(xs []float64) []float64 {
 	return out
 }
 
-func sortedCounts(m map[string]int) []string {
-	var out []string
-	for k, v := range m {
-		out = append(out, fmt.Sprintf("%s ×%d", k, v))
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i] < out[j] })
-	return out
-}
-
-func countsText(m map[string]uint64) string {
-	var ks []string
-	for k := range m {
-		ks = append(ks, k)
-	}
-	sort.Strings(ks)
-	var out []string
-	for _, k := range ks {
-		out = append(out, fmt.Sprintf("%s %d", k, m[k]))
-	}
-	return strings.Join(out, ", ")
-}
-
-func maxResults(r *ChurnResult) int {
+func maxResults(r *bench.ChurnResult) int {
 	n := 0
 	for _, rd := range r.Rounds {
 		n = max(n, len(rd.Results))

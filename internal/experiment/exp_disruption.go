@@ -4,7 +4,7 @@ package experiment
 // across a live reconfiguration (mb1 replaced by mb2) where the new path is
 // faster than the old one, congestion window, RTT and goodput every 50 ms,
 // SACK on and off. It reuses the disruption runner of `make bench`
-// (disruption.go). The paper set link delays and bandwidths with netem in
+// (bench.Disruption). The paper set link delays and bandwidths with netem in
 // Mininet; this kernel has no netem (CONFIG_NET_SCH_NETEM is off), so the
 // runner shapes mb1's link with TBF and has the sender use cubic, which
 // fills the shaper's FIFO: the old path is slower in rate and in RTT
@@ -21,13 +21,15 @@ import (
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
 	"gonum.org/v1/plot/vg"
+
+	"github.com/dysco/dysco/internal/bench"
 )
 
 func init() {
 	Register(&Experiment{Name: "disruption", Paper: "Fig. 14",
 		Summary: "one session across a reconfiguration to a faster path (mb1's link shaped with TBF): cwnd, RTT and goodput over time, SACK on and off",
 		Tools:   []string{"sysctl", "tc"},
-		Phases:  disruptionPhases, Run: runDisruptionExp})
+		Phases:  disruptionPhases, Run: runDisruption})
 }
 
 func disruptionTime(s Size) time.Duration {
@@ -52,18 +54,18 @@ func sackOnOff(sack bool) string {
 	return "off"
 }
 
-func runDisruptionExp(ctx context.Context, env *Env) (*Result, error) {
+func runDisruption(ctx context.Context, env *Env) (*Result, error) {
 	o := env.O
 	o.DisruptionTime = disruptionTime(env.Size)
 	res := &Result{Title: "one session across a reconfiguration to a faster path"}
 	env.Begin("lab")
-	dl, err := upDisruptionLab(ctx, o, env.set, env.Prefix, env.pr)
+	dl, err := bench.UpDisruptionLab(ctx, o, env.set, env.Prefix, env.pr)
 	if err != nil {
 		return res, err
 	}
 	env.Begin("one session, SACK on and off")
-	berr := benchDisruption(ctx, o, dl, env.rep, env.pr)
-	det, _ := env.rep.Details["disruption"].(*disruptionDetails)
+	berr := bench.Disruption(ctx, o, dl, env.rep, env.pr)
+	det, _ := env.rep.Details["disruption"].(*bench.DisruptionDetails)
 	res.Data = det
 	if det == nil || len(det.Runs) == 0 {
 		return res, berr
@@ -71,7 +73,7 @@ func runDisruptionExp(ctx context.Context, env *Env) (*Result, error) {
 	if berr != nil {
 		res.problem("%v", berr)
 	}
-	sh := dl.shaping
+	sh := dl.Shaping
 	var rows [][]string
 	var plots, reorder []*plot.Plot
 	u := func(v uint32) string { return strconv.FormatUint(uint64(v), 10) }
@@ -187,7 +189,7 @@ func runDisruptionExp(ctx context.Context, env *Env) (*Result, error) {
 }
 
 // disruptionRunPlots are the goodput, cwnd and RTT panels of one run.
-func disruptionRunPlots(x *disruptionRun) ([]*plot.Plot, error) {
+func disruptionRunPlots(x *bench.DisruptionRun) ([]*plot.Plot, error) {
 	name := sackOnOff(x.SACK)
 	var g, c, r plotter.XYs
 	maxG, maxC, maxR := disruptionGbpsFloor, 1.0, disruptionRttFloor
@@ -231,9 +233,9 @@ func disruptionRunPlots(x *disruptionRun) ([]*plot.Plot, error) {
 // disruptionReorderPlot draws the reordering and recovery counters of a
 // run from 1 s before the reconfiguration to 1 s after it ended, counted
 // from the start of that span.
-func disruptionReorderPlot(x *disruptionRun) (*plot.Plot, error) {
-	from, to := x.ReconfigStart-disruptionWin.Seconds(), x.ReconfigEnd+disruptionWin.Seconds()
-	var base *disruptionSample
+func disruptionReorderPlot(x *bench.DisruptionRun) (*plot.Plot, error) {
+	from, to := x.ReconfigStart-bench.DisruptionWin.Seconds(), x.ReconfigEnd+bench.DisruptionWin.Seconds()
+	var base *bench.DisruptionSample
 	var ooo, retr, dsack, reord plotter.XYs
 	top := 1.0
 	for i := range x.Samples {
@@ -246,7 +248,7 @@ func disruptionReorderPlot(x *disruptionRun) (*plot.Plot, error) {
 			break
 		}
 		if base == nil {
-			base = &disruptionSample{}
+			base = &bench.DisruptionSample{}
 		}
 		d := func(a, b uint32) float64 { return float64(a - b) }
 		ooo = append(ooo, plotter.XY{X: s.T, Y: d(s.RcvOoo, base.RcvOoo)})
@@ -269,7 +271,7 @@ func disruptionReorderPlot(x *disruptionRun) (*plot.Plot, error) {
 	return p, nil
 }
 
-func firstMicros(x *disruptionRun) int64 {
+func firstMicros(x *bench.DisruptionRun) int64 {
 	if len(x.Results) == 0 {
 		return 0
 	}
@@ -277,7 +279,7 @@ func firstMicros(x *disruptionRun) int64 {
 }
 
 // stallText lists the empty bins after each run's reconfiguration.
-func stallText(det *disruptionDetails) string {
+func stallText(det *bench.DisruptionDetails) string {
 	var out []string
 	for _, x := range det.Runs {
 		if x.Summary != nil {

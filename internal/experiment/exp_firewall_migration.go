@@ -1,7 +1,7 @@
 package experiment
 
 // Experiment "firewall-migration" (paper §5.3 "Middlebox replacement with
-// state transfer", Figure 15; M2M Table 2; issue 5): bundles of sessions
+// state transfer", Figure 15; M2M Table 2): bundles of sessions
 // through a strict stateful firewall (iptables, FORWARD policy DROP,
 // conntrack with loose pick-up and liberal windows off) on mb1, each bundle
 // moved to an identical firewall on mb2 with state migration
@@ -17,21 +17,20 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net"
 	"net/netip"
 	"regexp"
 	"strconv"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"gonum.org/v1/plot/plotter"
 	"gonum.org/v1/plot/vg"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/bench"
 	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/labkit"
 )
 
 func init() {
@@ -113,11 +112,6 @@ type fwData struct {
 	Lost      []string   `json:"lost,omitempty"`
 }
 
-type fwSession struct {
-	ID, Bundle int
-	cl, sv     *end
-}
-
 func runFirewallMigration(ctx context.Context, env *Env) (*Result, error) {
 	z := fwSizes(env.Size)
 	nb := len(fwSemantics)
@@ -128,19 +122,47 @@ func runFirewallMigration(ctx context.Context, env *Env) (*Result, error) {
 	res.Data = d
 
 	env.Begin("lab and firewalls")
-	cfg := lab.Config{Name: env.Prefix + "fw", Topology: lab.Star("client", "mb1", "mb2", "server"), AgentBinary: o.Dysco}
-	if len(o.AgentArgs) > 0 {
-		args := o.AgentArgs
-		cfg.AgentArgs = func(*lab.Host) []string { return args }
-	}
-	upCtx, cancel := context.WithTimeout(ctx, 90*time.Second)
-	l, err := lab.Up(upCtx, cfg)
-	cancel()
+	l, err := env.set.Up(ctx, env.Prefix+"fw", lab.Star("client", "mb1", "mb2", "server"), o.Agents())
 	if err != nil {
-		return res, fmt.Errorf("lab %s: %w", cfg.Name, err)
+		return res, err
 	}
-	env.set.add(l)
-	mb1, mb2, srv := l.Host("mb1").Addr4, l.Host("mb2").Addr4, l.Host("server").Addr4
+	if err := setUpFirewalls(ctx, env, l); err != nil {
+		return res, err
+	}
+	drops0, err := forwardDrops(ctx, l, "mb2")
+	if err != nil {
+		return res, err
+	}
+
+	env.Begin("opening the sessions")
+	x := &fwRun{sessionSet: newSessionSet(n), z: z, l: l}
+	defer x.shutdown()
+	if err := x.listen(); err != nil {
+		return res, err
+	}
+	if err := x.open(ctx, env); err != nil {
+		return res, err
+	}
+
+	env.Begin("bundles moved from mb1 to mb2, one per semantics")
+	if err := x.moveBundles(ctx, env, res, d); err != nil {
+		return res, err
+	}
+
+	env.Begin("checks: every byte, drops")
+	if err := x.check(ctx, env, res, d, drops0); err != nil {
+		return res, err
+	}
+	return res, fwReport(env, res, d, z)
+}
+
+// setUpFirewalls makes mb1 and mb2 stateful firewalls (new sessions only
+// from their SYN, strict conntrack) and chains each bundle's port through
+// mb1 at the client.
+func setUpFirewalls(ctx context.Context, env *Env, l *lab.Lab) error {
+	nb := len(fwSemantics)
+	o := env.O
+	mb1 := l.Host("mb1").Addr4
 	for _, h := range []string{"mb1", "mb2"} {
 		for _, argv := range [][]string{
 			{"iptables", "-P", "FORWARD", "DROP"},
@@ -149,119 +171,104 @@ func runFirewallMigration(ctx context.Context, env *Env) (*Result, error) {
 			{"sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_loose=0"},
 			{"sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_be_liberal=0"},
 		} {
-			if _, err := run(ctx, l, h, 10*time.Second, argv...); err != nil {
-				return res, fmt.Errorf("%s: %s: %w", h, strings.Join(argv, " "), err)
+			if _, err := labkit.Run(ctx, l, h, 10*time.Second, argv...); err != nil {
+				return fmt.Errorf("%s: %s: %w", h, strings.Join(argv, " "), err)
 			}
 		}
 	}
 	for b := 0; b < nb; b++ {
 		port := fwPortBase + b
-		if _, err := dyscoCLI(ctx, o, l, "client", "policy", "add", fmt.Sprintf("fw%d", b), "--chain", mb1.String(), fmt.Sprintf("tcp dst port %d", port)); err != nil {
-			return res, err
+		if _, err := labkit.DyscoCLI(ctx, o.Dysco, l, "client", "policy", "add", fmt.Sprintf("fw%d", b), "--chain", mb1.String(), fmt.Sprintf("tcp dst port %d", port)); err != nil {
+			return err
 		}
 	}
-	drops0, err := forwardDrops(ctx, l, "mb2")
-	if err != nil {
-		return res, err
-	}
+	return nil
+}
 
-	env.Begin("opening the sessions")
-	var stop atomic.Bool
-	var wg sync.WaitGroup
-	sessions := make([]*fwSession, n)
-	var mu sync.Mutex
-	accepted := 0
-	quit := make(chan struct{})
-	var lns []net.Listener
-	defer func() {
-		stop.Store(true)
-		select {
-		case <-quit:
-		default:
-			close(quit)
-		}
-		for _, ln := range lns {
-			ln.Close()
-		}
-		for _, s := range sessions {
-			if s == nil {
-				continue
-			}
-			s.cl.abort()
-			if s.sv != nil {
-				s.sv.abort()
-			}
-		}
-		waitAll(&wg, 10*time.Second)
-	}()
-	for b := 0; b < nb; b++ {
-		ln, err := l.Listen("server", "tcp", netip.AddrPortFrom(srv, uint16(fwPortBase+b)).String())
+// fwRun is a run in progress: its sessions and what stops their ends.
+type fwRun struct {
+	sessionSet
+	z fwSize
+	l *lab.Lab
+}
+
+// listen listens on the server on each bundle's port.
+func (x *fwRun) listen() error {
+	srv := x.l.Host("server").Addr4
+	for b := 0; b < len(fwSemantics); b++ {
+		ln, err := x.l.Listen("server", "tcp", netip.AddrPortFrom(srv, uint16(fwPortBase+b)).String())
 		if err != nil {
-			return res, err
+			return err
 		}
-		lns = append(lns, ln)
+		x.lns = append(x.lns, ln)
 		go func() {
 			for {
 				c, err := ln.Accept()
 				if err != nil {
 					return
 				}
-				go func() {
-					var hdr [8]byte
-					c.SetReadDeadline(time.Now().Add(30 * time.Second))
-					if _, err := io.ReadFull(c, hdr[:]); err != nil {
-						c.Close()
-						return
-					}
-					c.SetReadDeadline(time.Time{})
-					id := int(binary.BigEndian.Uint64(hdr[:]))
-					mu.Lock()
-					if id < 0 || id >= n || sessions[id] == nil || sessions[id].sv != nil {
-						mu.Unlock()
-						c.Close()
-						return
-					}
-					s := sessions[id]
-					s.sv = newEnd(c)
-					accepted++
-					wg.Add(2)
-					mu.Unlock()
-					go func() { defer wg.Done(); s.sv.recv() }()
-					// The reverse direction carries data too, slowly.
-					go func() { defer wg.Done(); s.sv.send(&stop, reconfigRate) }()
-				}()
+				go x.serve(c)
 			}
 		}()
 	}
+	return nil
+}
+
+// serve is the server's end of a session, which names itself in its first
+// 8 bytes.
+func (x *fwRun) serve(c net.Conn) {
+	s := x.serverEnd(c, nil)
+	if s == nil {
+		return
+	}
+	go func() { defer x.wg.Done(); s.sv.Recv() }()
+	// The reverse direction carries data too, slowly.
+	go func() { defer x.wg.Done(); s.sv.Send(&x.stop, bench.ReconfigRate) }()
+}
+
+// open opens the sessions through mb1's firewall, each sending as fast as
+// TCP lets towards the server.
+func (x *fwRun) open(ctx context.Context, env *Env) error {
+	z, l := x.z, x.l
+	n, nb := len(x.sessions), len(fwSemantics)
+	srv := l.Host("server").Addr4
 	for i := 0; i < n; i++ {
 		b := i / z.PerBundle
 		c, err := l.Dial(ctx, "client", "tcp", netip.AddrPortFrom(srv, uint16(fwPortBase+b)).String())
 		if err != nil {
-			return res, fmt.Errorf("session %d of %d through the firewall: %w", i+1, n, err)
+			return fmt.Errorf("session %d of %d through the firewall: %w", i+1, n, err)
 		}
-		s := &fwSession{ID: i, Bundle: b, cl: newEnd(c)}
+		s := &bundledSession{ID: i, Bundle: b, cl: labkit.NewEnd(c)}
 		var hdr [8]byte
 		binary.BigEndian.PutUint64(hdr[:], uint64(i))
-		mu.Lock()
-		sessions[i] = s
-		mu.Unlock()
+		x.mu.Lock()
+		x.sessions[i] = s
+		x.mu.Unlock()
 		if _, err := c.Write(hdr[:]); err != nil {
-			return res, fmt.Errorf("session %d: %w", i+1, err)
+			return fmt.Errorf("session %d: %w", i+1, err)
 		}
-		wg.Add(2)
-		go func() { defer wg.Done(); s.cl.send(&stop, 0) }()
-		go func() { defer wg.Done(); s.cl.recv() }()
+		x.wg.Add(2)
+		go func() { defer x.wg.Done(); s.cl.Send(&x.stop, 0) }()
+		go func() { defer x.wg.Done(); s.cl.Recv() }()
 	}
-	if a, err := waitAccepted(ctx, &mu, &accepted, n); err != nil {
-		return res, fmt.Errorf("the server got %d of the %d sessions through mb1's firewall: %w", a, n, err)
+	if a, err := labkit.WaitAccepted(ctx, &x.mu, &x.accepted, n); err != nil {
+		return fmt.Errorf("the server got %d of the %d sessions through mb1's firewall: %w", a, n, err)
 	}
-	env.Logf("%d sessions in %d bundles through mb1's firewall: client → server as fast as TCP lets, server → client at %d KiB/s", n, nb, reconfigRate>>10)
+	env.Logf("%d sessions in %d bundles through mb1's firewall: client → server as fast as TCP lets, server → client at %d KiB/s", n, nb, bench.ReconfigRate>>10)
+	return nil
+}
 
-	env.Begin("bundles moved from mb1 to mb2, one per semantics")
+// moveBundles samples the bundles' goodput every d.Sample seconds and
+// moves each bundle from mb1 to mb2 in turn, with its state, under its
+// semantics.
+func (x *fwRun) moveBundles(ctx context.Context, env *Env, res *Result, d *fwData) error {
+	z, l, o := x.z, x.l, env.O
+	nb := len(fwSemantics)
+	mb2, srv := l.Host("mb2").Addr4, l.Host("server").Addr4
 	t0 := time.Now()
 	prev := make([]int64, nb)
-	for _, s := range sessions {
-		prev[s.Bundle] += s.sv.rx.Load() // what the opening phase moved is not goodput of the first sample
+	for _, s := range x.sessions {
+		prev[s.Bundle] += s.sv.Rx.Load() // what the opening phase moved is not goodput of the first sample
 	}
 	prevT := t0
 	sample := time.Duration(d.Sample * float64(time.Second))
@@ -273,7 +280,7 @@ func runFirewallMigration(ctx context.Context, env *Env) (*Result, error) {
 	for time.Since(t0) < z.total() {
 		select {
 		case <-ctx.Done():
-			return res, ctx.Err()
+			return ctx.Err()
 		case <-tick.C:
 		}
 		now := time.Now()
@@ -285,8 +292,8 @@ func runFirewallMigration(ctx context.Context, env *Env) (*Result, error) {
 		}
 		sm := fwSample{T: now.Sub(t0).Seconds(), BundleGbps: make([]float64, nb)}
 		cur := make([]int64, nb)
-		for _, s := range sessions {
-			cur[s.Bundle] += s.sv.rx.Load()
+		for _, s := range x.sessions {
+			cur[s.Bundle] += s.sv.Rx.Load()
 		}
 		for b := range cur {
 			sm.BundleGbps[b] = float64(cur[b]-prev[b]) * 8 / dt / 1e9
@@ -303,11 +310,11 @@ func runFirewallMigration(ctx context.Context, env *Env) (*Result, error) {
 			mv := &fwMove{Semantics: fwSemantics[b], At: time.Since(t0).Seconds()}
 			env.Logf("bundle %d: moving its %d sessions from mb1 to mb2 with their state (--semantics %s)", b+1, z.PerBundle, mv.Semantics)
 			go func() {
-				out, err := dyscoCLI(ctx, o, l, "client", "reconfig", "--json", "--match", fmt.Sprintf("tcp dst port %d", fwPortBase+b),
+				out, err := labkit.DyscoCLI(ctx, o.Dysco, l, "client", "reconfig", "--json", "--match", fmt.Sprintf("tcp dst port %d", fwPortBase+b),
 					"--to", srv.String(), "--chain", mb2.String(), "--migrate-state", "--semantics", mv.Semantics, "--timeout", "60s")
 				var rep api.ReconfigReply
 				if jerr := json.Unmarshal([]byte(out), &rep); jerr != nil {
-					mv.Reasons = append(mv.Reasons, fmt.Sprintf("dysco reconfig: %v %v: %s", err, jerr, tail(out, 300)))
+					mv.Reasons = append(mv.Reasons, fmt.Sprintf("dysco reconfig: %v %v: %s", err, jerr, labkit.Tail(out, 300)))
 				}
 				mv.Results = rep.Results
 				moved <- mv
@@ -322,17 +329,22 @@ func runFirewallMigration(ctx context.Context, env *Env) (*Result, error) {
 			res.problem("a bundle's move did not end within 90 s")
 		}
 	}
+	return nil
+}
 
-	env.Begin("checks: every byte, drops")
+// check checks the run: every session moved, no drop at mb2, mb1 left
+// with nothing, and nothing lost.
+func (x *fwRun) check(ctx context.Context, env *Env, res *Result, d *fwData, drops0 uint64) error {
+	z, l, o := x.z, x.l, env.O
 	for _, mv := range d.Moves {
 		fwSummarize(mv, d, z)
 		if mv.Succeeded != z.PerBundle {
-			res.problem("%s: %d of %d sessions moved (%v)", mv.Semantics, mv.Succeeded, z.PerBundle, firstN(mv.Reasons, 3))
+			res.problem("%s: %d of %d sessions moved (%v)", mv.Semantics, mv.Succeeded, z.PerBundle, labkit.FirstN(mv.Reasons, 3))
 		}
 	}
 	drops1, err := forwardDrops(ctx, l, "mb2")
 	if err != nil {
-		return res, err
+		return err
 	}
 	d.Mb2Drops = drops1 - drops0
 	if d.Mb2Drops != 0 {
@@ -341,7 +353,7 @@ func runFirewallMigration(ctx context.Context, env *Env) (*Result, error) {
 	// The old paths through mb1 are torn down after the switch (FIN
 	// exchange, §3.5): wait for mb1 to free them.
 	for deadline := time.Now().Add(20 * time.Second); ; {
-		out, err := dyscoCLI(ctx, o, l, "mb1", "sessions", "-o", "json")
+		out, err := labkit.DyscoCLI(ctx, o.Dysco, l, "mb1", "sessions", "-o", "json")
 		var ss []api.Session
 		if err != nil || json.Unmarshal([]byte(out), &ss) != nil {
 			res.problem("dysco sessions on mb1: %v", err)
@@ -351,31 +363,29 @@ func runFirewallMigration(ctx context.Context, env *Env) (*Result, error) {
 		if d.Mb1After == 0 || time.Now().After(deadline) {
 			break
 		}
-		if err := sleepCtx(ctx, 200*time.Millisecond); err != nil {
-			return res, err
+		if err := labkit.SleepCtx(ctx, 200*time.Millisecond); err != nil {
+			return err
 		}
 	}
 	if d.Mb1After != 0 {
 		res.problem("%d sessions still on mb1 20 s after the last move", d.Mb1After)
 	}
-	stop.Store(true)
-	close(quit)
-	if !waitAll(&wg, 30*time.Second) {
+	if !x.finish(30 * time.Second) {
 		res.problem("some session ends did not finish within 30 s of the senders' FIN")
 	}
-	for _, s := range sessions {
-		d.BytesUp += s.sv.rx.Load()
-		d.BytesDown += s.cl.rx.Load()
-		for _, x := range []string{lossCheck(fmt.Sprintf("session %d up", s.ID), s.cl, s.sv), lossCheck(fmt.Sprintf("session %d down", s.ID), s.sv, s.cl)} {
-			if x != "" {
-				d.Lost = append(d.Lost, x)
+	for _, s := range x.sessions {
+		d.BytesUp += s.sv.Rx.Load()
+		d.BytesDown += s.cl.Rx.Load()
+		for _, lost := range []string{labkit.LossCheck(fmt.Sprintf("session %d up", s.ID), s.cl, s.sv), labkit.LossCheck(fmt.Sprintf("session %d down", s.ID), s.sv, s.cl)} {
+			if lost != "" {
+				d.Lost = append(d.Lost, lost)
 			}
 		}
 	}
 	if len(d.Lost) > 0 {
 		res.problem("%d session directions lost or changed bytes (first: %s)", len(d.Lost), d.Lost[0])
 	}
-	return res, fwReport(env, res, d, z)
+	return nil
 }
 
 func fmtGbps(xs []float64) string {
@@ -386,24 +396,17 @@ func fmtGbps(xs []float64) string {
 	return strings.Join(s, " / ")
 }
 
-func firstN(xs []string, n int) []string {
-	if len(xs) > n {
-		return xs[:n]
-	}
-	return xs
-}
-
 var policyDrop = regexp.MustCompile(`policy DROP (\d+) packets`)
 
 // forwardDrops reads the packets a host's FORWARD policy dropped.
 func forwardDrops(ctx context.Context, l *lab.Lab, host string) (uint64, error) {
-	out, err := run(ctx, l, host, 10*time.Second, "iptables", "-L", "FORWARD", "-n", "-v", "-x")
+	out, err := labkit.Run(ctx, l, host, 10*time.Second, "iptables", "-L", "FORWARD", "-n", "-v", "-x")
 	if err != nil {
 		return 0, err
 	}
 	m := policyDrop.FindStringSubmatch(out)
 	if m == nil {
-		return 0, fmt.Errorf("%s: no FORWARD policy counter in %q", host, tail(out, 200))
+		return 0, fmt.Errorf("%s: no FORWARD policy counter in %q", host, labkit.Tail(out, 200))
 	}
 	return strconv.ParseUint(m[1], 10, 64)
 }
@@ -430,9 +433,9 @@ func fwSummarize(mv *fwMove, d *fwData, z fwSize) {
 	if mv.Succeeded > 0 {
 		mv.StateBytes = state / mv.Succeeded
 	}
-	mv.SwitchP50, mv.SwitchP99, mv.SwitchMax = quantile(sw, 0.5), quantile(sw, 0.99), quantile(sw, 1)
-	mv.DoneP50, mv.DoneP99 = quantile(done, 0.5), quantile(done, 0.99)
-	mv.DrainP50, mv.ExportP50, mv.ImportP50 = quantile(drain, 0.5), quantile(exp, 0.5), quantile(imp, 0.5)
+	mv.SwitchP50, mv.SwitchP99, mv.SwitchMax = labkit.Quantile(sw, 0.5), labkit.Quantile(sw, 0.99), labkit.Quantile(sw, 1)
+	mv.DoneP50, mv.DoneP99 = labkit.Quantile(done, 0.5), labkit.Quantile(done, 0.99)
+	mv.DrainP50, mv.ExportP50, mv.ImportP50 = labkit.Quantile(drain, 0.5), labkit.Quantile(exp, 0.5), labkit.Quantile(imp, 0.5)
 	b := -1
 	for i, s := range fwSemantics {
 		if s == mv.Semantics {
@@ -482,8 +485,8 @@ func (mv *fwMove) MarshalJSON() ([]byte, error) {
 		DrainP50  *float64 `json:"drain_p50_ms"`
 		ExportP50 *float64 `json:"export_p50_ms"`
 		ImportP50 *float64 `json:"import_p50_ms"`
-	}{(*plain)(mv), jsonNum(mv.SwitchP50), jsonNum(mv.SwitchP99), jsonNum(mv.SwitchMax), jsonNum(mv.DoneP50), jsonNum(mv.DoneP99),
-		jsonNum(mv.DrainP50), jsonNum(mv.ExportP50), jsonNum(mv.ImportP50)})
+	}{(*plain)(mv), labkit.JSONNum(mv.SwitchP50), labkit.JSONNum(mv.SwitchP99), labkit.JSONNum(mv.SwitchMax), labkit.JSONNum(mv.DoneP50), labkit.JSONNum(mv.DoneP99),
+		labkit.JSONNum(mv.DrainP50), labkit.JSONNum(mv.ExportP50), labkit.JSONNum(mv.ImportP50)})
 }
 
 // fwOthers describes the lowest sample of the bundles that did not move,
@@ -603,7 +606,7 @@ func fwReport(env *Env, res *Result, d *fwData, z fwSize) error {
 
 	res.Setup = []string{
 		"A star lab: client, mb1, mb2 and server around a router, an agent on each. mb1 and mb2 are the same strict stateful firewall: iptables FORWARD policy DROP, only ESTABLISHED/RELATED and NEW SYNs accepted, net.netfilter.nf_conntrack_tcp_loose=0 and nf_conntrack_tcp_be_liberal=0 — without its conntrack entry mb2 drops every packet of a session (TestStateMigration shows it).",
-		fmt.Sprintf("%d bundles of %d sessions from the client to the server through mb1 (policies by port); client → server as fast as TCP lets, server → client at %d KiB/s. The paper had 3 bundles of 100 sessions from three clients to three servers, links limited to 2 Gbit/s.", nb, z.PerBundle, reconfigRate>>10),
+		fmt.Sprintf("%d bundles of %d sessions from the client to the server through mb1 (policies by port); client → server as fast as TCP lets, server → client at %d KiB/s. The paper had 3 bundles of 100 sessions from three clients to three servers, links limited to 2 Gbit/s.", nb, z.PerBundle, bench.ReconfigRate>>10),
 		fmt.Sprintf("At %.0f s and then every %.0f s one bundle moves to mb2 with `dysco reconfig --match 'tcp dst port P' --to SERVER --chain MB2 --migrate-state --semantics S`, all its sessions at once: bundle 1 loss-free, 2 order, 3 substream (docs/state-migration.md). The run ends %.0f s after the last move.", z.Warm.Seconds(), z.Interval.Seconds(), z.Tail.Seconds()),
 		"Per session, from the client's result: the time from the request to the switch (lock, new path, freeze, drain, conntrack export at mb1, import at mb2: the reconfiguration time with state transfer, as the paper measures it), the drain, export and import times, and the time until the old path is torn down.",
 		fmt.Sprintf("Goodput per bundle every %.0f ms (bytes the server ends received); mb2's FORWARD policy drop counter over the run; at the end every sender half-closes and every receiver must read exactly the bytes sent, checked byte by byte.", d.Sample*1000),

@@ -21,6 +21,9 @@ import (
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
 	"gonum.org/v1/plot/vg"
+
+	"github.com/dysco/dysco/internal/bench"
+	"github.com/dysco/dysco/internal/labkit"
 )
 
 func init() {
@@ -58,69 +61,69 @@ func goodputPhases(s Size) []Phase {
 
 // goodputPoint is the figure of one session count.
 type goodputPoint struct {
-	Sessions int      `json:"sessions"`
-	Samples  []sample `json:"samples"` // Gbit/s per repetition and variant
+	Sessions int            `json:"sessions"`
+	Samples  []bench.Sample `json:"samples"` // Gbit/s per repetition and variant
 }
 
 // greedyRun opens n sessions from the client of v to the runner's receiver
 // on its server, lets them send for a second, measures the goodput over the
 // window, then ends them and checks that every byte arrived.
-func greedyRun(ctx context.Context, v *variant, recv *goodputReceiver, n int, window time.Duration) (float64, string, error) {
-	dst := netip.AddrPortFrom(v.server, goodputPort).String()
+func greedyRun(ctx context.Context, v *labkit.Variant, recv *goodputReceiver, n int, window time.Duration) (float64, string, error) {
+	dst := netip.AddrPortFrom(v.Server, goodputPort).String()
 	var stop atomic.Bool
 	var wg sync.WaitGroup
-	var clients []*end
+	var clients []*labkit.End
 	recv.reset(n)
 	defer func() {
 		stop.Store(true)
 		for _, c := range clients {
-			c.abort()
+			c.Abort()
 		}
 		for _, s := range recv.ends() {
-			s.abort()
+			s.Abort()
 		}
-		waitAll(&wg, 10*time.Second)
+		labkit.WaitAll(&wg, 10*time.Second)
 	}()
 	for i := 0; i < n; i++ {
-		c, err := v.lab.Dial(ctx, "client", "tcp", dst)
+		c, err := v.Lab.Dial(ctx, "client", "tcp", dst)
 		if err != nil {
 			return 0, "", fmt.Errorf("dialling session %d of %d: %w", i+1, n, err)
 		}
-		e := newEnd(c)
+		e := labkit.NewEnd(c)
 		clients = append(clients, e)
 		wg.Add(1)
-		go func() { defer wg.Done(); e.send(&stop, 0) }()
+		go func() { defer wg.Done(); e.Send(&stop, 0) }()
 	}
 	if err := recv.wait(ctx, n, 30*time.Second); err != nil {
 		return 0, "", err
 	}
-	if err := sleepCtx(ctx, time.Second); err != nil {
+	if err := labkit.SleepCtx(ctx, time.Second); err != nil {
 		return 0, "", err
 	}
 	t0, b0 := time.Now(), recv.total()
-	if err := sleepCtx(ctx, window); err != nil {
+	if err := labkit.SleepCtx(ctx, window); err != nil {
 		return 0, "", err
 	}
 	gbps := float64(recv.total()-b0) * 8 / time.Since(t0).Seconds() / 1e9
 	// End: every sender half-closes, every receiver must read to EOF
 	// exactly what was sent.
 	stop.Store(true)
-	if !waitAll(recv.wg, 30*time.Second) {
+	if !labkit.WaitAll(recv.wg, 30*time.Second) {
 		return gbps, "", fmt.Errorf("%d sessions: receivers did not see EOF within 30 s of the senders' FIN", n)
 	}
 	srv := recv.ends()
 	var lost []string
-	byAddr := map[string]*end{}
+	byAddr := map[string]*labkit.End{}
 	for _, s := range srv {
-		byAddr[s.c.RemoteAddr().String()] = s
+		byAddr[s.Conn.RemoteAddr().String()] = s
 	}
 	for _, c := range clients {
-		s := byAddr[c.c.LocalAddr().String()]
+		s := byAddr[c.Conn.LocalAddr().String()]
 		if s == nil {
-			lost = append(lost, fmt.Sprintf("%s: not accepted", c.c.LocalAddr()))
+			lost = append(lost, fmt.Sprintf("%s: not accepted", c.Conn.LocalAddr()))
 			continue
 		}
-		if l := lossCheck(c.c.LocalAddr().String(), c, s); l != "" {
+		if l := labkit.LossCheck(c.Conn.LocalAddr().String(), c, s); l != "" {
 			lost = append(lost, l)
 		}
 	}
@@ -134,12 +137,12 @@ func greedyRun(ctx context.Context, v *variant, recv *goodputReceiver, n int, wi
 type goodputReceiver struct {
 	ln net.Listener
 	mu sync.Mutex
-	es []*end
+	es []*labkit.End
 	wg *sync.WaitGroup
 }
 
-func newGoodputReceiver(v *variant) (*goodputReceiver, error) {
-	ln, err := v.lab.Listen("server", "tcp", netip.AddrPortFrom(v.server, goodputPort).String())
+func newGoodputReceiver(v *labkit.Variant) (*goodputReceiver, error) {
+	ln, err := v.Lab.Listen("server", "tcp", netip.AddrPortFrom(v.Server, goodputPort).String())
 	if err != nil {
 		return nil, err
 	}
@@ -150,13 +153,13 @@ func newGoodputReceiver(v *variant) (*goodputReceiver, error) {
 			if err != nil {
 				return
 			}
-			e := newEnd(c)
+			e := labkit.NewEnd(c)
 			r.mu.Lock()
 			r.es = append(r.es, e)
 			wg := r.wg
 			wg.Add(1)
 			r.mu.Unlock()
-			go func() { defer wg.Done(); e.recv() }()
+			go func() { defer wg.Done(); e.Recv() }()
 		}
 	}()
 	return r, nil
@@ -164,21 +167,21 @@ func newGoodputReceiver(v *variant) (*goodputReceiver, error) {
 
 func (r *goodputReceiver) reset(n int) {
 	r.mu.Lock()
-	r.es = make([]*end, 0, n)
+	r.es = make([]*labkit.End, 0, n)
 	r.wg = &sync.WaitGroup{}
 	r.mu.Unlock()
 }
 
-func (r *goodputReceiver) ends() []*end {
+func (r *goodputReceiver) ends() []*labkit.End {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return append([]*end(nil), r.es...)
+	return append([]*labkit.End(nil), r.es...)
 }
 
 func (r *goodputReceiver) total() int64 {
 	var t int64
 	for _, e := range r.ends() {
-		t += e.rx.Load()
+		t += e.Rx.Load()
 	}
 	return t
 }
@@ -191,7 +194,7 @@ func (r *goodputReceiver) wait(ctx context.Context, n int, d time.Duration) erro
 		} else if time.Now().After(deadline) {
 			return fmt.Errorf("the server accepted %d of %d sessions in %v", got, n, d)
 		}
-		if err := sleepCtx(ctx, 20*time.Millisecond); err != nil {
+		if err := labkit.SleepCtx(ctx, 20*time.Millisecond); err != nil {
 			return err
 		}
 	}
@@ -205,27 +208,27 @@ func runGoodput(ctx context.Context, env *Env) (*Result, error) {
 	var points []*goodputPoint
 	res.Data = &points
 	env.Begin("labs, 1 mb")
-	p, err := upPair(ctx, o, env.set, env.Prefix, 1, env.pr)
+	p, err := labkit.UpPair(ctx, o.Agents(), env.set, env.Prefix, 1, env.pr)
 	if err != nil {
 		return res, err
 	}
-	defer p.close()
-	if _, err := dyscoCLI(ctx, o, p.dysco.lab, "client", "policy", "add", "goodput", "--chain", p.chain[0].String(), fmt.Sprintf("tcp dst port %d", goodputPort)); err != nil {
+	defer p.Close()
+	if _, err := labkit.DyscoCLI(ctx, o.Dysco, p.Dysco.Lab, "client", "policy", "add", "goodput", "--chain", p.Chain[0].String(), fmt.Sprintf("tcp dst port %d", goodputPort)); err != nil {
 		return res, err
 	}
 	recvs := map[string]*goodputReceiver{}
-	for _, v := range p.both() {
+	for _, v := range p.Both() {
 		r, err := newGoodputReceiver(v)
 		if err != nil {
 			return res, err
 		}
 		defer r.ln.Close()
-		recvs[v.name] = r
+		recvs[v.Name] = r
 	}
 	for _, n := range g.counts {
 		env.Begin(fmt.Sprintf("goodput, %d sessions", n))
-		ss, err := interleaved(ctx, o, p, env.pr, fmt.Sprintf("goodput, %d sessions", n), func(v *variant) (float64, string, error) {
-			return greedyRun(ctx, v, recvs[v.name], n, g.window)
+		ss, err := bench.Interleaved(ctx, o, p, env.pr, fmt.Sprintf("goodput, %d sessions", n), func(v *labkit.Variant) (float64, string, error) {
+			return greedyRun(ctx, v, recvs[v.Name], n, g.window)
 		})
 		points = append(points, &goodputPoint{Sessions: n, Samples: ss})
 		if err != nil {
@@ -241,14 +244,14 @@ func runGoodput(ctx context.Context, env *Env) (*Result, error) {
 		for _, s := range pt.Samples {
 			rows = append(rows, []string{strconv.Itoa(pt.Sessions), s.Variant, strconv.Itoa(s.Rep), strconv.FormatFloat(s.Value, 'f', 4, 64)})
 		}
-		d, b := values(pt.Samples, "dysco"), values(pt.Samples, "baseline")
+		d, b := bench.Values(pt.Samples, "dysco"), bench.Values(pt.Samples, "baseline")
 		dys.xy = append(dys.xy, plotter.XY{X: float64(pt.Sessions), Y: mean(d)})
 		base.xy = append(base.xy, plotter.XY{X: float64(pt.Sessions), Y: mean(b)})
 		errD = append(errD, plotter.XY{X: stddev(d)})
 		errB = append(errB, plotter.XY{X: stddev(b)})
 		ratios = append(ratios, fmt.Sprintf("%d: %s", pt.Sessions, pct(mean(d), mean(b))))
 		res.Comparisons = append(res.Comparisons, Comparison{
-			What:       fmt.Sprintf("goodput, %d session%s: Dysco / baseline (mean ± sd of %d)", pt.Sessions, plural(pt.Sessions), len(d)),
+			What:       fmt.Sprintf("goodput, %d session%s: Dysco / baseline (mean ± sd of %d)", pt.Sessions, labkit.Plural(pt.Sessions), len(d)),
 			Ours:       fmt.Sprintf("%.2f ± %.2f / %.2f ± %.2f Gbit/s (%s)", mean(d), stddev(d), mean(b), stddev(b), pct(mean(d), mean(b))),
 			Paper:      "Dysco within 1.5 points of baseline (and within one sd); values in the figure only",
 			Difference: goodputDiff(mean(d), mean(b), stddev(d)+stddev(b), pt.Sessions),

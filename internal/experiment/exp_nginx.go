@@ -2,7 +2,7 @@ package experiment
 
 // Experiment "nginx" (paper §5.2, Figure 10): requests/s that nginx serves
 // to wrk through 1 and 4 middleboxes, Dysco and baseline. It reuses the
-// nginx+wrk runner of `make bench` (throughput.go).
+// nginx+wrk runner of `make bench` (bench.RPS).
 
 import (
 	"context"
@@ -11,6 +11,9 @@ import (
 	"time"
 
 	"gonum.org/v1/plot/vg"
+
+	"github.com/dysco/dysco/internal/bench"
+	"github.com/dysco/dysco/internal/labkit"
 )
 
 func init() {
@@ -38,20 +41,20 @@ func runNginx(ctx context.Context, env *Env) (*Result, error) {
 	o := env.O
 	o.Reps, o.WrkTime = nginxSizes(env.Size)
 	res := &Result{Title: "HTTP requests per second (nginx, wrk)"}
-	data := map[string][]sample{}
+	data := map[string][]bench.Sample{}
 	res.Data = data
 	var groups []barGroup
 	var rows [][]string
 	for _, nmb := range []int{1, 4} {
 		env.Begin(fmt.Sprintf("labs, %d mb", nmb))
-		p, err := upPair(ctx, o, env.set, env.Prefix, nmb, env.pr)
+		p, err := labkit.UpPair(ctx, o.Agents(), env.set, env.Prefix, nmb, env.pr)
 		if err != nil {
 			return res, err
 		}
 		env.Begin(fmt.Sprintf("nginx+wrk, %d mb", nmb))
-		err = benchRPS(ctx, o, p, env.rep, env.pr)
-		p.close()
-		ss, _ := env.rep.Details[fmt.Sprintf("rps-%dmb", nmb)].([]sample)
+		err = bench.RPS(ctx, o, p, env.rep, env.pr)
+		p.Close()
+		ss, _ := env.rep.Details[fmt.Sprintf("rps-%dmb", nmb)].([]bench.Sample)
 		data[fmt.Sprintf("%dmb", nmb)] = ss
 		if err != nil {
 			return res, err
@@ -62,7 +65,7 @@ func runNginx(ctx context.Context, env *Env) (*Result, error) {
 		for _, s := range ss {
 			rows = append(rows, []string{strconv.Itoa(nmb), s.Variant, strconv.Itoa(s.Rep), f1(s.Value), s.Note})
 		}
-		d, b := median(values(ss, "dysco")), median(values(ss, "baseline"))
+		d, b := labkit.Median(bench.Values(ss, "dysco")), labkit.Median(bench.Values(ss, "baseline"))
 		groups = append(groups, barGroup{fmt.Sprintf("%d middlebox%s", nmb, map[bool]string{true: "", false: "es"}[nmb == 1]), []float64{d, b}})
 		paper := "> 300,000 req/s; Dysco within 1.8 points of baseline"
 		if nmb == 4 {
@@ -89,7 +92,7 @@ func runNginx(ctx context.Context, env *Env) (*Result, error) {
 	res.Setup = []string{
 		"Two labs of the same line topology per middlebox count (client, mb1…mbN, server; N = 1 and 4): Dysco (agents, a client policy chaining the middleboxes) and baseline (no agents, plain routing through the same hosts). The middleboxes run no application.",
 		fmt.Sprintf("nginx (1 worker, keep-alive) on the server serves a 1 KiB file; `wrk -t2 -c100 -d%ds` from the client; %d repetition(s), alternating Dysco and baseline; figures are medians. "+
-			"The paper ran wrk with 16 threads and 400 connections on 8-core hosts; with 2 vCPUs for everything, 2 threads and 100 connections.", secs(o.WrkTime), o.Reps),
+			"The paper ran wrk with 16 threads and 400 connections on 8-core hosts; with 2 vCPUs for everything, 2 threads and 100 connections.", bench.Secs(o.WrkTime), o.Reps),
 	}
 	res.Plots = []Plot{{File: "nginx_rps.png", Title: "Requests per second (as Fig. 10)",
 		Shows: fmt.Sprintf("Median requests/s, blue Dysco, grey baseline, through 1 and 4 middleboxes: %.0f vs %.0f, and %.0f vs %.0f. "+
@@ -98,7 +101,7 @@ func runNginx(ctx context.Context, env *Env) (*Result, error) {
 	res.Headline = []string{
 		fmt.Sprintf("nginx through 1 mb: Dysco %.0f req/s, baseline %.0f (%s; paper: within 1.8 %%)", groups[0].values[0], groups[0].values[1], pct(groups[0].values[0], groups[0].values[1])),
 		fmt.Sprintf("nginx through 4 mb: Dysco %.0f req/s, baseline %.0f (%s)", groups[1].values[0], groups[1].values[1], pct(groups[1].values[0], groups[1].values[1])),
-		fmt.Sprintf("wrk -t2 -c100 -d%ds, %d repetition(s) per lab", secs(o.WrkTime), o.Reps),
+		fmt.Sprintf("wrk -t2 -c100 -d%ds, %d repetition(s) per lab", bench.Secs(o.WrkTime), o.Reps),
 	}
 	return res, nil
 }

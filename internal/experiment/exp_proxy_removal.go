@@ -19,23 +19,21 @@ package experiment
 import (
 	"context"
 	"encoding/binary"
-	"encoding/json"
 	"fmt"
-	"io"
 	"math"
 	"net"
 	"net/netip"
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"gonum.org/v1/plot/plotter"
 	"gonum.org/v1/plot/vg"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/bench"
+	"github.com/dysco/dysco/internal/labkit"
 )
 
 func init() {
@@ -75,18 +73,11 @@ func proxyRemovalPhases(s Size) []Phase {
 }
 
 // prNotsentLowat bounds the unsent bytes each of the runner's senders keeps
-// in its socket (setNotsentLowat): without it, 600 greedy sessions took the
+// in its socket (labkit.SetNotsentLowat): without it, 600 greedy sessions took the
 // machine's TCP memory over its pressure threshold and some sessions
 // crawled for minutes after their removal (docs/experiments.md, "Large
 // bundles").
 const prNotsentLowat = 128 << 10
-
-// prSession is one session: its client end and its server end.
-type prSession struct {
-	ID, Bundle int
-	cl, sv     *end
-	local      string
-}
 
 // prSecond is one second of the timeline.
 type prSecond struct {
@@ -107,7 +98,7 @@ type prData struct {
 	// TCPMemPressure is net.ipv4.tcp_mem's pressure threshold, in pages.
 	TCPMemPressure int64                `json:"tcp_mem_pressure_pages"`
 	Results        []api.ReconfigResult `json:"reconfig_results"`
-	Removal        removalStats         `json:"removal"`
+	Removal        bench.RemovalStats   `json:"removal"`
 	Direct         int                  `json:"client_sessions_direct"`
 	BytesUp        int64                `json:"bytes_client_to_server"`
 	BytesDown      int64                `json:"bytes_server_to_client"`
@@ -127,179 +118,180 @@ func runProxyRemoval(ctx context.Context, env *Env) (*Result, error) {
 	d := &prData{Size: z}
 	res.Data = d
 	env.Begin("lab")
-	rl, err := upReconfigLab(ctx, o, env.set, env.Prefix, env.pr)
+	rl, err := bench.UpReconfigLab(ctx, o, env.set, env.Prefix, env.pr)
 	if err != nil {
 		return res, err
 	}
-	defer rl.close()
-	var stop atomic.Bool
-	var wg sync.WaitGroup
-	sessions := make([]*prSession, n)
-	trig := make([]chan struct{}, z.Bundles)
-	for i := range trig {
-		trig[i] = make(chan struct{})
-	}
-	quit := make(chan struct{})
-	var mu sync.Mutex
-	accepted := 0
-	defer func() {
-		stop.Store(true)
-		select {
-		case <-quit:
-		default:
-			close(quit)
-		}
-		for _, s := range sessions {
-			if s == nil {
-				continue
-			}
-			s.cl.abort()
-			if s.sv != nil {
-				s.sv.abort()
-			}
-		}
-		waitAll(&wg, 10*time.Second)
-	}()
-	// The server: a session names itself in its first 8 bytes.
-	hook := func(c net.Conn) {
-		go func() {
-			var hdr [8]byte
-			c.SetReadDeadline(time.Now().Add(30 * time.Second))
-			if _, err := io.ReadFull(c, hdr[:]); err != nil {
-				c.Close() // HAProxy's health checks, or a broken session
-				return
-			}
-			c.SetReadDeadline(time.Time{})
-			id := int(binary.BigEndian.Uint64(hdr[:]))
-			mu.Lock()
-			if id < 0 || id >= n || sessions[id] == nil || sessions[id].sv != nil {
-				mu.Unlock()
-				c.Close()
-				return
-			}
-			s := sessions[id]
-			s.sv = newEnd(c)
-			if err := setNotsentLowat(s.sv.c, prNotsentLowat); err != nil {
-				s.sv.fail(fmt.Errorf("TCP_NOTSENT_LOWAT: %w", err))
-			}
-			accepted++
-			wg.Add(2)
-			mu.Unlock()
-			go func() { defer wg.Done(); s.sv.recv() }()
-			go func() {
-				defer wg.Done()
-				select {
-				case <-trig[s.Bundle]:
-					s.sv.send(&stop, reconfigRate)
-				case <-quit:
-					s.sv.c.CloseWrite()
-				}
-			}()
-		}()
-	}
-	rl.accept.Store(&hook)
-	if err := rl.startHAProxy(ctx, true); err != nil {
+	defer rl.Close()
+	x := newPRRun(z)
+	defer x.shutdown()
+	hook := func(c net.Conn) { go x.serve(c) }
+	rl.Accept.Store(&hook)
+	if err := rl.StartHAProxy(ctx, true); err != nil {
 		return res, err
 	}
-	defer rl.stopHAProxy()
-	hist0, err := rl.history(ctx, o)
+	defer rl.StopHAProxy()
+	hist0, err := rl.History(ctx, o)
 	if err != nil {
 		return res, err
 	}
 
-	// Every session is opened first and the senders start together, so
-	// that opening hundreds of sessions one by one is not slowed by the
-	// ones already sending, and the first second of the timeline counts
-	// only its own bytes.
-	start := make(chan struct{})
 	env.Begin("opening the sessions")
-	dst := netip.AddrPortFrom(rl.proxy, proxyPort).String()
-	locals := map[string]bool{}
-	bundleOf := map[string]int{}
+	if err := x.open(ctx, env, rl); err != nil {
+		return res, err
+	}
+	env.Begin("sessions through HAProxy, bundles removed one at a time")
+	if err := x.timeline(ctx, env, rl, d); err != nil {
+		return res, err
+	}
+	env.Begin("checks: results, paths, every byte")
+	if err := x.check(ctx, env, rl, res, d, hist0); err != nil {
+		return res, err
+	}
+	return res, proxyRemovalReport(env, res, d, z, x.bundleOf)
+}
+
+// prRun is a run in progress: its sessions, and what starts and stops
+// their ends.
+type prRun struct {
+	sessionSet
+	z     proxyRemovalSize
+	trig  []chan struct{} // closed when a bundle's server ends start sending
+	start chan struct{}   // closed when the client ends start sending
+	// locals are the sessions' client addresses, bundleOf their bundles.
+	locals   map[string]bool
+	bundleOf map[string]int
+}
+
+func newPRRun(z proxyRemovalSize) *prRun {
+	x := &prRun{sessionSet: newSessionSet(z.Bundles * z.PerBundle), z: z, trig: make([]chan struct{}, z.Bundles),
+		start: make(chan struct{}), locals: map[string]bool{}, bundleOf: map[string]int{}}
+	for i := range x.trig {
+		x.trig[i] = make(chan struct{})
+	}
+	return x
+}
+
+// serve is the server's end of a connection HAProxy relays: a session
+// names itself in its first 8 bytes.
+func (x *prRun) serve(c net.Conn) {
+	s := x.serverEnd(c, func(e *labkit.End) {
+		if err := labkit.SetNotsentLowat(e.Conn, prNotsentLowat); err != nil {
+			e.Fail(fmt.Errorf("TCP_NOTSENT_LOWAT: %w", err))
+		}
+	})
+	if s == nil {
+		return
+	}
+	go func() { defer x.wg.Done(); s.sv.Recv() }()
+	go func() {
+		defer x.wg.Done()
+		select {
+		case <-x.trig[s.Bundle]:
+			s.sv.Send(&x.stop, bench.ReconfigRate)
+		case <-x.quit:
+			s.sv.Conn.CloseWrite()
+		}
+	}()
+}
+
+// open opens every session first, so that the senders start together:
+// opening hundreds of sessions one by one is then not slowed by the ones
+// already sending, and the first second of the timeline counts only its
+// own bytes.
+func (x *prRun) open(ctx context.Context, env *Env, rl *bench.ReconfigLab) error {
+	n := len(x.sessions)
+	dst := netip.AddrPortFrom(rl.Proxy, bench.ProxyPort).String()
 	for i := 0; i < n; i++ {
-		c, err := rl.lab.Dial(ctx, "client", "tcp", dst)
+		c, err := rl.Lab.Dial(ctx, "client", "tcp", dst)
 		if err != nil {
-			return res, fmt.Errorf("session %d of %d to HAProxy: %w", i+1, n, err)
+			return fmt.Errorf("session %d of %d to HAProxy: %w", i+1, n, err)
 		}
-		s := &prSession{ID: i, Bundle: i / z.PerBundle, cl: newEnd(c), local: c.LocalAddr().String()}
-		if err := setNotsentLowat(s.cl.c, prNotsentLowat); err != nil {
+		s := &bundledSession{ID: i, Bundle: i / x.z.PerBundle, cl: labkit.NewEnd(c), local: c.LocalAddr().String()}
+		if err := labkit.SetNotsentLowat(s.cl.Conn, prNotsentLowat); err != nil {
 			c.Close()
-			return res, fmt.Errorf("session %d: TCP_NOTSENT_LOWAT: %w", i+1, err)
+			return fmt.Errorf("session %d: TCP_NOTSENT_LOWAT: %w", i+1, err)
 		}
-		locals[s.local], bundleOf[s.local] = true, s.Bundle
+		x.locals[s.local], x.bundleOf[s.local] = true, s.Bundle
 		var hdr [8]byte
 		binary.BigEndian.PutUint64(hdr[:], uint64(i))
-		mu.Lock()
-		sessions[i] = s
-		mu.Unlock()
+		x.mu.Lock()
+		x.sessions[i] = s
+		x.mu.Unlock()
 		if _, err := c.Write(hdr[:]); err != nil {
-			return res, fmt.Errorf("session %d: %w", i+1, err)
+			return fmt.Errorf("session %d: %w", i+1, err)
 		}
-		wg.Add(2)
+		x.wg.Add(2)
 		go func() {
-			defer wg.Done()
+			defer x.wg.Done()
 			select {
-			case <-start:
-				s.cl.send(&stop, 0)
-			case <-quit:
-				s.cl.c.CloseWrite()
+			case <-x.start:
+				s.cl.Send(&x.stop, 0)
+			case <-x.quit:
+				s.cl.Conn.CloseWrite()
 			}
 		}()
-		go func() { defer wg.Done(); s.cl.recv() }()
+		go func() { defer x.wg.Done(); s.cl.Recv() }()
 	}
-	if a, err := waitAccepted(ctx, &mu, &accepted, n); err != nil {
-		return res, fmt.Errorf("the server got %d of the %d sessions relayed by HAProxy (HAProxy log: %s): %w", a, n, rl.haproxy.Log, err)
+	if a, err := labkit.WaitAccepted(ctx, &x.mu, &x.accepted, n); err != nil {
+		return fmt.Errorf("the server got %d of the %d sessions relayed by HAProxy (HAProxy log: %s): %w", a, n, rl.HAProxy.Log, err)
 	}
-	env.Logf("%d sessions in %d bundles through HAProxy (pid %d), client → server as fast as TCP lets", n, z.Bundles, rl.haproxy.Pid())
-	close(start)
+	env.Logf("%d sessions in %d bundles through HAProxy (pid %d), client → server as fast as TCP lets", n, x.z.Bundles, rl.HAProxy.Pid())
+	close(x.start)
+	return nil
+}
 
-	env.Begin("sessions through HAProxy, bundles removed one at a time")
-	hpid := rl.haproxy.Pid()
-	apid := rl.lab.Agent("proxy").Pid()
+// timeline samples every second the goodput of each bundle, HAProxy's and
+// the proxy's agent's CPU and the proxy host's datapath, and triggers the
+// bundles' removals one at a time.
+func (x *prRun) timeline(ctx context.Context, env *Env, rl *bench.ReconfigLab, d *prData) error {
+	z, o := x.z, env.O
+	hpid := rl.HAProxy.Pid()
+	apid := rl.Lab.Agent("proxy").Pid()
 	t0 := time.Now()
 	prevT := t0
-	prevCPU, _ := cpuTime(hpid)
-	prevAgent, _ := cpuTime(apid)
+	prevCPU, _ := bench.CPUTime(hpid)
+	prevAgent, _ := bench.CPUTime(apid)
 	prevBytes := make([]int64, z.Bundles)
-	st0, err := agentStatus(ctx, o, rl.lab, "proxy")
+	st0, err := labkit.AgentStatus(ctx, o.Dysco, rl.Lab, "proxy")
 	if err != nil {
-		return res, err
+		return err
 	}
-	prevRw := proxyRewrites(st0)
+	prevRw := bench.ProxyRewrites(st0)
 	next := 0
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
 	for time.Since(t0) < z.total() {
 		select {
 		case <-ctx.Done():
-			return res, ctx.Err()
+			return ctx.Err()
 		case <-tick.C:
 		}
 		now := time.Now()
 		dt := now.Sub(prevT).Seconds()
 		sec := prSecond{T: now.Sub(t0).Seconds(), BundleGbps: make([]float64, z.Bundles)}
 		cur := make([]int64, z.Bundles)
-		for _, s := range sessions {
-			cur[s.Bundle] += s.sv.rx.Load()
+		for _, s := range x.sessions {
+			cur[s.Bundle] += s.sv.Rx.Load()
 		}
 		for b := range cur {
 			sec.BundleGbps[b] = float64(cur[b]-prevBytes[b]) * 8 / dt / 1e9
 			sec.TotalGbps += sec.BundleGbps[b]
 		}
 		prevBytes = cur
-		if c, err := cpuTime(hpid); err == nil {
+		if c, err := bench.CPUTime(hpid); err == nil {
 			sec.HAProxyCPU = 100 * (c - prevCPU).Seconds() / dt
 			prevCPU = c
 		}
-		if c, err := cpuTime(apid); err == nil {
+		if c, err := bench.CPUTime(apid); err == nil {
 			sec.AgentCPU = 100 * (c - prevAgent).Seconds() / dt
 			prevAgent = c
 		}
-		if st, err := agentStatus(ctx, o, rl.lab, "proxy"); err == nil {
-			sec.ProxyRewrite = proxyRewrites(st) - prevRw
-			prevRw = proxyRewrites(st)
+		if st, err := labkit.AgentStatus(ctx, o.Dysco, rl.Lab, "proxy"); err == nil {
+			sec.ProxyRewrite = bench.ProxyRewrites(st) - prevRw
+			prevRw = bench.ProxyRewrites(st)
 		}
-		if m, p, err := tcpMemPages(); err == nil {
+		if m, p, err := labkit.TCPMemPages(); err == nil {
 			sec.TCPMemPages = m
 			d.TCPMemPressure = p
 		}
@@ -307,24 +299,29 @@ func runProxyRemoval(ctx context.Context, env *Env) (*Result, error) {
 		d.Timeline = append(d.Timeline, sec)
 		env.Logf("t=%2.0f s: %.2f Gbit/s, HAProxy %.0f %% CPU, proxy datapath %d packets", sec.T, sec.TotalGbps, sec.HAProxyCPU, sec.ProxyRewrite)
 		if next < z.Bundles && time.Since(t0) >= z.Warm+time.Duration(next)*z.Interval-time.Second/2 {
-			close(trig[next])
+			close(x.trig[next])
 			d.Triggers = append(d.Triggers, time.Since(t0).Seconds())
 			env.Logf("bundle %d of %d: the server ends answer; HAProxy splices the second direction and libdysco asks for its removal", next+1, z.Bundles)
 			next++
 		}
 	}
+	return nil
+}
 
-	env.Begin("checks: results, paths, every byte")
+// check checks the run: one result per session at the left anchor, every
+// session straight to the server, and nothing lost.
+func (x *prRun) check(ctx context.Context, env *Env, rl *bench.ReconfigLab, res *Result, d *prData, hist0 []api.ReconfigResult) error {
+	n, o := len(x.sessions), env.O
 	// One result per session at the left anchor (the client).
 	var results []api.ReconfigResult
 	for last, lastAt := -1, time.Now(); ; {
-		h, err := rl.history(ctx, o)
+		h, err := rl.History(ctx, o)
 		if err != nil {
-			return res, err
+			return err
 		}
 		results = nil
-		for _, r := range newResults(hist0, h) {
-			if src, _, _ := strings.Cut(r.Session, " -> "); locals[src] {
+		for _, r := range bench.NewResults(hist0, h) {
+			if src, _, _ := strings.Cut(r.Session, " -> "); x.locals[src] {
 				results = append(results, r)
 			}
 		}
@@ -334,61 +331,50 @@ func runProxyRemoval(ctx context.Context, env *Env) (*Result, error) {
 		if len(results) >= n || time.Since(lastAt) > 10*time.Second {
 			break
 		}
-		if err := sleepCtx(ctx, 200*time.Millisecond); err != nil {
-			return res, err
+		if err := labkit.SleepCtx(ctx, 200*time.Millisecond); err != nil {
+			return err
 		}
 	}
 	d.Results = results
-	d.Removal = summarize(results, n, locals)
+	d.Removal = bench.Summarize(results, n, x.locals)
 	if d.Removal.Succeeded != n {
 		res.problem("%d of %d removals succeeded (%d results; %v)", d.Removal.Succeeded, n, d.Removal.Results, d.Removal.Reasons)
 	}
-	out, err := dyscoCLI(ctx, o, rl.lab, "client", "sessions", "-o", "json")
+	direct, err := rl.DirectSessions(ctx, o, x.locals)
 	if err != nil {
-		return res, err
+		return err
 	}
-	var sess []api.Session
-	if err := json.Unmarshal([]byte(out), &sess); err != nil {
-		return res, fmt.Errorf("dysco sessions on the client: %w", err)
-	}
-	for _, s := range sess {
-		src, _, _ := strings.Cut(s.Session, " -> ")
-		if locals[src] && strings.Contains(s.Right, "-> "+rl.server.String()+":") {
-			d.Direct++
-		}
-	}
+	d.Direct += direct
 	if d.Direct != n {
 		res.problem("%d of %d client sessions go straight to the server after the removals", d.Direct, n)
 	}
 	// Nothing lost: every sender half-closes, every receiver reads to EOF.
-	stop.Store(true)
-	close(quit)
-	if !waitAll(&wg, 30*time.Second) {
-		var stuck []stuckSession
-		for _, s := range sessions {
+	if !x.finish(30 * time.Second) {
+		var stuck []bench.StuckSession
+		for _, s := range x.sessions {
 			// The client's end and HAProxy's end towards the server name
 			// the session; the proxy's and server's listening addresses
 			// are shared by all.
-			addrs := []string{s.local, s.sv.c.RemoteAddr().String()}
-			if !s.sv.eof.Load() {
-				stuck = append(stuck, stuckSession{lossCheck(fmt.Sprintf("session %d (%s) up", s.ID, s.local), s.cl, s.sv), addrs})
+			addrs := []string{s.local, s.sv.Conn.RemoteAddr().String()}
+			if !s.sv.GotEOF.Load() {
+				stuck = append(stuck, bench.StuckSession{What: labkit.LossCheck(fmt.Sprintf("session %d (%s) up", s.ID, s.local), s.cl, s.sv), Addresses: addrs})
 			}
-			if !s.cl.eof.Load() {
-				stuck = append(stuck, stuckSession{lossCheck(fmt.Sprintf("session %d (%s) down", s.ID, s.local), s.sv, s.cl), addrs})
+			if !s.cl.GotEOF.Load() {
+				stuck = append(stuck, bench.StuckSession{What: labkit.LossCheck(fmt.Sprintf("session %d (%s) down", s.ID, s.local), s.sv, s.cl), Addresses: addrs})
 			}
 		}
 		msg := "some session ends did not finish within 30 s of the senders' FIN"
-		if p, err := dumpStuck(ctx, o, rl, stuck); err != nil {
+		if p, err := bench.DumpStuck(ctx, o, rl, stuck); err != nil {
 			msg += fmt.Sprintf(" (describing them failed: %v)", err)
 		} else {
 			msg += fmt.Sprintf("; what the hosts know of them: %s (kept in the run's logs)", filepath.Base(p))
 		}
 		res.problem("%s", msg)
 	}
-	for _, s := range sessions {
-		d.BytesUp += s.sv.rx.Load()
-		d.BytesDown += s.cl.rx.Load()
-		for _, l := range []string{lossCheck(fmt.Sprintf("session %d (%s) up", s.ID, s.local), s.cl, s.sv), lossCheck(fmt.Sprintf("session %d (%s) down", s.ID, s.local), s.sv, s.cl)} {
+	for _, s := range x.sessions {
+		d.BytesUp += s.sv.Rx.Load()
+		d.BytesDown += s.cl.Rx.Load()
+		for _, l := range []string{labkit.LossCheck(fmt.Sprintf("session %d (%s) up", s.ID, s.local), s.cl, s.sv), labkit.LossCheck(fmt.Sprintf("session %d (%s) down", s.ID, s.local), s.sv, s.cl)} {
 			if l != "" {
 				d.Lost = append(d.Lost, l)
 			}
@@ -397,12 +383,12 @@ func runProxyRemoval(ctx context.Context, env *Env) (*Result, error) {
 	if len(d.Lost) > 0 {
 		res.problem("%d session directions lost or changed bytes (first: %s)", len(d.Lost), d.Lost[0])
 	}
-	return res, proxyRemovalReport(env, res, d, z, bundleOf)
+	return nil
 }
 
 // removalTimeDifference explains the removal times against the paper's,
 // from where the time went (the phases at the left anchor).
-func removalTimeDifference(st removalStats, perBundle int) string {
+func removalTimeDifference(st bench.RemovalStats, perBundle int) string {
 	queue := fmt.Sprintf("%d removals are asked for within a few ms of each other (a bundle at once), and the agents queue them; one removal is about ten control messages through the router, each a Go agent's work on a shared CPU, while the paper's agents ran on dedicated cores", perBundle)
 	if math.IsNaN(st.TwoPathP50ms) {
 		return queue
@@ -580,7 +566,7 @@ func proxyRemovalReport(env *Env, res *Result, d *prData, z proxyRemovalSize, bu
 		fmt.Sprintf("%d sessions in %d bundles of %d, opened by the runner from the client's namespace to its own receiver in the server's namespace; each sends client → server as fast as TCP lets. "+
 			"The paper had 600 sessions in 4 bundles of 150, each bundle a client-server pair on its own hosts; here one client and one server namespace carry every bundle. "+
 			"Every host has Linux's default TCP receive buffer limit (net.ipv4.tcp_rmem %s), whatever the machine's, and the runner's senders keep at most %d KiB unsent in their sockets (TCP_NOTSENT_LOWAT): the ends of every session share one kernel, whose TCP memory limit (net.ipv4.tcp_mem) is global. %s",
-			n, z.Bundles, z.PerBundle, labTCPRmem, prNotsentLowat>>10, tcpMemSentence(d)),
+			n, z.Bundles, z.PerBundle, bench.LabTCPRmem, prNotsentLowat>>10, tcpMemSentence(d)),
 		fmt.Sprintf("At %.0f s and then every %.0f s (paper: 40, 60, 80, 100 s), one bundle's server ends start answering at 32 KiB/s: HAProxy splices that direction too, and libdysco asks the proxy's agent to remove the proxy from those sessions. "+
 			"The run ends %.0f s after the last removal.", z.Warm.Seconds(), z.Interval.Seconds(), z.Tail.Seconds()),
 		"Every second: the bytes the server ends received per bundle (goodput), HAProxy's CPU time (utime + stime from /proc/PID/stat), the proxy agent's CPU time, and the packets the proxy host's datapath rewrote.",
@@ -598,7 +584,7 @@ func proxyRemovalReport(env *Env, res *Result, d *prData, z proxyRemovalSize, bu
 			Difference: map[bool]string{true: "the same: HAProxy does nothing once its sessions have left it", false: "HAProxy still uses CPU after the last removal: see the timeline"}[d.CPUAfter < 0.1*d.CPUBefore+1]},
 		{What: "reconfiguration time (per session, at the left anchor)",
 			Ours: fmt.Sprintf("p50 %.2f ms, p99 %.2f ms, max %.2f ms; %.1f %% under 2 ms, %.1f %% under 4 ms (%d of %d succeeded); %s",
-				st.P50ms, st.P99ms, st.MaxMs, 100*st.Under2ms, 100*st.Under4ms, st.Succeeded, n, orText(st.phasesText(), "phases unknown")),
+				st.P50ms, st.P99ms, st.MaxMs, 100*st.Under2ms, 100*st.Under4ms, st.Succeeded, n, labkit.OrText(st.PhasesText(), "phases unknown")),
 			Paper:      "80 % under 2 ms, 98.7 % under 4 ms",
 			Difference: removalTimeDifference(st, z.PerBundle)},
 		{What: "bytes lost", Ours: fmt.Sprintf("%d session directions with a loss, of %d (%.2f GB up, %.2f MB down, checked byte by byte)", len(d.Lost), 2*n, float64(d.BytesUp)/1e9, float64(d.BytesDown)/1e6),

@@ -2,7 +2,7 @@ package experiment
 
 // Experiment "setup-latency" (paper §5.1, Figure 8): connect() time through
 // 1 and 4 middleboxes, Dysco and plain routing, checksum offload on and
-// off. It reuses the connect() runner of `make bench` (connect.go).
+// off. It reuses the connect() runner of `make bench` (bench.Connect).
 
 import (
 	"context"
@@ -13,6 +13,9 @@ import (
 
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/vg"
+
+	"github.com/dysco/dysco/internal/bench"
+	"github.com/dysco/dysco/internal/labkit"
 )
 
 func init() {
@@ -51,26 +54,26 @@ func runSetupLatency(ctx context.Context, env *Env) (*Result, error) {
 	o := env.O
 	o.Connects = setupConnects(env.Size)
 	res := &Result{Title: "session set-up latency"}
-	var all []*connectResult
+	var all []*bench.ConnectResult
 	for _, nmb := range []int{1, 4} {
 		env.Begin(fmt.Sprintf("labs, %d mb", nmb))
-		p, err := upPair(ctx, o, env.set, env.Prefix, nmb, env.pr)
+		p, err := labkit.UpPair(ctx, o.Agents(), env.set, env.Prefix, nmb, env.pr)
 		if err != nil {
 			return nil, err
 		}
 		for _, on := range []bool{true, false} {
-			env.Begin(fmt.Sprintf("connect(), %d mb, offload %s", nmb, onOff(on)))
-			if err := p.setTxOffload(ctx, on); err != nil {
-				p.close()
+			env.Begin(fmt.Sprintf("connect(), %d mb, offload %s", nmb, bench.OnOff(on)))
+			if err := p.SetTxOffload(ctx, on); err != nil {
+				p.Close()
 				return nil, err
 			}
-			if err := benchConnect(ctx, o, p, env.rep, env.pr, on); err != nil {
-				p.close()
+			if err := bench.Connect(ctx, o, p, env.rep, env.pr, on); err != nil {
+				p.Close()
 				return nil, err
 			}
-			all = append(all, env.rep.Details[fmt.Sprintf("connect-%dmb-offload-%s", nmb, onOff(on))].(*connectResult))
+			all = append(all, env.rep.Details[fmt.Sprintf("connect-%dmb-offload-%s", nmb, bench.OnOff(on))].(*bench.ConnectResult))
 		}
-		p.close()
+		p.Close()
 		if err := env.Down(); err != nil {
 			return nil, err
 		}
@@ -91,10 +94,10 @@ func runSetupLatency(ctx context.Context, env *Env) (*Result, error) {
 		for i, v := range [][]float64{c.Dysco, c.Baseline} {
 			name := []string{"dysco", "baseline"}[i]
 			for _, x := range v {
-				rows = append(rows, []string{strconv.Itoa(c.Middleboxes), onOff(c.TxOffload), name, strconv.FormatFloat(x, 'f', 2, 64)})
+				rows = append(rows, []string{strconv.Itoa(c.Middleboxes), bench.OnOff(c.TxOffload), name, strconv.FormatFloat(x, 'f', 2, 64)})
 			}
-			sum = append(sum, []string{strconv.Itoa(c.Middleboxes), onOff(c.TxOffload), name, strconv.Itoa(len(v)),
-				f2(mean(v)), f2(median(v)), f2(quantile(v, 0.99))})
+			sum = append(sum, []string{strconv.Itoa(c.Middleboxes), bench.OnOff(c.TxOffload), name, strconv.Itoa(len(v)),
+				f2(mean(v)), f2(labkit.Median(v)), f2(labkit.Quantile(v, 0.99))})
 		}
 	}
 	if err := env.WriteCSV("setup_latency_samples.csv", []string{"middleboxes", "tx_offload", "variant", "connect_us"}, rows); err != nil {
@@ -111,7 +114,7 @@ func runSetupLatency(ctx context.Context, env *Env) (*Result, error) {
 				continue
 			}
 			dm, bm := mean(c.Dysco), mean(c.Baseline)
-			groups = append(groups, barGroup{fmt.Sprintf("%d mb, offload %s", c.Middleboxes, onOff(off)), []float64{dm, bm}})
+			groups = append(groups, barGroup{fmt.Sprintf("%d mb, offload %s", c.Middleboxes, bench.OnOff(off)), []float64{dm, bm}})
 			added := dm - bm
 			paper, diff := "bars only (values not in the text)", ""
 			if c.Middleboxes == 4 && !off {
@@ -127,9 +130,9 @@ func runSetupLatency(ctx context.Context, env *Env) (*Result, error) {
 				diff = fmt.Sprintf("Dysco adds %.0f µs (%.1f µs per middlebox) to a %.0f µs baseline; not comparable number for number, the paper gives no value", added, added/float64(c.Middleboxes), bm)
 			}
 			res.Comparisons = append(res.Comparisons, Comparison{
-				What: fmt.Sprintf("connect() through %d mb, tx checksum offload %s: mean Dysco / baseline (median; p99)", c.Middleboxes, onOff(off)),
-				Ours: fmt.Sprintf("%.1f / %.1f µs (%.1f / %.1f; %.0f / %.0f): +%.1f µs", dm, bm, median(c.Dysco), median(c.Baseline),
-					quantile(c.Dysco, 0.99), quantile(c.Baseline, 0.99), added),
+				What: fmt.Sprintf("connect() through %d mb, tx checksum offload %s: mean Dysco / baseline (median; p99)", c.Middleboxes, bench.OnOff(off)),
+				Ours: fmt.Sprintf("%.1f / %.1f µs (%.1f / %.1f; %.0f / %.0f): +%.1f µs", dm, bm, labkit.Median(c.Dysco), labkit.Median(c.Baseline),
+					labkit.Quantile(c.Dysco, 0.99), labkit.Quantile(c.Baseline, 0.99), added),
 				Paper: paper, Difference: diff})
 			if off {
 				continue

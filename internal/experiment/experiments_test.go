@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/dysco/dysco/internal/bench"
+	"github.com/dysco/dysco/internal/labkit"
 	"github.com/dysco/dysco/internal/testutil"
 )
 
@@ -60,8 +62,8 @@ func needLab(t *testing.T, tools ...string) {
 	testutil.RequireTools(t, tools...)
 }
 
-// TestRegistry checks that every experiment the issue names is registered
-// with phases for every size.
+// TestRegistry checks that every experiment of docs/experiments.md is
+// registered with phases for every size.
 func TestRegistry(t *testing.T) {
 	for _, n := range []string{"setup-latency", "goodput", "nginx", "proxy-removal", "disruption", "firewall-migration", "churn"} {
 		e, err := Lookup(n)
@@ -90,7 +92,7 @@ func TestExperimentsTiny(t *testing.T) {
 	}
 	checks := map[string]func(t *testing.T, r *Result){
 		"setup-latency": func(t *testing.T, r *Result) {
-			all := r.Data.([]*connectResult)
+			all := r.Data.([]*bench.ConnectResult)
 			if len(all) != 4 {
 				t.Fatalf("%d settings, want 4", len(all))
 			}
@@ -98,7 +100,7 @@ func TestExperimentsTiny(t *testing.T) {
 				if len(c.Dysco) < setupConnects(Tiny)-5 || len(c.Baseline) < setupConnects(Tiny)-5 {
 					t.Errorf("%d mb, offload %v: %d/%d samples", c.Middleboxes, c.TxOffload, len(c.Dysco), len(c.Baseline))
 				}
-				for _, m := range []float64{median(c.Dysco), median(c.Baseline)} {
+				for _, m := range []float64{labkit.Median(c.Dysco), labkit.Median(c.Baseline)} {
 					if !(m > 0 && m < 10_000) {
 						t.Errorf("%d mb: median connect() %v µs", c.Middleboxes, m)
 					}
@@ -133,7 +135,7 @@ func TestExperimentsTiny(t *testing.T) {
 			}
 		},
 		"nginx": func(t *testing.T, r *Result) {
-			d := r.Data.(map[string][]sample)
+			d := r.Data.(map[string][]bench.Sample)
 			for _, k := range []string{"1mb", "4mb"} {
 				if len(d[k]) != 2 {
 					t.Errorf("%s: %d samples", k, len(d[k]))
@@ -215,7 +217,7 @@ func TestExperimentsTiny(t *testing.T) {
 			}
 		},
 		"disruption": func(t *testing.T, r *Result) {
-			d := r.Data.(*disruptionDetails)
+			d := r.Data.(*bench.DisruptionDetails)
 			if len(d.Runs) != 2 {
 				t.Fatalf("%d runs", len(d.Runs))
 			}

@@ -19,6 +19,8 @@ import (
 	"gonum.org/v1/plot/vg"
 	"gonum.org/v1/plot/vg/draw"
 	"gonum.org/v1/plot/vg/vgimg"
+
+	"github.com/dysco/dysco/internal/labkit"
 )
 
 // WriteCSV writes a table to OutDir/name and lists it among the result's
@@ -202,7 +204,7 @@ func reportMarkdown(r *Result) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "# %s: %s (paper %s)\n\n", r.Experiment, r.Title, r.Paper)
 	fmt.Fprintf(&b, "Run of %s UTC (%s size, took %s): `%s`. ", r.Started.Format("2006-01-02 15:04"), r.Size,
-		fmtClock(r.Finished.Sub(r.Started)), r.Command)
+		labkit.FmtClock(r.Finished.Sub(r.Started)), r.Command)
 	m := r.Machine
 	fmt.Fprintf(&b, "Machine: Linux %s, %d CPUs, %s; %s; commit %s. Every lab host, the agents, the programs measured and the runner share these CPUs.\n\n",
 		m.Kernel, m.Nproc, m.CPU, m.Go, m.Commit)

@@ -1,8 +1,7 @@
-package experiment
-
-// The experiments of `dysco lab run`: the paper's evaluation (§5) on one
-// machine. Each experiment is one file that registers itself in an init
-// function:
+// Package experiment runs the paper's evaluation (§5) on one machine, as
+// the experiments of `dysco lab run`, each writing raw data (CSV, JSON),
+// plots and a report. Each experiment is one file that registers itself in
+// an init function:
 //
 //	func init() {
 //		Register(&Experiment{Name: "my-exp", Paper: "Fig. 15", ...,
@@ -11,7 +10,10 @@ package experiment
 //
 // Run gets an *Env (sizes, a lab set that is always torn down, progress,
 // writers for CSV files and plots) and returns what goes into report.md.
-// docs/experiments.md describes the experiments and how to add one.
+// docs/experiments.md describes the experiments and how to add one. The
+// runners they reuse are those of `make bench` (internal/bench), in labs
+// of internal/labkit.
+package experiment
 
 import (
 	"context"
@@ -25,6 +27,9 @@ import (
 	"sort"
 	"strings"
 	"time"
+
+	"github.com/dysco/dysco/internal/bench"
+	"github.com/dysco/dysco/internal/labkit"
 )
 
 // Size is how big a run is: Tiny for tests, Quick (the default) for a few
@@ -141,34 +146,34 @@ type Env struct {
 	Config
 	// O are the options of the runners shared with `make bench`, set to
 	// the size's defaults; an experiment adjusts the fields it uses.
-	O   *Options
-	rep *Report // figures and details of the shared runners
-	pr  *progress
-	set *labSet
+	O   *bench.Options
+	rep *bench.Report // figures and details of the shared runners
+	pr  *labkit.Progress
+	set *labkit.Labs
 	// Prefix starts the names of the run's labs.
 	Prefix string
 	files  []string
 }
 
 // Begin starts a phase of the progress plan.
-func (env *Env) Begin(name string) { env.pr.begin(name) }
+func (env *Env) Begin(name string) { env.pr.Begin(name) }
 
 // Logf prints a progress line.
-func (env *Env) Logf(format string, args ...any) { env.pr.logf(format, args...) }
+func (env *Env) Logf(format string, args ...any) { env.pr.Logf(format, args...) }
 
 // Down tears down every lab built so far.
-func (env *Env) Down() error { return env.set.down() }
+func (env *Env) Down() error { return env.set.Down() }
 
 // Result is what an experiment found; it becomes data.json and report.md.
 type Result struct {
-	Experiment string    `json:"experiment"`
-	Title      string    `json:"title"`
-	Paper      string    `json:"paper"`
-	Size       string    `json:"size"`
-	Command    string    `json:"command"`
-	Started    time.Time `json:"started"`
-	Finished   time.Time `json:"finished"`
-	Machine    EnvInfo   `json:"machine"`
+	Experiment string        `json:"experiment"`
+	Title      string        `json:"title"`
+	Paper      string        `json:"paper"`
+	Size       string        `json:"size"`
+	Command    string        `json:"command"`
+	Started    time.Time     `json:"started"`
+	Finished   time.Time     `json:"finished"`
+	Machine    bench.EnvInfo `json:"machine"`
 	// Setup describes what ran, one item per line of a list.
 	Setup []string `json:"setup"`
 	// Comparisons are our figures and the paper's, side by side.
@@ -246,15 +251,15 @@ func RunExperiment(ctx context.Context, name string, cfg Config) (res *Result, e
 	if err := os.MkdirAll(cfg.OutDir, 0o755); err != nil {
 		return nil, err
 	}
-	o := &Options{Dysco: cfg.Dysco, Libdysco: cfg.Libdysco, Quick: cfg.Size != Full,
+	o := &bench.Options{Dysco: cfg.Dysco, Libdysco: cfg.Libdysco, Quick: cfg.Size != Full,
 		OutDir: cfg.OutDir, AgentArgs: cfg.AgentArgs, Only: []string{name}}
 	if cfg.Size == Tiny {
 		o.Reps = 1
 	}
-	o.defaults()
+	o.Defaults()
 	// Alternating chunks of connect() calls, except in tiny runs.
 	o.Quick = cfg.Size == Tiny
-	prefix := runID()
+	prefix := labkit.RunID()
 	prefix = "x" + prefix[1:]
 	// The labs' logs are kept while the run goes and removed when it
 	// succeeds: a failed run leaves them next to its report.
@@ -262,21 +267,21 @@ func RunExperiment(ctx context.Context, name string, cfg Config) (res *Result, e
 	if err := os.RemoveAll(logDir); err != nil {
 		return nil, err
 	}
-	env := &Env{Config: cfg, O: o, rep: newReport(o), set: &labSet{logDir: logDir}, Prefix: prefix}
-	var phases []phase
+	env := &Env{Config: cfg, O: o, rep: bench.NewReport(o), set: &labkit.Labs{LogDir: logDir}, Prefix: prefix}
+	var phases []labkit.Phase
 	plan := e.Phases(cfg.Size)
 	if cfg.Duration > 0 {
 		plan = e.TimedPhases(cfg.Duration)
 	}
 	for _, p := range plan {
-		phases = append(phases, phase{p.Name, p.Est})
+		phases = append(phases, labkit.Phase{Name: p.Name, Est: p.Est})
 	}
-	env.pr = newProgress(cfg.Log, phases)
-	env.pr.tag = "lab run " + name
+	env.pr = labkit.NewProgress(cfg.Log, phases)
+	env.pr.Tag = "lab run " + name
 	started := time.Now().UTC()
 	env.Logf("%s (%s), %s run; labs %s*; files in %s", name, e.Paper, cfg.Size, prefix, cfg.OutDir)
 	defer func() {
-		if derr := env.set.down(); derr != nil {
+		if derr := env.set.Down(); derr != nil {
 			err = errors.Join(err, derr)
 		}
 		if res == nil {
@@ -300,7 +305,7 @@ func RunExperiment(ctx context.Context, name string, cfg Config) (res *Result, e
 		} else if _, serr := os.Stat(logDir); serr == nil {
 			env.Logf("the labs' logs (agents and programs) are in %s", logDir)
 		}
-		env.Logf("done in %s: report %s", fmtClock(res.Finished.Sub(started)), filepath.Join(cfg.OutDir, "report.md"))
+		env.Logf("done in %s: report %s", labkit.FmtClock(res.Finished.Sub(started)), filepath.Join(cfg.OutDir, "report.md"))
 	}()
 	res, err = e.Run(ctx, env)
 	if err != nil && ctx.Err() != nil {

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/dysco/dysco/internal/experiment"
+	"github.com/dysco/dysco/internal/bench"
 	"github.com/dysco/dysco/internal/lab"
 	"github.com/dysco/dysco/internal/testutil"
 )
@@ -28,7 +28,7 @@ import (
 // middleboxes' reset counters), every session still open after a round
 // must have been reconfigured, a session that ended during a round reports
 // "session ended", and no result takes longer than a second unless it is
-// "session ended" for a session that did end. The runner is the churn experiment's (internal/experiment,
+// "session ended" for a session that did end. The runner is the churn experiment's (internal/bench,
 // RunChurn); what became of each session comes from the client's sockets.
 func TestReconfigureUnderChurn(t *testing.T) {
 	testutil.RequireTools(t, "wrk", "nginx", "nstat")
@@ -42,11 +42,11 @@ func TestReconfigureUnderChurn(t *testing.T) {
 
 func reconfigureUnderChurn(t *testing.T, v6 bool) {
 	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "server"), prefix: "ch"})
-	spec := experiment.IssueChurnSpec(e.lab, dyscoBin, v6)
+	spec := bench.IssueChurnSpec(e.lab, dyscoBin, v6)
 	spec.Logf = t.Logf
 	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
 	defer cancel()
-	res, err := experiment.RunChurn(ctx, spec)
+	res, err := bench.RunChurn(ctx, spec)
 	if err != nil {
 		t.Fatalf("churn run: %v", err)
 	}
@@ -90,7 +90,7 @@ func reconfigureUnderChurn(t *testing.T, v6 bool) {
 		}
 	}
 	// Every result fits what became of its session.
-	for _, class := range []string{experiment.ClassLiveNotReconfigured, experiment.ClassEndedOtherReason, experiment.ClassClaimedEnded, experiment.ClassSlow} {
+	for _, class := range []string{bench.ClassLiveNotReconfigured, bench.ClassEndedOtherReason, bench.ClassClaimedEnded, bench.ClassSlow} {
 		if n := res.ClassCount(class); n > 0 {
 			var ex []string
 			for _, rd := range res.Rounds {
@@ -107,7 +107,7 @@ func reconfigureUnderChurn(t *testing.T, v6 bool) {
 	}
 	// Nothing left in a phase once the rounds were over.
 	for _, x := range res.Stuck {
-		if !strings.Contains(x, experiment.ClassSlow) {
+		if !strings.Contains(x, bench.ClassSlow) {
 			t.Errorf("stuck: %s", x)
 		}
 	}
@@ -116,7 +116,7 @@ func reconfigureUnderChurn(t *testing.T, v6 bool) {
 	}
 }
 
-func summary(rd *experiment.ChurnRound) string {
+func summary(rd *bench.ChurnRound) string {
 	if rd.Err != "" {
 		return "error: " + rd.Err
 	}

@@ -1,4 +1,4 @@
-package experiment
+package bench
 
 import (
 	"context"
@@ -19,6 +19,8 @@ import (
 	"github.com/cilium/ebpf/link"
 	"github.com/dysco/dysco/internal/lab"
 	"golang.org/x/sys/unix"
+
+	"github.com/dysco/dysco/internal/labkit"
 )
 
 const statsSysctl = "/proc/sys/kernel/bpf_stats_enabled"
@@ -144,7 +146,7 @@ func takeSnap(ctx context.Context, l *lab.Lab, host string, hooks []hook, progs 
 		files = append(files, "/sys/class/net/"+h.Iface+"/statistics/"+dir)
 		keys = append(keys, h.Iface+"@"+h.Hook)
 	}
-	out, err := run(ctx, l, host, 10*time.Second, append([]string{"cat"}, files...)...)
+	out, err := labkit.Run(ctx, l, host, 10*time.Second, append([]string{"cat"}, files...)...)
 	if err != nil {
 		return nil, err
 	}
@@ -320,8 +322,8 @@ func (c progCost) MarshalJSON() ([]byte, error) {
 // workload then runs through the baseline lab with an empty program on its
 // mb1's hooks (attachEmpty): what the statistics cost by themselves, which
 // the figures judged against the target leave out.
-func benchBPFStats(ctx context.Context, o *Options, p *pair, r *Report, pr *progress) (err error) {
-	l := p.dysco.lab
+func benchBPFStats(ctx context.Context, o *Options, p *labkit.Pair, r *Report, pr *labkit.Progress) (err error) {
+	l := p.Dysco.Lab
 	hosts := []string{"mb1", "client"}
 	hooks := map[string][]hook{}
 	progs := map[string]map[ebpf.ProgramID]*ebpf.Program{}
@@ -352,9 +354,9 @@ func benchBPFStats(ctx context.Context, o *Options, p *pair, r *Report, pr *prog
 	// mb1, under the same workload.
 	var empty *emptyHooks
 	floorErr := ""
-	if p.base == nil {
+	if p.Base == nil {
 		floorErr = "no baseline lab"
-	} else if empty, err = attachEmpty(p.base.lab, "mb1", hooks["mb1"]); err != nil {
+	} else if empty, err = attachEmpty(p.Base.Lab, "mb1", hooks["mb1"]); err != nil {
 		floorErr = err.Error()
 	} else {
 		defer empty.Close()
@@ -377,17 +379,17 @@ func benchBPFStats(ctx context.Context, o *Options, p *pair, r *Report, pr *prog
 		argv    []string
 		timeout time.Duration
 	}{
-		{"iperf3", iperfArgv(p.dysco.server.String(), o, 1), o.IperfTime + 60*time.Second},
-		{"wrk", wrkArgv(p.dysco.server.String(), o), o.WrkTime + 60*time.Second},
+		{"iperf3", iperfArgv(p.Dysco.Server.String(), o, 1), o.IperfTime + 60*time.Second},
+		{"wrk", wrkArgv(p.Dysco.Server.String(), o), o.WrkTime + 60*time.Second},
 	}
 	baseArgv := map[string][]string{}
-	if p.base != nil {
-		baseArgv["iperf3"] = iperfArgv(p.base.server.String(), o, 1)
-		baseArgv["wrk"] = wrkArgv(p.base.server.String(), o)
+	if p.Base != nil {
+		baseArgv["iperf3"] = iperfArgv(p.Base.Server.String(), o, 1)
+		baseArgv["wrk"] = wrkArgv(p.Base.Server.String(), o)
 	}
 	for _, w := range workloads {
-		pr.logf("datapath cost: %s through the Dysco lab with BPF statistics on", w.name)
-		stBefore, err := agentStatus(ctx, o, l, "mb1")
+		pr.Logf("datapath cost: %s through the Dysco lab with BPF statistics on", w.name)
+		stBefore, err := labkit.AgentStatus(ctx, o.Dysco, l, "mb1")
 		if err != nil {
 			return err
 		}
@@ -397,7 +399,7 @@ func benchBPFStats(ctx context.Context, o *Options, p *pair, r *Report, pr *prog
 				return err
 			}
 		}
-		if _, err := run(ctx, l, "client", w.timeout, w.argv...); err != nil {
+		if _, err := labkit.Run(ctx, l, "client", w.timeout, w.argv...); err != nil {
 			return err
 		}
 		var cs []progCost
@@ -408,11 +410,11 @@ func benchBPFStats(ctx context.Context, o *Options, p *pair, r *Report, pr *prog
 			}
 			cs = append(cs, costs(h, w.name, hooks[h], after, before[h])...)
 		}
-		stAfter, err := agentStatus(ctx, o, l, "mb1")
+		stAfter, err := labkit.AgentStatus(ctx, o.Dysco, l, "mb1")
 		if err != nil {
 			return err
 		}
-		counters := counterDelta(stBefore, stAfter)
+		counters := labkit.CounterDelta(stBefore, stAfter)
 		mb1Counters[w.name] = counters
 		all = append(all, cs...)
 		find := func(host, prog string) (progCost, bool) {
@@ -428,8 +430,8 @@ func benchBPFStats(ctx context.Context, o *Options, p *pair, r *Report, pr *prog
 		floor := map[string]float64{"dysco_ingress": math.NaN(), "dysco_egress": math.NaN()}
 		wFloorErr := floorErr
 		if empty != nil {
-			pr.logf("datapath cost: %s through the baseline lab with an empty program on mb1's hooks", w.name)
-			fc, err := emptyCost(ctx, p.base.lab, empty, w.name, baseArgv[w.name], w.timeout)
+			pr.Logf("datapath cost: %s through the baseline lab with an empty program on mb1's hooks", w.name)
+			fc, err := emptyCost(ctx, p.Base.Lab, empty, w.name, baseArgv[w.name], w.timeout)
 			if err != nil {
 				return err
 			}
@@ -494,7 +496,7 @@ func emptyCost(ctx context.Context, l *lab.Lab, e *emptyHooks, workload string, 
 	if err != nil {
 		return nil, err
 	}
-	if _, err := run(ctx, l, "client", timeout, argv...); err != nil {
+	if _, err := labkit.Run(ctx, l, "client", timeout, argv...); err != nil {
 		return nil, err
 	}
 	after, err := takeSnap(ctx, l, "mb1", e.hooks, e.progs)

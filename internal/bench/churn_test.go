@@ -1,4 +1,4 @@
-package experiment
+package bench
 
 import (
 	"net/netip"

@@ -1,4 +1,4 @@
-package experiment
+package bench
 
 import (
 	"context"
@@ -10,11 +10,12 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/labkit"
 )
 
-// stuckSession is one session of which a direction did not reach EOF: the
+// StuckSession is one session of which a direction did not reach EOF: the
 // addresses that name it on each host (client side, server side).
-type stuckSession struct {
+type StuckSession struct {
 	What      string   // "session 12 (10.200.1.2:40000) up: ..."
 	Addresses []string // "ip:port" of the session's sockets, as the hosts see them
 }
@@ -22,22 +23,22 @@ type stuckSession struct {
 // maxStuckDumped bounds the sessions a dump describes in full.
 const maxStuckDumped = 20
 
-// dumpStuck writes what every host of a lab knows of sessions that did not
+// DumpStuck writes what every host of a lab knows of sessions that did not
 // finish: each agent's records of them (`dysco sessions -o json`: the
 // subsessions, the reconfiguration state, the two-path record of §3.5), its
 // counters (drops by reason), and the kernel's TCP state of their sockets
 // (`ss -tinmeo`: windows, retransmissions, memory). It goes to stuck.log in
 // the lab's run directory, which a failed run keeps with the other logs
 // (`dysco lab run` copies it to OUT/logs/LAB/). It returns the file's path.
-func dumpStuck(ctx context.Context, o *Options, rl *reconfigLab, stuck []stuckSession) (string, error) {
-	path := filepath.Join(rl.lab.RunDir(), "stuck.log")
+func DumpStuck(ctx context.Context, o *Options, rl *ReconfigLab, stuck []StuckSession) (string, error) {
+	path := filepath.Join(rl.Lab.RunDir(), "stuck.log")
 	f, err := os.Create(path)
 	if err != nil {
 		return "", err
 	}
 	defer f.Close()
 	fmt.Fprintf(f, "%s: %d session directions did not finish; the first %d in full\n", time.Now().UTC().Format(time.RFC3339), len(stuck), min(len(stuck), maxStuckDumped))
-	if m, p, err := tcpMemPages(); err == nil {
+	if m, p, err := labkit.TCPMemPages(); err == nil {
 		fmt.Fprintf(f, "TCP memory of the machine: %d pages in use, pressure threshold %d (net.ipv4.tcp_mem)\n", m, p)
 	}
 	fmt.Fprintln(f)
@@ -57,7 +58,7 @@ func dumpStuck(ctx context.Context, o *Options, rl *reconfigLab, stuck []stuckSe
 	}
 	for _, host := range []string{"client", "proxy", "server"} {
 		fmt.Fprintf(f, "\n=== %s: dysco sessions (records naming these addresses)\n", host)
-		if out, err := dyscoCLI(ctx, o, rl.lab, host, "sessions", "-o", "json"); err != nil {
+		if out, err := labkit.DyscoCLI(ctx, o.Dysco, rl.Lab, host, "sessions", "-o", "json"); err != nil {
 			fmt.Fprintf(f, "error: %v\n", err)
 		} else {
 			var sess []api.Session
@@ -72,14 +73,14 @@ func dumpStuck(ctx context.Context, o *Options, rl *reconfigLab, stuck []stuckSe
 			}
 		}
 		fmt.Fprintf(f, "\n=== %s: dysco status counters\n", host)
-		if st, err := agentStatus(ctx, o, rl.lab, host); err != nil {
+		if st, err := labkit.AgentStatus(ctx, o.Dysco, rl.Lab, host); err != nil {
 			fmt.Fprintf(f, "error: %v\n", err)
 		} else {
 			b, _ := json.MarshalIndent(st.Counters, "", "  ")
 			fmt.Fprintf(f, "%s\n", b)
 		}
 		fmt.Fprintf(f, "\n=== %s: nstat (TCP drops and memory pressure since the namespace began)\n", host)
-		if out, err := run(ctx, rl.lab, host, 30*time.Second, "nstat", "-asz"); err != nil {
+		if out, err := labkit.Run(ctx, rl.Lab, host, 30*time.Second, "nstat", "-asz"); err != nil {
 			fmt.Fprintf(f, "error: %v\n", err)
 		} else {
 			for _, line := range strings.Split(out, "\n") {
@@ -89,7 +90,7 @@ func dumpStuck(ctx context.Context, o *Options, rl *reconfigLab, stuck []stuckSe
 			}
 		}
 		fmt.Fprintf(f, "\n=== %s: ss -tinmeo (sockets of these sessions)\n", host)
-		out, err := run(ctx, rl.lab, host, 30*time.Second, "ss", "-tinmeoHa")
+		out, err := labkit.Run(ctx, rl.Lab, host, 30*time.Second, "ss", "-tinmeoHa")
 		if err != nil {
 			fmt.Fprintf(f, "error: %v\n", err)
 			continue

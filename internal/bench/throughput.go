@@ -1,4 +1,4 @@
-package experiment
+package bench
 
 import (
 	"context"
@@ -11,15 +11,18 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/labkit"
 )
 
 // iperfArgv is the iperf3 client command line.
 func iperfArgv(server string, o *Options, streams int) []string {
-	return []string{"iperf3", "-c", server, "-p", strconv.Itoa(iperfPort),
-		"-t", strconv.Itoa(secs(o.IperfTime)), "-O", "1", "-P", strconv.Itoa(streams), "-J", "--connect-timeout", "5000"}
+	return []string{"iperf3", "-c", server, "-p", strconv.Itoa(labkit.IperfPort),
+		"-t", strconv.Itoa(Secs(o.IperfTime)), "-O", "1", "-P", strconv.Itoa(streams), "-J", "--connect-timeout", "5000"}
 }
 
-func secs(d time.Duration) int {
+// Secs is d in whole seconds, rounded up, at least 1 (the -t and -d of
+// iperf3 and wrk).
+func Secs(d time.Duration) int {
 	s := int(math.Ceil(d.Seconds()))
 	if s < 1 {
 		s = 1
@@ -39,13 +42,13 @@ func parseIperf(out string) (float64, error) {
 		} `json:"end"`
 	}
 	if err := json.Unmarshal([]byte(out), &r); err != nil {
-		return 0, fmt.Errorf("iperf3 output is not JSON: %w: %s", err, tail(out, 300))
+		return 0, fmt.Errorf("iperf3 output is not JSON: %w: %s", err, labkit.Tail(out, 300))
 	}
 	if r.Error != "" {
 		return 0, fmt.Errorf("iperf3: %s", r.Error)
 	}
 	if r.End.SumReceived.BitsPerSecond <= 0 {
-		return 0, fmt.Errorf("iperf3 reported no goodput: %s", tail(out, 300))
+		return 0, fmt.Errorf("iperf3 reported no goodput: %s", labkit.Tail(out, 300))
 	}
 	return r.End.SumReceived.BitsPerSecond, nil
 }
@@ -60,7 +63,7 @@ var (
 func parseWrk(out string) (float64, string, error) {
 	m := wrkRPSRE.FindStringSubmatch(out)
 	if m == nil {
-		return 0, "", fmt.Errorf("wrk printed no Requests/sec: %s", tail(out, 400))
+		return 0, "", fmt.Errorf("wrk printed no Requests/sec: %s", labkit.Tail(out, 400))
 	}
 	rps, err := strconv.ParseFloat(m[1], 64)
 	if err != nil {
@@ -76,8 +79,8 @@ func parseWrk(out string) (float64, string, error) {
 	return rps, strings.Join(notes, "; "), nil
 }
 
-// sample is one measurement of one variant.
-type sample struct {
+// Sample is one measurement of one variant.
+type Sample struct {
 	Variant string            `json:"variant"`
 	Rep     int               `json:"rep"`
 	Value   float64           `json:"value"`
@@ -85,51 +88,52 @@ type sample struct {
 	MB1     map[string]uint64 `json:"mb1_counters,omitempty"` // Dysco: mb1 counter deltas
 }
 
-// interleaved runs measure on the Dysco and the baseline lab alternately,
+// Interleaved runs measure on the Dysco and the baseline lab alternately,
 // o.Reps times each, and returns the samples. For the Dysco lab it also
 // records mb1's counter deltas and fails if the datapath dropped packets or
 // if no packet was rewritten (the traffic did not take the chain).
-func interleaved(ctx context.Context, o *Options, p *pair, pr *progress, what string, measure func(v *variant) (float64, string, error)) ([]sample, error) {
-	var out []sample
+func Interleaved(ctx context.Context, o *Options, p *labkit.Pair, pr *labkit.Progress, what string, measure func(v *labkit.Variant) (float64, string, error)) ([]Sample, error) {
+	var out []Sample
 	for rep := 1; rep <= o.Reps; rep++ {
-		for _, v := range p.both() {
+		for _, v := range p.Both() {
 			if err := ctx.Err(); err != nil {
 				return out, err
 			}
-			pr.logf("%s: %s, repetition %d/%d", what, v.name, rep, o.Reps)
+			pr.Logf("%s: %s, repetition %d/%d", what, v.Name, rep, o.Reps)
 			var before *api.Status
-			if v.name == "dysco" {
+			if v.Name == "dysco" {
 				var err error
-				if before, err = agentStatus(ctx, o, v.lab, "mb1"); err != nil {
+				if before, err = labkit.AgentStatus(ctx, o.Dysco, v.Lab, "mb1"); err != nil {
 					return out, err
 				}
 			}
 			val, note, err := measure(v)
 			if err != nil {
-				return out, fmt.Errorf("%s, %s lab: %w", what, v.name, err)
+				return out, fmt.Errorf("%s, %s lab: %w", what, v.Name, err)
 			}
-			s := sample{Variant: v.name, Rep: rep, Value: val, Note: note}
+			s := Sample{Variant: v.Name, Rep: rep, Value: val, Note: note}
 			if before != nil {
-				after, err := agentStatus(ctx, o, v.lab, "mb1")
+				after, err := labkit.AgentStatus(ctx, o.Dysco, v.Lab, "mb1")
 				if err != nil {
 					return out, err
 				}
-				s.MB1 = counterDelta(before, after)
+				s.MB1 = labkit.CounterDelta(before, after)
 				if s.MB1["rewrite_in"] == 0 {
 					return out, fmt.Errorf("%s: mb1 of the Dysco lab rewrote no packet: the traffic did not take the chain", what)
 				}
-				if d := drops(s.MB1); len(d) > 0 {
+				if d := labkit.Drops(s.MB1); len(d) > 0 {
 					s.Note = strings.TrimPrefix(s.Note+fmt.Sprintf("; datapath drops on mb1: %v", d), "; ")
 				}
 			}
-			pr.logf("%s: %s, repetition %d/%d: %.4g", what, v.name, rep, o.Reps, val)
+			pr.Logf("%s: %s, repetition %d/%d: %.4g", what, v.Name, rep, o.Reps, val)
 			out = append(out, s)
 		}
 	}
 	return out, nil
 }
 
-func values(ss []sample, variant string) []float64 {
+// Values are the values of a variant's samples, in order.
+func Values(ss []Sample, variant string) []float64 {
 	var v []float64
 	for _, s := range ss {
 		if s.Variant == variant {
@@ -139,7 +143,7 @@ func values(ss []sample, variant string) []float64 {
 	return v
 }
 
-func notes(ss []sample) string {
+func notes(ss []Sample) string {
 	seen := map[string]bool{}
 	var n []string
 	for _, s := range ss {
@@ -152,7 +156,7 @@ func notes(ss []sample) string {
 }
 
 // pairedRatios returns Dysco/baseline of each repetition.
-func pairedRatios(ss []sample) []float64 {
+func pairedRatios(ss []Sample) []float64 {
 	byRep := map[int][2]float64{}
 	for _, s := range ss {
 		v := byRep[s.Rep]
@@ -173,9 +177,9 @@ func pairedRatios(ss []sample) []float64 {
 }
 
 // ratioFigure makes a figure whose target is Dysco/baseline >= min.
-func ratioFigure(key, name, cmd, unit string, ss []sample, min float64, paper string) *Figure {
-	d, b := median(values(ss, "dysco")), median(values(ss, "baseline"))
-	r := ratio(d, b)
+func ratioFigure(key, name, cmd, unit string, ss []Sample, min float64, paper string) *Figure {
+	d, b := labkit.Median(Values(ss, "dysco")), labkit.Median(Values(ss, "baseline"))
+	r := labkit.Ratio(d, b)
 	var rs []string
 	for _, x := range pairedRatios(ss) {
 		rs = append(rs, fmt.Sprintf("%.2f", x))
@@ -195,14 +199,14 @@ func ratioFigure(key, name, cmd, unit string, ss []sample, min float64, paper st
 }
 
 // benchGoodput: iperf3 through one middlebox, 1 and 100 sessions.
-func benchGoodput(ctx context.Context, o *Options, p *pair, r *Report, pr *progress) error {
+func benchGoodput(ctx context.Context, o *Options, p *labkit.Pair, r *Report, pr *labkit.Progress) error {
 	details := map[string]any{}
 	r.Details["goodput"] = details
 	for _, streams := range []int{1, 100} {
-		what := fmt.Sprintf("goodput, %d session(s), %d mb", streams, p.nmb)
-		ss, err := interleaved(ctx, o, p, pr, what, func(v *variant) (float64, string, error) {
-			argv := iperfArgv(v.server.String(), o, streams)
-			out, err := run(ctx, v.lab, "client", o.IperfTime+60*time.Second, argv...)
+		what := fmt.Sprintf("goodput, %d session(s), %d mb", streams, p.NMB)
+		ss, err := Interleaved(ctx, o, p, pr, what, func(v *labkit.Variant) (float64, string, error) {
+			argv := iperfArgv(v.Server.String(), o, streams)
+			out, err := labkit.Run(ctx, v.Lab, "client", o.IperfTime+60*time.Second, argv...)
 			if err != nil {
 				return 0, "", err
 			}
@@ -213,42 +217,35 @@ func benchGoodput(ctx context.Context, o *Options, p *pair, r *Report, pr *progr
 		if err != nil {
 			return err
 		}
-		cmd := "ip netns exec LAB-client " + strings.Join(iperfArgv(p.dysco.server.String(), o, streams), " ")
-		f := ratioFigure(fmt.Sprintf("goodput-%dmb-P%d", p.nmb, streams),
-			fmt.Sprintf("goodput, %d session%s, %d mb", streams, plural(streams), p.nmb),
+		cmd := "ip netns exec LAB-client " + strings.Join(iperfArgv(p.Dysco.Server.String(), o, streams), " ")
+		f := ratioFigure(fmt.Sprintf("goodput-%dmb-P%d", p.NMB, streams),
+			fmt.Sprintf("goodput, %d session%s, %d mb", streams, labkit.Plural(streams), p.NMB),
 			cmd, "Gbit/s", ss, 0.98, "within 1.5%")
 		r.add(f)
 	}
 	return nil
 }
 
-func plural(n int) string {
-	if n == 1 {
-		return ""
-	}
-	return "s"
-}
-
 // wrkArgv is the wrk command line.
 func wrkArgv(server string, o *Options) []string {
-	return []string{"wrk", "-t2", "-c100", fmt.Sprintf("-d%ds", secs(o.WrkTime)), fmt.Sprintf("http://%s:%d/%s", server, httpPort, smallFile)}
+	return []string{"wrk", "-t2", "-c100", fmt.Sprintf("-d%ds", Secs(o.WrkTime)), fmt.Sprintf("http://%s:%d/%s", server, labkit.HTTPPort, labkit.SmallFile)}
 }
 
-// benchRPS: nginx + wrk through the pair's middleboxes.
-func benchRPS(ctx context.Context, o *Options, p *pair, r *Report, pr *progress) error {
-	what := fmt.Sprintf("nginx+wrk, %d mb", p.nmb)
-	ss, err := interleaved(ctx, o, p, pr, what, func(v *variant) (float64, string, error) {
-		out, err := run(ctx, v.lab, "client", o.WrkTime+60*time.Second, wrkArgv(v.server.String(), o)...)
+// RPS: nginx + wrk through the pair's middleboxes.
+func RPS(ctx context.Context, o *Options, p *labkit.Pair, r *Report, pr *labkit.Progress) error {
+	what := fmt.Sprintf("nginx+wrk, %d mb", p.NMB)
+	ss, err := Interleaved(ctx, o, p, pr, what, func(v *labkit.Variant) (float64, string, error) {
+		out, err := labkit.Run(ctx, v.Lab, "client", o.WrkTime+60*time.Second, wrkArgv(v.Server.String(), o)...)
 		if err != nil {
 			return 0, "", err
 		}
 		return parseWrk(out)
 	})
-	r.Details[fmt.Sprintf("rps-%dmb", p.nmb)] = ss
+	r.Details[fmt.Sprintf("rps-%dmb", p.NMB)] = ss
 	if err != nil {
 		return err
 	}
-	cmd := "ip netns exec LAB-client " + strings.Join(wrkArgv(p.dysco.server.String(), o), " ")
-	r.add(ratioFigure(fmt.Sprintf("rps-%dmb", p.nmb), fmt.Sprintf("nginx+wrk requests/s, %d mb", p.nmb), cmd, "req/s", ss, 0.98, "within 1.8%"))
+	cmd := "ip netns exec LAB-client " + strings.Join(wrkArgv(p.Dysco.Server.String(), o), " ")
+	r.add(ratioFigure(fmt.Sprintf("rps-%dmb", p.NMB), fmt.Sprintf("nginx+wrk requests/s, %d mb", p.NMB), cmd, "req/s", ss, 0.98, "within 1.8%"))
 	return nil
 }

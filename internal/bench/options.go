@@ -1,13 +1,13 @@
-// Package experiment runs Dysco's measurements in the lab: the benchmarks of
-// `make bench` (Dysco against a plain-routing baseline, BENCHMARKS.md) and
-// the paper's evaluation (§5) as experiments of `dysco lab run`, each
-// writing raw data (CSV, JSON), plots and a report (docs/experiments.md).
+// Package bench is the benchmark harness of `make bench` (bench/,
+// scripts/bench.sh): Dysco against a plain-routing baseline, BENCHMARKS.md.
+// Its runners (RPS, Connect, RunChurn, Disruption, the reconfig lab...) are
+// also what the paper's experiments of `dysco lab run` (internal/experiment)
+// measure with; the labs they run in come from internal/labkit.
 //
-// The benchmarks: every figure is measured on Dysco and on a baseline side
-// by side, in the same run: two labs with the same line topology (client,
-// mb1..mbN, server), one with agents and a policy whose chain lists the
-// middleboxes, one without agents where the middleboxes forward by plain
-// routing. Both runs cross the same hosts and links. Measurements alternate
+// Every figure is measured on Dysco and on a baseline side by side, in the
+// same run: two labs with the same line topology (client, mb1..mbN,
+// server), one with agents and a policy whose chain lists the middleboxes,
+// one without agents where the middleboxes forward by plain routing. Both runs cross the same hosts and links. Measurements alternate
 // between the two labs (A B A B ...) so that the noise of a shared machine
 // hits both alike.
 //
@@ -33,13 +33,15 @@
 // Results go to out/bench/*.json (raw) and, for full runs, to the results
 // section of BENCHMARKS.md. Progress goes to stderr. Labs are always torn
 // down, also on failure and on Ctrl-C. See BENCHMARKS.md for the method.
-package experiment
+package bench
 
 import (
 	"flag"
 	"fmt"
 	"strings"
 	"time"
+
+	"github.com/dysco/dysco/internal/labkit"
 )
 
 // Options are the command line of the runner.
@@ -78,6 +80,9 @@ type Options struct {
 	// ChurnRounds is the number of rounds of the churn benchmark.
 	ChurnRounds int `json:"churn_rounds"`
 }
+
+// Agents is how the labs run Dysco.
+func (o *Options) Agents() labkit.Agents { return labkit.Agents{Dysco: o.Dysco, Args: o.AgentArgs} }
 
 // Benchmark names, in run order.
 var allBenchmarks = []string{"goodput", "rps", "connect", "bpfstats", "memory", "reconfig", "churn", "disruption"}
@@ -141,7 +146,7 @@ func ParseFlags(args []string) (*Options, error) {
 		}
 		o.Only = append(o.Only, b)
 	}
-	o.defaults()
+	o.Defaults()
 	if o.wants("disruption") && o.DisruptionTime < 4*time.Second {
 		return nil, fmt.Errorf("--disruption-time %v: at least 4s, so that a second before the reconfiguration (at 3/8) and a second after it fit after the session's start", o.DisruptionTime)
 	}
@@ -174,8 +179,8 @@ func (o *Options) mode() string {
 	return "partial"
 }
 
-// defaults fills the durations and counts that were not given.
-func (o *Options) defaults() {
+// Defaults fills the durations and counts that were not given.
+func (o *Options) Defaults() {
 	def := func(v *int, full, quick int) {
 		if *v <= 0 {
 			*v = full

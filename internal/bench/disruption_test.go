@@ -1,4 +1,4 @@
-package experiment
+package bench
 
 import (
 	"errors"
@@ -65,9 +65,9 @@ func TestSummarizeDisruptionPaths(t *testing.T) {
 	// 80 bins of 50 ms; the old path (to 1.5 s) carries 0.15 Gbit/s at a
 	// 30 ms RTT, the new one 10 Gbit/s at 0.5 ms; the reconfiguration runs
 	// from 1.5 to 1.52 s, two bins of it in recovery.
-	var xs []disruptionSample
+	var xs []DisruptionSample
 	for i := 1; i <= 80; i++ {
-		x := disruptionSample{T: float64(i) * 0.05, Bytes: 937_500, RttUs: 30_000, Reordering: 3}
+		x := DisruptionSample{T: float64(i) * 0.05, Bytes: 937_500, RttUs: 30_000, Reordering: 3}
 		if x.T > 1.5 {
 			x.Bytes, x.RttUs, x.Reordering = 62_500_000, 500, 40
 		}

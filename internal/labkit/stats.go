@@ -1,18 +1,18 @@
-package experiment
+package labkit
 
 import (
 	"math"
 	"slices"
 )
 
-// median returns the median of xs (NaN for none).
-func median(xs []float64) float64 {
-	return quantile(xs, 0.5)
+// Median returns the median of xs (NaN for none).
+func Median(xs []float64) float64 {
+	return Quantile(xs, 0.5)
 }
 
-// quantile returns the q-quantile of xs by linear interpolation between
+// Quantile returns the q-quantile of xs by linear interpolation between
 // closest ranks (NaN for none).
-func quantile(xs []float64, q float64) float64 {
+func Quantile(xs []float64, q float64) float64 {
 	if len(xs) == 0 {
 		return math.NaN()
 	}
@@ -30,8 +30,8 @@ func quantile(xs []float64, q float64) float64 {
 	return s[lo] + (s[hi]-s[lo])*(pos-float64(lo))
 }
 
-// ratio returns a/b, NaN when b is 0.
-func ratio(a, b float64) float64 {
+// Ratio returns a/b, NaN when b is 0.
+func Ratio(a, b float64) float64 {
 	if b == 0 {
 		return math.NaN()
 	}

@@ -1,4 +1,4 @@
-package experiment
+package labkit
 
 // Byte streams whose every byte is checked: the sender writes a known
 // pattern, the receiver compares what it reads with it. At the end the
@@ -8,6 +8,7 @@ package experiment
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -23,46 +24,48 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// patLen is the period of the pattern: not a power of two, so that writes
+// PatLen is the period of the pattern: not a power of two, so that writes
 // and reads do not line up with it.
-const patLen = 65521
+const PatLen = 65521
 
-// pattern2 is the pattern twice, so that any window of up to patLen bytes
-// starting at an offset mod patLen is one slice.
-var pattern2 = func() []byte {
+// Pattern2 is the pattern twice, so that any window of up to PatLen bytes
+// starting at an offset mod PatLen is one slice.
+var Pattern2 = func() []byte {
 	r := rand.New(rand.NewPCG(1, 2))
-	b := make([]byte, 2*patLen)
-	for i := range patLen {
+	b := make([]byte, 2*PatLen)
+	for i := range PatLen {
 		b[i] = byte(r.Uint32())
 	}
-	copy(b[patLen:], b[:patLen])
+	copy(b[PatLen:], b[:PatLen])
 	return b
 }()
 
-// end is one socket of a session, with what it sent and received.
-type end struct {
-	c      *net.TCPConn
-	tx, rx atomic.Int64
-	eof    atomic.Bool  // the peer's FIN arrived
+// End is one socket of a session, with what it sent and received.
+type End struct {
+	Conn   *net.TCPConn
+	Tx, Rx atomic.Int64
+	GotEOF atomic.Bool  // the peer's FIN arrived
 	bad    atomic.Int64 // offset+1 of the first byte that differed
 	err    atomic.Pointer[error]
 }
 
-func newEnd(c net.Conn) *end { return &end{c: c.(*net.TCPConn)} }
+// NewEnd is the end of a TCP connection.
+func NewEnd(c net.Conn) *End { return &End{Conn: c.(*net.TCPConn)} }
 
-func (e *end) fail(err error) { e.err.CompareAndSwap(nil, &err) }
+// Fail records err unless an error was recorded before.
+func (e *End) Fail(err error) { e.err.CompareAndSwap(nil, &err) }
 
 // Err is the first error of the end's reader or writer.
-func (e *end) Err() error {
+func (e *End) Err() error {
 	if p := e.err.Load(); p != nil {
 		return *p
 	}
 	return nil
 }
 
-// send writes the pattern until stop, as fast as TCP lets (rate 0) or at
+// Send writes the pattern until stop, as fast as TCP lets (rate 0) or at
 // rate bytes a second in 100 ms steps, then half-closes (FIN).
-func (e *end) send(stop *atomic.Bool, rate int64) {
+func (e *End) Send(stop *atomic.Bool, rate int64) {
 	const tick = 100 * time.Millisecond
 	const piece = 60000 // at most patLen
 	chunk := piece
@@ -80,49 +83,49 @@ func (e *end) send(stop *atomic.Bool, rate int64) {
 		}
 		// A step's bytes, in writes of at most one pattern period.
 		for left := chunk; left > 0; {
-			off := int(e.tx.Load() % patLen)
-			n, err := e.c.Write(pattern2[off : off+min(left, piece)])
-			e.tx.Add(int64(n))
+			off := int(e.Tx.Load() % PatLen)
+			n, err := e.Conn.Write(Pattern2[off : off+min(left, piece)])
+			e.Tx.Add(int64(n))
 			left -= n
 			if err != nil {
-				e.fail(fmt.Errorf("write after %d bytes: %w", e.tx.Load(), err))
+				e.Fail(fmt.Errorf("write after %d bytes: %w", e.Tx.Load(), err))
 				return
 			}
 		}
 	}
-	if err := e.c.CloseWrite(); err != nil {
-		e.fail(fmt.Errorf("half-close: %w", err))
+	if err := e.Conn.CloseWrite(); err != nil {
+		e.Fail(fmt.Errorf("half-close: %w", err))
 	}
 }
 
-// recv reads to EOF, checking every byte against the pattern.
-func (e *end) recv() {
+// Recv reads to EOF, checking every byte against the pattern.
+func (e *End) Recv() {
 	buf := make([]byte, 32<<10)
 	for {
-		n, err := e.c.Read(buf)
+		n, err := e.Conn.Read(buf)
 		if n > 0 {
-			off := int(e.rx.Load() % patLen)
-			if e.bad.Load() == 0 && !bytes.Equal(buf[:n], pattern2[off:off+n]) {
+			off := int(e.Rx.Load() % PatLen)
+			if e.bad.Load() == 0 && !bytes.Equal(buf[:n], Pattern2[off:off+n]) {
 				i := 0
-				for i < n && buf[i] == pattern2[off+i] {
+				for i < n && buf[i] == Pattern2[off+i] {
 					i++
 				}
-				e.bad.Store(e.rx.Load() + int64(i) + 1)
+				e.bad.Store(e.Rx.Load() + int64(i) + 1)
 			}
-			e.rx.Add(int64(n))
+			e.Rx.Add(int64(n))
 		}
 		if errors.Is(err, io.EOF) {
-			e.eof.Store(true)
+			e.GotEOF.Store(true)
 			return
 		}
 		if err != nil {
-			e.fail(fmt.Errorf("read after %d bytes: %w", e.rx.Load(), err))
+			e.Fail(fmt.Errorf("read after %d bytes: %w", e.Rx.Load(), err))
 			return
 		}
 	}
 }
 
-// setNotsentLowat limits the bytes a sender keeps queued in its socket
+// SetNotsentLowat limits the bytes a sender keeps queued in its socket
 // beyond what is in flight (TCP_NOTSENT_LOWAT): the writer waits instead of
 // filling its send buffer (4 MiB). Hundreds of greedy sessions whose ends
 // all live in one kernel would otherwise hold gigabytes of unsent data and
@@ -132,7 +135,7 @@ func (e *end) recv() {
 // queue, and some sessions' congestion control collapses
 // (docs/experiments.md, "Large bundles"). In-flight data is not counted, so
 // the window is not limited.
-func setNotsentLowat(c *net.TCPConn, n int) error {
+func SetNotsentLowat(c *net.TCPConn, n int) error {
 	rc, err := c.SyscallConn()
 	if err != nil {
 		return err
@@ -146,10 +149,10 @@ func setNotsentLowat(c *net.TCPConn, n int) error {
 	return serr
 }
 
-// tcpMemPages is the TCP memory in use on the machine, in pages (the "mem"
+// TCPMemPages is the TCP memory in use on the machine, in pages (the "mem"
 // of /proc/net/sockstat, which counts every network namespace), and the
 // pressure threshold (the middle value of net.ipv4.tcp_mem).
-func tcpMemPages() (inUse, pressure int64, err error) {
+func TCPMemPages() (inUse, pressure int64, err error) {
 	b, err := os.ReadFile("/proc/net/sockstat")
 	if err != nil {
 		return 0, 0, err
@@ -179,28 +182,28 @@ func tcpMemPages() (inUse, pressure int64, err error) {
 	return inUse, pressure, err
 }
 
-// abort closes the socket with an RST (no TIME_WAIT left behind).
-func (e *end) abort() {
-	e.c.SetLinger(0)
-	e.c.Close()
+// Abort closes the socket with an RST (no TIME_WAIT left behind).
+func (e *End) Abort() {
+	e.Conn.SetLinger(0)
+	e.Conn.Close()
 }
 
-// lossCheck compares what a sender sent with what its receiver got, once
+// LossCheck compares what a sender sent with what its receiver got, once
 // the receiver has seen EOF; it returns "" if every byte arrived intact.
-func lossCheck(what string, snd, rcv *end) string {
+func LossCheck(what string, snd, rcv *End) string {
 	switch {
-	case !rcv.eof.Load():
-		return fmt.Sprintf("%s: no EOF after %d of %d bytes (%v)", what, rcv.rx.Load(), snd.tx.Load(), errors.Join(rcv.Err(), snd.Err()))
-	case rcv.rx.Load() != snd.tx.Load():
-		return fmt.Sprintf("%s: %d bytes sent, %d received", what, snd.tx.Load(), rcv.rx.Load())
+	case !rcv.GotEOF.Load():
+		return fmt.Sprintf("%s: no EOF after %d of %d bytes (%v)", what, rcv.Rx.Load(), snd.Tx.Load(), errors.Join(rcv.Err(), snd.Err()))
+	case rcv.Rx.Load() != snd.Tx.Load():
+		return fmt.Sprintf("%s: %d bytes sent, %d received", what, snd.Tx.Load(), rcv.Rx.Load())
 	case rcv.bad.Load() != 0:
 		return fmt.Sprintf("%s: byte %d differs from what was sent", what, rcv.bad.Load()-1)
 	}
 	return ""
 }
 
-// waitAll waits for wg up to d; it tells whether it returned in time.
-func waitAll(wg *sync.WaitGroup, d time.Duration) bool {
+// WaitAll waits for wg up to d; it tells whether it returned in time.
+func WaitAll(wg *sync.WaitGroup, d time.Duration) bool {
 	done := make(chan struct{})
 	go func() { wg.Wait(); close(done) }()
 	select {
@@ -211,9 +214,9 @@ func waitAll(wg *sync.WaitGroup, d time.Duration) bool {
 	}
 }
 
-// waitAccepted waits until the runner's server has accepted n sessions
+// WaitAccepted waits until the runner's server has accepted n sessions
 // (*accepted, under mu), for at most 30 s; it returns how many it got.
-func waitAccepted(ctx context.Context, mu *sync.Mutex, accepted *int, n int) (int, error) {
+func WaitAccepted(ctx context.Context, mu *sync.Mutex, accepted *int, n int) (int, error) {
 	for deadline := time.Now().Add(30 * time.Second); ; {
 		mu.Lock()
 		a := *accepted
@@ -224,8 +227,20 @@ func waitAccepted(ctx context.Context, mu *sync.Mutex, accepted *int, n int) (in
 		if time.Now().After(deadline) {
 			return a, errors.New("not all within 30 s")
 		}
-		if err := sleepCtx(ctx, 20*time.Millisecond); err != nil {
+		if err := SleepCtx(ctx, 20*time.Millisecond); err != nil {
 			return a, err
 		}
 	}
+}
+
+// ReadSessionID reads the id that a runner's session sends first (8 bytes,
+// big-endian) on the server's end c, waiting at most timeout for it.
+func ReadSessionID(c net.Conn, timeout time.Duration) (uint64, error) {
+	var hdr [8]byte
+	c.SetReadDeadline(time.Now().Add(timeout))
+	if _, err := io.ReadFull(c, hdr[:]); err != nil {
+		return 0, err
+	}
+	c.SetReadDeadline(time.Time{})
+	return binary.BigEndian.Uint64(hdr[:]), nil
 }

@@ -1,4 +1,4 @@
-package experiment
+package bench
 
 import (
 	"bytes"
@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/dysco/dysco/internal/labkit"
 )
 
 // Report is everything one run measured; it is written as JSON.
@@ -79,17 +81,8 @@ func (f *Figure) MarshalJSON() ([]byte, error) {
 		Ratio    *float64 `json:"ratio"`
 		Measured *float64 `json:"measured"`
 	}
-	p := jsonNum
+	p := labkit.JSONNum
 	return json.Marshal(withNulls{(*plain)(f), p(f.Dysco), p(f.Baseline), p(f.Ratio), p(f.Measured)})
-}
-
-// jsonNum is v for encoding/json, or nil (null) when v is NaN or infinite,
-// which encoding/json refuses.
-func jsonNum(v float64) *float64 {
-	if math.IsNaN(v) || math.IsInf(v, 0) {
-		return nil
-	}
-	return &v
 }
 
 func metStr(ok bool) string {
@@ -99,7 +92,8 @@ func metStr(ok bool) string {
 	return "no"
 }
 
-func newReport(o *Options) *Report {
+// NewReport starts the report of a run with the options o.
+func NewReport(o *Options) *Report {
 	return &Report{Started: time.Now().UTC(), Env: environment(), Options: o, Details: map[string]any{}}
 }
 

@@ -1,4 +1,4 @@
-package experiment
+package bench
 
 import (
 	"context"
@@ -16,6 +16,8 @@ import (
 	"github.com/dysco/dysco/internal/datapath"
 	"github.com/dysco/dysco/internal/lab"
 	"github.com/dysco/dysco/internal/wire"
+
+	"github.com/dysco/dysco/internal/labkit"
 )
 
 // mapMem is one BPF map of a host's datapath as the kernel reports it.
@@ -63,7 +65,7 @@ type memResult struct {
 // sessions' worth of established entries, through the pinned maps, and
 // reports the kernel's memlock of every map of the datapath plus the growth
 // of the agent's RSS.
-func benchMemory(ctx context.Context, o *Options, p *pair, r *Report, pr *progress) error {
+func benchMemory(ctx context.Context, o *Options, p *labkit.Pair, r *Report, pr *labkit.Progress) error {
 	var results []*memResult
 	r.Details["memory"] = &results
 	for _, h := range []struct {
@@ -74,8 +76,8 @@ func benchMemory(ctx context.Context, o *Options, p *pair, r *Report, pr *progre
 		{"mb1", "middlebox host", 4, 0x800000},
 		{"client", "end host", 2, 0x800000},
 	} {
-		pr.logf("memory: filling %s (%s) with %d sessions, %d flows each", h.host, h.kind, o.Sessions, h.flows)
-		res, err := memoryHost(ctx, o, p.dysco.lab, h.host, h.kind, h.flows, h.base, pr)
+		pr.Logf("memory: filling %s (%s) with %d sessions, %d flows each", h.host, h.kind, o.Sessions, h.flows)
+		res, err := memoryHost(ctx, o, p.Dysco.Lab, h.host, h.kind, h.flows, h.base, pr)
 		if res != nil {
 			results = append(results, res)
 		}
@@ -152,7 +154,7 @@ func kmallocClass(n uint32) uint32 {
 	return n
 }
 
-func memoryHost(ctx context.Context, o *Options, l *lab.Lab, host, kind string, flowsPer int, base uint32, pr *progress) (*memResult, error) {
+func memoryHost(ctx context.Context, o *Options, l *lab.Lab, host, kind string, flowsPer int, base uint32, pr *labkit.Progress) (*memResult, error) {
 	res := &memResult{Host: host, Kind: kind, Sessions: o.Sessions, FlowsPerSession: flowsPer}
 	agent := l.Agent(host)
 	if agent == nil {
@@ -238,13 +240,13 @@ func memoryHost(ctx context.Context, o *Options, l *lab.Lab, host, kind string, 
 		return res, fmt.Errorf("filling dysco_flows4 on %s: %w", host, err)
 	}
 	res.FillTime = time.Since(start)
-	pr.logf("memory: %s filled in %v; watching the agent's RSS for 6 s (its collector scans the maps every second)", host, res.FillTime.Round(time.Millisecond))
-	cpu0, _ := cpuTime(res.AgentPid)
+	pr.Logf("memory: %s filled in %v; watching the agent's RSS for 6 s (its collector scans the maps every second)", host, res.FillTime.Round(time.Millisecond))
+	cpu0, _ := CPUTime(res.AgentPid)
 	const watch = 6 * time.Second
 	if res.RSSAfterKiB, err = rssSamples(ctx, res.AgentPid, watch); err != nil {
 		return res, err
 	}
-	if cpu1, err := cpuTime(res.AgentPid); err == nil {
+	if cpu1, err := CPUTime(res.AgentPid); err == nil {
 		res.AgentCPU = float64(cpu1-cpu0) / float64(watch)
 	}
 	if res.MapsAfter, err = datapathMaps(l, host); err != nil {
@@ -269,7 +271,7 @@ func memoryHost(ctx context.Context, o *Options, l *lab.Lab, host, kind string, 
 	for _, m := range res.MapsBefore {
 		res.MapsTotalBefore += m.Memlock
 	}
-	rssBefore := median(ints(res.RSSBeforeKiB))
+	rssBefore := labkit.Median(ints(res.RSSBeforeKiB))
 	rssAfter := maxInt(res.RSSAfterKiB)
 	res.RSSDelta = int64((float64(rssAfter) - rssBefore) * 1024)
 	res.PerSessionAll = (float64(res.MapsTotal) - float64(res.MapsTotalBefore) + float64(res.RSSDelta)) / float64(o.Sessions)
@@ -352,8 +354,8 @@ func count[K, V any](m *ebpf.Map) int {
 	return n
 }
 
-// cpuTime returns the user+system CPU time of pid.
-func cpuTime(pid int) (time.Duration, error) {
+// CPUTime returns the user+system CPU time of pid.
+func CPUTime(pid int) (time.Duration, error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
 		return 0, err

@@ -1,4 +1,4 @@
-package experiment
+package bench
 
 import (
 	"context"
@@ -10,6 +10,8 @@ import (
 
 	"github.com/dysco/dysco/internal/lab"
 	"golang.org/x/sys/unix"
+
+	"github.com/dysco/dysco/internal/labkit"
 )
 
 // connectWarmup connections per variant are made and thrown away before
@@ -56,8 +58,8 @@ func connectSamples(ctx context.Context, l *lab.Lab, dst netip.AddrPort, n int) 
 	return out, interrupted, err
 }
 
-// connectResult is the raw data of one connect() comparison.
-type connectResult struct {
+// ConnectResult is the raw data of one connect() comparison.
+type ConnectResult struct {
 	Middleboxes int       `json:"middleboxes"`
 	TxOffload   bool      `json:"tx_offload"`
 	Dysco       []float64 `json:"dysco_us"`
@@ -70,27 +72,27 @@ type connectResult struct {
 	ChainSetups []uint64 `json:"chain_setups"`
 }
 
-// benchConnect measures connect() latency through the pair's middleboxes
+// Connect measures connect() latency through the pair's middleboxes
 // with transmit checksum offload as it is, alternating between the labs in
 // chunks.
-func benchConnect(ctx context.Context, o *Options, p *pair, r *Report, pr *progress, offload bool) error {
+func Connect(ctx context.Context, o *Options, p *labkit.Pair, r *Report, pr *labkit.Progress, offload bool) error {
 	chunks := 5
 	if o.Quick || o.Connects < 5*chunks {
 		chunks = 1
 	}
 	per := (o.Connects + chunks - 1) / chunks
-	res := &connectResult{Middleboxes: p.nmb, TxOffload: offload}
-	r.Details[fmt.Sprintf("connect-%dmb-offload-%s", p.nmb, onOff(offload))] = res
-	what := fmt.Sprintf("connect(), %d mb, tx offload %s", p.nmb, onOff(offload))
-	for _, v := range p.both() {
-		if _, _, err := connectSamples(ctx, v.lab, netip.AddrPortFrom(v.server, connectPort), connectWarmup); err != nil {
-			return fmt.Errorf("%s, %s lab, warm-up: %w", what, v.name, err)
+	res := &ConnectResult{Middleboxes: p.NMB, TxOffload: offload}
+	r.Details[fmt.Sprintf("connect-%dmb-offload-%s", p.NMB, OnOff(offload))] = res
+	what := fmt.Sprintf("connect(), %d mb, tx offload %s", p.NMB, OnOff(offload))
+	for _, v := range p.Both() {
+		if _, _, err := connectSamples(ctx, v.Lab, netip.AddrPortFrom(v.Server, labkit.ConnectPort), connectWarmup); err != nil {
+			return fmt.Errorf("%s, %s lab, warm-up: %w", what, v.Name, err)
 		}
 	}
 	setups := func() ([]uint64, error) {
 		var n []uint64
-		for _, h := range p.dysco.mbs {
-			st, err := agentStatus(ctx, o, p.dysco.lab, h)
+		for _, h := range p.Dysco.MBs {
+			st, err := labkit.AgentStatus(ctx, o.Dysco, p.Dysco.Lab, h)
 			if err != nil {
 				return nil, fmt.Errorf("%s: %w", what, err)
 			}
@@ -103,14 +105,14 @@ func benchConnect(ctx context.Context, o *Options, p *pair, r *Report, pr *progr
 		return err
 	}
 	for c := 1; c <= chunks; c++ {
-		pr.logf("%s: chunk %d/%d, %d calls per lab", what, c, chunks, per)
-		for _, v := range p.both() {
-			ss, intr, err := connectSamples(ctx, v.lab, netip.AddrPortFrom(v.server, connectPort), per)
+		pr.Logf("%s: chunk %d/%d, %d calls per lab", what, c, chunks, per)
+		for _, v := range p.Both() {
+			ss, intr, err := connectSamples(ctx, v.Lab, netip.AddrPortFrom(v.Server, labkit.ConnectPort), per)
 			res.Interrupted += intr
 			if err != nil {
-				return fmt.Errorf("%s, %s lab: %w", what, v.name, err)
+				return fmt.Errorf("%s, %s lab: %w", what, v.Name, err)
 			}
-			if v.name == "dysco" {
+			if v.Name == "dysco" {
 				res.Dysco = append(res.Dysco, ss...)
 			} else {
 				res.Baseline = append(res.Baseline, ss...)
@@ -124,23 +126,23 @@ func benchConnect(ctx context.Context, o *Options, p *pair, r *Report, pr *progr
 	for i := range after {
 		res.ChainSetups = append(res.ChainSetups, after[i]-before[i])
 	}
-	dm, bm := median(res.Dysco), median(res.Baseline)
-	d99, b99 := quantile(res.Dysco, 0.99), quantile(res.Baseline, 0.99)
-	added := (dm - bm) / float64(p.nmb)
-	added99 := (d99 - b99) / float64(p.nmb)
+	dm, bm := labkit.Median(res.Dysco), labkit.Median(res.Baseline)
+	d99, b99 := labkit.Quantile(res.Dysco, 0.99), labkit.Quantile(res.Baseline, 0.99)
+	added := (dm - bm) / float64(p.NMB)
+	added99 := (d99 - b99) / float64(p.NMB)
 	paper := ""
-	if p.nmb == 4 {
+	if p.NMB == 4 {
 		paper = "94 µs for 4 mbs"
 	}
 	r.add(&Figure{
-		Key:  fmt.Sprintf("connect-%dmb-offload-%s", p.nmb, onOff(offload)),
-		Name: fmt.Sprintf("connect() latency added per mb, %d mb, tx csum offload %s", p.nmb, onOff(offload)),
+		Key:  fmt.Sprintf("connect-%dmb-offload-%s", p.NMB, OnOff(offload)),
+		Name: fmt.Sprintf("connect() latency added per mb, %d mb, tx csum offload %s", p.NMB, OnOff(offload)),
 		Command: fmt.Sprintf("runner on a thread in LAB-client: %d× socket()+connect(%s:%d)+close(RST), %d chunks alternating Dysco/baseline",
-			o.Connects, p.dysco.server, connectPort, chunks),
+			o.Connects, p.Dysco.Server, labkit.ConnectPort, chunks),
 		Unit: "µs", Dysco: dm, Baseline: bm,
 		DyscoText:    fmt.Sprintf("%.1f µs (p99 %.1f)", dm, d99),
 		BaselineText: fmt.Sprintf("%.1f µs (p99 %.1f)", bm, b99),
-		Ratio:        ratio(dm, bm),
+		Ratio:        labkit.Ratio(dm, bm),
 		Measured:     added, MeasuredUnit: "µs/mb",
 		Target: "≤ 25 µs per mb", Paper: paper,
 		Met:  metStr(!math.IsNaN(added) && added <= 25),
@@ -149,7 +151,8 @@ func benchConnect(ctx context.Context, o *Options, p *pair, r *Report, pr *progr
 	return nil
 }
 
-func onOff(b bool) string {
+// OnOff is "on" or "off".
+func OnOff(b bool) string {
 	if b {
 		return "on"
 	}

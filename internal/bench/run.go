@@ -1,4 +1,4 @@
-package experiment
+package bench
 
 import (
 	"context"
@@ -8,13 +8,15 @@ import (
 	"os/exec"
 	"path/filepath"
 	"time"
+
+	"github.com/dysco/dysco/internal/labkit"
 )
 
 // Run runs the benchmarks o asks for and returns the report, also when some
 // failed (their errors are in Report.Errors and in the returned error). It
 // tears down every lab it built before returning.
 func Run(ctx context.Context, o *Options, log io.Writer) (rep *Report, err error) {
-	o.defaults()
+	o.Defaults()
 	bin, err := exec.LookPath(o.Dysco)
 	if err != nil {
 		return nil, fmt.Errorf("dysco binary: %w (run `make build`, or give --dysco)", err)
@@ -37,11 +39,11 @@ func Run(ctx context.Context, o *Options, log io.Writer) (rep *Report, err error
 			return nil, fmt.Errorf("%s is missing: run scripts/deps.sh (%w)", tool, err)
 		}
 	}
-	r := newReport(o)
-	pr := newProgress(log, phasesOf(plan(o)))
-	set := &labSet{}
+	r := NewReport(o)
+	pr := labkit.NewProgress(log, phasesOf(plan(o)))
+	set := &labkit.Labs{}
 	defer func() {
-		if derr := set.down(); derr != nil {
+		if derr := set.Down(); derr != nil {
 			err = errors.Join(err, derr)
 		}
 		r.Finished = time.Now().UTC()
@@ -49,25 +51,25 @@ func Run(ctx context.Context, o *Options, log io.Writer) (rep *Report, err error
 			err = fmt.Errorf("%d benchmark(s) failed: see the report", len(r.Errors))
 		}
 	}()
-	prefix := runID()
+	prefix := labkit.RunID()
 	r.RunID = prefix
-	pr.logf("run %s: %s (lab names %s*)", prefix, describe(o), prefix)
+	pr.Logf("run %s: %s (lab names %s*)", prefix, describe(o), prefix)
 
 	// step runs one benchmark unless the run was interrupted; a failure is
 	// recorded and the run goes on with the next one.
 	step := func(phaseName string, fn func() error) {
 		if ctx.Err() != nil {
-			pr.skip(phaseName)
+			pr.Skip(phaseName)
 			r.fail(phaseName, errors.New("not run: interrupted"))
 			return
 		}
-		pr.begin(phaseName)
+		pr.Begin(phaseName)
 		if err := fn(); err != nil {
 			if ctx.Err() != nil {
 				err = fmt.Errorf("interrupted: %w", err)
 			}
 			r.fail(phaseName, err)
-			pr.logf("%s FAILED: %v", phaseName, err)
+			pr.Logf("%s FAILED: %v", phaseName, err)
 		}
 	}
 
@@ -75,7 +77,7 @@ func Run(ctx context.Context, o *Options, log io.Writer) (rep *Report, err error
 		var phases []string
 		for _, ph := range plan(o) {
 			if ph.nmb == nmb && ph.bench != "" {
-				phases = append(phases, ph.name)
+				phases = append(phases, ph.Name)
 			}
 		}
 		if len(phases) == 0 {
@@ -88,13 +90,13 @@ func Run(ctx context.Context, o *Options, log io.Writer) (rep *Report, err error
 			continue
 		}
 		labs := fmt.Sprintf("labs, %d mb", nmb)
-		pr.begin(labs)
-		p, err := upPair(ctx, o, set, prefix, nmb, pr)
+		pr.Begin(labs)
+		p, err := labkit.UpPair(ctx, o.Agents(), set, prefix, nmb, pr)
 		if err != nil {
 			r.fail(labs, err)
-			pr.logf("%s FAILED: %v", labs, err)
+			pr.Logf("%s FAILED: %v", labs, err)
 			for _, ph := range phases {
-				pr.skip(ph)
+				pr.Skip(ph)
 				r.fail(ph, fmt.Errorf("not run: the labs could not be built"))
 			}
 		} else {
@@ -102,13 +104,13 @@ func Run(ctx context.Context, o *Options, log io.Writer) (rep *Report, err error
 				if ph.nmb != nmb || ph.bench == "" {
 					continue
 				}
-				step(ph.name, func() error { return ph.run(ctx, o, p, r, pr) })
+				step(ph.Name, func() error { return ph.run(ctx, o, p, r, pr) })
 			}
-			p.close()
+			p.Close()
 		}
 		teardown := fmt.Sprintf("teardown, %d mb", nmb)
-		pr.begin(teardown)
-		if err := set.down(); err != nil {
+		pr.Begin(teardown)
+		if err := set.Down(); err != nil {
 			r.fail(teardown, err)
 		}
 	}
@@ -135,25 +137,25 @@ const (
 
 // runReconfig builds the reconfig benchmark's lab, runs the benchmark and
 // tears the lab down.
-func runReconfig(ctx context.Context, o *Options, set *labSet, prefix string, r *Report, pr *progress, step func(string, func() error)) {
+func runReconfig(ctx context.Context, o *Options, set *labkit.Labs, prefix string, r *Report, pr *labkit.Progress, step func(string, func() error)) {
 	name := reconfigPhaseName(o)
 	if ctx.Err() != nil {
 		r.fail(name, errors.New("not run: interrupted"))
 		return
 	}
-	pr.begin(reconfigLabs)
-	rl, err := upReconfigLab(ctx, o, set, prefix, pr)
+	pr.Begin(reconfigLabs)
+	rl, err := UpReconfigLab(ctx, o, set, prefix, pr)
 	if err != nil {
 		r.fail(reconfigLabs, err)
-		pr.logf("%s FAILED: %v", reconfigLabs, err)
-		pr.skip(name)
+		pr.Logf("%s FAILED: %v", reconfigLabs, err)
+		pr.Skip(name)
 		r.fail(name, fmt.Errorf("not run: the lab could not be built"))
 	} else {
 		step(name, func() error { return benchReconfig(ctx, o, rl, r, pr) })
-		rl.close()
+		rl.Close()
 	}
-	pr.begin(reconfigTeardown)
-	if err := set.down(); err != nil {
+	pr.Begin(reconfigTeardown)
+	if err := set.Down(); err != nil {
 		r.fail(reconfigTeardown, err)
 	}
 }
@@ -166,24 +168,24 @@ const (
 
 // runDisruption builds the disruption benchmark's lab, runs the benchmark
 // and tears the lab down.
-func runDisruption(ctx context.Context, o *Options, set *labSet, prefix string, r *Report, pr *progress, step func(string, func() error)) {
+func runDisruption(ctx context.Context, o *Options, set *labkit.Labs, prefix string, r *Report, pr *labkit.Progress, step func(string, func() error)) {
 	name := disruptionPhaseName(o)
 	if ctx.Err() != nil {
 		r.fail(name, errors.New("not run: interrupted"))
 		return
 	}
-	pr.begin(disruptionLabs)
-	dl, err := upDisruptionLab(ctx, o, set, prefix, pr)
+	pr.Begin(disruptionLabs)
+	dl, err := UpDisruptionLab(ctx, o, set, prefix, pr)
 	if err != nil {
 		r.fail(disruptionLabs, err)
-		pr.logf("%s FAILED: %v", disruptionLabs, err)
-		pr.skip(name)
+		pr.Logf("%s FAILED: %v", disruptionLabs, err)
+		pr.Skip(name)
 		r.fail(name, fmt.Errorf("not run: the lab could not be built"))
 	} else {
-		step(name, func() error { return benchDisruption(ctx, o, dl, r, pr) })
+		step(name, func() error { return Disruption(ctx, o, dl, r, pr) })
 	}
-	pr.begin(disruptionTeardown)
-	if err := set.down(); err != nil {
+	pr.Begin(disruptionTeardown)
+	if err := set.Down(); err != nil {
 		r.fail(disruptionTeardown, err)
 	}
 }
@@ -205,28 +207,28 @@ func openRate(r float64) string {
 // building or teardown of the labs; the reconfig and disruption
 // benchmarks (nmb 0) have a lab of their own each.
 type planned struct {
-	phase
+	labkit.Phase
 	bench string // "" for lab phases
 	nmb   int    // 0: not on a pair of labs
-	run   func(ctx context.Context, o *Options, p *pair, r *Report, pr *progress) error
+	run   func(ctx context.Context, o *Options, p *labkit.Pair, r *Report, pr *labkit.Progress) error
 }
 
 // plan lists the phases o asks for, in run order, with estimated durations.
 func plan(o *Options) []planned {
 	it := o.IperfTime + time.Second // -O 1
 	var out []planned
-	add := func(bench string, nmb int, name string, est time.Duration, fn func(context.Context, *Options, *pair, *Report, *progress) error) {
+	add := func(bench string, nmb int, name string, est time.Duration, fn func(context.Context, *Options, *labkit.Pair, *Report, *labkit.Progress) error) {
 		if o.wants(bench) {
-			out = append(out, planned{phase{name, est}, bench, nmb, fn})
+			out = append(out, planned{labkit.Phase{Name: name, Est: est}, bench, nmb, fn})
 		}
 	}
 	connectEst := time.Duration(o.Connects)*2*300*time.Microsecond + 3*time.Second
-	withOffload := func(on bool) func(context.Context, *Options, *pair, *Report, *progress) error {
-		return func(ctx context.Context, o *Options, p *pair, r *Report, pr *progress) error {
-			if err := p.setTxOffload(ctx, on); err != nil {
+	withOffload := func(on bool) func(context.Context, *Options, *labkit.Pair, *Report, *labkit.Progress) error {
+		return func(ctx context.Context, o *Options, p *labkit.Pair, r *Report, pr *labkit.Progress) error {
+			if err := p.SetTxOffload(ctx, on); err != nil {
 				return err
 			}
-			return benchConnect(ctx, o, p, r, pr, on)
+			return Connect(ctx, o, p, r, pr, on)
 		}
 	}
 	for _, nmb := range []int{1, 4} {
@@ -234,7 +236,7 @@ func plan(o *Options) []planned {
 		if nmb == 1 {
 			add("goodput", 1, "goodput, 1 mb", 2*time.Duration(o.Reps)*2*(it+2*time.Second), benchGoodput)
 		}
-		add("rps", nmb, fmt.Sprintf("nginx+wrk, %d mb", nmb), time.Duration(o.Reps)*2*(o.WrkTime+1500*time.Millisecond), benchRPS)
+		add("rps", nmb, fmt.Sprintf("nginx+wrk, %d mb", nmb), time.Duration(o.Reps)*2*(o.WrkTime+1500*time.Millisecond), RPS)
 		if nmb == 1 {
 			add("bpfstats", 1, "datapath cost (BPF stats), 1 mb", 2*(it+o.WrkTime)+8*time.Second, benchBPFStats) // each workload in both labs
 		}
@@ -252,37 +254,37 @@ func plan(o *Options) []planned {
 			continue
 		}
 		// Lab phases around the benchmarks of this pair.
-		labs := planned{phase: phase{fmt.Sprintf("labs, %d mb", nmb), time.Duration(4+nmb) * time.Second}, nmb: nmb}
-		down := planned{phase: phase{fmt.Sprintf("teardown, %d mb", nmb), 3 * time.Second}, nmb: nmb}
+		labs := planned{Phase: labkit.Phase{Name: fmt.Sprintf("labs, %d mb", nmb), Est: time.Duration(4+nmb) * time.Second}, nmb: nmb}
+		down := planned{Phase: labkit.Phase{Name: fmt.Sprintf("teardown, %d mb", nmb), Est: 3 * time.Second}, nmb: nmb}
 		i := len(out) - len(benches)
 		out = append(out[:i], append([]planned{labs}, append(benches, down)...)...)
 	}
 	if o.wants("reconfig") {
 		out = append(out,
-			planned{phase: phase{reconfigLabs, 5 * time.Second}},
-			planned{phase: phase{reconfigPhaseName(o), reconfigEst(o)}, bench: "reconfig"},
-			planned{phase: phase{reconfigTeardown, 3 * time.Second}})
+			planned{Phase: labkit.Phase{Name: reconfigLabs, Est: 5 * time.Second}},
+			planned{Phase: labkit.Phase{Name: reconfigPhaseName(o), Est: reconfigEst(o)}, bench: "reconfig"},
+			planned{Phase: labkit.Phase{Name: reconfigTeardown, Est: 3 * time.Second}})
 	}
 	if o.wants("churn") {
 		out = append(out,
-			planned{phase: phase{churnLabs, 5 * time.Second}},
-			planned{phase: phase{churnPhaseName(o), churnEst(o)}, bench: "churn"},
-			planned{phase: phase{churnTeardown, 3 * time.Second}})
+			planned{Phase: labkit.Phase{Name: churnLabs, Est: 5 * time.Second}},
+			planned{Phase: labkit.Phase{Name: churnPhaseName(o), Est: churnEst(o)}, bench: "churn"},
+			planned{Phase: labkit.Phase{Name: churnTeardown, Est: 3 * time.Second}})
 	}
 	if o.wants("disruption") {
 		out = append(out,
-			planned{phase: phase{disruptionLabs, 5 * time.Second}},
-			planned{phase: phase{disruptionPhaseName(o), disruptionEst(o)}, bench: "disruption"},
-			planned{phase: phase{disruptionTeardown, 3 * time.Second}})
+			planned{Phase: labkit.Phase{Name: disruptionLabs, Est: 5 * time.Second}},
+			planned{Phase: labkit.Phase{Name: disruptionPhaseName(o), Est: disruptionEst(o)}, bench: "disruption"},
+			planned{Phase: labkit.Phase{Name: disruptionTeardown, Est: 3 * time.Second}})
 	}
 	return out
 }
 
 // phasesOf turns a plan into progress phases.
-func phasesOf(pl []planned) []phase {
-	out := make([]phase, len(pl))
+func phasesOf(pl []planned) []labkit.Phase {
+	out := make([]labkit.Phase, len(pl))
 	for i, p := range pl {
-		out[i] = p.phase
+		out[i] = p.Phase
 	}
 	return out
 }

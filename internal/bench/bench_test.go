@@ -1,4 +1,4 @@
-package experiment
+package bench
 
 import (
 	"context"
@@ -14,25 +14,6 @@ import (
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/testutil"
 )
-
-func TestQuantile(t *testing.T) {
-	xs := []float64{5, 1, 4, 2, 3}
-	if m := median(xs); m != 3 {
-		t.Errorf("median = %v, want 3", m)
-	}
-	if q := quantile(xs, 0.25); q != 2 {
-		t.Errorf("quantile 0.25 = %v, want 2", q)
-	}
-	if q := quantile([]float64{1, 2}, 0.5); q != 1.5 {
-		t.Errorf("median of 1,2 = %v, want 1.5", q)
-	}
-	if !math.IsNaN(median(nil)) {
-		t.Error("median of nothing is not NaN")
-	}
-	if xs[0] != 5 {
-		t.Error("quantile sorted its argument in place")
-	}
-}
 
 func TestParseIperf(t *testing.T) {
 	bps, err := parseIperf(`{"start":{},"end":{"sum_sent":{"bits_per_second":2e9},"sum_received":{"bits_per_second":1.5e9,"bytes":1}}}`)
@@ -94,7 +75,7 @@ func TestPlan(t *testing.T) {
 	}
 	var names []string
 	for _, p := range plan(o) {
-		names = append(names, p.name)
+		names = append(names, p.Name)
 	}
 	got := strings.Join(names, "|")
 	for _, want := range []string{"labs, 1 mb|goodput, 1 mb|", "memory per session|teardown, 1 mb|labs, 4 mb|nginx+wrk, 4 mb|", "teardown, 4 mb|labs, proxy removal|proxy removal, 60 sessions|teardown, proxy removal|labs, churn|reconfiguration under churn, 6 rounds|teardown, churn|labs, disruption|disruption of one session by a reconfiguration, 4s, SACK on and off|teardown, disruption"} {
@@ -105,7 +86,7 @@ func TestPlan(t *testing.T) {
 	o, _ = ParseFlags([]string{"--only", "memory"})
 	for _, p := range plan(o) {
 		if p.nmb == 4 {
-			t.Errorf("--only memory plans %q", p.name)
+			t.Errorf("--only memory plans %q", p.Name)
 		}
 	}
 	if o.Markdown != "" {
@@ -120,7 +101,7 @@ func TestPlan(t *testing.T) {
 	o, _ = ParseFlags([]string{"--only", "reconfig"})
 	names = nil
 	for _, p := range plan(o) {
-		names = append(names, p.name)
+		names = append(names, p.Name)
 	}
 	if got := strings.Join(names, "|"); got != "labs, proxy removal|proxy removal, 600 sessions|teardown, proxy removal" {
 		t.Errorf("--only reconfig plans %q", got)
@@ -146,7 +127,7 @@ func TestPlan(t *testing.T) {
 	o, _ = ParseFlags([]string{"--only", "disruption"})
 	names = nil
 	for _, p := range plan(o) {
-		names = append(names, p.name)
+		names = append(names, p.Name)
 	}
 	if got := strings.Join(names, "|"); got != "labs, disruption|disruption of one session by a reconfiguration, 8s, SACK on and off|teardown, disruption" {
 		t.Errorf("--only disruption plans %q", got)
@@ -163,7 +144,7 @@ func TestPlan(t *testing.T) {
 	o, _ = ParseFlags([]string{"--only", "churn"})
 	names = nil
 	for _, p := range plan(o) {
-		names = append(names, p.name)
+		names = append(names, p.Name)
 	}
 	if got := strings.Join(names, "|"); got != "labs, churn|reconfiguration under churn, 20 rounds|teardown, churn" || o.Markdown != "" {
 		t.Errorf("--only churn plans %q (markdown %q)", got, o.Markdown)
@@ -282,7 +263,7 @@ func TestSummarize(t *testing.T) {
 		{Session: "10.0.0.9:1 -> 10.0.0.2:9400", Outcome: "failed", Reason: "timeout", Micros: 9000},
 	}
 	locals := map[string]bool{"10.0.0.1:1000": true, "10.0.0.1:1001": true, "10.0.0.1:1002": true}
-	s := summarize(res, 5, locals)
+	s := Summarize(res, 5, locals)
 	if s.Results != 4 || s.Succeeded != 3 || s.Named != 3 || s.Reasons["failed: timeout"] != 1 {
 		t.Errorf("summarize = %+v", s)
 	}
@@ -306,14 +287,14 @@ func TestNewResults(t *testing.T) {
 		return api.ReconfigResult{ID: id, Outcome: "succeeded", Micros: int64(id)}
 	}
 	prev := []api.ReconfigResult{r(1), r(2)}
-	if got := newResults(prev, []api.ReconfigResult{r(1), r(2), r(3), r(4)}); len(got) != 2 || got[0] != r(3) {
+	if got := NewResults(prev, []api.ReconfigResult{r(1), r(2), r(3), r(4)}); len(got) != 2 || got[0] != r(3) {
 		t.Errorf("newResults = %v", got)
 	}
 	// The agent trimmed the oldest entries.
-	if got := newResults(prev, []api.ReconfigResult{r(2), r(3)}); len(got) != 1 || got[0] != r(3) {
+	if got := NewResults(prev, []api.ReconfigResult{r(2), r(3)}); len(got) != 1 || got[0] != r(3) {
 		t.Errorf("newResults after a trim = %v", got)
 	}
-	if got := newResults(nil, []api.ReconfigResult{r(1)}); len(got) != 1 {
+	if got := NewResults(nil, []api.ReconfigResult{r(1)}); len(got) != 1 {
 		t.Errorf("newResults with no earlier reading = %v", got)
 	}
 }
@@ -322,10 +303,10 @@ func TestSummarizeDisruption(t *testing.T) {
 	// 50 ms bins of 62.5 MB (10 Gbit/s) from 0.05 s to 4 s; the
 	// reconfiguration runs from 1.5 to 1.52 s; the bin ending at 2 s
 	// carries a quarter, the one at 2.55 s (after the window) nothing.
-	var xs []disruptionSample
+	var xs []DisruptionSample
 	var retrans, ooo uint32
 	for i := 1; i <= 80; i++ {
-		x := disruptionSample{T: float64(i) * 0.05, Bytes: 62_500_000, Cwnd: 1000}
+		x := DisruptionSample{T: float64(i) * 0.05, Bytes: 62_500_000, Cwnd: 1000}
 		switch i {
 		case 25: // 1.25 s
 			retrans += 3
