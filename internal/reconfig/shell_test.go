@@ -15,6 +15,7 @@ import (
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/datapath"
 	"github.com/dysco/dysco/internal/protocol"
+	"github.com/dysco/dysco/internal/testutil"
 	"github.com/dysco/dysco/internal/wire"
 )
 
@@ -186,16 +187,6 @@ func (l *lab) reconfigure(from string, s session, to string, chain ...string) Ou
 	return out[0]
 }
 
-// eventually waits for cond, failing the test after d.
-func eventually(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	for end := time.Now().Add(d); !cond(); time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(end) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-	}
-}
-
 func outcome(o Outcome) string {
 	if o.Result == nil {
 		return o.Outcome + ": " + o.Reason
@@ -262,7 +253,7 @@ func TestShellDeleteMiddlebox(t *testing.T) {
 	if out := rightOut(a, s.ids["a"]); out.Dst != b.addr {
 		t.Fatalf("a sends the session to %s, want b (%s)", out, b.addr)
 	}
-	eventually(t, 5*time.Second, "m to free the session", func() bool { n, _, _, _ := m.dp.counts(); return n == 0 })
+	testutil.Eventually(t, 5*time.Second, "m to free the session", func() bool { n, _, _, _ := m.dp.counts(); return n == 0 })
 	l.settled()
 	if v, ok := a.sh.Views()[s.ids["a"]]; !ok || v.Teardown {
 		t.Errorf("a's view of the session: %+v, %v", v, ok)
@@ -289,7 +280,7 @@ func TestShellInsertMiddlebox(t *testing.T) {
 	l.settled()
 	// And out again: the joined session is a middle like any other.
 	succeeded(t, l.reconfigure("a", s, "b"))
-	eventually(t, 5*time.Second, "m to free the joined session", func() bool { n, _, _, _ := m.dp.counts(); return n == 0 })
+	testutil.Eventually(t, 5*time.Second, "m to free the joined session", func() bool { n, _, _, _ := m.dp.counts(); return n == 0 })
 	l.settled()
 }
 
@@ -368,7 +359,7 @@ func TestShellResumeAfterRestart(t *testing.T) {
 	})
 	res := make(chan Outcome, 1)
 	go func() { res <- l.reconfigure("a", s, "b") }()
-	eventually(t, 5*time.Second, "b to install the new subsession", func() bool {
+	testutil.Eventually(t, 5*time.Second, "b to install the new subsession", func() bool {
 		_, ok := b.dp.TPReqOf(datapath.TPKey{SessId: s.ids["b"], Side: 0})
 		return ok
 	})
@@ -456,7 +447,7 @@ func TestShellSplice(t *testing.T) {
 	if o := rightOut(a, in.ids["a"]); o.Dst != b.addr {
 		t.Fatalf("a sends the session to %s, want b (%s)", o, b.addr)
 	}
-	eventually(t, 5*time.Second, "the proxy's sessions to be cut off", func() bool {
+	testutil.Eventually(t, 5*time.Second, "the proxy's sessions to be cut off", func() bool {
 		for _, id := range []uint32{in.ids["p"], out.ids["p"]} {
 			for _, f := range p.dp.flowsOf(id) {
 				if f.Flags&datapath.FlIngress != 0 || f.Flags&datapath.FlDrop == 0 {
