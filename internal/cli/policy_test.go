@@ -18,12 +18,10 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
-	"unsafe"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/policyserver"
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 // runCLI runs the dysco command line with args and returns what it printed.
@@ -253,7 +251,7 @@ func TestNoAgent(t *testing.T) {
 func TestPolicyServerVerb(t *testing.T) {
 	dir := t.TempDir()
 	ready := filepath.Join(dir, "ready")
-	w := newFileWaiter(t, ready)
+	w := testutil.NewFileWaiter(t, ready)
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
 	go func() {
@@ -262,7 +260,7 @@ func TestPolicyServerVerb(t *testing.T) {
 		root.SetErr(io.Discard)
 		done <- root.ExecuteContext(ctx)
 	}()
-	url := "http://" + w.wait(t)
+	url := "http://" + w.Wait(t)
 	mustDysco(t, "policy", "add", "all", "--server", url, "tcp")
 	if out := mustDysco(t, "policy", "list", "--server", url); !strings.Contains(out, "all   0         tcp     -      *") {
 		t.Errorf("list printed %q", out)
@@ -270,54 +268,5 @@ func TestPolicyServerVerb(t *testing.T) {
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatalf("policy-server: %v", err)
-	}
-}
-
-// fileWaiter waits, through inotify and with a deadline, for a file to be
-// written after the waiter was made: the way tests wait on a ready file
-// without sleeping.
-type fileWaiter struct {
-	f    *os.File
-	path string
-}
-
-func newFileWaiter(t *testing.T, path string) *fileWaiter {
-	t.Helper()
-	fd, err := unix.InotifyInit1(unix.IN_NONBLOCK | unix.IN_CLOEXEC)
-	if err != nil {
-		t.Fatalf("inotify: %v", err)
-	}
-	if _, err := unix.InotifyAddWatch(fd, filepath.Dir(path), unix.IN_MOVED_TO|unix.IN_CLOSE_WRITE); err != nil {
-		unix.Close(fd)
-		t.Fatalf("inotify watch %s: %v", filepath.Dir(path), err)
-	}
-	f := os.NewFile(uintptr(fd), "inotify")
-	t.Cleanup(func() { f.Close() })
-	return &fileWaiter{f: f, path: path}
-}
-
-// wait returns the trimmed content of the file once written.
-func (w *fileWaiter) wait(t *testing.T) string {
-	t.Helper()
-	w.f.SetReadDeadline(time.Now().Add(10 * time.Second))
-	buf := make([]byte, 4096)
-	for {
-		n, err := w.f.Read(buf)
-		if err != nil {
-			t.Fatalf("waiting for %s: %v", w.path, err)
-		}
-		for b := buf[:n]; len(b) >= unix.SizeofInotifyEvent; {
-			ev := (*unix.InotifyEvent)(unsafe.Pointer(&b[0]))
-			name := string(bytes.TrimRight(b[unix.SizeofInotifyEvent:unix.SizeofInotifyEvent+int(ev.Len)], "\x00"))
-			b = b[unix.SizeofInotifyEvent+int(ev.Len):]
-			if name != filepath.Base(w.path) {
-				continue
-			}
-			data, err := os.ReadFile(w.path)
-			if err != nil {
-				t.Fatalf("reading %s: %v", w.path, err)
-			}
-			return strings.TrimSpace(string(data))
-		}
 	}
 }

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 // testServer is a Server serving on a real TCP listener on 127.0.0.1.
@@ -395,11 +396,11 @@ func TestRunReadyFile(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	w := newFileWaiter(t, ready)
+	w := testutil.NewFileWaiter(t, ready)
 	go func() {
 		done <- Run(ctx, Config{Listen: "127.0.0.1:0", DB: filepath.Join(dir, "p.db"), ReadyFile: ready, Logger: quietLogger()})
 	}()
-	addr := w.wait(t)
+	addr := w.Wait(t)
 	if addr == "stale" {
 		t.Fatal("read the stale ready file")
 	}

@@ -1,4 +1,4 @@
-package policyserver
+package testutil
 
 import (
 	"bytes"
@@ -12,15 +12,16 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// fileWaiter waits, through inotify and with a deadline, for a file to be
+// FileWaiter waits, through inotify and with a deadline, for a file to be
 // written after the waiter was made: the way tests wait on a ready file
 // without sleeping.
-type fileWaiter struct {
+type FileWaiter struct {
 	f    *os.File
 	path string
 }
 
-func newFileWaiter(t *testing.T, path string) *fileWaiter {
+// NewFileWaiter starts watching path's folder.
+func NewFileWaiter(t testing.TB, path string) *FileWaiter {
 	t.Helper()
 	fd, err := unix.InotifyInit1(unix.IN_NONBLOCK | unix.IN_CLOEXEC)
 	if err != nil {
@@ -32,11 +33,11 @@ func newFileWaiter(t *testing.T, path string) *fileWaiter {
 	}
 	f := os.NewFile(uintptr(fd), "inotify")
 	t.Cleanup(func() { f.Close() })
-	return &fileWaiter{f: f, path: path}
+	return &FileWaiter{f: f, path: path}
 }
 
-// wait returns the trimmed content of the file once written.
-func (w *fileWaiter) wait(t *testing.T) string {
+// Wait returns the trimmed content of the file once written.
+func (w *FileWaiter) Wait(t testing.TB) string {
 	t.Helper()
 	w.f.SetReadDeadline(time.Now().Add(10 * time.Second))
 	buf := make([]byte, 4096)
