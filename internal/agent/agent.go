@@ -65,13 +65,9 @@ type Config struct {
 	// empty disables reconfiguration at this agent.
 	ControlKey []byte
 	// StatePlugins are the state migration plug-ins (internal/migrate)
-	// this agent exports and imports with; StateFailExport and
-	// StateFailImport make one of them fail, StateDelayExport delays every
-	// export (tests).
-	StatePlugins                     []string
-	StateFailExport, StateFailImport string
-	StateDelayExport                 time.Duration
-	Log                              *slog.Logger
+	// this agent exports and imports with.
+	StatePlugins []string
+	Log          *slog.Logger
 }
 
 // DefaultControlPort is the UDP port of the reconfiguration protocol.
@@ -245,8 +241,7 @@ func Run(ctx context.Context, cfg Config) error {
 		var states *migrate.Set
 		if len(cfg.StatePlugins) > 0 {
 			a.providers = &migrate.Providers{}
-			set, err := migrate.NewSet(cfg.StatePlugins, migrate.Options{APIProviders: a.providers,
-				FailExport: cfg.StateFailExport, FailImport: cfg.StateFailImport, DelayExport: cfg.StateDelayExport})
+			set, err := migrate.NewSet(cfg.StatePlugins, migrate.Options{APIProviders: a.providers})
 			if err != nil {
 				return fmt.Errorf("--state-plugins: %w", err)
 			}

@@ -139,9 +139,6 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 	f.StringVar(&execTrace, "exec-trace", "", "write a Go execution trace of the agent to this file until it exits (go tool trace); {name} in it becomes --name")
 	f.IntVar(&cfg.ControlPort, "control-port", agent.DefaultControlPort, "UDP port of the reconfiguration protocol")
 	f.StringSliceVar(&cfg.StatePlugins, "state-plugins", []string{"conntrack", "api"}, "middlebox state this agent exports and imports for state migration (conntrack, api; empty: none)")
-	f.StringVar(&cfg.StateFailExport, "state-fail-export", "", "test aid: this state plug-in's exports fail")
-	f.StringVar(&cfg.StateFailImport, "state-fail-import", "", "test aid: this state plug-in's imports fail")
-	f.DurationVar(&cfg.StateDelayExport, "state-delay-export", 0, "test aid: every state export waits this long first (a long freeze)")
 	f.StringVar(&keyFile, "control-key-file", "", "file holding the deployment key that authenticates reconfiguration messages (hex, at least 16 bytes); without it reconfiguration is disabled")
 	return cmd
 }

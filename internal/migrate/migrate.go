@@ -19,7 +19,6 @@ import (
 	"slices"
 	"sort"
 	"strings"
-	"time"
 
 	"github.com/dysco/dysco/internal/wire"
 )
@@ -114,33 +113,17 @@ type Options struct {
 	// ConntrackZones are the conntrack zones the "conntrack" plug-in looks
 	// in for the session's entries; nil means zone 0 only.
 	ConntrackZones []uint16
-
-	// FailExport and FailImport are a test aid: the plug-in of that name
-	// (in a Set) fails its Export, respectively Import, with the error
-	// "injected failure", so that tests of the agent can exercise the
-	// protocol's failure paths. Empty in production.
-	FailExport, FailImport string
-	// DelayExport is a test aid too: every Export waits this long before
-	// it collects the state (less if its context ends first), so that a
-	// test gets a freeze long enough to be sure packets arrive in it (a
-	// full hold buffer). Zero in production.
-	DelayExport time.Duration
 }
-
-// ErrInjected is the error of a failure injected through
-// Options.FailExport or Options.FailImport.
-var ErrInjected = errors.New("injected failure")
 
 // Set is the agent's enabled plug-ins, in order.
 type Set struct {
 	plugins []Plugin
-	opt     Options
 }
 
 // NewSet returns the plug-ins names (known: "conntrack", "api"), in that
 // order.
 func NewSet(names []string, opt Options) (*Set, error) {
-	s := &Set{opt: opt}
+	s := &Set{}
 	seen := map[string]bool{}
 	known := strings.Join(KnownPlugins, ", ")
 	for _, n := range names {
@@ -160,16 +143,11 @@ func NewSet(names []string, opt Options) (*Set, error) {
 			return nil, fmt.Errorf("unknown state plug-in %q (known plug-ins: %s)", n, known)
 		}
 	}
-	for _, f := range []string{opt.FailExport, opt.FailImport} {
-		if f != "" && !seen[f] {
-			return nil, fmt.Errorf("failure injected into state plug-in %q, which is not enabled (enabled: %s)", f, strings.Join(names, ", "))
-		}
-	}
 	return s, nil
 }
 
 // newSetOf returns a Set of the given plug-ins (tests).
-func newSetOf(opt Options, ps ...Plugin) *Set { return &Set{plugins: ps, opt: opt} }
+func newSetOf(ps ...Plugin) *Set { return &Set{plugins: ps} }
 
 // Names returns the enabled plug-ins' names, in order.
 func (s *Set) Names() []string {
@@ -187,24 +165,9 @@ func (s *Set) Export(ctx context.Context, sess Session) (Bundle, error) {
 	if err := sess.validate(); err != nil {
 		return nil, err
 	}
-	if d := s.opt.DelayExport; d > 0 {
-		t := time.NewTimer(d)
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
-			return nil, fmt.Errorf("export delayed %v (test aid): %w", d, ctx.Err())
-		}
-	}
 	b := Bundle{}
 	for _, p := range s.plugins {
-		var st []byte
-		var err error
-		if s.opt.FailExport == p.Name() {
-			err = ErrInjected
-		} else {
-			st, err = p.Export(ctx, sess)
-		}
+		st, err := p.Export(ctx, sess)
 		if err != nil {
 			return nil, fmt.Errorf("%s: export: %w", p.Name(), err)
 		}
@@ -247,13 +210,7 @@ func (s *Set) Import(ctx context.Context, sess Session, b Bundle) error {
 		if !ok {
 			continue
 		}
-		var err error
-		if s.opt.FailImport == p.Name() {
-			err = ErrInjected
-		} else {
-			err = p.Import(ctx, sess, st)
-		}
-		if err != nil {
+		if err := p.Import(ctx, sess, st); err != nil {
 			err = fmt.Errorf("%s: import: %w", p.Name(), err)
 			for i := len(done) - 1; i >= 0; i-- {
 				if rerr := done[i].Release(ctx, sess); rerr != nil {

@@ -1,10 +1,15 @@
 package e2e
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
 	"net/netip"
+	"path/filepath"
 	"regexp"
 	"sort"
 	"strconv"
@@ -75,6 +80,130 @@ func (e *env) tracked(host string, t wire.Tuple) bool {
 	return have
 }
 
+// testProviderName is the name the test's state providers register under
+// (the same on every host: the api plug-in imports a provider's state into
+// the provider of that name).
+const testProviderName = "e2e-test"
+
+// testProvider is a state provider of the api plug-in that a test serves
+// itself (docs/state-migration-plugins.md, "api: the provider protocol"):
+// export answers POST /v1/export, imp POST /v1/import (given the state);
+// either, when nil, and POST /v1/release answer 204.
+type testProvider struct {
+	export func(ctx context.Context) (code int, body []byte)
+	imp    func(state []byte) (code int, body []byte)
+}
+
+func (p testProvider) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	var req migrate.ProviderRequest
+	if err := json.NewDecoder(r.Body).Decode(&req); err != nil || r.Method != http.MethodPost {
+		code, body := providerError(http.StatusBadRequest, fmt.Sprintf("%s %s: want POST and a JSON body (%v)", r.Method, r.URL.Path, err))
+		w.WriteHeader(code)
+		w.Write(body)
+		return
+	}
+	code, body := http.StatusNoContent, []byte(nil)
+	switch r.URL.Path {
+	case "/v1/export":
+		if p.export != nil {
+			code, body = p.export(r.Context())
+		}
+	case "/v1/import":
+		if p.imp != nil {
+			code, body = p.imp(req.State)
+		}
+	case "/v1/release":
+	default:
+		code, body = providerError(http.StatusNotFound, "no such route "+r.URL.Path)
+	}
+	w.WriteHeader(code)
+	if len(body) > 0 {
+		w.Write(body)
+	}
+}
+
+// providerError is a provider's failure: code and {"error": msg}, which the
+// api plug-in puts into the migration's error.
+func providerError(code int, msg string) (int, []byte) {
+	b, _ := json.Marshal(api.Error{Error: msg})
+	return code, b
+}
+
+// stateProvider serves p on a Unix socket under the test's temporary
+// directory and registers it with host's agent as testProviderName. The
+// socket is a path, not an abstract socket: abstract sockets belong to a
+// network namespace, and the agent runs in the host's, the test in the
+// root one. When the test ends the provider is unregistered and closed
+// (before the lab goes down: cleanups run last first).
+func (e *env) stateProvider(host string, p testProvider) {
+	e.t.Helper()
+	sock := filepath.Join(e.t.TempDir(), host+".sock")
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		e.t.Fatalf("state provider for %s: %v", host, err)
+	}
+	srv := &http.Server{Handler: p}
+	go srv.Serve(ln)
+	path := "/v1/state/providers/" + testProviderName
+	if err := e.agentAPI(host, http.MethodPut, path, migrate.RegisterRequest{Socket: sock}); err != nil {
+		srv.Close()
+		e.t.Fatalf("registering the state provider with %s's agent: %v", host, err)
+	}
+	e.t.Cleanup(func() {
+		if err := e.agentAPI(host, http.MethodDelete, path, nil); err != nil {
+			e.t.Errorf("unregistering the state provider from %s's agent: %v", host, err)
+		}
+		srv.Close()
+	})
+}
+
+// agentAPI sends a request to the local API of host's agent. Its socket
+// (api.AgentSocket) is abstract, so it exists in the host's network
+// namespace only: the connection is opened there.
+func (e *env) agentAPI(host, method, path string, body any) error {
+	var rd io.Reader
+	if body != nil {
+		b, err := json.Marshal(body)
+		if err != nil {
+			return err
+		}
+		rd = bytes.NewReader(b)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, method, "http://dysco-agent"+path, rd)
+	if err != nil {
+		return err
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	tr := &http.Transport{DisableKeepAlives: true, DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		var c net.Conn
+		err := e.inNS(host, func() error {
+			var err error
+			c, err = (&net.Dialer{}).DialContext(ctx, "unix", api.AgentSocket)
+			return err
+		})
+		return c, err
+	}}
+	defer tr.CloseIdleConnections()
+	resp, err := (&http.Client{Transport: tr}).Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	data, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<16))
+	if resp.StatusCode/100 != 2 {
+		var ae api.Error
+		if json.Unmarshal(data, &ae) == nil && ae.Error != "" {
+			data = []byte(ae.Error)
+		}
+		return fmt.Errorf("%s %s: %s: %s", method, path, resp.Status, bytes.TrimSpace(data))
+	}
+	return nil
+}
+
 // migrateReconfig runs `dysco reconfig … --migrate-state` on host.
 func (e *env) migrateReconfig(host, match string, to netip.Addr, chain netip.Addr, extra ...string) []api.ReconfigResult {
 	e.t.Helper()
@@ -96,21 +225,52 @@ func (e *env) migrateReconfig(host, match string, to netip.Addr, chain netip.Add
 // session's packets. A monitor on each instance checks the substream
 // property.
 func TestStateMigration(t *testing.T) {
+	// The firewalls move their conntrack state and, through the api
+	// plug-in, the state of a provider the test serves on each of them
+	// (conntrack first: a failed api import rolls conntrack back).
+	plugins := []string{"--state-plugins", "conntrack,api"}
 	e := newLab(t, labOpts{
 		topology: lab.Star("client", "mb1", "mb2", "mb3", "server"),
-		// mb3 is a firewall whose state plug-in fails both ways; mb2's
-		// exports wait 300 ms (only buffer-full exports at mb2), so that
-		// paced packets surely reach the anchors during that freeze
-		// even when the machine is loaded: with a freeze of a few ms the
-		// case once found no packet to hold and succeeded.
-		hostArgs: map[string][]string{
-			"mb2": {"--state-delay-export", "300ms"},
-			"mb3": {"--state-fail-export", "conntrack", "--state-fail-import", "conntrack"},
-		},
+		hostArgs: map[string][]string{"mb1": plugins, "mb2": plugins, "mb3": plugins},
 	})
 	for _, h := range []string{"mb1", "mb2", "mb3"} {
 		e.strictFirewall(h)
 	}
+	// mb1's provider has state of every session, which mb2's accepts; on
+	// mb3, a firewall whose state fails both ways, it refuses exports and
+	// imports (mb3 imports only in import-fails, where mb1's provider
+	// state makes the api plug-in import at all). mb2's provider waits
+	// 300 ms before it answers an export (only buffer-full exports at
+	// mb2), so that paced packets surely reach the anchors during that
+	// freeze even when the machine is loaded: with a freeze of a few ms
+	// the case once found no packet to hold and succeeded.
+	const mb1State = "mb1's state of the session"
+	e.stateProvider("mb1", testProvider{
+		export: func(context.Context) (int, []byte) { return http.StatusOK, []byte(mb1State) },
+	})
+	e.stateProvider("mb2", testProvider{
+		export: func(ctx context.Context) (int, []byte) {
+			select {
+			case <-time.After(300 * time.Millisecond):
+			case <-ctx.Done():
+			}
+			return http.StatusNoContent, nil
+		},
+		imp: func(state []byte) (int, []byte) {
+			if string(state) != mb1State {
+				return providerError(http.StatusBadRequest, fmt.Sprintf("state %q, want mb1's %q", state, mb1State))
+			}
+			return http.StatusNoContent, nil
+		},
+	})
+	e.stateProvider("mb3", testProvider{
+		export: func(context.Context) (int, []byte) {
+			return providerError(http.StatusInternalServerError, "the test's provider refuses to export")
+		},
+		imp: func([]byte) (int, []byte) {
+			return providerError(http.StatusInternalServerError, "the test's provider refuses to import")
+		},
+	})
 	dst := e.addr("server", false)
 	mb1, mb2, mb3 := e.addr("mb1", false), e.addr("mb2", false), e.addr("mb3", false)
 	type tc struct {
