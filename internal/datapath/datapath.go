@@ -58,6 +58,13 @@ type Sizing struct {
 
 // Datapath is a loaded datapath.
 type Datapath struct {
+	// The maps, in groups (groups.go).
+	*FlowMap
+	*SessionMap
+	*TwoPathMap
+	*LockMap
+	*SpliceMap
+
 	cfg  Config
 	objs dyscoObjects
 	// Attach is "tcx", or "clsact" where the kernel lacks TCX.
@@ -69,15 +76,6 @@ type Datapath struct {
 	// (ip netns exec) the pins then go when the process exits.
 	MountedBPFFS bool
 	links        map[string]link.Link
-
-	// Buffers of the walks of the session maps (eachBatch).
-	flow6Bufs   batchBufs[Tuple, Flow]
-	flow4Bufs   batchBufs[Tuple4, Flow4]
-	sessionBufs batchBufs[uint32, Session]
-	setupBufs   batchBufs[uint32, dyscoSynState]
-	deltaBufs   batchBufs[Tuple, Delta]
-	tpBufs      batchBufs[TPKey, TPVal]
-	tpReqBufs   batchBufs[TPKey, TPReq]
 
 	// cfgMu serialises changes of dysco_config, whose fields have
 	// separate writers (setConfig).
@@ -136,7 +134,7 @@ func Load(cfg Config) (*Datapath, error) {
 		return nil, err
 	}
 	d := &Datapath{cfg: cfg, links: map[string]link.Link{}, Sizing: sizing, MountedBPFFS: mounted}
-	d.tpBufs.size, d.tpReqBufs.size = reconfBatch, reconfBatch
+	d.initGroups()
 	err = spec.LoadAndAssign(&d.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinDir}})
 	if err != nil {
 		var ve *ebpf.VerifierError

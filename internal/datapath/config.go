@@ -1,0 +1,210 @@
+package datapath
+
+// The datapath's configuration maps: local addresses, policies, middlebox
+// types, trusted prefixes, and the flags the agent sets at run time.
+
+import (
+	"fmt"
+	"net/netip"
+	"time"
+
+	"github.com/dysco/dysco/internal/wire"
+)
+
+// SetLocalAddrs replaces the set of this host's addresses.
+func (d *Datapath) SetLocalAddrs(addrs []netip.Addr) error {
+	want := map[[16]byte]bool{}
+	for _, a := range addrs {
+		want[a.As16()] = true
+	}
+	var k [16]byte
+	var v uint8
+	var stale [][16]byte
+	it := d.objs.DyscoLocal.Iterate()
+	for it.Next(&k, &v) {
+		if !want[k] {
+			stale = append(stale, k)
+		}
+	}
+	for _, s := range stale {
+		_ = d.objs.DyscoLocal.Delete(s)
+	}
+	for a := range want {
+		if err := d.objs.DyscoLocal.Put(a, uint8(1)); err != nil {
+			return fmt.Errorf("datapath: local address %s: %w", netip.AddrFrom16(a), err)
+		}
+	}
+	return nil
+}
+
+// PolicyHop is one resolved hop of a policy: an address or a type index.
+type PolicyHop struct {
+	Addr netip.Addr
+	Type int // index into the types given to SetTypes, when Addr is not valid
+}
+
+// PolicyChain is what the datapath needs of one policy slot.
+type PolicyChain struct {
+	Hops  []PolicyHop
+	ToDst bool
+}
+
+// SetPolicies writes the chains of policy slots 0..len-1 and clears the rest.
+func (d *Datapath) SetPolicies(chains []PolicyChain) error {
+	if len(chains) > int(d.objs.DyscoPolicies.MaxEntries()) {
+		return fmt.Errorf("datapath: %d policies, at most %d", len(chains), d.objs.DyscoPolicies.MaxEntries())
+	}
+	for i := 0; i < int(d.objs.DyscoPolicies.MaxEntries()); i++ {
+		var v dyscoPolicyVal
+		if i < len(chains) {
+			c := chains[i]
+			if len(c.Hops)+boolInt(c.ToDst) > wire.MaxHops {
+				return fmt.Errorf("datapath: policy slot %d: %d hops, at most %d", i, len(c.Hops), wire.MaxHops-boolInt(c.ToDst))
+			}
+			v.N_hops = uint8(len(c.Hops))
+			v.ToDst = boolU8(c.ToDst)
+			for j, h := range c.Hops {
+				if h.Addr.IsValid() {
+					v.Kind[j] = hopAddr
+					v.Addr[j] = h.Addr.As16()
+				} else {
+					v.Kind[j] = hopType
+					v.Type[j] = uint32(h.Type)
+				}
+			}
+		}
+		if err := d.objs.DyscoPolicies.Put(uint32(i), v); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// SetTypes writes the middlebox types (index = type id). The round-robin
+// cursor of a type whose instances are unchanged is kept.
+func (d *Datapath) SetTypes(types [][]netip.Addr) error {
+	max := int(d.objs.DyscoTypes.MaxEntries())
+	if len(types) > max {
+		return fmt.Errorf("datapath: %d middlebox types, at most %d", len(types), max)
+	}
+	for i := 0; i < max; i++ {
+		var v dyscoTypeVal
+		if i < len(types) {
+			if len(types[i]) > len(v.Addr) {
+				return fmt.Errorf("datapath: type %d has %d instances, at most %d", i, len(types[i]), len(v.Addr))
+			}
+			var old dyscoTypeVal
+			if err := d.objs.DyscoTypes.Lookup(uint32(i), &old); err == nil {
+				v.Rr = old.Rr
+			}
+			v.N = uint32(len(types[i]))
+			for j, a := range types[i] {
+				v.Addr[j] = a.As16()
+			}
+		}
+		if err := d.objs.DyscoTypes.Put(uint32(i), v); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// SetTrusted replaces the prefixes allowed to send Dysco SYNs (used when the
+// datapath was loaded with EnforceTrusted).
+func (d *Datapath) SetTrusted(prefixes []netip.Prefix) error {
+	var k dyscoTrustedKey
+	var v uint8
+	var stale []dyscoTrustedKey
+	it := d.objs.DyscoTrusted.Iterate()
+	for it.Next(&k, &v) {
+		stale = append(stale, k)
+	}
+	for _, s := range stale {
+		_ = d.objs.DyscoTrusted.Delete(s)
+	}
+	for _, p := range prefixes {
+		bits := p.Bits()
+		if p.Addr().Is4() {
+			bits += 96
+		}
+		k := dyscoTrustedKey{Prefixlen: uint32(bits), Addr: p.Addr().As16()}
+		if err := d.objs.DyscoTrusted.Put(k, uint8(1)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// SetTapActive tells the datapath whether a capture listens on the
+// session-view tap; copies are made only then.
+func (d *Datapath) SetTapActive(on bool) error {
+	return d.setConfig(func(v *dyscoConfig) { v.TapActive = uint32(boolU8(on)) })
+}
+
+// SetSplitReader tells the datapath that the agent reads the hold ring and
+// so splits packets that straddle a cut-off (HeldPacket.Split), for lease
+// from now on (on the datapath's clock, Monotonic); a lease of 0 or less
+// says that it does not. Only while a lease runs does the datapath hand
+// such packets over; otherwise they go whole on the old path. The agent
+// renews its lease well before it runs out, so that an agent that dies
+// without clearing it does not leave straddling packets to a ring nobody
+// reads for longer than the lease.
+func (d *Datapath) SetSplitReader(lease time.Duration) error {
+	return d.setConfig(func(v *dyscoConfig) { v.SplitUntil = leaseStamp(Monotonic(), lease) })
+}
+
+// SplitReaderLease returns what is left of the split reader's lease
+// (SetSplitReader), 0 if there is none or it has run out.
+func (d *Datapath) SplitReaderLease() (time.Duration, error) {
+	var v dyscoConfig
+	if err := d.objs.DyscoConfig.Lookup(uint32(0), &v); err != nil {
+		return 0, fmt.Errorf("datapath: configuration: %w", err)
+	}
+	return leaseLeft(v.SplitUntil, Monotonic()), nil
+}
+
+// leaseLeft is the time from now to the lease's end stamp until (modulo
+// 2^32 ms, as the datapath compares), 0 for none or one that has run out.
+func leaseLeft(until uint32, now time.Duration) time.Duration {
+	left := int32(until - uint32(now/time.Millisecond))
+	if until == 0 || left <= 0 {
+		return 0
+	}
+	return time.Duration(left) * time.Millisecond
+}
+
+// leaseStamp is the stamp (32 bits of milliseconds of Monotonic, as
+// stamp() in bpf/include/session.h) at which a lease taken at now runs out, or 0 (no
+// lease) for lease <= 0. A lease that would end at stamp 0, which means
+// none, ends a millisecond later. Leases are compared modulo 2^32 ms, so
+// they must be shorter than about 24 days.
+func leaseStamp(now, lease time.Duration) uint32 {
+	if lease <= 0 {
+		return 0
+	}
+	until := uint32((now + lease) / time.Millisecond)
+	if until == 0 {
+		until = 1
+	}
+	return until
+}
+
+// setConfig changes the one entry of dysco_config (pinned: it outlives the
+// agent) field by field, under cfgMu.
+func (d *Datapath) setConfig(f func(*dyscoConfig)) error {
+	d.cfgMu.Lock()
+	defer d.cfgMu.Unlock()
+	var v dyscoConfig
+	if err := d.objs.DyscoConfig.Lookup(uint32(0), &v); err != nil {
+		return fmt.Errorf("datapath: configuration: %w", err)
+	}
+	f(&v)
+	return d.objs.DyscoConfig.Put(uint32(0), v)
+}
