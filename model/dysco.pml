@@ -15,8 +15,11 @@
 
 #include "config.pml"
 
+/* The model sends no trigger nor triggerResult: a trigger only makes its
+ * receiver a left anchor, as a local request does (startReq); the
+ * simulation covers triggers (internal/protocol/sim). */
 /* MsgTypes (message.go), in the Go order. */
-mtype = { requestLock, ackLock, nackLock, cancelLock, ackCancel, syn, synAck, ack, fin, finAck };
+mtype = { requestLock, ackLock, nackLock, cancelLock, ackCancel, syn, synAck, ack, fin, finAck, trigger, triggerResult };
 /* LockStates (types.go). */
 mtype = { unlocked, lockPending, locked };
 /* Stages (types.go); idle = no stage (the zero value in Go). */

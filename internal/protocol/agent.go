@@ -47,6 +47,12 @@ type Config struct {
 	// one they saw from this agent for a session, so an agent that
 	// restarts must go on above every number it may have used before.
 	FirstReq uint32
+	// TriggerTokens is the number after which this agent numbers the
+	// tokens of the requests it starts for triggers (TriggerAccepted);
+	// zero means 1<<63, above the tokens an agent gives its own requests.
+	// Agents whose tokens share one space (an agent's IPv4 and IPv6
+	// halves) need ranges that do not meet.
+	TriggerTokens uint64
 	// Faults breaks the protocol on purpose (tests only).
 	Faults Fault
 }
@@ -81,6 +87,10 @@ type Agent struct {
 	// reqWindows are, per left anchor, the requests heard of here as their
 	// right anchor: an early SYN of one of them is a replay (replay.go).
 	reqWindows map[netip.Addr]*reqWindow
+	// triggers are the triggers this agent sent, waiting for their
+	// answers, by their keys (trigger.go).
+	triggers   map[ReqKey]*trigOut
+	trigTokens uint64
 	nextReq    uint32
 	nextJoin   SessionID
 	nextPort   uint16
@@ -120,6 +130,9 @@ func New(cfg Config) *Agent {
 	if cfg.JoinedBase == 0 {
 		cfg.JoinedBase = joinedIDBit
 	}
+	if cfg.TriggerTokens == 0 {
+		cfg.TriggerTokens = 1 << 63
+	}
 	return &Agent{
 		cfg:        cfg,
 		sessions:   map[SessionID]*session{},
@@ -127,6 +140,7 @@ func New(cfg Config) *Agent {
 		rightReq:   map[ReqKey]SessionID{},
 		earlySyns:  map[ReqKey]earlySyn{},
 		reqWindows: map[netip.Addr]*reqWindow{},
+		triggers:   map[ReqKey]*trigOut{},
 		nextJoin:   cfg.JoinedBase,
 		nextReq:    cfg.FirstReq,
 	}
@@ -135,8 +149,8 @@ func New(cfg Config) *Agent {
 // Self returns the agent's address.
 func (a *Agent) Self() netip.Addr { return a.cfg.Self }
 
-// LastReq returns the number of the agent's latest request (Config.FirstReq
-// before the first).
+// LastReq returns the number of the agent's latest request or trigger
+// (Config.FirstReq before the first): the two share one counter.
 func (a *Agent) LastReq() uint32 { return a.nextReq }
 
 // Handle processes one event at time now and returns the actions to carry
@@ -154,7 +168,9 @@ func (a *Agent) Handle(now time.Duration, ev Event) []Action {
 	case MessageIn:
 		a.onMessage(e)
 	case Reconfigure:
-		a.onReconfigure(e)
+		a.onReconfigure(e, nil)
+	case Trigger:
+		a.sendTrigger(e)
 	case Proceed:
 		a.onProceed(e)
 	case JoinFailed:

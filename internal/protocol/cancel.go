@@ -51,6 +51,9 @@ func (a *Agent) onProceed(e Proceed) {
 	}
 	l.gated = false
 	a.cancelTimer(s, TimerGate, l.req)
+	if l.trig != nil {
+		l.trig.report = e.Report // for the trigger's answer
+	}
 	if e.Abort != "" {
 		a.progress(s, l.req, RoleLeftAnchor, StageCancelling, "aborted: "+e.Abort)
 		l.aborted = true

@@ -104,8 +104,8 @@ type MessageIn struct {
 	Gone bool
 }
 
-// Reconfigure is an operator's (or a middlebox's) request that this agent,
-// as left anchor, replace the segment between itself and RightAnchor by a
+// Reconfigure is an operator's request that this agent, as left anchor,
+// replace the segment between itself and RightAnchor by a
 // new path through Chain (§3.1): empty Chain deletes every middlebox in
 // between; Chain must not name this agent or the right anchor. Token is
 // echoed in the Result.
@@ -129,6 +129,27 @@ type Proceed struct {
 	Session SessionID
 	Req     ReqKey
 	Abort   string
+	// Report is what the agent did at the gate (a state migration's
+	// report), opaque to the protocol: the answer to the trigger that
+	// started the request, if one did, carries it (TriggerAnswer.Report,
+	// at most MaxReportLen bytes; a longer one is left out).
+	Report []byte
+}
+
+// Trigger asks the left neighbour of a session (the agent at the other end
+// of its left side) to reconfigure the segment from itself to RightAnchor
+// through Chain, as its left anchor (§2.3: a middlebox can ask to be
+// removed; §4.2: a proxy removes itself). The agent sends a trigger
+// message, retransmits it as any message, and reports the answer, or that
+// none came, with TriggerResult (trigger.go). Migrate, if set, asks the
+// left neighbour to move the replaced middlebox's state (its request is
+// gated, Reconfigure.Gate). Token is echoed in the TriggerResult.
+type Trigger struct {
+	Session     SessionID
+	Token       uint64
+	RightAnchor netip.Addr
+	Chain       []netip.Addr
+	Migrate     *MigrateSpec
 }
 
 // JoinFailed reports that the agent could not carry out a JoinSession
@@ -188,6 +209,7 @@ func (SessionEnd) event()      {}
 func (Proceed) event()         {}
 func (JoinFailed) event()      {}
 func (FinsSeen) event()        {}
+func (Trigger) event()         {}
 
 // TimerKind says what a timer is for.
 type TimerKind uint8
@@ -202,6 +224,7 @@ const (
 	TimerLinger                       // free the old path's state after teardown
 	TimerGate                         // abort a gated request the agent never let proceed (left anchor)
 	TimerOldFin                       // retransmit the UDP FIN on the old path only, answered on the direct new path (anchor or tomb)
+	TimerTrigger                      // retransmit a trigger (its sender); Req is the trigger's key
 )
 
 func (k TimerKind) String() string {
@@ -222,6 +245,8 @@ func (k TimerKind) String() string {
 		return "gate"
 	case TimerOldFin:
 		return "old-fin"
+	case TimerTrigger:
+		return "trigger"
 	}
 	return fmt.Sprintf("timer-%d", uint8(k))
 }
@@ -390,6 +415,49 @@ type Result struct {
 	// Hop (ReasonOnPath) is the hop of the new chain already on the
 	// session's path, when the left anchor knows it.
 	Hop netip.Addr
+	// Trigger, when set, is the trigger that asked for the request (its
+	// sender and number): the agent did not ask for it itself, and Token
+	// is the one TriggerAccepted gave. The sender gets the result in the
+	// answer to its trigger.
+	Trigger ReqKey
+}
+
+// TriggerAccepted reports that this agent, as a session's left neighbour,
+// took a trigger and starts a request for it (§2.3): its Result will come
+// with Token and Trigger. Migrate is the trigger's state migration spec:
+// the request is gated, and the agent must be ready for its NewPathReady
+// (the same Token) when it comes. It comes before any other action of the
+// request.
+type TriggerAccepted struct {
+	Session SessionID
+	Token   uint64
+	Trigger ReqKey
+	Migrate *MigrateSpec
+}
+
+// TriggerResult reports the end of a trigger this agent sent (Trigger):
+// the left neighbour's answer (Answered), or a refusal before it was sent
+// (a session with no left side, an invalid chain: Answered false), or
+// ReasonNoAnswer when no answer came after every retransmission. Req is
+// the request the trigger started at the left neighbour (zero: none, the
+// trigger was refused before); the other fields are its Result's, and
+// Micros is the time the left neighbour took. Report is the left
+// neighbour's report (Proceed.Report), if any.
+type TriggerResult struct {
+	Session  SessionID
+	Token    uint64
+	Trigger  ReqKey
+	To       netip.Addr
+	Answered bool
+	Req      ReqKey
+	Outcome  Outcome
+	Reason   Reason
+	Blocker  ReqKey
+	Hop      netip.Addr
+	// Unchanged, Unconfirmed and Resumed as in Result.
+	Unchanged, Unconfirmed, Resumed bool
+	Micros                          int64
+	Report                          []byte
 }
 
 // Rejected reports a control message this agent refused, for counters.
@@ -424,5 +492,7 @@ func (MarkClosed) action()       {}
 func (KeepLock) action()         {}
 func (NewPathReady) action()     {}
 func (Result) action()           {}
+func (TriggerAccepted) action()  {}
+func (TriggerResult) action()    {}
 func (Rejected) action()         {}
 func (Progress) action()         {}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"net/netip"
 	"reflect"
 	"testing"
 
@@ -31,12 +32,8 @@ func FuzzDecode(f *testing.F) {
 	var good []byte
 	for _, typ := range MsgTypes {
 		for _, base := range []*Message{sampleMessage(), v6} {
-			m := *base
-			m.Type = typ
-			if typ != MsgSyn {
-				m.Hops = nil
-			}
-			if typ != MsgNackLock {
+			m := sampleOf(typ, base)
+			if typ != MsgNackLock && typ != MsgTriggerResult {
 				m.Blocker, m.Reason = ReqKey{}, ReasonNone
 			}
 			b, err := m.Encode(testKey)
@@ -65,6 +62,47 @@ func FuzzDecode(f *testing.F) {
 		}
 		f.Add(b)
 	}
+	// Triggers: without a migration spec, an answer that the request
+	// still runs, an answer with no report, the longest report.
+	trig := sampleOf(MsgTrigger, sampleMessage())
+	trig.Migrate = nil
+	running := sampleOf(MsgTriggerResult, sampleMessage())
+	running.Reason, running.Blocker, running.Answer = ReasonNone, ReqKey{}, &TriggerAnswer{Micros: 5}
+	bare := sampleOf(MsgTriggerResult, v6)
+	bare.Answer.Report, bare.Answer.Hop = nil, netip.Addr{}
+	long := sampleOf(MsgTriggerResult, sampleMessage())
+	long.Answer.Report = bytes.Repeat([]byte{'r'}, MaxReportLen)
+	var answer []byte
+	for _, m := range []*Message{&trig, &running, &bare, &long} {
+		b, err := m.Encode(testKey)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+		if m == &bare {
+			answer = b
+		}
+	}
+	withSpec := sampleOf(MsgTrigger, sampleMessage())
+	spec, err := withSpec.Encode(testKey)
+	if err != nil {
+		f.Fatal(err)
+	}
+	at := func(b []byte, i int) int { return len(b) - MACLen - extLen(f, &Message{Answer: bare.Answer}) + i }
+	editOf := func(src []byte, fn func(b []byte) []byte) []byte { return fn(append([]byte(nil), src...)) }
+	specAt := len(spec) - MACLen - extMigrateLen
+	f.Add(editOf(spec, func(b []byte) []byte { b[specAt] = 2; return remac(b) }))        // extension version
+	f.Add(editOf(spec, func(b []byte) []byte { b[specAt+1] = 2; return remac(b) }))      // an answer's kind on a trigger
+	f.Add(editOf(spec, func(b []byte) []byte { b[specAt+2] = 9; return remac(b) }))      // unknown semantics
+	f.Add(editOf(spec, func(b []byte) []byte { b[specAt+4] = 0xff; return remac(b) }))   // hold limit too large
+	f.Add(editOf(spec, func(b []byte) []byte { b[155]--; return remac(b[:len(b)-1]) }))  // spec one byte short
+	f.Add(editOf(answer, func(b []byte) []byte { b[at(b, 2)] = 9; return remac(b) }))    // unknown outcome
+	f.Add(editOf(answer, func(b []byte) []byte { b[at(b, 3)] = 0x80; return remac(b) })) // unknown flag
+	f.Add(editOf(answer, func(b []byte) []byte { b[at(b, 33)] = 1; return remac(b) }))   // a report past the end
+	f.Add(editOf(answer, func(b []byte) []byte { b[7] = byte(ReasonNoAnswer); return remac(b) }))
+	f.Add(editOf(answer, func(b []byte) []byte { b[6] = FlagLeftward; return remac(b) }))
+	f.Add(editOf(answer, func(b []byte) []byte { b[154], b[155] = 0xff, 0xff; return remac(b) }))
+	f.Add(editOf(good, func(b []byte) []byte { b[155] = 2; return remac(append(b[:len(b)-MACLen], 1, 1, 0)) })) // an extension on a syn
 	edit := func(fn func(b []byte) []byte) []byte { return fn(append([]byte(nil), good...)) }
 	f.Add([]byte(nil))
 	f.Add(good[:5])
@@ -89,11 +127,14 @@ func FuzzDecode(f *testing.F) {
 				}
 				return
 			}
-			if len(m.Hops) > wire.MaxHops || len(in) != MsgHeaderLen+len(m.Hops)*wire.AddrLen+MACLen {
-				t.Fatalf("accepted %d bytes with %d hops", len(in), len(m.Hops))
+			if n := extLen(t, m); len(m.Hops) > wire.MaxHops || n > MaxExtLen || len(in) != MsgHeaderLen+len(m.Hops)*wire.AddrLen+n+MACLen {
+				t.Fatalf("accepted %d bytes with %d hops and an extension of %d", len(in), len(m.Hops), n)
 			}
-			if m.Type < MsgRequestLock || m.Type > MsgFinAck || m.Flags&^knownFlags != 0 || m.Reason > ReasonStale {
+			if m.Type < MsgRequestLock || m.Type > MsgTriggerResult || m.Flags&^knownFlags != 0 || m.Reason > lastWireReason {
 				t.Fatalf("accepted type %d, flags %#x, reason %d", m.Type, m.Flags, m.Reason)
+			}
+			if m.Migrate != nil && m.Type != MsgTrigger || (m.Answer != nil) != (m.Type == MsgTriggerResult) {
+				t.Fatalf("accepted a %s with migrate=%v answer=%v", m.Type, m.Migrate, m.Answer)
 			}
 			enc, err := m.Encode(testKey)
 			if err != nil {

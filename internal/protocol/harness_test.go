@@ -25,7 +25,11 @@ type harness struct {
 
 	results  []Result
 	rejected []Rejected
-	log      []string
+	// triggers: what the agents reported of the triggers they sent, and
+	// of those they took
+	trigResults  []TriggerResult
+	trigAccepted map[netip.Addr][]TriggerAccepted
+	log          []string
 	// datapath view per agent
 	adds   map[netip.Addr][]AddSubsession
 	joins  map[netip.Addr][]JoinSession
@@ -70,7 +74,7 @@ func newHarness(t *testing.T, n int) *harness {
 		dead: map[netip.Addr]bool{}, adds: map[netip.Addr][]AddSubsession{}, joins: map[netip.Addr][]JoinSession{},
 		starts: map[netip.Addr][]StartTwoPath{}, ends: map[netip.Addr][]EndTwoPath{}, frees: map[netip.Addr][]SessionID{},
 		clamps: map[netip.Addr][]SetWindowClamp{}, ready: map[netip.Addr][]NewPathReady{},
-		locks: map[netip.Addr]ReqKey{}, sent: map[netip.Addr]map[MsgType]int{}}
+		locks: map[netip.Addr]ReqKey{}, sent: map[netip.Addr]map[MsgType]int{}, trigAccepted: map[netip.Addr][]TriggerAccepted{}}
 	h.vars = func(netip.Addr, Side) TwoPath {
 		return TwoPath{OldSent: 1000, OldSentAcked: 1000, OldRcvd: 5000, OldRcvdAcked: 5000, NewRcvd: true, FirstNewRcvd: 5000}
 	}
@@ -128,6 +132,12 @@ func (h *harness) apply(at netip.Addr, act Action) {
 	case Rejected:
 		h.log = append(h.log, fmt.Sprintf("%s rejected %s %s: %s", at, x.Type, x.Reason, x.Detail))
 		h.rejected = append(h.rejected, x)
+	case TriggerAccepted:
+		h.log = append(h.log, fmt.Sprintf("%s took trigger %s as token %d", at, x.Trigger, x.Token))
+		h.trigAccepted[at] = append(h.trigAccepted[at], x)
+	case TriggerResult:
+		h.log = append(h.log, fmt.Sprintf("%s trigger result %s answered=%v %s %s req=%s", at, x.Trigger, x.Answered, x.Outcome, x.Reason, x.Req))
+		h.trigResults = append(h.trigResults, x)
 	case AddSubsession:
 		h.adds[at] = append(h.adds[at], x)
 	case JoinSession:

@@ -294,7 +294,7 @@ func (a *Agent) nackQueue(s *session) {
 	s.queue = nil
 	for _, b := range q {
 		if b.local != nil {
-			a.emit(Result{Session: s.id, Token: b.local.token, Req: b.local.req, Outcome: Refused,
+			a.emitResult(s, b.local.trig, Result{Session: s.id, Token: b.local.token, Req: b.local.req, Outcome: Refused,
 				Reason: ReasonLocked, Blocker: s.requestor})
 			continue
 		}
@@ -310,7 +310,7 @@ func (a *Agent) releaseQueue(s *session) {
 		s.queue = s.queue[1:]
 		if b.local != nil {
 			if s.left != nil {
-				a.emit(Result{Session: s.id, Token: b.local.token, Req: b.local.req, Outcome: Refused,
+				a.emitResult(s, b.local.trig, Result{Session: s.id, Token: b.local.token, Req: b.local.req, Outcome: Refused,
 					Reason: ReasonBusy, Blocker: s.left.req})
 				continue
 			}
@@ -368,7 +368,7 @@ func (a *Agent) finishLeftWith(s *session, res Result) {
 	a.progress(s, l.req, RoleLeftAnchor, StageDone, res.Outcome.String()+": "+res.Reason.String())
 	res.Session, res.Token, res.Req = s.id, l.token, l.req
 	res.Unconfirmed, res.Resumed = l.unconfirmed, l.resumed
-	a.emit(res)
+	a.emitResult(s, l.trig, res)
 }
 
 func (a *Agent) onLease(s *session, k ReqKey) {

@@ -34,11 +34,17 @@ const (
 	MsgAck                            // left anchor → right anchor, new path
 	MsgFin                            // anchor → anchor on the old path (and a copy on a direct new path): all my old-path data is acknowledged; carries my cut-off
 	MsgFinAck                         // answer: I have received and acknowledged everything you sent on the old path
+	// MsgTrigger: a middlebox asks the left neighbour of one of its
+	// sessions to reconfigure as left anchor (§2.3, §4.2; trigger.go).
+	MsgTrigger
+	// MsgTriggerResult: the left neighbour's answer to a trigger, with
+	// the result of the request it started (or "still running").
+	MsgTriggerResult
 )
 
 // MsgTypes lists every message type, for comparison with the model.
 var MsgTypes = []MsgType{MsgRequestLock, MsgAckLock, MsgNackLock, MsgCancelLock, MsgAckCancel,
-	MsgSyn, MsgSynAck, MsgAck, MsgFin, MsgFinAck}
+	MsgSyn, MsgSynAck, MsgAck, MsgFin, MsgFinAck, MsgTrigger, MsgTriggerResult}
 
 func (t MsgType) String() string {
 	switch t {
@@ -62,6 +68,10 @@ func (t MsgType) String() string {
 		return "fin"
 	case MsgFinAck:
 		return "finAck"
+	case MsgTrigger:
+		return "trigger"
+	case MsgTriggerResult:
+		return "triggerResult"
 	}
 	return fmt.Sprintf("msg-%d", uint8(t))
 }
@@ -70,19 +80,104 @@ func (t MsgType) String() string {
 const (
 	// MsgMagic opens every control message ("DYSR").
 	MsgMagic = 0x44595352
-	// MsgVersion is the version this code writes and accepts (3 since
-	// the ackLock names the old segment's middle agents and a synAck can
-	// refuse a new path; 2 added the leftDelta gathered by requestLock).
-	// Every agent of a deployment must speak the same version: a left
-	// anchor takes an ackLock's list for the whole old segment.
-	MsgVersion = 3
+	// MsgVersion is the version this code writes and accepts (4 since
+	// triggers are control messages with an extension body; 3 added the
+	// ackLock's list of the old segment's middle agents and the refusing
+	// synAck; 2 the leftDelta gathered by requestLock). Every agent of a
+	// deployment must speak the same version: a left anchor takes an
+	// ackLock's list for the whole old segment, and a middlebox's trigger
+	// is a message of this protocol.
+	MsgVersion = 4
 	// MsgHeaderLen is the fixed part before the hops.
 	MsgHeaderLen = 172
 	// MACLen is the length of the truncated HMAC-SHA256 that ends a message.
 	MACLen = 16
+	// MaxExtLen bounds the extension body: the longest message still fits
+	// one IPv4 UDP datagram (65,507 bytes of payload).
+	MaxExtLen = 65507 - MsgHeaderLen - wire.MaxHops*wire.AddrLen - MACLen
 	// MaxMsgLen is the longest message.
-	MaxMsgLen = MsgHeaderLen + wire.MaxHops*wire.AddrLen + MACLen
+	MaxMsgLen = MsgHeaderLen + wire.MaxHops*wire.AddrLen + MaxExtLen + MACLen
 )
+
+// The extension body (Message.Migrate, Message.Answer) opens with its own
+// version and kind; each kind has a fixed layout, but for a length-prefixed
+// blob at its end, and the body's length (offset 154) must be exactly what
+// the kind's fields say. Kinds to come (state migration's messages, state
+// blobs) take new kind numbers under the same version.
+const (
+	// ExtVersion is the extension layout this code writes and accepts.
+	ExtVersion = 1
+	// ExtMigrate: a trigger's state migration spec (Message.Migrate).
+	ExtMigrate = 1
+	// ExtAnswer: a trigger's answer (Message.Answer).
+	ExtAnswer = 2
+	// extMigrateLen: version, kind, semantics, reserved (1 each), hold
+	// limit (8), timeout in ms (4).
+	extMigrateLen = 16
+	// extAnswerLen is the answer's fixed part: version, kind, outcome,
+	// flags (1 each), request id (4), hop (16), micros (8), report
+	// length (2); the report follows.
+	extAnswerLen = 34
+	// MaxReportLen bounds the report blob of an answer.
+	MaxReportLen = MaxExtLen - extAnswerLen
+)
+
+// Flags of an answer's extension body.
+const (
+	answerUnchanged   = 1 << 0
+	answerUnconfirmed = 1 << 1
+	answerResumed     = 1 << 2
+	answerFlags       = answerUnchanged | answerUnconfirmed | answerResumed
+)
+
+// MigrateSemantics is the cut-over a state migration asks for (M2M §5);
+// the agent's migration code gives it meaning.
+type MigrateSemantics uint8
+
+// Semantics of a state migration.
+const (
+	MigrateDefault MigrateSemantics = iota // the agent's default (loss-free)
+	MigrateLossFree
+	MigrateOrder
+	MigrateSubstream
+)
+
+// MigrateSpec is a trigger's request that the left neighbour move the
+// state of the middlebox it replaces (§3.5 last paragraph): the request
+// it starts is gated (Reconfigure.Gate). Zero values are the agent's
+// defaults.
+type MigrateSpec struct {
+	Semantics MigrateSemantics
+	// HoldLimit bounds the bytes each anchor holds, at most 1<<62.
+	HoldLimit uint64
+	// TimeoutMS bounds freeze, drain, export and import.
+	TimeoutMS uint32
+}
+
+// maxHoldLimit bounds MigrateSpec.HoldLimit (an int64 for the agent).
+const maxHoldLimit = 1 << 62
+
+// TriggerAnswer is the body of a triggerResult: the outcome of the request
+// the trigger started at the left neighbour (its reason and blocker travel
+// in the header's fields), or Outcome zero: the request is still running
+// (an acknowledgement of a retransmitted trigger, §3.6).
+type TriggerAnswer struct {
+	Outcome                         Outcome
+	Unchanged, Unconfirmed, Resumed bool
+	// ReqID is the number of the request the trigger started (its left
+	// anchor is the answer's sender); zero when the trigger was refused
+	// before it started one.
+	ReqID uint32
+	// Hop (ReasonOnPath) is the hop of the new chain already on the path.
+	Hop netip.Addr
+	// Micros is the time from the trigger's arrival to the answer, at
+	// the left neighbour.
+	Micros uint64
+	// Report is opaque to the protocol: what the left neighbour's agent
+	// reported at the request's gate (Proceed.Report: a state
+	// migration's report), at most MaxReportLen bytes.
+	Report []byte
+}
 
 // Message flags.
 const (
@@ -140,15 +235,24 @@ const (
 //	124 blocker request: left anchor (16), id (4)   (nackLock)
 //	144 delta seq (4), delta ts (4): rightDelta (requestLock), leftDelta
 //	    (ackLock, a granting synAck), the sender's cut-off oldSent (fin)
-//	152 window scale (1)   153 hop count (1)   154 reserved (2)
+//	152 window scale (1)   153 hop count (1)
+//	154 extension length (2): the bytes of the extension body, 0: none
 //	156 anchor nonce (8)
 //	164 left delta seq (4), ts (4): the leftDelta gathered so far
 //	    (requestLock: each middle adds what it will add to the ackLock)
 //	172 hops, 16 bytes each (syn: the addresses after the receiver, ending
 //	    with the right anchor; ackLock: the middle agents of the old
-//	    segment it has passed, in path order)
+//	    segment it has passed, in path order; trigger: the new chain)
+//	    extension body (trigger: an optional migration spec;
+//	    triggerResult: the answer), see ExtVersion
 //	end HMAC-SHA256 under the deployment key of everything before it,
 //	    truncated to 16 bytes
+//
+// A trigger names, in the header: Sub, the subsession from the left
+// neighbour to the sender (as its SYN went); Nonce, that subsession's
+// session nonce; Req, the trigger's identity (the sender's address and a
+// number from its request counter); RightAnchor. Its answer repeats them,
+// with Reason and Blocker the request's.
 type Message struct {
 	Type    MsgType
 	Flags   uint8
@@ -171,6 +275,10 @@ type Message struct {
 	// path will carry: middle agents pass it on unchanged.
 	AnchorNonce [wire.NonceLen]byte
 	Hops        []netip.Addr
+	// Migrate (trigger) asks for a state migration; nil: none.
+	Migrate *MigrateSpec
+	// Answer (triggerResult) is the answer's body.
+	Answer *TriggerAnswer
 }
 
 // RejectReason classifies a message the agent refused; agents count them.
@@ -234,12 +342,54 @@ func decodeErr(r RejectReason, format string, args ...any) error {
 // ErrTooManyHops is returned by Encode for an address list longer than wire.MaxHops.
 var ErrTooManyHops = errors.New("dysco control message: too many hops")
 
+// ErrExtTooLong is returned by Encode for an extension body longer than
+// MaxExtLen (an answer's report longer than MaxReportLen).
+var ErrExtTooLong = errors.New("dysco control message: extension body too long")
+
+// ext returns m's extension body, nil if it has none.
+func (m *Message) ext() ([]byte, error) {
+	switch {
+	case m.Migrate != nil:
+		b := make([]byte, extMigrateLen)
+		b[0], b[1], b[2] = ExtVersion, ExtMigrate, byte(m.Migrate.Semantics)
+		binary.BigEndian.PutUint64(b[4:], m.Migrate.HoldLimit)
+		binary.BigEndian.PutUint32(b[12:], m.Migrate.TimeoutMS)
+		return b, nil
+	case m.Answer != nil:
+		x := m.Answer
+		if len(x.Report) > MaxReportLen {
+			return nil, ErrExtTooLong
+		}
+		b := make([]byte, extAnswerLen, extAnswerLen+len(x.Report))
+		b[0], b[1], b[2] = ExtVersion, ExtAnswer, byte(x.Outcome)
+		if x.Unchanged {
+			b[3] |= answerUnchanged
+		}
+		if x.Unconfirmed {
+			b[3] |= answerUnconfirmed
+		}
+		if x.Resumed {
+			b[3] |= answerResumed
+		}
+		binary.BigEndian.PutUint32(b[4:], x.ReqID)
+		putAddr(b[8:24], x.Hop)
+		binary.BigEndian.PutUint64(b[24:], x.Micros)
+		binary.BigEndian.PutUint16(b[32:], uint16(len(x.Report)))
+		return append(b, x.Report...), nil
+	}
+	return nil, nil
+}
+
 // Encode returns m in wire format, authenticated under key.
 func (m *Message) Encode(key []byte) ([]byte, error) {
 	if len(m.Hops) > wire.MaxHops {
 		return nil, ErrTooManyHops
 	}
-	b := make([]byte, MsgHeaderLen, MsgHeaderLen+len(m.Hops)*wire.AddrLen+MACLen)
+	ext, err := m.ext()
+	if err != nil {
+		return nil, err
+	}
+	b := make([]byte, MsgHeaderLen, MsgHeaderLen+len(m.Hops)*wire.AddrLen+len(ext)+MACLen)
 	binary.BigEndian.PutUint32(b[0:], MsgMagic)
 	b[4] = MsgVersion
 	b[5] = byte(m.Type)
@@ -257,6 +407,7 @@ func (m *Message) Encode(key []byte) ([]byte, error) {
 	binary.BigEndian.PutUint32(b[148:], m.Delta.TS)
 	b[152] = m.WScale
 	b[153] = byte(len(m.Hops))
+	binary.BigEndian.PutUint16(b[154:], uint16(len(ext)))
 	copy(b[156:164], m.AnchorNonce[:])
 	binary.BigEndian.PutUint32(b[164:], m.LeftDelta.Seq)
 	binary.BigEndian.PutUint32(b[168:], m.LeftDelta.TS)
@@ -264,6 +415,7 @@ func (m *Message) Encode(key []byte) ([]byte, error) {
 		a := h.As16()
 		b = append(b, a[:]...)
 	}
+	b = append(b, ext...)
 	return appendMAC(b, key, b), nil
 }
 
@@ -285,8 +437,12 @@ func Decode(key, b []byte) (*Message, error) {
 	if n > wire.MaxHops {
 		return nil, decodeErr(RejectMalformed, "%d hops, at most %d", n, wire.MaxHops)
 	}
-	if want := MsgHeaderLen + n*wire.AddrLen + MACLen; len(b) != want {
-		return nil, decodeErr(RejectMalformed, "%d bytes, %d hops need %d", len(b), n, want)
+	x := int(binary.BigEndian.Uint16(b[154:]))
+	if x > MaxExtLen {
+		return nil, decodeErr(RejectMalformed, "extension body of %d bytes, at most %d", x, MaxExtLen)
+	}
+	if want := MsgHeaderLen + n*wire.AddrLen + x + MACLen; len(b) != want {
+		return nil, decodeErr(RejectMalformed, "%d bytes, %d hops and an extension of %d need %d", len(b), n, x, want)
 	}
 	body := b[:len(b)-MACLen]
 	var sum [MACLen]byte
@@ -298,10 +454,10 @@ func Decode(key, b []byte) (*Message, error) {
 		Flags:  b[6],
 		Reason: Reason(b[7]),
 	}
-	if m.Type < MsgRequestLock || m.Type > MsgFinAck {
+	if m.Type < MsgRequestLock || m.Type > MsgTriggerResult {
 		return nil, decodeErr(RejectMalformed, "unknown type %d", b[5])
 	}
-	if m.Flags&^knownFlags != 0 || b[154] != 0 || b[155] != 0 {
+	if m.Flags&^knownFlags != 0 {
 		return nil, decodeErr(RejectMalformed, "reserved bits set")
 	}
 	copy(m.Nonce[:], b[8:16])
@@ -321,10 +477,59 @@ func Decode(key, b []byte) (*Message, error) {
 		off := MsgHeaderLen + i*wire.AddrLen
 		m.Hops = append(m.Hops, getAddr(b[off:off+wire.AddrLen]))
 	}
+	if x > 0 {
+		off := MsgHeaderLen + n*wire.AddrLen
+		if err := m.decodeExt(b[off : off+x]); err != nil {
+			return nil, err
+		}
+	}
 	if err := m.validate(); err != nil {
 		return nil, err
 	}
 	return m, nil
+}
+
+// decodeExt parses an extension body (ExtVersion): its version, its kind,
+// which must be the message type's, and exactly the length its fields say.
+func (m *Message) decodeExt(b []byte) error {
+	if len(b) < 2 {
+		return decodeErr(RejectMalformed, "extension body of %d bytes", len(b))
+	}
+	if b[0] != ExtVersion {
+		return decodeErr(RejectMalformed, "extension version %d, want %d", b[0], ExtVersion)
+	}
+	switch {
+	case b[1] == ExtMigrate && m.Type == MsgTrigger:
+		if len(b) != extMigrateLen {
+			return decodeErr(RejectMalformed, "migration spec of %d bytes, want %d", len(b), extMigrateLen)
+		}
+		sp := &MigrateSpec{Semantics: MigrateSemantics(b[2]), HoldLimit: binary.BigEndian.Uint64(b[4:]),
+			TimeoutMS: binary.BigEndian.Uint32(b[12:])}
+		if sp.Semantics > MigrateSubstream || b[3] != 0 || sp.HoldLimit > maxHoldLimit {
+			return decodeErr(RejectMalformed, "migration spec: semantics %d, reserved %d, hold limit %d", b[2], b[3], sp.HoldLimit)
+		}
+		m.Migrate = sp
+	case b[1] == ExtAnswer && m.Type == MsgTriggerResult:
+		if len(b) < extAnswerLen {
+			return decodeErr(RejectMalformed, "answer of %d bytes, at least %d", len(b), extAnswerLen)
+		}
+		if r := int(binary.BigEndian.Uint16(b[32:])); len(b) != extAnswerLen+r {
+			return decodeErr(RejectMalformed, "answer of %d bytes with a report of %d", len(b), r)
+		}
+		x := &TriggerAnswer{Outcome: Outcome(b[2]), Unchanged: b[3]&answerUnchanged != 0,
+			Unconfirmed: b[3]&answerUnconfirmed != 0, Resumed: b[3]&answerResumed != 0,
+			ReqID: binary.BigEndian.Uint32(b[4:]), Hop: getAddr(b[8:24]), Micros: binary.BigEndian.Uint64(b[24:])}
+		if x.Outcome > Failed || b[3]&^answerFlags != 0 {
+			return decodeErr(RejectMalformed, "answer: outcome %d, flags %#x", b[2], b[3])
+		}
+		if len(b) > extAnswerLen {
+			x.Report = bytes.Clone(b[extAnswerLen:])
+		}
+		m.Answer = x
+	default:
+		return decodeErr(RejectMalformed, "extension of kind %d on a %s", b[1], m.Type)
+	}
+	return nil
 }
 
 func (m *Message) validate() error {
@@ -349,6 +554,9 @@ func (m *Message) validate() error {
 	}
 	if b := m.Blocker.LeftAnchor; b.IsValid() && (!wire.Unicast(b) || b.Unmap().Is4() != v4) {
 		return decodeErr(RejectMalformed, "blocker %s invalid", b)
+	}
+	if m.Type == MsgTrigger || m.Type == MsgTriggerResult {
+		return m.validateTrigger(v4)
 	}
 	if m.Reason > ReasonStale && m.Reason != ReasonOnPath {
 		return decodeErr(RejectMalformed, "unknown reason %d", m.Reason)
@@ -389,6 +597,44 @@ func (m *Message) validate() error {
 		if last != m.RightAnchor {
 			return decodeErr(RejectMalformed, "syn address list does not end with the right anchor")
 		}
+	}
+	return nil
+}
+
+// validateTrigger checks what is particular to a trigger and its answer:
+// no flags; a trigger carries no reason nor blocker, and its hops (the new
+// chain) are unicast, of the session's family and distinct; an answer
+// carries no hops, a reason a request can end with, and a hop of the
+// session's family if any.
+func (m *Message) validateTrigger(v4 bool) error {
+	if m.Flags != 0 {
+		return decodeErr(RejectMalformed, "flags %#x on a %s", m.Flags, m.Type)
+	}
+	fam := func(a netip.Addr) bool { return wire.Unicast(a) && a.Unmap().Is4() == v4 }
+	if m.Type == MsgTrigger {
+		if m.Reason != ReasonNone || !m.Blocker.IsZero() {
+			return decodeErr(RejectMalformed, "a trigger with a reason or a blocker")
+		}
+		for i, h := range m.Hops {
+			if !fam(h) {
+				return decodeErr(RejectMalformed, "hop %d invalid", i)
+			}
+			if slices.Contains(m.Hops[:i], h) {
+				return decodeErr(RejectMalformed, "hop %d repeats %s", i, h)
+			}
+		}
+		return nil
+	}
+	x := m.Answer
+	switch {
+	case x == nil:
+		return decodeErr(RejectMalformed, "a triggerResult without its answer")
+	case len(m.Hops) > 0:
+		return decodeErr(RejectMalformed, "%d hops on a triggerResult", len(m.Hops))
+	case m.Reason > lastWireReason:
+		return decodeErr(RejectMalformed, "unknown reason %d", m.Reason)
+	case x.Hop.IsValid() && !fam(x.Hop):
+		return decodeErr(RejectMalformed, "answer: hop %s invalid", x.Hop)
 	}
 	return nil
 }
@@ -472,6 +718,17 @@ func (m *Message) String() string {
 		s += fmt.Sprintf(" cutoff=%d", m.Delta.Seq)
 	case MsgSyn:
 		s += fmt.Sprintf(" hops=%v", m.Hops)
+	case MsgTrigger:
+		s += fmt.Sprintf(" chain=%v", m.Hops)
+		if m.Migrate != nil {
+			s += fmt.Sprintf(" migrate=%+v", *m.Migrate)
+		}
+	case MsgTriggerResult:
+		if x := m.Answer; x == nil || x.Outcome == 0 {
+			s += " running"
+		} else {
+			s += fmt.Sprintf(" %s reason=%q blocker=%s request=%d", x.Outcome, m.Reason, m.Blocker, x.ReqID)
+		}
 	}
 	if m.Flags&FlagLeftward != 0 {
 		s += " leftward"

@@ -41,19 +41,53 @@ func sampleMessage6() *Message {
 	return m
 }
 
+// sampleOf is base made a message of type typ: hops only where a type
+// carries them; a trigger with the new chain and a migration spec, an
+// answer with its body (no flags on either).
+func sampleOf(typ MsgType, base *Message) Message {
+	m := *base
+	m.Type = typ
+	switch typ {
+	case MsgSyn:
+	case MsgTrigger:
+		m.Flags, m.Reason, m.Blocker = 0, ReasonNone, ReqKey{}
+		m.Migrate = &MigrateSpec{Semantics: MigrateOrder, HoldLimit: 1 << 20, TimeoutMS: 2500}
+	case MsgTriggerResult:
+		m.Flags, m.Hops = 0, nil
+		m.Answer = &TriggerAnswer{Outcome: Refused, Unconfirmed: true, ReqID: 77, Hop: m.Hops0(), Micros: 12345,
+			Report: []byte(`{"semantics":"order"}`)}
+	default:
+		m.Hops = nil
+	}
+	return m
+}
+
+// Hops0 is m's first hop, or no address.
+func (m *Message) Hops0() netip.Addr {
+	if len(m.Hops) == 0 {
+		return netip.Addr{}
+	}
+	return m.Hops[0]
+}
+
+// extLen is the length of m's extension body.
+func extLen(t testing.TB, m *Message) int {
+	x, err := m.ext()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(x)
+}
+
 func TestMessageRoundTrip(t *testing.T) {
 	for _, typ := range MsgTypes {
 		for _, base := range []*Message{sampleMessage(), sampleMessage6()} {
-			m := *base
-			m.Type = typ
-			if typ != MsgSyn {
-				m.Hops = nil
-			}
+			m := sampleOf(typ, base)
 			b, err := m.Encode(testKey)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if len(b) != MsgHeaderLen+len(m.Hops)*wire.AddrLen+MACLen {
+			if len(b) != MsgHeaderLen+len(m.Hops)*wire.AddrLen+extLen(t, &m)+MACLen {
 				t.Errorf("%s: %d bytes", typ, len(b))
 			}
 			got, err := Decode(testKey, b)

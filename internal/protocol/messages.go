@@ -56,8 +56,18 @@ func (a *Agent) onMessage(e MessageIn) {
 		}
 		return
 	}
+	if m.Type == MsgTriggerResult {
+		// Answers to triggers are matched with the trigger, not a
+		// session: the sender may have left the path meanwhile.
+		a.onTriggerResult(e.From, m)
+		return
+	}
 	ref, ok := a.subs[m.Sub]
 	if !ok {
+		if m.Type == MsgTrigger {
+			a.onTriggerUnknown(e, m)
+			return
+		}
 		if m.Type == MsgSyn {
 			a.onNewSyn(e.From, m, e.OnPath)
 			return
@@ -85,6 +95,12 @@ func (a *Agent) onMessage(e MessageIn) {
 	s := a.sessions[ref.id]
 	if m.Nonce != ref.nonce {
 		a.reject(RejectNonce, m, e.From, "session %d", s.id)
+		return
+	}
+	if m.Type == MsgTrigger {
+		// The sender, direction and current subsession are checked
+		// there: some of those refusals are answered.
+		a.onTrigger(s, ref, m, e.From)
 		return
 	}
 	if e.From != ref.peer {

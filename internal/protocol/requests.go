@@ -8,15 +8,16 @@ import (
 )
 
 // Operator requests (§3.1): a Reconfigure event at the left anchor checks
-// the chain and starts the request.
+// the chain and starts the request; a trigger (trig, trigger.go) starts
+// one the same way.
 
-func (a *Agent) onReconfigure(e Reconfigure) {
+func (a *Agent) onReconfigure(e Reconfigure, trig *trigIn) {
+	s := a.sessions[e.Session]
 	refuse := func(r Reason, blocker ReqKey) {
 		a.nextReq++
-		a.emit(Result{Session: e.Session, Token: e.Token, Req: ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq},
+		a.emitResult(s, trig, Result{Session: e.Session, Token: e.Token, Req: ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq},
 			Outcome: Refused, Reason: r, Blocker: blocker})
 	}
-	s := a.sessions[e.Session]
 	if s == nil || s.sides[SideRight] == nil {
 		refuse(ReasonNoSession, ReqKey{})
 		return
@@ -35,7 +36,7 @@ func (a *Agent) onReconfigure(e Reconfigure) {
 	}
 	a.nextReq++
 	l := &anchor{role: RoleLeftAnchor, req: ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq}, token: e.Token,
-		rightAnchor: e.RightAnchor, chain: append([]netip.Addr(nil), e.Chain...), gate: e.Gate}
+		rightAnchor: e.RightAnchor, chain: append([]netip.Addr(nil), e.Chain...), gate: e.Gate, trig: trig}
 	switch {
 	case s.lock == Unlocked || a.cfg.Faults&FaultSkipLock != 0:
 		a.startLeft(s, l)
@@ -82,7 +83,7 @@ func (a *Agent) startLeft(s *session, l *anchor) {
 	if len(l.chain) == 0 && s.sides[SideRight].Peer == l.rightAnchor {
 		s.resolve(resolution{req: l.req, kind: resDone})
 		a.progress(s, l.req, RoleLeftAnchor, StageDone, "succeeded: unchanged (the right anchor is the next hop)")
-		a.emit(Result{Session: s.id, Token: l.token, Req: l.req, Outcome: Succeeded, Unchanged: true})
+		a.emitResult(s, l.trig, Result{Session: s.id, Token: l.token, Req: l.req, Outcome: Succeeded, Unchanged: true})
 		return
 	}
 	s.left = l

@@ -106,11 +106,11 @@ func (a *Agent) endSession(s *session) {
 			c.Flags = FlagNewPath
 			a.send(l.newPeer, c)
 		}
-		a.emit(Result{Session: s.id, Token: l.token, Req: l.req, Outcome: Failed, Reason: ReasonSessionEnded})
+		a.emitResult(s, l.trig, Result{Session: s.id, Token: l.token, Req: l.req, Outcome: Failed, Reason: ReasonSessionEnded})
 	}
 	for _, q := range s.queue {
 		if q.local != nil {
-			a.emit(Result{Session: s.id, Token: q.local.token, Req: q.local.req, Outcome: Refused, Reason: ReasonSessionEnded})
+			a.emitResult(s, q.local.trig, Result{Session: s.id, Token: q.local.token, Req: q.local.req, Outcome: Refused, Reason: ReasonSessionEnded})
 		}
 	}
 	a.drop(s)

@@ -58,8 +58,12 @@ type session struct {
 	left  *anchor // this agent is the left anchor of a reconfiguration of its right side
 	right *anchor // this agent is the right anchor of a reconfiguration of its left side
 
-	cancels  map[ReqKey]*cancelJob
-	history  []resolution
+	cancels map[ReqKey]*cancelJob
+	history []resolution
+	// trigs are the triggers this agent took for the session as its left
+	// neighbour, running or answered (trigger.go), at most historyLen
+	// answered ones.
+	trigs    []*trigIn
 	maxID    map[netip.Addr]uint32
 	teardown *teardown // old path middle agent: FIN exchanges seen
 	tombs    []tomb
@@ -134,6 +138,9 @@ type anchor struct {
 	synAcked bool
 	aborted  bool // the agent aborted the gated request
 	resumed  bool // begun by an earlier run of the agent (resume)
+	// trig is the trigger that asked for the request, nil if the agent
+	// did (trigger.go).
+	trig *trigIn
 }
 
 // The ways a fin can come (anchor.finVia).

@@ -31,6 +31,10 @@ func (a *Agent) backoff(tries int) time.Duration {
 }
 
 func (a *Agent) onTimer(id TimerID) {
+	if id.Kind == TimerTrigger {
+		a.onTriggerTimer(id) // kept apart from the session (trigOut)
+		return
+	}
 	s := a.sessions[id.Session]
 	if s == nil {
 		return

@@ -13,6 +13,11 @@ type SessionID uint64
 // joinedIDBit marks session ids allocated by the protocol.
 const joinedIDBit SessionID = 1 << 63
 
+// TriggerTokens6 is a TriggerTokens for the IPv6 half of an agent whose
+// IPv4 half uses the default: the two number the tokens of triggered
+// requests apart (2^62 each).
+const TriggerTokens6 = 1<<63 | 1<<62
+
 // JoinedBase6 is a JoinedBase for the IPv6 half of an agent whose IPv4
 // half uses the default: the two number joined sessions apart (2^62 ids
 // each).
@@ -195,8 +200,8 @@ func (s Stage) String() string {
 	return fmt.Sprintf("stage-%d", uint8(s))
 }
 
-// Reason explains a refusal or failure. It travels in nackLock and is
-// reported in Result.
+// Reason explains a refusal or failure. It travels in nackLock and in a
+// trigger's answer, and is reported in Result and TriggerResult.
 type Reason uint8
 
 // Reasons.
@@ -213,7 +218,21 @@ const (
 	ReasonStale               // an answer to a request that is already resolved
 	ReasonAborted             // the agent aborted a gated request before the switch (Proceed.Abort)
 	ReasonOnPath              // a hop of the new chain is already on the session's path (Result.Hop)
+	// ReasonWrongSender (trigger): the subsession the trigger names does
+	// not lead to its sender.
+	ReasonWrongSender
+	// ReasonNotNextHop (trigger): the sender is no longer the session's
+	// next hop at the left neighbour: a reconfiguration took it out of
+	// the path, whose old subsession lingers there.
+	ReasonNotNextHop
+	// ReasonNoAnswer (TriggerResult, never on the wire): the left
+	// neighbour did not answer the trigger after every retransmission.
+	ReasonNoAnswer
 )
+
+// lastWireReason is the last reason a message may carry (a trigger's
+// answer carries any reason a request can end with).
+const lastWireReason = ReasonNotNextHop
 
 func (r Reason) String() string {
 	switch r {
@@ -241,6 +260,12 @@ func (r Reason) String() string {
 		return "aborted before the switch"
 	case ReasonOnPath:
 		return "a middlebox of the new chain is already on the session's path"
+	case ReasonWrongSender:
+		return "the subsession does not lead to the sender"
+	case ReasonNotNextHop:
+		return "the sender is no longer this session's next hop (its path changed)"
+	case ReasonNoAnswer:
+		return "no answer from the left neighbour"
 	}
 	return fmt.Sprintf("reason-%d", uint8(r))
 }
@@ -292,4 +317,8 @@ const (
 	// such a path anyway, this is how reconfigurations behaved before the
 	// check (docs/protocol.md, "A middlebox on both paths").
 	FaultNoPathCheck
+	// FaultTriggerDup: the left neighbour takes every copy of a trigger
+	// for a new one (no history, no replay window): a duplicated or
+	// retransmitted trigger starts a second request (§3.6 ignored).
+	FaultTriggerDup
 )
