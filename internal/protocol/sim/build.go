@@ -289,12 +289,21 @@ func (w *world) issue(s *simSession, n int) {
 		w.tokens++
 		req := &request{token: w.tokens, sess: s, left: hs[li], right: hs[ri], chain: chain, deadChain: dead,
 			issued: w.now, contention: n > 1}
-		if r.IntN(3) == 0 {
+		// Now and then the request is a trigger (trigger.go): the host
+		// after the left anchor, a middlebox, asks it for the request.
+		if li+1 < len(hs)-1 && ri > li && r.IntN(4) == 0 {
+			req.sender = hs[li+1]
+		}
+		if r.IntN(3) == 0 && (req.sender == nil || len(chain) == 1) {
 			req.gate, req.abort = true, r.IntN(3) == 0
 		}
 		w.reqs = append(w.reqs, req)
 		w.byToken[req.token] = req
 		w.stats.Requests++
+		if req.sender != nil {
+			w.sendTrigger(req, dss[li+1], addrs)
+			continue
+		}
 		w.tracef("OPERATOR %s", req)
 		if !hs[li].announce(dss[li]) {
 			// The agent refuses a session it cannot announce (reset).

@@ -114,6 +114,9 @@ func (w *world) finish() {
 		}
 	}
 	for _, r := range w.reqs {
+		if r.res == nil && r.sender != nil {
+			continue // a trigger that started no request (finishTriggers)
+		}
 		if r.res == nil {
 			w.fail("%s was never answered", r)
 			return
@@ -135,12 +138,16 @@ func (w *world) finish() {
 			return
 		}
 	}
+	w.finishTriggers()
+	if w.err != nil {
+		return
+	}
 	// §3.7: of overlapping requests, one at a time holds the segment and
 	// succeeds: no two successful requests held overlapping segments at
 	// overlapping times.
 	for i, a := range w.reqs {
 		for _, b := range w.reqs[i+1:] {
-			if a.sess != b.sess || a.res.Outcome != protocol.Succeeded || b.res.Outcome != protocol.Succeeded {
+			if a.sess != b.sess || a.res == nil || b.res == nil || a.res.Outcome != protocol.Succeeded || b.res.Outcome != protocol.Succeeded {
 				continue
 			}
 			la, lb := w.locked[a.key], w.locked[b.key]

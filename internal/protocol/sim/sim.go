@@ -99,8 +99,13 @@ type Stats struct {
 	// raised to the highest received (protocol.Deliver), and segments an
 	// end host discarded because their ack was more than a window old.
 	CutOffs, Splits, ExtraOldAcks, OldPathData, NewPathData, RaisedAcks, TooOldAcks int
-	SimTime                                                                         time.Duration
-	Events                                                                          int
+	// Triggers (trigger.go): sent, taken by the left neighbour (a request
+	// started), answered with a request's result, refused by the left
+	// neighbour's handler, unanswered after every retransmission;
+	// acknowledgements that a request still runs, replays sent.
+	Triggers, TriggersTaken, TriggersAnswered, TriggersRefused, TriggersUnanswered, TriggerAcks, TriggerReplays int
+	SimTime                                                                                                     time.Duration
+	Events                                                                                                      int
 }
 
 // Add accumulates another run's counts.
@@ -133,6 +138,13 @@ func (s *Stats) Add(o Stats) {
 	s.NewPathData += o.NewPathData
 	s.RaisedAcks += o.RaisedAcks
 	s.TooOldAcks += o.TooOldAcks
+	s.Triggers += o.Triggers
+	s.TriggersTaken += o.TriggersTaken
+	s.TriggersAnswered += o.TriggersAnswered
+	s.TriggersRefused += o.TriggersRefused
+	s.TriggersUnanswered += o.TriggersUnanswered
+	s.TriggerAcks += o.TriggerAcks
+	s.TriggerReplays += o.TriggerReplays
 	if s.Rejected == nil {
 		s.Rejected, s.Outcomes = map[string]int{}, map[string]int{}
 	}
@@ -159,9 +171,11 @@ func (s Stats) String() string {
 	}
 	return fmt.Sprintf("sessions=%d (reused tuples %d) requests=%d (back to back %d) succeeded=%d (unchanged %d) refused=%d (contention %d, on path %d) failed=%d (dead new path %d) "+
 		"unconfirmed=%d resets=%d closed-marks=%d\n  outcomes[%s]\n  two-path: cut-offs=%d splits=%d extra-old-acks=%d old-path-data=%d new-path-data=%d raised-acks=%d too-old-acks=%d\n"+
+		"  triggers=%d (taken %d, answered %d, refused by the left neighbour %d, unanswered %d, acks %d, replays %d)\n"+
 		"  control=%d data=%d lost=%d dup=%d rejected[%s] simtime=%s events=%d",
 		s.Sessions, s.Reused, s.Requests, s.BackToBack, s.Succeeded, s.Unchanged, s.Refused, s.Contended, s.OnPath, s.Failed, s.SetupFailed, s.Unconfirmed,
 		s.Resets, s.ClosedMarks, list(s.Outcomes), s.CutOffs, s.Splits, s.ExtraOldAcks, s.OldPathData, s.NewPathData, s.RaisedAcks, s.TooOldAcks,
+		s.Triggers, s.TriggersTaken, s.TriggersAnswered, s.TriggersRefused, s.TriggersUnanswered, s.TriggerAcks, s.TriggerReplays,
 		s.ControlSent, s.DataSent, s.Lost, s.Duplicated, list(s.Rejected), s.SimTime, s.Events)
 }
 
@@ -231,6 +245,11 @@ type world struct {
 	held map[*simSession]map[*host][]span
 	// joinFails: requests whose new path a datapath refused to join.
 	joinFails map[protocol.ReqKey]bool
+	// byTrigger: the triggered requests by their triggers' keys.
+	byTrigger map[protocol.ReqKey]*request
+	// unchanged: the segments of requests whose ackLock found their chain
+	// equal to the old segment, when it came.
+	unchanged map[protocol.ReqKey][]*host
 }
 
 // span is a time a host held state of a session; end < 0: still.
@@ -247,7 +266,8 @@ func newWorld(opts Options) *world {
 	w := &world{opts: opts, rng: rand.New(rand.NewPCG(uint64(opts.Seed), 0x9e3779b97f4a7c15)),
 		byAddr: map[netip.Addr]*host{}, byToken: map[uint64]*request{}, byReq: map[protocol.ReqKey]*request{},
 		locked: map[protocol.ReqKey]lockRec{}, started: map[protocol.ReqKey]time.Duration{},
-		held: map[*simSession]map[*host][]span{}, joinFails: map[protocol.ReqKey]bool{}}
+		held: map[*simSession]map[*host][]span{}, joinFails: map[protocol.ReqKey]bool{},
+		byTrigger: map[protocol.ReqKey]*request{}, unchanged: map[protocol.ReqKey][]*host{}}
 	w.stats.Rejected, w.stats.Outcomes = map[string]int{}, map[string]int{}
 	return w
 }
@@ -363,6 +383,9 @@ type host struct {
 	dp    map[protocol.SessionID]*dpSess
 	subs  map[wire.Tuple]*dpSub
 	tmr   map[protocol.TimerID]*event
+	// trigTok: the requests this host's agent started for triggers, by
+	// the tokens it gave them (TriggerAccepted).
+	trigTok map[uint64]*request
 	// known: the sessions announced to the agent (SessionUp), lazily, as
 	// the agent does: when a request or a control message first concerns
 	// them (announce).
@@ -382,7 +405,7 @@ func (w *world) newHost(name string, mbox bool) *host {
 	}
 	h := &host{w: w, name: name, addr: a, mbox: mbox, agent: protocol.New(cfg),
 		dp: map[protocol.SessionID]*dpSess{}, subs: map[wire.Tuple]*dpSub{}, tmr: map[protocol.TimerID]*event{},
-		known: map[protocol.SessionID]bool{}}
+		known: map[protocol.SessionID]bool{}, trigTok: map[uint64]*request{}}
 	w.hosts = append(w.hosts, h)
 	w.byAddr[a] = h
 	return h
@@ -402,8 +425,14 @@ func (h *host) apply(act protocol.Action) {
 		to := w.byAddr[x.To]
 		w.stats.ControlSent++
 		w.tracef("%s -> %s %s", h, to, x.Msg)
-		data := x.Data
+		data, msg := x.Data, x.Msg
+		if msg.Type == protocol.MsgTriggerResult {
+			w.noteAnswer(h, to, msg)
+		}
 		w.deliver(h, to, x.Msg.Type.String(), func() {
+			if msg.Type == protocol.MsgTrigger {
+				w.triggerHeard(to, msg)
+			}
 			to.handle(to.messageIn(h.addr, data))
 			w.checkLocks()
 		})
@@ -425,6 +454,10 @@ func (h *host) apply(act protocol.Action) {
 		}
 	case protocol.Result:
 		w.onResult(h, x)
+	case protocol.TriggerAccepted:
+		w.onTriggerAccepted(h, x)
+	case protocol.TriggerResult:
+		w.onTriggerResult(h, x)
 	case protocol.MarkClosed:
 		if ds := h.dp[x.Session]; ds != nil {
 			w.stats.ClosedMarks++
@@ -435,6 +468,9 @@ func (h *host) apply(act protocol.Action) {
 		// The agent moves state meanwhile: it answers after a while, or
 		// aborts (an export that fails).
 		r := w.byToken[x.Token]
+		if t := h.trigTok[x.Token]; t != nil {
+			r = t
+		}
 		if r == nil || !r.gate {
 			w.fail("%s: NewPathReady for a request that is not gated (%d)", h, x.Token)
 			return
@@ -445,7 +481,7 @@ func (h *host) apply(act protocol.Action) {
 		}
 		w.tracef("%s GATE %s abort=%q", h, x.Req, abort)
 		w.after(time.Duration(w.rng.Int64N(int64(20*time.Millisecond))), func() {
-			h.handle(protocol.Proceed{Session: x.Session, Req: x.Req, Abort: abort})
+			h.handle(protocol.Proceed{Session: x.Session, Req: x.Req, Abort: abort, Report: r.report()})
 			w.checkLocks()
 		})
 	case protocol.Rejected:
@@ -458,6 +494,9 @@ func (h *host) apply(act protocol.Action) {
 		}
 		if x.Role == protocol.RoleLeftAnchor && x.Stage == protocol.StageSettingUp {
 			w.recordLock(h, x)
+		}
+		if x.Role == protocol.RoleLeftAnchor && x.Stage == protocol.StageCancelling && strings.HasPrefix(x.Note, "unchanged") {
+			w.recordUnchanged(h, x)
 		}
 	default:
 		h.applyDatapath(act)
@@ -518,11 +557,14 @@ func sameHosts(a, b []*host) bool {
 // messageIn is what the agent makes of a datagram (internal/reconfig
 // onPacket): a control message about a session the protocol does not know
 // yet announces it first (announce); a new path's SYN that would make this
-// host join a session it carries on a live path is marked OnPath.
+// host join a session it carries on a live path is marked OnPath. An
+// answer to a trigger announces nothing.
 func (h *host) messageIn(from netip.Addr, data []byte) protocol.MessageIn {
 	in := protocol.MessageIn{From: from, Data: data}
 	m, err := protocol.Decode(deploymentKey, data)
-	if err != nil {
+	if err != nil || m.Type == protocol.MsgTriggerResult {
+		// (An answer to a trigger is matched with its trigger: the
+		// agent announces nothing for it.)
 		return in
 	}
 	if _, _, known := h.agent.Lookup(m.Sub); known {
@@ -607,6 +649,13 @@ type request struct {
 	// gate: the request is gated (state migration); abort: the simulated
 	// agent aborts it at the gate.
 	gate, abort bool
+	// sender, if set, asked the left anchor for the request with a
+	// trigger (trigger.go); the other fields of a trigger are there.
+	sender *host
+	trig   *trigState
+	// badView: the sender's agent knows the right anchor as its left
+	// neighbour (sendTrigger); it refuses the trigger itself.
+	badView bool
 }
 
 func (r *request) String() string {
@@ -614,11 +663,17 @@ func (r *request) String() string {
 	for _, h := range r.chain {
 		c = append(c, h.name)
 	}
+	if r.sender != nil {
+		return fmt.Sprintf("req#%d s%d %s..%s via [%s] triggered by %s", r.token, r.sess.idx, r.left, r.right, strings.Join(c, " "), r.sender)
+	}
 	return fmt.Sprintf("req#%d s%d %s..%s via [%s]", r.token, r.sess.idx, r.left, r.right, strings.Join(c, " "))
 }
 
 func (w *world) onResult(h *host, x protocol.Result) {
 	r := w.byToken[x.Token]
+	if !x.Trigger.IsZero() {
+		r = w.triggeredResult(h, x)
+	}
 	if r == nil {
 		w.fail("%s: result for unknown token %d", h, x.Token)
 		return
@@ -630,10 +685,18 @@ func (w *world) onResult(h *host, x protocol.Result) {
 	r.res, r.resAt, r.key = &x, w.now, x.Req
 	w.byReq[x.Req] = r
 	if x.Unchanged {
-		// The segment between the anchors is the new chain: nothing was
-		// to change (the locks were held until now, so it is as it was).
+		// The segment between the anchors was the new chain while the
+		// request held it: nothing was to change. A request that found
+		// so in its ackLock held the whole segment then (recordUnchanged);
+		// it reports once its cancelLock has released the locks, and the
+		// agents that cancelLock passed may have reconfigured the session
+		// since. One whose right anchor is the next hop reports at once.
 		w.stats.Unchanged++
-		if seg := w.segment(r.sess, r.left, r.right); !r.sess.rst && !r.sess.ending && !sameHosts(seg, r.chain) {
+		seg, ok := w.unchanged[x.Req]
+		if !ok {
+			seg = w.segment(r.sess, r.left, r.right)
+		}
+		if !r.sess.rst && !r.sess.ending && !sameHosts(seg, r.chain) {
 			w.fail("%s: succeeded unchanged, but the segment is %v", r, seg)
 			return
 		}
@@ -696,6 +759,18 @@ func (w *world) path(s *simSession) ([]*host, []*dpSess) {
 		hs, ds = append(hs, peer), append(ds, cur)
 	}
 	return hs, ds
+}
+
+// recordUnchanged remembers the segment of a request whose ackLock found
+// the new chain equal to the old segment: every agent of it is locked for
+// the request now.
+func (w *world) recordUnchanged(h *host, x protocol.Progress) {
+	ds := h.dp[x.Session]
+	v, ok := h.agent.View(x.Session)
+	if ds == nil || !ok || v.Left == nil {
+		return
+	}
+	w.unchanged[x.Req] = w.segment(ds.sess, h, w.byAddr[v.Left.RightAnchor])
 }
 
 // recordLock remembers the segment a request holds from now on.

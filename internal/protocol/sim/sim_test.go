@@ -137,8 +137,9 @@ func TestSimDeterministic(t *testing.T) {
 // TestSimCatchesBrokenVariants shows that the checkers fail on a
 // deliberately broken protocol: agents that skip the lock (§3.2), with and
 // without the continuous lock check, an anchor that sends every ack on
-// the old path (§3.5), and an anchor that hands on late old-path packets
-// with their stale acks (protocol.Deliver).
+// the old path (§3.5), an anchor that hands on late old-path packets
+// with their stale acks (protocol.Deliver), and a left neighbour that
+// starts a request for every copy of a trigger.
 func TestSimCatchesBrokenVariants(t *testing.T) {
 	const maxBrokenSeeds = 8000
 	if *seedFlag >= 0 {
@@ -175,16 +176,24 @@ func TestSimCatchesBrokenVariants(t *testing.T) {
 		{"new path through a middlebox that carries the session", protocol.FaultNoPathCheck, false, oldJoin,
 			[]string{"not closed at the end", "stuck", "until its idle timeout", "agent keeps state after the run"}},
 		// Middle agents that do not announce a session once it has seen a
-		// FIN: a request for a half-closed session gets no answer.
+		// FIN: a request for a half-closed session gets no answer, and
+		// such a middlebox cannot send a trigger.
 		{"half-closed sessions not announced", 0, false, oldAnnounce,
-			[]string{"a reconfiguration whose new path works must succeed"}},
+			[]string{"a reconfiguration whose new path works must succeed", "but the session was not reset"}},
 		// No closed notice: a middlebox of a new path that missed the
 		// session's FINs (they went on the old path) keeps it.
 		{"no closed notice", 0, false, oldNoNotice, []string{"until its idle timeout"}},
+		// A left neighbour that takes every copy of a trigger for a new
+		// one (no history, no replay window): a duplicated or
+		// retransmitted trigger starts a second request, or its refusal
+		// as busy answers the trigger in place of its request's result.
+		{"duplicated trigger taken anew", protocol.FaultTriggerDup, false, 0,
+			[]string{"started a second request", "two different answers", "is not its answer", "but it started a request",
+				"is not the left anchor's result"}},
 		// All of it: the agent and the protocol as they were.
 		{"the old agent", protocol.FaultNoPathCheck, false, oldJoin | oldAnnounce | oldNoNotice,
 			[]string{"not closed at the end", "stuck", "until its idle timeout", "agent keeps state after the run",
-				"a reconfiguration whose new path works must succeed"}},
+				"a reconfiguration whose new path works must succeed", "but the session was not reset"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			// Seeds in order, so that the first failure is always the same.
