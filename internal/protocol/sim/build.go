@@ -148,7 +148,7 @@ func (w *world) setUp(s *simSession, live []*host) {
 	var dss []*dpSess
 	for j, h := range hosts {
 		w.nextSessID++
-		ds := &dpSess{h: h, id: w.nextSessID, sess: s, app: apps[j], ready: true}
+		ds := &dpSess{h: h, id: w.nextSessID, sess: s, app: apps[j], ready: true, lastActive: w.now}
 		ds.seenMax = [2]uint32{rIn[j].Seq, lIn[j].Seq}
 		ds.seen = [2]bool{true, true}
 		up := protocol.SessionUp{Session: ds.id, Tuple: s.tuple, Nonce: s.nonce, App: apps[j]}
