@@ -173,10 +173,22 @@ func (c *Shell) do(v6 bool, act protocol.Action) error {
 			delete(c.waiters, x.Token)
 			ch <- waited{res: x, rec: rec}
 		}
-		c.log.Info("reconfiguration", "session", x.Session, "req", x.Req.String(), "outcome", x.Outcome.String(),
-			"reason", x.Reason.String(), "blocker", x.Blocker.String())
+		if x.Trigger.IsZero() {
+			c.log.Info("reconfiguration", "session", x.Session, "req", x.Req.String(), "outcome", x.Outcome.String(),
+				"reason", x.Reason.String(), "blocker", x.Blocker.String())
+		} else {
+			c.log.Info("reconfiguration", "session", x.Session, "req", x.Req.String(), "outcome", x.Outcome.String(),
+				"reason", x.Reason.String(), "blocker", x.Blocker.String(), "trigger", x.Trigger.String())
+		}
+	case protocol.TriggerAccepted:
+		c.onTriggerAccepted(x)
+	case protocol.TriggerResult:
+		c.onTriggerResult(x)
 	case protocol.Rejected:
 		c.countReject(x.Reason.String())
+		if x.Reason == protocol.RejectVersion {
+			c.olderPeer(x.From, x.Detail)
+		}
 		c.log.Debug("control message refused", "reason", x.Reason.String(), "type", x.Type.String(), "from", x.From, "detail", x.Detail)
 	case protocol.Progress:
 		c.notePhase(x)

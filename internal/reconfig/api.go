@@ -35,7 +35,7 @@ func ParseMigrate(spec *api.MigrateSpec, hops int) (*MigrateOptions, error) {
 func (c *Shell) RemoveSelf(ctx context.Context, sessions []datapath.SessionEntry, with []netip.Addr, mig *api.MigrateSpec) []api.ReconfigResult {
 	type pending struct {
 		res api.ReconfigResult
-		ch  chan triggerMsg
+		ch  chan trigOutcome
 		at  time.Time
 	}
 	var ps []*pending
@@ -48,19 +48,25 @@ func (c *Shell) RemoveSelf(ctx context.Context, sessions []datapath.SessionEntry
 			}
 			p := &pending{res: api.ReconfigResult{ID: s.ID, Session: s.Tuple.Wire().String()}, at: time.Now()}
 			ps = append(ps, p)
-			left, ok1 := c.currentSub(s.ID, &s.Session, protocol.SideLeft)
+			_, ok1 := c.currentSub(s.ID, &s.Session, protocol.SideLeft)
 			right, ok2 := c.currentSub(s.ID, &s.Session, protocol.SideRight)
 			if !ok1 || !ok2 {
 				p.res.Outcome, p.res.Reason = "refused", "this host is not in the middle of the session"
+				continue
+			}
+			// The protocol sends the trigger on the session's left side,
+			// as it knows it (announced from the datapath if need be).
+			if err := c.announce(s.ID); err != nil {
+				p.res.Outcome, p.res.Reason = "refused", err.Error()
 				continue
 			}
 			var chain []netip.Addr
 			for _, h := range with {
 				chain = append(chain, h.Unmap())
 			}
-			ch, err := c.sendTrigger(left.Src, triggerMsg{Sub: &left, RightAnchor: right.Dst, Chain: chain, Migrate: mig}, 0)
+			ch, err := c.sendTrigger(s.ID, right.Dst, chain, mig, 0)
 			if err != nil {
-				p.res.Outcome, p.res.Reason = "failed", err.Error()
+				p.res.Outcome, p.res.Reason = "refused", err.Error()
 				continue
 			}
 			p.ch = ch

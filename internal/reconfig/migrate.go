@@ -43,11 +43,14 @@ package reconfig
 //
 // The messages between agents use the control socket: "DYSM", version 1,
 // kind (1 request, 2 answer), a JSON body, HMAC-SHA256 (16 bytes) under the
-// deployment key, like triggers (trigger.go). Requests carry their send
-// time and a token; retransmissions get the same answer.
+// deployment key (sealJSON). Requests carry their send time and a token;
+// retransmissions get the same answer.
 
 import (
 	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -180,6 +183,9 @@ type migration struct {
 	// ended is set once the request ended (loop): the goroutine stops at
 	// its next step.
 	ended atomic.Bool
+	// triggered: a trigger asked for the request; the answer carries the
+	// report (protocol.Proceed.Report).
+	triggered bool
 }
 
 // startMigration registers a migration before its request starts (loop).
@@ -399,7 +405,11 @@ func (c *Shell) migrationDone(m *migration, err error) {
 		if err != nil {
 			abort = err.Error()
 		}
-		c.handle(m.v6, protocol.Proceed{Session: m.ready.Session, Req: m.ready.Req, Abort: abort})
+		var rep []byte
+		if m.triggered {
+			rep = migrationReport(m.rep)
+		}
+		c.handle(m.v6, protocol.Proceed{Session: m.ready.Session, Req: m.ready.Req, Abort: abort, Report: rep})
 	}
 	if h := m.hold; h != nil {
 		go c.holds.release(h)
@@ -416,4 +426,44 @@ func (c *Shell) migrationEnded(token uint64) {
 			go c.holds.release(h)
 		}
 	}
+}
+
+// sealJSON frames the state migration messages (DYSM):
+// magic (4 bytes), version, kind, a JSON body, then HMAC-SHA256 (16 bytes)
+// of everything before it under the deployment key.
+func sealJSON(key []byte, magic string, version, kind byte, v any) ([]byte, error) {
+	body, err := json.Marshal(v)
+	if err != nil {
+		return nil, err
+	}
+	b := append([]byte(magic), version, kind)
+	b = append(b, body...)
+	h := hmac.New(sha256.New, key)
+	h.Write(b)
+	return append(b, h.Sum(nil)[:sealMACLen]...), nil
+}
+
+const sealMACLen = 16
+
+var errSealMAC = errors.New("MAC mismatch")
+
+// openJSON checks a sealJSON frame and decodes its body into v; it returns
+// the kind.
+func openJSON(key, b []byte, version byte, v any) (byte, error) {
+	if len(b) < 6+sealMACLen {
+		return 0, errors.New("message too short")
+	}
+	if b[4] != version {
+		return 0, fmt.Errorf("message version %d", b[4])
+	}
+	body, tag := b[:len(b)-sealMACLen], b[len(b)-sealMACLen:]
+	h := hmac.New(sha256.New, key)
+	h.Write(body)
+	if !hmac.Equal(h.Sum(nil)[:sealMACLen], tag) {
+		return 0, errSealMAC
+	}
+	if err := json.Unmarshal(body[6:], v); err != nil {
+		return 0, fmt.Errorf("message body: %v", err)
+	}
+	return b[5], nil
 }

@@ -45,7 +45,7 @@ func (c *Shell) onMig(from netip.Addr, data []byte) {
 		call.timer.Stop()
 		call.ch <- m
 	case migRequest:
-		k := triggerKey{from, m.Token}
+		k := migKey{from, m.Token}
 		if res, ok := c.migAnswers[k]; ok {
 			if res != nil {
 				c.send(from, res)
@@ -292,6 +292,12 @@ func (c *Shell) releaseExported(id uint32) {
 			c.log.Warn("releasing migrated state", "session", t.String(), "err", err)
 		}
 	}()
+}
+
+// migKey names a migration request at its receiver: its sender and token.
+type migKey struct {
+	from  netip.Addr
+	token uint64
 }
 
 type migCall struct {

@@ -14,8 +14,11 @@ import (
 )
 
 func (c *Shell) onPacket(from netip.Addr, data []byte) {
-	if isTrigger(data) {
-		c.onTrigger(from, data)
+	if isOldTrigger(data) {
+		// A JSON trigger of control protocol version 1 to 3: the peer
+		// runs an older agent.
+		c.countReject(protocol.RejectVersion.String())
+		c.olderPeer(from, "a JSON trigger (DYST)")
 		return
 	}
 	if isMig(data) {
@@ -39,7 +42,10 @@ func (c *Shell) onPacket(from netip.Addr, data []byte) {
 		if _, _, known := p.Lookup(m.Sub); !known && m.RightAnchor != p.Self() && len(m.Hops) > 0 {
 			_, onPath = c.liveHere(m.Session, m.Nonce)
 		}
-	} else if err == nil {
+	} else if err == nil && m.Type != protocol.MsgTriggerResult {
+		// (An answer to a trigger names this host's subsession of a
+		// session it may have left meanwhile: the protocol matches it
+		// with its trigger, and it must not announce the session.)
 		pid, _, ok := p.Lookup(m.Sub)
 		if !ok {
 			if id, ok := c.sessionBySub(m.Sub); ok {

@@ -72,25 +72,27 @@ type Shell struct {
 	// hand-off to another goroutine (one thread wake-up less per message;
 	// reconfigurations in an idle lab took 0.8 × the time they took with
 	// the hand-off, BENCHMARKS.md).
-	mu          sync.Mutex
-	protos      map[bool]*protocol.Agent // by "is IPv6"
-	timers      map[timerKey]*time.Timer
-	joinedDP    map[protocol.SessionID]uint32 // protocol-made sessions → datapath id
-	pidOf       map[uint32]protocol.SessionID // datapath id → protocol id, for every session the protocol knows
-	famOf       map[uint32]bool
-	notReady    map[protocol.SessionID]*readyPoll // joined sessions waiting for packets both ways
-	waiters     map[uint64]chan waited
-	started     map[uint64]time.Time           // when each request (token) began
-	phases      map[protocol.ReqKey]phaseTimes // the left anchor's requests: when they reached their phases
-	history     []api.ReconfigResult           // the last historyLen results at this left anchor
-	active      map[datapath.TPKey]bool        // sides in their two-path phase (polled as a safety net)
-	prevTP      map[datapath.TPKey]datapath.TPVal
-	spliced     map[protocol.SessionID]splicedPair
-	triggers    map[uint64]*trigger
-	trigAnswers map[triggerKey][]byte // nil value: request still running
-	token       uint64
-	ticks       uint64
-	deferred    []func() // work of the loop itself, run after the current event's actions
+	mu        sync.Mutex
+	protos    map[bool]*protocol.Agent // by "is IPv6"
+	timers    map[timerKey]*time.Timer
+	joinedDP  map[protocol.SessionID]uint32 // protocol-made sessions → datapath id
+	pidOf     map[uint32]protocol.SessionID // datapath id → protocol id, for every session the protocol knows
+	famOf     map[uint32]bool
+	notReady  map[protocol.SessionID]*readyPoll // joined sessions waiting for packets both ways
+	waiters   map[uint64]chan waited
+	started   map[uint64]time.Time           // when each request (token) began
+	phases    map[protocol.ReqKey]phaseTimes // the left anchor's requests: when they reached their phases
+	history   []api.ReconfigResult           // the last historyLen results at this left anchor
+	active    map[datapath.TPKey]bool        // sides in their two-path phase (polled as a safety net)
+	prevTP    map[datapath.TPKey]datapath.TPVal
+	spliced   map[protocol.SessionID]splicedPair
+	trigWaits map[uint64]*trigWait // triggers this agent sent, by token
+	// otherVersion: peers logged as speaking another control protocol
+	// version (olderPeer).
+	otherVersion map[netip.Addr]bool
+	token        uint64
+	ticks        uint64
+	deferred     []func() // work of the loop itself, run after the current event's actions
 
 	// Sessions leaving this host with another tuple than they arrived
 	// with (onward.go), and when the flows were last walked for them.
@@ -104,7 +106,7 @@ type Shell struct {
 	migrations map[uint64]*migration // by token, at the left anchor
 	migReports map[uint64]api.MigrationReport
 	migCalls   map[uint64]*migCall
-	migAnswers map[triggerKey][]byte
+	migAnswers map[migKey][]byte
 	rightHolds map[datapath.TPKey]*rightHold
 	exported   map[uint32]wire.Tuple // sessions whose state this host exported
 	migOut     map[uint64]chan api.MigrationReport
@@ -159,14 +161,17 @@ func New(cfg Config) (*Shell, error) {
 		joinedDP: map[protocol.SessionID]uint32{}, pidOf: map[uint32]protocol.SessionID{}, famOf: map[uint32]bool{},
 		notReady: map[protocol.SessionID]*readyPoll{}, waiters: map[uint64]chan waited{}, started: map[uint64]time.Time{},
 		active: map[datapath.TPKey]bool{}, prevTP: map[datapath.TPKey]datapath.TPVal{}, spliced: map[protocol.SessionID]splicedPair{},
-		onwardOf: map[uint32]onwardEntry{},
-		triggers: map[uint64]*trigger{}, trigAnswers: map[triggerKey][]byte{}, wake: make(chan struct{}, 1),
+		onwardOf:  map[uint32]onwardEntry{},
+		trigWaits: map[uint64]*trigWait{}, otherVersion: map[netip.Addr]bool{}, wake: make(chan struct{}, 1),
 		migrations: map[uint64]*migration{}, migReports: map[uint64]api.MigrationReport{}, migCalls: map[uint64]*migCall{},
-		migAnswers: map[triggerKey][]byte{}, rightHolds: map[datapath.TPKey]*rightHold{}, exported: map[uint32]wire.Tuple{},
+		migAnswers: map[migKey][]byte{}, rightHolds: map[datapath.TPKey]*rightHold{}, exported: map[uint32]wire.Tuple{},
 		migOut: map[uint64]chan api.MigrationReport{},
-		// Tokens name this agent's triggers at their receivers, which
-		// answer a token they have seen with their first answer: a
-		// restarted agent must not reuse its predecessor's.
+		// Tokens name this agent's migration requests at their
+		// receivers, which answer a token they have seen with their
+		// first answer: a restarted agent must not reuse its
+		// predecessor's. They stay below the tokens of requests the
+		// protocol starts for triggers (protocol.Config.TriggerTokens,
+		// from 2^63).
 		token: uint64(time.Now().UnixNano())}
 	if err := c.loadReqs(); err != nil {
 		conn.Close()
@@ -208,8 +213,10 @@ func (c *Shell) proto(v6 bool) *protocol.Agent {
 	cfg.FirstReq = c.reqBase
 	if v6 {
 		// Both halves' sessions share the agent's maps (joinedDP,
-		// pidOf...): their joined sessions must not share ids.
+		// pidOf...): their joined sessions must not share ids, nor
+		// their triggered requests tokens.
 		cfg.JoinedBase = protocol.JoinedBase6
+		cfg.TriggerTokens = protocol.TriggerTokens6
 	}
 	if c.cfg.Tune != nil {
 		c.cfg.Tune(&cfg)
@@ -302,7 +309,9 @@ func (c *Shell) handle(v6 bool, ev protocol.Event) {
 	if p == nil {
 		return
 	}
-	if _, ok := ev.(protocol.Reconfigure); ok && p.LastReq()+reqMargin >= c.reqLimit {
+	// A request, a trigger sent, or a trigger received (which starts a
+	// request) takes a number: at most one per event.
+	if p.LastReq()+reqMargin >= c.reqLimit {
 		c.reserveReqs()
 	}
 	for _, act := range p.Handle(now(), ev) {

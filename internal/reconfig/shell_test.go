@@ -60,13 +60,22 @@ type lab struct {
 	net   *fakeNet
 	hosts map[string]*host
 	order []*host
+	// tune, if set, changes the protocol's configuration after the
+	// tests' shorter timers.
+	tune func(*protocol.Config)
 }
 
 // newLab starts a shell for each name, at 10.0.0.1, 10.0.0.2, ... in
 // order.
 func newLab(t *testing.T, names ...string) *lab {
 	t.Helper()
-	l := &lab{t: t, net: newFakeNet(), hosts: map[string]*host{}}
+	return newTunedLab(t, nil, names...)
+}
+
+// newTunedLab is newLab with the protocol's configuration changed by tune.
+func newTunedLab(t *testing.T, tune func(*protocol.Config), names ...string) *lab {
+	t.Helper()
+	l := &lab{t: t, net: newFakeNet(), hosts: map[string]*host{}, tune: tune}
 	for i, n := range names {
 		h := &host{name: n, addr: netip.AddrFrom4([4]byte{10, 0, 0, byte(i + 1)}), dp: newFakeDP()}
 		l.hosts[n], l.order = h, append(l.order, h)
@@ -100,6 +109,9 @@ func (l *lab) start(h *host) {
 			c.RTO, c.MaxRTO, c.MaxTries = 10*time.Millisecond, 40*time.Millisecond, 8
 			c.Linger = 100 * time.Millisecond
 			c.LockLease = 2 * time.Second
+			if l.tune != nil {
+				l.tune(c)
+			}
 		}})
 	if err != nil {
 		l.t.Fatal(err)
@@ -503,4 +515,141 @@ func TestShellRemoveSelf(t *testing.T) {
 	if res := m.sh.RemoveSelf(ctx, entries, nil, nil); len(res) != 0 {
 		t.Fatalf("a second removal: %+v, want nothing", res)
 	}
+}
+
+// triggerAnswer reports whether a datagram carries a final answer to a
+// trigger (alone or in a bundle).
+func triggerAnswer(data []byte) bool {
+	ps := [][]byte{data}
+	if protocol.IsBundle(data) {
+		var err error
+		if ps, err = protocol.SplitBundle(data); err != nil {
+			return false
+		}
+	}
+	for _, p := range ps {
+		if m, err := protocol.Decode(testKey, p); err == nil && m.Type == protocol.MsgTriggerResult && m.Answer.Outcome != 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// A middlebox removes itself, and the left neighbour's answer is lost:
+// the middlebox's next retransmission of its trigger gets the same answer
+// (the left neighbour keeps it), and the left neighbour ran one request.
+func TestShellTriggerAnswerLost(t *testing.T) {
+	l := newLab(t, "a", "m", "b")
+	s := l.chain("a", "m", "b")
+	a, m, b := l.hosts["a"], l.hosts["m"], l.hosts["b"]
+	var mu sync.Mutex
+	lost, triggers := 0, 0
+	l.net.setDrop(func(from, to netip.Addr, data []byte) bool {
+		mu.Lock()
+		defer mu.Unlock()
+		if from == m.addr && to == a.addr {
+			if msg, err := protocol.Decode(testKey, data); err == nil && msg.Type == protocol.MsgTrigger {
+				triggers++
+			}
+		}
+		if from == a.addr && to == m.addr && lost == 0 && triggerAnswer(data) {
+			lost++
+			return true
+		}
+		return false
+	})
+	entries, _ := m.dp.Sessions()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	res := m.sh.RemoveSelf(ctx, entries, nil, nil)
+	if len(res) != 1 || res[0].Outcome != "succeeded" {
+		t.Fatalf("remove m: %+v", res)
+	}
+	mu.Lock()
+	if lost != 1 || triggers < 2 {
+		t.Errorf("answers lost %d, triggers sent %d: want one lost and a retransmission", lost, triggers)
+	}
+	mu.Unlock()
+	if o := rightOut(a, s.ids["a"]); o.Dst != b.addr {
+		t.Fatalf("a sends the session to %s, want b (%s)", o, b.addr)
+	}
+	if h := a.sh.History(); len(h) != 1 || h[0].Outcome != "succeeded" {
+		t.Fatalf("a's history %+v, want the one request the trigger started", h)
+	}
+	l.settled()
+}
+
+// A middlebox that a reconfiguration took out of a session's path asks to
+// be removed all the same (its session lingers until the old path is torn
+// down, and so does the left neighbour's old subsession): the left
+// neighbour refuses, the sender is no longer its next hop.
+func TestShellTriggerNotNextHop(t *testing.T) {
+	l := newTunedLab(t, func(c *protocol.Config) { c.Linger = 5 * time.Second }, "a", "m", "b")
+	s := l.chain("a", "m", "b")
+	a, m, b := l.hosts["a"], l.hosts["m"], l.hosts["b"]
+	succeeded(t, l.reconfigure("a", s, "b"))
+	eventually(t, 5*time.Second, "m to see the old path torn down", func() bool { return m.sh.leftPathOf(s.ids["m"]) })
+	var ch chan trigOutcome
+	var err error
+	done := make(chan struct{})
+	m.sh.post(func() {
+		defer close(done)
+		ch, err = m.sh.sendTrigger(s.ids["m"], b.addr, nil, nil, 0)
+	})
+	<-done
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case o := <-ch:
+		if o.Outcome != "refused" || !strings.Contains(o.Reason, "no longer this session's next hop") {
+			t.Fatalf("a trigger from a host off the path: %s: %s, want refused, not the next hop", o.Outcome, o.Reason)
+		}
+		t.Logf("a trigger from a host off the path: %s: %s", o.Outcome, o.Reason)
+	case <-time.After(5 * time.Second):
+		t.Fatal("no answer")
+	}
+	if h := a.sh.History(); len(h) != 1 {
+		t.Fatalf("a ran %d requests, want only its own delete", len(h))
+	}
+}
+
+// A JSON trigger of an agent before control protocol version 4, and a
+// message of version 3, are refused as another version, counted, and
+// logged once per peer.
+func TestShellOldTrigger(t *testing.T) {
+	l := newLab(t, "a", "m")
+	a, m := l.hosts["a"], l.hosts["m"]
+	old := append([]byte("DYST\x01\x01{\"token\":1}"), make([]byte, 16)...)
+	msg := protocol.Message{Type: protocol.MsgTrigger, Sub: wire.Tuple{Src: a.addr, Dst: m.addr, SrcPort: 1, DstPort: 2},
+		Session: wire.Tuple{Src: a.addr, Dst: m.addr, SrcPort: 3, DstPort: 4}, Req: protocol.ReqKey{LeftAnchor: m.addr, ID: 1},
+		RightAnchor: m.addr}
+	v3, err := msg.Encode(testKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v3[4] = 3
+	conn := l.net.conn(netip.MustParseAddr("10.0.0.99"))
+	t.Cleanup(func() { conn.Close() })
+	for _, d := range [][]byte{old, old, v3} {
+		if _, err := conn.WriteToUDPAddrPort(d, netip.AddrPortFrom(a.addr, DefaultControlPort)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	eventually(t, 5*time.Second, "the refusals to be counted", func() bool { return a.sh.Counters()["control_rejected_bad_version"] == 3 })
+	if n := strings.Count(a.logs.String(), "speaks another version of the control protocol"); n != 1 {
+		t.Errorf("logged %d times, want once for the peer", n)
+	}
+}
+
+// leftPathOf is leftPath from outside the loop.
+func (c *Shell) leftPathOf(id uint32) bool {
+	var r bool
+	done := make(chan struct{})
+	c.post(func() {
+		r = c.leftPath(id)
+		close(done)
+	})
+	<-done
+	return r
 }

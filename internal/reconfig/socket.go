@@ -43,7 +43,7 @@ func listenUDP(port int) (Conn, error) {
 	return conn, nil
 }
 
-// send queues a datagram payload (a control message, a trigger, a
+// send queues a datagram payload (a control message, a
 // migration message) for the agent at to; it leaves when the
 // loop's step ends (flush), or at once when a full bundle for to is
 // waiting. Loop goroutine.

@@ -41,7 +41,7 @@ type splicedPair struct{ client, server uint32 }
 func (c *Shell) Splice(req api.SpliceRequest) (uint32, <-chan api.ReconfigResult, error) {
 	var (
 		id  uint32
-		ch  chan triggerMsg
+		ch  chan trigOutcome
 		err error
 	)
 	done := make(chan struct{})
@@ -68,7 +68,7 @@ func (e BadSpliceError) Unwrap() error { return e.error }
 
 // splice joins the two sessions of a proxy and sends the trigger (loop
 // goroutine).
-func (c *Shell) splice(req api.SpliceRequest) (uint32, chan triggerMsg, error) {
+func (c *Shell) splice(req api.SpliceRequest) (uint32, chan trigOutcome, error) {
 	dp := c.dp
 	find := func(sp api.SocketPair) (uint32, datapath.Session, error) {
 		k := wire.Tuple{Src: sp.Local.Addr().Unmap(), Dst: sp.Remote.Addr().Unmap(), SrcPort: sp.Local.Port(), DstPort: sp.Remote.Port()}
@@ -140,7 +140,7 @@ func (c *Shell) splice(req api.SpliceRequest) (uint32, chan triggerMsg, error) {
 		c.log.Warn("proxy splice: cannot keep the joined sessions for a restart of this agent", "err", err)
 	}
 	c.adoptJoined(up, cID, sID, cS.IsV6 != 0)
-	ch, err := c.sendTrigger(up.Left.Sub.Src, triggerMsg{Sub: &up.Left.Sub, RightAnchor: up.Right.Sub.Dst}, cID)
+	ch, err := c.sendTrigger(cID, up.Right.Sub.Dst, nil, nil, cID)
 	if err != nil {
 		return 0, nil, err
 	}
@@ -192,8 +192,10 @@ func (c *Shell) adoptJoined(up protocol.SessionUp, cID, sID uint32, v6 bool) {
 // locked for the left anchor's request (KeepLock), locked again, so that
 // the anchors' removal goes on through this host. One that was not locked
 // yet asks the left anchor again, unless the left anchor had answered the
-// earlier agent's trigger (the earlier agent's trigger went with it; a left
-// anchor that is already at it refuses the second as busy). Loop
+// earlier agent's trigger (the earlier agent's retransmissions went with
+// it). The new trigger's number is above the earlier agent's (request
+// numbers survive a restart, reqnums.go), so the left anchor takes it for
+// a new one; one that is already at the removal refuses it as busy. Loop
 // goroutine, at start.
 func (c *Shell) resumeSpliced() {
 	var sps []datapath.Splice
@@ -256,7 +258,7 @@ func (c *Shell) resumeSplice(sp datapath.Splice) (locked bool, err error) {
 		// would have locked this agent). Not asked again unprompted.
 		return false, nil
 	}
-	ch, err := c.sendTrigger(up.Left.Sub.Src, triggerMsg{Sub: &up.Left.Sub, RightAnchor: up.Right.Sub.Dst}, sp.Client)
+	ch, err := c.sendTrigger(sp.Client, up.Right.Sub.Dst, nil, nil, sp.Client)
 	if err != nil {
 		c.log.Warn("proxy removal not asked again after an agent restart", "session", sp.Client, "err", err)
 		return false, nil // taken up all the same: a middle agent of its path

@@ -2,305 +2,200 @@ package reconfig
 
 // Triggers: a middlebox host asks the left neighbour of one of its sessions
 // to reconfigure the segment around it (paper §2.3: "a middlebox can ask to
-// be removed"; §4.2: a proxy removes itself). The reconfiguration protocol
-// proper starts at the left anchor (§3.1); a trigger only asks for it, and
-// the answer comes back when the left anchor's request ends.
-//
-// Wire format (UDP, same port as the protocol): "DYST", version 1, kind
-// (1 request, 2 result), then a JSON body, then HMAC-SHA256 (16 bytes) of
-// everything before it under the deployment key. Requests carry their send
-// time and are refused when older than triggerMaxAge, and a request token
-// is answered once (retransmissions get the same answer).
+// be removed"; §4.2: a proxy removes itself). The protocol core sends,
+// retransmits, checks and answers them (protocol.Trigger, trigger
+// messages of the control protocol, docs/protocol.md "Triggers"); the
+// shell asks for them (RemoveSelf, Splice), delivers their answers, and, at
+// the left neighbour, starts the state migration a trigger asks for and
+// keeps the time and history of the request it started, as for its own.
 
 import (
-	"crypto/hmac"
-	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"net/netip"
 	"time"
 
 	"github.com/cilium/ebpf"
 
 	"github.com/dysco/dysco/internal/api"
-	"github.com/dysco/dysco/internal/datapath"
 	"github.com/dysco/dysco/internal/protocol"
-	"github.com/dysco/dysco/internal/wire"
 )
 
-const (
-	triggerMagic   = "DYST"
-	triggerVersion = 1
-	triggerRequest = 1
-	triggerResult  = 2
-	triggerMaxAge  = 30 * time.Second
-)
+// oldTriggerMagic opens the JSON triggers of agents before control
+// protocol version 4 ("DYST"): refused as another version.
+const oldTriggerMagic = "DYST"
 
-// triggerMsg is a trigger request or its result.
-type triggerMsg struct {
-	Token uint64 `json:"token"`
-	// Request: the subsession from the left neighbour to the sender (as its
-	// SYN went), the right anchor and the new chain.
-	Sub         *wire.Tuple  `json:"sub,omitempty"`
-	RightAnchor netip.Addr   `json:"right_anchor,omitzero"`
-	Chain       []netip.Addr `json:"chain,omitempty"`
-	SentUnixMS  int64        `json:"sent_unix_ms,omitempty"`
-	// Migrate asks for state migration (migrate.go).
-	Migrate *api.MigrateSpec `json:"migrate,omitempty"`
-	// Result.
-	Outcome string `json:"outcome,omitempty"`
-	Reason  string `json:"reason,omitempty"`
-	Blocker string `json:"blocker,omitempty"`
-	Micros  int64  `json:"micros,omitempty"`
-	// Migration reports a state migration.
-	Migration *api.MigrationReport `json:"migration,omitempty"`
+func isOldTrigger(b []byte) bool { return len(b) >= 4 && string(b[:4]) == oldTriggerMagic }
+
+// trigOutcome is the outcome of a trigger this agent sent, as its callers
+// report it.
+type trigOutcome struct {
+	Outcome, Reason, Blocker string
+	// Micros is the time the left neighbour took.
+	Micros    int64
+	Migration *api.MigrationReport
 }
 
-// trigger is a request this agent sent, waiting for its result.
-type trigger struct {
-	to    netip.Addr
-	data  []byte
-	ch    chan triggerMsg
-	tries int
-	timer *time.Timer
+// trigWait is a trigger this agent sent, waiting for its TriggerResult.
+type trigWait struct {
+	ch chan trigOutcome
+	to netip.Addr
 	// splice is the client session of the proxy's joined sessions this
 	// trigger asks to remove (0: none): their record notes the answer.
 	splice uint32
+	mig    *api.MigrateSpec
 }
 
-var errTriggerMAC = errors.New("trigger MAC mismatch")
-
-func isTrigger(b []byte) bool { return len(b) >= 6 && string(b[:4]) == triggerMagic }
-
-func encodeTrigger(key []byte, kind byte, m triggerMsg) ([]byte, error) {
-	return sealJSON(key, triggerMagic, triggerVersion, kind, m)
-}
-
-func decodeTrigger(key, b []byte) (byte, triggerMsg, error) {
-	var m triggerMsg
-	kind, err := openJSON(key, b, triggerVersion, &m)
-	if errors.Is(err, errSealMAC) {
-		err = errTriggerMAC
+// sendTrigger asks the left neighbour of datapath session id (this host a
+// middlebox of it) to reconfigure the segment up to the right anchor ra
+// through chain; the outcome arrives on the returned channel, once.
+// splice is the client session of a proxy's joined sessions that the
+// trigger asks to remove, 0 for other triggers. Loop goroutine.
+func (c *Shell) sendTrigger(id uint32, ra netip.Addr, chain []netip.Addr, mig *api.MigrateSpec, splice uint32) (chan trigOutcome, error) {
+	pid, ok := c.pidOf[id]
+	if !ok {
+		return nil, fmt.Errorf("session %d is not announced", id)
 	}
-	return kind, m, err
-}
-
-// sealJSON frames the agent-level control messages (triggers, migration):
-// magic (4 bytes), version, kind, a JSON body, then HMAC-SHA256 (16 bytes)
-// of everything before it under the deployment key.
-func sealJSON(key []byte, magic string, version, kind byte, v any) ([]byte, error) {
-	body, err := json.Marshal(v)
-	if err != nil {
+	v6 := c.famOf[id]
+	if c.proto(v6) == nil {
+		return nil, fmt.Errorf("this host has no %s address", famName(v6))
+	}
+	if err := c.sameFamily(id, ra); err != nil {
 		return nil, err
 	}
-	b := append([]byte(magic), version, kind)
-	b = append(b, body...)
-	h := hmac.New(sha256.New, key)
-	h.Write(b)
-	return append(b, h.Sum(nil)[:sealMACLen]...), nil
-}
-
-const sealMACLen = 16
-
-var errSealMAC = errors.New("MAC mismatch")
-
-// openJSON checks a sealJSON frame and decodes its body into v; it returns
-// the kind.
-func openJSON(key, b []byte, version byte, v any) (byte, error) {
-	if len(b) < 6+sealMACLen {
-		return 0, errors.New("message too short")
-	}
-	if b[4] != version {
-		return 0, fmt.Errorf("message version %d", b[4])
-	}
-	body, tag := b[:len(b)-sealMACLen], b[len(b)-sealMACLen:]
-	h := hmac.New(sha256.New, key)
-	h.Write(body)
-	if !hmac.Equal(h.Sum(nil)[:sealMACLen], tag) {
-		return 0, errSealMAC
-	}
-	if err := json.Unmarshal(body[6:], v); err != nil {
-		return 0, fmt.Errorf("message body: %v", err)
-	}
-	return b[5], nil
-}
-
-// answered remembers the results of trigger requests, by sender and token.
-type triggerKey struct {
-	from  netip.Addr
-	token uint64
-}
-
-// onTrigger handles a trigger request or result (loop goroutine).
-func (c *Shell) onTrigger(from netip.Addr, data []byte) {
-	kind, m, err := decodeTrigger(c.key, data)
-	if err != nil {
-		reason := "trigger_malformed"
-		if errors.Is(err, errTriggerMAC) {
-			reason = "trigger_bad_mac"
+	var spec *protocol.MigrateSpec
+	if mig != nil {
+		o, err := ParseMigrate(mig, len(chain))
+		if err != nil {
+			return nil, err
 		}
-		c.countReject(reason)
-		c.log.Debug("trigger refused", "from", from, "err", err)
+		spec = migrateSpec(o)
+	}
+	c.token++
+	w := &trigWait{ch: make(chan trigOutcome, 1), splice: splice, mig: mig}
+	c.trigWaits[c.token] = w
+	c.handle(v6, protocol.Trigger{Session: pid, Token: c.token, RightAnchor: ra, Chain: chain, Migrate: spec})
+	return w.ch, nil
+}
+
+// onTriggerResult delivers the end of a trigger this agent sent.
+func (c *Shell) onTriggerResult(x protocol.TriggerResult) {
+	w := c.trigWaits[x.Token]
+	if w == nil {
 		return
 	}
-	switch kind {
-	case triggerResult:
-		t := c.triggers[m.Token]
-		if t == nil || t.to != from {
-			c.countReject("trigger_unexpected")
-			return
+	delete(c.trigWaits, x.Token)
+	if w.splice != 0 && x.Answered {
+		// Answered, whatever the outcome: a restarted agent does not
+		// ask again (resumeSplice).
+		if err := c.dp.SpliceAnswered(w.splice); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			c.log.Warn("proxy removal: cannot note the left anchor's answer", "session", w.splice, "err", err)
 		}
-		delete(c.triggers, m.Token)
-		t.timer.Stop()
-		if t.splice != 0 {
-			// Answered, whatever the outcome: a restarted agent does
-			// not ask again (resumeSplice).
-			if err := c.dp.SpliceAnswered(t.splice); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-				c.log.Warn("proxy removal: cannot note the left anchor's answer", "session", t.splice, "err", err)
-			}
-		}
-		t.ch <- m
-	case triggerRequest:
-		k := triggerKey{from, m.Token}
-		if res, ok := c.trigAnswers[k]; ok {
-			if res != nil {
-				c.send(from, res)
-			}
-			return // a retransmission: answered, or still running
-		}
-		age := time.Since(time.UnixMilli(m.SentUnixMS))
-		if m.Sub == nil || age > triggerMaxAge || age < -triggerMaxAge {
-			c.countReject("trigger_stale")
-			return
-		}
-		answer := func(r triggerMsg) {
-			r.Token = m.Token
-			b, err := encodeTrigger(c.key, triggerResult, r)
-			if err != nil {
-				return
-			}
-			c.trigAnswers[k] = b
-			time.AfterFunc(2*triggerMaxAge, func() { c.post(func() { delete(c.trigAnswers, k) }) })
-			c.send(from, b)
-		}
-		// The sender must be the right end of the subsession it names.
-		if m.Sub.Dst != from {
-			answer(triggerMsg{Outcome: "refused", Reason: "the subsession does not lead to the sender"})
-			return
-		}
-		id, ok := c.sessionBySub(*m.Sub)
-		if !ok {
-			answer(triggerMsg{Outcome: "refused", Reason: protocol.ReasonNoSession.String()})
-			return
-		}
-		// The sender must be the session's next hop now: a middlebox
-		// that a reconfiguration has already taken out of the path
-		// (its old subsession lingers here) must not reconfigure the
-		// segment that replaced it. While that side is in a
-		// reconfiguration itself (its record not back to TPNew), the
-		// protocol answers busy, which the sender may retry; currentSub
-		// would name the wrong path then.
-		if sess, ok := c.dp.Session(id); ok && c.sideSettled(id, protocol.SideRight) {
-			if cur, ok := c.currentSub(id, &sess, protocol.SideRight); !ok || cur != *m.Sub {
-				answer(triggerMsg{Outcome: "refused", Reason: "the sender is no longer this session's next hop (its path changed)"})
-				return
-			}
-		}
-		mig, err := ParseMigrate(m.Migrate, len(m.Chain))
-		if err != nil {
-			answer(triggerMsg{Outcome: "refused", Reason: err.Error()})
-			return
-		}
-		c.trigAnswers[k] = nil
-		start := time.Now()
-		if err := c.announce(id); err != nil {
-			answer(triggerMsg{Outcome: "refused", Reason: err.Error()})
-			return
-		}
-		if err := c.sameFamily(id, m.RightAnchor); err != nil {
-			answer(triggerMsg{Outcome: "refused", Reason: err.Error()})
-			return
-		}
-		c.token++
-		ch := make(chan waited, 1)
-		c.waiters[c.token] = ch
-		c.started[c.token] = start
-		var migc chan api.MigrationReport
-		if mig != nil {
-			migc = make(chan api.MigrationReport, 1)
-			c.startMigration(c.token, *mig, start, migc)
-		}
-		c.handle(c.famOf[id], protocol.Reconfigure{Session: c.pidOf[id], RightAnchor: m.RightAnchor, Chain: m.Chain, Token: c.token, Gate: mig != nil})
-		go func() {
-			r := (<-ch).res
-			var rep *api.MigrationReport
-			if migc != nil {
-				x := <-migc
-				rep = &x
-			}
-			c.post(func() {
-				res := triggerMsg{Outcome: r.Outcome.String(), Reason: reasonText(r), Blocker: blockerText(r),
-					Micros: time.Since(start).Microseconds(), Migration: rep}
-				if rep != nil && rep.Error != "" {
-					res.Reason = joinNote(res.Reason, rep.Error)
-				}
-				answer(res)
-			})
-		}()
+	}
+	o := trigOutcome{Outcome: x.Outcome.String(), Blocker: blockerText(protocol.Result{Blocker: x.Blocker}), Micros: x.Micros}
+	switch {
+	case x.Reason == protocol.ReasonNoAnswer:
+		o.Reason = "no answer from the left neighbour " + x.To.String()
 	default:
-		c.countReject("trigger_malformed")
+		o.Reason = reasonText(protocol.Result{Outcome: x.Outcome, Reason: x.Reason, Hop: x.Hop,
+			Unchanged: x.Unchanged, Unconfirmed: x.Unconfirmed, Resumed: x.Resumed})
 	}
-}
-
-// sideSettled tells whether a side of session id is in no reconfiguration
-// at this host: it has no two-path record, or its record is back to TPNew.
-func (c *Shell) sideSettled(id uint32, side protocol.Side) bool {
-	tp, ok := c.dp.TwoPath(datapath.TPKey{SessId: id, Side: uint32(side)})
-	return !ok || tp.State == datapath.TPNew
-}
-
-// sendTrigger asks from's left neighbour to reconfigure; the result
-// arrives on the returned channel. splice is the client session of a
-// proxy's joined sessions that the trigger asks to remove, 0 for other
-// triggers. Loop goroutine.
-func (c *Shell) sendTrigger(to netip.Addr, m triggerMsg, splice uint32) (chan triggerMsg, error) {
-	c.token++
-	m.Token = c.token
-	m.SentUnixMS = time.Now().UnixMilli()
-	b, err := encodeTrigger(c.key, triggerRequest, m)
-	if err != nil {
-		return nil, err
-	}
-	t := &trigger{to: to, data: b, ch: make(chan triggerMsg, 1), splice: splice}
-	c.triggers[m.Token] = t
-	token := m.Token
-	var send func()
-	send = func() {
-		t.tries++
-		c.send(to, t.data)
-		if t.tries >= 10 {
-			t.timer = time.AfterFunc(time.Second, func() {
-				c.post(func() {
-					if c.triggers[token] == t {
-						delete(c.triggers, token)
-						t.ch <- triggerMsg{Outcome: "failed", Reason: "no answer from the left neighbour " + to.String()}
-					}
-				})
-			})
-			return
+	if w.mig != nil && !x.Req.IsZero() {
+		// The left neighbour started a gated request: its agent's
+		// report of the migration, or, if the request never got to its
+		// gate, what its own history says then.
+		rep := api.MigrationReport{Error: "the new path was not set up"}
+		if o, err := ParseMigrate(w.mig, 1); err == nil {
+			rep.Semantics = o.Semantics
 		}
-		t.timer = time.AfterFunc(time.Duration(50<<min(t.tries, 4))*time.Millisecond, func() {
-			c.post(func() {
-				if c.triggers[token] == t {
-					send()
-				}
-			})
-		})
+		if len(x.Report) > 0 {
+			if err := json.Unmarshal(x.Report, &rep); err != nil {
+				rep = api.MigrationReport{Semantics: rep.Semantics, Error: "the left neighbour's report is unreadable: " + err.Error()}
+			}
+		}
+		o.Migration = &rep
+		if rep.Error != "" {
+			o.Reason = joinNote(o.Reason, rep.Error)
+		}
 	}
-	send()
-	return t.ch, nil
+	c.log.Info("trigger answered", "trigger", x.Trigger.String(), "to", x.To, "answered", x.Answered, "req", x.Req.String(),
+		"outcome", o.Outcome, "reason", o.Reason)
+	w.ch <- o
 }
+
+// onTriggerAccepted: this agent, a session's left neighbour, starts a
+// request for a trigger. Its time counts from now, and the state migration
+// it asks for starts before the request reaches its gate (NewPathReady).
+func (c *Shell) onTriggerAccepted(x protocol.TriggerAccepted) {
+	now := time.Now()
+	c.started[x.Token] = now
+	if x.Migrate == nil {
+		return
+	}
+	c.startMigration(x.Token, migrateOptions(x.Migrate), now, nil)
+	c.migrations[x.Token].triggered = true
+}
+
+// migrateSpec is a state migration's options as a trigger carries them.
+func migrateSpec(o *MigrateOptions) *protocol.MigrateSpec {
+	sp := &protocol.MigrateSpec{HoldLimit: uint64(max(o.HoldLimit, 0)),
+		TimeoutMS: uint32(min(max(o.Timeout.Milliseconds(), 0), math.MaxUint32))}
+	switch o.Semantics {
+	case SemLossFree:
+		sp.Semantics = protocol.MigrateLossFree
+	case SemOrder:
+		sp.Semantics = protocol.MigrateOrder
+	case SemSubstream:
+		sp.Semantics = protocol.MigrateSubstream
+	}
+	return sp
+}
+
+// migrateOptions is the other way: a trigger's spec as options, with the
+// defaults filled in.
+func migrateOptions(sp *protocol.MigrateSpec) MigrateOptions {
+	o := MigrateOptions{HoldLimit: int64(min(sp.HoldLimit, math.MaxInt64)), Timeout: time.Duration(sp.TimeoutMS) * time.Millisecond}
+	switch sp.Semantics {
+	case protocol.MigrateOrder:
+		o.Semantics = SemOrder
+	case protocol.MigrateSubstream:
+		o.Semantics = SemSubstream
+	default:
+		o.Semantics = SemLossFree
+	}
+	_ = o.normalize() // the semantics are known and the bounds positive: it fills the defaults
+	return o
+}
+
+// migrationReport is the report a gated request's answer to its trigger
+// carries (protocol.Proceed.Report), if it fits.
+func migrationReport(rep api.MigrationReport) []byte {
+	b, err := json.Marshal(rep)
+	if err != nil || len(b) > protocol.MaxReportLen {
+		return nil
+	}
+	return b
+}
+
+// olderPeer logs, once per peer, that a peer speaks another version of the
+// control protocol (a JSON trigger of version 1 to 3, or a message of
+// another version): its messages are refused and counted as bad_version.
+func (c *Shell) olderPeer(from netip.Addr, what string) {
+	if c.otherVersion[from] {
+		return
+	}
+	if len(c.otherVersion) >= maxOtherVersion {
+		clear(c.otherVersion)
+	}
+	c.otherVersion[from] = true
+	c.log.Info("control: a peer speaks another version of the control protocol; every agent of a deployment must run the same version",
+		"peer", from, "got", what, "version", protocol.MsgVersion)
+}
+
+// maxOtherVersion bounds the peers olderPeer remembers.
+const maxOtherVersion = 1024
 
 func reasonText(r protocol.Result) string {
 	text := r.Reason.String()
