@@ -195,23 +195,30 @@ func (e *env) pinnedEntries(host, name string) int {
 	return n
 }
 
-// ctlTrigger builds a DYST trigger: magic, version, kind, JSON body, then
-// HMAC-SHA256/16 under key (internal/reconfig/trigger.go).
-func ctlTrigger(key []byte, version, kind byte, body any) []byte {
+// ctlOldTrigger builds a JSON trigger as agents before control protocol
+// version 4 sent them: "DYST", version 1, kind 1, a JSON body, then
+// HMAC-SHA256/16 under key. Agents now refuse it as another version.
+func ctlOldTrigger(key []byte, body any) []byte {
 	j, _ := json.Marshal(body)
-	b := append([]byte("DYST"), version, kind)
+	b := append([]byte("DYST"), 1, 1)
 	b = append(b, j...)
-	h := hmac.New(sha256.New, key)
-	h.Write(b)
-	return append(b, h.Sum(nil)[:16]...)
+	return ctlSeal(key, b)
 }
 
-type ctlTriggerBody struct {
-	Token       uint64       `json:"token"`
-	Sub         *wire.Tuple  `json:"sub,omitempty"`
-	RightAnchor netip.Addr   `json:"right_anchor,omitzero"`
-	Chain       []netip.Addr `json:"chain,omitempty"`
-	SentUnixMS  int64        `json:"sent_unix_ms,omitempty"`
+// ctlSeal appends HMAC-SHA256/16 under key to body, as control messages
+// end.
+func ctlSeal(key, body []byte) []byte {
+	h := hmac.New(sha256.New, key)
+	h.Write(body)
+	return append(body, h.Sum(nil)[:protocol.MACLen]...)
+}
+
+// ctlResealed is an encoded control message b with its MAC recomputed
+// under key after edit changed it: authentic, whatever edit did.
+func ctlResealed(key, b []byte, edit func(b []byte)) []byte {
+	body := append([]byte(nil), b[:len(b)-protocol.MACLen]...)
+	edit(body)
+	return ctlSeal(key, body)
 }
 
 // ctlReconfig runs `dysco reconfig` without failing the test, so that it
@@ -306,10 +313,12 @@ func (x *ctlTransfer) finish(t *testing.T) {
 // server) from the client's namespace. Each is refused and counted under
 // its reason at the receiving agent, the sessions do not change, the
 // transfer goes on byte for byte, and a legitimate reconfiguration
-// afterwards succeeds. Nothing answers them, but for one: a well-formed
+// afterwards succeeds. Nothing answers them, but for two: a well-formed
 // requestLock under the right key for a session this host does not have
 // is answered once with a nackLock "session ended" (a session that ended
-// here: docs/protocol.md), and its copy in the bundle, a replay, is not.
+// here: docs/protocol.md), and its copy in the bundle, a replay, is not;
+// a well-formed trigger for a subsession this host does not have is
+// answered once, refused, and its copy and an older one are not.
 func TestControlForgedMessages(t *testing.T) {
 	t.Run("ipv4", func(t *testing.T) { controlForged(t, false) })
 	t.Run("ipv6", func(t *testing.T) { controlForged(t, true) })
@@ -382,11 +391,35 @@ func controlForged(t *testing.T, v6 bool) {
 		garbage := make([]byte, 200)
 		rand.Read(garbage)
 		copy(garbage, "GET / HTTP/1.1\r\n")
-		trig := ctlTriggerBody{Token: 77, Sub: &realSub, RightAnchor: dst, SentUnixMS: time.Now().UnixMilli()}
-		badTrig := ctlTrigger(key, 1, 1, trig)
-		badTrig[len(badTrig)-1] ^= 0x5a
+		// Triggers (docs/protocol.md, "Triggers"): a trigger from the
+		// client for a subsession from the target to the client that the
+		// target does not have. Its first copy is answered once, refused
+		// (the session ended); the same again is a replay, and so is one
+		// numbered far below it (older than the client's window at the
+		// target, 2048 numbers): refused, not answered.
+		trig := protocol.Message{
+			Type:        protocol.MsgTrigger,
+			Sub:         wire.Tuple{Src: tg.addr, Dst: cli, SrcPort: 61998, DstPort: 62998},
+			Session:     fake.Session,
+			Req:         protocol.ReqKey{LeftAnchor: cli, ID: 5000},
+			RightAnchor: dst,
+			Migrate:     &protocol.MigrateSpec{Semantics: protocol.MigrateOrder},
+		}
+		trig.Nonce = fake.Nonce
+		newTrig := enc(trig, key)
 		staleTrig := trig
-		staleTrig.Token, staleTrig.SentUnixMS = 78, time.Now().Add(-10*time.Minute).UnixMilli()
+		staleTrig.Req.ID = 1000
+		badTrig := enc(trig, key)
+		badTrig[len(badTrig)-1] ^= 0x5a
+		// Version 3, its MAC right: another version.
+		v3Trig := ctlResealed(key, newTrig, func(b []byte) { b[4] = 3 })
+		// The migration spec's own version byte (the first of the
+		// extension body, which ends the message before its MAC).
+		badExt := ctlResealed(key, newTrig, func(b []byte) { b[len(b)-16] = 9 })
+		// The real subsession, its nonce guessed.
+		guessTrig := trig
+		guessTrig.Sub, guessTrig.Session, guessTrig.Req.ID = realSub, guess.Session, 5001
+		oldTrig := ctlOldTrigger(key, map[string]any{"token": 77, "sub": realSub, "right_anchor": dst, "sent_unix_ms": time.Now().UnixMilli()})
 		// Bundles (docs/protocol.md, "Bundles"): each message in one is
 		// checked as if it had come alone; a malformed bundle is refused
 		// whole.
@@ -410,9 +443,14 @@ func controlForged(t *testing.T, v6 bool) {
 			{"real subsession, guessed nonce", enc(guess, key), "bad_nonce"},
 			{"(d) truncated header", valid[:100], "malformed"},
 			{"(d) one byte short", valid[:len(valid)-1], "malformed"},
-			{"(e) trigger with a bad MAC", badTrig, "trigger_bad_mac"},
-			{"trigger of another version", ctlTrigger(key, 9, 1, trig), "trigger_malformed"},
-			{"stale trigger", ctlTrigger(key, 1, 1, staleTrig), "trigger_stale"},
+			{"(e) trigger with a bad MAC", badTrig, "bad_mac"},
+			{"trigger of version 3", v3Trig, "bad_version"},
+			{"JSON trigger (DYST) of an older agent", oldTrig, "bad_version"},
+			{"trigger with a malformed extension body", badExt, "malformed"},
+			{"trigger for the real subsession, guessed nonce", enc(guessTrig, key), "bad_nonce"},
+			{"trigger for an unknown subsession", newTrig, "unknown_session"},
+			{"the same trigger again", newTrig, "replay"},
+			{"a trigger older than the window", enc(staleTrig, key), "replay"},
 			{"a bundle of a wrong HMAC, an unknown subsession and garbage", bundle[0], "bad_mac,unknown_session,bad_magic"},
 			{"a bundle that counts more than it holds", badBundle, "bad_bundle"},
 		}
@@ -453,8 +491,8 @@ func controlForged(t *testing.T, v6 bool) {
 		if in := st.Counters["control_messages_in"] - b.in; in != uint64(nmsgs) {
 			t.Errorf("%s: control_messages_in grew by %d, want %d", tg.host, in, nmsgs)
 		}
-		if out := st.Counters["control_messages_out"]; out != b.out+1 {
-			t.Errorf("%s answered forged messages: control_messages_out %d -> %d, want one more (the nack of the unknown subsession's request)",
+		if out := st.Counters["control_messages_out"]; out != b.out+2 {
+			t.Errorf("%s answered forged messages: control_messages_out %d -> %d, want two more (the nack of the unknown subsession's request, the refusal of the first trigger for one)",
 				tg.host, b.out, out)
 		}
 	}
