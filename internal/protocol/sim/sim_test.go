@@ -165,8 +165,8 @@ func TestSimCatchesBrokenVariants(t *testing.T) {
 		// anchor never sees it acknowledged: it stays in the two-path
 		// phase, or, once the other anchor has given up asking for its fin
 		// (TimerFin probes, after the middleboxes' leases ended), the
-		// stream is never delivered. Rare: the first seed is in the
-		// thousands.
+		// stream is never delivered. Rare: about one seed in a thousand
+		// (docs/verification.md).
 		{"stale acks on late old-path packets", protocol.FaultStaleOldAcks, false, 0, []string{"stuck in twoPath", "not closed at the end"}},
 		// A new path through a middlebox that carries the session already
 		// (the left anchor does not compare, the middlebox joins anyway,
