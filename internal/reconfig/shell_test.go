@@ -588,7 +588,7 @@ func TestShellTriggerNotNextHop(t *testing.T) {
 	s := l.chain("a", "m", "b")
 	a, m, b := l.hosts["a"], l.hosts["m"], l.hosts["b"]
 	succeeded(t, l.reconfigure("a", s, "b"))
-	eventually(t, 5*time.Second, "m to see the old path torn down", func() bool { return m.sh.leftPathOf(s.ids["m"]) })
+	testutil.Eventually(t, 5*time.Second, "m to see the old path torn down", func() bool { return m.sh.leftPathOf(s.ids["m"]) })
 	var ch chan trigOutcome
 	var err error
 	done := make(chan struct{})
@@ -636,7 +636,7 @@ func TestShellOldTrigger(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	eventually(t, 5*time.Second, "the refusals to be counted", func() bool { return a.sh.Counters()["control_rejected_bad_version"] == 3 })
+	testutil.Eventually(t, 5*time.Second, "the refusals to be counted", func() bool { return a.sh.Counters()["control_rejected_bad_version"] == 3 })
 	if n := strings.Count(a.logs.String(), "speaks another version of the control protocol"); n != 1 {
 		t.Errorf("logged %d times, want once for the peer", n)
 	}
