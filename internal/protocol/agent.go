@@ -186,7 +186,7 @@ func (a *Agent) Handle(now time.Duration, ev Event) []Action {
 			s.ready = true
 		}
 	case SessionEnd:
-		if s := a.sessions[e.Session]; s != nil {
+		if s := a.sessions[e.Session]; s != nil && !(e.Replaced && s.relaysOldPath()) {
 			a.endSession(s)
 		}
 	default:

@@ -190,6 +190,15 @@ type TwoPathProgress struct {
 type SessionEnd struct {
 	Session SessionID
 	Cause   string
+	// Replaced: the datapath's state of the session at this host gave way
+	// to a new path of the same session through it (JoinSession). A
+	// middle agent of an old path that both anchors' fins have passed
+	// (OnLivePath false) does not end then: it goes on passing the old
+	// path's fins and finAcks, which travel between the agents, not in the
+	// datapath, until its linger ends (§3.5). Without it an anchor whose
+	// finAck was lost would send its fin again into a host that no longer
+	// knows the old subsession, and complete unconfirmed.
+	Replaced bool
 }
 
 // DatapathReady reports that the datapath has seen packets in both

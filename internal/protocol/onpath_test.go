@@ -368,3 +368,46 @@ func TestJoinFailedRefusalLost(t *testing.T) {
 	}
 	h.quiet(1, 2, 3)
 }
+
+// A middle agent of an old path that both anchors' fins have passed, whose
+// datapath state gives way to a new path of the session through it
+// (SessionEnd.Replaced), still passes the old path's fins and finAcks until
+// its linger ends: a finAck lost meanwhile is recovered by the fin sent
+// again, and the request is confirmed.
+func TestReplacedMiddleRelaysOldPath(t *testing.T) {
+	// The new path goes through agent 4, so the fins travel the old path
+	// alone (a direct new path carries copies of them).
+	h := newHarness(t, 4)
+	h.chain([]int{1, 2, 3}, nil)
+	h.reconfigure(1, 3, []int{4}, 1)
+	for i := 0; i < 1000 && h.agents[addr(2)].OnLivePath(sid); i++ {
+		if !h.step() && !h.fireNext() {
+			break
+		}
+	}
+	if h.agents[addr(2)].OnLivePath(sid) {
+		t.Fatalf("both fins never passed agent 2\n%s", h.trace())
+	}
+	h.deliver(addr(2), SessionEnd{Session: sid, Cause: "replaced", Replaced: true})
+	lost := 0
+	kept := h.queue[:0]
+	for _, e := range h.queue {
+		if e.msg.Type == MsgFinAck {
+			h.log = append(h.log, "lost: "+e.msg.String())
+			lost++
+			continue
+		}
+		kept = append(kept, e)
+	}
+	h.queue = kept
+	if lost == 0 {
+		t.Fatalf("no finAck in flight when both fins had passed agent 2\n%s", h.trace())
+	}
+	h.run()
+	if r := h.result(1); r.Outcome != Succeeded || r.Unconfirmed {
+		t.Fatalf("result %s %s unconfirmed=%v, want succeeded and confirmed\n%s", r.Outcome, r.Reason, r.Unconfirmed, h.trace())
+	}
+	if n := len(h.agents[addr(2)].Sessions()); n != 0 {
+		t.Fatalf("agent 2 keeps %d sessions after its linger\n%s", n, h.trace())
+	}
+}

@@ -472,3 +472,12 @@ func (a *Agent) onNewSub(s *session, ref subRef, m *Message) bool {
 	a.reject(RejectUnexpected, m, ref.peer, "%s on a new subsession", m.Type)
 	return false
 }
+
+// relaysOldPath reports whether this agent is only a middle of an old path
+// that both anchors' fins have passed: it lingers to pass retransmitted
+// fins and finAcks (onLinger ends it), and needs no datapath state for
+// that (SessionEnd.Replaced).
+func (s *session) relaysOldPath() bool {
+	td := s.teardown
+	return td != nil && td.fins[0] && td.fins[1] && s.left == nil && s.right == nil
+}

@@ -389,7 +389,7 @@ func (c *Shell) join(v6 bool, x protocol.JoinSession) error {
 			// (after the current actions): its datapath state is gone.
 			fam := c.famOf[old]
 			c.drop(old, pid)
-			c.deferred = append(c.deferred, func() { c.handle(fam, protocol.SessionEnd{Session: pid, Cause: "replaced"}) })
+			c.deferred = append(c.deferred, func() { c.handle(fam, protocol.SessionEnd{Session: pid, Cause: "replaced", Replaced: true}) })
 		}
 	}
 	id, err := dp.InsertSession(sess)

@@ -370,7 +370,7 @@ func (h *host) applyDatapath(act protocol.Action) {
 				if known {
 					// The agent ends it in its protocol too (after the
 					// current actions), as the collector would have.
-					w.after(0, func() { h.handle(protocol.SessionEnd{Session: id, Cause: "replaced"}) })
+					w.after(0, func() { h.handle(protocol.SessionEnd{Session: id, Cause: "replaced", Replaced: true}) })
 				}
 			}
 		}
