@@ -16,10 +16,12 @@
 #include "config.pml"
 
 /* The model sends no trigger nor triggerResult: a trigger only makes its
- * receiver a left anchor, as a local request does (startReq); the
- * simulation covers triggers (internal/protocol/sim). */
+ * receiver a left anchor, as a local request does (startReq); nor a state
+ * migration's migrate and migrateAnswer: they happen while a gated request
+ * waits between the SYN-ACK and the ACK, which the model's abort covers.
+ * The simulation covers both (internal/protocol/sim). */
 /* MsgTypes (message.go), in the Go order. */
-mtype = { requestLock, ackLock, nackLock, cancelLock, ackCancel, syn, synAck, ack, fin, finAck, trigger, triggerResult };
+mtype = { requestLock, ackLock, nackLock, cancelLock, ackCancel, syn, synAck, ack, fin, finAck, trigger, triggerResult, migrate, migrateAnswer };
 /* LockStates (types.go). */
 mtype = { unlocked, lockPending, locked };
 /* Stages (types.go); idle = no stage (the zero value in Go). */

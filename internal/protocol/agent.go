@@ -181,6 +181,16 @@ func (a *Agent) Handle(now time.Duration, ev Event) []Action {
 		a.onTimer(e.ID)
 	case TwoPathProgress:
 		a.onProgress(e)
+	case Held:
+		a.onHeld(e)
+	case Drained:
+		a.onDrained(e)
+	case StateExported:
+		a.onStateExported(e)
+	case StateImported:
+		a.onStateImported(e)
+	case HoldOverflow:
+		a.onHoldOverflow(e)
 	case DatapathReady:
 		if s := a.sessions[e.Session]; s != nil {
 			s.ready = true

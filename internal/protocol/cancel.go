@@ -49,6 +49,15 @@ func (a *Agent) onProceed(e Proceed) {
 	if l == nil || l.req != e.Req || l.stage != StageSettingUp || !l.gated {
 		return
 	}
+	if g := l.mig; g != nil {
+		if g.phase != migDone && e.Abort == "" && a.cfg.Faults&FaultMigEarlySwitch == 0 {
+			// The switch waits for the state to be in place (§3.5).
+			return
+		}
+		if g.err != "" && e.Abort == "" {
+			e.Abort = g.err
+		}
+	}
 	l.gated = false
 	a.cancelTimer(s, TimerGate, l.req)
 	if l.trig != nil {
@@ -58,9 +67,13 @@ func (a *Agent) onProceed(e Proceed) {
 		a.progress(s, l.req, RoleLeftAnchor, StageCancelling, "aborted: "+e.Abort)
 		l.aborted = true
 		a.abortSetup(s, l)
+		if a.cfg.Faults&FaultMigHoldLeak == 0 {
+			a.migReleaseLeft(s, l)
+		}
 		return
 	}
 	a.switchAndAck(s, l)
+	a.migReleaseLeft(s, l) // what it held goes on the new path
 }
 
 // abortSetup gives up a new path that does not answer (§3.6): the session
@@ -138,6 +151,7 @@ func (a *Agent) onCancelLock(s *session, m *Message) {
 // releaseRight abandons the right anchor's part in a request that never
 // switched to the new path.
 func (a *Agent) releaseRight(s *session, r *anchor, kind resKind) {
+	a.migReleaseRight(s, r) // what it held goes on the old path
 	if r.newSub.Src.IsValid() {
 		delete(a.subs, r.newSub)
 		a.emit(RemoveSubsession{Session: s.id, Side: SideLeft, Sub: r.newSub})

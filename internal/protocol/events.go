@@ -116,9 +116,14 @@ type Reconfigure struct {
 	Token       uint64
 	// Gate holds the switch to the new path: once the new path answered
 	// (SYN-ACK), the left anchor emits NewPathReady and waits for Proceed
-	// before it sends the ACK and starts the two-path phase. The agent
-	// moves middlebox state meanwhile (§3.5 last paragraph, §5.3).
+	// before it sends the ACK and starts the two-path phase.
 	Gate bool
+	// Migrate, if set, moves the replaced middlebox's state before the
+	// switch (§3.5 last paragraph, §5.3; migrate.go): the request is
+	// gated, and the left anchor orchestrates the migration's steps
+	// after NewPathReady, then reports MigrationDone and waits for
+	// Proceed.
+	Migrate *MigrateSpec
 }
 
 // Proceed ends the wait of a gated request (Reconfigure.Gate) at its left
@@ -201,6 +206,49 @@ type SessionEnd struct {
 	Replaced bool
 }
 
+// Held answers Hold: the datapath holds the side's old-path packets, and
+// Marks are what the side had sent on the old path then; or Err says why
+// it cannot.
+type Held struct {
+	Session SessionID
+	Side    Side
+	Req     ReqKey
+	Marks   FlowMarks
+	Err     string
+}
+
+// Drained answers WaitDrained: OK, the side's old path drained as the
+// semantics asks; not OK, Within passed first.
+type Drained struct {
+	Session SessionID
+	Side    Side
+	Req     ReqKey
+	OK      bool
+}
+
+// StateExported answers ExportState: the plug-ins' state (opaque), or Err.
+type StateExported struct {
+	Session SessionID
+	Req     ReqKey
+	Blob    []byte
+	Err     string
+}
+
+// StateImported answers ImportState (Tuple is the action's).
+type StateImported struct {
+	Session SessionID
+	Req     ReqKey
+	Tuple   wire.Tuple
+	Err     string
+}
+
+// HoldOverflow reports that a side's hold (Hold) reached its limit: the
+// migration fails (at the right anchor: it tells the left one).
+type HoldOverflow struct {
+	Session SessionID
+	Side    Side
+}
+
 // DatapathReady reports that the datapath has seen packets in both
 // directions of a session the protocol created (JoinSession), so its marks
 // are known: until then the session cannot be an anchor (it refuses with
@@ -219,21 +267,28 @@ func (Proceed) event()         {}
 func (JoinFailed) event()      {}
 func (FinsSeen) event()        {}
 func (Trigger) event()         {}
+func (Held) event()            {}
+func (Drained) event()         {}
+func (StateExported) event()   {}
+func (StateImported) event()   {}
+func (HoldOverflow) event()    {}
 
 // TimerKind says what a timer is for.
 type TimerKind uint8
 
 // Timers.
 const (
-	TimerRequest TimerKind = iota + 1 // retransmit requestLock (left anchor)
-	TimerSyn                          // retransmit the new path's SYN (left anchor)
-	TimerCancel                       // retransmit cancelLock (left anchor)
-	TimerFin                          // retransmit the UDP FIN (either anchor)
-	TimerLease                        // release a lock nobody resolves (middle agents, right anchor before switching)
-	TimerLinger                       // free the old path's state after teardown
-	TimerGate                         // abort a gated request the agent never let proceed (left anchor)
-	TimerOldFin                       // retransmit the UDP FIN on the old path only, answered on the direct new path (anchor or tomb)
-	TimerTrigger                      // retransmit a trigger (its sender); Req is the trigger's key
+	TimerRequest    TimerKind = iota + 1 // retransmit requestLock (left anchor)
+	TimerSyn                             // retransmit the new path's SYN (left anchor)
+	TimerCancel                          // retransmit cancelLock (left anchor)
+	TimerFin                             // retransmit the UDP FIN (either anchor)
+	TimerLease                           // release a lock nobody resolves (middle agents, right anchor before switching)
+	TimerLinger                          // free the old path's state after teardown
+	TimerGate                            // abort a gated request the agent never let proceed (left anchor)
+	TimerOldFin                          // retransmit the UDP FIN on the old path only, answered on the direct new path (anchor or tomb)
+	TimerTrigger                         // retransmit a trigger (its sender); Req is the trigger's key
+	TimerMigrate                         // a state migration's bound (left anchor), a right anchor's hold's lease
+	TimerMigrateMsg                      // retransmit a state migration's step
 )
 
 func (k TimerKind) String() string {
@@ -256,6 +311,10 @@ func (k TimerKind) String() string {
 		return "old-fin"
 	case TimerTrigger:
 		return "trigger"
+	case TimerMigrate:
+		return "migrate"
+	case TimerMigrateMsg:
+		return "migrate-msg"
 	}
 	return fmt.Sprintf("timer-%d", uint8(k))
 }
@@ -381,6 +440,85 @@ type NewPathReady struct {
 	LeftDelta Delta
 }
 
+// Hold asks the datapath to hold the packets a side of an anchor sends on
+// its old path (a state migration's freeze): order holds every packet,
+// substream those carrying new data; Limit bounds the bytes held (then
+// HoldOverflow). The agent answers with Held, and lets the packets go on
+// ReleaseHold: onto the path the side uses then.
+type Hold struct {
+	Session   SessionID
+	Side      Side
+	Req       ReqKey
+	Semantics MigrateSemantics
+	Limit     uint64
+}
+
+// ReleaseHold ends a Hold: the held packets are sent again, in order, on
+// the path the side uses now (the new one after the switch, the old one
+// after an abort).
+type ReleaseHold struct {
+	Session SessionID
+	Side    Side
+	Req     ReqKey
+}
+
+// WaitDrained asks the agent to watch a side's flow marks until its old
+// path drained as the semantics says, or Within passes; it answers
+// Drained. Substream: everything the side sent (Own) is acknowledged;
+// order: everything the other anchor sent before its freeze (Peer)
+// arrived.
+type WaitDrained struct {
+	Session   SessionID
+	Side      Side
+	Req       ReqKey
+	Semantics MigrateSemantics
+	Own, Peer FlowMarks
+	Within    time.Duration
+}
+
+// ExportState asks the old middlebox's agent for the session's state (its
+// plug-ins); it answers StateExported. The state stays here until
+// ReleaseState.
+type ExportState struct {
+	Session     SessionID
+	Req         ReqKey
+	Tuple       wire.Tuple
+	RightAnchor netip.Addr
+}
+
+// ImportState asks the new middlebox's agent to install the session's
+// state before any packet of the session reaches it; it answers
+// StateImported.
+type ImportState struct {
+	Session SessionID
+	Req     ReqKey
+	Tuple   wire.Tuple
+	Blob    []byte
+}
+
+// ReleaseState lets go of the state this host exported or imported for a
+// session: the path through it was freed (the old path after the move,
+// a new path abandoned), or the session ended.
+type ReleaseState struct {
+	Session SessionID
+	Tuple   wire.Tuple
+}
+
+// MigrationDone reports the end of a migration's steps at its left
+// anchor: Err empty, the state moved and the request may switch; else
+// why not. Drain, Export and Import are the phases' durations; State is
+// the blob moved; Note what did not fail but the agent should report. The
+// agent answers with Proceed (with Abort = Err when Err is set, and its
+// report).
+type MigrationDone struct {
+	Session               SessionID
+	Token                 uint64
+	Req                   ReqKey
+	Err, Note             string
+	State                 []byte
+	Drain, Export, Import time.Duration
+}
+
 // KeepLock asks the agent to keep, beside the datapath's session, the
 // request that a middle agent of the old path is locked for (§3.2): an
 // agent that restarts in the request's two-path phase then still passes
@@ -504,4 +642,11 @@ func (Result) action()           {}
 func (TriggerAccepted) action()  {}
 func (TriggerResult) action()    {}
 func (Rejected) action()         {}
+func (Hold) action()             {}
+func (ReleaseHold) action()      {}
+func (WaitDrained) action()      {}
+func (ExportState) action()      {}
+func (ImportState) action()      {}
+func (ReleaseState) action()     {}
+func (MigrationDone) action()    {}
 func (Progress) action()         {}

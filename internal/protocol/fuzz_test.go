@@ -33,7 +33,7 @@ func FuzzDecode(f *testing.F) {
 	for _, typ := range MsgTypes {
 		for _, base := range []*Message{sampleMessage(), v6} {
 			m := sampleOf(typ, base)
-			if typ != MsgNackLock && typ != MsgTriggerResult {
+			if typ != MsgNackLock && typ != MsgTriggerResult && typ != MsgMigrate && typ != MsgMigrateAnswer {
 				m.Blocker, m.Reason = ReqKey{}, ReasonNone
 			}
 			b, err := m.Encode(testKey)
@@ -103,6 +103,34 @@ func FuzzDecode(f *testing.F) {
 	f.Add(editOf(answer, func(b []byte) []byte { b[6] = FlagLeftward; return remac(b) }))
 	f.Add(editOf(answer, func(b []byte) []byte { b[154], b[155] = 0xff, 0xff; return remac(b) }))
 	f.Add(editOf(good, func(b []byte) []byte { b[155] = 2; return remac(append(b[:len(b)-MACLen], 1, 1, 0)) })) // an extension on a syn
+	// Migration steps: a freeze with its fields, an export's answer with
+	// the largest state, a failure, a running answer; and edits.
+	freeze := sampleOf(MsgMigrate, sampleMessage())
+	freeze.Mig = &MigStep{Op: MigFreeze, Semantics: MigrateOrder, HoldLimit: 1 << 20, TimeoutMS: 5000, DrainMS: 200,
+		Marks: FlowMarks{Seq: 5, Ack: 6, OK: true}}
+	exported := sampleOf(MsgMigrateAnswer, v6)
+	exported.Mig = &MigStep{Op: MigExport, Blob: bytes.Repeat([]byte{'s'}, MaxStateLen)}
+	failed := sampleOf(MsgMigrateAnswer, sampleMessage())
+	failed.Mig = &MigStep{Op: MigImport, Failed: true, Text: "the provider refuses"}
+	runningMig := sampleOf(MsgMigrateAnswer, sampleMessage())
+	runningMig.Mig = &MigStep{Op: MigExport, Running: true}
+	var fz []byte
+	for _, m := range []*Message{&freeze, &exported, &failed, &runningMig} {
+		b, err := m.Encode(testKey)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+		if m == &freeze {
+			fz = b
+		}
+	}
+	migAt := len(fz) - MACLen - extMigStepLen
+	f.Add(editOf(fz, func(b []byte) []byte { b[migAt+2] = 9; return remac(b) }))               // unknown op
+	f.Add(editOf(fz, func(b []byte) []byte { b[migAt+4] |= 0x80; return remac(b) }))           // unknown flag
+	f.Add(editOf(fz, func(b []byte) []byte { b[migAt+5] = 1; return remac(b) }))               // reserved byte
+	f.Add(editOf(fz, func(b []byte) []byte { b[migAt+35] = 1; return remac(b) }))              // a blob past the end
+	f.Add(editOf(fz, func(b []byte) []byte { b[migAt+2] = byte(MigExport); return remac(b) })) // marks on an export
 	edit := func(fn func(b []byte) []byte) []byte { return fn(append([]byte(nil), good...)) }
 	f.Add([]byte(nil))
 	f.Add(good[:5])
@@ -130,10 +158,11 @@ func FuzzDecode(f *testing.F) {
 			if n := extLen(t, m); len(m.Hops) > wire.MaxHops || n > MaxExtLen || len(in) != MsgHeaderLen+len(m.Hops)*wire.AddrLen+n+MACLen {
 				t.Fatalf("accepted %d bytes with %d hops and an extension of %d", len(in), len(m.Hops), n)
 			}
-			if m.Type < MsgRequestLock || m.Type > MsgTriggerResult || m.Flags&^knownFlags != 0 || m.Reason > lastWireReason {
+			if m.Type < MsgRequestLock || m.Type > MsgMigrateAnswer || m.Flags&^knownFlags != 0 || m.Reason > lastWireReason {
 				t.Fatalf("accepted type %d, flags %#x, reason %d", m.Type, m.Flags, m.Reason)
 			}
-			if m.Migrate != nil && m.Type != MsgTrigger || (m.Answer != nil) != (m.Type == MsgTriggerResult) {
+			if m.Migrate != nil && m.Type != MsgTrigger || (m.Answer != nil) != (m.Type == MsgTriggerResult) ||
+				(m.Mig != nil) != (m.Type == MsgMigrate || m.Type == MsgMigrateAnswer) {
 				t.Fatalf("accepted a %s with migrate=%v answer=%v", m.Type, m.Migrate, m.Answer)
 			}
 			enc, err := m.Encode(testKey)

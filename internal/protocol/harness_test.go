@@ -46,6 +46,14 @@ type harness struct {
 	holdVars bool
 	// messages sent, per agent and type
 	sent map[netip.Addr]map[MsgType]int
+	// state migration: what the agents' shells did (the harness answers
+	// at once: holds taken, drained, state exported as "state of <addr>",
+	// imported), and the migrations' ends
+	migLog  map[netip.Addr][]string
+	migDone map[netip.Addr][]MigrationDone
+	// migFail makes the harness fail a step at an agent: "hold",
+	// "export", "import"
+	migFail map[netip.Addr]string
 }
 
 type envelope struct {
@@ -74,6 +82,7 @@ func newHarness(t *testing.T, n int) *harness {
 		dead: map[netip.Addr]bool{}, adds: map[netip.Addr][]AddSubsession{}, joins: map[netip.Addr][]JoinSession{},
 		starts: map[netip.Addr][]StartTwoPath{}, ends: map[netip.Addr][]EndTwoPath{}, frees: map[netip.Addr][]SessionID{},
 		clamps: map[netip.Addr][]SetWindowClamp{}, ready: map[netip.Addr][]NewPathReady{},
+		migLog: map[netip.Addr][]string{}, migDone: map[netip.Addr][]MigrationDone{}, migFail: map[netip.Addr]string{},
 		locks: map[netip.Addr]ReqKey{}, sent: map[netip.Addr]map[MsgType]int{}, trigAccepted: map[netip.Addr][]TriggerAccepted{}}
 	h.vars = func(netip.Addr, Side) TwoPath {
 		return TwoPath{OldSent: 1000, OldSentAcked: 1000, OldRcvd: 5000, OldRcvdAcked: 5000, NewRcvd: true, FirstNewRcvd: 5000}
@@ -155,6 +164,37 @@ func (h *harness) apply(at netip.Addr, act Action) {
 		h.locks[at] = x.Req
 	case SetWindowClamp:
 		h.clamps[at] = append(h.clamps[at], x)
+	case Hold:
+		h.migLog[at] = append(h.migLog[at], fmt.Sprintf("hold %s", x.Side))
+		if h.migFail[at] == "hold" {
+			h.deliver(at, Held{Session: x.Session, Side: x.Side, Req: x.Req, Err: "cannot hold"})
+		} else {
+			h.deliver(at, Held{Session: x.Session, Side: x.Side, Req: x.Req, Marks: FlowMarks{Seq: 1, Ack: 1, OK: true}})
+		}
+	case ReleaseHold:
+		h.migLog[at] = append(h.migLog[at], fmt.Sprintf("release %s", x.Side))
+	case WaitDrained:
+		h.migLog[at] = append(h.migLog[at], fmt.Sprintf("drain %s %s", x.Side, x.Semantics))
+		h.deliver(at, Drained{Session: x.Session, Side: x.Side, Req: x.Req, OK: true})
+	case ExportState:
+		h.migLog[at] = append(h.migLog[at], "export")
+		if h.migFail[at] == "export" {
+			h.deliver(at, StateExported{Session: x.Session, Req: x.Req, Err: "cannot export"})
+		} else {
+			h.deliver(at, StateExported{Session: x.Session, Req: x.Req, Blob: []byte("state of " + at.String())})
+		}
+	case ImportState:
+		h.migLog[at] = append(h.migLog[at], "import "+string(x.Blob))
+		if h.migFail[at] == "import" {
+			h.deliver(at, StateImported{Session: x.Session, Req: x.Req, Tuple: x.Tuple, Err: "cannot import"})
+		} else {
+			h.deliver(at, StateImported{Session: x.Session, Req: x.Req, Tuple: x.Tuple})
+		}
+	case ReleaseState:
+		h.migLog[at] = append(h.migLog[at], "release state")
+	case MigrationDone:
+		h.log = append(h.log, fmt.Sprintf("%s migration done %s err=%q", at, x.Req, x.Err))
+		h.migDone[at] = append(h.migDone[at], x)
 	case NewPathReady:
 		h.log = append(h.log, fmt.Sprintf("%s new path ready %s", at, x.Req))
 		h.ready[at] = append(h.ready[at], x)

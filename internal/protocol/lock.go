@@ -355,6 +355,9 @@ func (a *Agent) finishLeft(s *session, o Outcome, r Reason, blocker ReqKey) {
 // finishLeftWith is finishLeft with the whole result (Unchanged, Hop).
 func (a *Agent) finishLeftWith(s *session, res Result) {
 	l := s.left
+	if l.mig != nil && a.cfg.Faults&FaultMigHoldLeak == 0 {
+		a.migReleaseLeft(s, l)
+	}
 	s.left = nil
 	if ref, ok := a.subs[l.newSub]; ok && l.stage == StageLocking && ref.id == s.id {
 		delete(a.subs, l.newSub) // the early SYN's subsession, never installed

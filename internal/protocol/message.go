@@ -40,11 +40,19 @@ const (
 	// MsgTriggerResult: the left neighbour's answer to a trigger, with
 	// the result of the request it started (or "still running").
 	MsgTriggerResult
+	// MsgMigrate: a step of a state migration that the left anchor of a
+	// gated request asks of another agent (§3.5 last paragraph, §5.3;
+	// migrate.go): freeze (the right anchor), export (the old
+	// middlebox), import (the new one), or abort (the right anchor to
+	// the left one: its hold overflowed). The body says which (MigStep).
+	MsgMigrate
+	// MsgMigrateAnswer: the answer to a MsgMigrate (or "still working").
+	MsgMigrateAnswer
 )
 
 // MsgTypes lists every message type, for comparison with the model.
 var MsgTypes = []MsgType{MsgRequestLock, MsgAckLock, MsgNackLock, MsgCancelLock, MsgAckCancel,
-	MsgSyn, MsgSynAck, MsgAck, MsgFin, MsgFinAck, MsgTrigger, MsgTriggerResult}
+	MsgSyn, MsgSynAck, MsgAck, MsgFin, MsgFinAck, MsgTrigger, MsgTriggerResult, MsgMigrate, MsgMigrateAnswer}
 
 func (t MsgType) String() string {
 	switch t {
@@ -72,6 +80,10 @@ func (t MsgType) String() string {
 		return "trigger"
 	case MsgTriggerResult:
 		return "triggerResult"
+	case MsgMigrate:
+		return "migrate"
+	case MsgMigrateAnswer:
+		return "migrateAnswer"
 	}
 	return fmt.Sprintf("msg-%d", uint8(t))
 }
@@ -81,7 +93,8 @@ const (
 	// MsgMagic opens every control message ("DYSR").
 	MsgMagic = 0x44595352
 	// MsgVersion is the version this code writes and accepts (4 since
-	// triggers are control messages with an extension body; 3 added the
+	// triggers are control messages with an extension body, and state
+	// migration's steps too (extension kind 3); 3 added the
 	// ackLock's list of the old segment's middle agents and the refusing
 	// synAck; 2 the leftDelta gathered by requestLock). Every agent of a
 	// deployment must speak the same version: a left anchor takes an
@@ -102,8 +115,8 @@ const (
 // The extension body (Message.Migrate, Message.Answer) opens with its own
 // version and kind; each kind has a fixed layout, but for a length-prefixed
 // blob at its end, and the body's length (offset 154) must be exactly what
-// the kind's fields say. Kinds to come (state migration's messages, state
-// blobs) take new kind numbers under the same version.
+// the kind's fields say. Kinds to come take new kind numbers under the
+// same version.
 const (
 	// ExtVersion is the extension layout this code writes and accepts.
 	ExtVersion = 1
@@ -120,7 +133,79 @@ const (
 	extAnswerLen = 34
 	// MaxReportLen bounds the report blob of an answer.
 	MaxReportLen = MaxExtLen - extAnswerLen
+	// ExtMigStep: a state migration's step or its answer (Message.Mig).
+	ExtMigStep = 3
+	// extMigStepLen is a step's fixed part: version, kind, op, semantics,
+	// flags (1 each), reserved (3), hold limit (8), timeout in ms (4),
+	// drain timeout in ms (4), marks: seq (4), ack (4), text length (2),
+	// blob length (2); the text, then the blob follow.
+	extMigStepLen = 36
+	// MaxMigText bounds a step's text (an error or a note).
+	MaxMigText = 1024
+	// MaxStateLen bounds the state blob a step carries (an export's
+	// answer, an import): the plug-ins' bundle (internal/migrate,
+	// MaxBundleSize) must fit one datagram with the rest of the message.
+	MaxStateLen = 60000
 )
+
+// Flags of a migration step's body.
+const (
+	migMarks   = 1 << 0 // Marks are set
+	migRunning = 1 << 1 // answer: still working; the request is alive
+	migFailed  = 1 << 2 // answer: the step failed; Text says why
+	migFlags   = migMarks | migRunning | migFailed
+)
+
+// MigOp is the step of a state migration a MsgMigrate asks for.
+type MigOp uint8
+
+// Steps of a state migration (migrate.go).
+const (
+	MigFreeze MigOp = iota + 1 // left anchor → right anchor: hold, drain, answer with marks
+	MigExport                  // left anchor → old middlebox, on the old path: export the session's state
+	MigImport                  // left anchor → new middlebox, on the new path: import the blob
+	MigAbort                   // right anchor → left anchor: cannot go on (its hold overflowed)
+)
+
+func (o MigOp) String() string {
+	switch o {
+	case MigFreeze:
+		return "freeze"
+	case MigExport:
+		return "export"
+	case MigImport:
+		return "import"
+	case MigAbort:
+		return "abort"
+	}
+	return fmt.Sprintf("op-%d", uint8(o))
+}
+
+// FlowMarks are what one side of an anchor has sent on the old path, in the
+// session's sequence space (the datapath's flow marks): the highest
+// sequence number and acknowledgment. OK is false when the flow has none.
+type FlowMarks struct {
+	Seq, Ack uint32
+	OK       bool
+}
+
+// MigStep is the body of a MsgMigrate or MsgMigrateAnswer.
+type MigStep struct {
+	Op        MigOp
+	Semantics MigrateSemantics // freeze
+	// Running (answer): the receiver still works at it; Failed: it
+	// failed, and Text says why. Otherwise Text is a note (empty: none).
+	Running, Failed bool
+	HoldLimit       uint64 // freeze
+	TimeoutMS       uint32 // freeze: the migration's bound
+	DrainMS         uint32 // freeze: the drain's bound (order)
+	// Marks (freeze and its answer): the sender's side at its freeze.
+	Marks FlowMarks
+	Text  string
+	// Blob is the state (an export's answer, an import), opaque to the
+	// protocol, at most MaxStateLen bytes.
+	Blob []byte
+}
 
 // Flags of an answer's extension body.
 const (
@@ -279,6 +364,8 @@ type Message struct {
 	Migrate *MigrateSpec
 	// Answer (triggerResult) is the answer's body.
 	Answer *TriggerAnswer
+	// Mig (migrate, migrateAnswer) is the migration step's body.
+	Mig *MigStep
 }
 
 // RejectReason classifies a message the agent refused; agents count them.
@@ -376,6 +463,31 @@ func (m *Message) ext() ([]byte, error) {
 		binary.BigEndian.PutUint64(b[24:], x.Micros)
 		binary.BigEndian.PutUint16(b[32:], uint16(len(x.Report)))
 		return append(b, x.Report...), nil
+	case m.Mig != nil:
+		x := m.Mig
+		if len(x.Text) > MaxMigText || len(x.Blob) > MaxStateLen {
+			return nil, ErrExtTooLong
+		}
+		b := make([]byte, extMigStepLen, extMigStepLen+len(x.Text)+len(x.Blob))
+		b[0], b[1], b[2], b[3] = ExtVersion, ExtMigStep, byte(x.Op), byte(x.Semantics)
+		if x.Marks.OK {
+			b[4] |= migMarks
+		}
+		if x.Running {
+			b[4] |= migRunning
+		}
+		if x.Failed {
+			b[4] |= migFailed
+		}
+		binary.BigEndian.PutUint64(b[8:], x.HoldLimit)
+		binary.BigEndian.PutUint32(b[16:], x.TimeoutMS)
+		binary.BigEndian.PutUint32(b[20:], x.DrainMS)
+		binary.BigEndian.PutUint32(b[24:], x.Marks.Seq)
+		binary.BigEndian.PutUint32(b[28:], x.Marks.Ack)
+		binary.BigEndian.PutUint16(b[32:], uint16(len(x.Text)))
+		binary.BigEndian.PutUint16(b[34:], uint16(len(x.Blob)))
+		b = append(b, x.Text...)
+		return append(b, x.Blob...), nil
 	}
 	return nil, nil
 }
@@ -454,7 +566,7 @@ func Decode(key, b []byte) (*Message, error) {
 		Flags:  b[6],
 		Reason: Reason(b[7]),
 	}
-	if m.Type < MsgRequestLock || m.Type > MsgTriggerResult {
+	if m.Type < MsgRequestLock || m.Type > MsgMigrateAnswer {
 		return nil, decodeErr(RejectMalformed, "unknown type %d", b[5])
 	}
 	if m.Flags&^knownFlags != 0 {
@@ -526,6 +638,29 @@ func (m *Message) decodeExt(b []byte) error {
 			x.Report = bytes.Clone(b[extAnswerLen:])
 		}
 		m.Answer = x
+	case b[1] == ExtMigStep && (m.Type == MsgMigrate || m.Type == MsgMigrateAnswer):
+		if len(b) < extMigStepLen {
+			return decodeErr(RejectMalformed, "migration step of %d bytes, at least %d", len(b), extMigStepLen)
+		}
+		nt, nb := int(binary.BigEndian.Uint16(b[32:])), int(binary.BigEndian.Uint16(b[34:]))
+		if len(b) != extMigStepLen+nt+nb || nt > MaxMigText || nb > MaxStateLen {
+			return decodeErr(RejectMalformed, "migration step of %d bytes with a text of %d and a blob of %d", len(b), nt, nb)
+		}
+		x := &MigStep{Op: MigOp(b[2]), Semantics: MigrateSemantics(b[3]), Running: b[4]&migRunning != 0,
+			Failed: b[4]&migFailed != 0, HoldLimit: binary.BigEndian.Uint64(b[8:]),
+			TimeoutMS: binary.BigEndian.Uint32(b[16:]), DrainMS: binary.BigEndian.Uint32(b[20:]),
+			Marks: FlowMarks{Seq: binary.BigEndian.Uint32(b[24:]), Ack: binary.BigEndian.Uint32(b[28:]), OK: b[4]&migMarks != 0}}
+		if x.Op < MigFreeze || x.Op > MigAbort || x.Semantics > MigrateSubstream || b[4]&^migFlags != 0 ||
+			b[5]|b[6]|b[7] != 0 || x.HoldLimit > maxHoldLimit {
+			return decodeErr(RejectMalformed, "migration step: op %d, semantics %d, flags %#x, hold limit %d", b[2], b[3], b[4], x.HoldLimit)
+		}
+		if nt > 0 {
+			x.Text = string(b[extMigStepLen : extMigStepLen+nt])
+		}
+		if nb > 0 {
+			x.Blob = bytes.Clone(b[extMigStepLen+nt:])
+		}
+		m.Mig = x
 	default:
 		return decodeErr(RejectMalformed, "extension of kind %d on a %s", b[1], m.Type)
 	}
@@ -557,6 +692,9 @@ func (m *Message) validate() error {
 	}
 	if m.Type == MsgTrigger || m.Type == MsgTriggerResult {
 		return m.validateTrigger(v4)
+	}
+	if m.Type == MsgMigrate || m.Type == MsgMigrateAnswer {
+		return m.validateMig()
 	}
 	if m.Reason > ReasonStale && m.Reason != ReasonOnPath {
 		return decodeErr(RejectMalformed, "unknown reason %d", m.Reason)
@@ -635,6 +773,37 @@ func (m *Message) validateTrigger(v4 bool) error {
 		return decodeErr(RejectMalformed, "unknown reason %d", m.Reason)
 	case x.Hop.IsValid() && !fam(x.Hop):
 		return decodeErr(RejectMalformed, "answer: hop %s invalid", x.Hop)
+	}
+	return nil
+}
+
+// validateMig checks a migration step and its answer: no flags, reason,
+// blocker nor hops; a body; marks only on a freeze and its answer; a blob
+// only on an import and an export's answer; a request neither running nor
+// failed, with a text only when it aborts.
+func (m *Message) validateMig() error {
+	x := m.Mig
+	switch {
+	case x == nil:
+		return decodeErr(RejectMalformed, "a %s without its body", m.Type)
+	case m.Flags != 0 || m.Reason != ReasonNone || !m.Blocker.IsZero() || len(m.Hops) > 0:
+		return decodeErr(RejectMalformed, "a %s with flags, a reason, a blocker or hops", m.Type)
+	case x.Marks != (FlowMarks{}) && x.Op != MigFreeze:
+		return decodeErr(RejectMalformed, "marks on a %s step", x.Op)
+	}
+	blob := x.Op == MigImport && m.Type == MsgMigrate || x.Op == MigExport && m.Type == MsgMigrateAnswer && !x.Failed && !x.Running
+	if len(x.Blob) > 0 && !blob {
+		return decodeErr(RejectMalformed, "a state blob on a %s of %s", m.Type, x.Op)
+	}
+	if m.Type == MsgMigrate {
+		if x.Running || x.Failed || x.Text != "" && x.Op != MigAbort {
+			return decodeErr(RejectMalformed, "a %s request that is running, failed or has a text", x.Op)
+		}
+	} else if x.Running && (x.Failed || x.Text != "") {
+		return decodeErr(RejectMalformed, "a running %s answer that failed or has a text", x.Op)
+	}
+	if x.Op != MigFreeze && (x.Semantics != 0 || x.HoldLimit != 0 || x.TimeoutMS != 0 || x.DrainMS != 0) {
+		return decodeErr(RejectMalformed, "a %s step with a freeze's fields", x.Op)
 	}
 	return nil
 }
@@ -722,6 +891,21 @@ func (m *Message) String() string {
 		s += fmt.Sprintf(" chain=%v", m.Hops)
 		if m.Migrate != nil {
 			s += fmt.Sprintf(" migrate=%+v", *m.Migrate)
+		}
+	case MsgMigrate, MsgMigrateAnswer:
+		if x := m.Mig; x != nil {
+			s += " " + x.Op.String()
+			switch {
+			case x.Running:
+				s += " running"
+			case x.Failed:
+				s += fmt.Sprintf(" failed %q", x.Text)
+			case x.Text != "":
+				s += fmt.Sprintf(" note %q", x.Text)
+			}
+			if len(x.Blob) > 0 {
+				s += fmt.Sprintf(" state=%dB", len(x.Blob))
+			}
 		}
 	case MsgTriggerResult:
 		if x := m.Answer; x == nil || x.Outcome == 0 {

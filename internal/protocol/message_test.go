@@ -56,6 +56,12 @@ func sampleOf(typ MsgType, base *Message) Message {
 		m.Flags, m.Hops = 0, nil
 		m.Answer = &TriggerAnswer{Outcome: Refused, Unconfirmed: true, ReqID: 77, Hop: m.Hops0(), Micros: 12345,
 			Report: []byte(`{"semantics":"order"}`)}
+	case MsgMigrate:
+		m.Flags, m.Reason, m.Blocker, m.Hops = 0, ReasonNone, ReqKey{}, nil
+		m.Mig = &MigStep{Op: MigImport, Blob: []byte(`{"conntrack":"AAEC"}`)}
+	case MsgMigrateAnswer:
+		m.Flags, m.Reason, m.Blocker, m.Hops = 0, ReasonNone, ReqKey{}, nil
+		m.Mig = &MigStep{Op: MigFreeze, Text: "drain timeout", Marks: FlowMarks{Seq: 1 << 31, Ack: 7, OK: true}}
 	default:
 		m.Hops = nil
 	}

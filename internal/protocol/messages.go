@@ -56,6 +56,10 @@ func (a *Agent) onMessage(e MessageIn) {
 		}
 		return
 	}
+	if m.Type == MsgMigrate || m.Type == MsgMigrateAnswer {
+		a.onMigrate(e, m)
+		return
+	}
 	if m.Type == MsgTriggerResult {
 		// Answers to triggers are matched with the trigger, not a
 		// session: the sender may have left the path meanwhile.

@@ -367,6 +367,9 @@ func (a *Agent) newPathUp(s *session, l *anchor) {
 		a.emit(NewPathReady{Session: s.id, Token: l.token, Req: l.req, RightAnchor: l.rightAnchor,
 			Chain: append([]netip.Addr(nil), l.chain...), OldPeer: s.sides[SideRight].Peer, NewPeer: l.newPeer,
 			OldSub: s.sides[SideRight].Sub, NewSub: l.newSub, LeftDelta: l.delta})
+		if l.mig != nil {
+			a.startMigration(s, l)
+		}
 		return
 	}
 	a.switchAndAck(s, l)
@@ -412,6 +415,9 @@ func (a *Agent) switchPaths(s *session, an *anchor, side Side) {
 	}
 	an.stage, an.tries = StageTwoPath, 0
 	a.emit(StartTwoPath{Session: s.id, Side: side, Old: s.sides[side].Sub, New: an.newSub})
+	if an.role == RoleRightAnchor {
+		a.migReleaseRight(s, an) // what it held goes on the new path
+	}
 	a.emit(SetWindowClamp{Session: s.id, Side: side, Bytes: a.cfg.WindowClamp})
 	a.progress(s, an.req, an.role, StageTwoPath, "")
 }

@@ -36,7 +36,10 @@ func (a *Agent) onReconfigure(e Reconfigure, trig *trigIn) {
 	}
 	a.nextReq++
 	l := &anchor{role: RoleLeftAnchor, req: ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq}, token: e.Token,
-		rightAnchor: e.RightAnchor, chain: append([]netip.Addr(nil), e.Chain...), gate: e.Gate, trig: trig}
+		rightAnchor: e.RightAnchor, chain: append([]netip.Addr(nil), e.Chain...), gate: e.Gate || e.Migrate != nil, trig: trig}
+	if e.Migrate != nil {
+		l.mig = &migLeft{spec: MigrateSpecDefaults(*e.Migrate)}
+	}
 	switch {
 	case s.lock == Unlocked || a.cfg.Faults&FaultSkipLock != 0:
 		a.startLeft(s, l)

@@ -116,8 +116,19 @@ func (a *Agent) endSession(s *session) {
 	a.drop(s)
 }
 
-// drop forgets a session without reporting anything.
+// drop forgets a session without reporting anything but what its
+// migrations leave: holds let go, state moved for it released.
 func (a *Agent) drop(s *session) {
+	if l := s.left; l != nil && l.mig != nil && a.cfg.Faults&FaultMigHoldLeak == 0 {
+		a.migReleaseLeft(s, l)
+	}
+	if r := s.right; r != nil {
+		a.migReleaseRight(s, r)
+	}
+	if s.exported || s.imported {
+		s.exported, s.imported = false, false
+		a.emit(ReleaseState{Session: s.id, Tuple: s.tuple})
+	}
 	ids := make([]TimerID, 0, len(s.timers))
 	for id := range s.timers {
 		ids = append(ids, id)

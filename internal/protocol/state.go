@@ -68,6 +68,11 @@ type session struct {
 	teardown *teardown // old path middle agent: FIN exchanges seen
 	tombs    []tomb
 	timers   map[TimerID]struct{}
+	// serve are the migration steps this agent took for the session as
+	// a middlebox (migrate.go); exported and imported: its plug-ins
+	// hold state moved for it (ReleaseState when it goes).
+	serve              []*migServe
+	exported, imported bool
 }
 
 type queued struct {
@@ -141,6 +146,10 @@ type anchor struct {
 	// trig is the trigger that asked for the request, nil if the agent
 	// did (trigger.go).
 	trig *trigIn
+	// mig is the state migration of a migrating request at its left
+	// anchor, rmig its freeze at the right anchor (migrate.go).
+	mig  *migLeft
+	rmig *migRight
 }
 
 // The ways a fin can come (anchor.finVia).

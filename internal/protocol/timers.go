@@ -120,5 +120,7 @@ func (a *Agent) onTimer(id TimerID) {
 		a.onOldFin(s, id.Req)
 	case TimerLinger:
 		a.onLinger(s, id.Req)
+	case TimerMigrate, TimerMigrateMsg:
+		a.onMigrateTimer(s, id)
 	}
 }

@@ -260,7 +260,7 @@ func (a *Agent) onTrigger(s *session, ref subRef, m *Message, from netip.Addr) {
 	t.token = a.cfg.TriggerTokens + a.trigTokens
 	a.emit(TriggerAccepted{Session: s.id, Token: t.token, Trigger: k, Migrate: m.Migrate})
 	a.onReconfigure(Reconfigure{Session: s.id, RightAnchor: m.RightAnchor, Chain: m.Hops, Token: t.token,
-		Gate: m.Migrate != nil}, t)
+		Migrate: m.Migrate}, t)
 }
 
 // onTriggerUnknown handles a trigger naming a subsession no session of

@@ -350,6 +350,10 @@ func TestTriggerMigrationReport(t *testing.T) {
 	if len(acc) != 1 || !reflect.DeepEqual(acc[0].Migrate, spec) || len(ready) != 1 || ready[0].Token != acc[0].Token {
 		t.Fatalf("accepted %+v, new path ready %+v: want the spec, then the gate with the same token", acc, ready)
 	}
+	done := h.migDone[addr(1)]
+	if len(done) != 1 || done[0].Err != "" || string(done[0].State) != "state of "+addr(2).String() {
+		t.Fatalf("migration done %+v, want the state of agent 2 moved", done)
+	}
 	report := []byte(`{"semantics":"substream","state_bytes":42}`)
 	h.deliver(addr(1), Proceed{Session: sid, Req: ready[0].Req, Report: report})
 	h.run()

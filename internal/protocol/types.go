@@ -321,4 +321,11 @@ const (
 	// for a new one (no history, no replay window): a duplicated or
 	// retransmitted trigger starts a second request (§3.6 ignored).
 	FaultTriggerDup
+	// FaultMigEarlySwitch: a migrating left anchor switches as soon as
+	// the old middlebox exported the state, before the new one confirmed
+	// its import (§3.5: the state must be in place before the switch).
+	FaultMigEarlySwitch
+	// FaultMigHoldLeak: a migration that fails leaves the left anchor's
+	// hold in place (its packets are never sent again).
+	FaultMigHoldLeak
 )

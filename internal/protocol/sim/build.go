@@ -280,6 +280,12 @@ func (w *world) issue(s *simSession, n int) {
 				chain = append(chain, free[j])
 			}
 		}
+		// Now and then the replacement of one middlebox by one, with its
+		// state (migrate.go).
+		migrating := n == 1 && ri == li+2 && len(free) > 0 && r.IntN(3) == 0
+		if migrating {
+			chain = []*host{free[r.IntN(len(free))]}
+		}
 		var addrs []netip.Addr
 		dead := false
 		for _, h := range chain {
@@ -297,6 +303,11 @@ func (w *world) issue(s *simSession, n int) {
 		if r.IntN(3) == 0 && (req.sender == nil || len(chain) == 1) {
 			req.gate, req.abort = true, r.IntN(3) == 0
 		}
+		if migrating && req.sender == nil {
+			req.gate, req.abort = true, r.IntN(3) == 0
+			req.mig = &protocol.MigrateSpec{Semantics: protocol.MigrateSemantics(r.IntN(4)),
+				HoldLimit: uint64(r.IntN(1 << 24)), TimeoutMS: uint32(500 + r.IntN(5000))}
+		}
 		w.reqs = append(w.reqs, req)
 		w.byToken[req.token] = req
 		w.stats.Requests++
@@ -311,7 +322,8 @@ func (w *world) issue(s *simSession, n int) {
 				Reason: protocol.ReasonNoSession, Req: protocol.ReqKey{LeftAnchor: hs[li].addr}})
 			continue
 		}
-		hs[li].handle(protocol.Reconfigure{Session: dss[li].id, RightAnchor: hs[ri].addr, Chain: addrs, Token: req.token, Gate: req.gate})
+		hs[li].handle(protocol.Reconfigure{Session: dss[li].id, RightAnchor: hs[ri].addr, Chain: addrs, Token: req.token,
+			Gate: req.gate && req.mig == nil, Migrate: req.mig})
 		w.checkLocks()
 	}
 }

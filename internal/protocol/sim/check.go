@@ -139,6 +139,7 @@ func (w *world) finish() {
 		}
 	}
 	w.finishTriggers()
+	w.finishMigrations()
 	if w.err != nil {
 		return
 	}

@@ -104,8 +104,11 @@ type Stats struct {
 	// neighbour's handler, unanswered after every retransmission;
 	// acknowledgements that a request still runs, replays sent.
 	Triggers, TriggersTaken, TriggersAnswered, TriggersRefused, TriggersUnanswered, TriggerAcks, TriggerReplays int
-	SimTime                                                                                                     time.Duration
-	Events                                                                                                      int
+	// State migrations (migrate.go): started (NewPathReady), moved,
+	// aborted (a step failed), holds taken.
+	Migrations, MigMoved, MigAborted, Holds int
+	SimTime                                 time.Duration
+	Events                                  int
 }
 
 // Add accumulates another run's counts.
@@ -133,6 +136,10 @@ func (s *Stats) Add(o Stats) {
 	s.Events += o.Events
 	s.CutOffs += o.CutOffs
 	s.Splits += o.Splits
+	s.Migrations += o.Migrations
+	s.MigMoved += o.MigMoved
+	s.MigAborted += o.MigAborted
+	s.Holds += o.Holds
 	s.ExtraOldAcks += o.ExtraOldAcks
 	s.OldPathData += o.OldPathData
 	s.NewPathData += o.NewPathData
@@ -172,10 +179,12 @@ func (s Stats) String() string {
 	return fmt.Sprintf("sessions=%d (reused tuples %d) requests=%d (back to back %d) succeeded=%d (unchanged %d) refused=%d (contention %d, on path %d) failed=%d (dead new path %d) "+
 		"unconfirmed=%d resets=%d closed-marks=%d\n  outcomes[%s]\n  two-path: cut-offs=%d splits=%d extra-old-acks=%d old-path-data=%d new-path-data=%d raised-acks=%d too-old-acks=%d\n"+
 		"  triggers=%d (taken %d, answered %d, refused by the left neighbour %d, unanswered %d, acks %d, replays %d)\n"+
+		"  migrations=%d (moved %d, aborted %d, holds %d)\n"+
 		"  control=%d data=%d lost=%d dup=%d rejected[%s] simtime=%s events=%d",
 		s.Sessions, s.Reused, s.Requests, s.BackToBack, s.Succeeded, s.Unchanged, s.Refused, s.Contended, s.OnPath, s.Failed, s.SetupFailed, s.Unconfirmed,
 		s.Resets, s.ClosedMarks, list(s.Outcomes), s.CutOffs, s.Splits, s.ExtraOldAcks, s.OldPathData, s.NewPathData, s.RaisedAcks, s.TooOldAcks,
 		s.Triggers, s.TriggersTaken, s.TriggersAnswered, s.TriggersRefused, s.TriggersUnanswered, s.TriggerAcks, s.TriggerReplays,
+		s.Migrations, s.MigMoved, s.MigAborted, s.Holds,
 		s.ControlSent, s.DataSent, s.Lost, s.Duplicated, list(s.Rejected), s.SimTime, s.Events)
 }
 
@@ -250,6 +259,8 @@ type world struct {
 	// unchanged: the segments of requests whose ackLock found their chain
 	// equal to the old segment, when it came.
 	unchanged map[protocol.ReqKey][]*host
+	// migs are the migrating requests, by key (migrate.go).
+	migs map[protocol.ReqKey]*simMig
 }
 
 // span is a time a host held state of a session; end < 0: still.
@@ -267,7 +278,8 @@ func newWorld(opts Options) *world {
 		byAddr: map[netip.Addr]*host{}, byToken: map[uint64]*request{}, byReq: map[protocol.ReqKey]*request{},
 		locked: map[protocol.ReqKey]lockRec{}, started: map[protocol.ReqKey]time.Duration{},
 		held: map[*simSession]map[*host][]span{}, joinFails: map[protocol.ReqKey]bool{},
-		byTrigger: map[protocol.ReqKey]*request{}, unchanged: map[protocol.ReqKey][]*host{}}
+		byTrigger: map[protocol.ReqKey]*request{}, unchanged: map[protocol.ReqKey][]*host{},
+		migs: map[protocol.ReqKey]*simMig{}}
 	w.stats.Rejected, w.stats.Outcomes = map[string]int{}, map[string]int{}
 	return w
 }
@@ -390,6 +402,11 @@ type host struct {
 	// the agent does: when a request or a control message first concerns
 	// them (announce).
 	known map[protocol.SessionID]bool
+	// holds are the packets held for migrations, by session and side;
+	// state the middlebox plug-ins' state moved for migrations
+	// (migrate.go).
+	holds map[holdKey]protocol.ReqKey
+	state map[protocol.SessionID]string
 }
 
 func (h *host) String() string { return h.name }
@@ -405,7 +422,8 @@ func (w *world) newHost(name string, mbox bool) *host {
 	}
 	h := &host{w: w, name: name, addr: a, mbox: mbox, agent: protocol.New(cfg),
 		dp: map[protocol.SessionID]*dpSess{}, subs: map[wire.Tuple]*dpSub{}, tmr: map[protocol.TimerID]*event{},
-		known: map[protocol.SessionID]bool{}, trigTok: map[uint64]*request{}}
+		known: map[protocol.SessionID]bool{}, trigTok: map[uint64]*request{},
+		holds: map[holdKey]protocol.ReqKey{}, state: map[protocol.SessionID]string{}}
 	w.hosts = append(w.hosts, h)
 	w.byAddr[a] = h
 	return h
@@ -475,6 +493,10 @@ func (h *host) apply(act protocol.Action) {
 			w.fail("%s: NewPathReady for a request that is not gated (%d)", h, x.Token)
 			return
 		}
+		if r.mig != nil {
+			w.onMigReady(h, r, x) // the core moves the state (migrate.go)
+			return
+		}
 		abort := ""
 		if r.abort {
 			abort = "simulated export failure"
@@ -484,6 +506,12 @@ func (h *host) apply(act protocol.Action) {
 			h.handle(protocol.Proceed{Session: x.Session, Req: x.Req, Abort: abort, Report: r.report()})
 			w.checkLocks()
 		})
+	case protocol.Hold, protocol.ReleaseHold, protocol.WaitDrained, protocol.ExportState, protocol.ImportState,
+		protocol.ReleaseState, protocol.MigrationDone:
+		h.applyMigration(act)
+	case protocol.StartTwoPath:
+		w.onMigSwitch(h, x)
+		h.applyDatapath(act)
 	case protocol.Rejected:
 		w.stats.Rejected[x.Reason.String()]++
 		w.tracef("%s rejected %s from %s: %s: %s", h, x.Type, x.From, x.Reason, x.Detail)
@@ -649,6 +677,9 @@ type request struct {
 	// gate: the request is gated (state migration); abort: the simulated
 	// agent aborts it at the gate.
 	gate, abort bool
+	// mig: the gated request moves state (migrate.go): the core
+	// orchestrates it; abort makes a step fail.
+	mig *protocol.MigrateSpec
 	// sender, if set, asked the left anchor for the request with a
 	// trigger (trigger.go); the other fields of a trigger are there.
 	sender *host

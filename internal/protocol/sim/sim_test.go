@@ -116,7 +116,8 @@ func TestSim(t *testing.T) {
 		return
 	}
 	// The runs must exercise what they claim to.
-	if total.Succeeded == 0 || total.Contended == 0 || total.SetupFailed == 0 || total.Resets == 0 || total.Lost == 0 {
+	if total.Succeeded == 0 || total.Contended == 0 || total.SetupFailed == 0 || total.Resets == 0 || total.Lost == 0 ||
+		total.MigMoved == 0 || total.MigAborted == 0 || total.Holds == 0 {
 		t.Errorf("runs do not cover every case: %s", total)
 	}
 }
@@ -190,6 +191,12 @@ func TestSimCatchesBrokenVariants(t *testing.T) {
 		{"duplicated trigger taken anew", protocol.FaultTriggerDup, false, 0,
 			[]string{"started a second request", "two different answers", "is not its answer", "but it started a request",
 				"is not the left anchor's result"}},
+		// A migrating left anchor that switches once the old middlebox
+		// exported, before the new one confirmed its import (§3.5).
+		{"switch before the import", protocol.FaultMigEarlySwitch, false, 0,
+			[]string{"switched before the new middlebox imported the state", "after the switch"}},
+		// A failed migration that leaves the left anchor's hold.
+		{"hold not released on abort", protocol.FaultMigHoldLeak, false, 0, []string{"never released"}},
 		// All of it: the agent and the protocol as they were.
 		{"the old agent", protocol.FaultNoPathCheck, false, oldJoin | oldAnnounce | oldNoNotice,
 			[]string{"not closed at the end", "stuck", "until its idle timeout", "agent keeps state after the run",

@@ -95,6 +95,7 @@ func (w *world) sendTrigger(r *request, ds *dpSess, chain []netip.Addr) {
 	if r.gate {
 		spec = &protocol.MigrateSpec{Semantics: protocol.MigrateSemantics(w.rng.IntN(4)), HoldLimit: uint64(w.rng.IntN(1 << 24)),
 			TimeoutMS: uint32(w.rng.IntN(10000))}
+		r.mig = spec
 	}
 	acts := h.agent.Handle(w.now, protocol.Trigger{Session: ds.id, Token: r.token, RightAnchor: r.right.addr, Chain: chain, Migrate: spec})
 	for _, a := range acts {
