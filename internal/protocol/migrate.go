@@ -270,7 +270,7 @@ func (a *Agent) onMigrateTimer(s *session, id TimerID) {
 			return
 		}
 		if c.unanswered >= a.cfg.MaxTries {
-			a.migFail(s, l, fmt.Sprintf("%s at %s: no answer from %s", migWhat(c.msg.Mig.Op), c.to, c.to))
+			a.migFail(s, l, fmt.Sprintf("%s: no answer from %s", migWhat(c.msg.Mig.Op, c.to), c.to))
 			return
 		}
 		a.migTransmit(s, l.req, c)
@@ -293,12 +293,13 @@ func (a *Agent) onMigrateTimer(s *session, id TimerID) {
 	}
 }
 
-// migWhat names a step in a failure's text, as the operator reads it.
-func migWhat(op MigOp) string {
+// migWhat names a step asked of an agent in a failure's text, as the
+// operator reads it.
+func migWhat(op MigOp, at netip.Addr) string {
 	if op == MigFreeze {
-		return "freeze at the right anchor"
+		return "freeze at the right anchor " + at.String()
 	}
-	return op.String()
+	return op.String() + " at " + at.String()
 }
 
 // onMigrate handles a migrate message or its answer (onMessage): each
@@ -357,7 +358,7 @@ func (a *Agent) onMigAnswer(from netip.Addr, m *Message) {
 	g.call = nil
 	a.cancelTimer(s, TimerMigrateMsg, l.req)
 	if x.Failed {
-		a.migFail(s, l, fmt.Sprintf("%s at %s: %s", migWhat(x.Op), from, x.Text))
+		a.migFail(s, l, fmt.Sprintf("%s: %s", migWhat(x.Op, from), x.Text))
 		return
 	}
 	switch x.Op {

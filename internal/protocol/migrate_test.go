@@ -62,7 +62,7 @@ func TestMigrationFailures(t *testing.T) {
 	}{
 		{2, "export", "export at 10.0.0.2: cannot export"},
 		{3, "import", "import at 10.0.0.3: cannot import"},
-		{4, "hold", "freeze at the right anchor at 10.0.0.4: cannot hold"},
+		{4, "hold", "freeze at the right anchor 10.0.0.4: cannot hold"},
 		{1, "hold", "cannot hold"},
 	} {
 		h := newHarness(t, 4)

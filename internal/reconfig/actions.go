@@ -56,11 +56,6 @@ func (c *Shell) do(v6 bool, act protocol.Action) error {
 			return err
 		}
 		c.active[k] = true
-		if c.rightHolds[k] != nil {
-			// A right anchor that held its packets for a state migration:
-			// they go on the new path now.
-			c.deferred = append(c.deferred, func() { c.releaseRightHold(k) })
-		}
 		// The variables at the cut-off: enough to finish at once when
 		// nothing was in flight. After the current actions (never
 		// c.post from the loop itself: with its channel full it would
@@ -85,14 +80,23 @@ func (c *Shell) do(v6 bool, act protocol.Action) error {
 		})
 		return dp.SetTwoPathState(k, datapath.TPNew)
 	case protocol.RemoveSubsession:
-		if x.Side == protocol.SideLeft {
-			// A right anchor's request ended before the switch.
-			k := datapath.TPKey{SessId: c.dpID(x.Session), Side: uint32(x.Side)}
-			c.deferred = append(c.deferred, func() { c.releaseRightHold(k) })
-		}
 		return c.removeSub(x)
 	case protocol.NewPathReady:
 		c.onNewPathReady(v6, x)
+	case protocol.Hold:
+		c.doHold(v6, x)
+	case protocol.ReleaseHold:
+		c.doReleaseHold(x)
+	case protocol.WaitDrained:
+		c.doWaitDrained(v6, x)
+	case protocol.ExportState:
+		c.doExport(v6, x)
+	case protocol.ImportState:
+		c.doImport(v6, x)
+	case protocol.ReleaseState:
+		c.doReleaseState(x)
+	case protocol.MigrationDone:
+		c.onMigrationDone(v6, x)
 	case protocol.SetWindowClamp:
 		k := datapath.TPKey{SessId: c.dpID(x.Session), Side: uint32(x.Side)}
 		if err := dp.SetWindowClamp(k, x.Bytes); !errors.Is(err, syscall.ENOENT) {
@@ -139,11 +143,6 @@ func (c *Shell) do(v6 bool, act protocol.Action) error {
 		id := c.dpID(x.Session)
 		if id == 0 || c.pidOf[id] != x.Session {
 			return nil // freed already (a new path through this host took its place)
-		}
-		c.releaseExported(id)
-		for _, side := range []uint32{0, 1} {
-			k := datapath.TPKey{SessId: id, Side: side}
-			c.deferred = append(c.deferred, func() { c.releaseRightHold(k) })
 		}
 		c.free(id)
 		c.drop(id, x.Session)

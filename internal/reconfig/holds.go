@@ -197,8 +197,31 @@ func (h *hold) stats() (pkts, bytes, dropped int64) {
 	return h.pkts, h.bytes, h.dropped
 }
 
+// heldPackets is one side's hold as the shell sees it (*hold).
+type heldPackets interface {
+	stats() (pkts, bytes, dropped int64)
+}
+
+// packetHolder starts and ends holds: *holds, or a fake in tests.
+type packetHolder interface {
+	start(sess uint32, eg datapath.Tuple, flags uint32, limit int64, onOverflow func()) (heldPackets, error)
+	release(h heldPackets)
+}
+
 // start begins holding a flow's packets.
-func (hs *holds) start(sess uint32, eg datapath.Tuple, flags uint32, limit int64, onOverflow func()) (*hold, error) {
+func (hs *holds) start(sess uint32, eg datapath.Tuple, flags uint32, limit int64, onOverflow func()) (heldPackets, error) {
+	h, err := hs.startHold(sess, eg, flags, limit, onOverflow)
+	if err != nil {
+		return nil, err
+	}
+	return h, nil
+}
+
+// release re-injects everything a hold (*hold) held and ends it
+// (releaseHold).
+func (hs *holds) release(h heldPackets) { hs.releaseHold(h.(*hold)) }
+
+func (hs *holds) startHold(sess uint32, eg datapath.Tuple, flags uint32, limit int64, onOverflow func()) (*hold, error) {
 	h := &hold{sess: sess, eg: eg, flags: flags, limit: limit, onOverflow: onOverflow, released: make(chan struct{})}
 	hs.mu.Lock()
 	if old := hs.bySess[sess]; old != nil {
@@ -216,11 +239,11 @@ func (hs *holds) start(sess uint32, eg datapath.Tuple, flags uint32, limit int64
 	return h, nil
 }
 
-// release re-injects everything held, in order, then stops holding (new
-// packets keep being queued behind the held ones until the queue is empty;
-// re-injected packets carry the mark the datapath never holds). Safe to
-// call more than once; returns when done.
-func (hs *holds) release(h *hold) {
+// releaseHold re-injects everything held, in order, then stops holding
+// (new packets keep being queued behind the held ones until the queue is
+// empty; re-injected packets carry the mark the datapath never holds).
+// Safe to call more than once; returns when done.
+func (hs *holds) releaseHold(h *hold) {
 	h.mu.Lock()
 	if h.releasing {
 		h.mu.Unlock()

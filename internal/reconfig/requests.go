@@ -47,7 +47,11 @@ func (c *Shell) Reconfigure(ctx context.Context, ids []uint32, to netip.Addr, ch
 				p.mig = make(chan api.MigrationReport, 1)
 				c.startMigration(c.token, *mig, p.start, p.mig)
 			}
-			c.handle(c.famOf[id], protocol.Reconfigure{Session: c.pidOf[id], RightAnchor: to, Chain: chain, Token: c.token, Gate: mig != nil})
+			var spec *protocol.MigrateSpec
+			if mig != nil {
+				spec = migrateSpec(mig)
+			}
+			c.handle(c.famOf[id], protocol.Reconfigure{Session: c.pidOf[id], RightAnchor: to, Chain: chain, Token: c.token, Migrate: spec})
 		}
 		close(done)
 	})

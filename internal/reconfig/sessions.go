@@ -21,8 +21,11 @@ func (c *Shell) onPacket(from netip.Addr, data []byte) {
 		c.olderPeer(from, "a JSON trigger (DYST)")
 		return
 	}
-	if isMig(data) {
-		c.onMig(from, data)
+	if isOldMig(data) {
+		// A JSON state migration message of control protocol version 1
+		// to 3: the peer runs an older agent.
+		c.countReject(protocol.RejectVersion.String())
+		c.olderPeer(from, "a JSON state migration message (DYSM)")
 		return
 	}
 	v6 := from.Is6()

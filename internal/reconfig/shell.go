@@ -13,7 +13,6 @@ import (
 	"github.com/dysco/dysco/internal/datapath"
 	"github.com/dysco/dysco/internal/migrate"
 	"github.com/dysco/dysco/internal/protocol"
-	"github.com/dysco/dysco/internal/wire"
 )
 
 // DefaultControlPort is the UDP port of the reconfiguration protocol.
@@ -46,8 +45,8 @@ type Config struct {
 	SameRoute func(x, y netip.Addr) bool
 	// Tap: joined sessions are shown on the session-view tap.
 	Tap bool
-	// States are the state migration plug-ins; nil: none.
-	States *migrate.Set
+	// States are the state migration plug-ins (a *migrate.Set); nil: none.
+	States StatePlugins
 	// Tune, if set, changes the protocol core's configuration after the
 	// shell's defaults (tests: shorter timers).
 	Tune func(*protocol.Config)
@@ -101,14 +100,14 @@ type Shell struct {
 	onwardScanned bool
 
 	// State migration (migrate.go).
-	holds      *holds // nil: the datapath cannot hold packets
-	states     *migrate.Set
+	holds *holds // nil: the datapath cannot hold packets
+	// holder holds packets for migrations (holds, or a fake in tests);
+	// migHolds are the holds it keeps, by side.
+	holder     packetHolder
+	migHolds   map[datapath.TPKey]heldPackets
+	states     StatePlugins
 	migrations map[uint64]*migration // by token, at the left anchor
 	migReports map[uint64]api.MigrationReport
-	migCalls   map[uint64]*migCall
-	migAnswers map[migKey][]byte
-	rightHolds map[datapath.TPKey]*rightHold
-	exported   map[uint32]wire.Tuple // sessions whose state this host exported
 	migOut     map[uint64]chan api.MigrationReport
 
 	// Work posted to the loop goroutine (post): an unbounded queue, so that
@@ -163,16 +162,15 @@ func New(cfg Config) (*Shell, error) {
 		active: map[datapath.TPKey]bool{}, prevTP: map[datapath.TPKey]datapath.TPVal{}, spliced: map[protocol.SessionID]splicedPair{},
 		onwardOf:  map[uint32]onwardEntry{},
 		trigWaits: map[uint64]*trigWait{}, otherVersion: map[netip.Addr]bool{}, wake: make(chan struct{}, 1),
-		migrations: map[uint64]*migration{}, migReports: map[uint64]api.MigrationReport{}, migCalls: map[uint64]*migCall{},
-		migAnswers: map[migKey][]byte{}, rightHolds: map[datapath.TPKey]*rightHold{}, exported: map[uint32]wire.Tuple{},
-		migOut: map[uint64]chan api.MigrationReport{},
-		// Tokens name this agent's migration requests at their
-		// receivers, which answer a token they have seen with their
-		// first answer: a restarted agent must not reuse its
-		// predecessor's. They stay below the tokens of requests the
-		// protocol starts for triggers (protocol.Config.TriggerTokens,
-		// from 2^63).
+		migrations: map[uint64]*migration{}, migReports: map[uint64]api.MigrationReport{},
+		migHolds: map[datapath.TPKey]heldPackets{}, migOut: map[uint64]chan api.MigrationReport{},
+		// Tokens name this agent's requests and triggers; they stay
+		// below the tokens of requests the protocol starts for
+		// triggers (protocol.Config.TriggerTokens, from 2^63).
 		token: uint64(time.Now().UnixNano())}
+	if s, ok := cfg.States.(*migrate.Set); ok && s == nil {
+		c.states = nil // a nil *migrate.Set: no plug-ins
+	}
 	if err := c.loadReqs(); err != nil {
 		conn.Close()
 		return nil, fmt.Errorf("reconfig: request numbers: %w", err)
@@ -181,7 +179,7 @@ func New(cfg Config) (*Shell, error) {
 	if err != nil {
 		c.log.Warn("state migration disabled: the datapath cannot hold packets", "err", err)
 	} else {
-		c.holds = hs
+		c.holds, c.holder = hs, hs
 	}
 	c.setSplitReader(c.holds != nil)
 	return c, nil
