@@ -1,6 +1,7 @@
 package reconfig
 
 import (
+	"context"
 	"errors"
 	"net"
 	"net/netip"
@@ -9,6 +10,7 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/datapath"
+	"github.com/dysco/dysco/internal/migrate"
 	"github.com/dysco/dysco/internal/wire"
 )
 
@@ -561,4 +563,108 @@ func (d *fakeDP) flowsOf(id uint32) []datapath.Flow {
 		}
 	}
 	return out
+}
+
+// fakeHolder holds packets for migrations in name only (the fake
+// datapath has no packets): it counts the holds started and released, and
+// reports an overflow at once when told to.
+type fakeHolder struct {
+	mu                sync.Mutex
+	active            map[*fakeHold]bool
+	started, released int
+	overflow          bool
+}
+
+type fakeHold struct{ sess uint32 }
+
+func (*fakeHold) stats() (pkts, bytes, dropped int64) { return 0, 0, 0 }
+
+func newFakeHolder() *fakeHolder { return &fakeHolder{active: map[*fakeHold]bool{}} }
+
+func (f *fakeHolder) start(sess uint32, _ datapath.Tuple, _ uint32, _ int64, onOverflow func()) (heldPackets, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	h := &fakeHold{sess: sess}
+	f.active[h] = true
+	f.started++
+	if f.overflow {
+		go onOverflow()
+	}
+	return h, nil
+}
+
+func (f *fakeHolder) release(h heldPackets) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if !f.active[h.(*fakeHold)] {
+		panic("fake holder: release of a hold not active")
+	}
+	delete(f.active, h.(*fakeHold))
+	f.released++
+}
+
+// counts returns the holds started, released and still active.
+func (f *fakeHolder) counts() (started, released, active int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.started, f.released, len(f.active)
+}
+
+// fakeStates are state plug-ins in memory: a session's state is a token
+// naming the host that had it first.
+type fakeStates struct {
+	mu                     sync.Mutex
+	name                   string
+	failExport, failImport bool
+	// exportDelay makes an export take so long (an overflow comes first)
+	exportDelay      time.Duration
+	have             map[wire.Tuple]string
+	exports, imports int
+	releases         int
+}
+
+func newFakeStates(name string) *fakeStates {
+	return &fakeStates{name: name, have: map[wire.Tuple]string{}}
+}
+
+func (f *fakeStates) Export(_ context.Context, s migrate.Session) (migrate.Bundle, error) {
+	time.Sleep(f.exportDelay)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.exports++
+	if f.failExport {
+		return nil, errors.New("the test's plug-in refuses to export")
+	}
+	st, ok := f.have[s.Tuple]
+	if !ok {
+		st = "state of " + f.name
+		f.have[s.Tuple] = st
+	}
+	return migrate.Bundle{"fake": []byte(st)}, nil
+}
+
+func (f *fakeStates) Import(_ context.Context, s migrate.Session, b migrate.Bundle) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.imports++
+	if f.failImport {
+		return errors.New("the test's plug-in refuses to import")
+	}
+	f.have[s.Tuple] = string(b["fake"])
+	return nil
+}
+
+func (f *fakeStates) Release(_ context.Context, s migrate.Session) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.releases++
+	delete(f.have, s.Tuple)
+	return nil
+}
+
+func (f *fakeStates) state(t wire.Tuple) (string, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	st, ok := f.have[t]
+	return st, ok
 }

@@ -35,6 +35,10 @@ type host struct {
 	stop context.CancelFunc
 	done chan struct{}
 	logs *logBuf
+	// holder and states, if set, are the host's fake packet holds and
+	// state plug-ins (migration tests).
+	holder *fakeHolder
+	states *fakeStates
 }
 
 // logBuf keeps a shell's log for a failing test.
@@ -115,6 +119,12 @@ func (l *lab) start(h *host) {
 		}})
 	if err != nil {
 		l.t.Fatal(err)
+	}
+	if h.holder != nil {
+		sh.holder = h.holder
+	}
+	if h.states != nil {
+		sh.states = h.states
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	h.sh, h.stop, h.done = sh, cancel, make(chan struct{})
