@@ -131,6 +131,7 @@ type migLeft struct {
 // migRight is a freeze at the right anchor.
 type migRight struct {
 	spec      MigrateSpec
+	drain     time.Duration // the drain's bound (order), the freeze's
 	peer, own FlowMarks
 	from      netip.Addr
 	sub       wire.Tuple
@@ -462,6 +463,10 @@ func (a *Agent) onFreeze(from netip.Addr, m *Message) {
 	g := &migRight{spec: MigrateSpec{Semantics: x.Semantics, HoldLimit: x.HoldLimit, TimeoutMS: x.TimeoutMS},
 		peer: x.Marks, from: from, sub: m.Sub, nonce: m.Nonce}
 	g.spec = MigrateSpecDefaults(g.spec)
+	g.drain = time.Duration(x.DrainMS) * time.Millisecond
+	if g.drain <= 0 {
+		g.drain = DefaultDrainTimeout
+	}
 	r.rmig = g
 	if r.stage != StageWaitAck {
 		a.migRightAnswer(s, r, &MigStep{Op: MigFreeze, Failed: true, Text: "the right anchor switched already"})
@@ -516,7 +521,7 @@ func (a *Agent) onHeld(e Held) {
 		a.setTimer(s, TimerMigrate, r.req, g.spec.timeout()+rightHoldGrace)
 		within := g.spec.timeout()
 		if g.spec.Semantics == MigrateOrder {
-			within = DefaultDrainTimeout
+			within = g.drain
 		}
 		a.emit(WaitDrained{Session: s.id, Side: SideLeft, Req: r.req, Semantics: g.spec.Semantics,
 			Own: g.own, Peer: g.peer, Within: within})
