@@ -33,15 +33,20 @@ func (c *Shell) doExport(v6 bool, x protocol.ExportState) {
 		c.handle(v6, protocol.StateExported{Session: x.Session, Req: x.Req, Blob: blob, Err: err})
 	}
 	id, bad := c.stateSession(x.Session)
+	t := x.Tuple
 	if bad == "" {
+		// The tuple the middlebox sees is the one the session arrives
+		// with here; the core names the session by the one it leaves
+		// with (its onward tuple).
 		s, _ := c.dp.Session(id)
-		if on := c.onward(id, &s); on != x.Tuple {
+		t = s.Tuple.Wire()
+		if on := c.onward(id, &s); on != t {
 			// This middlebox translates the session (a NAT): its
 			// replacement would send the session on with the NAT's
 			// output, and a host joining a new path keys the session's
 			// egress by the tuple in the SYN (docs/state-migration.md,
 			// "What is not covered").
-			bad = fmt.Sprintf("this middlebox translates the session's tuple (%s leaves as %s): a replacement cannot take it over on a new path", x.Tuple, on)
+			bad = fmt.Sprintf("this middlebox translates the session's tuple (%s leaves as %s): a replacement cannot take it over on a new path", t, on)
 		}
 	}
 	if bad != "" {
@@ -51,7 +56,7 @@ func (c *Shell) doExport(v6 bool, x protocol.ExportState) {
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), defaultMigTimeout)
 		defer cancel()
-		b, err := c.states.Export(ctx, migrate.Session{Tuple: x.Tuple, Proto: 6})
+		b, err := c.states.Export(ctx, migrate.Session{Tuple: t, Proto: 6})
 		var blob []byte
 		if err == nil {
 			blob, err = b.Encode()
