@@ -6,7 +6,23 @@
  * onTimer, the history of resolved requests).
  */
 
+#ifdef TRIGGER
+/* the operator asks the middlebox to be removed: it triggers its left neighbour */
+#define PENDING(me) (me == TRIGGERER && trigTries == 0)
+#else
 #define PENDING(me) ((la[1] == me && stageL[1] == 0) || (la[NR] == me && stageL[NR] == 0 && AFTER1))
+#endif
+
+/* A migrating request is gated (newPathUp): its SYN-ACK starts the
+ * migration instead of the switch, and its SYN is no longer retransmitted
+ * (TimerSyn cancelled). Other configurations switch at once. */
+#ifdef MIGRATE
+#define GATEOPEN(r) false
+#define SYNOPEN(r) (migPh == 0)
+#else
+#define GATEOPEN(r) true
+#define SYNOPEN(r) true
+#endif
 
 /* the exchange of a message type (fin and finAck name theirs explicitly) */
 #define XOF(t) ((t == requestLock || t == ackLock || t == nackLock) -> XREQ : \
@@ -276,7 +292,7 @@ inline cancelDone(r) {
 		 * or a host of the new path refused it (finishLeftWith) */
 		lock[me] = unlocked; requestor[me] = 0;
 		unchanged[r] = (canOut[r] == Succeeded);
-		finishLeft(r, canOut[r], CANREASON(r))
+		finishLeft(r, (canOut[r] == MIGABORT -> Failed : canOut[r]), CANREASON(r))
 	:: else
 	fi
 }
@@ -579,6 +595,255 @@ inline lockByTeardown(r) {
 	fi
 }
 
+#ifdef TRIGGER
+#define TRIGDUE (trigPend && trigTries >= MAXTRIES)
+/* the sender's TimerTrigger is armed */
+#define TTRIG(me) (me == TRIGGERER && trigPend)
+
+/* transmitTrigger: (re)send the trigger to the left neighbour it went to */
+inline transmitTrigger() {
+	trigTries++;
+	ctl(trigTo, trigger, TRIGR, 0, 0, XTRIG)
+}
+/* sendTrigger: the middlebox asks its left neighbour to reconfigure as
+ * left anchor (the right anchor and chain of request TRIGR) */
+inline sendTrigger() {
+	trigPend = 1; trigTo = leftN[me];
+	transmitTrigger()
+}
+/* onTriggerTimer: retransmit (the give-up is in the agent loop) */
+inline onTriggerTimer() {
+	transmitTrigger()
+}
+/* onTriggerResult at the sender: an answer that the request runs (x 0)
+ * keeps the trigger; the final one ends it; one to no pending trigger (a
+ * duplicate, or after it gave up) is refused */
+inline onTriggerResult(r) {
+	if
+	:: !trigPend -> REACHED(82)   /* Rejected: answered already, or given up */
+	:: trigPend && m.x == 0 -> REACHED(83)   /* the left neighbour is at it */
+	:: trigPend && m.x != 0 ->
+		assert(m.from == trigTo);
+		/* the answer is the result of the request it started */
+		assert(m.x == outcome[r] && m.s == reason[r] && stageL[r] == done);
+		trigPend = 0; trigFinal++; trigGot = m.x; trigGotRs = m.s
+	fi
+}
+/* answerTrigger: the final answer (the request's result), kept for the
+ * retransmissions; refuseTrigger: one that starts no request */
+inline answerTrigger(r) {
+	trigAns = outcome[r]; trigRs = reason[r];
+	ctl(trigPeer, triggerResult, r, trigAns, trigRs, XTRIG)
+}
+inline refuseTrigger(r, rs) {
+	trigAns = Refused; trigRs = rs;
+	ctl(trigPeer, triggerResult, r, trigAns, trigRs, XTRIG)
+}
+/* onTrigger at the left neighbour: the copies first (the same answer, or
+ * "running"; a replay, a number heard of but not in the history, cannot
+ * happen here: the history is never forgotten), then the refusals (the
+ * side is being reconfigured by this agent: busy; the sender is no longer
+ * its next hop), then the request, started as a local one (startReq) */
+inline onTrigger(r) {
+	if
+#ifndef BROKEN_TRIGGER_DUP
+	:: trigTaken -> REACHED(80); ctl(m.from, triggerResult, r, trigAns, trigRs, XTRIG)
+	:: !trigTaken ->
+#else
+	:: true ->   /* broken: every copy is taken as a new trigger */
+#endif
+		trigTaken = 1; trigPeer = m.from;
+		if
+		:: m.from != rightN[me] -> REACHED(86); refuseTrigger(r, ReasonNotNextHop)
+		:: m.from == rightN[me] && laReq[me] != 0 && stageL[laReq[me]] != done ->
+			REACHED(87); refuseTrigger(r, ReasonBusy)
+		:: m.from == rightN[me] && !(laReq[me] != 0 && stageL[laReq[me]] != done) ->
+			REACHED(81); trigStarted++;
+			/* exactly one request per trigger */
+			assert(trigStarted == 1);
+			startReq(r)
+		fi
+	fi
+}
+#else
+#define TRIGDUE false
+#endif
+
+#ifdef MIGRATE
+/* MigOps (message_ext.go), in a migrate's x; a migrateAnswer's s: */
+#define MigFreeze 1
+#define MigExport 2
+#define MigImport 3
+#define MigOK     1
+#define MigFailed 2
+#define MigRunning 3
+/* migPhase (migrate.go) */
+#define migFreezing  2
+#define migDraining  3
+#define migExporting 4
+#define migImporting 5
+#define migDone      6
+#define RELEASESTATE(me) hasState[me] = 0
+/* a step is in flight (TimerMigrateMsg armed) */
+#define TMIG(me) (me == la[1] && (migPh == migFreezing || migPh == migExporting || migPh == migImporting))
+/* the right anchor's hold lease is due (below), or a step's give-up */
+#define HOLDLEASE(me) (holdL[me] && me == ra[1] && busyRA[me] == 1 && stageR[1] != twoPath)
+#define MIGDUE ((TMIG(la[1]) && migTries >= MAXTRIES) || HOLDLEASE(ra[1]))
+/* WaitDrained (order): the left anchor after the freeze's answer, the
+ * right anchor while it holds */
+#define MIGDRAINING(me) ((me == la[1] && migPh == migDraining) || (me == ra[1] && rmig == 1))
+/* Drained: no segment is about to cross the old middlebox, nor on its way
+ * from it to this anchor (both anchors hold: nothing new enters the old
+ * path; the datapath compares the marks, the model looks at the channels) */
+#define DRAINED(me) (!(net[MOLD]??[tcp, _, _, _, _, _, _, _]) && !(net[me]??[tcp, MOLD, _, _, _, _, _, _]))
+
+/* the step's message (again) */
+inline migTransmit() {
+	migTries++;
+	ctl(migTo, migrate, 1, migOp, 0, XMIG)
+}
+inline migCallStart(to, op) {
+	migTo = to; migOp = op; migTries = 0; lostNow[1] = lostNow[1] & NOTX(XMIG);
+	migTransmit()
+}
+/* migExport: ask the old middlebox, on the old path */
+inline migExport(r) {
+	migPh = migExporting; migCallStart(rightN[me], MigExport)
+}
+/* the left anchor lets its held packets go (ReleaseHold) */
+inline migReleaseLeft() {
+	releaseHold()
+}
+inline migReleaseRight() {
+	releaseHold()
+}
+inline releaseHold() {
+	holdL[me] = 0;
+	if
+	:: ackOwed[me] ->
+		ackOwed[me] = 0; hh = HOST(me);
+		hside = (hh == 0 -> RIGHT : LEFT);
+		hat = hRcvNxt[hh] - TDIN(hh);
+		egress(hside, hSndNxt[hh], hRcvNxt[hh], 0, 0, hat)
+	:: else
+	fi
+}
+/* onProceed after MigrationDone (migFinish): switch and ACK (its hold goes
+ * on the new path), or abandon the new path (§3.6: the session stays on
+ * the old path, what it held goes there) */
+inline migFinish(r) {
+	migPh = migDone;
+	CTL(newN[me], ack, r, 0);
+	startTwoPath(me, RIGHT, r);
+	stageL[r] = twoPath;
+	migReleaseLeft()
+}
+inline migFail(r) {
+	migPh = migDone; migAborted = 1;
+	dropNewPath(r, MIGABORT, 0);
+	migReleaseLeft()
+}
+/* newPathUp: the new path answered a gated request: startMigration (its
+ * first SYN-ACK; the copies after it are ignored) */
+inline newPathUp(r) {
+	if
+	:: migPh == 0 -> startMigration(r)
+	:: else -> REACHED(90)
+	fi
+}
+inline startMigration(r) {
+#ifdef MIG_ORDER
+	/* Hold (Held at once), then the freeze, straight to the right anchor */
+	holdL[me] = 1; migPh = migFreezing; migCallStart(ra[r], MigFreeze)
+#else
+	/* loss-free: make before break, nothing held */
+	migExport(r)
+#endif
+}
+/* onMigAnswer at the left anchor: the answer to the step in flight */
+inline onMigAnswer(r) {
+	if
+	:: !(TMIG(me) && m.x == migOp && m.from == migTo) -> REACHED(91)   /* Rejected: no such step pending */
+	:: TMIG(me) && m.x == migOp && m.from == migTo && m.s == MigRunning -> REACHED(92)
+	:: TMIG(me) && m.x == migOp && m.from == migTo && m.s == MigFailed -> REACHED(93); migFail(r)
+	:: TMIG(me) && m.x == migOp && m.from == migTo && m.s == MigOK ->
+		if
+		:: m.x == MigFreeze -> migPh = migDraining   /* WaitDrained */
+		:: m.x == MigExport ->
+			migPh = migImporting; migCallStart(newN[me], MigImport)
+#ifdef BROKEN_MIG_EARLY_SWITCH
+			/* broken: the import is not confirmed */
+			; migFinish(r)
+#endif
+		:: m.x == MigImport -> migFinish(r)
+		fi
+	fi
+}
+/* onDrained: the left anchor exports; the right anchor answers the freeze */
+inline onDrained(r) {
+	if
+	:: me == la[r] -> migExport(r)
+	:: else -> rmig = 2; rmigAns = MigOK; ctl(la[r], migrateAnswer, r, MigFreeze, rmigAns, XMIG)
+	fi
+}
+/* onFreeze at the right anchor: hold, wait for the drain, answer; a copy
+ * gets the same answer, or "running" */
+inline onFreeze(r) {
+	if
+	:: busyRA[me] != r -> REACHED(94); dropped(r, XMIG)   /* Rejected: not (any more) its right anchor */
+	:: busyRA[me] == r && rmig == 2 -> ctl(m.from, migrateAnswer, r, MigFreeze, rmigAns, XMIG)
+	:: busyRA[me] == r && rmig == 1 -> ctl(m.from, migrateAnswer, r, MigFreeze, MigRunning, XMIG)
+	:: busyRA[me] == r && rmig == 0 && stageR[r] != waitAck ->
+		rmig = 2; rmigAns = MigFailed; ctl(m.from, migrateAnswer, r, MigFreeze, rmigAns, XMIG)
+	:: busyRA[me] == r && rmig == 0 && stageR[r] == waitAck -> rmig = 1; holdL[me] = 1
+	fi
+}
+/* onMigServe: the export at the old middlebox (on its left subsession,
+ * locked for r, the right anchor next), the import at the new one (joined
+ * r's new path, nothing imported yet). The plug-ins' work (ExportState,
+ * StateExported; ImportState, StateImported) is one step here; one of
+ * the two may fail (migFails). A copy gets the same answer. */
+inline onMigServe(r) {
+	assert(m.from == la[r]);
+	if
+	:: m.x == MigExport && expAns != 0 -> ctl(m.from, migrateAnswer, r, MigExport, expAns, XMIG)
+	:: m.x == MigExport && expAns == 0 ->
+		if
+		:: !(leftN[me] == m.from && lock[me] == locked && requestor[me] == r && rightN[me] == ra[r]) ->
+			REACHED(96); expAns = MigFailed
+		:: leftN[me] == m.from && lock[me] == locked && requestor[me] == r && rightN[me] == ra[r] ->
+			assert(hasState[me]);
+#ifdef MIG_ORDER
+			/* order: nothing is about to cross this middlebox */
+			assert(!(net[me]??[tcp, _, _, _, _, _, _, _]));
+#endif
+			if
+			:: expAns = MigOK; exported = 1
+			:: migFails == 0 -> REACHED(97); migFails++; expAns = MigFailed
+			fi
+		fi;
+		ctl(m.from, migrateAnswer, r, MigExport, expAns, XMIG)
+	:: m.x == MigImport && impAns != 0 -> ctl(m.from, migrateAnswer, r, MigImport, impAns, XMIG)
+	:: m.x == MigImport && impAns == 0 ->
+		if
+		:: !(joinReq[me] == r && leftN[me] == m.from && jfail[GX(me)] != r) -> REACHED(98); impAns = MigFailed
+		:: joinReq[me] == r && leftN[me] == m.from && jfail[GX(me)] != r ->
+			if
+			:: impAns = MigOK; hasState[me] = 1; nImport++;
+				/* the state is imported at most once */
+				assert(nImport == 1)
+			:: migFails == 0 -> REACHED(99); migFails++; impAns = MigFailed
+			fi
+		fi;
+		ctl(m.from, migrateAnswer, r, MigImport, impAns, XMIG)
+	fi
+}
+#else
+#define RELEASESTATE(me) skip
+#define MIGDUE false
+#define newPathUp(r) skip   /* never reached: GATEOPEN */
+#endif
+
 inline onMessage() {
 	r = m.req;
 	if
@@ -660,10 +925,11 @@ inline onMessage() {
 		fi
 	:: m.t == synAck && me == la[r] && (m.s & FlagRefuse) == 0 ->
 		if
-		:: stageL[r] == settingUp && m.from == newN[me] ->
+		:: stageL[r] == settingUp && m.from == newN[me] && GATEOPEN(r) ->
 			CTL(newN[me], ack, r, 0);
 			startTwoPath(me, RIGHT, r);
 			stageL[r] = twoPath
+		:: stageL[r] == settingUp && m.from == newN[me] && !GATEOPEN(r) -> newPathUp(r)
 		:: stageL[r] == twoPath -> REACHED(17); CTL(newN[me], ack, r, 0)   /* our ACK was lost */
 		:: stageL[r] == locking && nh[r] == 0 && m.from == ra[r] && lock[me] == lockPending && requestor[me] == r && m.s == 1 ->
 			/* the early SYN's answer, granting the lock: the new path is
@@ -792,8 +1058,10 @@ inline onMessage() {
 		if
 		:: joinReq[me] == r && me != ra[r] && rightN[me] != NONE ->
 			ctl(rightN[me], cancelLock, r, 0, 1, 0);
-			/* FreeSession of the joined session */
-			leftN[me] = NONE; rightN[me] = NONE; joinReq[me] = 0; LEAVEGEN(me); jfail[GX(me)] = 0
+			/* FreeSession of the joined session (and ReleaseState of a
+			 * state it imported) */
+			leftN[me] = NONE; rightN[me] = NONE; joinReq[me] = 0; LEAVEGEN(me); jfail[GX(me)] = 0;
+			RELEASESTATE(me)
 		:: me == ra[r] && busyRA[me] == r && stageR[r] != twoPath -> releaseRight(r, resCancelled)
 		:: else -> REACHED(33)
 		fi
@@ -827,12 +1095,21 @@ inline onMessage() {
 		:: hist[HI(me, r)] == resCancelled && leftN[me] != NONE -> CTL(leftN[me], ackCancel, r, 0)
 		:: else -> REACHED(40); dropped(r, XCAN)   /* Rejected (e.g. the left side changed since) */
 		fi
+#ifdef TRIGGER
+	:: m.t == trigger -> onTrigger(r)
+	:: m.t == triggerResult -> onTriggerResult(r)
+#endif
+#ifdef MIGRATE
+	:: m.t == migrate && m.x == MigFreeze -> onFreeze(r)
+	:: m.t == migrate && m.x != MigFreeze -> onMigServe(r)
+	:: m.t == migrateAnswer -> onMigAnswer(r)
+#endif
 	fi
 }
 
 /* TimerRequest, TimerSyn, TimerCancel of the left anchor of request r, TimerFin of an anchor */
 #define TREQ(me, r) (r != 0 && stageL[r] == locking && lock[me] == lockPending && requestor[me] == r)
-#define TSYN(me, r) (r != 0 && stageL[r] == settingUp)
+#define TSYN(me, r) (r != 0 && stageL[r] == settingUp && SYNOPEN(r))
 #define TCAN(me, r) (r != 0 && canJob[r])
 #define TFIN(me) (tp[me] && finSent[me] && !finAcked[me])
 /* TimerFin after a finAck on the direct new path (anchor), or TimerTombFin
@@ -855,7 +1132,7 @@ inline onMessage() {
 	(TOLD(ra[r]) && OLDR(ra[r]) == r && finTries[ra[r]] >= MAXTRIES) || \
 	(TPROBE(la[r]) && tpReq[la[r]] == r && probes[la[r]] >= MAXTRIES) || \
 	(TPROBE(ra[r]) && tpReq[ra[r]] == r && probes[ra[r]] >= MAXTRIES))
-#define NOGIVEUPDUE (!GIVEUPDUE(1) && !GIVEUPDUE(NR))
+#define NOGIVEUPDUE (!GIVEUPDUE(1) && !GIVEUPDUE(NR) && !TRIGDUE && !MIGDUE)
 /* no anchor waits for the other's fin (at quiescence its probe timer is due) */
 #define NOWAITFIN (!TPROBE(la[1]) && !TPROBE(ra[1]) && !TPROBE(la[NR]) && !TPROBE(ra[NR]))
 /* a middlebox of r's new path is dead (§3.6) */
@@ -889,10 +1166,14 @@ end:
 			fi
 		/* the operator (or a middlebox) asks this agent to reconfigure */
 		:: PENDING(me) ->
+#ifdef TRIGGER
+			sendTrigger()
+#else
 			rq = (la[1] == me && stageL[1] == 0 -> 1 : NR);
 			startReq(rq)
-		/* the host writes its next byte, or closes */
-		:: ISHOST(me) && (hSndNxt[HOST(me)] < NDH(HOST(me)) || (FINS && !hFinSent[HOST(me)])) ->
+#endif
+		/* the host writes its next byte, or closes (not while it holds) */
+		:: ISHOST(me) && !HELD(me) && (hSndNxt[HOST(me)] < NDH(HOST(me)) || (FINS && !hFinSent[HOST(me)])) ->
 			hh = HOST(me); hostSend(hh)
 		/*
 		 * Timers (onTimer). A timer fires only once a message of its
@@ -977,11 +1258,57 @@ end:
 		 * can happen, no other timer included (LockLease exceeds every
 		 * exchange, and probes renew the old path's leases) */
 		:: timeout && gaveUp > 0 && NOGIVEUPDUE && NOWAITFIN && LEASE(me) -> printf("MSC: %d TimerLease\n", me); REACHED(45); onLease()
+#ifdef TRIGGER
+		/* TimerTrigger: resend the trigger; after MAXTRIES give up (NoAnswer) */
+		:: TTRIG(me) && (lossy[TRIGR] & XTRIG) && trigTries < MAXTRIES ->
+			r = TRIGR; lostNow[r] = lostNow[r] & NOTX(XTRIG);
+			printf("MSC: %d TimerTrigger: retransmit\n", me);
+			onTriggerTimer()
+		:: TTRIG(me) && ((lostNow[TRIGR] & XTRIG) || timeout) && trigTries >= MAXTRIES ->
+			r = TRIGR; GIVEUP; REACHED(85); trigPend = 0
+#endif
+#ifdef MIGRATE
+		/* TimerMigrateMsg: resend the step in flight; after MAXTRIES the
+		 * migration fails and the new path is abandoned */
+		:: TMIG(me) && (lossy[1] & XMIG) && migTries < MAXTRIES ->
+			r = 1; lostNow[r] = lostNow[r] & NOTX(XMIG);
+			printf("MSC: %d TimerMigrateMsg: retransmit\n", me);
+			migTransmit()
+		:: TMIG(me) && ((lostNow[1] & XMIG) || timeout) && migTries >= MAXTRIES ->
+			r = 1; GIVEUP; REACHED(95); migFail(r)
+		/* TimerMigrate at the right anchor: its hold's lease (the
+		 * migration's timeout + 5 s after the freeze) lets what it holds
+		 * go, once nothing else can happen: needed only after a loss (the
+		 * left anchor's ACK lost after its switch; the right anchor, its
+		 * acknowledgements held, waits for the left anchor's fin, which
+		 * waits for them) */
+		:: timeout && HOLDLEASE(me) ->
+			printf("MSC: %d TimerMigrate: hold released\n", me);
+			REACHED(88); assert(nlost + ndrop > 0); holdLeased = 1; migReleaseRight()
+		/* Drained: an anchor's side of the old path drained (order) */
+		:: MIGDRAINING(me) && DRAINED(me) -> r = 1; onDrained(r)
+#endif
 		fi;
 		/* the end of every event: evaluate the two-path phase, and let
 		 * the first queued request go on if the lock was released
 		 * (releaseQueue, wherever internal/protocol unlocks) */
 		evaluate();
-		releaseQueue() }
+		releaseQueue();
+#ifdef TRIGGER
+		/* emitResult: the request a trigger asked for ended: answer it */
+		if
+		:: me == la[TRIGR] && trigTaken && trigAns == 0 && stageL[TRIGR] == done -> answerTrigger(TRIGR)
+		:: else
+		fi;
+#endif
+#ifdef MIGRATE
+		/* the right anchor lets its held packets go at its switch, or
+		 * when the request ended here (cancelLock, lease) */
+		if
+		:: holdL[me] && me == ra[1] && (busyRA[me] != 1 || stageR[1] == twoPath) -> migReleaseRight()
+		:: else
+		fi;
+#endif
+	}
 	od
 }

@@ -19,6 +19,15 @@
  *   REPLACE2BY1   0-1-2-4, r1: 0 replaces 1,2 by 3 (0→4, [3]), deltas on 1 and 2
  *   INSERT_RIGHT  0-1-3,   r1: 1 inserts 2 right of middlebox 1 (1→3, [2]), delta on 1
  *
+ *   TRIGGER       0-1-2,   middlebox 1, a proxy (AppDelta right +1, left +2), splices:
+ *                 it triggers 0 to delete it (r1: 0→2, new path []); 1 sends the
+ *                 trigger, 0 starts r1 and answers with its result (trigger.go)
+ *   MIGRATE       0-1-3,   r1: 0 replaces 1 by 2 and moves 1's state to 2 (migrate.go),
+ *                 loss-free (nothing held); with -DMIG_ORDER order-preserving: both
+ *                 anchors hold, the old path drains before the export. The export
+ *                 or the import may fail (one of them, chosen nondeterministically):
+ *                 the new path is cancelled (§3.6)
+ *
  * A host on both paths (message version 3; docs/verification.md, "A
  * middlebox on both paths: the model"):
  *   ONPATH_SAME   0-1-2,   r1: 0 replaces 0..2 by [1], the segment it has: unchanged
@@ -75,6 +84,27 @@
 #ifdef DELETE_DELTA
 #define APPD appR[1]=1; appL[1]=2
 #endif
+#endif
+
+#ifdef TRIGGER
+#define NA 3
+#define NR 1
+#define NC 3
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=2
+#define REQS la[1]=0; ra[1]=2; nh[1]=0
+#define APPD appR[1]=1; appL[1]=2
+#define TRIGGERER 1
+#define TRIGR 1
+#endif
+
+#ifdef MIGRATE
+#define NA 4
+#define NR 1
+#define NC 3
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=3
+#define REQS la[1]=0; ra[1]=3; nh[1]=1; hop[2]=2
+#define MOLD 1
+#define MNEW 2
 #endif
 
 #ifdef INSERT

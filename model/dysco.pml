@@ -15,11 +15,10 @@
 
 #include "config.pml"
 
-/* The model sends no trigger nor triggerResult: a trigger only makes its
- * receiver a left anchor, as a local request does (startReq); nor a state
- * migration's migrate and migrateAnswer: they happen while a gated request
- * waits between the SYN-ACK and the ACK, which the model's abort covers.
- * The simulation covers both (internal/protocol/sim). */
+/* Triggers (trigger, triggerResult) are sent only in the -DTRIGGER
+ * configuration, a state migration's migrate and migrateAnswer only in
+ * -DMIGRATE (docs/verification.md, "Triggers" and "State migration");
+ * other configurations keep no variable of theirs. */
 /* MsgTypes (message.go), in the Go order. */
 mtype = { requestLock, ackLock, nackLock, cancelLock, ackCancel, syn, synAck, ack, fin, finAck, trigger, triggerResult, migrate, migrateAnswer };
 /* LockStates (types.go). */
@@ -37,7 +36,9 @@ mtype = { tcp };
 #define ReasonNoSession 5
 #define ReasonTimeout   6
 #define ReasonSetupFailed 7
+#define ReasonAborted   10   /* a gated request aborted before the switch (a failed migration) */
 #define ReasonOnPath    11   /* a hop of the new chain is already on the session's path */
+#define ReasonNotNextHop 13  /* trigger: the sender is no longer the left neighbour's next hop */
 
 /* resKind (internal/protocol): how a request was resolved at an agent (its history,
  * which answers retransmissions); 0 = not resolved here. */
@@ -52,6 +53,8 @@ mtype = { tcp };
 #define TimerCancel  3
 #define TimerFin     4
 #define TimerLease   5
+#define TimerTrigger 9
+#define TimerMigrateMsg 11
 
 /* Outcomes (types.go). */
 #define Succeeded 1
@@ -137,6 +140,8 @@ bool pendSyn[NR+1], synEarly[NR+1];
 #define XFINR 16  /* the right anchor's fin and its finAck */
 #define XWAITL 32 /* the left anchor's probes (TimerFin in waitFin): set by any loss or */
 #define XWAITR 64 /* rejection of a fin or finAck of the request, cleared by each probe */
+#define XTRIG 128 /* trigger, triggerResult: the sender's TimerTrigger (-DTRIGGER) */
+#define XMIG  128 /* migrate, migrateAnswer: the left anchor's TimerMigrateMsg (-DMIGRATE; never with TRIGGER) */
 #define NOTX(X) (255 - (X))
 byte nlost;                     /* control messages lost so far */
 byte ndrop;                     /* control messages dropped at a full queue (up to 2, agent.pml ctl) */
@@ -204,7 +209,9 @@ bool hFinSent[2], hFinRcvd[2];
 bool unchanged[NR+1];           /* Result.Unchanged */
 byte refHop[NR+1];              /* Result.Hop: the hop already on the path (0: none; set with cancelJob.end) */
 byte canOut[NR+1];              /* cancelJob.end: the outcome the request reports once the locks are released (0: Failed setupFailed) */
-#define CANREASON(r) (canOut[r] == Refused -> ReasonOnPath : (canOut[r] == Failed -> ReasonSetupFailed : ReasonNone))
+/* canOut MIGABORT: a migration failed, the request reports Failed aborted */
+#define MIGABORT 4
+#define CANREASON(r) (canOut[r] == Refused -> ReasonOnPath : (canOut[r] == Failed -> ReasonSetupFailed : (canOut[r] == MIGABORT -> ReasonAborted : ReasonNone)))
 bool joinedAny;                 /* some host joined a new path (JoinSession) */
 byte joinFails;                 /* JoinFailed events so far (at most JOINFAIL) */
 #ifndef JOINFAIL
@@ -261,11 +268,53 @@ bool oLock[ONA];
 #define NOTETD(r) skip
 #endif
 
+/* ---- triggers (trigger.go; -DTRIGGER) ----
+ * Middlebox TRIGGERER asks its left neighbour, with a trigger on their
+ * subsession, to be left anchor of request TRIGR (its deletion, a proxy's
+ * splice). The sender: trigTries (trigOut.sent), trigPend (its trigOut,
+ * until the final answer or it gives up), trigFinal (final answers it took),
+ * trigGot / trigGotRs (the outcome and reason they carried). The left
+ * neighbour: trigTaken (its trigIn), trigPeer (trigIn.peer), trigAns / trigRs (trigIn.answer: the
+ * outcome and reason answered, trigAns 0 while the request runs),
+ * trigStarted (requests it started for the trigger). */
+#ifdef TRIGGER
+byte trigTries, trigFinal, trigGot, trigGotRs, trigAns, trigRs, trigStarted, trigTo, trigPeer;
+bool trigPend, trigTaken;
+#endif
+
+/* ---- state migration (migrate.go; -DMIGRATE) ----
+ * Request 1 replaces middlebox MOLD by MNEW and moves MOLD's state of the
+ * session to MNEW. hasState: the host holds the session's middlebox state
+ * (a token: MOLD's at the start); nImport: imports done. The left anchor:
+ * migPh (migPhase), the step in flight (migTo, migOp, migTries: migCall);
+ * exported, migAborted, migFails (export or import failures chosen so
+ * far, at most one). The right anchor: rmig (0 none, 1 holding and
+ * draining, 2 answered), rmigAns (its answer). The old and new middleboxes:
+ * expAns, impAns (migServe.answer: 0 none yet, MigOK, MigFailed). holdL:
+ * an anchor holds the packets it would send on the old path (Hold ..
+ * ReleaseHold); the anchors are the end hosts, so a hold is the host not
+ * sending, its acknowledgements owed (ackOwed) sent cumulatively when the
+ * hold is released. */
+#ifdef MIGRATE
+#define MIGABORTS true
+#else
+#define MIGABORTS false
+#endif
+#ifdef MIGRATE
+bool hasState[NA], holdL[NA], ackOwed[NA];
+byte nImport, migPh, migTo, migOp, migTries, migFails, rmig, rmigAns, expAns, impAns;
+bool exported, migAborted;
+bool holdLeased;                /* the right anchor's hold went by its lease (TimerMigrate) */
+#endif
+
 #include "tcp.pml"
 #include "agent.pml"
 
 inline setup() {
 	CHAIN; REQS; APPD; DEAD;
+#ifdef MIGRATE
+	hasState[MOLD] = 1;
+#endif
 	i = 0;
 	do
 	:: i < NA -> leftN[i] = NONE; rightN[i] = NONE; newN[i] = NONE; lingerN[i] = NONE; oldN[i] = NONE; i++
@@ -323,10 +372,39 @@ inline finalCheck() {
 	assert(hSndUna[0] == hSndNxt[0] && hSndUna[1] == hSndNxt[1]);
 	/* every request answered, no cancel job left, no loss beyond LOSS */
 	assert(nlost <= LOSS);
+#ifdef TRIGGER
+	/* the trigger: its sender has one final answer (or gave up after
+	 * MAXTRIES), which is the result of the one request it started */
+	assert(!trigPend && trigFinal <= 1 && trigStarted <= 1);
+	assert(trigFinal == 1 || gaveUp > 0);
+	assert(!trigTaken || (trigAns != 0 && trigStarted == 1));
+	assert(trigFinal == 0 || (trigGot == outcome[TRIGR] && trigGotRs == reason[TRIGR]));
+#define TRIGNONE(i) (i == TRIGR && !trigTaken && gaveUp > 0)
+#else
+#define TRIGNONE(i) false
+#endif
+#ifdef MIGRATE
+	/* every hold released, the state imported at most once; a success
+	 * moved the state to the new middlebox, a failure left the session
+	 * on the old path with the old middlebox's state (and none at the new
+	 * one, unless a loss kept the new path's cancelLock from it) */
+	i = 0;
+	do
+	:: i < NA -> assert(!holdL[i] && !ackOwed[i]); i++
+	:: else -> break
+	od;
+	assert(nImport <= 1);
+	if
+	:: outcome[1] == Succeeded -> assert(hasState[MNEW] && exported && !migAborted && rightN[0] == MNEW)
+	:: else ->
+		assert(outcome[1] == Failed && rightN[0] == MOLD && leftN[3] == MOLD && hasState[MOLD]);
+		assert(!hasState[MNEW] || nlost > 0)
+	fi;
+#endif
 	i = 1;
 	do
 	:: i <= NR ->
-		assert(stageL[i] == done && (stageR[i] == 0 || stageR[i] == done));
+		assert((stageL[i] == done || TRIGNONE(i)) && (stageR[i] == 0 || stageR[i] == done));
 		assert(!canJob[i]);
 		assert(unconf[i] == 0 || gaveUp > 0);
 		i++
@@ -359,6 +437,9 @@ inline finalCheck() {
 		assert(outcome[2] == Succeeded || (outcome[2] == Refused && reason[2] == ReasonOnPath && refHop[2] == 1));
 #elif JOINFAIL > 0
 		assert(outcome[1] == Succeeded || (outcome[1] == Failed && reason[1] == ReasonSetupFailed && joinFails > 0));
+#elif defined(MIGRATE)
+		/* without a give-up only a failed export or import aborts */
+		assert(outcome[1] == Succeeded || (outcome[1] == Failed && reason[1] == ReasonAborted && migFails > 0));
 #elif defined(CONTEND)
 		/* exactly one of the contending requests succeeds (once one has
 		 * succeeded the other's segment no longer exists) */
@@ -379,7 +460,8 @@ inline finalCheck() {
 		:: i <= NR ->
 			assert(outcome[i] == Succeeded || (outcome[i] == Refused && NR == 2) ||
 			       (outcome[i] == Refused && reason[i] == ReasonOnPath) ||
-			       (outcome[i] == Failed && (reason[i] == ReasonTimeout || reason[i] == ReasonSetupFailed)));
+			       (outcome[i] == Failed && (reason[i] == ReasonTimeout || reason[i] == ReasonSetupFailed)) ||
+			       (outcome[i] == Failed && reason[i] == ReasonAborted && MIGABORTS) || TRIGNONE(i));
 			i++
 		:: else -> break
 		od;

@@ -21,6 +21,29 @@
 /* end-to-end delta of the stream host h receives */
 #define TDIN(h) (h == 0 -> TDL : TDR)
 
+/* State migration (-DMIGRATE): the new middlebox has the state before
+ * any packet of the session reaches it; with order semantics no end host
+ * sends a packet to the old middlebox after its export, before its own
+ * switch (after it, §3.5's cut-off rules keep retransmissions and acks
+ * of bytes sent before on the old path) or the abort. */
+#ifdef MIGRATE
+#define HELD(me) holdL[me]
+#define ACKOWED(me) ackOwed[me] = 1
+#define MIGSTATEIN() assert(me != MNEW || joinReq[me] == 0 || hasState[me])
+#ifdef MIG_ORDER
+/* (after the right anchor's hold lease, only after a loss, what it held
+ * and sends after it crosses the old middlebox: order is not kept) */
+#define MIGORDERPUT(nb) assert(!(nb == MOLD && ISHOST(me) && exported && !migAborted && !tp[me] && !holdLeased))
+#else
+#define MIGORDERPUT(nb) skip
+#endif
+#else
+#define HELD(me) false
+#define ACKOWED(me) skip
+#define MIGSTATEIN() skip
+#define MIGORDERPUT(nb) skip
+#endif
+
 /* twopath.go CutOff: snapshot the side's marks */
 inline startTwoPath(me, side, r) {
 	tp[me] = 1; tpSide[me] = side; tpReq[me] = r;
@@ -36,6 +59,7 @@ inline startTwoPath(me, side, r) {
 /* one piece on one path: egress delta (ack - delta) */
 inline put(nb, d, ps, pa, px, pst, pat) {
 	assert(nfull(net[nb]));   /* the bounded channels never overflow */
+	MIGORDERPUT(nb);
 	net[nb]!tcp(me, 0, px, ps, pa - d, pst, pat)
 }
 
@@ -119,10 +143,15 @@ inline hostRecv(h) {
 		:: (hRcvd[h] & (1 << (hRcvNxt[h] - TDIN(h)))) != 0 -> hRcvNxt[h]++
 		:: else -> break
 		od;
-		/* acknowledge at once (pure ack) */
+		/* acknowledge at once (pure ack); a host that holds (a
+		 * migration's freeze) owes it until the hold is released */
+		if
+		:: HELD(me) -> ACKOWED(me)
+		:: else ->
 		hside = (h == 0 -> RIGHT : LEFT);
 		hat = hRcvNxt[h] - TDIN(h);
 		egress(hside, hSndNxt[h], hRcvNxt[h], 0, 0, hat)
+		fi
 	:: else
 	fi
 }
@@ -133,6 +162,7 @@ inline hostRecv(h) {
  * middlebox forwards it (AppDelta) to the other side.
  */
 inline tcpIn() {
+	MIGSTATEIN();
 	if
 	:: tp[me] && m.from == newN[me] -> side = tpSide[me]; path = 2; d = dNew[me]
 	:: !tp[me] && newN[me] != NONE && m.from == newN[me] && busyRA[me] != 0 ->

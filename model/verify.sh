@@ -123,6 +123,19 @@ CONFIGS=(
 	# a JoinFailed whose refusal is lost: the SYN sent again is refused
 	# again (docs/verification.md, "JoinFailed with its refusal lost")
 	"join-failed-loss|-DINSERT2 -DJOINFAIL=1 -DLOSS=1|ok"
+	# a proxy's splice: middlebox 1 triggers its left neighbour 0 to delete
+	# it (docs/verification.md, "Triggers"); with a loss, and with copies
+	# (with data, a loss takes 37 M states and 7 GB, as delete-loss; the
+	# trigger's own exchanges are checked without data)
+	"trigger|-DTRIGGER|ok"
+	"trigger-loss|-DTRIGGER -DLOSS=1|ok"
+	"trigger-loss-nodata|-DTRIGGER -DLOSS=1 -DNDR=0 -DNDL=0|ok"
+	# a state migration replacing 1 by 2 (docs/verification.md, "State
+	# migration"): loss-free, order-preserving, each with a loss
+	"migrate|-DMIGRATE|ok"
+	"migrate-order|-DMIGRATE -DMIG_ORDER|ok"
+	"migrate-loss|-DMIGRATE -DLOSS=1|ok"
+	"migrate-order-loss|-DMIGRATE -DMIG_ORDER -DLOSS=1|ok"
 	# the deliberately broken variants must fail
 	"broken-skip-lock|-DCONTEND -DBROKEN_SKIP_LOCK|error"
 	"broken-acks-old|-DDELETE -DBROKEN_ACKS_OLD|error"
@@ -135,9 +148,13 @@ CONFIGS=(
 	"broken-onpath|-DONPATH_SAME -DBROKEN_ONPATH|error"
 	"broken-onpath-outside|-DONPATH_OUTSIDE -DBROKEN_ONPATH|error"
 	"broken-live-known|-DREJOIN -DBROKEN_LIVE_KNOWN|error"
+	# the left neighbour takes every copy of a trigger as a new one; a
+	# migrating left anchor switches before the import is confirmed
+	"broken-trigger-dup|-DTRIGGER -DLOSS=1 -DBROKEN_TRIGGER_DUP|error"
+	"broken-mig-early-switch|-DMIGRATE -DBROKEN_MIG_EARLY_SWITCH|error"
 )
-QUICK="delete insert replace delete-delta delete2 contend cancel insert-fin insert-right delete-loss insert-loss cancel-loss cancel-replace-loss delete-giveup onpath-same onpath-partial onpath-reorder onpath-outside onpath-none join-failed broken-skip-lock broken-acks-old broken-no-dedup broken-fin-no-reanswer broken-no-probe broken-onpath broken-onpath-outside broken-live-known"
-BROKEN="broken-skip-lock broken-acks-old broken-no-dedup broken-fin-no-reanswer broken-no-probe broken-onpath broken-onpath-outside broken-live-known"
+QUICK="delete insert replace delete-delta delete2 contend cancel insert-fin insert-right delete-loss insert-loss cancel-loss cancel-replace-loss delete-giveup onpath-same onpath-partial onpath-reorder onpath-outside onpath-none join-failed trigger trigger-loss-nodata migrate migrate-order migrate-loss migrate-order-loss broken-skip-lock broken-acks-old broken-no-dedup broken-fin-no-reanswer broken-no-probe broken-onpath broken-onpath-outside broken-live-known broken-trigger-dup broken-mig-early-switch"
+BROKEN="broken-skip-lock broken-acks-old broken-no-dedup broken-fin-no-reanswer broken-no-probe broken-onpath broken-onpath-outside broken-live-known broken-trigger-dup broken-mig-early-switch"
 
 # C optimisation of pan: -O2 (the default) makes the big searches fast,
 # but compiling pan.c at -O2 takes 15-30 s; the quick set's searches take

@@ -91,6 +91,7 @@ func TestModelReasonsAndOutcomes(t *testing.T) {
 		"ReasonStale":        int(ReasonStale),
 		"ReasonAborted":      int(ReasonAborted),
 		"ReasonOnPath":       int(ReasonOnPath),
+		"ReasonNotNextHop":   int(ReasonNotNextHop),
 		"Succeeded":          int(Succeeded),
 		"Refused":            int(Refused),
 		"Failed":             int(Failed),
@@ -103,6 +104,8 @@ func TestModelReasonsAndOutcomes(t *testing.T) {
 		"TimerCancel":        int(TimerCancel),
 		"TimerFin":           int(TimerFin),
 		"TimerLease":         int(TimerLease),
+		"TimerTrigger":       int(TimerTrigger),
+		"TimerMigrateMsg":    int(TimerMigrateMsg),
 	}
 	found := 0
 	for _, m := range defineRe.FindAllStringSubmatch(src, -1) {
@@ -133,6 +136,7 @@ var modelOnly = map[string]bool{
 	"newRequestLock": true, // onRequestLock after its checks for duplicates
 	"middleFinAck":   true, // onFinAck + onLinger at a middle agent
 	"startTwoPath":   true, // switchPaths + the datapath's CutOff
+	"releaseHold":    true, // the datapath's ReleaseHold (migReleaseLeft, migReleaseRight)
 	"put":            true,
 	"egress":         true,
 	"hostSend":       true,
