@@ -474,6 +474,26 @@ func (a *Agent) onFreeze(from netip.Addr, m *Message) {
 	}
 	g.holding = true
 	a.emit(Hold{Session: s.id, Side: SideLeft, Req: r.req, Semantics: g.spec.Semantics, Limit: g.spec.HoldLimit})
+	// Holding, this right anchor lets go only at its switch: the left
+	// anchor's ACK, or its first packet on the new path. With the ACK
+	// lost and nothing new from the left (it waits for acknowledgments
+	// held here), the session would stall until the hold's lease. So the
+	// synAck goes again, with the usual back-off, while it holds and has
+	// not switched (§3.3, §3.6); the left anchor answers a copy with its
+	// ACK (onSynAck). The Promela model found the stall.
+	r.tries = 0
+	a.setTimer(s, TimerSyn, r.req, a.backoff(1))
+}
+
+// resendHeldSynAck sends a holding right anchor's synAck again (TimerSyn
+// at the right anchor): until it switches, or its hold ends.
+func (a *Agent) resendHeldSynAck(s *session, r *anchor) {
+	if r.stage != StageWaitAck || r.rmig == nil || !(r.rmig.holding || r.rmig.held) {
+		return
+	}
+	r.tries++
+	a.sendSynAck(s, r, r.newPeer, r.newSub)
+	a.setTimer(s, TimerSyn, r.req, a.backoff(r.tries))
 }
 
 // migAnswerTo is the answer to migration request m.

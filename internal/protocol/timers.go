@@ -59,6 +59,10 @@ func (a *Agent) onTimer(id TimerID) {
 		}
 		a.sendRequestLock(s, l)
 	case TimerSyn:
+		if r := s.right; r != nil && r.req == id.Req {
+			a.resendHeldSynAck(s, r)
+			return
+		}
 		l := s.left
 		if l == nil || l.req != id.Req || l.stage != StageSettingUp {
 			return
