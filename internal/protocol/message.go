@@ -437,7 +437,7 @@ func (m *Message) validate() error {
 	case m.Type == MsgSyn, m.Type == MsgAckLock:
 	case m.Type == MsgSynAck && m.Flags&FlagRefuse != 0:
 		// A refusal names the host that refused (refuseSyn), and why.
-		if len(m.Hops) != 1 || m.Reason != ReasonOnPath && m.Reason != ReasonSetupFailed {
+		if len(m.Hops) != 1 || m.Reason != ReasonOnPath && m.Reason != ReasonSetupFailed && m.Reason != ReasonStale {
 			return decodeErr(RejectMalformed, "refusing synAck with %d hops, reason %d", len(m.Hops), m.Reason)
 		}
 	case len(m.Hops) > 0:

@@ -95,6 +95,15 @@ func (a *Agent) onNewSyn(from netip.Addr, m *Message, onPath bool) {
 				return
 			}
 			a.reject(RejectUnexpected, m, from, "syn for %s: not locked here", m.Req)
+			if from != m.Req.LeftAnchor && a.knownReq(m.Req) {
+				// A SYN of a request that is over here (cancelled,
+				// released), come through middleboxes: a late copy of
+				// one sent before the cancel, which hosts that had left
+				// the new path joined again. Refused (stale), so that
+				// they leave again (onSynAck) instead of keeping the
+				// session until it is idle (§3.6).
+				a.refuseSyn(from, m, ReasonStale, a.cfg.Self)
+			}
 			return
 		}
 		a.acceptSyn(a.sessions[id], from, m)
@@ -337,8 +346,10 @@ func (a *Agent) onSynAck(s *session, ref subRef, m *Message) {
 			// A host after us refused the new path: it will never be
 			// used.
 			a.progress(s, m.Req, RoleNewHop, StageDone, "new path refused further on: "+m.Reason.String())
-			if m.Reason == ReasonOnPath {
-				// It did not pass the SYN on: nothing after it to free.
+			if m.Reason == ReasonOnPath || m.Reason == ReasonStale {
+				// It did not pass the SYN on (a host on the path
+				// already, or the right anchor of a request that is
+				// over): nothing after it to free.
 				// Leave (the left anchor's cancelLock on the new path
 				// would find nothing here to pass on to).
 				a.emit(FreeSession{Session: s.id})

@@ -89,6 +89,23 @@ func reportFailure(t *testing.T, r *Report) {
 		r.Seed, r.Err, r.Seed, strings.Join(TraceTail(full.Trace, traceTailLen), "\n"))
 }
 
+// regressionSeeds are seeds beyond the default range that found a bug in
+// a long soak, each run on every test: 23537, a middle agent of an old
+// path that gave way to a new path dropped the old path's fins
+// (SessionEnd.Replaced); 6064, a late copy of a cancelled request's SYN
+// made hosts join its new path again and keep the session until it was
+// idle (the right anchor's stale refusal).
+var regressionSeeds = []int64{6064, 23537}
+
+// TestSimRegressions runs the regression seeds.
+func TestSimRegressions(t *testing.T) {
+	for _, seed := range regressionSeeds {
+		if r := Run(Options{Seed: seed}); r.Err != nil {
+			t.Errorf("seed %d: %v", seed, r.Err)
+		}
+	}
+}
+
 // TestSim runs the simulation over many seeds (-seed N: one seed).
 func TestSim(t *testing.T) {
 	if *seedFlag >= 0 {
