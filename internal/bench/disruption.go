@@ -295,7 +295,7 @@ func (dl *DisruptionLab) checkFlowing(ctx context.Context, o *Options, x *Disrup
 			break
 		}
 		if time.Since(tl) > 10*time.Second {
-			x.problem("mb1's agent still has the session 10 s after the sampling (%s, lock %s, reconfig %q)", ss[0].State, ss[0].Lock, ss[0].Reconfig)
+			x.problem("mb1's agent still has the session, 10 s after the sampling (%s, lock %s, reconfig %q)", ss[0].State, ss[0].Lock, ss[0].Reconfig)
 			break
 		}
 		if err := labkit.SleepCtx(ctx, 200*time.Millisecond); err != nil {

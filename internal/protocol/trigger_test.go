@@ -58,7 +58,7 @@ func TestTriggerRemovesSender(t *testing.T) {
 	h.trigger(2, 3, nil, 5, nil)
 	trig := h.queuedMsg(MsgTrigger, addr(1)).msg
 	if trig.Sub != subTuple(1, 2) || trig.Req.LeftAnchor != addr(2) || trig.Nonce != testNonce || trig.RightAnchor != addr(3) {
-		t.Fatalf("trigger %s, want one on subsession 1-2 from agent 2 with the session's nonce", trig)
+		t.Fatalf("trigger %s, want one from agent 2 on the subsession from agent 1 with the session's nonce", trig)
 	}
 	h.run()
 	acc := h.trigAccepted[addr(1)]
