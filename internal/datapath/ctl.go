@@ -80,8 +80,3 @@ func (d objects) ctlRun(a dyscoCtlArgs) (int, error) {
 // objects is what every group of maps shares: the loaded programs and maps,
 // with the control program that changes several maps in one run.
 type objects struct{ objs *dyscoObjects }
-
-// ctl runs the control program on the datapath's objects (tests).
-func (d *Datapath) ctl(op uint32, k *Tuple, tp *TPKey, arg uint32) error {
-	return objects{&d.objs}.ctl(op, k, tp, arg)
-}

@@ -663,3 +663,8 @@ func TestMarkClosed(t *testing.T) {
 		t.Fatal("MarkClosed of a session that is gone succeeded")
 	}
 }
+
+// ctl runs the control program on the datapath's objects (tests).
+func (d *Datapath) ctl(op uint32, k *Tuple, tp *TPKey, arg uint32) error {
+	return objects{&d.objs}.ctl(op, k, tp, arg)
+}
