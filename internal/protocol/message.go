@@ -486,7 +486,15 @@ type Keys struct {
 }
 
 type macKey struct {
-	pool sync.Pool
+	pool sync.Pool // of *macState
+}
+
+// macState is a pooled HMAC state with its buffers (kept off the stack:
+// slices of them passed to the hash would escape).
+type macState struct {
+	h    hash.Hash
+	addr [16]byte
+	sum  [sha256.Size]byte
 }
 
 // NewKeys returns the keys (at least one, at most MaxKeys), the first
@@ -499,7 +507,7 @@ func NewKeys(keys ...[]byte) *Keys {
 	k := &Keys{}
 	for _, key := range keys {
 		kc := bytes.Clone(key)
-		k.macs = append(k.macs, &macKey{pool: sync.Pool{New: func() any { return hmac.New(sha256.New, kc) }}})
+		k.macs = append(k.macs, &macKey{pool: sync.Pool{New: func() any { return &macState{h: hmac.New(sha256.New, kc)} }}})
 	}
 	return k
 }
@@ -535,17 +543,16 @@ func (k *Keys) open(b []byte, from netip.Addr) bool {
 // sum appends to dst the HMAC-SHA-256 of from (16 bytes, IPv4-mapped) and
 // body, truncated to MACLen.
 func (mk *macKey) sum(dst []byte, from netip.Addr, body []byte) []byte {
-	h := mk.pool.Get().(hash.Hash)
-	h.Reset()
-	a := from.As16()
-	if !from.IsValid() {
-		a = [16]byte{}
+	st := mk.pool.Get().(*macState)
+	st.h.Reset()
+	st.addr = [16]byte{}
+	if from.IsValid() {
+		st.addr = from.As16()
 	}
-	h.Write(a[:])
-	h.Write(body)
-	var sum [sha256.Size]byte
-	dst = append(dst, h.Sum(sum[:0])[:MACLen]...)
-	mk.pool.Put(h)
+	st.h.Write(st.addr[:])
+	st.h.Write(body)
+	dst = append(dst, st.h.Sum(st.sum[:0])[:MACLen]...)
+	mk.pool.Put(st)
 	return dst
 }
 
