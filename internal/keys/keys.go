@@ -1,5 +1,7 @@
 // Package keys holds the deployment secrets that authenticate what Dysco
-// agents tell each other, and the purpose keys derived from them.
+// agents tell each other, and the purpose keys derived from them (the
+// paper's §2.3, "Security", leaves the protection of control packets to
+// conventional techniques; these are this implementation's).
 //
 // A key file holds one or more deployment secrets, one hex string per
 // line; '#' starts a comment. The first secret signs, every secret of the

@@ -471,7 +471,10 @@ func validTuple(t wire.Tuple) bool {
 		t.SrcPort != 0 && t.DstPort != 0
 }
 
-// Keys are the keys of control messages at an agent, derived from the
+// Keys are the keys of control messages at an agent (§2.3, "Security":
+// against off-path attackers, control packets carry the session's nonce;
+// this implementation also authenticates each message, nonce and sender
+// included, under a key the deployment shares), derived from the
 // deployment secrets of its key file (KeysFromRing): the first signs what
 // the agent sends, each verifies what it receives, the signing one first
 // (during a rotation a peer may still sign with the old one). Immutable;
