@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"net/netip"
 	"os"
@@ -15,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/keys"
 	"github.com/dysco/dysco/internal/lab"
 	"github.com/dysco/dysco/internal/testutil"
@@ -215,4 +217,56 @@ func writeKeyFile(t *testing.T, path, text string) {
 
 func equalIDs(got []string, want ...string) bool {
 	return strings.Join(got, ",") == strings.Join(want, ",")
+}
+
+// TestControlMACMultiHomed: the middleboxes of a line have an address on
+// each of their links and send to each neighbour from the address of that
+// link; toward the server that is not the agent's own address (its
+// lowest). The MAC covers the sender's address as the receiver sees it
+// (the source address the route selects): middleboxes that take
+// themselves out, sending triggers and passing the requests of others on
+// from their second address, succeed with no message refused for its MAC.
+func TestControlMACMultiHomed(t *testing.T) {
+	e := newLab(t, labOpts{topology: lab.Line("client", "mb1", "mb2", "server"), prefix: "k"})
+	hosts := []string{"client", "mb1", "mb2", "server"}
+	mb1, mb2 := e.host("mb1"), e.host("mb2")
+	dst := e.addr("server", false)
+	if len(mb1.Ifaces) < 2 || len(mb2.Ifaces) < 2 {
+		t.Fatalf("the line's middleboxes have %d and %d interfaces, want two each", len(mb1.Ifaces), len(mb2.Ifaces))
+	}
+	// mb1 and mb2 as the chain names them: the address facing the client.
+	const port = 9311
+	e.policy("client", "k", fmt.Sprintf("tcp dst port %d", port), mb1.Addr4.String(), mb2.Addr4.String())
+	const total, rate = 48 * mib, 4 * mib
+	lt := e.startTransfer("client", "server", dst, port, total, rate)
+	testutil.Eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > 2*mib })
+	before := map[string]uint64{}
+	for _, h := range hosts {
+		before[h] = e.status(h).Counters["control_rejected_bad_mac"]
+	}
+	removeSelf := func(what, host string) {
+		t.Helper()
+		out, err := e.lab.Command(t.Context(), host, dyscoBin, "middlebox", "remove", "--json").Output()
+		var rep api.ReconfigReply
+		if jerr := json.Unmarshal(out, &rep); jerr != nil {
+			t.Fatalf("%s: dysco middlebox remove: %v %v\n%s", host, err, jerr, out)
+		}
+		if err != nil || len(rep.Results) != 1 || rep.Results[0].Outcome != "succeeded" {
+			t.Fatalf("%s: %v %+v", what, err, rep.Results)
+		}
+		if lt.received.Load() >= total {
+			t.Fatalf("%s: the transfer ended first: pace it slower", what)
+		}
+	}
+	// mb1's trigger goes to the client; the client's request passes mb1,
+	// which sends it on to mb2 from its second address.
+	removeSelf("mb1 takes itself out", "mb1")
+	// mb2's trigger goes to the client, its left neighbour now.
+	removeSelf("mb2 takes itself out", "mb2")
+	lt.wait(t)
+	for _, h := range hosts {
+		if n := e.status(h).Counters["control_rejected_bad_mac"]; n != before[h] {
+			t.Errorf("%s refused %d control messages for their MAC", h, n-before[h])
+		}
+	}
 }
