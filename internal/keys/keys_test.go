@@ -233,3 +233,39 @@ func TestFileReload(t *testing.T) {
 		return f2.Ring().IDs()[0] == KeyID(mustHex(hexA[:32]))
 	})
 }
+
+// A poll reads a changed file only once a second poll finds it as the
+// first did: a file caught half-written (here, its first line only, a
+// valid ring of one key) is not taken.
+func TestFilePollSteady(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "control.key")
+	writeKey(t, p, hexA+"\n", 0o600)
+	f, err := Open(p, os.Geteuid(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, b := KeyID(mustHex(hexA)), KeyID(mustHex(hexB))
+	ids := func() string { return strings.Join(f.Ring().IDs(), ",") }
+	f.poll()
+	if ids() != a || f.Reloads() != 0 {
+		t.Fatalf("an unchanged file was read again: %s, %d reloads", ids(), f.Reloads())
+	}
+	writeKey(t, p, hexB+"\n", 0o600) // the first line of "B, A", being written
+	f.poll()
+	if ids() != a {
+		t.Fatalf("a file that had just changed was taken: %s", ids())
+	}
+	writeKey(t, p, hexB+"\n"+hexA+"\n", 0o600) // whole now
+	f.poll()
+	if ids() != a {
+		t.Fatalf("a file still changing was taken: %s", ids())
+	}
+	f.poll()
+	if ids() != b+","+a || f.Reloads() != 1 {
+		t.Fatalf("the steady file: %s, %d reloads; want %s,%s once", ids(), f.Reloads(), b, a)
+	}
+	f.poll()
+	if f.Reloads() != 1 {
+		t.Fatalf("read again with no change: %d reloads", f.Reloads())
+	}
+}

@@ -15,8 +15,8 @@ import (
 const DefaultPoll = time.Second
 
 // File is a key file that an agent keeps loaded: it reads it again on
-// SIGHUP and when the file changes (its size, modification time, inode or
-// mode), without a restart. A file that no longer loads (a typo, a mode
+// SIGHUP, and when a poll finds the file changed (its size, times, inode
+// or mode) and the next finds it unchanged since, without a restart. A file that no longer loads (a typo, a mode
 // too open) is refused and logged, and the ring in use stays.
 type File struct {
 	path string
@@ -26,7 +26,8 @@ type File struct {
 	ring atomic.Pointer[Ring]
 
 	mu      sync.Mutex
-	stamp   fileStamp
+	stamp   fileStamp // of the file last read
+	pending fileStamp // of the file at the last poll
 	subs    []func(*Ring)
 	reloads atomic.Uint64 // rings taken after the first
 	errors  atomic.Uint64 // loads refused
@@ -44,7 +45,7 @@ func Open(path string, uid int, log *slog.Logger) (*File, error) {
 	if err != nil {
 		return nil, err
 	}
-	f.stamp = st
+	f.stamp, f.pending = st, st
 	f.ring.Store(r)
 	log.Info("control keys loaded", "file", path, "active", r.IDs(), "signing", r.IDs()[0])
 	return f, nil
@@ -81,7 +82,7 @@ func (f *File) Reload() error {
 
 func (f *File) reloadLocked() error {
 	st, _ := stampOf(f.path)
-	f.stamp = st
+	f.stamp, f.pending = st, st
 	r, err := Load(f.path, f.uid)
 	if err != nil {
 		f.errors.Add(1)
@@ -101,8 +102,8 @@ func (f *File) reloadLocked() error {
 	return nil
 }
 
-// Start reloads the file on SIGHUP and whenever a poll every interval
-// (DefaultPoll if 0) finds it changed, until ctx ends. SIGHUP is caught
+// Start reloads the file on SIGHUP and when polls every interval
+// (DefaultPoll if 0) find it changed and then steady, until ctx ends. SIGHUP is caught
 // from the moment Start returns.
 func (f *File) Start(ctx context.Context, interval time.Duration) {
 	if interval <= 0 {
@@ -128,16 +129,24 @@ func (f *File) Start(ctx context.Context, interval time.Duration) {
 	}()
 }
 
-// poll reloads the file if it changed since it was last read.
+// poll reloads the file if it changed since it was last read and has
+// stayed as it is since the previous poll: a file being written (an
+// editor saving in place) is read once it is whole, not half-way, when a
+// half might parse as a ring of fewer keys.
 func (f *File) poll() {
 	st, err := stampOf(f.path)
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err == nil && st == f.stamp {
+		f.pending = st
 		return
 	}
 	if err != nil && f.stamp == (fileStamp{}) {
 		return // still missing: logged once already
+	}
+	if err == nil && st != f.pending {
+		f.pending = st // changed: read it once it has stayed so for a poll
+		return
 	}
 	_ = f.reloadLocked()
 }
