@@ -23,8 +23,10 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/datapath"
+	"github.com/dysco/dysco/internal/keys"
 	"github.com/dysco/dysco/internal/migrate"
 	"github.com/dysco/dysco/internal/policy"
+	"github.com/dysco/dysco/internal/protocol"
 	"github.com/dysco/dysco/internal/psclient"
 	"github.com/dysco/dysco/internal/reconfig"
 	"github.com/vishvananda/netlink"
@@ -61,9 +63,12 @@ type Config struct {
 	Trusted []netip.Prefix
 	// ControlPort is the UDP port of the reconfiguration protocol (§3.3).
 	ControlPort int
-	// ControlKey is the deployment key authenticating control messages;
-	// empty disables reconfiguration at this agent.
-	ControlKey []byte
+	// ControlKeyFile holds the deployment secrets that authenticate
+	// control messages (internal/keys: one hex secret per line, the first
+	// signs, all are accepted; mode 0600, owned by root or the agent's
+	// user), read again on SIGHUP and when it changes; empty disables
+	// reconfiguration at this agent.
+	ControlKeyFile string
 	// StatePlugins are the state migration plug-ins (internal/migrate)
 	// this agent exports and imports with.
 	StatePlugins []string
@@ -95,6 +100,13 @@ type Agent struct {
 	// ctl is the reconfiguration machinery (internal/reconfig); nil when
 	// disabled.
 	ctl *reconfig.Shell
+	// keys is the control key file (nil without one); onKeys takes each
+	// ring it loads after the first.
+	keys *keys.File
+	// srcCache: the source address of datagrams to each peer
+	// (sourceAddr), forgotten when routes or addresses change.
+	srcMu    sync.Mutex
+	srcCache map[netip.Addr]srcEntry
 	// providers are the middleboxes that registered their state with the
 	// local API (the "api" state plug-in).
 	providers *migrate.Providers
@@ -163,6 +175,13 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	if err := a.loadLocal(); err != nil {
 		return err
+	}
+	if cfg.ControlKeyFile != "" {
+		f, err := keys.Open(cfg.ControlKeyFile, os.Geteuid(), a.log)
+		if err != nil {
+			return fmt.Errorf("--control-key-file: %w", err)
+		}
+		a.keys = f
 	}
 
 	var tapIndex uint32
@@ -237,7 +256,7 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 
-	if len(cfg.ControlKey) > 0 {
+	if a.keys != nil {
 		var states *migrate.Set
 		if len(cfg.StatePlugins) > 0 {
 			a.providers = &migrate.Providers{}
@@ -247,13 +266,17 @@ func Run(ctx context.Context, cfg Config) error {
 			}
 			states = set
 		}
-		ctl, err := reconfig.New(reconfig.Config{Port: cfg.ControlPort, Key: cfg.ControlKey, Datapath: a.dp,
-			Log: a.log, SelfAddr: a.selfAddr, SameRoute: a.sameRoute, Tap: cfg.Tap != "", States: states})
+		ctl, err := reconfig.New(reconfig.Config{Port: cfg.ControlPort, Keys: protocol.KeysFromRing(a.keys.Ring()), Datapath: a.dp,
+			Log: a.log, SelfAddr: a.selfAddr, SourceAddr: a.sourceAddr, SameRoute: a.sameRoute, Tap: cfg.Tap != "", States: states})
 		if err != nil {
 			return err
 		}
 		a.ctl = ctl
 		go ctl.Run(ctx)
+		// A key rotation: the file is read again on SIGHUP and when it
+		// changes.
+		a.keys.OnChange(a.onKeys)
+		a.keys.Start(ctx, 0)
 	} else {
 		a.log.Info("reconfiguration disabled: no control key")
 		// No agent reads the hold ring: packets straddling a cut-off
@@ -327,12 +350,14 @@ func Run(ctx context.Context, cfg Config) error {
 			if err := a.syncAddrs(); err != nil {
 				a.log.Warn("addresses", "err", err)
 			}
+			a.forgetSources()
 		case <-routeCh:
 			// Drain a burst of changes, then decide once.
 			for len(routeCh) > 0 {
 				<-routeCh
 			}
 			a.routesChanged()
+			a.forgetSources()
 		case <-gc.C:
 			a.collect()
 		case <-tapTick:

@@ -109,9 +109,15 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
+	var keyIDs []string
+	if a.keys != nil {
+		keyIDs = a.keys.Ring().IDs()
+		st["control_key_reloads"] = a.keys.Reloads()
+		st["control_key_reload_errors"] = a.keys.Errors()
+	}
 	sess, _ := a.dp.Sessions()
 	a.mu.Lock()
-	out := api.Status{
+	out := api.Status{ControlKeys: keyIDs,
 		Name: a.cfg.Name, Version: Version, Started: a.started, PinDir: a.cfg.PinDir, Attach: a.dp.Attach,
 		Tap: a.cfg.Tap, TapActive: a.tapActive.Load(), Sessions: len(sess), PolicyVersion: a.server.Version, PolicyServer: a.cfg.PolicyServer,
 		PolicyServerOK: a.serverOK, Counters: st,

@@ -21,7 +21,7 @@ const (
 	maxReconfigWait     = 5 * time.Minute
 )
 
-var errNoControl = errors.New("reconfiguration is disabled on this agent: start it with --control-key-file (every agent of a deployment needs the same key)")
+var errNoControl = errors.New("reconfiguration is disabled on this agent: start it with --control-key-file (every agent of a deployment needs the same deployment secret)")
 
 func reconfigWait(ms int) time.Duration {
 	if ms <= 0 {

@@ -36,6 +36,10 @@ type Status struct {
 	PolicyServerOK bool `json:"policy_server_ok"`
 	// Counters holds the datapath counters by name (drops by reason, set-ups, ...).
 	Counters map[string]uint64 `json:"counters"`
+	// ControlKeys are the ids of the deployment secrets of the control
+	// key file in use, the signing one first (none: reconfiguration is
+	// disabled).
+	ControlKeys []string `json:"control_keys,omitempty"`
 }
 
 // Session is one session known to an agent, as `dysco sessions` shows it.

@@ -1,7 +1,6 @@
 package cli
 
 import (
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -88,13 +87,7 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 				}
 				cfg.PortLo, cfg.PortN = lo, hi-lo+1
 			}
-			if keyFile != "" {
-				k, err := readControlKey(keyFile)
-				if err != nil {
-					return err
-				}
-				cfg.ControlKey = k
-			}
+			cfg.ControlKeyFile = keyFile
 			for _, r := range []struct {
 				flag, path string
 				start      func(io.Writer) error
@@ -139,7 +132,7 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 	f.StringVar(&execTrace, "exec-trace", "", "write a Go execution trace of the agent to this file until it exits (go tool trace); {name} in it becomes --name")
 	f.IntVar(&cfg.ControlPort, "control-port", agent.DefaultControlPort, "UDP port of the reconfiguration protocol")
 	f.StringSliceVar(&cfg.StatePlugins, "state-plugins", []string{"conntrack", "api"}, "middlebox state this agent exports and imports for state migration (conntrack, api; empty: none)")
-	f.StringVar(&keyFile, "control-key-file", "", "file holding the deployment key that authenticates reconfiguration messages (hex, at least 16 bytes); without it reconfiguration is disabled")
+	f.StringVar(&keyFile, "control-key-file", "", "file of deployment secrets that authenticate reconfiguration messages: one hex secret (at least 16 bytes) per line, '#' comments; the first signs, every one is accepted (rotation: docs/operating.md); mode 0600, owned by root or the agent's user; read again on SIGHUP and when it changes; without it reconfiguration is disabled")
 	return cmd
 }
 
@@ -157,21 +150,4 @@ func parsePrefix(s string) (netip.Prefix, error) {
 		return netip.Prefix{}, fmt.Errorf("%q: %w", s, err)
 	}
 	return p.Masked(), nil
-}
-
-// readControlKey reads a deployment key: hex digits (whitespace ignored),
-// at least 16 bytes.
-func readControlKey(path string) ([]byte, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return nil, fmt.Errorf("--control-key-file: %w", err)
-	}
-	k, err := hex.DecodeString(strings.Join(strings.Fields(string(b)), ""))
-	if err != nil {
-		return nil, fmt.Errorf("--control-key-file %s: not hex: %w", path, err)
-	}
-	if len(k) < 16 {
-		return nil, fmt.Errorf("--control-key-file %s: key of %d bytes, at least 16 needed", path, len(k))
-	}
-	return k, nil
 }

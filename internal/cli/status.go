@@ -123,6 +123,14 @@ func printStatus(w io.Writer, st api.Status, now time.Time) error {
 	default:
 		row("policy server", fmt.Sprintf("%s (UNREACHABLE; enforcing the cached version %d)", st.PolicyServer, st.PolicyVersion))
 	}
+	switch len(st.ControlKeys) {
+	case 0:
+		row("control keys", "none (reconfiguration disabled)")
+	case 1:
+		row("control keys", st.ControlKeys[0])
+	default:
+		row("control keys", fmt.Sprintf("%s signs; also accepted: %s", st.ControlKeys[0], strings.Join(st.ControlKeys[1:], ", ")))
+	}
 	if len(st.Counters) == 0 {
 		row("counters", "none")
 	} else {

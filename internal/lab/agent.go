@@ -51,9 +51,11 @@ func (l *Lab) agentArgv(h *Host, ready string) []string {
 		"--pin-dir", PinDir(h.Namespace),
 		// Local policies live and die with the lab.
 		"--state-dir", filepath.Join(l.runDir, h.Name+".state"),
-		// One deployment key per lab: reconfiguration messages between
-		// its agents are authenticated with it.
-		"--control-key-file", l.controlKeyFile(),
+		// One deployment secret per lab, in a key file of each host's
+		// own (ControlKeyFile: a test rotates them host by host):
+		// reconfiguration messages between its agents are
+		// authenticated with it.
+		"--control-key-file", l.ControlKeyFile(h.Name),
 	}
 	if h.Role == RoleMiddlebox {
 		argv = append(argv, "--tap", TapName)
@@ -72,6 +74,9 @@ func (l *Lab) startAgent(h *Host) (*Proc, error) {
 	}
 	if err := os.MkdirAll(PinDir(h.Namespace), 0o755); err != nil {
 		return nil, fmt.Errorf("creating pin directory of %s: %w", h.Name, err)
+	}
+	if err := l.writeKeyFile(h.Name); err != nil {
+		return nil, err
 	}
 	p, err := spawn(h.Name, "agent", filepath.Join(l.runDir, h.Name+".agent.log"), l.agentArgv(h, ready))
 	if err != nil {
@@ -185,15 +190,54 @@ func (l *Lab) RestartAgent(host string) error {
 	return waitReady(ctx, []*Proc{p}, l.cfg.ReadyTimeout)
 }
 
-// controlKeyFile returns the lab's deployment key file, creating it with a
-// random key the first time.
-func (l *Lab) controlKeyFile() string {
-	p := filepath.Join(l.runDir, "control.key")
-	if _, err := os.Stat(p); err == nil {
-		return p
+// ControlKeyFile is the control key file of host's agent.
+func (l *Lab) ControlKeyFile(host string) string {
+	return filepath.Join(l.runDir, host+".control.key")
+}
+
+// writeKeyFile writes host's control key file, if it has none yet, with
+// the lab's deployment secret (control.key in the run directory, made
+// with a random secret the first time). Both are mode 0600, as the agent
+// demands. An existing host file is kept: a restarted agent goes on with
+// the keys it had.
+func (l *Lab) writeKeyFile(host string) error {
+	secret := filepath.Join(l.runDir, "control.key")
+	if _, err := os.Stat(secret); errors.Is(err, fs.ErrNotExist) {
+		k := make([]byte, 32)
+		if _, err := rand.Read(k); err != nil {
+			return err
+		}
+		if err := writeNew(secret, "# the lab's deployment secret\n"+hex.EncodeToString(k)+"\n"); err != nil {
+			return fmt.Errorf("lab deployment secret: %w", err)
+		}
 	}
-	k := make([]byte, 32)
-	_, _ = rand.Read(k)
-	_ = os.WriteFile(p, []byte(hex.EncodeToString(k)+"\n"), 0o600)
-	return p
+	p := l.ControlKeyFile(host)
+	if _, err := os.Stat(p); err == nil {
+		return nil
+	}
+	b, err := os.ReadFile(secret)
+	if err != nil {
+		return fmt.Errorf("lab deployment secret: %w", err)
+	}
+	if err := writeNew(p, string(b)); err != nil {
+		return fmt.Errorf("control key file of %s: %w", host, err)
+	}
+	return nil
+}
+
+// writeNew creates path with mode 0600 (whatever the umask) and writes text.
+func writeNew(path, text string) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return err
+	}
+	if err := f.Chmod(0o600); err != nil {
+		f.Close()
+		return err
+	}
+	if _, err := f.WriteString(text); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
 }

@@ -13,8 +13,13 @@ type Config struct {
 	// Self is this agent's address: the one other agents name it by in
 	// address lists and send control messages to.
 	Self netip.Addr
-	// Key is the deployment key authenticating control messages (HMAC-SHA256).
-	Key []byte
+	// Keys authenticate control messages (HMAC-SHA256): the first signs,
+	// all verify (SetKeys changes them).
+	Keys *Keys
+	// Source returns the address a datagram to the agent at to leaves
+	// from (the host's route to it chooses it): the MAC covers it, as the
+	// receiver sees it. Nil: Self.
+	Source func(to netip.Addr) netip.Addr
 	// RTO is the first retransmission timeout of a control message; it
 	// doubles at each retransmission up to MaxRTO (exponential back-off).
 	RTO, MaxRTO time.Duration
@@ -57,11 +62,11 @@ type Config struct {
 	Faults Fault
 }
 
-// DefaultConfig returns the defaults for self and key.
-func DefaultConfig(self netip.Addr, key []byte) Config {
+// DefaultConfig returns the defaults for self and keys.
+func DefaultConfig(self netip.Addr, k *Keys) Config {
 	return Config{
 		Self:        self,
-		Key:         key,
+		Keys:        k,
 		RTO:         200 * time.Millisecond,
 		MaxRTO:      3 * time.Second,
 		MaxTries:    10,
@@ -102,7 +107,7 @@ type Agent struct {
 // maxEarlySyns bounds Agent.earlySyns: one per request on its way to this
 // agent as a right anchor; each expires after LockLease.
 func New(cfg Config) *Agent {
-	d := DefaultConfig(cfg.Self, cfg.Key)
+	d := DefaultConfig(cfg.Self, cfg.Keys)
 	if cfg.RTO == 0 {
 		cfg.RTO = d.RTO
 	}
@@ -148,6 +153,21 @@ func New(cfg Config) *Agent {
 
 // Self returns the agent's address.
 func (a *Agent) Self() netip.Addr { return a.cfg.Self }
+
+// SetKeys changes the keys of control messages (a rotation): what the
+// agent sends from now on is signed by the first; what it sent before and
+// retransmits keeps the MAC it was sent with.
+func (a *Agent) SetKeys(k *Keys) { a.cfg.Keys = k }
+
+// source is the address a datagram to to leaves from (Config.Source).
+func (a *Agent) source(to netip.Addr) netip.Addr {
+	if a.cfg.Source != nil {
+		if s := a.cfg.Source(to); s.IsValid() {
+			return s
+		}
+	}
+	return a.cfg.Self
+}
 
 // LastReq returns the number of the agent's latest request or trigger
 // (Config.FirstReq before the first): the two share one counter.

@@ -119,7 +119,7 @@ func TestEarlySynBounded(t *testing.T) {
 		m := &Message{Type: MsgSyn, Nonce: testNonce, Session: sessionTuple,
 			Sub: wire.Tuple{Src: addr(1), Dst: addr(3), SrcPort: 40000, DstPort: 80},
 			Req: ReqKey{LeftAnchor: addr(1), ID: id}, RightAnchor: addr(3)}
-		b, err := m.Encode(testKey)
+		b, err := m.Encode(testKey, addr(1))
 		if err != nil {
 			t.Fatal(err)
 		}

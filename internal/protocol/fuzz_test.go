@@ -36,7 +36,7 @@ func FuzzDecode(f *testing.F) {
 			if typ != MsgNackLock && typ != MsgTriggerResult && typ != MsgMigrate && typ != MsgMigrateAnswer {
 				m.Blocker, m.Reason = ReqKey{}, ReasonNone
 			}
-			b, err := m.Encode(testKey)
+			b, err := m.Encode(testKey, testFrom)
 			if err != nil {
 				f.Fatal(err)
 			}
@@ -56,7 +56,7 @@ func FuzzDecode(f *testing.F) {
 	}
 	full.RightAnchor = full.Hops[wire.MaxHops-1]
 	for _, m := range []*Message{end, full} {
-		b, err := m.Encode(testKey)
+		b, err := m.Encode(testKey, testFrom)
 		if err != nil {
 			f.Fatal(err)
 		}
@@ -74,7 +74,7 @@ func FuzzDecode(f *testing.F) {
 	long.Answer.Report = bytes.Repeat([]byte{'r'}, MaxReportLen)
 	var answer []byte
 	for _, m := range []*Message{&trig, &running, &bare, &long} {
-		b, err := m.Encode(testKey)
+		b, err := m.Encode(testKey, testFrom)
 		if err != nil {
 			f.Fatal(err)
 		}
@@ -84,7 +84,7 @@ func FuzzDecode(f *testing.F) {
 		}
 	}
 	withSpec := sampleOf(MsgTrigger, sampleMessage())
-	spec, err := withSpec.Encode(testKey)
+	spec, err := withSpec.Encode(testKey, testFrom)
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -116,7 +116,7 @@ func FuzzDecode(f *testing.F) {
 	runningMig.Mig = &MigStep{Op: MigExport, Running: true}
 	var fz []byte
 	for _, m := range []*Message{&freeze, &exported, &failed, &runningMig} {
-		b, err := m.Encode(testKey)
+		b, err := m.Encode(testKey, testFrom)
 		if err != nil {
 			f.Fatal(err)
 		}
@@ -147,7 +147,7 @@ func FuzzDecode(f *testing.F) {
 
 	f.Fuzz(func(t *testing.T, b []byte) {
 		check := func(in []byte) {
-			m, err := Decode(testKey, in)
+			m, err := Decode(testKey, testFrom, in)
 			if err != nil {
 				var de *DecodeError
 				if !errors.As(err, &de) || de.Reason < RejectMalformed || de.Reason > RejectUnexpected {
@@ -165,11 +165,11 @@ func FuzzDecode(f *testing.F) {
 				(m.Mig != nil) != (m.Type == MsgMigrate || m.Type == MsgMigrateAnswer) {
 				t.Fatalf("accepted a %s with migrate=%v answer=%v", m.Type, m.Migrate, m.Answer)
 			}
-			enc, err := m.Encode(testKey)
+			enc, err := m.Encode(testKey, testFrom)
 			if err != nil {
 				t.Fatalf("decoded message does not encode: %v\n%s", err, m)
 			}
-			again, err := Decode(testKey, enc)
+			again, err := Decode(testKey, testFrom, enc)
 			if err != nil {
 				t.Fatalf("re-encoded message does not decode: %v\n%s", err, m)
 			}

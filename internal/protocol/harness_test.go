@@ -16,7 +16,7 @@ import (
 type harness struct {
 	t      *testing.T
 	now    time.Duration
-	key    []byte
+	key    *Keys
 	agents map[netip.Addr]*Agent
 	order  []netip.Addr
 	queue  []envelope
@@ -54,6 +54,9 @@ type harness struct {
 	// migFail makes the harness fail a step at an agent: "hold",
 	// "export", "import"
 	migFail map[netip.Addr]string
+	// probe, if set, sees every message before it is delivered
+	// (binding_test.go).
+	probe func(envelope)
 }
 
 type envelope struct {
@@ -69,7 +72,11 @@ type timerKey struct {
 
 func addr(i int) netip.Addr { return netip.AddrFrom4([4]byte{10, 0, 0, byte(i)}) }
 
-var testKey = []byte("deployment key for tests")
+var testKey = NewKeys([]byte("deployment key for tests"))
+
+// testFrom is the sender of the messages that tests encode without
+// delivering them from an agent.
+var testFrom = addr(1)
 
 var testNonce = [wire.NonceLen]byte{1, 2, 3, 4, 5, 6, 7, 8}
 
@@ -210,6 +217,9 @@ func (h *harness) step() bool {
 	}
 	e := h.queue[0]
 	h.queue = h.queue[1:]
+	if h.probe != nil {
+		h.probe(e)
+	}
 	h.deliver(e.to, h.messageIn(e))
 	return true
 }

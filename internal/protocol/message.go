@@ -11,8 +11,8 @@ import (
 	"net/netip"
 	"slices"
 	"sync"
-	"sync/atomic"
 
+	"github.com/dysco/dysco/internal/keys"
 	"github.com/dysco/dysco/internal/wire"
 )
 
@@ -92,19 +92,23 @@ func (t MsgType) String() string {
 const (
 	// MsgMagic opens every control message ("DYSR").
 	MsgMagic = 0x44595352
-	// MsgVersion is the version this code writes and accepts (4 since
-	// triggers are control messages with an extension body, and state
-	// migration's steps too (extension kind 3); 3 added the
-	// ackLock's list of the old segment's middle agents and the refusing
-	// synAck; 2 the leftDelta gathered by requestLock). Every agent of a
-	// deployment must speak the same version: a left anchor takes an
-	// ackLock's list for the whole old segment, and a middlebox's trigger
-	// is a message of this protocol.
-	MsgVersion = 4
+	// MsgVersion is the version this code writes and accepts (5 since
+	// the MAC covers the sender's address and is keyed by a key derived
+	// from the deployment secret (Keys); 4 since triggers are control
+	// messages with an extension body, and state migration's steps too
+	// (extension kind 3); 3 added the ackLock's list of the old segment's
+	// middle agents and the refusing synAck; 2 the leftDelta gathered by
+	// requestLock). Every agent of a deployment must speak the same
+	// version: a left anchor takes an ackLock's list for the whole old
+	// segment, and a middlebox's trigger is a message of this protocol.
+	MsgVersion = 5
 	// MsgHeaderLen is the fixed part before the hops.
 	MsgHeaderLen = 172
 	// MACLen is the length of the truncated HMAC-SHA256 that ends a message.
 	MACLen = 16
+	// MaxKeys bounds the keys a receiver tries (Keys): a message that no
+	// key authenticates costs one HMAC per key.
+	MaxKeys = 8
 	// MaxExtLen bounds the extension body: the longest message still fits
 	// one IPv4 UDP datagram (65,507 bytes of payload).
 	MaxExtLen = 65507 - MsgHeaderLen - wire.MaxHops*wire.AddrLen - MACLen
@@ -178,8 +182,10 @@ const (
 //	    segment it has passed, in path order; trigger: the new chain)
 //	    extension body (trigger: an optional migration spec;
 //	    triggerResult: the answer), see ExtVersion
-//	end HMAC-SHA256 under the deployment key of everything before it,
-//	    truncated to 16 bytes
+//	end HMAC-SHA256 of the sender's address (16 bytes, IPv4-mapped: the
+//	    source address of the datagram as the receiver sees it) followed
+//	    by everything before the MAC, under the control key derived from
+//	    the deployment secret (Keys), truncated to 16 bytes
 //
 // A trigger names, in the header: Sub, the subsession from the left
 // neighbour to the sender (as its SYN went); Nonce, that subsession's
@@ -277,8 +283,10 @@ func decodeErr(r RejectReason, format string, args ...any) error {
 // ErrTooManyHops is returned by Encode for an address list longer than wire.MaxHops.
 var ErrTooManyHops = errors.New("dysco control message: too many hops")
 
-// Encode returns m in wire format, authenticated under key.
-func (m *Message) Encode(key []byte) ([]byte, error) {
+// Encode returns m in wire format, authenticated under the signing key of
+// k as sent by from: the address the datagram leaves from, as the
+// receiver will see it (its Decode's from).
+func (m *Message) Encode(k *Keys, from netip.Addr) ([]byte, error) {
 	if len(m.Hops) > wire.MaxHops {
 		return nil, ErrTooManyHops
 	}
@@ -313,11 +321,13 @@ func (m *Message) Encode(key []byte) ([]byte, error) {
 		b = append(b, a[:]...)
 	}
 	b = append(b, ext...)
-	return appendMAC(b, key, b), nil
+	return k.seal(b, from), nil
 }
 
-// Decode authenticates and parses a message. Errors are *DecodeError.
-func Decode(key, b []byte) (*Message, error) {
+// Decode authenticates and parses a message that came from the address
+// from (the datagram's source), trying each key of k, the signing one
+// first. Errors are *DecodeError.
+func Decode(k *Keys, from netip.Addr, b []byte) (*Message, error) {
 	if len(b) < 5 {
 		return nil, decodeErr(RejectMalformed, "%d bytes", len(b))
 	}
@@ -341,10 +351,8 @@ func Decode(key, b []byte) (*Message, error) {
 	if want := MsgHeaderLen + n*wire.AddrLen + x + MACLen; len(b) != want {
 		return nil, decodeErr(RejectMalformed, "%d bytes, %d hops and an extension of %d need %d", len(b), n, x, want)
 	}
-	body := b[:len(b)-MACLen]
-	var sum [MACLen]byte
-	if !hmac.Equal(b[len(b)-MACLen:], appendMAC(sum[:0], key, body)) {
-		return nil, decodeErr(RejectMAC, "HMAC mismatch")
+	if !k.open(b, from) {
+		return nil, decodeErr(RejectMAC, "HMAC mismatch (forged, corrupted, under another key, or replayed from another address than %s's)", from)
 	}
 	m := &Message{
 		Type:   MsgType(b[5]),
@@ -463,33 +471,93 @@ func validTuple(t wire.Tuple) bool {
 		t.SrcPort != 0 && t.DstPort != 0
 }
 
-// appendMAC appends to dst the HMAC-SHA-256 of body under key, truncated to
-// MACLen. The HMAC states come from a pool kept for the last key used (an
-// agent has one deployment key): hmac.New would hash the key's two pads
-// again for every message, two of the about seven SHA-256 blocks a message
-// costs, and allocate (BenchmarkMessage).
-func appendMAC(dst, key, body []byte) []byte {
-	p := macs.Load()
-	if p == nil || !bytes.Equal(p.key, key) {
-		k := bytes.Clone(key)
-		p = &macPool{key: k, pool: sync.Pool{New: func() any { return hmac.New(sha256.New, k) }}}
-		macs.Store(p)
+// Keys are the keys of control messages at an agent (§2.3, "Security":
+// against off-path attackers, control packets carry the session's nonce;
+// this implementation also authenticates each message, nonce and sender
+// included, under a key the deployment shares), derived from the
+// deployment secrets of its key file (KeysFromRing): the first signs what
+// the agent sends, each verifies what it receives, the signing one first
+// (during a rotation a peer may still sign with the old one). Immutable;
+// safe for concurrent use.
+//
+// Each key keeps a pool of HMAC states with its pads hashed already:
+// hmac.New would hash the key's two pads again for every message, two of
+// the about seven SHA-256 blocks a message costs, and allocate
+// (BenchmarkMessage).
+type Keys struct {
+	macs []*macKey
+}
+
+type macKey struct {
+	pool sync.Pool // of *macState
+}
+
+// macState is a pooled HMAC state with its buffers (kept off the stack:
+// slices of them passed to the hash would escape).
+type macState struct {
+	h    hash.Hash
+	addr [16]byte
+	sum  [sha256.Size]byte
+}
+
+// NewKeys returns the keys (at least one, at most MaxKeys), the first
+// signing. They are used as they are: KeysFromRing derives them from
+// deployment secrets.
+func NewKeys(keys ...[]byte) *Keys {
+	if len(keys) == 0 || len(keys) > MaxKeys {
+		panic(fmt.Sprintf("protocol: %d control keys, want 1 to %d", len(keys), MaxKeys))
 	}
-	h := p.pool.Get().(hash.Hash)
-	h.Reset()
-	h.Write(body)
-	var sum [sha256.Size]byte
-	dst = append(dst, h.Sum(sum[:0])[:MACLen]...)
-	p.pool.Put(h)
+	k := &Keys{}
+	for _, key := range keys {
+		kc := bytes.Clone(key)
+		k.macs = append(k.macs, &macKey{pool: sync.Pool{New: func() any { return &macState{h: hmac.New(sha256.New, kc)} }}})
+	}
+	return k
+}
+
+// KeysFromRing returns the control keys of a ring of deployment secrets:
+// each derived with keys.PurposeControl (HKDF-SHA256), in the ring's order.
+func KeysFromRing(r *keys.Ring) *Keys {
+	return NewKeys(r.Derive(keys.PurposeControl)...)
+}
+
+// Len is the number of keys.
+func (k *Keys) Len() int { return len(k.macs) }
+
+// seal appends to b the MAC of from and b under the signing key.
+func (k *Keys) seal(b []byte, from netip.Addr) []byte {
+	var sum [MACLen]byte
+	return append(b, k.macs[0].sum(sum[:0], from, b)...)
+}
+
+// open reports whether b ends with the MAC of from and the rest of b under
+// one of the keys.
+func (k *Keys) open(b []byte, from netip.Addr) bool {
+	body, mac := b[:len(b)-MACLen], b[len(b)-MACLen:]
+	var sum [MACLen]byte
+	for _, mk := range k.macs {
+		if hmac.Equal(mac, mk.sum(sum[:0], from, body)) {
+			return true
+		}
+	}
+	return false
+}
+
+// sum appends to dst the HMAC-SHA-256 of from (16 bytes, IPv4-mapped) and
+// body, truncated to MACLen.
+func (mk *macKey) sum(dst []byte, from netip.Addr, body []byte) []byte {
+	st := mk.pool.Get().(*macState)
+	st.h.Reset()
+	st.addr = [16]byte{}
+	if from.IsValid() {
+		st.addr = from.As16()
+	}
+	st.h.Write(st.addr[:])
+	st.h.Write(body)
+	dst = append(dst, st.h.Sum(st.sum[:0])[:MACLen]...)
+	mk.pool.Put(st)
 	return dst
 }
-
-type macPool struct {
-	key  []byte
-	pool sync.Pool
-}
-
-var macs atomic.Pointer[macPool]
 
 func putAddr(b []byte, a netip.Addr) {
 	if !a.IsValid() {

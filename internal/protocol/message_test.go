@@ -9,6 +9,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/dysco/dysco/internal/keys"
 	"github.com/dysco/dysco/internal/wire"
 )
 
@@ -89,14 +90,14 @@ func TestMessageRoundTrip(t *testing.T) {
 	for _, typ := range MsgTypes {
 		for _, base := range []*Message{sampleMessage(), sampleMessage6()} {
 			m := sampleOf(typ, base)
-			b, err := m.Encode(testKey)
+			b, err := m.Encode(testKey, testFrom)
 			if err != nil {
 				t.Fatal(err)
 			}
 			if len(b) != MsgHeaderLen+len(m.Hops)*wire.AddrLen+extLen(t, &m)+MACLen {
 				t.Errorf("%s: %d bytes", typ, len(b))
 			}
-			got, err := Decode(testKey, b)
+			got, err := Decode(testKey, testFrom, b)
 			if err != nil {
 				t.Fatalf("%s: %v", typ, err)
 			}
@@ -110,12 +111,11 @@ func TestMessageRoundTrip(t *testing.T) {
 // remac recomputes the MAC after a test edits the body: the message is then
 // authentic but malformed, so that the later checks are exercised.
 func remac(b []byte) []byte {
-	body := b[:len(b)-MACLen]
-	return appendMAC(append([]byte(nil), body...), testKey, body)
+	return testKey.seal(append([]byte(nil), b[:len(b)-MACLen]...), testFrom)
 }
 
 func TestMessageRejects(t *testing.T) {
-	good, err := sampleMessage().Encode(testKey)
+	good, err := sampleMessage().Encode(testKey, testFrom)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -125,7 +125,7 @@ func TestMessageRejects(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		b    []byte
-		key  []byte
+		key  *Keys
 		want RejectReason
 	}{
 		{"empty", nil, testKey, RejectMalformed},
@@ -134,7 +134,8 @@ func TestMessageRejects(t *testing.T) {
 		{"future version", edit(func(b []byte) []byte { b[4] = MsgVersion + 1; return remac(b) }), testKey, RejectVersion},
 		{"forged field", edit(func(b []byte) []byte { b[144] ^= 0x80; return b }), testKey, RejectMAC},
 		{"forged mac", edit(func(b []byte) []byte { b[len(b)-1] ^= 1; return b }), testKey, RejectMAC},
-		{"other deployment", good, []byte("another key"), RejectMAC},
+		{"other deployment", good, NewKeys([]byte("another key")), RejectMAC},
+		{"version 4 of an older agent", edit(func(b []byte) []byte { b[4] = 4; return b }), testKey, RejectVersion},
 		{"extra byte", append(append([]byte(nil), good...), 0), testKey, RejectMalformed},
 		{"hop count too big", edit(func(b []byte) []byte { b[153] = 9; return b }), testKey, RejectMalformed},
 		{"hop count mismatch", edit(func(b []byte) []byte { b[153] = 1; return remac(b) }), testKey, RejectMalformed},
@@ -180,7 +181,7 @@ func TestMessageRejects(t *testing.T) {
 		}), testKey, RejectMalformed},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err := Decode(tc.key, tc.b)
+			_, err := Decode(tc.key, testFrom, tc.b)
 			var de *DecodeError
 			if !errors.As(err, &de) || de.Reason != tc.want {
 				t.Fatalf("got %v, want %s", err, tc.want)
@@ -205,11 +206,12 @@ func TestAgentRejects(t *testing.T) {
 	// Build messages on the live subsession 1 -> 4 (after both requests).
 	v1, _ := h.view(1)
 	sub := v1.Sides[SideRight].Sub
-	mk := func(mut func(m *Message)) []byte {
+	// mk encodes a message as sent by from (a key holder there).
+	mk := func(from netip.Addr, mut func(m *Message)) []byte {
 		m := &Message{Type: MsgRequestLock, Nonce: testNonce, Sub: sub, Session: sessionTuple,
 			Req: ReqKey{LeftAnchor: addr(1), ID: 1}, RightAnchor: addr(4)}
 		mut(m)
-		b, err := m.Encode(testKey)
+		b, err := m.Encode(testKey, from)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -222,12 +224,13 @@ func TestAgentRejects(t *testing.T) {
 		b    []byte
 		want RejectReason
 	}{
-		{"replayed old request", addr(1), addr(4), mk(func(*Message) {}), RejectReplay},
-		{"wrong nonce", addr(1), addr(4), mk(func(m *Message) { m.Nonce[0] ^= 1; m.Req.ID = 9 }), RejectNonce},
-		{"wrong sender", addr(2), addr(4), mk(func(m *Message) { m.Req.ID = 9 }), RejectWrongPeer},
+		{"replayed old request", addr(1), addr(4), mk(addr(1), func(*Message) {}), RejectReplay},
+		{"wrong nonce", addr(1), addr(4), mk(addr(1), func(m *Message) { m.Nonce[0] ^= 1; m.Req.ID = 9 }), RejectNonce},
+		{"wrong sender", addr(2), addr(4), mk(addr(2), func(m *Message) { m.Req.ID = 9 }), RejectWrongPeer},
+		{"replayed from another address", addr(2), addr(4), mk(addr(1), func(m *Message) { m.Req.ID = 9 }), RejectMAC},
 		{"unknown subsession", addr(1), addr(2), first.data, RejectUnknownSession},
-		{"wrong direction", addr(4), addr(1), mk(func(m *Message) { m.Req.ID = 9 }), RejectUnexpected},
-		{"forged", addr(1), addr(4), append(mk(func(m *Message) { m.Req.ID = 9 })[:MsgHeaderLen], make([]byte, MACLen)...), RejectMAC},
+		{"wrong direction", addr(4), addr(1), mk(addr(4), func(m *Message) { m.Req.ID = 9 }), RejectUnexpected},
+		{"forged", addr(1), addr(4), append(mk(addr(1), func(m *Message) { m.Req.ID = 9 })[:MsgHeaderLen], make([]byte, MACLen)...), RejectMAC},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			before, _ := h.agents[tc.to].View(sid)
@@ -248,10 +251,11 @@ func TestAgentRejects(t *testing.T) {
 }
 
 // TestMACKeys: messages under different keys, encoded and decoded at once
-// from many goroutines, each authenticate under their own key only (the
-// HMAC states are pooled for the last key used).
+// from many goroutines, each authenticate under their own key only (each
+// key pools its HMAC states).
 func TestMACKeys(t *testing.T) {
-	keys := [][]byte{[]byte("key one"), []byte("key two"), []byte("a third, longer key than SHA-256's block of sixty-four bytes")}
+	keys := []*Keys{NewKeys([]byte("key one")), NewKeys([]byte("key two")),
+		NewKeys([]byte("a third, longer key than SHA-256's block of sixty-four bytes"))}
 	var wg sync.WaitGroup
 	errs := make(chan error, 64)
 	for g := range 8 {
@@ -260,16 +264,16 @@ func TestMACKeys(t *testing.T) {
 				k, other := keys[(g+i)%3], keys[(g+i+1)%3]
 				m := sampleMessage()
 				m.Req.ID = uint32(g*1000 + i)
-				b, err := m.Encode(k)
+				b, err := m.Encode(k, testFrom)
 				if err != nil {
 					errs <- err
 					return
 				}
-				if got, err := Decode(k, b); err != nil || got.Req.ID != m.Req.ID {
+				if got, err := Decode(k, testFrom, b); err != nil || got.Req.ID != m.Req.ID {
 					errs <- fmt.Errorf("decode under its own key: %v", err)
 					return
 				}
-				if _, err := Decode(other, b); err == nil {
+				if _, err := Decode(other, testFrom, b); err == nil {
 					errs <- errors.New("a message authenticated under another key")
 					return
 				}
@@ -283,18 +287,116 @@ func TestMACKeys(t *testing.T) {
 	}
 }
 
+// The MAC covers the sender's address: a message taken off the wire and
+// sent again from another address is refused before anything reads it,
+// whatever its kind, and whether the address is another host's or the
+// same host's in the other family.
+func TestMACSender(t *testing.T) {
+	v6 := sampleMessage6()
+	for _, typ := range MsgTypes {
+		for _, base := range []*Message{sampleMessage(), v6} {
+			m := sampleOf(typ, base)
+			from := m.Sub.Src
+			b, err := m.Encode(testKey, from)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := Decode(testKey, from, b); err != nil {
+				t.Fatalf("%s from its sender %s: %v", typ, from, err)
+			}
+			for _, other := range []netip.Addr{m.Sub.Dst, addr(99), netip.MustParseAddr("fd00::1"), netip.Addr{}} {
+				if _, err := Decode(testKey, other, b); !isReject(err, RejectMAC) {
+					t.Errorf("%s sent by %s, replayed from %s: %v, want %s", typ, from, other, err, RejectMAC)
+				}
+			}
+		}
+	}
+	// An IPv4 sender is the same address whether the socket reports it
+	// plain or IPv4-mapped.
+	m := sampleMessage()
+	b, _ := m.Encode(testKey, addr(1))
+	if _, err := Decode(testKey, netip.AddrFrom16(addr(1).As16()), b); err != nil {
+		t.Fatalf("IPv4-mapped sender: %v", err)
+	}
+}
+
+// Keys from a ring of deployment secrets: each verifies, the first signs;
+// a key no longer in the ring no longer verifies. This is a rotation as
+// the agents of a deployment see it (docs/operating.md, "Control keys").
+func TestKeysRotation(t *testing.T) {
+	oldS, newS := []byte("the old deployment secret"), []byte("the new deployment secret")
+	ring := func(secrets ...[]byte) *Keys {
+		r, err := keys.NewRing(secrets...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return KeysFromRing(r)
+	}
+	before, adding, moved, after := ring(oldS), ring(oldS, newS), ring(newS, oldS), ring(newS)
+	msg := func(k *Keys) []byte {
+		b, err := sampleMessage().Encode(k, testFrom)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	for _, tc := range []struct {
+		name         string
+		signer, recv *Keys
+		ok           bool
+	}{
+		{"old to old", before, before, true},
+		{"old to old+new", before, adding, true},
+		{"old+new to old", adding, before, true},
+		{"new+old to old+new", moved, adding, true},
+		{"old+new to new+old", adding, moved, true},
+		{"new+old to new", moved, after, true},
+		{"new to new+old", after, moved, true},
+		{"new to old", after, before, false},
+		{"old to new", before, after, false},
+		{"old+new to new", adding, after, false},
+	} {
+		_, err := Decode(tc.recv, testFrom, msg(tc.signer))
+		if tc.ok && err != nil || !tc.ok && !isReject(err, RejectMAC) {
+			t.Errorf("%s: %v, want accepted=%v", tc.name, err, tc.ok)
+		}
+	}
+	// The control key is derived: the raw secret is not it.
+	if _, err := Decode(NewKeys(oldS), testFrom, msg(before)); !isReject(err, RejectMAC) {
+		t.Fatalf("a message authenticated under the raw secret: %v", err)
+	}
+}
+
 // BenchmarkMessage is what an agent pays per control message for its
 // encoding and authentication: Encode at the sender, Decode at the
 // receiver.
 func BenchmarkMessage(b *testing.B) {
-	key := []byte("deployment key of the benchmark")
+	k := NewKeys([]byte("deployment key of the benchmark"))
 	m := sampleMessage()
 	for b.Loop() {
-		buf, err := m.Encode(key)
+		buf, err := m.Encode(k, testFrom)
 		if err != nil {
 			b.Fatal(err)
 		}
-		if _, err := Decode(key, buf); err != nil {
+		if _, err := Decode(k, testFrom, buf); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkMessageRotation: the same during a rotation, at a receiver that
+// signs with the new key while its peer still signs with the old one,
+// second in the receiver's ring: one HMAC more per message received.
+func BenchmarkMessageRotation(b *testing.B) {
+	oldK, newK := []byte("deployment key of the benchmark"), []byte("the new deployment key")
+	sender, recv := NewKeys(oldK, newK), NewKeys(newK, oldK)
+	m := sampleMessage()
+	for b.Loop() {
+		buf, err := m.Encode(sender, testFrom)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := Decode(recv, testFrom, buf); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -333,11 +435,11 @@ func TestMessageListsAndFlags(t *testing.T) {
 		{"list on a requestLock", mk(MsgRequestLock, 0, 0, 2), false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			b, err := tc.m.Encode(testKey)
+			b, err := tc.m.Encode(testKey, testFrom)
 			if err != nil {
 				t.Fatal(err)
 			}
-			got, err := Decode(testKey, b)
+			got, err := Decode(testKey, testFrom, b)
 			if tc.ok {
 				if err != nil || !reflect.DeepEqual(got, tc.m) {
 					t.Fatalf("round trip: %v\n got %+v\nwant %+v", err, got, tc.m)

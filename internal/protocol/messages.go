@@ -19,7 +19,7 @@ func (a *Agent) msg(s *session, t MsgType, sub wire.Tuple, req ReqKey, ra netip.
 }
 
 func (a *Agent) send(to netip.Addr, m *Message) {
-	b, err := m.Encode(a.cfg.Key)
+	b, err := m.Encode(a.cfg.Keys, a.source(to))
 	if err != nil {
 		panic("protocol: encoding a message we built: " + err.Error())
 	}
@@ -46,7 +46,7 @@ func rightward(m *Message) bool {
 }
 
 func (a *Agent) onMessage(e MessageIn) {
-	m, err := Decode(a.cfg.Key, e.Data)
+	m, err := Decode(a.cfg.Keys, e.From, e.Data)
 	if err != nil {
 		var de *DecodeError
 		if errors.As(err, &de) {

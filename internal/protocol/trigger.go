@@ -49,7 +49,6 @@ type trigOut struct {
 	sub     wire.Tuple
 	nonce   [wire.NonceLen]byte
 	msg     *Message
-	data    []byte
 	// sent counts the transmissions (the back-off); unanswered those
 	// since the last answer that the request still runs.
 	sent, unanswered int
@@ -97,12 +96,11 @@ func (a *Agent) sendTrigger(e Trigger) {
 		sp := *e.Migrate
 		m.Migrate = &sp
 	}
-	b, err := m.Encode(a.cfg.Key)
-	if err != nil {
+	if _, err := m.Encode(a.cfg.Keys, a.source(left.Peer)); err != nil {
 		local(ReasonInvalid)
 		return
 	}
-	t := &trigOut{key: k, token: e.Token, session: s.id, to: left.Peer, sub: left.Sub, nonce: left.Nonce, msg: m, data: b}
+	t := &trigOut{key: k, token: e.Token, session: s.id, to: left.Peer, sub: left.Sub, nonce: left.Nonce, msg: m}
 	a.triggers[k] = t
 	a.transmitTrigger(t)
 }
@@ -133,11 +131,12 @@ func (a *Agent) triggerChainOK(e Trigger, leftPeer netip.Addr) bool {
 }
 
 // transmitTrigger sends a trigger (again) and sets its retransmission
-// timer, with the back-off of every message (§3.6).
+// timer, with the back-off of every message (§3.6). Each copy is signed
+// under the keys of the moment (a rotation may have changed them).
 func (a *Agent) transmitTrigger(t *trigOut) {
 	t.sent++
 	t.unanswered++
-	a.emit(Send{To: t.to, Msg: t.msg, Data: t.data})
+	a.send(t.to, t.msg)
 	t.armed = true
 	a.emit(SetTimer{ID: t.timerID(), At: a.now + a.backoff(t.sent)})
 }

@@ -158,7 +158,7 @@ func TestTriggerReplay(t *testing.T) {
 	forge := func(id uint32) []byte {
 		m := *e.msg
 		m.Req.ID = id
-		b, err := m.Encode(testKey)
+		b, err := m.Encode(testKey, addr(2))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -256,7 +256,7 @@ func TestTriggerRefusals(t *testing.T) {
 	}
 	m := &Message{Type: MsgTrigger, Nonce: v.Sides[SideRight].Nonce, Sub: v.Sides[SideRight].Sub, Session: sessionTuple,
 		Req: ReqKey{LeftAnchor: addr(5), ID: 1}, RightAnchor: addr(3)}
-	b, _ := m.Encode(testKey)
+	b, _ := m.Encode(testKey, addr(5))
 	h.queue = nil
 	h.deliver(addr(1), MessageIn{From: addr(5), Data: b})
 	if len(h.queue) != 1 || h.queue[0].to != addr(5) || h.queue[0].msg.Reason != ReasonWrongSender {
@@ -264,7 +264,7 @@ func TestTriggerRefusals(t *testing.T) {
 	}
 	// Its number names another sender: refused, not answered.
 	m.Req.ID = 2
-	b, _ = m.Encode(testKey)
+	b, _ = m.Encode(testKey, addr(4))
 	h.queue, h.rejected = nil, nil
 	h.deliver(addr(1), MessageIn{From: addr(4), Data: b})
 	if len(h.queue) != 0 || len(h.rejected) != 1 || h.rejected[0].Reason != RejectWrongPeer {
@@ -312,7 +312,7 @@ func TestTriggerSender(t *testing.T) {
 	} {
 		m := *answer
 		tc.edit(&m)
-		b, _ := m.Encode(testKey)
+		b, _ := m.Encode(testKey, tc.from) // a key holder at tc.from
 		h.rejected = nil
 		h.deliver(addr(2), MessageIn{From: tc.from, Data: b})
 		if len(h.rejected) != 1 || h.rejected[0].Reason != tc.want {
@@ -368,7 +368,7 @@ func TestMessageExtension(t *testing.T) {
 	trig := sampleOf(MsgTrigger, sampleMessage())
 	ans := sampleOf(MsgTriggerResult, sampleMessage())
 	enc := func(m *Message) []byte {
-		b, err := m.Encode(testKey)
+		b, err := m.Encode(testKey, testFrom)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -418,7 +418,7 @@ func TestMessageExtension(t *testing.T) {
 		}(), false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			m, err := Decode(testKey, tc.b)
+			m, err := Decode(testKey, testFrom, tc.b)
 			if tc.ok {
 				if err != nil {
 					t.Fatal(err)
@@ -438,16 +438,16 @@ func TestMessageExtension(t *testing.T) {
 	// magic another protocol.
 	old := append([]byte(nil), tb...)
 	old[4] = 3
-	if _, err := Decode(testKey, remac(old)); !isReject(err, RejectVersion) {
+	if _, err := Decode(testKey, testFrom, remac(old)); !isReject(err, RejectVersion) {
 		t.Errorf("version 3: %v, want bad version", err)
 	}
-	if _, err := Decode(testKey, append([]byte("DYST\x01\x01{}"), make([]byte, MACLen)...)); !isReject(err, RejectMagic) {
+	if _, err := Decode(testKey, testFrom, append([]byte("DYST\x01\x01{}"), make([]byte, MACLen)...)); !isReject(err, RejectMagic) {
 		t.Errorf("a JSON trigger: %v, want bad magic", err)
 	}
 	// A report too long for one datagram is not encoded.
 	long := ans
 	long.Answer = &TriggerAnswer{Outcome: Failed, Report: make([]byte, MaxReportLen+1)}
-	if _, err := long.Encode(testKey); !errors.Is(err, ErrExtTooLong) {
+	if _, err := long.Encode(testKey, testFrom); !errors.Is(err, ErrExtTooLong) {
 		t.Errorf("a report of %d bytes: %v", MaxReportLen+1, err)
 	}
 }

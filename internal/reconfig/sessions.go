@@ -38,7 +38,7 @@ func (c *Shell) onPacket(from netip.Addr, data []byte) {
 	// the session from the datapath first (sessions are announced lazily,
 	// when a reconfiguration first concerns them).
 	onPath, gone := false, false
-	if m, err := protocol.Decode(c.key, data); err == nil && m.Type == protocol.MsgSyn {
+	if m, err := protocol.Decode(c.keys, from, data); err == nil && m.Type == protocol.MsgSyn {
 		// A new path's SYN that would make this host join it: refused
 		// if the session crosses this host already (one datapath state
 		// per session tuple; protocol.MessageIn.OnPath).

@@ -27,10 +27,14 @@ const (
 
 // Config is what a Shell needs from its agent.
 type Config struct {
-	// Port is the control port (UDP) of every agent; Key the deployment
-	// key that authenticates control messages.
+	// Port is the control port (UDP) of every agent; Keys the keys that
+	// authenticate control messages (SetKeys changes them).
 	Port int
-	Key  []byte
+	Keys *protocol.Keys
+	// SourceAddr returns the address a datagram to to leaves this host
+	// from, which the control messages' MAC covers; nil, or an invalid
+	// answer: the host's address of the family (SelfAddr).
+	SourceAddr func(to netip.Addr) netip.Addr
 	// Datapath is the host's datapath (a *datapath.Datapath, or a fake in
 	// tests).
 	Datapath Datapath
@@ -62,7 +66,7 @@ type Shell struct {
 	log  *slog.Logger
 	conn Conn
 	port int
-	key  []byte
+	keys *protocol.Keys
 
 	// mu guards everything below: whoever holds it is "the loop" (the
 	// comments' loop goroutine). Taken by run for posted work and ticks, by
@@ -155,7 +159,7 @@ func New(cfg Config) (*Shell, error) {
 			return nil, err
 		}
 	}
-	c := &Shell{cfg: cfg, dp: cfg.Datapath, log: cfg.Log, conn: conn, port: cfg.Port, key: cfg.Key, states: cfg.States,
+	c := &Shell{cfg: cfg, dp: cfg.Datapath, log: cfg.Log, conn: conn, port: cfg.Port, keys: cfg.Keys, states: cfg.States,
 		protos: map[bool]*protocol.Agent{}, timers: map[timerKey]*time.Timer{},
 		joinedDP: map[protocol.SessionID]uint32{}, pidOf: map[uint32]protocol.SessionID{}, famOf: map[uint32]bool{},
 		notReady: map[protocol.SessionID]*readyPoll{}, waiters: map[uint64]chan waited{}, started: map[uint64]time.Time{},
@@ -195,7 +199,8 @@ func (c *Shell) proto(v6 bool) *protocol.Agent {
 	if !self.IsValid() {
 		return nil
 	}
-	cfg := protocol.DefaultConfig(self, c.key)
+	cfg := protocol.DefaultConfig(self, c.keys)
+	cfg.Source = c.cfg.SourceAddr
 	cfg.PortBase, cfg.PortCount = controlPortBase, controlPortCount
 	// 16 transmissions in about 6.75 s (50, 100, 200, 400 ms, then every
 	// 500 ms): a dead hop is given up as soon as with 10 up to 1 s apart,
@@ -222,6 +227,18 @@ func (c *Shell) proto(v6 bool) *protocol.Agent {
 	p := protocol.New(cfg)
 	c.protos[v6] = p
 	return p
+}
+
+// SetKeys changes the keys of control messages (a rotation of the
+// deployment secrets): messages sent from now on are signed by the first,
+// those received are checked against each.
+func (c *Shell) SetKeys(k *protocol.Keys) {
+	c.locked(func() {
+		c.keys = k
+		for _, p := range c.protos {
+			p.SetKeys(k)
+		}
+	})
 }
 
 // Run serves until ctx ends.

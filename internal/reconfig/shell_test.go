@@ -14,6 +14,7 @@ import (
 
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/datapath"
+	"github.com/dysco/dysco/internal/keys"
 	"github.com/dysco/dysco/internal/protocol"
 	"github.com/dysco/dysco/internal/testutil"
 	"github.com/dysco/dysco/internal/wire"
@@ -25,7 +26,7 @@ var _ Datapath = (*fakeDP)(nil)
 // a network in memory; no root, no packets. Each host's agent is a Shell
 // with the agent's own configuration but shorter timers.
 
-var testKey = []byte("0123456789abcdef0123456789abcdef")
+var testKey = protocol.NewKeys([]byte("0123456789abcdef0123456789abcdef"))
 
 type host struct {
 	name string
@@ -106,7 +107,7 @@ func (l *lab) start(h *host) {
 		h.logs = &logBuf{}
 	}
 	self := h.addr
-	sh, err := New(Config{Port: DefaultControlPort, Key: testKey, Datapath: h.dp, Conn: l.net.conn(h.addr),
+	sh, err := New(Config{Port: DefaultControlPort, Keys: testKey, Datapath: h.dp, Conn: l.net.conn(h.addr),
 		Log:      slog.New(slog.NewTextHandler(io.MultiWriter(h.logs), &slog.HandlerOptions{Level: slog.LevelDebug})).With("host", h.name),
 		SelfAddr: func(v6 bool) netip.Addr { return map[bool]netip.Addr{false: self}[v6] },
 		Tune: func(c *protocol.Config) {
@@ -407,7 +408,7 @@ func TestShellEndedSession(t *testing.T) {
 	var fromM []protocol.MsgType
 	l.net.setDrop(func(from, _ netip.Addr, data []byte) bool {
 		if from == m.addr {
-			if msg, err := protocol.Decode(testKey, data); err == nil {
+			if msg, err := protocol.Decode(testKey, from, data); err == nil {
 				mu.Lock()
 				fromM = append(fromM, msg.Type)
 				mu.Unlock()
@@ -529,7 +530,7 @@ func TestShellRemoveSelf(t *testing.T) {
 
 // triggerAnswer reports whether a datagram carries a final answer to a
 // trigger (alone or in a bundle).
-func triggerAnswer(data []byte) bool {
+func triggerAnswer(from netip.Addr, data []byte) bool {
 	ps := [][]byte{data}
 	if protocol.IsBundle(data) {
 		var err error
@@ -538,7 +539,7 @@ func triggerAnswer(data []byte) bool {
 		}
 	}
 	for _, p := range ps {
-		if m, err := protocol.Decode(testKey, p); err == nil && m.Type == protocol.MsgTriggerResult && m.Answer.Outcome != 0 {
+		if m, err := protocol.Decode(testKey, from, p); err == nil && m.Type == protocol.MsgTriggerResult && m.Answer.Outcome != 0 {
 			return true
 		}
 	}
@@ -558,11 +559,11 @@ func TestShellTriggerAnswerLost(t *testing.T) {
 		mu.Lock()
 		defer mu.Unlock()
 		if from == m.addr && to == a.addr {
-			if msg, err := protocol.Decode(testKey, data); err == nil && msg.Type == protocol.MsgTrigger {
+			if msg, err := protocol.Decode(testKey, from, data); err == nil && msg.Type == protocol.MsgTrigger {
 				triggers++
 			}
 		}
-		if from == a.addr && to == m.addr && lost == 0 && triggerAnswer(data) {
+		if from == a.addr && to == m.addr && lost == 0 && triggerAnswer(from, data) {
 			lost++
 			return true
 		}
@@ -624,9 +625,9 @@ func TestShellTriggerNotNextHop(t *testing.T) {
 	}
 }
 
-// A JSON trigger of an agent before control protocol version 4, and a
-// message of version 3, are refused as another version, counted, and
-// logged once per peer.
+// A JSON trigger of an agent before control protocol version 4, and
+// messages of versions 3 and 4 (before the MAC covered the sender), are
+// refused as another version, counted, and logged once per peer.
 func TestShellOldTrigger(t *testing.T) {
 	l := newLab(t, "a", "m")
 	a, m := l.hosts["a"], l.hosts["m"]
@@ -634,19 +635,20 @@ func TestShellOldTrigger(t *testing.T) {
 	msg := protocol.Message{Type: protocol.MsgTrigger, Sub: wire.Tuple{Src: a.addr, Dst: m.addr, SrcPort: 1, DstPort: 2},
 		Session: wire.Tuple{Src: a.addr, Dst: m.addr, SrcPort: 3, DstPort: 4}, Req: protocol.ReqKey{LeftAnchor: m.addr, ID: 1},
 		RightAnchor: m.addr}
-	v3, err := msg.Encode(testKey)
+	v3, err := msg.Encode(testKey, netip.MustParseAddr("10.0.0.99"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	v3[4] = 3
+	v4 := append([]byte(nil), v3...)
+	v3[4], v4[4] = 3, 4
 	conn := l.net.conn(netip.MustParseAddr("10.0.0.99"))
 	t.Cleanup(func() { conn.Close() })
-	for _, d := range [][]byte{old, old, v3} {
+	for _, d := range [][]byte{old, old, v3, v4} {
 		if _, err := conn.WriteToUDPAddrPort(d, netip.AddrPortFrom(a.addr, DefaultControlPort)); err != nil {
 			t.Fatal(err)
 		}
 	}
-	testutil.Eventually(t, 5*time.Second, "the refusals to be counted", func() bool { return a.sh.Counters()["control_rejected_bad_version"] == 3 })
+	testutil.Eventually(t, 5*time.Second, "the refusals to be counted", func() bool { return a.sh.Counters()["control_rejected_bad_version"] == 4 })
 	if n := strings.Count(a.logs.String(), "speaks another version of the control protocol"); n != 1 {
 		t.Errorf("logged %d times, want once for the peer", n)
 	}
@@ -662,4 +664,82 @@ func (c *Shell) leftPathOf(id uint32) bool {
 	})
 	<-done
 	return r
+}
+
+// keysOf returns the control keys of a ring of deployment secrets.
+func keysOf(t *testing.T, secrets ...string) *protocol.Keys {
+	t.Helper()
+	var ss [][]byte
+	for _, x := range secrets {
+		ss = append(ss, []byte(x))
+	}
+	r, err := keys.NewRing(ss...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return protocol.KeysFromRing(r)
+}
+
+// The rotation of the deployment secret (docs/operating.md, "Control
+// keys"), with hosts that take each step at different times: every
+// reconfiguration succeeds, one per step. A host left with a ring that
+// lacks the key its peers sign with refuses their messages, counted as
+// bad_mac, and the reconfiguration fails without harm; once it has the
+// key, the next succeeds.
+func TestShellKeyRotation(t *testing.T) {
+	l := newLab(t, "a", "m", "b")
+	const oldS, newS = "the old deployment secret", "the new deployment secret"
+	old, adding, moved, after := keysOf(t, oldS), keysOf(t, oldS, newS), keysOf(t, newS, oldS), keysOf(t, newS)
+	set := func(k *protocol.Keys, names ...string) {
+		for _, n := range names {
+			l.hosts[n].sh.SetKeys(k)
+		}
+	}
+	set(old, "a", "m", "b")
+	s := l.chain("a", "m", "b")
+	through := true // m is on the path
+	round := func(step string) Outcome {
+		t.Helper()
+		var o Outcome
+		if through {
+			o = l.reconfigure("a", s, "b")
+		} else {
+			o = l.reconfigure("a", s, "b", "m")
+		}
+		if o.Result != nil && o.Result.Outcome == protocol.Succeeded {
+			through = !through
+		}
+		t.Logf("%s: %s", step, outcome(o))
+		return o
+	}
+	for _, st := range []struct {
+		step string
+		k    *protocol.Keys
+		at   []string
+	}{
+		{"all sign and accept the old key", old, nil},
+		{"a adds the new key second", adding, []string{"a"}},
+		{"m and b add it", adding, []string{"m", "b"}},
+		{"a moves it first: a signs with it", moved, []string{"a"}},
+		{"m moves it first", moved, []string{"m"}},
+		{"b moves it first", moved, []string{"b"}},
+		{"a drops the old key", after, []string{"a"}},
+		{"m and b drop it", after, []string{"m", "b"}},
+	} {
+		set(st.k, st.at...)
+		succeeded(t, round(st.step))
+		l.settled()
+	}
+	// m goes back to the old key alone (a host the rotation missed).
+	set(old, "m")
+	before := l.hosts["m"].sh.Counters()["control_rejected_bad_mac"]
+	if o := round("m has only the old key"); o.Result != nil && o.Result.Outcome == protocol.Succeeded {
+		t.Fatalf("a reconfiguration through a host without the key succeeded")
+	}
+	if n := l.hosts["m"].sh.Counters()["control_rejected_bad_mac"]; n <= before {
+		t.Fatalf("m counted %d bad_mac, want more than %d", n, before)
+	}
+	l.settled()
+	set(after, "m")
+	succeeded(t, round("m has the new key"))
 }

@@ -12,7 +12,6 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/binary"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -35,6 +34,7 @@ import (
 	"github.com/dysco/dysco/internal/agent"
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/datapath"
+	"github.com/dysco/dysco/internal/keys"
 	"github.com/dysco/dysco/internal/lab"
 	"github.com/dysco/dysco/internal/protocol"
 	"github.com/dysco/dysco/internal/testutil"
@@ -45,19 +45,16 @@ const ctlPort = agent.DefaultControlPort
 
 // ---- helpers ----
 
-// ctlKey returns the lab's deployment key, which authenticates the
-// control messages between its agents.
+// ctlKey returns the control key of the lab's deployment secret (HKDF,
+// keys.PurposeControl), which authenticates the control messages between
+// its agents.
 func (e *env) ctlKey() []byte {
 	e.t.Helper()
-	b, err := os.ReadFile(filepath.Join(e.lab.RunDir(), "control.key"))
+	r, err := keys.Load(filepath.Join(e.lab.RunDir(), "control.key"), os.Geteuid())
 	if err != nil {
-		e.t.Fatalf("deployment key: %v", err)
+		e.t.Fatalf("deployment secret: %v", err)
 	}
-	k, err := hex.DecodeString(strings.TrimSpace(string(b)))
-	if err != nil || len(k) == 0 {
-		e.t.Fatalf("deployment key %q: %v", b, err)
-	}
-	return k
+	return keys.Derive(r.Signing(), keys.PurposeControl)
 }
 
 // ctlSocket opens a UDP socket in host's namespace, bound to addr and an
@@ -198,27 +195,29 @@ func (e *env) pinnedEntries(host, name string) int {
 // ctlOldTrigger builds a JSON trigger as agents before control protocol
 // version 4 sent them: "DYST", version 1, kind 1, a JSON body, then
 // HMAC-SHA256/16 under key. Agents now refuse it as another version.
-func ctlOldTrigger(key []byte, body any) []byte {
+func ctlOldTrigger(key []byte, from netip.Addr, body any) []byte {
 	j, _ := json.Marshal(body)
 	b := append([]byte("DYST"), 1, 1)
 	b = append(b, j...)
-	return ctlSeal(key, b)
+	return ctlSeal(key, from, b)
 }
 
-// ctlSeal appends HMAC-SHA256/16 under key to body, as control messages
-// end.
-func ctlSeal(key, body []byte) []byte {
+// ctlSeal appends HMAC-SHA256/16 under key of the sender's address (16
+// bytes) and body, as control messages end.
+func ctlSeal(key []byte, from netip.Addr, body []byte) []byte {
 	h := hmac.New(sha256.New, key)
+	a := from.As16()
+	h.Write(a[:])
 	h.Write(body)
 	return append(body, h.Sum(nil)[:protocol.MACLen]...)
 }
 
 // ctlResealed is an encoded control message b with its MAC recomputed
 // under key after edit changed it: authentic, whatever edit did.
-func ctlResealed(key, b []byte, edit func(b []byte)) []byte {
+func ctlResealed(key []byte, from netip.Addr, b []byte, edit func(b []byte)) []byte {
 	body := append([]byte(nil), b[:len(b)-protocol.MACLen]...)
 	edit(body)
-	return ctlSeal(key, body)
+	return ctlSeal(key, from, body)
 }
 
 // ctlReconfig runs `dysco reconfig` without failing the test, so that it
@@ -379,7 +378,7 @@ func controlForged(t *testing.T, v6 bool) {
 		guess.Sub = realSub
 		guess.Session = ctlTuple(t, real.Session)
 		enc := func(m protocol.Message, k []byte) []byte {
-			b, err := m.Encode(k)
+			b, err := m.Encode(protocol.NewKeys(k), cli)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -412,14 +411,22 @@ func controlForged(t *testing.T, v6 bool) {
 		badTrig := enc(trig, key)
 		badTrig[len(badTrig)-1] ^= 0x5a
 		// Version 3, its MAC right: another version.
-		v3Trig := ctlResealed(key, newTrig, func(b []byte) { b[4] = 3 })
+		v3Trig := ctlResealed(key, cli, newTrig, func(b []byte) { b[4] = 3 })
+		// Version 4, before the MAC covered the sender: another version.
+		v4Msg := ctlResealed(key, cli, enc(guess, key), func(b []byte) { b[4] = 4 })
+		// Authentic, but as sent by the target itself: a message taken
+		// off the wire and sent again from another address.
+		elsewhere, err := guess.Encode(protocol.NewKeys(key), tg.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
 		// The migration spec's own version byte (the first of the
 		// extension body, which ends the message before its MAC).
-		badExt := ctlResealed(key, newTrig, func(b []byte) { b[len(b)-16] = 9 })
+		badExt := ctlResealed(key, cli, newTrig, func(b []byte) { b[len(b)-16] = 9 })
 		// The real subsession, its nonce guessed.
 		guessTrig := trig
 		guessTrig.Sub, guessTrig.Session, guessTrig.Req.ID = realSub, guess.Session, 5001
-		oldTrig := ctlOldTrigger(key, map[string]any{"token": 77, "sub": realSub, "right_anchor": dst, "sent_unix_ms": time.Now().UnixMilli()})
+		oldTrig := ctlOldTrigger(key, cli, map[string]any{"token": 77, "sub": realSub, "right_anchor": dst, "sent_unix_ms": time.Now().UnixMilli()})
 		// Bundles (docs/protocol.md, "Bundles"): each message in one is
 		// checked as if it had come alone; a malformed bundle is refused
 		// whole.
@@ -445,6 +452,8 @@ func controlForged(t *testing.T, v6 bool) {
 			{"(d) one byte short", valid[:len(valid)-1], "malformed"},
 			{"(e) trigger with a bad MAC", badTrig, "bad_mac"},
 			{"trigger of version 3", v3Trig, "bad_version"},
+			{"message of version 4", v4Msg, "bad_version"},
+			{"(f) authentic, replayed from another address", elsewhere, "bad_mac"},
 			{"JSON trigger (DYST) of an older agent", oldTrig, "bad_version"},
 			{"trigger with a malformed extension body", badExt, "malformed"},
 			{"trigger for the real subsession, guessed nonce", enc(guessTrig, key), "bad_nonce"},
@@ -681,7 +690,7 @@ func controlReplay(t *testing.T, v6 bool) {
 		}
 		for i, b := range msgs {
 			what := "?"
-			if m, err := protocol.Decode(key, b); err == nil {
+			if m, err := protocol.Decode(protocol.NewKeys(key), p.src.Addr().Unmap(), b); err == nil {
 				what = m.String()
 			}
 			if len(msgs) > 1 {

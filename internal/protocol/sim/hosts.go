@@ -43,7 +43,7 @@ func (h *host) String() string { return h.name }
 func (w *world) newHost(name string, mbox bool) *host {
 	a := netip.AddrFrom4([4]byte{10, 0, byte(len(w.hosts) / 250), byte(len(w.hosts)%250 + 1)})
 	cfg := protocol.Config{
-		Self: a, Key: deploymentKey,
+		Self: a, Keys: deploymentKey,
 		RTO: 30 * time.Millisecond, MaxRTO: time.Second, MaxTries: 16,
 		Linger: 3 * time.Second, LockLease: 40 * time.Second,
 		PortBase: 20000, PortCount: 40000,
@@ -174,7 +174,7 @@ func (h *host) sessName(id protocol.SessionID) string {
 // answer to a trigger announces nothing.
 func (h *host) messageIn(from netip.Addr, data []byte) protocol.MessageIn {
 	in := protocol.MessageIn{From: from, Data: data}
-	m, err := protocol.Decode(deploymentKey, data)
+	m, err := protocol.Decode(deploymentKey, from, data)
 	if err != nil || m.Type == protocol.MsgTriggerResult {
 		// (An answer to a trigger is matched with its trigger: the
 		// agent announces nothing for it.)

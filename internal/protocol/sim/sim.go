@@ -204,7 +204,7 @@ const (
 	traceTailLen = 400
 )
 
-var deploymentKey = []byte("dysco simulation deployment key")
+var deploymentKey = protocol.NewKeys([]byte("dysco simulation deployment key"))
 
 // Run simulates one seed.
 func Run(opts Options) *Report {
