@@ -117,6 +117,13 @@ void agent_send_async(const struct dysco_request *r);
 /* agent_send_sync sends a request and reads the answer; 0 or -1 with errno. */
 int agent_send_sync(const struct dysco_request *r);
 
+/* answer.c: parse_answer reads the NUL-terminated beginning of the agent's
+ * answer: ANSWER_OK (2xx), ANSWER_REFUSED (another status; text gets the
+ * body's "error" string, printable ASCII, NUL-terminated within textlen) or
+ * ANSWER_BAD (no HTTP/1.x status line). code gets the status. */
+enum { ANSWER_OK = 0, ANSWER_REFUSED, ANSWER_BAD };
+int parse_answer(const char *ans, int *code, char *text, size_t textlen);
+
 /* Locks kept consistent across fork (pthread_atfork, set up by dysco_init). */
 void track_atfork_prepare(void);
 void track_atfork_parent(void);

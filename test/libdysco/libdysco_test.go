@@ -873,3 +873,31 @@ func letters(n int) []byte {
 	}
 	return b
 }
+
+// TestAnswerCorpus runs libdysco's fuzzing harness for the agent's answers
+// (libdysco/fuzz/answer_fuzz.c, fuzzed with libFuzzer by make fuzz) over
+// its corpus, built with the plain driver and AddressSanitizer and
+// UndefinedBehaviorSanitizer: every input that was ever interesting, or
+// crashed, stays a regression test.
+func TestAnswerCorpus(t *testing.T) {
+	root, err := repoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(t.TempDir(), "answer-driver")
+	src := filepath.Join(root, "libdysco")
+	args := []string{"-O1", "-g", "-Wall", "-Wextra", "-Werror", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+		"-I", src, "-I", filepath.Join(root, "include"), "-o", bin,
+		filepath.Join(src, "fuzz", "driver.c"), filepath.Join(src, "fuzz", "answer_fuzz.c"), filepath.Join(src, "answer.c")}
+	if out, err := exec.Command("cc", args...).CombinedOutput(); err != nil {
+		t.Fatalf("cc %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	out, err := exec.Command(bin, filepath.Join(src, "fuzz", "corpus")).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	var n int
+	if _, err := fmt.Sscanf(string(out), "%d inputs", &n); err != nil || n < 10 {
+		t.Fatalf("ran %q, want the corpus (10 inputs or more)", out)
+	}
+}
