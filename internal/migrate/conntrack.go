@@ -147,7 +147,11 @@ func decodeState(s Session, state []byte) (ctState, error) {
 		if e.Orig != orig {
 			return ctState{}, fmt.Errorf("state holds entry %s, not of session %s", e.Orig, s)
 		}
-		if e.Reply.Src.Is4() != orig.Src.Is4() || e.Reply.Proto != orig.Proto {
+		// Both ends valid and of the session's family: the import makes
+		// NAT ranges from them (natAttrs); a missing address would be
+		// taken for :: or 0.0.0.0 (found by FuzzConntrackState).
+		if !e.Reply.Src.IsValid() || !e.Reply.Dst.IsValid() || e.Reply.Src.Is4() != orig.Src.Is4() ||
+			e.Reply.Dst.Is4() != orig.Src.Is4() || e.Reply.Proto != orig.Proto {
 			return ctState{}, fmt.Errorf("entry %s: reply tuple %s does not match", e.Orig, e.Reply)
 		}
 	}
