@@ -64,8 +64,8 @@ func FuzzPath(f *testing.F) {
 		if len(frame) > 1500 { // within the test device's MTU
 			frame = frame[:1500]
 		}
-		if len(frame) < 14 { // BPF_PROG_TEST_RUN wants an Ethernet header
-			frame = append(frame, make([]byte, 14-len(frame))...)
+		for n := testRunMin(frame); len(frame) < n; n = testRunMin(frame) {
+			frame = append(frame[:len(frame):len(frame)], make([]byte, n-len(frame))...)
 		}
 		fx.reset(t)
 		for k, fl := range flows {
@@ -148,4 +148,22 @@ func flowRoutes(m map[Tuple]Flow) map[Tuple]flowRoute {
 		out[k] = flowRoute{Out: f.Out, SessId: f.SessId, Flags: uint16(f.Flags) &^ (FlMarks | FlEst | FlRouted)}
 	}
 	return out
+}
+
+// testRunMin is the shortest frame BPF_PROG_TEST_RUN takes for frame's
+// ethertype: an Ethernet header, and for IPv4 and IPv6 the fixed IP header
+// too (the kernel refuses shorter ones with EINVAL, checked on 6.18), so
+// such frames are padded with zeros, and the fuzzer still mutates every
+// field of the headers.
+func testRunMin(frame []byte) int {
+	if len(frame) < 14 {
+		return 14
+	}
+	switch binary.BigEndian.Uint16(frame[12:]) {
+	case 0x0800:
+		return 14 + 20
+	case 0x86dd:
+		return 14 + 40
+	}
+	return 14
 }
