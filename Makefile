@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin/dysco
 export CGO_ENABLED := 1
 
-.PHONY: all build deps generate check-generate vet test demo bench soak soak-e2e verify clean lab-clean
+.PHONY: all build deps generate check-generate vet test demo bench soak soak-e2e verify fuzz clean lab-clean
 
 all: build
 
@@ -67,6 +67,13 @@ DURATION ?=
 SOAK_OUT ?= out/soak-e2e
 soak-e2e: build
 	$(BIN) lab run churn $(if $(DURATION),--duration $(DURATION),--quick) --out $(SOAK_OUT)
+
+# Every fuzz target for FUZZTIME each, one after another: the Go targets
+# (go test -fuzz; make test runs their seed corpora) and libdysco's
+# libFuzzer harness. make fuzz FUZZTIME=10m for longer.
+FUZZTIME ?= 30s
+fuzz: build
+	scripts/fuzz.sh $(FUZZTIME)
 
 # Remove lab namespaces left by an interrupted run.
 lab-clean:

@@ -23,8 +23,9 @@
  *    __read_chk, __recv_chk, __recvfrom_chk). Each wrapper calls the C library's function
  *    first and then records the result: the bytes read from and written to
  *    every TCP socket, and, for splice, which socket feeds which pipe and
- *    which pipe feeds which socket. When both directions between two TCP
- *    sockets A and B have been spliced through pipes (by default; see
+ *    which pipe feeds which socket. When one direction between two TCP
+ *    sockets A and B has been spliced through a pipe and the other holds
+ *    nothing the proxy has yet to relay (by default; see
  *    DYSCO_SPLICE_TRIGGER), it sends one request for the pair to the agent,
  *    from a background thread: the proxy's own calls never wait for the
  *    agent. Bytes that pass through pipes are relayed unchanged and cancel
@@ -56,11 +57,17 @@
  *   DYSCO_DISABLE         "1": every wrapper is a pure pass-through and no
  *                         request is ever sent automatically; dysco_splice()
  *                         still works (with delta_rev 0).
- *   DYSCO_SPLICE_TRIGGER  "both" (default): request once both directions
- *                         between two sockets are spliced; "first": request
- *                         on the splice call that completes the first
- *                         direction (socket -> pipe, then pipe -> socket),
- *                         as in the paper.
+ *   DYSCO_SPLICE_TRIGGER  "auto" (default): request on the splice call
+ *                         that moves data of one direction (socket -> pipe,
+ *                         then pipe -> socket, as in the paper) once the
+ *                         other direction is drained: every byte read from
+ *                         its source written to its destination, nothing in
+ *                         the source's receive queue; "both": once both
+ *                         directions are spliced; "first": at the first
+ *                         spliced direction, whatever the other holds.
+ *                         After an automatic request, a write that would
+ *                         change either stream beyond the delta sent fails
+ *                         with EPIPE.
  *
  * Messages go to stderr and start with "libdysco:". Failures of automatic
  * requests are logged (the first of each kind, then rarely) and change

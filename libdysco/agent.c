@@ -164,47 +164,6 @@ static socklen_t agent_address(struct sockaddr_un *sa)
 	return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + l + 1);
 }
 
-/* error_text copies the "error" string of a JSON body, or the body itself,
- * as printable text. */
-static void error_text(const char *body, char *out, size_t outlen)
-{
-	const char *p = strstr(body, "\"error\"");
-	size_t o = 0;
-	if (p) {
-		p += 7;
-		while (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n')
-			p++;
-		if (*p == ':')
-			p++;
-		while (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n')
-			p++;
-		if (*p == '"') {
-			for (p++; *p && *p != '"' && o + 1 < outlen; p++) {
-				char c = *p;
-				if (c == '\\' && p[1]) {
-					c = *++p;
-					if (c == 'n' || c == 't' || c == 'r')
-						c = ' ';
-					else if (c == 'u') {
-						/* \uXXXX: keep it as a '?' */
-						for (int i = 0; i < 4 && p[1]; i++)
-							p++;
-						c = '?';
-					}
-				}
-				out[o++] = (c >= 32 && c < 127) ? c : '?';
-			}
-			out[o] = '\0';
-			return;
-		}
-	}
-	for (p = body; *p && o + 1 < outlen; p++)
-		out[o++] = (*p >= 32 && *p < 127) ? *p : ' ';
-	while (o > 0 && out[o - 1] == ' ')
-		o--;
-	out[o] = '\0';
-}
-
 /*
  * exchange sends one request and reads the answer. It returns 0, or an errno
  * value with the failure logged: ECONNREFUSED (no agent), ETIMEDOUT, EIO
@@ -289,15 +248,14 @@ static int exchange(const struct dysco_request *r)
 		goto out;
 	}
 	int code = 0;
-	if (strncmp(ans, "HTTP/1.", 7) != 0 || sscanf(ans + 7, "%*d %d", &code) != 1) {
+	char text[300];
+	int verdict = parse_answer(ans, &code, text, sizeof(text));
+	if (verdict == ANSWER_BAD) {
 		err = EIO;
 		fail_log(FAIL_AGENT, "unreadable answer from the agent on %s", dysco_agent_socket);
 		goto out;
 	}
-	if (code < 200 || code > 299) {
-		char *body = strstr(ans, "\r\n\r\n");
-		char text[300];
-		error_text(body ? body + 4 : "", text, sizeof(text));
+	if (verdict == ANSWER_REFUSED) {
 		err = EIO;
 		fail_log(FAIL_AGENT, "the agent refused to splice %s -> %s with %s -> %s: HTTP %d: %s",
 			 r->in.remote, r->in.local, r->out.local, r->out.remote, code,

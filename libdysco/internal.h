@@ -57,7 +57,9 @@ extern struct real_fns dysco_real;
 /* Configuration, from the environment (dysco_init). */
 extern int dysco_disabled;     /* DYSCO_DISABLE=1 */
 extern int dysco_debug;        /* DYSCO_DEBUG level */
-extern int dysco_trigger_both; /* DYSCO_SPLICE_TRIGGER != "first" */
+/* DYSCO_SPLICE_TRIGGER: when an automatic request is sent (track.c). */
+enum dysco_trigger_rule { TRIGGER_AUTO = 0, TRIGGER_BOTH, TRIGGER_FIRST };
+extern int dysco_trigger;
 extern char dysco_agent_socket[108];
 
 /* dysco_init resolves the real functions and reads the environment, once. */
@@ -88,6 +90,11 @@ void track_dup(int oldfd, int newfd);             /* newfd becomes a copy of old
 void track_close(int fd);                         /* fd is being closed */
 void track_read(int fd, ssize_t n, const char *how);
 void track_write(int fd, ssize_t n, const char *how);
+/* track_write_refused tells whether writing n bytes to fd with a write
+ * function must be refused: fd's pair had its automatic request, and the
+ * bytes would change the stream by more than the delta sent (the write is
+ * logged once per descriptor). */
+int track_write_refused(int fd, size_t n);
 void track_splice(int fd_in, int fd_out, ssize_t n);
 /* track_explicit marks the pair for dysco_splice and returns the tracked
  * reverse delta (written(fd_in) - read(fd_out)). */
@@ -109,6 +116,13 @@ int tuple_of(int fd, struct dysco_tuple *t);
 void agent_send_async(const struct dysco_request *r);
 /* agent_send_sync sends a request and reads the answer; 0 or -1 with errno. */
 int agent_send_sync(const struct dysco_request *r);
+
+/* answer.c: parse_answer reads the NUL-terminated beginning of the agent's
+ * answer: ANSWER_OK (2xx), ANSWER_REFUSED (another status; text gets the
+ * body's "error" string, printable ASCII, NUL-terminated within textlen) or
+ * ANSWER_BAD (no HTTP/1.x status line). code gets the status. */
+enum { ANSWER_OK = 0, ANSWER_REFUSED, ANSWER_BAD };
+int parse_answer(const char *ans, int *code, char *text, size_t textlen);
 
 /* Locks kept consistent across fork (pthread_atfork, set up by dysco_init). */
 void track_atfork_prepare(void);

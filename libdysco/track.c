@@ -12,8 +12,25 @@
  *
  * splice(A -> pipe) records A as the pipe's source; splice(pipe -> B) finds
  * the source through the inode and so learns the direction A -> B. Once a
- * pair has the directions the trigger wants (both, or the first one), the
- * pair is marked and one request is queued for the agent.
+ * pair meets the trigger's rule (below), the pair is marked and one request
+ * is queued for the agent.
+ *
+ * The rule (DYSCO_SPLICE_TRIGGER), checked at every splice(pipe -> B) of a
+ * pair that had no request yet (paper §4.2: the request follows the second
+ * splice call, the one that moves data):
+ *  - auto (default): both directions spliced, or this one spliced and the
+ *    other, B -> A, drained: every byte the proxy read from B it wrote to A
+ *    (read/write functions and splice alike), and B's receive queue is
+ *    empty (SIOCINQ). A plain download or upload through a splicing proxy
+ *    leaves at its first spliced bytes; a proxy still holding or changing
+ *    the other direction is left until that direction is drained or spliced
+ *    too;
+ *  - both: both directions spliced;
+ *  - first: the first spliced direction, whatever the other holds.
+ * After an automatic request, a write to either socket that would change
+ * its stream by more than the delta sent is refused (EPIPE): the proxy
+ * asked to leave and may relay what still comes on the old path, but not
+ * change it (track_write_refused).
  *
  * Counters are atomics, so reads and writes on TCP sockets take no lock,
  * nor do splices once a socket's pair has had its request.
@@ -27,7 +44,9 @@
 #include <errno.h>
 #include <pthread.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
+#include <linux/sockios.h>
 #include <netinet/in.h>
 
 struct fdent {
@@ -45,6 +64,13 @@ struct fdent {
 	uint32_t link_gen;
 	int to; /* TCP: this socket's data is spliced to "to" */
 	uint32_t to_gen;
+	/* TCP, after an automatic request: writes must keep
+	 * wr - rd(gpeer) <= glimit (the delta sent). */
+	uint8_t guard;   /* atomic */
+	uint8_t refused; /* a write was refused (logged); atomic */
+	int gpeer;
+	uint32_t gpeer_gen;
+	int64_t glimit;
 };
 
 static struct fdent tab[DYSCO_MAX_FD];
@@ -100,6 +126,11 @@ static void reset(int fd)
 	e->ino = 0;
 	e->src = e->link = e->to = -1;
 	e->src_gen = e->link_gen = e->to_gen = 0;
+	__atomic_store_n(&e->guard, 0, __ATOMIC_RELAXED);
+	__atomic_store_n(&e->refused, 0, __ATOMIC_RELAXED);
+	e->gpeer = -1;
+	e->gpeer_gen = 0;
+	e->glimit = 0;
 	__atomic_store_n(&e->gen, gen, __ATOMIC_RELAXED);
 }
 
@@ -174,6 +205,10 @@ void track_dup(int oldfd, int newfd)
 		n->src_gen = o->src_gen;
 		n->to = o->to;
 		n->to_gen = o->to_gen;
+		n->gpeer = o->gpeer;
+		n->gpeer_gen = o->gpeer_gen;
+		n->glimit = o->glimit;
+		__atomic_store_n(&n->guard, __atomic_load_n(&o->guard, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
 		__atomic_store_n(&n->rd, __atomic_load_n(&o->rd, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
 		__atomic_store_n(&n->wr, __atomic_load_n(&o->wr, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
 		__atomic_store_n(&n->rd_sp, __atomic_load_n(&o->rd_sp, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
@@ -260,13 +295,61 @@ static int pipe_source(int fd)
 	return w->src;
 }
 
-static void trigger(int in, int out);
+static void trigger(int in, int out, int64_t delta, int64_t delta_rev);
+static int64_t delta_of(int from, int to);
+
+/* drained tells whether the direction from -> to holds nothing the proxy
+ * has yet to relay: every byte read from "from" was written to "to" (with
+ * the read and write functions, and with splice, so nothing waits in a
+ * pipe), and nothing waits in from's receive queue; under mu. */
+static int drained(int from, int to)
+{
+	const struct fdent *f = &tab[from], *t = &tab[to];
+	if (__atomic_load_n(&f->rd, __ATOMIC_RELAXED) != __atomic_load_n(&t->wr, __ATOMIC_RELAXED) ||
+	    __atomic_load_n(&f->rd_sp, __ATOMIC_RELAXED) != __atomic_load_n(&t->wr_sp, __ATOMIC_RELAXED))
+		return 0;
+	int queued = 0;
+	if (ioctl(from, SIOCINQ, &queued) < 0 || queued != 0)
+		return 0;
+	return 1;
+}
+
+/* guard makes writes to fd keep wr(fd) - rd(peer) <= limit; under mu. */
+static void guard(int fd, int peer, int64_t limit)
+{
+	struct fdent *e = &tab[fd];
+	e->gpeer = peer;
+	e->gpeer_gen = tab[peer].gen;
+	e->glimit = limit;
+	__atomic_store_n(&e->guard, 1, __ATOMIC_RELEASE);
+}
+
+int track_write_refused(int fd, size_t n)
+{
+	if (!in_range(fd) || !__atomic_load_n(&tab[fd].guard, __ATOMIC_ACQUIRE))
+		return 0;
+	struct fdent *e = &tab[fd];
+	int peer = e->gpeer;
+	if (!in_range(peer) || __atomic_load_n(&tab[peer].gen, __ATOMIC_RELAXED) != e->gpeer_gen)
+		return 0; /* the peer socket is closed: nothing left to protect */
+	uint64_t wr = __atomic_load_n(&e->wr, __ATOMIC_RELAXED);
+	uint64_t rd = __atomic_load_n(&tab[peer].rd, __ATOMIC_RELAXED);
+	int64_t after = (int64_t)(wr + (uint64_t)n - rd);
+	if (after <= e->glimit)
+		return 0;
+	if (!__atomic_exchange_n(&e->refused, 1, __ATOMIC_RELAXED) || dysco_debug)
+		dysco_log("fd %d: write of %zu bytes refused (EPIPE): the proxy asked to leave this session, and "
+			  "these bytes would change its stream from fd %d by %lld where the request said %lld",
+			  fd, n, peer, (long long)after, (long long)e->glimit);
+	return 1;
+}
 
 void track_splice(int fd_in, int fd_out, ssize_t n)
 {
 	if (!in_range(fd_in) || !in_range(fd_out))
 		return;
 	int req_in = -1, req_out = -1;
+	int64_t delta = 0, delta_rev = 0;
 	DLOG(2, "fd %d -> fd %d: splice %zd", fd_in, fd_out, n);
 	/* Fast path, no lock: the socket's pair already had its request. */
 	int kin = __atomic_load_n(&tab[fd_in].kind, __ATOMIC_ACQUIRE);
@@ -308,23 +391,29 @@ void track_splice(int fd_in, int fd_out, ssize_t n)
 				a->to_valid = 1;
 				DLOG(1, "fd %d -> fd %d: spliced through pipe fd %d", src, fd_out, fd_in);
 			}
-			if (!dysco_trigger_both) {
-				req_in = src;
-				req_out = fd_out;
-			} else if (b->to_valid && b->to == src && b->to_gen == a->gen) {
-				/* The other direction was known first: it names "in". */
+			if (b->to_valid && b->to == src && b->to_gen == a->gen) {
+				/* Both directions spliced; the other one was
+				 * known first: it names "in". */
 				req_in = fd_out;
 				req_out = src;
+			} else if (dysco_trigger == TRIGGER_FIRST ||
+				   (dysco_trigger == TRIGGER_AUTO && drained(fd_out, src))) {
+				req_in = src;
+				req_out = fd_out;
 			}
 			if (req_in >= 0) {
 				__atomic_store_n(&a->triggered, 1, __ATOMIC_RELAXED);
 				__atomic_store_n(&b->triggered, 1, __ATOMIC_RELAXED);
+				delta = delta_of(req_in, req_out);
+				delta_rev = delta_of(req_out, req_in);
+				guard(req_out, req_in, delta);
+				guard(req_in, req_out, delta_rev);
 			}
 		}
 	}
 	pthread_mutex_unlock(&mu);
 	if (req_in >= 0)
-		trigger(req_in, req_out);
+		trigger(req_in, req_out, delta, delta_rev);
 }
 
 /* delta_of is what the proxy added to the stream from "from" to "to": what
@@ -342,7 +431,7 @@ static int64_t delta_of(int from, int to)
 
 static unsigned long addr_failures;
 
-static void trigger(int in, int out)
+static void trigger(int in, int out, int64_t delta, int64_t delta_rev)
 {
 	struct dysco_request r;
 	memset(&r, 0, sizeof(r));
@@ -354,8 +443,8 @@ static void trigger(int in, int out)
 				  in, out, strerror(errno), k);
 		return;
 	}
-	r.delta = delta_of(in, out);
-	r.delta_rev = delta_of(out, in);
+	r.delta = delta;
+	r.delta_rev = delta_rev;
 	DLOG(1, "fd %d (%s <- %s) and fd %d (%s -> %s) spliced: asking the agent, delta %lld, delta_rev %lld",
 	     in, r.in.local, r.in.remote, out, r.out.local, r.out.remote, (long long)r.delta,
 	     (long long)r.delta_rev);

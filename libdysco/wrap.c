@@ -23,7 +23,7 @@
 struct real_fns dysco_real;
 int dysco_disabled;
 int dysco_debug;
-int dysco_trigger_both = 1;
+int dysco_trigger = TRIGGER_AUTO;
 char dysco_agent_socket[108] = "@dysco-agent";
 int dysco_inited;
 
@@ -84,9 +84,11 @@ static void do_init(void)
 	v = getenv("DYSCO_SPLICE_TRIGGER");
 	if (v && *v) {
 		if (strcmp(v, "first") == 0)
-			dysco_trigger_both = 0;
-		else if (strcmp(v, "both") != 0)
-			dysco_log("DYSCO_SPLICE_TRIGGER=%s: expected \"both\" or \"first\"; using \"both\"", v);
+			dysco_trigger = TRIGGER_FIRST;
+		else if (strcmp(v, "both") == 0)
+			dysco_trigger = TRIGGER_BOTH;
+		else if (strcmp(v, "auto") != 0)
+			dysco_log("DYSCO_SPLICE_TRIGGER=%s: expected \"auto\", \"both\" or \"first\"; using \"auto\"", v);
 	}
 	v = getenv("DYSCO_AGENT_SOCKET");
 	if (v && *v) {
@@ -101,7 +103,7 @@ static void do_init(void)
 	if (dysco_debug)
 		dysco_log("loaded: agent %s%s, trigger %s", dysco_agent_socket,
 			  dysco_disabled ? ", disabled (pass-through)" : "",
-			  dysco_trigger_both ? "both" : "first");
+			  dysco_trigger == TRIGGER_BOTH ? "both" : dysco_trigger == TRIGGER_FIRST ? "first" : "auto");
 }
 
 void dysco_init(void)
@@ -159,6 +161,30 @@ void dysco_log(const char *fmt, ...)
 			errno = saved_errno_;                                  \
 		}                                                              \
 	} while (0)
+
+/*
+ * REFUSE_WRITE fails a write function with EPIPE, before calling it, when
+ * the bytes would change a stream whose removal was asked for by more than
+ * the delta sent with the request (track_write_refused): they would reach
+ * the other end on the old path, and the ends, joined with the delta, would
+ * then disagree on the stream.
+ */
+#define REFUSE_WRITE(fd, n)                                                    \
+	do {                                                                   \
+		dysco_ensure_init();                                           \
+		if (!dysco_disabled && track_write_refused((fd), (n))) {       \
+			errno = EPIPE;                                         \
+			return -1;                                             \
+		}                                                              \
+	} while (0)
+
+static size_t iov_len(const struct iovec *iov, int iovcnt)
+{
+	size_t n = 0;
+	for (int i = 0; iov && i < iovcnt; i++)
+		n += iov[i].iov_len;
+	return n;
+}
 
 static int socket_kind(int domain, int type, int protocol)
 {
@@ -276,6 +302,7 @@ DYSCO_EXPORT ssize_t recvmsg(int fd, struct msghdr *msg, int flags)
 DYSCO_EXPORT ssize_t write(int fd, const void *buf, size_t n)
 {
 	ssize_t r;
+	REFUSE_WRITE(fd, n);
 	CALL_REAL(write, fd, buf, n);
 	AFTER(r > 0, track_write(fd, r, "write"));
 	return r;
@@ -284,6 +311,7 @@ DYSCO_EXPORT ssize_t write(int fd, const void *buf, size_t n)
 DYSCO_EXPORT ssize_t writev(int fd, const struct iovec *iov, int iovcnt)
 {
 	ssize_t r;
+	REFUSE_WRITE(fd, iov_len(iov, iovcnt));
 	CALL_REAL(writev, fd, iov, iovcnt);
 	AFTER(r > 0, track_write(fd, r, "writev"));
 	return r;
@@ -292,6 +320,7 @@ DYSCO_EXPORT ssize_t writev(int fd, const struct iovec *iov, int iovcnt)
 DYSCO_EXPORT ssize_t send(int fd, const void *buf, size_t n, int flags)
 {
 	ssize_t r;
+	REFUSE_WRITE(fd, n);
 	CALL_REAL(send, fd, buf, n, flags);
 	AFTER(r > 0, track_write(fd, r, "send"));
 	return r;
@@ -301,6 +330,7 @@ DYSCO_EXPORT ssize_t sendto(int fd, const void *buf, size_t n, int flags,
 			    __CONST_SOCKADDR_ARG addr, socklen_t len)
 {
 	ssize_t r;
+	REFUSE_WRITE(fd, n);
 	CALL_REAL(sendto, fd, buf, n, flags, addr, len);
 	AFTER(r > 0, track_write(fd, r, "sendto"));
 	return r;
@@ -309,6 +339,7 @@ DYSCO_EXPORT ssize_t sendto(int fd, const void *buf, size_t n, int flags,
 DYSCO_EXPORT ssize_t sendmsg(int fd, const struct msghdr *msg, int flags)
 {
 	ssize_t r;
+	REFUSE_WRITE(fd, msg ? iov_len(msg->msg_iov, (int)msg->msg_iovlen) : 0);
 	CALL_REAL(sendmsg, fd, msg, flags);
 	AFTER(r > 0, track_write(fd, r, "sendmsg"));
 	return r;

@@ -7,6 +7,7 @@ pkgs=(
   iproute2 iptables conntrack ethtool util-linux     # lab and middleboxes
   nginx-light iperf3 curl tcpdump wrk haproxy        # real programs in tests, demo, benchmarks
   spin                                               # protocol model checking
+  libclang-rt-dev                                    # make fuzz: libFuzzer and sanitizers (libdysco's harness)
 )
 missing=()
 for p in "${pkgs[@]}"; do

@@ -28,6 +28,13 @@ func (a *Agent) serveAPI() (*http.Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("agent: local API on %s: %w (is another agent running in this network namespace?)", a.cfg.Socket, err)
 	}
+	srv := &http.Server{Handler: a.apiMux(), ReadHeaderTimeout: 5 * time.Second}
+	go srv.Serve(rootOnly{ln})
+	return srv, nil
+}
+
+// apiMux routes the local API's requests to their handlers.
+func (a *Agent) apiMux() *http.ServeMux {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /v1/status", a.handleStatus)
 	mux.HandleFunc("GET /v1/sessions", a.handleSessions)
@@ -44,9 +51,7 @@ func (a *Agent) serveAPI() (*http.Server, error) {
 	if a.providers != nil {
 		mux.Handle("/v1/state/", a.providers.Handler())
 	}
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	go srv.Serve(rootOnly{ln})
-	return srv, nil
+	return mux
 }
 
 // rootOnly accepts connections from root peers only.

@@ -65,7 +65,9 @@ const (
 var payload = make([]byte, greedyChunk)
 
 // reconfigTrigger is libdysco's DYSCO_SPLICE_TRIGGER: ask for the removal
-// once both directions are spliced (the library's default; see
+// once both directions are spliced (not the library's default, which asks
+// once one direction is spliced and the other drained: the experiments
+// choose the time of the removal with the second direction; see
 // docs/libdysco.md).
 const reconfigTrigger = "both"
 

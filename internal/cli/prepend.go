@@ -23,14 +23,11 @@ lets the SYN go: it continues to the hops given, then to the rest of the chain.
 The session is named by its tuple as it entered this host.`,
 		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			req := api.PrependRequest{Session: args[0]}
-			for _, h := range strings.Split(args[1], ",") {
-				a, err := netip.ParseAddr(strings.TrimSpace(h))
-				if err != nil {
-					return fmt.Errorf("hop %q: not an IP address", h)
-				}
-				req.Hops = append(req.Hops, a.Unmap())
+			hops, err := parsePrependHops(args[1])
+			if err != nil {
+				return err
 			}
+			req := api.PrependRequest{Session: args[0], Hops: hops}
 			rep, err := agentClient().Prepend(cmd.Context(), req)
 			if err != nil {
 				return err
@@ -39,4 +36,18 @@ The session is named by its tuple as it entered this host.`,
 			return nil
 		},
 	}
+}
+
+// parsePrependHops reads prepend's comma-separated hop list: IP addresses,
+// IPv4-mapped ones as IPv4.
+func parsePrependHops(list string) ([]netip.Addr, error) {
+	var hops []netip.Addr
+	for _, h := range strings.Split(list, ",") {
+		a, err := netip.ParseAddr(strings.TrimSpace(h))
+		if err != nil {
+			return nil, fmt.Errorf("hop %q: not an IP address", h)
+		}
+		hops = append(hops, a.Unmap())
+	}
+	return hops, nil
 }

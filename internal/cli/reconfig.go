@@ -499,15 +499,17 @@ func parseHops(flag string, vals []string) ([]netip.Addr, error) {
 		if err != nil {
 			return nil, err
 		}
+		if len(hops) == api.MaxChain {
+			// Before the loop below, which is quadratic: a list of
+			// tens of thousands took seconds (FuzzSessionArgs stalled).
+			return nil, fmt.Errorf("%s: more than %d hops; at most %d are allowed", flag, api.MaxChain, api.MaxChain)
+		}
 		for _, h := range hops {
 			if h == a {
 				return nil, fmt.Errorf("%s: %s appears twice (the path would loop)", flag, a)
 			}
 		}
 		hops = append(hops, a)
-	}
-	if len(hops) > api.MaxChain {
-		return nil, fmt.Errorf("%s: %d hops, at most %d are allowed", flag, len(hops), api.MaxChain)
 	}
 	return hops, nil
 }

@@ -170,7 +170,7 @@ func TestReconfigFlagErrors(t *testing.T) {
 		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--chain", "::ffff:10.0.3.2"}, "--chain: 10.0.3.2 is the right anchor (--to)"},
 		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--chain", "10.0.2.5,10.0.2.6", "--chain", "10.0.2.5"}, "--chain: 10.0.2.5 appears twice"},
 		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--chain", "2001:db8::5"}, "--chain: 2001:db8::5 and --to 10.0.3.2 are of different address families"},
-		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--chain", "10.0.2.1,10.0.2.2,10.0.2.3,10.0.2.4,10.0.2.5,10.0.2.6,10.0.2.7,10.0.2.8"}, "--chain: 8 hops, at most 7"},
+		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--chain", "10.0.2.1,10.0.2.2,10.0.2.3,10.0.2.4,10.0.2.5,10.0.2.6,10.0.2.7,10.0.2.8"}, "--chain: more than 7 hops; at most 7"},
 		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--timeout", "0s"}, "--timeout 0s: must be at least 1ms"},
 		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--timeout", "-1s"}, "--timeout -1s: must be at least 1ms"},
 		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--timeout", "48h"}, "--timeout 48h0m0s: at most 24h"},

@@ -7,8 +7,8 @@ package experiment
 // reconfiguration times.
 //
 // How a bundle is removed when we choose: libdysco asks for the removal of
-// a session once HAProxy has spliced both of its directions (its default
-// trigger, docs/libdysco.md). The sessions send client → server only, so
+// a session once HAProxy has spliced both of its directions (trigger
+// "both", which the lab sets; docs/libdysco.md). The sessions send client → server only, so
 // HAProxy splices one direction and stays on the path; at the bundle's
 // time, the runner's server ends start answering (32 KiB/s), HAProxy
 // splices the second direction, and libdysco asks the proxy's agent to take

@@ -89,19 +89,11 @@ func (c *Conntrack) Export(ctx context.Context, s Session) ([]byte, error) {
 // updated in place (so a retransmitted import changes nothing more), one
 // with other tuples (another NAT binding) is replaced.
 func (c *Conntrack) Import(ctx context.Context, s Session, state []byte) error {
-	var st ctState
-	if err := json.Unmarshal(state, &st); err != nil {
-		return fmt.Errorf("decoding state: %w", err)
+	st, err := decodeState(s, state)
+	if err != nil {
+		return err
 	}
 	orig := sessionTuple(s)
-	for _, e := range st.Entries {
-		if e.Orig != orig {
-			return fmt.Errorf("state holds entry %s, not of session %s", e.Orig, s)
-		}
-		if e.Reply.Src.Is4() != orig.Src.Is4() || e.Reply.Proto != orig.Proto {
-			return fmt.Errorf("entry %s: reply tuple %s does not match", e.Orig, e.Reply)
-		}
-	}
 	if st.RulesFrom != "" {
 		have, err := hostRules(ctx, orig.Src.Is4())
 		if errors.Is(err, errNoIptables) {
@@ -138,6 +130,32 @@ func (c *Conntrack) Import(ctx context.Context, s Session, state []byte) error {
 		}
 	}
 	return nil
+}
+
+// decodeState reads the state another host exported for session s and
+// checks that every entry is the session's.
+func decodeState(s Session, state []byte) (ctState, error) {
+	var st ctState
+	if err := json.Unmarshal(state, &st); err != nil {
+		return ctState{}, fmt.Errorf("decoding state: %w", err)
+	}
+	orig := sessionTuple(s)
+	for _, e := range st.Entries {
+		if e == nil {
+			return ctState{}, errors.New("state holds an empty entry")
+		}
+		if e.Orig != orig {
+			return ctState{}, fmt.Errorf("state holds entry %s, not of session %s", e.Orig, s)
+		}
+		// Both ends valid and of the session's family: the import makes
+		// NAT ranges from them (natAttrs); a missing address would be
+		// taken for :: or 0.0.0.0 (found by FuzzConntrackState).
+		if !e.Reply.Src.IsValid() || !e.Reply.Dst.IsValid() || e.Reply.Src.Is4() != orig.Src.Is4() ||
+			e.Reply.Dst.Is4() != orig.Src.Is4() || e.Reply.Proto != orig.Proto {
+			return ctState{}, fmt.Errorf("entry %s: reply tuple %s does not match", e.Orig, e.Reply)
+		}
+	}
+	return st, nil
 }
 
 // importEntry makes the kernel's entry equal to e; fresh tells whether it

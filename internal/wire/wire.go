@@ -240,5 +240,10 @@ func ParseTuple(s string) (Tuple, error) {
 	if err != nil {
 		return Tuple{}, fmt.Errorf("tuple %q: destination: %w", s, err)
 	}
-	return Tuple{Src: src.Addr().Unmap(), Dst: dst.Addr().Unmap(), SrcPort: src.Port(), DstPort: dst.Port()}, nil
+	t := Tuple{Src: src.Addr().Unmap(), Dst: dst.Addr().Unmap(), SrcPort: src.Port(), DstPort: dst.Port()}
+	if t.Src.Is4() != t.Dst.Is4() {
+		// No TCP session has ends of two families (found by FuzzSessionArgs).
+		return Tuple{}, fmt.Errorf("tuple %q: the source and the destination are of different address families", s)
+	}
+	return t, nil
 }

@@ -414,3 +414,156 @@ func TestProxyRemovalMixedFamilies(t *testing.T) {
 		return bytes.Contains(b, []byte("the agent refused to splice")) && bytes.Contains(b, []byte("family"))
 	})
 }
+
+// TestProxyRemovalOneWay: an unmodified HAProxy in TCP mode with splicing,
+// under libdysco with its default settings, relays a plain download (the
+// client sends a small request, which HAProxy relays with recv and send;
+// the server streams 256 MiB, which HAProxy splices) and then a plain
+// upload (256 MiB from the client, a short answer from the server after
+// it). libdysco asks for the removal once one direction is spliced and the
+// other holds nothing unrelayed (paper §4.2): the proxy leaves both
+// sessions, every byte arrives (SHA-256), and the proxy host's interfaces
+// carry less than a tenth of the bytes.
+func TestProxyRemovalOneWay(t *testing.T) {
+	e := newLab(t, labOpts{topology: lab.Star("client", "proxy", "server")})
+	proxy, server := e.addr("proxy", false), e.addr("server", false)
+	e.policy("client", "to-proxy", "tcp dst port 9400")
+	e.policy("proxy", "to-server", "tcp dst port 9401")
+	e.haproxy("proxy", netip.AddrPortFrom(proxy, 9400), netip.AddrPortFrom(server, 9401))
+	ln := e.listen("server", netip.AddrPortFrom(server, 9401))
+
+	// Paced so that the removal, tens of milliseconds on a loaded
+	// machine, is a small part of the transfer.
+	const total, rate = 256 * mib, 64 * mib
+	const request = "GET /256M\n"
+	for _, download := range []bool{true, false} {
+		name := "upload"
+		if download {
+			name = "download"
+		}
+		rx0, tx0 := e.ifaceBytes("proxy")
+		serverErr := make(chan error, 1)
+		go func() {
+			c, err := ln.Accept()
+			if err != nil {
+				serverErr <- err
+				return
+			}
+			defer c.Close()
+			if download {
+				line, err := bufio.NewReader(c).ReadString('\n')
+				if err != nil || line != request {
+					serverErr <- fmt.Errorf("request %q: %v", line, err)
+					return
+				}
+				_, err = io.Copy(pacedConn{c, rate}, io.LimitReader(newStream(3), total))
+				serverErr <- err
+				return
+			}
+			h := sha256.New()
+			n, err := io.Copy(h, c)
+			if err == nil && n != total {
+				err = fmt.Errorf("received %d bytes, want %d", n, total)
+			}
+			if err == nil {
+				err = checkStream(h, 4, total)
+			}
+			if err == nil {
+				_, err = io.WriteString(c, "ok\n")
+			}
+			serverErr <- err
+		}()
+		c, err := e.dial("client", netip.AddrPortFrom(proxy, 9400), 10*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := c.LocalAddr().(*net.TCPAddr).Port
+		clientErr := make(chan error, 1)
+		go func() {
+			defer c.Close()
+			if download {
+				if _, err := io.WriteString(c, request); err != nil {
+					clientErr <- err
+					return
+				}
+				h := sha256.New()
+				n, err := io.Copy(h, c)
+				if err == nil && n != total {
+					err = fmt.Errorf("received %d bytes, want %d", n, total)
+				}
+				if err == nil {
+					err = checkStream(h, 3, total)
+				}
+				clientErr <- err
+				return
+			}
+			if _, err := io.Copy(pacedConn{c, rate}, io.LimitReader(newStream(4), total)); err != nil {
+				clientErr <- err
+				return
+			}
+			c.(*net.TCPConn).CloseWrite()
+			ans, err := io.ReadAll(c)
+			if err == nil && string(ans) != "ok\n" {
+				err = fmt.Errorf("answer %q", ans)
+			}
+			clientErr <- err
+		}()
+		testutil.Eventually(t, time.Minute, name+": the proxy to leave the path", func() bool {
+			return sessionGoesDirect(e, port, server)
+		})
+		for _, ch := range []chan error{clientErr, serverErr} {
+			select {
+			case err := <-ch:
+				if err != nil {
+					t.Fatalf("%s: %v", name, err)
+				}
+			case <-time.After(3 * time.Minute):
+				t.Fatalf("%s: the transfer did not finish", name)
+			}
+		}
+		rx1, tx1 := e.ifaceBytes("proxy")
+		rx, tx := rx1-rx0, tx1-tx0
+		t.Logf("%s: the proxy host received %.1f MiB and sent %.1f MiB of the %d MiB (%.1f %%, %.1f %%)",
+			name, float64(rx)/mib, float64(tx)/mib, total/mib, 100*float64(rx)/total, 100*float64(tx)/total)
+		if rx > total/10 || tx > total/10 {
+			t.Errorf("%s: the proxy host carried more than a tenth of the bytes", name)
+		}
+	}
+}
+
+// sessionGoesDirect tells whether the client's session from local port
+// port now has its right subsession to the server.
+func sessionGoesDirect(e *env, port int, server netip.Addr) bool {
+	from := fmt.Sprintf(":%d -> ", port)
+	to := "-> " + addrPrefix(server)
+	for _, s := range e.sessions("client") {
+		if strings.Contains(s.Session, from) && strings.Contains(s.Right, to) {
+			return true
+		}
+	}
+	return false
+}
+
+// ifaceBytes is the bytes received and sent by the host's interfaces other
+// than loopback (/proc/net/dev of its namespace).
+func (e *env) ifaceBytes(host string) (rx, tx int64) {
+	e.t.Helper()
+	for _, line := range strings.Split(e.run(host, "cat", "/proc/net/dev"), "\n") {
+		name, rest, ok := strings.Cut(line, ":")
+		if !ok || strings.TrimSpace(name) == "lo" {
+			continue
+		}
+		f := strings.Fields(rest)
+		if len(f) < 9 {
+			continue
+		}
+		r, err1 := strconv.ParseInt(f[0], 10, 64)
+		s, err2 := strconv.ParseInt(f[8], 10, 64)
+		if err1 != nil || err2 != nil {
+			e.t.Fatalf("%s: /proc/net/dev: %q", host, line)
+		}
+		rx += r
+		tx += s
+	}
+	return rx, tx
+}

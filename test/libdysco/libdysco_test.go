@@ -766,3 +766,138 @@ listen relay
 		t.Errorf("%d requests, want 1", n)
 	}
 }
+
+// TestSpliceProxyOneDirection: the proxy relays the client's direction with
+// recv and send and splices only the backend's (a download through
+// HAProxy). With the default trigger the library asks for the removal once
+// the spliced direction moves data and the other one is drained, and then
+// guards the streams: the proxy may relay what still comes, unchanged, but
+// a write that changes a stream is refused.
+func TestSpliceProxyOneDirection(t *testing.T) {
+	setup := func(t *testing.T, mode ...string) (*fakeAgent, *proc, *net.TCPConn, *net.TCPConn) {
+		agent := startAgent(t, http.StatusOK, `{"id":1}`)
+		be := startBackend(t, "127.0.0.1", "")
+		host, port := be.hostPort()
+		p := startProxy(t, []string{"LD_PRELOAD=" + libPath, "DYSCO_AGENT_SOCKET=" + agent.name},
+			spliceProxy, append([]string{"127.0.0.1", host, port}, mode...)...)
+		c := dial(t, "127.0.0.1", p.port)
+		return agent, p, c, be.conn(t)
+	}
+
+	// The request's bytes were relayed and nothing else waits: the first
+	// spliced bytes back trigger the request, with the backend's socket
+	// as "in". The client's later bytes, relayed with recv and send after
+	// the request, are relayed unchanged.
+	t.Run("relay", func(t *testing.T) {
+		agent, p, c, bc := setup(t, "user-request")
+		first := randomBytes(100 << 10)
+		exchange(t, c, first, first, func() {
+			checkRequest(t, agent.next(t), wantBody(bc, c, 0, 0))
+		})
+		p.wait(t)
+		if n := agent.count(); n != 1 {
+			t.Errorf("%d requests, want 1", n)
+		}
+		if s := p.stderr.String(); strings.Contains(s, "refused") {
+			t.Errorf("stderr:\n%s", s)
+		}
+	})
+
+	// The proxy changes the client's direction all along: that direction
+	// is never drained, so no request is made (it is never spliced either),
+	// and the streams are as the proxy makes them.
+	t.Run("changing", func(t *testing.T) {
+		agent, p, c, _ := setup(t, "user-request-add", "0")
+		sent := letters(1 << 20)
+		c.SetDeadline(time.Now().Add(timeout))
+		werr := make(chan error, 1)
+		go func() {
+			_, err := c.Write(sent)
+			if err == nil {
+				err = c.CloseWrite()
+			}
+			werr <- err
+		}()
+		got, err := io.ReadAll(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := <-werr; err != nil {
+			t.Fatal(err)
+		}
+		p.wait(t)
+		if plus := bytes.Count(got, []byte("+")); plus == 0 || !bytes.Equal(bytes.ReplaceAll(got, []byte("+"), nil), sent) {
+			t.Fatalf("echo: %d bytes with %d '+', want the %d bytes sent with the proxy's '+' between chunks", len(got), plus, len(sent))
+		}
+		if n := agent.count(); n != 0 {
+			t.Errorf("%d requests, want none", n)
+		}
+	})
+
+	// The proxy starts changing the client's direction after the request:
+	// its first such write is refused, it ends the session, and no changed
+	// byte ever reaches the backend (whose echo the client reads).
+	t.Run("change-after-request", func(t *testing.T) {
+		const k = 100 << 10
+		agent, p, c, bc := setup(t, "user-request-add", strconv.Itoa(k))
+		first := letters(k)
+		c.SetDeadline(time.Now().Add(timeout))
+		if _, err := c.Write(first); err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, k)
+		if _, err := io.ReadFull(c, got); err != nil || !bytes.Equal(got, first) {
+			t.Fatalf("first echo: %v", err)
+		}
+		checkRequest(t, agent.next(t), wantBody(bc, c, 0, 0))
+		if _, err := c.Write(letters(1000)); err != nil {
+			t.Fatal(err)
+		}
+		p.stderr.waitFor(t, "refused (EPIPE)")
+		rest, _ := io.ReadAll(c) // EOF or a reset once the proxy is gone
+		if len(rest) != 0 {
+			t.Errorf("%d more bytes came back after the refused write (%q...)", len(rest), trunc(rest))
+		}
+		<-p.done
+		if p.err == nil || !strings.Contains(p.stderr.String(), "send: Broken pipe") {
+			t.Errorf("the proxy went on after the refused write (%v):\n%s", p.err, p.stderr.String())
+		}
+	})
+}
+
+// letters is n random lowercase letters (no '+').
+func letters(n int) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = 'a' + byte(rand.IntN(26))
+	}
+	return b
+}
+
+// TestAnswerCorpus runs libdysco's fuzzing harness for the agent's answers
+// (libdysco/fuzz/answer_fuzz.c, fuzzed with libFuzzer by make fuzz) over
+// its corpus, built with the plain driver and AddressSanitizer and
+// UndefinedBehaviorSanitizer: every input that was ever interesting, or
+// crashed, stays a regression test.
+func TestAnswerCorpus(t *testing.T) {
+	root, err := repoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(t.TempDir(), "answer-driver")
+	src := filepath.Join(root, "libdysco")
+	args := []string{"-O1", "-g", "-Wall", "-Wextra", "-Werror", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+		"-I", src, "-I", filepath.Join(root, "include"), "-o", bin,
+		filepath.Join(src, "fuzz", "driver.c"), filepath.Join(src, "fuzz", "answer_fuzz.c"), filepath.Join(src, "answer.c")}
+	if out, err := exec.Command("cc", args...).CombinedOutput(); err != nil {
+		t.Fatalf("cc %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	out, err := exec.Command(bin, filepath.Join(src, "fuzz", "corpus")).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	var n int
+	if _, err := fmt.Sscanf(string(out), "%d inputs", &n); err != nil || n < 10 {
+		t.Fatalf("ran %q, want the corpus (10 inputs or more)", out)
+	}
+}

@@ -3,7 +3,7 @@
  * pipes, as HAProxy does in TCP mode; it knows nothing of Dysco and is run
  * under LD_PRELOAD=libdysco.so.
  *
- *   spliceproxy LISTEN_HOST BACKEND_HOST BACKEND_PORT [banner]
+ *   spliceproxy LISTEN_HOST BACKEND_HOST BACKEND_PORT [banner | user-request | user-request-add K]
  *
  * It prints its port on stdout, accepts one client, connects to the
  * backend and relays both directions until both are closed. With "banner",
@@ -11,6 +11,14 @@
  * client prefixed with "X-Banner: " (10 bytes added to the backend -> client
  * stream, before splicing). The tests build it with _FORTIFY_SOURCE=3, so that
  * this recv is a call to __recv_chk.
+ *
+ * With "user-request", the client -> backend direction is relayed with recv
+ * and send (as HAProxy does with a small request), and only the backend ->
+ * client direction is spliced. "user-request-add K" does the same, but
+ * once it has spliced K bytes or more back to the client, it prefixes every
+ * chunk it relays to the backend with '+' (a proxy that changes the other
+ * direction after splicing one). A failed send ends the proxy with an
+ * error, as a write error ends a session in HAProxy.
  */
 #include "common.h"
 
@@ -19,12 +27,60 @@
 
 struct dir {
 	int src, dst, pr, pw; /* sockets, pipe read and write ends */
-	size_t pending;       /* bytes in the pipe */
+	size_t pending;       /* bytes in the pipe (or in buf) */
 	int eof, done;
+	int user;       /* relay with recv and send instead of splice */
+	char buf[65537]; /* user: buf[0] for the '+', the data from buf + 1 */
+	size_t off;     /* user: next byte of buf to send */
+	size_t spliced; /* bytes spliced to dst so far */
 };
+
+static const struct dir *other;  /* the spliced direction (user-request-add) */
+static long add_after = -1;      /* user-request-add: K */
+
+static void step_user(struct dir *d)
+{
+	if (d->done)
+		return;
+	if (d->pending == 0 && !d->eof) {
+		ssize_t n = recv(d->src, d->buf + 1, sizeof(d->buf) - 1, 0);
+		if (n > 0) {
+			d->off = 1;
+			d->pending = (size_t)n;
+			if (add_after >= 0 && other->spliced >= (size_t)add_after) {
+				d->buf[0] = '+';
+				d->off = 0;
+				d->pending++;
+			}
+		} else if (n == 0 || errno == ECONNRESET) {
+			d->eof = 1;
+		} else if (errno != EAGAIN && errno != EINTR) {
+			die("recv");
+		}
+	}
+	while (d->pending > 0) {
+		ssize_t n = send(d->dst, d->buf + d->off, d->pending, 0);
+		if (n > 0) {
+			d->off += (size_t)n;
+			d->pending -= (size_t)n;
+			continue;
+		}
+		if (n < 0 && (errno == EAGAIN || errno == EINTR))
+			break;
+		die("send");
+	}
+	if (d->eof && d->pending == 0) {
+		shutdown(d->dst, SHUT_WR);
+		d->done = 1;
+	}
+}
 
 static void step(struct dir *d)
 {
+	if (d->user) {
+		step_user(d);
+		return;
+	}
 	if (d->done)
 		return;
 	if (d->pending == 0 && !d->eof) {
@@ -40,6 +96,7 @@ static void step(struct dir *d)
 		ssize_t n = splice(d->pr, NULL, d->dst, NULL, d->pending, SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
 		if (n > 0) {
 			d->pending -= (size_t)n;
+			d->spliced += (size_t)n;
 			continue;
 		}
 		if (n < 0 && (errno == EAGAIN || errno == EINTR))
@@ -55,7 +112,8 @@ static void step(struct dir *d)
 int main(int argc, char **argv)
 {
 	if (argc < 4) {
-		fprintf(stderr, "usage: spliceproxy LISTEN_HOST BACKEND_HOST BACKEND_PORT [banner]\n");
+		fprintf(stderr, "usage: spliceproxy LISTEN_HOST BACKEND_HOST BACKEND_PORT "
+				"[banner | user-request | user-request-add K]\n");
 		return 2;
 	}
 	signal(SIGPIPE, SIG_IGN);
@@ -86,10 +144,16 @@ int main(int argc, char **argv)
 	int p1[2], p2[2];
 	if (pipe2(p1, O_CLOEXEC | O_NONBLOCK) < 0 || pipe2(p2, O_CLOEXEC | O_NONBLOCK) < 0)
 		die("pipe2");
-	struct dir d[2] = {
-		{.src = c, .dst = b, .pr = p1[0], .pw = p1[1]},
-		{.src = b, .dst = c, .pr = p2[0], .pw = p2[1]},
-	};
+	static struct dir d[2];
+	d[0] = (struct dir){.src = c, .dst = b, .pr = p1[0], .pw = p1[1]};
+	d[1] = (struct dir){.src = b, .dst = c, .pr = p2[0], .pw = p2[1]};
+	if (argc > 4 && strcmp(argv[4], "user-request") == 0)
+		d[0].user = 1;
+	if (argc > 5 && strcmp(argv[4], "user-request-add") == 0) {
+		d[0].user = 1;
+		add_after = atol(argv[5]);
+	}
+	other = &d[1];
 	while (!d[0].done || !d[1].done) {
 		struct pollfd pf[2];
 		int np = 0;
