@@ -9,6 +9,7 @@ package psclient
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -39,8 +40,12 @@ var (
 
 // WatchConfig configures Watch.
 type WatchConfig struct {
-	// URL is the policy server, "http://host:7017".
+	// URL is the policy server, "https://host:7017".
 	URL string
+	// TLS, when set, is the agent's client certificate and the CA that
+	// signs the server's (internal/certs.ClientTLS); nil for a server
+	// started with --insecure (an http:// URL).
+	TLS *tls.Config
 	// Host is the agent's name; the server gives it the policies whose Hosts
 	// is empty or names it.
 	Host string
@@ -133,7 +138,7 @@ func Watch(ctx context.Context, cfg WatchConfig) error {
 		}
 	}
 
-	c := api.NewServerClient(cfg.URL)
+	c := api.NewServerClientTLS(cfg.URL, cfg.TLS)
 	backoff := minBackoff
 	failing, warnedOlder := false, false
 	for ctx.Err() == nil {
