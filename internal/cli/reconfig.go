@@ -98,7 +98,8 @@ from a middlebox on the sessions passing through it, see "dysco middlebox".
 
 With --server URL --host AGENT the request goes to the policy server, which
 relays it to the agent named AGENT (its --name); that agent is then "this
-host", and the command prints its results as if run there.
+host", and the command prints its results as if run there. The request
+carries the operator certificate of --pki-dir (or --tls-cert, --tls-key).
 
 ` + matchSemantics + `
 
@@ -221,7 +222,8 @@ the left anchor, this host's right neighbour the right anchor).
 
 With --server URL --host AGENT the request goes to the policy server, which
 relays it to the middlebox agent named AGENT (its --name): run it from
-anywhere, for example an operator's console.`,
+anywhere, for example an operator's console, with the operator certificate
+of --pki-dir (or --tls-cert, --tls-key).`,
 	}
 	cmd.AddCommand(newMiddleboxRemoveCmd(), newMiddleboxReplaceCmd())
 	return cmd
