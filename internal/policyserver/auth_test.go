@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"encoding/json"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
@@ -12,12 +13,14 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/certs"
 	"github.com/dysco/dysco/internal/psclient"
+	"github.com/dysco/dysco/internal/testutil"
 )
 
 // testPKI is a CA with the server's certificate (127.0.0.1) and clients'.
@@ -259,5 +262,44 @@ func TestNewNeedsTLS(t *testing.T) {
 	_, err = api.NewServerClientTLS("https"+strings.TrimPrefix(ts.url, "http"), pki.tls(t, "operator:operator")).Policies(t.Context())
 	if err == nil || !strings.Contains(err.Error(), "does not speak TLS") {
 		t.Errorf("https:// to plain: %v", err)
+	}
+}
+
+// syncBuffer is a log sink safe for concurrent writes.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// An agent whose certificate the server refuses says so in its log, not
+// that the server is unreachable.
+func TestAgentRefusedLogged(t *testing.T) {
+	pki := newPKI(t)
+	other := newPKI(t, "agent:h1")
+	ts := startServer(t, pki.serverConfig())
+	tc := other.tls(t, "agent:h1")
+	tc.RootCAs = pki.tls(t, "").RootCAs
+	var logs syncBuffer
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	go psclient.Watch(ctx, psclient.WatchConfig{URL: ts.url, TLS: tc, Host: "h1", Wait: time.Second,
+		Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	testutil.Eventually(t, 10*time.Second, "the refusal in the agent's log", func() bool {
+		return strings.Contains(logs.String(), "refused this agent's certificate")
+	})
+	if strings.Contains(logs.String(), "unreachable") {
+		t.Errorf("a refused certificate logged as unreachable:\n%s", logs.String())
 	}
 }

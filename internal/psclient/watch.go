@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"net/http"
 	"os"
 	"path/filepath"
 	"time"
@@ -148,7 +149,12 @@ func Watch(ctx context.Context, cfg WatchConfig) error {
 		}
 		if err != nil {
 			status(false, err)
-			if !failing {
+			var he *api.HTTPError
+			if !failing && errors.As(err, &he) && (he.StatusCode == http.StatusUnauthorized || he.StatusCode == http.StatusForbidden) {
+				// Not a passing outage: the certificate needs attention.
+				log.Error("the policy server refused this agent's certificate; keeping the current policies", "version", last, "status", he.StatusCode, "err", err)
+				failing = true
+			} else if !failing {
 				log.Warn("policy server unreachable; keeping the current policies", "version", last, "err", err)
 				failing = true
 			} else {
