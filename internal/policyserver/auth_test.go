@@ -136,6 +136,12 @@ func TestAuthRolesAndCounters(t *testing.T) {
 	if code, _ := call(t, "GET", "http"+strings.TrimPrefix(u, "https")+"/v1/policies", ""); code/100 == 2 {
 		t.Errorf("plain HTTP answered %d", code)
 	}
+	testutil.Eventually(t, 5*time.Second, "the failed handshake to be counted", func() bool {
+		mts := httptest.NewServer(ts.MetricsHandler())
+		defer mts.Close()
+		_, data := call(t, "GET", mts.URL+"/metrics", "")
+		return strings.Contains(string(data), "dysco_policyserver_tls_handshake_errors_total 1\n")
+	})
 
 	expect := func(tc *tls.Config, who, method, path, body string, want int) []byte {
 		t.Helper()

@@ -18,7 +18,11 @@ func (s *Server) initMetrics() {
 		Namespace: "dysco", Subsystem: "policyserver", Name: "requests_refused_total",
 		Help: "Requests refused: code 401 (reason no_certificate, bad_certificate, no_tls) or 403 (role, other_host), by route.",
 	}, []string{"route", "code", "reason"})
-	reg.MustRegister(s.refused)
+	s.handshakeErrors = prometheus.NewCounter(prometheus.CounterOpts{
+		Namespace: "dysco", Subsystem: "policyserver", Name: "tls_handshake_errors_total",
+		Help: "Connections whose TLS handshake failed (plain HTTP to the TLS listener, a client that does not trust the server's certificate).",
+	})
+	reg.MustRegister(s.refused, s.handshakeErrors)
 	gauge := func(name, help string, f func() float64) {
 		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Namespace: "dysco", Subsystem: "policyserver", Name: name, Help: help,

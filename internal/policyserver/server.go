@@ -18,6 +18,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log"
 	"log/slog"
 	"net"
 	"net/http"
@@ -98,6 +99,8 @@ type Server struct {
 	// reg holds the metrics; refused counts the requests answered 401 or 403.
 	reg     *prometheus.Registry
 	refused *prometheus.CounterVec
+	// handshakeErrors counts the TLS handshakes that failed.
+	handshakeErrors prometheus.Counter
 
 	// wmu serializes writes so that the published sets follow versions.
 	wmu sync.Mutex
@@ -221,7 +224,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		Handler:           s.mux,
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       2 * time.Minute,
-		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+		ErrorLog:          log.New(handshakeCounter{s}, "", 0),
 		ConnState: func(c net.Conn, st http.ConnState) {
 			freshMu.Lock()
 			defer freshMu.Unlock()
@@ -323,6 +326,20 @@ func Run(ctx context.Context, cfg Config) error {
 		defer os.Remove(cfg.ReadyFile)
 	}
 	return s.Serve(ctx, ln)
+}
+
+// handshakeCounter is the API server's error log: it counts the failed TLS
+// handshakes (plain HTTP to the TLS listener, a client that does not trust
+// the server) and passes every line to the server's log.
+type handshakeCounter struct{ s *Server }
+
+func (h handshakeCounter) Write(p []byte) (int, error) {
+	msg := strings.TrimSpace(string(p))
+	if strings.HasPrefix(msg, "http: TLS handshake error") {
+		h.s.handshakeErrors.Inc()
+	}
+	h.s.log.Warn(msg)
+	return len(p), nil
 }
 
 // isLoopback tells whether a listener's address is a loopback address.

@@ -202,6 +202,12 @@ func TestMgmtAuth(t *testing.T) {
 		}
 	}
 	t.Logf("refusals counted: %d kinds, %v", len(got), got)
+	// Each plain-HTTP request failed the TLS handshake, and was counted.
+	if m := regexp.MustCompile(`(?m)^dysco_policyserver_tls_handshake_errors_total (\d+)$`).FindStringSubmatch(metrics); m == nil {
+		t.Error("no dysco_policyserver_tls_handshake_errors_total in the metrics")
+	} else if n, _ := strconv.Atoi(m[1]); n < len(routes) {
+		t.Errorf("tls_handshake_errors_total = %d, want at least the %d plain-HTTP requests", n, len(routes))
+	}
 
 	// Without its certificate the server does not start, and says why.
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
