@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/dysco/dysco/internal/certs"
@@ -82,7 +83,7 @@ func (s *Server) guard(pattern string, roles []string, h http.HandlerFunc) {
 				errors.New("no client certificate: this policy server authenticates its clients with certificates of its CA (`dysco certs`; the CLI's --tls-cert, --tls-key, --tls-ca)"))
 			return
 		}
-		id, err := certs.Verify(r.TLS.PeerCertificates, s.roots, time.Now())
+		id, err := s.verify(r)
 		if err != nil {
 			s.refuse(w, r, label, http.StatusUnauthorized, reasonBadCert, err)
 			return
@@ -94,6 +95,36 @@ func (s *Server) guard(pattern string, roles []string, h http.HandlerFunc) {
 		}
 		h(w, r.WithContext(context.WithValue(ctx, identityKey{}, id)))
 	}))
+}
+
+// connAuth caches the verification of a connection's client certificate:
+// the certificate of a TLS connection does not change, so it is verified
+// on the connection's first request, and again only once it has expired.
+type connAuth struct {
+	mu       sync.Mutex
+	done     bool
+	id       certs.Identity
+	err      error
+	notAfter time.Time
+}
+
+type connAuthKey struct{}
+
+// verify verifies the client certificate of r, once per connection when
+// the server set up the cache (Serve's ConnContext).
+func (s *Server) verify(r *http.Request) (certs.Identity, error) {
+	now := time.Now()
+	ca, ok := r.Context().Value(connAuthKey{}).(*connAuth)
+	if !ok {
+		return certs.Verify(r.TLS.PeerCertificates, s.roots, now)
+	}
+	ca.mu.Lock()
+	defer ca.mu.Unlock()
+	if !ca.done || now.After(ca.notAfter) {
+		ca.id, ca.err = certs.Verify(r.TLS.PeerCertificates, s.roots, now)
+		ca.notAfter, ca.done = r.TLS.PeerCertificates[0].NotAfter, true
+	}
+	return ca.id, ca.err
 }
 
 // refuse answers a request with code and counts it.

@@ -225,6 +225,9 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          log.New(handshakeCounter{s}, "", 0),
+		ConnContext: func(ctx context.Context, _ net.Conn) context.Context {
+			return context.WithValue(ctx, connAuthKey{}, &connAuth{})
+		},
 		ConnState: func(c net.Conn, st http.ConnState) {
 			freshMu.Lock()
 			defer freshMu.Unlock()
