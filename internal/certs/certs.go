@@ -29,6 +29,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"sync"
 	"time"
 )
 
@@ -404,8 +405,11 @@ func IdentityOf(c *x509.Certificate) (Identity, error) {
 // certificate, and client certificates requested (not required: a client
 // without one gets an HTTP 401 that the server counts; the server verifies
 // them with Verify against the pool returned).
+//
+// The certificate is read again when its file changes (a renewed
+// certificate, written with `dysco certs --force`), on the next handshake.
 func ServerTLS(certFile, keyFile, caFile string) (*tls.Config, *x509.CertPool, error) {
-	pair, err := tls.LoadX509KeyPair(certFile, keyFile)
+	kp, err := newKeyPair(certFile, keyFile)
 	if err != nil {
 		return nil, nil, fmt.Errorf("server certificate: %w", err)
 	}
@@ -414,16 +418,16 @@ func ServerTLS(certFile, keyFile, caFile string) (*tls.Config, *x509.CertPool, e
 		return nil, nil, err
 	}
 	return &tls.Config{
-		Certificates: []tls.Certificate{pair},
-		ClientAuth:   tls.RequestClientCert,
-		MinVersion:   tls.VersionTLS13,
-		NextProtos:   []string{"http/1.1"},
+		GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) { return kp.get(), nil },
+		ClientAuth:     tls.RequestClientCert,
+		MinVersion:     tls.VersionTLS13,
+		NextProtos:     []string{"http/1.1"},
 	}, pool, nil
 }
 
 // ClientTLS returns the TLS configuration of a client of the policy
 // server: the server verified against caFile, and the client's certificate
-// (none when certFile is empty).
+// (none when certFile is empty), read again when its file changes.
 func ClientTLS(caFile, certFile, keyFile string) (*tls.Config, error) {
 	pool, err := LoadPool(caFile)
 	if err != nil {
@@ -431,13 +435,57 @@ func ClientTLS(caFile, certFile, keyFile string) (*tls.Config, error) {
 	}
 	tc := &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS13}
 	if certFile != "" {
-		pair, err := tls.LoadX509KeyPair(certFile, keyFile)
+		kp, err := newKeyPair(certFile, keyFile)
 		if err != nil {
 			return nil, fmt.Errorf("client certificate: %w", err)
 		}
-		tc.Certificates = []tls.Certificate{pair}
+		tc.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return kp.get(), nil }
 	}
 	return tc, nil
+}
+
+// keyPair is a certificate and its key, read again from their files when
+// the certificate file's modification time or size changes. A file that
+// cannot be read, or a pair that does not match, leaves the last good pair
+// in use (a renewal in progress writes the key first, then the
+// certificate).
+type keyPair struct {
+	certFile, keyFile string
+	mu                sync.Mutex
+	pair              *tls.Certificate
+	mod               time.Time
+	size              int64
+}
+
+func newKeyPair(certFile, keyFile string) (*keyPair, error) {
+	kp := &keyPair{certFile: certFile, keyFile: keyFile}
+	if err := kp.load(); err != nil {
+		return nil, err
+	}
+	return kp, nil
+}
+
+func (kp *keyPair) load() error {
+	st, err := os.Stat(kp.certFile)
+	if err != nil {
+		return err
+	}
+	pair, err := tls.LoadX509KeyPair(kp.certFile, kp.keyFile)
+	if err != nil {
+		return err
+	}
+	kp.pair, kp.mod, kp.size = &pair, st.ModTime(), st.Size()
+	return nil
+}
+
+// get returns the pair, read again if the certificate file changed.
+func (kp *keyPair) get() *tls.Certificate {
+	kp.mu.Lock()
+	defer kp.mu.Unlock()
+	if st, err := os.Stat(kp.certFile); err == nil && (!st.ModTime().Equal(kp.mod) || st.Size() != kp.size) {
+		kp.load() // on failure the last good pair stays
+	}
+	return kp.pair
 }
 
 // ClientIdentity reads the identity of the client certificate file (for

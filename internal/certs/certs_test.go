@@ -1,6 +1,7 @@
 package certs
 
 import (
+	"crypto/tls"
 	"crypto/x509"
 	"encoding/pem"
 	"net/netip"
@@ -167,5 +168,64 @@ func TestClientIdentityFile(t *testing.T) {
 	}
 	if _, err := ClientIdentity(filepath.Join(dir, CAKeyFile)); err == nil {
 		t.Error("a key read as a certificate")
+	}
+}
+
+// A certificate renewed in place (--force) is used from the next
+// handshake on, by the client and by the server alike, with no restart.
+func TestRenewedCertificateReloaded(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := CreateCA(dir, "", Options{}); err != nil {
+		t.Fatal(err)
+	}
+	cp, kp, err := IssueClient(dir, RoleAgent, "h1", Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sp, sk, err := IssueServer(dir, []string{"localhost"}, nil, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctc, err := ClientTLS(filepath.Join(dir, CAFile), cp, kp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stc, _, err := ServerTLS(sp, sk, filepath.Join(dir, CAFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	serial := func(c *tls.Certificate, err error) string {
+		t.Helper()
+		if err != nil || c == nil {
+			t.Fatalf("certificate: %v", err)
+		}
+		x, err := x509.ParseCertificate(c.Certificate[0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return x.SerialNumber.String()
+	}
+	c0, s0 := serial(ctc.GetClientCertificate(nil)), serial(stc.GetCertificate(nil))
+	if c0 != serial(ctc.GetClientCertificate(nil)) {
+		t.Fatal("client certificate changed with no renewal")
+	}
+	if _, _, err := IssueClient(dir, RoleAgent, "h1", Options{Force: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := IssueServer(dir, []string{"localhost"}, nil, Options{Force: true}); err != nil {
+		t.Fatal(err)
+	}
+	if c1 := serial(ctc.GetClientCertificate(nil)); c1 == c0 {
+		t.Error("renewed client certificate not reloaded")
+	}
+	if s1 := serial(stc.GetCertificate(nil)); s1 == s0 {
+		t.Error("renewed server certificate not reloaded")
+	}
+	// A broken file leaves the last good pair in use.
+	if err := os.WriteFile(cp, []byte("garbage"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if c, err := ctc.GetClientCertificate(nil); err != nil || c == nil {
+		t.Errorf("after a broken renewal: %v %v", c, err)
 	}
 }

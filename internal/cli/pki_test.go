@@ -23,7 +23,7 @@ func TestAgentServerTLS(t *testing.T) {
 	}
 	pki := pkiFlags{dir: dir, base: "agent-{name}"}
 	cfg := agent.Config{Name: "h1", PolicyServer: "https://10.0.0.9:7017"}
-	if err := agentServerTLS(&cfg, pki); err != nil || cfg.PolicyServerTLS == nil || len(cfg.PolicyServerTLS.Certificates) != 1 {
+	if err := agentServerTLS(&cfg, pki); err != nil || cfg.PolicyServerTLS == nil || cfg.PolicyServerTLS.GetClientCertificate == nil {
 		t.Fatalf("h1's own certificate: %v", err)
 	}
 	for _, c := range []struct {
