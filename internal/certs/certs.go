@@ -444,6 +444,19 @@ func ClientTLS(caFile, certFile, keyFile string) (*tls.Config, error) {
 	return tc, nil
 }
 
+// CheckKeyFile refuses a private key file that others than its owner may
+// read or write.
+func CheckKeyFile(path string) error {
+	st, err := os.Stat(path)
+	if err != nil {
+		return err
+	}
+	if m := st.Mode().Perm(); m&0o077 != 0 {
+		return fmt.Errorf("key file %s has mode %04o: others than its owner may read it; chmod 600 %s", path, m, path)
+	}
+	return nil
+}
+
 // keyPair is a certificate and its key, read again from their files when
 // the certificate file's modification time or size changes. A file that
 // cannot be read, or a pair that does not match, leaves the last good pair
@@ -468,6 +481,9 @@ func newKeyPair(certFile, keyFile string) (*keyPair, error) {
 func (kp *keyPair) load() error {
 	st, err := os.Stat(kp.certFile)
 	if err != nil {
+		return err
+	}
+	if err := CheckKeyFile(kp.keyFile); err != nil {
 		return err
 	}
 	pair, err := tls.LoadX509KeyPair(kp.certFile, kp.keyFile)

@@ -229,3 +229,31 @@ func TestRenewedCertificateReloaded(t *testing.T) {
 		t.Errorf("after a broken renewal: %v %v", c, err)
 	}
 }
+
+// A key readable by others is refused, with the fix.
+func TestKeyFileModeRefused(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := CreateCA(dir, "", Options{}); err != nil {
+		t.Fatal(err)
+	}
+	cp, kp, err := IssueClient(dir, RoleOperator, RoleOperator, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(kp, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ClientTLS(filepath.Join(dir, CAFile), cp, kp); err == nil || !strings.Contains(err.Error(), "chmod 600") {
+		t.Errorf("key with mode 0644: %v, want a refusal", err)
+	}
+	sp, sk, err := IssueServer(dir, []string{"localhost"}, nil, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(sk, 0o640); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := ServerTLS(sp, sk, filepath.Join(dir, CAFile)); err == nil || !strings.Contains(err.Error(), "chmod 600") {
+		t.Errorf("server key with mode 0640: %v, want a refusal", err)
+	}
+}
