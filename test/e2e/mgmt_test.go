@@ -52,6 +52,27 @@ func (e *env) startPolicyServer(addr, pki string) *lab.Proc {
 	return ps
 }
 
+// waitOpsPolling waits until the policy server at url takes operations for
+// each of hosts, that is until their agents poll it for operations (they
+// started before the server and back off while it is down). It queues, as
+// the operator, a request each agent refuses (a chain through the right
+// anchor itself), which changes nothing.
+func (e *env) waitOpsPolling(url, pki string, hosts ...string) {
+	e.t.Helper()
+	to := e.addr("server", false).String()
+	for _, h := range hosts {
+		body := `{"host":"` + h + `","reconfig":{"match":"tcp dst port 1","to":"` + to + `","chain":["` + to + `"]}}`
+		testutil.Eventually(e.t, 30*time.Second, "agent "+h+" to poll the policy server for operations", func() bool {
+			ctx, cancel := context.WithTimeout(e.t.Context(), 10*time.Second)
+			defer cancel()
+			out, _ := e.lab.Command(ctx, "router", "curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}",
+				"--cacert", filepath.Join(pki, "ca.crt"), "--cert", filepath.Join(pki, "operator.crt"), "--key", filepath.Join(pki, "operator.key"),
+				"-X", "POST", "-H", "Content-Type: application/json", "--data-binary", body, url+"/v1/operations").Output()
+			return strings.TrimSpace(string(out)) == "201"
+		})
+	}
+}
+
 // TestMgmtAuth: the policy server over mutual TLS, tried with curl. No
 // certificate, another CA's certificate or plain HTTP gets no 2xx from any
 // write or watch route; an agent's certificate cannot change a policy,

@@ -27,6 +27,7 @@ func TestOperatorVerbs(t *testing.T) {
 	pki := mgmtPKI(t, router, "client", "mb1", "mb2", "server")
 	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "server"), agentArgs: []string{"--policy-server", url, "--pki-dir", pki}})
 	e.startPolicyServer(router, pki)
+	e.waitOpsPolling(url, pki, "mb1", "client")
 	dst, mb1, mb2 := e.addr("server", false), e.addr("mb1", false), e.addr("mb2", false)
 	e.dysco("client", "policy", "add", "central", "--server", url, "--pki-dir", pki, "--chain", mb1.String(), "tcp dst portrange 9500-9501")
 	testutil.Eventually(t, 20*time.Second, "the client agent to get the policy", func() bool { return e.status("client").PolicyVersion >= 1 })
