@@ -7,6 +7,7 @@ package agent
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -43,6 +44,9 @@ type Config struct {
 	Tap string
 	// PolicyServer is the policy server's URL; empty for local policies only.
 	PolicyServer string
+	// PolicyServerTLS is the agent's client certificate for the policy
+	// server and the CA of the server's (nil for an http:// server).
+	PolicyServerTLS *tls.Config
 	// ReadyFile is written once the agent serves; tests wait on it.
 	ReadyFile string
 	// MetricsAddr serves Prometheus metrics; empty for none.
@@ -300,7 +304,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	if cfg.PolicyServer != "" {
 		go psclient.Watch(ctx, psclient.WatchConfig{
-			URL: cfg.PolicyServer, Host: cfg.Name, CacheFile: a.serverCache(),
+			URL: cfg.PolicyServer, TLS: cfg.PolicyServerTLS, Host: cfg.Name, CacheFile: a.serverCache(),
 			OnUpdate: a.onServerPolicies,
 			OnStatus: func(ok bool, err error) {
 				a.mu.Lock()
@@ -313,7 +317,7 @@ func Run(ctx context.Context, cfg Config) error {
 			},
 		})
 		go psclient.ServeOperations(ctx, psclient.OpsConfig{
-			URL: cfg.PolicyServer, Host: cfg.Name, Exec: a.execOperation, Logger: a.log,
+			URL: cfg.PolicyServer, TLS: cfg.PolicyServerTLS, Host: cfg.Name, Exec: a.execOperation, Logger: a.log,
 		})
 	}
 	if cfg.ReadyFile != "" {

@@ -3,6 +3,7 @@ package api
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -69,16 +70,32 @@ func NewUnixClient(socket string) *Client {
 }
 
 // NewServerClient returns a client of the policy server at serverURL
-// ("http://host:7017"; a bare "host:port" means http).
-func NewServerClient(serverURL string) *Client {
+// ("http://host:7017"; a bare "host:port" means http), without TLS
+// certificates of its own: for a server started with --insecure.
+func NewServerClient(serverURL string) *Client { return NewServerClientTLS(serverURL, nil) }
+
+// NewServerClientTLS returns a client of the policy server at serverURL
+// ("https://host:7017"; a bare "host:port" means https when tc is set)
+// that presents tc's client certificate and verifies the server against
+// tc's CA. An http:// URL is served without TLS.
+func NewServerClientTLS(serverURL string, tc *tls.Config) *Client {
 	u := strings.TrimRight(strings.TrimSpace(serverURL), "/")
 	if !strings.Contains(u, "://") {
-		u = "http://" + u
+		if tc != nil {
+			u = "https://" + u
+		} else {
+			u = "http://" + u
+		}
+	}
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	if tc != nil {
+		tr.TLSClientConfig = tc.Clone()
+		tr.ForceAttemptHTTP2 = false
 	}
 	return &Client{
 		base:   u,
 		target: "policy server " + u,
-		hc:     &http.Client{Transport: http.DefaultTransport.(*http.Transport).Clone()},
+		hc:     &http.Client{Transport: tr},
 	}
 }
 
@@ -205,12 +222,20 @@ func (c *Client) do(ctx context.Context, method, path string, body, out any) err
 		if errors.As(err, &ue) {
 			err = ue.Err
 		}
+		var rh tls.RecordHeaderError
+		if strings.HasPrefix(c.base, "https://") && (errors.As(err, &rh) || strings.Contains(err.Error(), "HTTP response to HTTPS client")) {
+			return fmt.Errorf("%s does not speak TLS (was it started with --insecure? then its URL is http://...): %w", c.target, err)
+		}
 		return fmt.Errorf("%s unreachable: %w", c.target, err)
 	}
 	defer resp.Body.Close()
 	data, err := io.ReadAll(io.LimitReader(resp.Body, maxBody))
 	if err != nil {
 		return fmt.Errorf("%s: %s %s: reading answer: %w", c.target, method, path, err)
+	}
+	if resp.StatusCode == http.StatusBadRequest && bytes.Contains(data, []byte("HTTP request to an HTTPS server")) {
+		return &HTTPError{StatusCode: resp.StatusCode,
+			Message: fmt.Sprintf("%s serves HTTPS: use https://%s with a client certificate (--tls-cert, --tls-key, --tls-ca; see `dysco certs`)", c.target, strings.TrimPrefix(c.base, "http://"))}
 	}
 	if resp.StatusCode/100 != 2 {
 		var e Error

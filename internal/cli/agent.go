@@ -16,6 +16,7 @@ import (
 
 	"github.com/dysco/dysco/internal/agent"
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/certs"
 	"github.com/dysco/dysco/internal/datapath"
 	"github.com/spf13/cobra"
 )
@@ -48,11 +49,36 @@ func resetDatapath(w io.Writer, pinDir, socket string) error {
 	return err
 }
 
+// agentServerTLS loads the agent's certificate for the policy server into
+// cfg, and checks that it is an agent certificate naming this agent (the
+// server takes the agent's name from it).
+func agentServerTLS(cfg *agent.Config, pki pkiFlags) error {
+	name := cfg.Name
+	if name == "" {
+		name, _ = os.Hostname()
+	}
+	tc, err := pki.tlsFor(cfg.PolicyServer, name)
+	if err != nil || tc == nil {
+		return err
+	}
+	certFile, _, _ := pki.files(name)
+	id, err := certs.ClientIdentity(certFile)
+	if err != nil {
+		return fmt.Errorf("--tls-cert: %w", err)
+	}
+	if id.Role != certs.RoleAgent || id.Name != name {
+		return fmt.Errorf("--tls-cert %s is the %s certificate of %q, not the agent certificate of %q (this agent's --name): issue one with `dysco certs agent %s`", certFile, id.Role, id.Name, name, name)
+	}
+	cfg.PolicyServerTLS = tc
+	return nil
+}
+
 func newAgentCmd() *cobra.Command {
 	var cfg agent.Config
 	var trusted []string
 	var reset, debug bool
 	var ports, keyFile, cpuProfile, execTrace string
+	var pki pkiFlags
 	cmd := &cobra.Command{
 		Use:   "agent",
 		Short: "Run the Dysco agent of this host (network namespace)",
@@ -88,6 +114,11 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 				cfg.PortLo, cfg.PortN = lo, hi-lo+1
 			}
 			cfg.ControlKeyFile = keyFile
+			if cfg.PolicyServer != "" {
+				if err := agentServerTLS(&cfg, pki); err != nil {
+					return err
+				}
+			}
 			for _, r := range []struct {
 				flag, path string
 				start      func(io.Writer) error
@@ -117,7 +148,8 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 	f.StringVar(&cfg.PinDir, "pin-dir", "", "bpffs directory for the pinned datapath (default /sys/fs/bpf/dysco/netns-INODE)")
 	f.StringVar(&cfg.StateDir, "state-dir", "", "directory for local policies and the policy server's last set (default /var/lib/dysco/netns-INODE)")
 	f.StringVar(&cfg.Tap, "tap", "", "create the session-view tap with this name (middlebox hosts; e.g. dysco-tap)")
-	f.StringVar(&cfg.PolicyServer, "policy-server", "", "policy server URL, e.g. http://10.0.0.1:7017")
+	f.StringVar(&cfg.PolicyServer, "policy-server", "", "policy server URL, e.g. https://10.0.0.1:7017 (with the agent certificate of --pki-dir; http:// for a server run with --insecure)")
+	pki.add(f, "agent-{name}")
 	f.StringVar(&cfg.ReadyFile, "ready-file", "", "write this file once the agent is ready")
 	f.StringVar(&cfg.MetricsAddr, "metrics", "", "serve Prometheus metrics on this address, e.g. 127.0.0.1:9017")
 	f.DurationVar(&cfg.IdleTimeout, "idle-timeout", time.Hour, "end sessions idle this long")

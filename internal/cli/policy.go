@@ -11,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/certs"
 )
 
 func init() {
@@ -18,7 +19,7 @@ func init() {
 	register(newTypeCmd)
 }
 
-const serverFlagUsage = "policy server URL (http://HOST:7017); default: the local agent"
+const serverFlagUsage = "policy server URL (https://HOST:7017, with the operator certificate of --pki-dir; http:// for a server run with --insecure); default: the local agent"
 
 // where says where a change went, for the confirmation line.
 func where(c *api.Client, serverURL string) string {
@@ -66,6 +67,7 @@ func newPolicyAddCmd() *cobra.Command {
 		priority int
 		endEarly bool
 		server   string
+		pki      pkiFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "add NAME [--chain HOP[,HOP...]] [flags] 'FILTER'",
@@ -76,7 +78,7 @@ of a middlebox type (see "dysco type"). An empty chain makes matching
 sessions Dysco sessions straight to their destination, so that a chain can be
 inserted later.`,
 		Example: `  dysco policy add web --chain 10.0.1.2,nat 'tcp dst port 80'
-  dysco policy add --server http://10.0.0.9:7017 --host h1 ssh --chain ids tcp port 22`,
+  dysco policy add --server https://10.0.0.9:7017 --host h1 ssh --chain ids tcp port 22`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			name, filter, err := policyArgs(args)
 			if err != nil {
@@ -96,7 +98,10 @@ inserted later.`,
 			if err := p.Validate(); err != nil {
 				return err
 			}
-			c := clientFor(server)
+			c, err := clientFor(server, pki)
+			if err != nil {
+				return err
+			}
 			if err := c.PutPolicy(cmd.Context(), p); err != nil {
 				return err
 			}
@@ -110,12 +115,14 @@ inserted later.`,
 	f.IntVar(&priority, "priority", 0, "evaluation order; lower first, then by name")
 	f.StringSliceVar(&hosts, "host", nil, "agent to give the policy to (repeatable; default every agent; with --server only)")
 	f.StringVar(&server, "server", "", serverFlagUsage)
+	pki.add(f, certs.RoleOperator)
 	return cmd
 }
 
 func newPolicyListCmd() *cobra.Command {
 	var (
 		server string
+		pki    pkiFlags
 		output *string
 	)
 	cmd := &cobra.Command{
@@ -128,7 +135,11 @@ func newPolicyListCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			set, err := clientFor(server).Policies(cmd.Context())
+			c, err := clientFor(server, pki)
+			if err != nil {
+				return err
+			}
+			set, err := c.Policies(cmd.Context())
 			if err != nil {
 				return err
 			}
@@ -139,6 +150,7 @@ func newPolicyListCmd() *cobra.Command {
 		},
 	}
 	cmd.Flags().StringVar(&server, "server", "", serverFlagUsage)
+	pki.add(cmd.Flags(), certs.RoleOperator)
 	output = addOutputFlag(cmd)
 	return cmd
 }
@@ -181,14 +193,20 @@ func hostsString(hosts []string) string {
 }
 
 func newPolicyRmCmd() *cobra.Command {
-	var server string
+	var (
+		server string
+		pki    pkiFlags
+	)
 	cmd := &cobra.Command{
 		Use:     "rm NAME...",
 		Aliases: []string{"remove", "delete"},
 		Short:   "Remove policies",
 		Args:    cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			c := clientFor(server)
+			c, err := clientFor(server, pki)
+			if err != nil {
+				return err
+			}
 			for _, name := range args {
 				if err := c.DeletePolicy(cmd.Context(), name); err != nil {
 					return err
@@ -199,6 +217,7 @@ func newPolicyRmCmd() *cobra.Command {
 		},
 	}
 	cmd.Flags().StringVar(&server, "server", "", serverFlagUsage)
+	pki.add(cmd.Flags(), certs.RoleOperator)
 	return cmd
 }
 
@@ -215,7 +234,10 @@ by the agent that sets the session up.`,
 }
 
 func newTypeAddCmd() *cobra.Command {
-	var server string
+	var (
+		server string
+		pki    pkiFlags
+	)
 	cmd := &cobra.Command{
 		Use:     "add NAME ADDR[,ADDR...]",
 		Short:   "Add or replace a middlebox type",
@@ -240,7 +262,10 @@ func newTypeAddCmd() *cobra.Command {
 			if err := t.Validate(); err != nil {
 				return err
 			}
-			c := clientFor(server)
+			c, err := clientFor(server, pki)
+			if err != nil {
+				return err
+			}
 			if err := c.PutType(cmd.Context(), t); err != nil {
 				return err
 			}
@@ -249,12 +274,14 @@ func newTypeAddCmd() *cobra.Command {
 		},
 	}
 	cmd.Flags().StringVar(&server, "server", "", serverFlagUsage)
+	pki.add(cmd.Flags(), certs.RoleOperator)
 	return cmd
 }
 
 func newTypeListCmd() *cobra.Command {
 	var (
 		server string
+		pki    pkiFlags
 		output *string
 	)
 	cmd := &cobra.Command{
@@ -267,7 +294,11 @@ func newTypeListCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			set, err := clientFor(server).Policies(cmd.Context())
+			c, err := clientFor(server, pki)
+			if err != nil {
+				return err
+			}
+			set, err := c.Policies(cmd.Context())
 			if err != nil {
 				return err
 			}
@@ -295,19 +326,26 @@ func newTypeListCmd() *cobra.Command {
 		},
 	}
 	cmd.Flags().StringVar(&server, "server", "", serverFlagUsage)
+	pki.add(cmd.Flags(), certs.RoleOperator)
 	output = addOutputFlag(cmd)
 	return cmd
 }
 
 func newTypeRmCmd() *cobra.Command {
-	var server string
+	var (
+		server string
+		pki    pkiFlags
+	)
 	cmd := &cobra.Command{
 		Use:     "rm NAME...",
 		Aliases: []string{"remove", "delete"},
 		Short:   "Remove middlebox types",
 		Args:    cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			c := clientFor(server)
+			c, err := clientFor(server, pki)
+			if err != nil {
+				return err
+			}
 			for _, name := range args {
 				if err := c.DeleteType(cmd.Context(), name); err != nil {
 					return err
@@ -318,5 +356,6 @@ func newTypeRmCmd() *cobra.Command {
 		},
 	}
 	cmd.Flags().StringVar(&server, "server", "", serverFlagUsage)
+	pki.add(cmd.Flags(), certs.RoleOperator)
 	return cmd
 }

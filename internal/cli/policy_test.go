@@ -53,6 +53,7 @@ func startPolicyServer(t *testing.T, validate func(api.Policy) error) string {
 		DB:             filepath.Join(t.TempDir(), "policy.db"),
 		ValidatePolicy: validate,
 		Logger:         slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Insecure:       true, // TestPolicyServerVerb covers TLS
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -248,22 +249,46 @@ func TestNoAgent(t *testing.T) {
 	}
 }
 
+// The policy server and the policy verbs over mutual TLS, with the
+// certificates of `dysco certs`.
 func TestPolicyServerVerb(t *testing.T) {
 	dir := t.TempDir()
+	pki := filepath.Join(dir, "pki")
+	mustDysco(t, "certs", "ca", "--dir", pki)
+	mustDysco(t, "certs", "server", "--dir", pki, "--ip", "127.0.0.1")
+	mustDysco(t, "certs", "operator", "--dir", pki)
+	mustDysco(t, "certs", "monitor", "--dir", pki)
+	if _, err := runDysco(t, "certs", "operator", "--dir", pki); err == nil || !strings.Contains(err.Error(), "--force") {
+		t.Errorf("second operator certificate: %v, want a refusal naming --force", err)
+	}
 	ready := filepath.Join(dir, "ready")
 	w := testutil.NewFileWaiter(t, ready)
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
 	go func() {
 		root := Root()
-		root.SetArgs([]string{"policy-server", "--listen", "127.0.0.1:0", "--db", filepath.Join(dir, "db", "p.db"), "--ready-file", ready})
+		root.SetArgs([]string{"policy-server", "--listen", "127.0.0.1:0", "--metrics-listen", "", "--pki-dir", pki, "--db", filepath.Join(dir, "db", "p.db"), "--ready-file", ready})
 		root.SetErr(io.Discard)
 		done <- root.ExecuteContext(ctx)
 	}()
-	url := "http://" + w.Wait(t)
-	mustDysco(t, "policy", "add", "all", "--server", url, "tcp")
-	if out := mustDysco(t, "policy", "list", "--server", url); !strings.Contains(out, "all   0         tcp     -      *") {
+	addr := w.Wait(t)
+	url := "https://" + addr
+	mustDysco(t, "policy", "add", "all", "--server", url, "--pki-dir", pki, "tcp")
+	if out := mustDysco(t, "policy", "list", "--server", url, "--pki-dir", pki); !strings.Contains(out, "all   0         tcp     -      *") {
 		t.Errorf("list printed %q", out)
+	}
+	mon := []string{"--server", url, "--pki-dir", pki, "--tls-cert", filepath.Join(pki, "monitor.crt")}
+	if out := mustDysco(t, append([]string{"policy", "list"}, mon...)...); !strings.Contains(out, "all ") {
+		t.Errorf("monitor's list printed %q", out)
+	}
+	if _, err := runDysco(t, append([]string{"policy", "rm", "all"}, mon...)...); err == nil || !strings.Contains(err.Error(), "not for the monitor role") {
+		t.Errorf("monitor's rm: %v, want a 403", err)
+	}
+	if _, err := runDysco(t, "policy", "list", "--server", "http://"+addr, "--pki-dir", pki); err == nil || !strings.Contains(err.Error(), "serves HTTPS") {
+		t.Errorf("http:// URL: %v", err)
+	}
+	if _, err := runDysco(t, "policy", "list", "--server", url, "--pki-dir", filepath.Join(dir, "none")); err == nil || !strings.Contains(err.Error(), "dysco certs") {
+		t.Errorf("no certificates: %v", err)
 	}
 	cancel()
 	if err := <-done; err != nil {

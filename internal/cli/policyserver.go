@@ -1,12 +1,14 @@
 package cli
 
 import (
-	"github.com/dysco/dysco/internal/policy"
 	"log/slog"
+	"path/filepath"
 
 	"github.com/spf13/cobra"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/certs"
+	"github.com/dysco/dysco/internal/policy"
 	"github.com/dysco/dysco/internal/policyserver"
 )
 
@@ -21,16 +23,27 @@ var policyServerValidatePolicy = func(p api.Policy) error {
 
 func newPolicyServerCmd() *cobra.Command {
 	var (
-		cfg   policyserver.Config
-		debug bool
+		cfg    policyserver.Config
+		debug  bool
+		pkiDir string
 	)
 	cmd := &cobra.Command{
 		Use:   "policy-server",
 		Short: "Run the policy server, which stores policies and hands them to the agents",
 		Long: `Run the policy server (paper §2.2): it keeps policies and middlebox types in
-a bbolt database and serves them over HTTP/JSON. Agents started with its URL
+a bbolt database and serves them over HTTPS/JSON. Agents started with its URL
 long-poll /v1/watch for the policies meant for them, and keep their last set
 while it is down. Operators change policies with "dysco policy add --server URL".
+
+Clients authenticate with certificates of the deployment's CA ("dysco certs"),
+whose role decides what they may do: operator (policies, types, operations),
+agent (its own policies and operations; its name is the certificate's) and
+monitor (read only). A request without a valid certificate is answered 401,
+one beyond its role 403; both are counted in the metrics. The server does not
+start without its certificate (--pki-dir, or --tls-cert, --tls-key,
+--client-ca) unless --insecure is given, which serves plain HTTP with no
+authentication at all. Metrics are served on their own plain-HTTP listener,
+--metrics-listen (loopback by default).
 
 It also relays operator verbs to named agents: "dysco reconfig --server URL
 --host H ..." and "dysco middlebox remove|replace --server URL --host H ..."
@@ -40,7 +53,8 @@ by long-polling /v1/operations/claim; operations live in memory only.
 Routes: GET /v1/policies, PUT|DELETE /v1/policies/NAME, PUT|DELETE /v1/types/NAME,
 GET /v1/watch?host=H&after=V[&wait=S], POST|GET /v1/operations,
 GET /v1/operations/ID[?wait=S], POST /v1/operations/claim?host=H[&wait=S],
-PUT /v1/operations/ID/result, GET /healthz, GET /metrics.`,
+PUT /v1/operations/ID/result, GET /healthz; on --metrics-listen: GET /metrics,
+GET /healthz.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			level := slog.LevelInfo
@@ -48,6 +62,18 @@ PUT /v1/operations/ID/result, GET /healthz, GET /metrics.`,
 				level = slog.LevelDebug
 			}
 			cfg.Logger = slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: level}))
+			if !cfg.Insecure {
+				dc, dk := certs.Paths(pkiDir, certs.ServerName)
+				if cfg.CertFile == "" {
+					cfg.CertFile = dc
+				}
+				if cfg.KeyFile == "" {
+					cfg.KeyFile = dk
+				}
+				if cfg.ClientCAFile == "" {
+					cfg.ClientCAFile = filepath.Join(pkiDir, certs.CAFile)
+				}
+			}
 			cfg.ValidatePolicy = policyServerValidatePolicy
 			cfg.ValidateMatch = func(m string) error { _, err := policy.CompileMatch(m); return err }
 			return policyserver.Run(cmd.Context(), cfg)
@@ -56,6 +82,12 @@ PUT /v1/operations/ID/result, GET /healthz, GET /metrics.`,
 	f := cmd.Flags()
 	f.StringVar(&cfg.Listen, "listen", policyserver.DefaultListen, "TCP address to serve on")
 	f.StringVar(&cfg.DB, "db", policyserver.DefaultDB, "bbolt database file (its directory is created)")
+	f.StringVar(&pkiDir, "pki-dir", defaultPKIDir(), "directory of the server's certificate (server.crt, server.key) and the CA (ca.crt) of the clients' (`dysco certs`; env DYSCO_PKI_DIR)")
+	f.StringVar(&cfg.CertFile, "tls-cert", "", "the server's certificate (default PKI-DIR/server.crt)")
+	f.StringVar(&cfg.KeyFile, "tls-key", "", "the server's key (default PKI-DIR/server.key)")
+	f.StringVar(&cfg.ClientCAFile, "client-ca", "", "CA certificate that signs the clients' certificates (default PKI-DIR/ca.crt)")
+	f.BoolVar(&cfg.Insecure, "insecure", false, "serve plain HTTP with no authentication: anyone who reaches the server may change policies and run operations on the agents")
+	f.StringVar(&cfg.MetricsListen, "metrics-listen", policyserver.DefaultMetricsListen, "serve /metrics (plain HTTP, no authentication) on this address; empty: no metrics")
 	f.StringVar(&cfg.ReadyFile, "ready-file", "", "file to write the listening address to once serving (removed on exit)")
 	f.BoolVar(&debug, "debug", false, "log at debug level")
 	return cmd

@@ -12,6 +12,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/certs"
 	"github.com/dysco/dysco/internal/policy"
 	"github.com/dysco/dysco/internal/wire"
 )
@@ -97,7 +98,8 @@ from a middlebox on the sessions passing through it, see "dysco middlebox".
 
 With --server URL --host AGENT the request goes to the policy server, which
 relays it to the agent named AGENT (its --name); that agent is then "this
-host", and the command prints its results as if run there.
+host", and the command prints its results as if run there. The request
+carries the operator certificate of --pki-dir (or --tls-cert, --tls-key).
 
 ` + matchSemantics + `
 
@@ -111,7 +113,7 @@ host", and the command prints its results as if run there.
   # replace the firewall before 10.0.3.2 by 10.0.2.6, moving its conntrack state
   dysco reconfig --match tcp --to 10.0.3.2 --chain 10.0.2.6 --migrate-state --semantics substream
   # the same insertion, at the agent named edge1, from anywhere
-  dysco reconfig --server http://10.0.0.9:7017 --host edge1 --match 'tcp dst port 80' --to 10.0.3.2 --chain 10.0.2.5`,
+  dysco reconfig --server https://10.0.0.9:7017 --host edge1 --match 'tcp dst port 80' --to 10.0.3.2 --chain 10.0.2.5`,
 		Args: noArgsUse("give the filter with --match 'FILTER'"),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := remote.check(); err != nil {
@@ -220,7 +222,8 @@ the left anchor, this host's right neighbour the right anchor).
 
 With --server URL --host AGENT the request goes to the policy server, which
 relays it to the middlebox agent named AGENT (its --name): run it from
-anywhere, for example an operator's console.`,
+anywhere, for example an operator's console, with the operator certificate
+of --pki-dir (or --tls-cert, --tls-key).`,
 	}
 	cmd.AddCommand(newMiddleboxRemoveCmd(), newMiddleboxReplaceCmd())
 	return cmd
@@ -249,7 +252,7 @@ ends are not affected.
 		Example: `  dysco middlebox remove
   dysco middlebox remove --match 'tcp dst port 443' --timeout 30s
   # take the middlebox host named fw1 out of its sessions, from anywhere
-  dysco middlebox remove --server http://10.0.0.9:7017 --host fw1`,
+  dysco middlebox remove --server https://10.0.0.9:7017 --host fw1`,
 		Args: noArgsUse("give the filter with --match 'FILTER'"),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return runMiddlebox(cmd, match, nil, timeout, asJSON, nil, remote)
@@ -346,12 +349,16 @@ func runMiddlebox(cmd *cobra.Command, match string, with []netip.Addr, timeout t
 
 // remoteFlags send a reconfiguration request through the policy server to
 // a named agent (--server, --host) instead of to the local agent.
-type remoteFlags struct{ server, host string }
+type remoteFlags struct {
+	server, host string
+	pki          pkiFlags
+}
 
 func (r *remoteFlags) flags(cmd *cobra.Command) {
 	f := cmd.Flags()
-	f.StringVar(&r.server, "server", "", "policy server URL (http://HOST:7017): send the request through it to the agent --host; default: the local agent")
+	f.StringVar(&r.server, "server", "", "policy server URL (https://HOST:7017, with the operator certificate of --pki-dir): send the request through it to the agent --host; default: the local agent")
 	f.StringVar(&r.host, "host", "", "with --server: the agent (its --name) that carries the request out")
+	r.pki.add(f, certs.RoleOperator)
 }
 
 func (r *remoteFlags) check() error {
@@ -384,7 +391,10 @@ func (r *remoteFlags) run(cmd *cobra.Command, op api.Operation, timeout time.Dur
 	if timeout > api.MaxOperationTimeoutMS*time.Millisecond {
 		return api.ReconfigReply{}, fmt.Errorf("--timeout %v: at most 5m through the policy server (the most an agent waits)", timeout)
 	}
-	c := api.NewServerClient(r.server)
+	c, err := r.pki.serverClient(r.server)
+	if err != nil {
+		return api.ReconfigReply{}, err
+	}
 	created, err := c.CreateOperation(cmd.Context(), op)
 	if err != nil {
 		return api.ReconfigReply{}, err

@@ -20,13 +20,13 @@ func init() { register(newStatusCmd) }
 // socket of their own.
 var agentClient = api.NewAgentClient
 
-// clientFor returns the client of the policy server at serverURL, or of the
-// local agent when serverURL is empty.
-func clientFor(serverURL string) *api.Client {
+// clientFor returns the client of the policy server at serverURL, with the
+// certificates of pki, or of the local agent when serverURL is empty.
+func clientFor(serverURL string, pki pkiFlags) (*api.Client, error) {
 	if serverURL == "" {
-		return agentClient()
+		return agentClient(), nil
 	}
-	return api.NewServerClient(serverURL)
+	return pki.serverClient(serverURL)
 }
 
 // outputFormat is the value of the -o flag of the listing verbs.

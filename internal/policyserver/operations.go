@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/certs"
 	"github.com/dysco/dysco/internal/psclient"
 )
 
@@ -35,9 +36,15 @@ const (
 	// maxKeptOps bounds the finished operations kept for their operators;
 	// the oldest go first.
 	maxKeptOps = 1024
-	// keepFinished is how long a finished operation stays readable.
+	// keepFinished is how long a finished operation stays readable, and
+	// how long an agent that stopped polling is remembered.
 	keepFinished = time.Hour
 )
+
+// maxSeenHosts bounds the agents remembered in ops.seen; when it is full,
+// the one heard from least recently (and not polling now) is forgotten. A
+// variable for tests.
+var maxSeenHosts = 4096
 
 // Timing of the operations; variables so that tests can shorten them.
 var (
@@ -151,6 +158,27 @@ func (o *ops) expire(now time.Time) {
 		keep = append(keep, id)
 	}
 	o.order = keep
+}
+
+// see records that host polled at now, forgetting the agent heard from
+// least recently (not polling now) when the table is full. Under mu.
+func (o *ops) see(host string, now time.Time) {
+	if _, ok := o.seen[host]; !ok && len(o.seen) >= maxSeenHosts {
+		o.expire(now)
+		for len(o.seen) >= maxSeenHosts {
+			oldest, at := "", time.Time{}
+			for h, t := range o.seen {
+				if o.polling[h] == 0 && (oldest == "" || t.Before(at)) {
+					oldest, at = h, t
+				}
+			}
+			if oldest == "" {
+				break // all polling now: bounded by the connections
+			}
+			delete(o.seen, oldest)
+		}
+	}
+	o.seen[host] = now
 }
 
 // runDeadline is when a claimed operation must have been reported.
@@ -311,9 +339,8 @@ func (s *Server) handleGetOp(w http.ResponseWriter, r *http.Request) {
 // the oldest queued operation for host (now running), or 204 when none
 // came within the wait.
 func (s *Server) handleClaimOp(w http.ResponseWriter, r *http.Request) {
-	host := r.URL.Query().Get("host")
-	if host == "" {
-		writeError(w, http.StatusBadRequest, errors.New("claim needs host=NAME, the name of the agent asking"))
+	host, ok := s.agentHost(w, r, "claim")
+	if !ok {
 		return
 	}
 	wait, err := waitParam(r)
@@ -346,7 +373,7 @@ func (s *Server) claim(w http.ResponseWriter, r *http.Request, host string, wait
 		if o.polling[host]--; o.polling[host] <= 0 {
 			delete(o.polling, host)
 		}
-		o.seen[host] = time.Now()
+		o.see(host, time.Now())
 		o.mu.Unlock()
 	}()
 	timer := time.NewTimer(wait)
@@ -408,7 +435,21 @@ func (s *Server) handleReportOp(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, errors.New("operation result: give exactly one of error and reply"))
 		return
 	}
-	code, err := s.ops.report(id, res)
+	caller := ""
+	if id := identity(r); id.Role == certs.RoleAgent {
+		// An agent reports for itself only: the host is its certificate's.
+		if res.Host != "" && res.Host != id.Name {
+			s.refuse(w, r, route(r), http.StatusForbidden, reasonOtherHost,
+				fmt.Errorf("operation result: the agent certificate %q may not report for host %q", id.Name, res.Host))
+			return
+		}
+		res.Host, caller = id.Name, id.Name
+	}
+	code, err := s.ops.report(id, res, caller)
+	if code == http.StatusForbidden {
+		s.refuse(w, r, route(r), code, reasonOtherHost, err)
+		return
+	}
 	if err != nil {
 		writeError(w, code, err)
 		return
@@ -421,8 +462,10 @@ func (s *Server) handleReportOp(w http.ResponseWriter, r *http.Request) {
 // a variable for tests.
 var maxResultBody int64 = 16 << 20
 
-// report takes res as the result of operation id, or says why not.
-func (o *ops) report(id string, res api.OperationResult) (int, error) {
+// report takes res as the result of operation id, or says why not; caller,
+// when set, is the authenticated agent, which may report only its own
+// operations (403).
+func (o *ops) report(id string, res api.OperationResult, caller string) (int, error) {
 	now := time.Now()
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -430,6 +473,9 @@ func (o *ops) report(id string, res api.OperationResult) (int, error) {
 	op, ok := o.byID[id]
 	if !ok {
 		return http.StatusNotFound, fmt.Errorf("no operation %q here", id)
+	}
+	if caller != "" && op.Host != caller {
+		return http.StatusForbidden, fmt.Errorf("operation %s is for agent %q: the agent certificate %q may not report it", id, op.Host, caller)
 	}
 	if res.Host != op.Host {
 		return http.StatusConflict, fmt.Errorf("operation %s is for agent %q, not %q", id, op.Host, res.Host)

@@ -3,6 +3,8 @@ package policyserver
 import (
 	"context"
 	"errors"
+	"fmt"
+	"net/http"
 	"net/netip"
 	"strings"
 	"sync"
@@ -317,5 +319,59 @@ func TestServeOperationsReplyRefused(t *testing.T) {
 	got, err := c.Operation(t.Context(), op.ID, 10*time.Second)
 	if err != nil || got.State != api.OpFailed || !strings.Contains(got.Error, "carried out on 50 session(s), but the policy server refused the reply") {
 		t.Fatalf("refused reply: %+v %v", got, err)
+	}
+}
+
+// The agents remembered (ops.seen) are bounded in number, forgotten after
+// keepFinished, and host names given as parameters are bounded in length.
+func TestSeenBounded(t *testing.T) {
+	old := maxSeenHosts
+	maxSeenHosts = 16
+	t.Cleanup(func() { maxSeenHosts = old })
+	ts := startServer(t, Config{})
+	c := api.NewServerClient(ts.url)
+	ctx := t.Context()
+	for i := range 100 {
+		if _, _, err := c.ClaimOperation(ctx, fmt.Sprintf("h%03d", i), 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	o := ts.ops
+	o.mu.Lock()
+	n := len(o.seen)
+	_, newest := o.seen["h099"]
+	_, oldest := o.seen["h000"]
+	o.mu.Unlock()
+	if n > maxSeenHosts || !newest || oldest {
+		t.Errorf("seen holds %d hosts (bound %d), newest kept %v, oldest kept %v", n, maxSeenHosts, newest, oldest)
+	}
+	// The newest can still be given operations; the forgotten cannot.
+	if _, err := c.CreateOperation(ctx, mbRemove("h099", 0)); err != nil {
+		t.Errorf("operation for a remembered agent: %v", err)
+	}
+	if _, err := c.CreateOperation(ctx, mbRemove("h000", 0)); err == nil {
+		t.Error("operation for a forgotten agent accepted")
+	}
+	// Expiry: an agent not heard from for keepFinished is forgotten.
+	o.mu.Lock()
+	o.seen["h099"] = time.Now().Add(-keepFinished - time.Second)
+	o.expire(time.Now())
+	_, kept := o.seen["h099"]
+	o.mu.Unlock()
+	if kept {
+		t.Error("an agent silent for keepFinished is still remembered")
+	}
+	// A host name beyond 253 bytes is refused, not remembered.
+	long := strings.Repeat("a", 64<<10)
+	_, _, err := c.ClaimOperation(ctx, long, 0)
+	var he *api.HTTPError
+	if !errors.As(err, &he) || he.StatusCode != http.StatusBadRequest {
+		t.Errorf("claim with a 64 KiB host: %v, want 400", err)
+	}
+	o.mu.Lock()
+	_, kept = o.seen[long]
+	o.mu.Unlock()
+	if kept {
+		t.Error("a 64 KiB host name was remembered")
 	}
 }

@@ -1,7 +1,8 @@
 // Package policyserver is Dysco's management plane (paper §2.2, "Role of the
 // policy server"): it keeps policies and middlebox types in a bbolt database,
-// serves them over HTTP/JSON, and hands each agent the policies meant for it
-// through a long poll (/v1/watch). The agent's side of that poll, and of
+// serves them over HTTPS/JSON to clients with certificates (auth.go), and
+// hands each agent the policies meant for it through a long poll
+// (/v1/watch). The agent's side of that poll, and of
 // the operations the server relays, is internal/psclient.
 //
 // Every change bumps a version number kept in the database, so that agents
@@ -11,10 +12,13 @@ package policyserver
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"log"
 	"log/slog"
 	"net"
 	"net/http"
@@ -26,7 +30,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/certs"
 	"github.com/dysco/dysco/internal/psclient"
 )
 
@@ -34,6 +41,8 @@ import (
 const (
 	DefaultListen = "0.0.0.0:7017"
 	DefaultDB     = "/var/lib/dysco/policy.db"
+	// DefaultMetricsListen is the metrics listener's address: loopback.
+	DefaultMetricsListen = "127.0.0.1:7018"
 	// DefaultWait is how long a watch waits for a change when the request
 	// does not say; MaxWait is the most it may ask for.
 	DefaultWait = psclient.DefaultWait
@@ -47,6 +56,16 @@ const maxRequestBody = 1 << 20
 type Config struct {
 	// Listen is the TCP address to serve on (DefaultListen when empty).
 	Listen string
+	// CertFile and KeyFile are the server's certificate and key, and
+	// ClientCAFile the CA that signs the clients' certificates
+	// (internal/certs); all three are needed unless Insecure.
+	CertFile, KeyFile, ClientCAFile string
+	// Insecure serves plain HTTP with no authentication: anyone who reaches
+	// the server may do anything, and agents name themselves (host=).
+	Insecure bool
+	// MetricsListen, when set, serves /metrics and /healthz over plain HTTP
+	// on this address (the API listener does not serve /metrics).
+	MetricsListen string
 	// DB is the bbolt database file (DefaultDB when empty); its directory is
 	// created if needed.
 	DB string
@@ -72,6 +91,16 @@ type Server struct {
 	log *slog.Logger
 	st  *store
 	mux *http.ServeMux
+
+	// tls is the listener's TLS configuration and roots the CA pool client
+	// certificates are verified against; both nil when insecure.
+	tls   *tls.Config
+	roots *x509.CertPool
+	// reg holds the metrics; refused counts the requests answered 401 or 403.
+	reg     *prometheus.Registry
+	refused *prometheus.CounterVec
+	// handshakeErrors counts the TLS handshakes that failed.
+	handshakeErrors prometheus.Counter
 
 	// wmu serializes writes so that the published sets follow versions.
 	wmu sync.Mutex
@@ -104,6 +133,20 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	var (
+		tc    *tls.Config
+		roots *x509.CertPool
+	)
+	if !cfg.Insecure {
+		if cfg.CertFile == "" || cfg.KeyFile == "" || cfg.ClientCAFile == "" {
+			return nil, errors.New("policy server: TLS needs the server's certificate and key and the clients' CA (--tls-cert, --tls-key, --client-ca), or --insecure for plain HTTP without authentication")
+		}
+		var err error
+		tc, roots, err = certs.ServerTLS(cfg.CertFile, cfg.KeyFile, cfg.ClientCAFile)
+		if err != nil {
+			return nil, fmt.Errorf("policy server: %w; create the certificates with `dysco certs` (docs/operating.md, \"Policy server\"), or pass --insecure to serve plain HTTP with no authentication", err)
+		}
+	}
 	st, err := openStore(cfg.DB)
 	if err != nil {
 		return nil, err
@@ -121,28 +164,38 @@ func New(cfg Config) (*Server, error) {
 		changed: make(chan struct{}),
 		closing: make(chan struct{}),
 		ops:     newOps(),
+		tls:     tc,
+		roots:   roots,
 	}
+	s.initMetrics()
 	s.routes()
 	return s, nil
 }
 
+// routes serves each route to the roles that may use it (auth.go).
 func (s *Server) routes() {
+	s.mux = http.NewServeMux()
+	s.guard("GET /healthz", anyRole, s.handleHealthz)
+	s.guard("GET /v1/policies", readers, s.handleList)
+	s.guard("PUT /v1/policies/{name}", operatorOnly, s.handlePutPolicy)
+	s.guard("DELETE /v1/policies/{name}", operatorOnly, s.handleDeletePolicy)
+	s.guard("PUT /v1/types/{name}", operatorOnly, s.handlePutType)
+	s.guard("DELETE /v1/types/{name}", operatorOnly, s.handleDeleteType)
+	s.guard("GET /v1/watch", watchers, s.handleWatch)
+	s.guard("POST /v1/operations", operatorOnly, s.handleCreateOp)
+	s.guard("GET /v1/operations", readers, s.handleListOps)
+	s.guard("GET /v1/operations/{id}", readers, s.handleGetOp)
+	s.guard("POST /v1/operations/claim", agentOnly, s.handleClaimOp)
+	s.guard("PUT /v1/operations/{id}/result", agentOnly, s.handleReportOp)
+	s.guard("/", anyRole, s.handleNoRoute)
+}
+
+// MetricsHandler serves /metrics and /healthz, for the metrics listener.
+func (s *Server) MetricsHandler() http.Handler {
 	m := http.NewServeMux()
-	m.HandleFunc("GET /healthz", s.handleHealthz)
 	m.Handle("GET /metrics", s.metricsHandler())
-	m.HandleFunc("GET /v1/policies", s.handleList)
-	m.HandleFunc("PUT /v1/policies/{name}", s.handlePutPolicy)
-	m.HandleFunc("DELETE /v1/policies/{name}", s.handleDeletePolicy)
-	m.HandleFunc("PUT /v1/types/{name}", s.handlePutType)
-	m.HandleFunc("DELETE /v1/types/{name}", s.handleDeleteType)
-	m.HandleFunc("GET /v1/watch", s.handleWatch)
-	m.HandleFunc("POST /v1/operations", s.handleCreateOp)
-	m.HandleFunc("GET /v1/operations", s.handleListOps)
-	m.HandleFunc("GET /v1/operations/{id}", s.handleGetOp)
-	m.HandleFunc("POST /v1/operations/claim", s.handleClaimOp)
-	m.HandleFunc("PUT /v1/operations/{id}/result", s.handleReportOp)
-	m.HandleFunc("/", s.handleNoRoute)
-	s.mux = m
+	m.HandleFunc("GET /healthz", s.handleHealthz)
+	return m
 }
 
 // Handler returns the server's HTTP handler.
@@ -171,7 +224,10 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		Handler:           s.mux,
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       2 * time.Minute,
-		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+		ErrorLog:          log.New(handshakeCounter{s}, "", 0),
+		ConnContext: func(ctx context.Context, _ net.Conn) context.Context {
+			return context.WithValue(ctx, connAuthKey{}, &connAuth{})
+		},
 		ConnState: func(c net.Conn, st http.ConnState) {
 			freshMu.Lock()
 			defer freshMu.Unlock()
@@ -181,6 +237,9 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 				delete(fresh, c)
 			}
 		},
+	}
+	if s.tls != nil {
+		ln = tls.NewListener(ln, s.tls)
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(ln) }()
@@ -235,8 +294,32 @@ func Run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return fmt.Errorf("policy server: %w", err)
 	}
+	scheme := "https"
+	if cfg.Insecure {
+		scheme = "http"
+		if !isLoopback(ln.Addr()) {
+			s.log.Warn("INSECURE: serving plain HTTP with no authentication on a non-loopback address: anyone who reaches it can change policies and run operations on the agents", "addr", ln.Addr().String())
+		} else {
+			s.log.Warn("insecure: serving plain HTTP with no authentication (loopback only)", "addr", ln.Addr().String())
+		}
+	}
+	if cfg.MetricsListen != "" {
+		mln, err := net.Listen("tcp", cfg.MetricsListen)
+		if err != nil {
+			ln.Close()
+			return fmt.Errorf("policy server: --metrics-listen: %w", err)
+		}
+		ms := &http.Server{Handler: s.MetricsHandler(), ReadHeaderTimeout: 10 * time.Second,
+			ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelWarn)}
+		go ms.Serve(mln)
+		defer ms.Close()
+		if !isLoopback(mln.Addr()) {
+			s.log.Warn("metrics served without authentication on a non-loopback address", "addr", mln.Addr().String())
+		}
+		s.log.Info("policy server metrics", "addr", mln.Addr().String())
+	}
 	cur := s.Current()
-	s.log.Info("policy server listening", "addr", ln.Addr().String(), "db", s.cfg.DB,
+	s.log.Info("policy server listening", "addr", ln.Addr().String(), "scheme", scheme, "db", s.cfg.DB,
 		"version", cur.Version, "policies", len(cur.Policies), "types", len(cur.Types))
 	if cfg.ReadyFile != "" {
 		if err := psclient.WriteFileAtomic(cfg.ReadyFile, []byte(ln.Addr().String()+"\n"), 0o644); err != nil {
@@ -246,6 +329,26 @@ func Run(ctx context.Context, cfg Config) error {
 		defer os.Remove(cfg.ReadyFile)
 	}
 	return s.Serve(ctx, ln)
+}
+
+// handshakeCounter is the API server's error log: it counts the failed TLS
+// handshakes (plain HTTP to the TLS listener, a client that does not trust
+// the server) and passes every line to the server's log.
+type handshakeCounter struct{ s *Server }
+
+func (h handshakeCounter) Write(p []byte) (int, error) {
+	msg := strings.TrimSpace(string(p))
+	if strings.HasPrefix(msg, "http: TLS handshake error") {
+		h.s.handshakeErrors.Inc()
+	}
+	h.s.log.Warn(msg)
+	return len(p), nil
+}
+
+// isLoopback tells whether a listener's address is a loopback address.
+func isLoopback(a net.Addr) bool {
+	ta, ok := a.(*net.TCPAddr)
+	return ok && ta.IP.IsLoopback()
 }
 
 // publish makes the database's current content the set in force and wakes
@@ -391,9 +494,8 @@ func (s *Server) remove(w http.ResponseWriter, r *http.Request, bucket []byte, k
 // the wait is over (with the set unchanged; the agent compares versions).
 func (s *Server) handleWatch(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	host := q.Get("host")
-	if host == "" {
-		writeError(w, http.StatusBadRequest, errors.New("watch needs host=NAME, the name of the agent asking"))
+	host, ok := s.agentHost(w, r, "watch")
+	if !ok {
 		return
 	}
 	var after uint64
@@ -464,7 +566,7 @@ func (s *Server) handleNoRoute(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusMethodNotAllowed, fmt.Errorf("method %s is not allowed on %s (allowed: %s)", r.Method, r.URL.Path, strings.Join(allowed, ", ")))
 		return
 	}
-	writeError(w, http.StatusNotFound, fmt.Errorf("no route %s %s (routes: /v1/policies[/NAME], /v1/types/NAME, /v1/watch, /v1/operations[/ID[/result]], /v1/operations/claim, /healthz, /metrics)", r.Method, r.URL.Path))
+	writeError(w, http.StatusNotFound, fmt.Errorf("no route %s %s (routes: /v1/policies[/NAME], /v1/types/NAME, /v1/watch, /v1/operations[/ID[/result]], /v1/operations/claim, /healthz; /metrics is on the metrics listener)", r.Method, r.URL.Path))
 }
 
 // decodeBody reads one JSON value into v, refusing unknown fields so that a

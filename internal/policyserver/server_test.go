@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -40,6 +41,11 @@ func startServer(t *testing.T, cfg Config) *testServer {
 	if cfg.Logger == nil {
 		cfg.Logger = quietLogger()
 	}
+	// The tests of the routes' logic run on an insecure server; those of
+	// authentication (auth_test.go) give it certificates.
+	if cfg.CertFile == "" {
+		cfg.Insecure = true
+	}
 	s, err := New(cfg)
 	if err != nil {
 		t.Fatalf("New: %v", err)
@@ -66,7 +72,11 @@ func startServer(t *testing.T, cfg Config) *testServer {
 		}
 	}
 	t.Cleanup(stop)
-	return &testServer{Server: s, url: "http://" + ln.Addr().String(), stop: stop}
+	scheme := "https://"
+	if cfg.Insecure {
+		scheme = "http://"
+	}
+	return &testServer{Server: s, url: scheme + ln.Addr().String(), stop: stop}
 }
 
 // call sends body (a string of JSON, or "" for none) and returns the status
@@ -276,7 +286,7 @@ func TestPersistence(t *testing.T) {
 func TestDatabaseLocked(t *testing.T) {
 	db := filepath.Join(t.TempDir(), "policy.db")
 	startServer(t, Config{DB: db})
-	_, err := New(Config{DB: db, Logger: quietLogger()})
+	_, err := New(Config{DB: db, Logger: quietLogger(), Insecure: true})
 	if err == nil || !strings.Contains(err.Error(), "locked by another process") {
 		t.Fatalf("second server on the same database: %v", err)
 	}
@@ -326,7 +336,13 @@ func TestWatchWakesOnChange(t *testing.T) {
 	if n := ts.watchers.Load(); n != 1 {
 		t.Errorf("watchers gauge = %d, want 1", n)
 	}
-	_, metrics := call(t, "GET", ts.url+"/metrics", "")
+	// Metrics are on their own listener, not on the API's.
+	if code, _ := call(t, "GET", ts.url+"/metrics", ""); code != http.StatusNotFound {
+		t.Errorf("GET /metrics on the API listener: %d, want 404", code)
+	}
+	mts := httptest.NewServer(ts.MetricsHandler())
+	defer mts.Close()
+	_, metrics := call(t, "GET", mts.URL+"/metrics", "")
 	for _, line := range []string{"dysco_policyserver_watchers 1", "dysco_policyserver_version 1", "dysco_policyserver_policies 1"} {
 		if !strings.Contains(string(metrics), line+"\n") {
 			t.Errorf("metrics lack %q:\n%s", line, metrics)
@@ -398,7 +414,7 @@ func TestRunReadyFile(t *testing.T) {
 	done := make(chan error, 1)
 	w := testutil.NewFileWaiter(t, ready)
 	go func() {
-		done <- Run(ctx, Config{Listen: "127.0.0.1:0", DB: filepath.Join(dir, "p.db"), ReadyFile: ready, Logger: quietLogger()})
+		done <- Run(ctx, Config{Listen: "127.0.0.1:0", DB: filepath.Join(dir, "p.db"), ReadyFile: ready, Logger: quietLogger(), Insecure: true})
 	}()
 	addr := w.Wait(t)
 	if addr == "stale" {

@@ -2,6 +2,7 @@ package psclient
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -14,8 +15,10 @@ import (
 
 // OpsConfig configures ServeOperations.
 type OpsConfig struct {
-	// URL is the policy server, Host the agent's name (as for Watch).
+	// URL is the policy server, Host the agent's name, TLS its client
+	// configuration (as for Watch).
 	URL, Host string
+	TLS       *tls.Config
 	// Exec carries out an operation and returns the agent's result; ctx
 	// ends when ServeOperations' context does.
 	Exec func(ctx context.Context, op api.Operation) api.OperationResult
@@ -43,7 +46,7 @@ func ServeOperations(ctx context.Context, cfg OpsConfig) error {
 	if par <= 0 {
 		par = 8
 	}
-	c := api.NewServerClient(cfg.URL)
+	c := api.NewServerClientTLS(cfg.URL, cfg.TLS)
 	sem := make(chan struct{}, par)
 	var wg sync.WaitGroup
 	defer wg.Wait()

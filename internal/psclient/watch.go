@@ -9,11 +9,13 @@ package psclient
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"net/http"
 	"os"
 	"path/filepath"
 	"time"
@@ -39,8 +41,12 @@ var (
 
 // WatchConfig configures Watch.
 type WatchConfig struct {
-	// URL is the policy server, "http://host:7017".
+	// URL is the policy server, "https://host:7017".
 	URL string
+	// TLS, when set, is the agent's client certificate and the CA that
+	// signs the server's (internal/certs.ClientTLS); nil for a server
+	// started with --insecure (an http:// URL).
+	TLS *tls.Config
 	// Host is the agent's name; the server gives it the policies whose Hosts
 	// is empty or names it.
 	Host string
@@ -133,7 +139,7 @@ func Watch(ctx context.Context, cfg WatchConfig) error {
 		}
 	}
 
-	c := api.NewServerClient(cfg.URL)
+	c := api.NewServerClientTLS(cfg.URL, cfg.TLS)
 	backoff := minBackoff
 	failing, warnedOlder := false, false
 	for ctx.Err() == nil {
@@ -143,7 +149,12 @@ func Watch(ctx context.Context, cfg WatchConfig) error {
 		}
 		if err != nil {
 			status(false, err)
-			if !failing {
+			var he *api.HTTPError
+			if !failing && errors.As(err, &he) && (he.StatusCode == http.StatusUnauthorized || he.StatusCode == http.StatusForbidden) {
+				// Not a passing outage: the certificate needs attention.
+				log.Error("the policy server refused this agent's certificate; keeping the current policies", "version", last, "status", he.StatusCode, "err", err)
+				failing = true
+			} else if !failing {
 				log.Warn("policy server unreachable; keeping the current policies", "version", last, "err", err)
 				failing = true
 			} else {

@@ -8,7 +8,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -284,17 +283,12 @@ func pacedWrite(c net.Conn, p []byte, rate func() int64) (int, error) {
 // keep chaining new sessions while it is down, also after a restart.
 func TestPolicyServer(t *testing.T) {
 	router := "10.200.1.1" // the router's address on the client's link
-	url := "http://" + router + ":7017"
-	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server"), agentArgs: []string{"--policy-server", url}})
-	dir := t.TempDir()
-	ready := filepath.Join(dir, "ready")
-	ps, err := e.lab.Start("router", "policy-server", dyscoBin, "policy-server", "--listen", router+":7017", "--db", filepath.Join(dir, "p.db"), "--ready-file", ready)
-	if err != nil {
-		t.Fatal(err)
-	}
-	testutil.Eventually(t, 10*time.Second, "the policy server's ready file", func() bool { _, err := os.Stat(ready); return err == nil })
+	url := "https://" + router + ":7017"
+	pki := mgmtPKI(t, router, "client", "mb1", "server")
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server"), agentArgs: []string{"--policy-server", url, "--pki-dir", pki}})
+	ps := e.startPolicyServer(router, pki)
 	dst := e.addr("server", false)
-	e.dysco("client", "policy", "add", "central", "--server", url, "--chain", e.addr("mb1", false).String(), "tcp dst portrange 9300-9309")
+	e.dysco("client", "policy", "add", "central", "--server", url, "--pki-dir", pki, "--chain", e.addr("mb1", false).String(), "tcp dst portrange 9300-9309")
 	testutil.Eventually(t, 20*time.Second, "the client agent to get the policy", func() bool { return e.status("client").PolicyVersion >= 1 })
 
 	through := func() uint64 { return e.status("mb1").Counters["setup_cont"] }

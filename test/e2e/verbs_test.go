@@ -3,7 +3,6 @@ package e2e
 import (
 	"context"
 	"encoding/json"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -24,16 +23,13 @@ import (
 // Refusals come back with the agent's or the server's reason.
 func TestOperatorVerbs(t *testing.T) {
 	router := "10.200.1.1"
-	url := "http://" + router + ":7017"
-	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "server"), agentArgs: []string{"--policy-server", url}})
-	dir := t.TempDir()
-	ready := filepath.Join(dir, "ready")
-	if _, err := e.lab.Start("router", "policy-server", dyscoBin, "policy-server", "--listen", router+":7017", "--db", filepath.Join(dir, "p.db"), "--ready-file", ready); err != nil {
-		t.Fatal(err)
-	}
-	testutil.Eventually(t, 10*time.Second, "the policy server's ready file", func() bool { _, err := os.Stat(ready); return err == nil })
+	url := "https://" + router + ":7017"
+	pki := mgmtPKI(t, router, "client", "mb1", "mb2", "server")
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "server"), agentArgs: []string{"--policy-server", url, "--pki-dir", pki}})
+	e.startPolicyServer(router, pki)
+	e.waitOpsPolling(url, pki, "mb1", "client")
 	dst, mb1, mb2 := e.addr("server", false), e.addr("mb1", false), e.addr("mb2", false)
-	e.dysco("client", "policy", "add", "central", "--server", url, "--chain", mb1.String(), "tcp dst portrange 9500-9501")
+	e.dysco("client", "policy", "add", "central", "--server", url, "--pki-dir", pki, "--chain", mb1.String(), "tcp dst portrange 9500-9501")
 	testutil.Eventually(t, 20*time.Second, "the client agent to get the policy", func() bool { return e.status("client").PolicyVersion >= 1 })
 
 	const total = 64 * mib
@@ -53,7 +49,7 @@ func TestOperatorVerbs(t *testing.T) {
 		ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 		defer cancel()
 		argv := append([]string{dyscoBin}, args...)
-		argv = append(argv, "--server", url, "--json")
+		argv = append(argv, "--server", url, "--pki-dir", pki, "--json")
 		cmd := e.lab.Command(ctx, "server", argv...)
 		var stderr strings.Builder
 		cmd.Stderr = &stderr
@@ -116,10 +112,14 @@ func TestOperatorVerbs(t *testing.T) {
 	// carries the agent's reason.
 	body := `{"host":"client","reconfig":{"match":"tcp","to":"` + dst.String() + `","chain":["` + dst.String() + `"]}}`
 	var op api.Operation
-	if err := json.Unmarshal([]byte(e.run("server", "curl", "-sS", "--fail-with-body", "-X", "POST", "--json", body, url+"/v1/operations")), &op); err != nil || op.ID == "" {
+	operator := []string{"--cacert", filepath.Join(pki, "ca.crt"), "--cert", filepath.Join(pki, "operator.crt"), "--key", filepath.Join(pki, "operator.key")}
+	curl := func(args ...string) string {
+		return e.run("server", append(append([]string{"curl", "-sS", "--fail-with-body"}, operator...), args...)...)
+	}
+	if err := json.Unmarshal([]byte(curl("-X", "POST", "--json", body, url+"/v1/operations")), &op); err != nil || op.ID == "" {
 		t.Fatalf("creating an operation with curl: %v %+v", err, op)
 	}
-	if err := json.Unmarshal([]byte(e.run("server", "curl", "-sS", "--fail-with-body", url+"/v1/operations/"+op.ID+"?wait=30")), &op); err != nil {
+	if err := json.Unmarshal([]byte(curl(url+"/v1/operations/"+op.ID+"?wait=30")), &op); err != nil {
 		t.Fatal(err)
 	}
 	if op.State != api.OpFailed || !strings.Contains(op.Error, `agent "client": reconfig: the right anchor `+dst.String()+` is in the chain`) {
