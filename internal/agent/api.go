@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -368,10 +369,22 @@ func (a *Agent) handlePutType(w http.ResponseWriter, r *http.Request) {
 
 func (a *Agent) handleDeleteType(w http.ResponseWriter, r *http.Request) {
 	name := r.PathValue("name")
-	err := a.changeLocal(func(l *api.PolicySet) (found bool) {
-		l.Types, found = without(l.Types, name, func(t api.MiddleboxType) string { return t.Name })
-		return found
+	var inUse error
+	err := a.changeLocal(func(l *api.PolicySet) bool {
+		rest, found := without(slices.Clone(l.Types), name, func(t api.MiddleboxType) string { return t.Name })
+		if !found {
+			return false
+		}
+		if inUse = typeInUse(api.PolicySet{Policies: l.Policies, Types: rest}, a.server, name); inUse != nil {
+			return false
+		}
+		l.Types = rest
+		return true
 	})
+	if inUse != nil {
+		writeErr(w, 409, inUse)
+		return
+	}
 	if err == errNotFound {
 		writeErr(w, 404, fmt.Errorf("type %q: no such local type", name))
 		return
@@ -381,6 +394,22 @@ func (a *Agent) handleDeleteType(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	w.WriteHeader(204)
+}
+
+// typeInUse tells, as an *api.TypeInUseError, whether the effective
+// policies of local and server still name the type typ when neither defines
+// it: their sessions would lose a middlebox of their chain.
+func typeInUse(local, server api.PolicySet, typ string) error {
+	pols, types := effectiveSet(local, server)
+	for _, t := range types {
+		if t.Name == typ {
+			return nil // the server's type of that name takes over
+		}
+	}
+	if users := api.PoliciesUsingType(pols, typ); len(users) > 0 {
+		return &api.TypeInUseError{Type: typ, Policies: users}
+	}
+	return nil
 }
 
 // errNotFound is changeLocal's answer when its change found nothing to do.

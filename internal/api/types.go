@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/netip"
 	"regexp"
+	"sort"
 	"strings"
 	"time"
 
@@ -415,4 +416,34 @@ type OperationResult struct {
 	Host  string         `json:"host"`
 	Error string         `json:"error,omitempty"`
 	Reply *ReconfigReply `json:"reply,omitempty"`
+}
+
+// PoliciesUsingType names the policies of policies whose chain names the
+// middlebox type typ, sorted.
+func PoliciesUsingType(policies []Policy, typ string) []string {
+	var names []string
+	for _, p := range policies {
+		for _, h := range p.Chain {
+			if h.Type == typ {
+				names = append(names, p.Name)
+				break
+			}
+		}
+	}
+	sort.Strings(names)
+	return names
+}
+
+// TypeInUseError refuses the deletion of a middlebox type that policies
+// still name: their sessions would lose a middlebox of their chain.
+type TypeInUseError struct {
+	Type     string
+	Policies []string
+}
+
+func (e *TypeInUseError) Error() string {
+	if len(e.Policies) == 1 {
+		return fmt.Sprintf("type %q is used by policy %s: change or remove that policy first", e.Type, e.Policies[0])
+	}
+	return fmt.Sprintf("type %q is used by policies %s: change or remove those policies first", e.Type, strings.Join(e.Policies, ", "))
 }

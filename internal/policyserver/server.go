@@ -369,9 +369,14 @@ func (s *Server) remove(w http.ResponseWriter, r *http.Request, bucket []byte, k
 	name := r.PathValue("name")
 	s.wmu.Lock()
 	defer s.wmu.Unlock()
-	found, err := s.st.del(bucket, name)
+	found, err := s.st.delete(bucket, name)
 	if err == nil && found {
 		err = s.publish()
+	}
+	var inUse *api.TypeInUseError
+	if errors.As(err, &inUse) {
+		writeError(w, http.StatusConflict, err)
+		return
 	}
 	if err != nil {
 		s.log.Error("deleting "+kind+" failed", kind, name, "err", err)

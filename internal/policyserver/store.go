@@ -148,6 +148,55 @@ func (s *store) put(bucket []byte, name string, v any) (bool, error) {
 	return changed, nil
 }
 
+// delete removes name from bucket; a type is refused while a policy names it.
+func (st *store) delete(bucket []byte, name string) (bool, error) {
+	if bytes.Equal(bucket, bucketTypes) {
+		return st.delType(name)
+	}
+	return st.del(bucket, name)
+}
+
+// delType removes the middlebox type name, unless a stored policy names it
+// (an *api.TypeInUseError naming those policies): checked and deleted in
+// one transaction, so that no policy naming it can be stored in between.
+func (s *store) delType(name string) (bool, error) {
+	found := false
+	err := s.db.Update(func(tx *bolt.Tx) error {
+		b := tx.Bucket(bucketTypes)
+		if b.Get([]byte(name)) == nil {
+			return nil
+		}
+		found = true
+		var pols []api.Policy
+		err := tx.Bucket(bucketPolicies).ForEach(func(k, v []byte) error {
+			var p api.Policy
+			if err := json.Unmarshal(v, &p); err != nil {
+				return fmt.Errorf("policy %q: %w", k, err)
+			}
+			pols = append(pols, p)
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		if users := api.PoliciesUsingType(pols, name); len(users) > 0 {
+			return &api.TypeInUseError{Type: name, Policies: users}
+		}
+		if err := b.Delete([]byte(name)); err != nil {
+			return err
+		}
+		return bumpVersion(tx)
+	})
+	var inUse *api.TypeInUseError
+	if errors.As(err, &inUse) {
+		return true, err
+	}
+	if err != nil {
+		return false, fmt.Errorf("writing policy database: %w", err)
+	}
+	return found, nil
+}
+
 // del removes name from bucket and bumps the version; it tells whether name was there.
 func (s *store) del(bucket []byte, name string) (bool, error) {
 	found := false
