@@ -164,6 +164,9 @@ func Run(ctx context.Context, cfg Config) error {
 	if err := a.loadLocal(); err != nil {
 		return err
 	}
+	if err := a.loadServerCache(); err != nil {
+		return err
+	}
 
 	var tapIndex uint32
 	if cfg.Tap != "" {
@@ -220,13 +223,6 @@ func Run(ctx context.Context, cfg Config) error {
 	// Policies go in before the programs are swapped into the links: the
 	// program array of a new load starts empty, and a session a policy
 	// sends through a middlebox must never slip through unchained.
-	if cfg.PolicyServer != "" {
-		if ps, err := psclient.ReadCache(a.serverCache(), cfg.Name); err == nil {
-			a.server = ps
-		} else if !errors.Is(err, os.ErrNotExist) {
-			a.log.Warn("policy server cache not used", "err", err)
-		}
-	}
 	if err := a.syncAddrs(); err != nil {
 		return err
 	}
@@ -463,11 +459,32 @@ func (a *Agent) loadLocal() error {
 		return nil
 	}
 	if err != nil {
-		return fmt.Errorf("agent: read local policies: %w", err)
+		return fmt.Errorf("agent: read local policies: %w (the agent does not start without them: fix the file's permissions, or remove it to start without local policies)", err)
 	}
 	if err := json.Unmarshal(b, &a.local); err != nil {
-		return fmt.Errorf("agent: %s: %w (remove the file to start without local policies)", a.localFile(), err)
+		return fmt.Errorf("agent: local policies %s: %w (the agent does not start without them: restore the file, or remove it to start without local policies)", a.localFile(), err)
 	}
+	return nil
+}
+
+// loadServerCache reads the policy server's last set, which the agent
+// enforces from the start (the server may be down). A cache that exists but
+// cannot be used stops the agent: starting without the server's policies
+// would let their sessions bypass their chains until the server answers.
+func (a *Agent) loadServerCache() error {
+	if a.cfg.PolicyServer == "" {
+		return nil
+	}
+	ps, err := psclient.ReadCache(a.serverCache(), a.cfg.Name)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("agent: the cache of the policy server's policies cannot be used: %w; "+
+			"the agent does not start without the policies it last had: restore the file, or remove %s "+
+			"to start with no server policies until %s sends them", err, a.serverCache(), a.cfg.PolicyServer)
+	}
+	a.server = ps
 	return nil
 }
 

@@ -1,10 +1,16 @@
 package agent
 
 import (
+	"context"
 	"encoding/json"
+	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/dysco/dysco/internal/api"
@@ -49,5 +55,42 @@ func TestDeleteLocalTypeInUse(t *testing.T) {
 	// No policy names it: fine.
 	if err := typeInUse(api.PolicySet{}, api.PolicySet{}, "fw"); err != nil {
 		t.Errorf("unused type: %v", err)
+	}
+}
+
+// An agent whose server-policy cache or local-policy file exists but cannot
+// be read does not start: the error names the file and the way out. It
+// stops before it touches the datapath (the pin directory given here is no
+// bpffs, so an agent that went on would fail on it with another error).
+func TestUnreadablePolicyFilesStopTheAgent(t *testing.T) {
+	for _, c := range []struct {
+		file, content string
+		want          []string
+	}{
+		{"server-policies.json", `{"version":3,"policies":[{"name":"web",`, []string{
+			"server-policies.json", "unexpected end of JSON input", "remove", "to start with no server policies until http://192.0.2.1:7017 sends them"}},
+		{"server-policies.json", `{"version":3,"host":"other","policies":[]}`, []string{
+			`holds the policies of host "other", not "h1"`, "remove"}},
+		{"local-policies.json", `{"policies":[{"name":`, []string{
+			"local-policies.json", "unexpected end of JSON input", "remove it to start without local policies"}},
+	} {
+		t.Run(c.file, func(t *testing.T) {
+			dir := t.TempDir()
+			if err := os.WriteFile(filepath.Join(dir, c.file), []byte(c.content), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			cancel()
+			err := Run(ctx, Config{Name: "h1", StateDir: dir, PinDir: filepath.Join(t.TempDir(), "pins"),
+				PolicyServer: "http://192.0.2.1:7017", Socket: "@dysco-test-unused", Log: slog.New(slog.NewTextHandler(io.Discard, nil))})
+			if err == nil {
+				t.Fatal("the agent started with an unreadable policy file")
+			}
+			for _, w := range c.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q does not say %q", err, w)
+				}
+			}
+		})
 	}
 }
