@@ -87,8 +87,12 @@ type Agent struct {
 	serverOK   bool
 	policyProg *ebpf.Program
 	ifaces     map[string]bool
-	effective  []api.Policy
+	// slotPolicy names the policy of each verdict (policy slot + 1)
+	// of both banks; replaced whole on each change.
+	slotPolicy map[int]string
 	typeIndex  map[string]int
+	// applyMu serialises applyPolicies.
+	applyMu sync.Mutex
 
 	tapActive atomic.Bool
 
@@ -547,10 +551,17 @@ func effectiveSet(local, server api.PolicySet) ([]api.Policy, []api.MiddleboxTyp
 }
 
 // applyPolicies compiles the effective policies into the classifier program
-// and the chains into the datapath's maps. The chains are written before the
-// new classifier is swapped in; a slot whose chain cannot be resolved makes
-// the datapath drop the session (fail closed), never bypass the chain.
+// and puts it in force with their chains and types, all or nothing
+// (datapath.InstallPolicies: the new set goes into the bank the classifier in
+// force does not use, and one program-array update swaps it in; a classifier
+// that does not load leaves the old set in force). A policy whose chain
+// cannot be resolved (it names a type no one defines) keeps its slot with an
+// empty chain, which the datapath drops (fail closed), never bypasses; a
+// policy whose filter does not compile cannot classify anything and is left
+// out. Both are reported in the error.
 func (a *Agent) applyPolicies() error {
+	a.applyMu.Lock()
+	defer a.applyMu.Unlock()
 	a.mu.Lock()
 	pols, types := effectiveSet(a.local, a.server)
 	a.mu.Unlock()
@@ -572,44 +583,51 @@ func (a *Agent) applyPolicies() error {
 		}
 		chain, err := resolveChain(p, typeIndex)
 		if err != nil {
-			errs = append(errs, err)
-			continue
+			errs = append(errs, fmt.Errorf("%w: its sessions are dropped", err))
+			chain = datapath.PolicyChain{}
 		}
 		compiled = append(compiled, c)
 		chains = append(chains, chain)
 	}
-	if err := a.dp.SetTypes(typeAddrs); err != nil {
-		return err
-	}
-	if err := a.dp.SetPolicies(chains); err != nil {
-		return err
-	}
-	var prog *ebpf.Program
-	if len(compiled) > 0 {
-		spec, err := policy.BuildProgram(compiled, a.dp.ProgArray())
+	var base int
+	prog, err := a.dp.InstallPolicies(typeAddrs, chains, func(b int) (*ebpf.Program, error) {
+		base = b
+		if len(compiled) == 0 {
+			return nil, nil
+		}
+		spec, err := policy.BuildProgramAt(compiled, a.dp.ProgArray(), b)
 		if err != nil {
-			return err
+			return nil, err
 		}
-		prog, err = ebpf.NewProgram(spec)
+		prog, err := ebpf.NewProgram(spec)
 		if err != nil {
-			return fmt.Errorf("agent: load classifier: %w", err)
+			return nil, fmt.Errorf("agent: load classifier: %w (the policies in force stay)", err)
 		}
+		return prog, nil
+	})
+	if err != nil && prog == nil {
+		return errors.Join(append([]error{err}, errs...)...)
 	}
-	if err := a.dp.SetPolicyProgram(prog); err != nil {
-		if prog != nil {
-			prog.Close()
-		}
-		return err
+	if err != nil {
+		errs = append(errs, err)
 	}
 	a.mu.Lock()
 	if a.policyProg != nil {
 		a.policyProg.Close()
 	}
 	a.policyProg = prog
-	a.effective = nil
-	for _, c := range compiled {
-		a.effective = append(a.effective, c.Policy)
+	// Names by verdict (slot + 1), of both banks: sessions set up under
+	// the previous set keep their slot.
+	names := map[int]string{}
+	for v, n := range a.slotPolicy {
+		if v <= base || v > base+a.dp.PoliciesPerBank() {
+			names[v] = n
+		}
 	}
+	for i, c := range compiled {
+		names[base+i+1] = c.Policy.Name
+	}
+	a.slotPolicy = names
 	a.typeIndex = typeIndex
 	a.mu.Unlock()
 	return errors.Join(errs...)

@@ -184,7 +184,7 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 		t.idle = min(t.idle, datapath.Age(now, f.LastMs))
 	}
 	a.mu.Lock()
-	eff := a.effective
+	eff := a.slotPolicy
 	a.mu.Unlock()
 	var views map[uint32]protocol.SessionView
 	if a.ctl != nil {
@@ -234,8 +234,8 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 				}
 			}
 		}
-		if s.Policy > 0 && int(s.Policy) <= len(eff) {
-			as.Policy = eff[s.Policy-1].Name
+		if name, ok := eff[int(s.Policy)]; ok && s.Policy > 0 {
+			as.Policy = name
 		}
 		if hops, ok := synHops[s.ID]; ok {
 			for _, h := range hops {
