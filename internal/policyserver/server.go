@@ -108,10 +108,13 @@ func New(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	cur, err := st.load()
-	if err != nil {
+	var cur api.PolicySet
+	if err := guard(func() (err error) { cur, err = st.load(); return err }); err != nil {
 		st.close()
-		return nil, err
+		return nil, &DamagedError{Path: cfg.DB, Err: err}
+	}
+	if err := st.backup(BackupPath(cfg.DB)); err != nil {
+		cfg.Logger.Warn("no copy of the sound database made", "err", err)
 	}
 	s := &Server{
 		cfg:     cfg,
