@@ -208,6 +208,26 @@ type MigrateSpec struct {
 	TimeoutMS int `json:"timeout_ms,omitempty"`
 }
 
+// Maxima of a MigrateSpec (the protocol clamps what peers send to the same).
+const (
+	MaxHoldLimit        = 256 << 20
+	MaxMigrateTimeoutMS = 5 * 60 * 1000
+)
+
+// Validate checks the bounds of a migration spec (nil: none).
+func (m *MigrateSpec) Validate() error {
+	if m == nil {
+		return nil
+	}
+	if m.HoldLimit < 0 || m.HoldLimit > MaxHoldLimit {
+		return fmt.Errorf("migrate: hold_limit %d: want 0 (8 MiB) to %d (256 MiB)", m.HoldLimit, MaxHoldLimit)
+	}
+	if m.TimeoutMS < 0 || m.TimeoutMS > MaxMigrateTimeoutMS {
+		return fmt.Errorf("migrate: timeout_ms %d: want 0 (5 s) to %d (5 minutes)", m.TimeoutMS, MaxMigrateTimeoutMS)
+	}
+	return nil
+}
+
 // MigrationReport tells how a state migration went, at the left anchor.
 type MigrationReport struct {
 	Semantics string `json:"semantics"`
@@ -399,6 +419,16 @@ func (o *Operation) Validate() error {
 	}
 	if m := o.Middlebox; m != nil && len(m.With) > MaxChain {
 		return fmt.Errorf("operation: middlebox with %d hops, at most %d", len(m.With), MaxChain)
+	}
+	if r := o.Reconfig; r != nil {
+		if err := r.Migrate.Validate(); err != nil {
+			return fmt.Errorf("operation: %w", err)
+		}
+	}
+	if m := o.Middlebox; m != nil {
+		if err := m.Migrate.Validate(); err != nil {
+			return fmt.Errorf("operation: %w", err)
+		}
 	}
 	return nil
 }

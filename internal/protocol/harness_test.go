@@ -54,6 +54,8 @@ type harness struct {
 	// migFail makes the harness fail a step at an agent: "hold",
 	// "export", "import"
 	migFail map[netip.Addr]string
+	// holdLimit is the limit of the last Hold.
+	holdLimit uint64
 }
 
 type envelope struct {
@@ -166,6 +168,7 @@ func (h *harness) apply(at netip.Addr, act Action) {
 		h.clamps[at] = append(h.clamps[at], x)
 	case Hold:
 		h.migLog[at] = append(h.migLog[at], fmt.Sprintf("hold %s", x.Side))
+		h.holdLimit = x.Limit
 		if h.migFail[at] == "hold" {
 			h.deliver(at, Held{Session: x.Session, Side: x.Side, Req: x.Req, Err: "cannot hold"})
 		} else {
