@@ -80,6 +80,19 @@ var nameRE = regexp.MustCompile(`^[A-Za-z][A-Za-z0-9._-]{0,62}$`)
 // chain plus the destination).
 const MaxChain = 7
 
+// Bounds of a policy set: the datapath holds at most MaxTypes middlebox
+// types and MaxPolicies policies per host (a bank of its maps); the
+// policy server stores at most MaxStoredPolicies policies (each host gets
+// those meant for it); a policy names at most MaxHosts agents and its
+// filter is at most MaxFilterLen bytes.
+const (
+	MaxTypes          = 64
+	MaxPolicies       = 64
+	MaxStoredPolicies = 1024
+	MaxHosts          = 256
+	MaxFilterLen      = 8192
+)
+
 // Validate checks everything about p that does not need libpcap.
 func (p *Policy) Validate() error {
 	if !nameRE.MatchString(p.Name) {
@@ -88,8 +101,19 @@ func (p *Policy) Validate() error {
 	if strings.TrimSpace(p.Filter) == "" {
 		return fmt.Errorf("policy %q: empty filter (use \"tcp\" to match every TCP session)", p.Name)
 	}
+	if len(p.Filter) > MaxFilterLen {
+		return fmt.Errorf("policy %q: filter of %d bytes, at most %d", p.Name, len(p.Filter), MaxFilterLen)
+	}
 	if len(p.Chain) > MaxChain {
 		return fmt.Errorf("policy %q: chain has %d hops, at most %d are allowed", p.Name, len(p.Chain), MaxChain)
+	}
+	if len(p.Hosts) > MaxHosts {
+		return fmt.Errorf("policy %q: %d hosts, at most %d", p.Name, len(p.Hosts), MaxHosts)
+	}
+	for _, h := range p.Hosts {
+		if h == "" || len(h) > 253 || strings.IndexFunc(h, func(r rune) bool { return r <= ' ' || r == 0x7f }) >= 0 {
+			return fmt.Errorf("policy %q: host %q is not an agent name", p.Name, h)
+		}
 	}
 	if p.EndBeforeDestination && len(p.Chain) == 0 {
 		return fmt.Errorf("policy %q: end_before_destination needs a chain", p.Name)

@@ -17,6 +17,10 @@ import (
 // old chain; the next set that loads takes over, in the other bank.
 func TestInstallPoliciesAllOrNothing(t *testing.T) {
 	fx := newFixture(t)
+	if fx.d.PoliciesPerBank() != api.MaxPolicies || fx.d.TypesPerBank() != api.MaxTypes || api.MaxPolicies != policy.MaxPolicies {
+		t.Fatalf("a bank holds %d policies and %d types; the API says %d and %d, the classifier %d",
+			fx.d.PoliciesPerBank(), fx.d.TypesPerBank(), api.MaxPolicies, api.MaxTypes, policy.MaxPolicies)
+	}
 	web, err := policy.Compile(api.Policy{Name: "web", Filter: "tcp dst port 80"})
 	if err != nil {
 		t.Fatal(err)

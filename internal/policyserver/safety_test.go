@@ -3,6 +3,7 @@ package policyserver
 import (
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"hash/fnv"
 	"os"
 	"path/filepath"
@@ -184,5 +185,43 @@ func TestCheckAndBackup(t *testing.T) {
 	startServer(t, Config{DB: db})
 	if _, err := Check(db); err == nil || !strings.Contains(err.Error(), "locked by another process") {
 		t.Errorf("check of a database in use: %v", err)
+	}
+}
+
+// The server takes at most api.MaxTypes types (every agent gets them all,
+// and its datapath holds that many) and api.MaxStoredPolicies policies; one
+// more is refused with 409, a change of an existing one is fine.
+func TestStoreBounds(t *testing.T) {
+	ts := startServer(t, Config{})
+	for i := 0; i < api.MaxTypes; i++ {
+		mustPut(t, ts.url, fmt.Sprintf("/v1/types/t%d", i), `{"instances":["10.0.0.5"]}`)
+	}
+	code, data := call(t, "PUT", ts.url+"/v1/types/one-more", `{"instances":["10.0.0.5"]}`)
+	if e := decode[api.Error](t, data); code != 409 || !strings.Contains(e.Error, "64 middlebox types already") {
+		t.Errorf("type %d: %d %q", api.MaxTypes+1, code, e.Error)
+	}
+	mustPut(t, ts.url, "/v1/types/t0", `{"instances":["10.0.0.6"]}`)
+
+	for i := 0; i < api.MaxStoredPolicies; i++ {
+		if _, err := ts.st.put(bucketPolicies, fmt.Sprintf("p%d", i), api.Policy{Name: fmt.Sprintf("p%d", i), Filter: "tcp"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	code, data = call(t, "PUT", ts.url+"/v1/policies/one-more", `{"filter":"tcp"}`)
+	if e := decode[api.Error](t, data); code != 409 || !strings.Contains(e.Error, "1024 policies already") {
+		t.Errorf("policy %d: %d %q", api.MaxStoredPolicies+1, code, e.Error)
+	}
+	mustPut(t, ts.url, "/v1/policies/p0", `{"filter":"tcp port 80"}`)
+
+	// Sizes within one policy.
+	for body, want := range map[string]string{
+		`{"filter":"` + strings.Repeat("tcp or ", api.MaxFilterLen/7) + `tcp"}`: "at most 8192",
+		`{"filter":"tcp","hosts":[` + strings.Repeat(`"h",`, api.MaxHosts) + `"h"]}`: "at most 256",
+		`{"filter":"tcp","hosts":["a b"]}`: "not an agent name",
+	} {
+		code, data := call(t, "PUT", ts.url+"/v1/policies/p1", body)
+		if e := decode[api.Error](t, data); code != 400 || !strings.Contains(e.Error, want) {
+			t.Errorf("%.60s…: %d %q, want 400 saying %q", body, code, e.Error, want)
+		}
 	}
 }

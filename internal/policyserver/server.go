@@ -357,6 +357,11 @@ func (s *Server) write(w http.ResponseWriter, r *http.Request, kind, name string
 	if err == nil && changed {
 		err = s.publish()
 	}
+	var full *FullError
+	if errors.As(err, &full) {
+		writeError(w, http.StatusConflict, err)
+		return
+	}
 	if err != nil {
 		s.log.Error("storing "+kind+" failed", kind, name, "err", err)
 		writeError(w, http.StatusInternalServerError, err)

@@ -309,8 +309,14 @@ func (s *store) put(bucket []byte, name string, v any) (bool, error) {
 	changed := false
 	err = s.db.Update(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucket)
-		if bytes.Equal(b.Get([]byte(name)), data) {
+		old := b.Get([]byte(name))
+		if bytes.Equal(old, data) {
 			return nil
+		}
+		if old == nil {
+			if err := roomFor(b, bucket); err != nil {
+				return err
+			}
 		}
 		changed = true
 		if err := b.Put([]byte(name), data); err != nil {
@@ -318,10 +324,42 @@ func (s *store) put(bucket []byte, name string, v any) (bool, error) {
 		}
 		return bumpVersion(tx)
 	})
+	var full *FullError
+	if errors.As(err, &full) {
+		return false, err
+	}
 	if err != nil {
 		return false, fmt.Errorf("writing policy database: %w", err)
 	}
 	return changed, nil
+}
+
+// FullError refuses a new policy or type beyond the bounds: at most
+// api.MaxStoredPolicies policies and api.MaxTypes types (every agent gets
+// every type, and its datapath holds MaxTypes).
+type FullError struct {
+	Kind  string
+	Limit int
+}
+
+func (e *FullError) Error() string {
+	return fmt.Sprintf("the policy server holds %d %s already, the most it takes: remove one first", e.Limit, e.Kind)
+}
+
+// roomFor checks that bucket may take one more key.
+func roomFor(b *bolt.Bucket, bucket []byte) error {
+	limit, kind := api.MaxStoredPolicies, "policies"
+	if bytes.Equal(bucket, bucketTypes) {
+		limit, kind = api.MaxTypes, "middlebox types"
+	}
+	n := 0
+	c := b.Cursor()
+	for k, _ := c.First(); k != nil; k, _ = c.Next() {
+		if n++; n >= limit {
+			return &FullError{Kind: kind, Limit: limit}
+		}
+	}
+	return nil
 }
 
 // delete removes name from bucket; a type is refused while a policy names it.
