@@ -94,3 +94,20 @@ func TestUnreadablePolicyFilesStopTheAgent(t *testing.T) {
 		})
 	}
 }
+
+// An operation claimed from the policy server is checked against the same
+// bounds as the server checks, before the agent acts on it.
+func TestOperationBoundsCheckedAtAgent(t *testing.T) {
+	a := &Agent{}
+	to := netip.MustParseAddr("10.0.0.3")
+	for _, op := range []api.Operation{
+		{ID: "1", Host: "h1", Reconfig: &api.ReconfigRequest{To: to, TimeoutMS: api.MaxOperationTimeoutMS + 1}},
+		{ID: "2", Host: "h1", Reconfig: &api.ReconfigRequest{To: to, Match: strings.Repeat("x", api.MaxMatchLen+1)}},
+		{ID: "3", Host: "h1", Middlebox: &api.MiddleboxRequest{With: []netip.Addr{to}, Migrate: &api.MigrateSpec{HoldLimit: 1 << 40}}},
+	} {
+		res := a.execOperation(context.Background(), op)
+		if res.Reply != nil || !strings.HasPrefix(res.Error, "refused: operation: ") {
+			t.Errorf("operation %s: %+v", op.ID, res)
+		}
+	}
+}

@@ -5,10 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"math"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/dysco/dysco/internal/api"
 )
@@ -215,13 +218,27 @@ func TestStoreBounds(t *testing.T) {
 
 	// Sizes within one policy.
 	for body, want := range map[string]string{
-		`{"filter":"` + strings.Repeat("tcp or ", api.MaxFilterLen/7) + `tcp"}`: "at most 8192",
+		`{"filter":"` + strings.Repeat("tcp or ", api.MaxFilterLen/7) + `tcp"}`:      "at most 8192",
 		`{"filter":"tcp","hosts":[` + strings.Repeat(`"h",`, api.MaxHosts) + `"h"]}`: "at most 256",
-		`{"filter":"tcp","hosts":["a b"]}`: "not an agent name",
+		`{"filter":"tcp","hosts":["a b"]}`:                                           "not an agent name",
 	} {
 		code, data := call(t, "PUT", ts.url+"/v1/policies/p1", body)
 		if e := decode[api.Error](t, data); code != 400 || !strings.Contains(e.Error, want) {
 			t.Errorf("%.60s…: %d %q, want 400 saying %q", body, code, e.Error, want)
 		}
+	}
+}
+
+// A client's wait is at most MaxWait, however large the number it sends
+// (a number of seconds that overflows a time.Duration included).
+func TestWaitClamped(t *testing.T) {
+	for n, want := range map[int]time.Duration{0: 0, 5: 5 * time.Second, 120: MaxWait, 121: MaxWait, math.MaxInt64: MaxWait, 1 << 40: MaxWait} {
+		if got := waitSeconds(n); got != want {
+			t.Errorf("wait=%d: %v, want %v", n, got, want)
+		}
+	}
+	r := httptest.NewRequest("GET", "/v1/operations/x?wait=9223372036854775807", nil)
+	if got, err := waitParam(r); err != nil || got != MaxWait {
+		t.Errorf("waitParam: %v %v, want %v", got, err, MaxWait)
 	}
 }

@@ -425,7 +425,7 @@ func (s *Server) handleWatch(w http.ResponseWriter, r *http.Request) {
 			writeError(w, http.StatusBadRequest, fmt.Errorf("watch: wait=%q is not a number of seconds", v))
 			return
 		}
-		wait = min(time.Duration(n)*time.Second, MaxWait)
+		wait = waitSeconds(n)
 	}
 
 	s.watchers.Add(1)
