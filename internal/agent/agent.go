@@ -231,6 +231,13 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	if err := a.applyPolicies(); err != nil {
+		var na *notInForceError
+		if errors.As(err, &na) {
+			// The links still run the programs of the last agent, with
+			// its classifier; new programs without one would let every
+			// session bypass its chain.
+			return fmt.Errorf("agent: the policies cannot be put in force: %w; the agent does not start without them", err)
+		}
 		a.log.Error("policies not applied", "err", err)
 	}
 	if err := a.syncInterfaces(); err != nil {
@@ -506,9 +513,18 @@ func (a *Agent) saveLocal() error {
 
 func (a *Agent) onServerPolicies(ps api.PolicySet) {
 	a.mu.Lock()
+	old := a.server
 	a.server = ps
 	a.mu.Unlock()
 	if err := a.applyPolicies(); err != nil {
+		var na *notInForceError
+		if errors.As(err, &na) {
+			// The set in force stayed: so does the one the agent
+			// merges local changes with.
+			a.mu.Lock()
+			a.server = old
+			a.mu.Unlock()
+		}
 		a.log.Error("policy server's policies not applied", "version", ps.Version, "err", err)
 		return
 	}
@@ -606,7 +622,7 @@ func (a *Agent) applyPolicies() error {
 		return prog, nil
 	})
 	if err != nil && prog == nil {
-		return errors.Join(append([]error{err}, errs...)...)
+		return errors.Join(append([]error{&notInForceError{err}}, errs...)...)
 	}
 	if err != nil {
 		errs = append(errs, err)
@@ -632,6 +648,13 @@ func (a *Agent) applyPolicies() error {
 	a.mu.Unlock()
 	return errors.Join(errs...)
 }
+
+// notInForceError is applyPolicies' failure to put the set in force: the
+// set in force before stays.
+type notInForceError struct{ err error }
+
+func (e *notInForceError) Error() string { return e.err.Error() }
+func (e *notInForceError) Unwrap() error { return e.err }
 
 func resolveChain(p api.Policy, typeIndex map[string]int) (datapath.PolicyChain, error) {
 	c := datapath.PolicyChain{ToDst: !p.EndBeforeDestination}

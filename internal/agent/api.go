@@ -420,6 +420,7 @@ var errNotFound = errors.New("not found")
 // effective set to the datapath.
 func (a *Agent) changeLocal(change func(*api.PolicySet) bool) error {
 	a.mu.Lock()
+	old := api.PolicySet{Version: a.local.Version, Policies: slices.Clone(a.local.Policies), Types: slices.Clone(a.local.Types)}
 	if !change(&a.local) {
 		a.mu.Unlock()
 		return errNotFound
@@ -429,7 +430,20 @@ func (a *Agent) changeLocal(change func(*api.PolicySet) bool) error {
 	if err != nil {
 		return err
 	}
-	return a.applyPolicies()
+	err = a.applyPolicies()
+	var na *notInForceError
+	if errors.As(err, &na) {
+		// All or nothing: the set in force stayed, so do the local
+		// policies.
+		a.mu.Lock()
+		a.local = old
+		if serr := a.saveLocal(); serr != nil {
+			err = errors.Join(err, serr)
+		}
+		a.mu.Unlock()
+		return fmt.Errorf("the change is undone, the policies in force stay: %w", err)
+	}
+	return err
 }
 
 // upsert replaces the item of list with item's name, or appends item.
