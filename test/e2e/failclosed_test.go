@@ -3,6 +3,7 @@ package e2e
 import (
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"hash/fnv"
 	"os"
 	"os/exec"
@@ -11,6 +12,8 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/lab"
 	"github.com/dysco/dysco/internal/testutil"
 )
 
@@ -162,5 +165,45 @@ func TestUnreadableCacheStopsAgent(t *testing.T) {
 		if !strings.Contains(string(out), w) {
 			t.Errorf("agent's error does not say %q:\n%s", w, out)
 		}
+	}
+}
+
+// TestPolicyUpdateAllOrNothing: a local change whose set cannot be put in
+// force (a 65th policy: a bank holds 64) is refused and undone, on disk
+// too; the set in force stays, and sessions keep their chains, also after
+// the agent restarts.
+func TestPolicyUpdateAllOrNothing(t *testing.T) {
+	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server")})
+	dst := e.addr("server", false)
+	e.dysco("client", "type", "add", "fw", e.addr("mb1", false).String())
+	e.policy("client", "web", "tcp dst portrange 9970-9979", "fw")
+	for i := 1; i < api.MaxPolicies; i++ {
+		e.policy("client", fmt.Sprintf("other%02d", i), fmt.Sprintf("tcp dst port %d", 20000+i))
+	}
+	through := func() uint64 { return e.status("mb1").Counters["setup_cont"] }
+	e.exchange("client", "server", dst, 9970, 64<<10)
+	if n := through(); n != 1 {
+		t.Fatalf("mb1 continued %d chains, want 1", n)
+	}
+
+	out, err := e.lab.Command(t.Context(), "client", dyscoBin, "policy", "add", "one-more", "--chain", "fw", "tcp dst port 9971").CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "the change is undone, the policies in force stay") ||
+		!strings.Contains(string(out), fmt.Sprintf("at most %d", api.MaxPolicies)) {
+		t.Fatalf("policy %d: %v\n%s", api.MaxPolicies+1, err, out)
+	}
+	list := e.dysco("client", "policy", "list")
+	if strings.Contains(list, "one-more") || !strings.Contains(list, "web") {
+		t.Errorf("policy list after the refused change:\n%s", list)
+	}
+	e.exchange("client", "server", dst, 9972, 64<<10)
+	if n := through(); n != 2 {
+		t.Fatalf("after the refused change, mb1 continued %d chains, want 2", n)
+	}
+	if err := e.lab.RestartAgent("client"); err != nil {
+		t.Fatalf("the agent does not restart on the policies it kept: %v", err)
+	}
+	e.exchange("client", "server", dst, 9973, 64<<10)
+	if n := through(); n != 3 {
+		t.Fatalf("after a restart, mb1 continued %d chains, want 3", n)
 	}
 }
