@@ -28,6 +28,7 @@ func TestSquattedAgentSocket(t *testing.T) {
 	for _, args := range [][]string{
 		{"status"},
 		{"policy", "add", "web", "--chain", "10.0.2.2", "tcp dst port 80"},
+		{"agent", "--reset"},
 	} {
 		out, err := exec.Command("ip", append([]string{"netns", "exec", ns, dyscoBin}, args...)...).CombinedOutput()
 		if err == nil {
