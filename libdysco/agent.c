@@ -165,9 +165,47 @@ static socklen_t agent_address(struct sockaddr_un *sa)
 }
 
 /*
+ * agent_peer_ok checks, with SO_PEERCRED, that the process serving the
+ * connected socket fd runs as the agent's user: root, or the uid in
+ * DYSCO_AGENT_UID. Any local user can bind the name of an abstract socket
+ * before the agent does; nothing is sent to such an impostor.
+ */
+static int agent_peer_ok(int fd)
+{
+	const char *v = getenv("DYSCO_AGENT_UID");
+	unsigned long want = 0;
+	if (v && *v) {
+		char *end;
+		errno = 0;
+		want = strtoul(v, &end, 10);
+		if (errno || *end || want > 0xffffffffUL) {
+			fail_log(FAIL_AGENT, "DYSCO_AGENT_UID=%s is not a user id; nothing sent to %s", v,
+				 dysco_agent_socket);
+			return 0;
+		}
+	}
+	struct ucred cred;
+	socklen_t len = sizeof(cred);
+	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
+		fail_log(FAIL_AGENT, "cannot read the credentials of the process serving %s: %s; nothing sent to it",
+			 dysco_agent_socket, strerror(errno));
+		return 0;
+	}
+	if ((unsigned long)cred.uid != want) {
+		fail_log(FAIL_AGENT,
+			 "%s is served by pid %d of uid %u, not by the agent's uid %lu: another user bound the name "
+			 "before the agent; nothing sent to it",
+			 dysco_agent_socket, (int)cred.pid, (unsigned)cred.uid, want);
+		return 0;
+	}
+	return 1;
+}
+
+/*
  * exchange sends one request and reads the answer. It returns 0, or an errno
- * value with the failure logged: ECONNREFUSED (no agent), ETIMEDOUT, EIO
- * (error answer, unreadable answer, connection lost) or another errno.
+ * value with the failure logged: ECONNREFUSED (no agent), ETIMEDOUT, EACCES
+ * (the socket is served by another user than the agent's), EIO (error
+ * answer, unreadable answer, connection lost) or another errno.
  */
 static int exchange(const struct dysco_request *r)
 {
@@ -202,6 +240,10 @@ static int exchange(const struct dysco_request *r)
 			 "cannot reach the Dysco agent on %s: %s (is the agent running in this network "
 			 "namespace?); the sessions with %s and %s are not spliced",
 			 dysco_agent_socket, strerror(err), r->in.remote, r->out.remote);
+		goto out;
+	}
+	if (!agent_peer_ok(fd)) {
+		err = EACCES;
 		goto out;
 	}
 	for (int off = 0; off < reqlen;) {

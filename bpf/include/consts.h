@@ -17,6 +17,12 @@
 #ifndef MAX_TYPES
 #define MAX_TYPES 64
 #endif
+/* Policy slots and middlebox types come in POLICY_BANKS banks of
+ * MAX_POLICIES and MAX_TYPES: the agent writes a new policy set into the
+ * bank the installed classifier does not refer to, then swaps in the
+ * classifier that does (one program-array update), so that a set is in force
+ * whole or not at all. Slot b*MAX_POLICIES+i is policy i of bank b. */
+#define POLICY_BANKS 2
 #ifndef MAX_INSTANCES
 #define MAX_INSTANCES 16
 #endif

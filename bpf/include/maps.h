@@ -83,7 +83,7 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, MAX_POLICIES);
+	__uint(max_entries, MAX_POLICIES * POLICY_BANKS);
 	__type(key, __u32);
 	__type(value, struct policy_val);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
@@ -91,7 +91,7 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, MAX_TYPES);
+	__uint(max_entries, MAX_TYPES * POLICY_BANKS);
 	__type(key, __u32);
 	__type(value, struct type_val);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);

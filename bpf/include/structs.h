@@ -165,6 +165,10 @@ struct config {
 	 * second, so that an agent that dies without clearing it stops
 	 * receiving straddling packets within seconds. */
 	__u32 split_until;
+	/* The policy bank (POLICY_BANKS) the installed classifier refers
+	 * to: the agent's record across restarts; the datapath does not
+	 * read it. */
+	__u32 policy_bank;
 };
 
 /* Two-path phase of one side of a session at an anchor (paper §3.5): keyed
@@ -308,7 +312,7 @@ _Static_assert(__builtin_offsetof(struct flow_val, out) == FLOW_HEAD_LEN &&
 	       __builtin_offsetof(struct flow_val4, sess_id) == __builtin_offsetof(struct flow_val, sess_id),
 	       "flow_val and flow_val4 share their head");
 _Static_assert(sizeof(struct session_val) == 80, "session_val is 80 bytes");
-_Static_assert(MAX_POLICIES < 0xffff, "a policy slot + 1 fits session_val.policy");
+_Static_assert(MAX_POLICIES * POLICY_BANKS < 0xffff, "a policy slot + 1 fits session_val.policy");
 _Static_assert(__builtin_offsetof(struct flow_val, flags) % 4 == 0, "flow_val.flags is aligned");
 _Static_assert(__builtin_offsetof(struct flow_val, packets) % 8 == 0, "flow_val counters are aligned");
 _Static_assert(__builtin_offsetof(struct session_val, state) % 4 == 0, "session_val.state is aligned");

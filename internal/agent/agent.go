@@ -96,8 +96,12 @@ type Agent struct {
 	serverOK   bool
 	policyProg *ebpf.Program
 	ifaces     map[string]bool
-	effective  []api.Policy
+	// slotPolicy names the policy of each verdict (policy slot + 1)
+	// of both banks; replaced whole on each change.
+	slotPolicy map[int]string
 	typeIndex  map[string]int
+	// applyMu serialises applyPolicies.
+	applyMu sync.Mutex
 
 	tapActive atomic.Bool
 
@@ -180,6 +184,9 @@ func Run(ctx context.Context, cfg Config) error {
 	if err := a.loadLocal(); err != nil {
 		return err
 	}
+	if err := a.loadServerCache(); err != nil {
+		return err
+	}
 	if cfg.ControlKeyFile != "" {
 		f, err := keys.Open(cfg.ControlKeyFile, os.Geteuid(), a.log)
 		if err != nil {
@@ -243,17 +250,17 @@ func Run(ctx context.Context, cfg Config) error {
 	// Policies go in before the programs are swapped into the links: the
 	// program array of a new load starts empty, and a session a policy
 	// sends through a middlebox must never slip through unchained.
-	if cfg.PolicyServer != "" {
-		if ps, err := psclient.ReadCache(a.serverCache(), cfg.Name); err == nil {
-			a.server = ps
-		} else if !errors.Is(err, os.ErrNotExist) {
-			a.log.Warn("policy server cache not used", "err", err)
-		}
-	}
 	if err := a.syncAddrs(); err != nil {
 		return err
 	}
 	if err := a.applyPolicies(); err != nil {
+		var na *notInForceError
+		if errors.As(err, &na) {
+			// The links still run the programs of the last agent, with
+			// its classifier; new programs without one would let every
+			// session bypass its chain.
+			return fmt.Errorf("agent: the policies cannot be put in force: %w; the agent does not start without them", err)
+		}
 		a.log.Error("policies not applied", "err", err)
 	}
 	if err := a.syncInterfaces(); err != nil {
@@ -492,11 +499,32 @@ func (a *Agent) loadLocal() error {
 		return nil
 	}
 	if err != nil {
-		return fmt.Errorf("agent: read local policies: %w", err)
+		return fmt.Errorf("agent: read local policies: %w (the agent does not start without them: fix the file's permissions, or remove it to start without local policies)", err)
 	}
 	if err := json.Unmarshal(b, &a.local); err != nil {
-		return fmt.Errorf("agent: %s: %w (remove the file to start without local policies)", a.localFile(), err)
+		return fmt.Errorf("agent: local policies %s: %w (the agent does not start without them: restore the file, or remove it to start without local policies)", a.localFile(), err)
 	}
+	return nil
+}
+
+// loadServerCache reads the policy server's last set, which the agent
+// enforces from the start (the server may be down). A cache that exists but
+// cannot be used stops the agent: starting without the server's policies
+// would let their sessions bypass their chains until the server answers.
+func (a *Agent) loadServerCache() error {
+	if a.cfg.PolicyServer == "" {
+		return nil
+	}
+	ps, err := psclient.ReadCache(a.serverCache(), a.cfg.Name)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("agent: the cache of the policy server's policies cannot be used: %w; "+
+			"the agent does not start without the policies it last had: restore the file, or remove %s "+
+			"to start with no server policies until %s sends them", err, a.serverCache(), a.cfg.PolicyServer)
+	}
+	a.server = ps
 	return nil
 }
 
@@ -514,9 +542,18 @@ func (a *Agent) saveLocal() error {
 
 func (a *Agent) onServerPolicies(ps api.PolicySet) {
 	a.mu.Lock()
+	old := a.server
 	a.server = ps
 	a.mu.Unlock()
 	if err := a.applyPolicies(); err != nil {
+		var na *notInForceError
+		if errors.As(err, &na) {
+			// The set in force stayed: so does the one the agent
+			// merges local changes with.
+			a.mu.Lock()
+			a.server = old
+			a.mu.Unlock()
+		}
 		a.log.Error("policy server's policies not applied", "version", ps.Version, "err", err)
 		return
 	}
@@ -559,10 +596,17 @@ func effectiveSet(local, server api.PolicySet) ([]api.Policy, []api.MiddleboxTyp
 }
 
 // applyPolicies compiles the effective policies into the classifier program
-// and the chains into the datapath's maps. The chains are written before the
-// new classifier is swapped in; a slot whose chain cannot be resolved makes
-// the datapath drop the session (fail closed), never bypass the chain.
+// and puts it in force with their chains and types, all or nothing
+// (datapath.InstallPolicies: the new set goes into the bank the classifier in
+// force does not use, and one program-array update swaps it in; a classifier
+// that does not load leaves the old set in force). A policy whose chain
+// cannot be resolved (it names a type no one defines) keeps its slot with an
+// empty chain, which the datapath drops (fail closed), never bypasses; a
+// policy whose filter does not compile cannot classify anything and is left
+// out. Both are reported in the error.
 func (a *Agent) applyPolicies() error {
+	a.applyMu.Lock()
+	defer a.applyMu.Unlock()
 	a.mu.Lock()
 	pols, types := effectiveSet(a.local, a.server)
 	a.mu.Unlock()
@@ -584,48 +628,62 @@ func (a *Agent) applyPolicies() error {
 		}
 		chain, err := resolveChain(p, typeIndex)
 		if err != nil {
-			errs = append(errs, err)
-			continue
+			errs = append(errs, fmt.Errorf("%w: its sessions are dropped", err))
+			chain = datapath.PolicyChain{}
 		}
 		compiled = append(compiled, c)
 		chains = append(chains, chain)
 	}
-	if err := a.dp.SetTypes(typeAddrs); err != nil {
-		return err
-	}
-	if err := a.dp.SetPolicies(chains); err != nil {
-		return err
-	}
-	var prog *ebpf.Program
-	if len(compiled) > 0 {
-		spec, err := policy.BuildProgram(compiled, a.dp.ProgArray())
+	var base int
+	prog, err := a.dp.InstallPolicies(typeAddrs, chains, func(b int) (*ebpf.Program, error) {
+		base = b
+		if len(compiled) == 0 {
+			return nil, nil
+		}
+		spec, err := policy.BuildProgramAt(compiled, a.dp.ProgArray(), b)
 		if err != nil {
-			return err
+			return nil, err
 		}
-		prog, err = ebpf.NewProgram(spec)
+		prog, err := ebpf.NewProgram(spec)
 		if err != nil {
-			return fmt.Errorf("agent: load classifier: %w", err)
+			return nil, fmt.Errorf("agent: load classifier: %w (the policies in force stay)", err)
 		}
+		return prog, nil
+	})
+	if err != nil && prog == nil {
+		return errors.Join(append([]error{&notInForceError{err}}, errs...)...)
 	}
-	if err := a.dp.SetPolicyProgram(prog); err != nil {
-		if prog != nil {
-			prog.Close()
-		}
-		return err
+	if err != nil {
+		errs = append(errs, err)
 	}
 	a.mu.Lock()
 	if a.policyProg != nil {
 		a.policyProg.Close()
 	}
 	a.policyProg = prog
-	a.effective = nil
-	for _, c := range compiled {
-		a.effective = append(a.effective, c.Policy)
+	// Names by verdict (slot + 1), of both banks: sessions set up under
+	// the previous set keep their slot.
+	names := map[int]string{}
+	for v, n := range a.slotPolicy {
+		if v <= base || v > base+a.dp.PoliciesPerBank() {
+			names[v] = n
+		}
 	}
+	for i, c := range compiled {
+		names[base+i+1] = c.Policy.Name
+	}
+	a.slotPolicy = names
 	a.typeIndex = typeIndex
 	a.mu.Unlock()
 	return errors.Join(errs...)
 }
+
+// notInForceError is applyPolicies' failure to put the set in force: the
+// set in force before stays.
+type notInForceError struct{ err error }
+
+func (e *notInForceError) Error() string { return e.err.Error() }
+func (e *notInForceError) Unwrap() error { return e.err }
 
 func resolveChain(p api.Policy, typeIndex map[string]int) (datapath.PolicyChain, error) {
 	c := datapath.PolicyChain{ToDst: !p.EndBeforeDestination}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -194,7 +195,7 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 		t.idle = min(t.idle, datapath.Age(now, f.LastMs))
 	}
 	a.mu.Lock()
-	eff := a.effective
+	eff := a.slotPolicy
 	a.mu.Unlock()
 	var views map[uint32]protocol.SessionView
 	if a.ctl != nil {
@@ -244,8 +245,8 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 				}
 			}
 		}
-		if s.Policy > 0 && int(s.Policy) <= len(eff) {
-			as.Policy = eff[s.Policy-1].Name
+		if name, ok := eff[int(s.Policy)]; ok && s.Policy > 0 {
+			as.Policy = name
 		}
 		if hops, ok := synHops[s.ID]; ok {
 			for _, h := range hops {
@@ -379,10 +380,22 @@ func (a *Agent) handlePutType(w http.ResponseWriter, r *http.Request) {
 
 func (a *Agent) handleDeleteType(w http.ResponseWriter, r *http.Request) {
 	name := r.PathValue("name")
-	err := a.changeLocal(func(l *api.PolicySet) (found bool) {
-		l.Types, found = without(l.Types, name, func(t api.MiddleboxType) string { return t.Name })
-		return found
+	var inUse error
+	err := a.changeLocal(func(l *api.PolicySet) bool {
+		rest, found := without(slices.Clone(l.Types), name, func(t api.MiddleboxType) string { return t.Name })
+		if !found {
+			return false
+		}
+		if inUse = typeInUse(api.PolicySet{Policies: l.Policies, Types: rest}, a.server, name); inUse != nil {
+			return false
+		}
+		l.Types = rest
+		return true
 	})
+	if inUse != nil {
+		writeErr(w, 409, inUse)
+		return
+	}
 	if err == errNotFound {
 		writeErr(w, 404, fmt.Errorf("type %q: no such local type", name))
 		return
@@ -394,6 +407,22 @@ func (a *Agent) handleDeleteType(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(204)
 }
 
+// typeInUse tells, as an *api.TypeInUseError, whether the effective
+// policies of local and server still name the type typ when neither defines
+// it: their sessions would lose a middlebox of their chain.
+func typeInUse(local, server api.PolicySet, typ string) error {
+	pols, types := effectiveSet(local, server)
+	for _, t := range types {
+		if t.Name == typ {
+			return nil // the server's type of that name takes over
+		}
+	}
+	if users := api.PoliciesUsingType(pols, typ); len(users) > 0 {
+		return &api.TypeInUseError{Type: typ, Policies: users}
+	}
+	return nil
+}
+
 // errNotFound is changeLocal's answer when its change found nothing to do.
 var errNotFound = errors.New("not found")
 
@@ -402,6 +431,7 @@ var errNotFound = errors.New("not found")
 // effective set to the datapath.
 func (a *Agent) changeLocal(change func(*api.PolicySet) bool) error {
 	a.mu.Lock()
+	old := api.PolicySet{Version: a.local.Version, Policies: slices.Clone(a.local.Policies), Types: slices.Clone(a.local.Types)}
 	if !change(&a.local) {
 		a.mu.Unlock()
 		return errNotFound
@@ -411,7 +441,20 @@ func (a *Agent) changeLocal(change func(*api.PolicySet) bool) error {
 	if err != nil {
 		return err
 	}
-	return a.applyPolicies()
+	err = a.applyPolicies()
+	var na *notInForceError
+	if errors.As(err, &na) {
+		// All or nothing: the set in force stayed, so do the local
+		// policies.
+		a.mu.Lock()
+		a.local = old
+		if serr := a.saveLocal(); serr != nil {
+			err = errors.Join(err, serr)
+		}
+		a.mu.Unlock()
+		return fmt.Errorf("the change is undone, the policies in force stay: %w", err)
+	}
+	return err
 }
 
 // upsert replaces the item of list with item's name, or appends item.

@@ -196,6 +196,12 @@ func (a *Agent) execOperation(ctx context.Context, op api.Operation) api.Operati
 		rep  api.ReconfigReply
 		rerr *requestError
 	)
+	// The operation came over the network: the bounds the server checks
+	// (timeout, filter length, chain length, migration spec) are checked
+	// again here.
+	if err := op.Validate(); err != nil {
+		return api.OperationResult{Error: "refused: " + err.Error()}
+	}
 	switch {
 	case op.Reconfig != nil:
 		rep, rerr = a.reconfig(ctx, *op.Reconfig)

@@ -57,6 +57,12 @@ func NewUnixClient(socket string) *Client {
 			if err != nil {
 				return nil, &noAgentError{cause: err}
 			}
+			// Anyone may bind the socket's name before the agent:
+			// send nothing to a server of another user.
+			if err := CheckAgentPeer(c, socket); err != nil {
+				c.Close()
+				return nil, err
+			}
 			return c, nil
 		},
 		MaxIdleConns:    2,
@@ -214,6 +220,10 @@ func (c *Client) do(ctx context.Context, method, path string, body, out any) err
 		var na *noAgentError
 		if errors.As(err, &na) {
 			return na
+		}
+		var imp *ImpostorError
+		if errors.As(err, &imp) {
+			return imp
 		}
 		if ctxErr := ctx.Err(); ctxErr != nil {
 			return fmt.Errorf("%s: %s %s: %w", c.target, method, path, ctxErr)

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/netip"
 	"regexp"
+	"sort"
 	"strings"
 	"time"
 
@@ -79,6 +80,19 @@ var nameRE = regexp.MustCompile(`^[A-Za-z][A-Za-z0-9._-]{0,62}$`)
 // chain plus the destination).
 const MaxChain = 7
 
+// Bounds of a policy set: the datapath holds at most MaxTypes middlebox
+// types and MaxPolicies policies per host (a bank of its maps); the
+// policy server stores at most MaxStoredPolicies policies (each host gets
+// those meant for it); a policy names at most MaxHosts agents and its
+// filter is at most MaxFilterLen bytes.
+const (
+	MaxTypes          = 64
+	MaxPolicies       = 64
+	MaxStoredPolicies = 1024
+	MaxHosts          = 256
+	MaxFilterLen      = 8192
+)
+
 // Validate checks everything about p that does not need libpcap.
 func (p *Policy) Validate() error {
 	if !nameRE.MatchString(p.Name) {
@@ -87,8 +101,19 @@ func (p *Policy) Validate() error {
 	if strings.TrimSpace(p.Filter) == "" {
 		return fmt.Errorf("policy %q: empty filter (use \"tcp\" to match every TCP session)", p.Name)
 	}
+	if len(p.Filter) > MaxFilterLen {
+		return fmt.Errorf("policy %q: filter of %d bytes, at most %d", p.Name, len(p.Filter), MaxFilterLen)
+	}
 	if len(p.Chain) > MaxChain {
 		return fmt.Errorf("policy %q: chain has %d hops, at most %d are allowed", p.Name, len(p.Chain), MaxChain)
+	}
+	if len(p.Hosts) > MaxHosts {
+		return fmt.Errorf("policy %q: %d hosts, at most %d", p.Name, len(p.Hosts), MaxHosts)
+	}
+	for _, h := range p.Hosts {
+		if h == "" || len(h) > 253 || strings.IndexFunc(h, func(r rune) bool { return r <= ' ' || r == 0x7f }) >= 0 {
+			return fmt.Errorf("policy %q: host %q is not an agent name", p.Name, h)
+		}
 	}
 	if p.EndBeforeDestination && len(p.Chain) == 0 {
 		return fmt.Errorf("policy %q: end_before_destination needs a chain", p.Name)
@@ -205,6 +230,26 @@ type MigrateSpec struct {
 	HoldLimit int64 `json:"hold_limit,omitempty"`
 	// TimeoutMS bounds freeze, drain, export and import (0: 5 s).
 	TimeoutMS int `json:"timeout_ms,omitempty"`
+}
+
+// Maxima of a MigrateSpec (the protocol clamps what peers send to the same).
+const (
+	MaxHoldLimit        = 256 << 20
+	MaxMigrateTimeoutMS = 5 * 60 * 1000
+)
+
+// Validate checks the bounds of a migration spec (nil: none).
+func (m *MigrateSpec) Validate() error {
+	if m == nil {
+		return nil
+	}
+	if m.HoldLimit < 0 || m.HoldLimit > MaxHoldLimit {
+		return fmt.Errorf("migrate: hold_limit %d: want 0 (8 MiB) to %d (256 MiB)", m.HoldLimit, MaxHoldLimit)
+	}
+	if m.TimeoutMS < 0 || m.TimeoutMS > MaxMigrateTimeoutMS {
+		return fmt.Errorf("migrate: timeout_ms %d: want 0 (5 s) to %d (5 minutes)", m.TimeoutMS, MaxMigrateTimeoutMS)
+	}
+	return nil
 }
 
 // MigrationReport tells how a state migration went, at the left anchor.
@@ -399,6 +444,16 @@ func (o *Operation) Validate() error {
 	if m := o.Middlebox; m != nil && len(m.With) > MaxChain {
 		return fmt.Errorf("operation: middlebox with %d hops, at most %d", len(m.With), MaxChain)
 	}
+	if r := o.Reconfig; r != nil {
+		if err := r.Migrate.Validate(); err != nil {
+			return fmt.Errorf("operation: %w", err)
+		}
+	}
+	if m := o.Middlebox; m != nil {
+		if err := m.Migrate.Validate(); err != nil {
+			return fmt.Errorf("operation: %w", err)
+		}
+	}
 	return nil
 }
 
@@ -415,4 +470,34 @@ type OperationResult struct {
 	Host  string         `json:"host"`
 	Error string         `json:"error,omitempty"`
 	Reply *ReconfigReply `json:"reply,omitempty"`
+}
+
+// PoliciesUsingType names the policies of policies whose chain names the
+// middlebox type typ, sorted.
+func PoliciesUsingType(policies []Policy, typ string) []string {
+	var names []string
+	for _, p := range policies {
+		for _, h := range p.Chain {
+			if h.Type == typ {
+				names = append(names, p.Name)
+				break
+			}
+		}
+	}
+	sort.Strings(names)
+	return names
+}
+
+// TypeInUseError refuses the deletion of a middlebox type that policies
+// still name: their sessions would lose a middlebox of their chain.
+type TypeInUseError struct {
+	Type     string
+	Policies []string
+}
+
+func (e *TypeInUseError) Error() string {
+	if len(e.Policies) == 1 {
+		return fmt.Sprintf("type %q is used by policy %s: change or remove that policy first", e.Type, e.Policies[0])
+	}
+	return fmt.Sprintf("type %q is used by policies %s: change or remove those policies first", e.Type, strings.Join(e.Policies, ", "))
 }

@@ -82,3 +82,20 @@ func TestPolicyAndTypeValidate(t *testing.T) {
 		}
 	}
 }
+
+// An operation's migration spec is bounded like a local request's.
+func TestOperationMigrateBounds(t *testing.T) {
+	to := netip.MustParseAddr("10.0.0.3")
+	for _, op := range []Operation{
+		{Host: "h1", Reconfig: &ReconfigRequest{To: to, Migrate: &MigrateSpec{HoldLimit: MaxHoldLimit + 1}}},
+		{Host: "h1", Middlebox: &MiddleboxRequest{Migrate: &MigrateSpec{TimeoutMS: MaxMigrateTimeoutMS + 1}}},
+	} {
+		if err := op.Validate(); err == nil || !strings.Contains(err.Error(), "operation: migrate:") {
+			t.Errorf("%+v: %v", op, err)
+		}
+	}
+	ok := Operation{Host: "h1", Reconfig: &ReconfigRequest{To: to, Migrate: &MigrateSpec{HoldLimit: MaxHoldLimit, TimeoutMS: MaxMigrateTimeoutMS}}}
+	if err := ok.Validate(); err != nil {
+		t.Errorf("the maxima: %v", err)
+	}
+}

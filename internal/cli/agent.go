@@ -32,7 +32,11 @@ func resetDatapath(w io.Writer, pinDir, socket string) error {
 		pinDir = agent.DefaultPinDir()
 	}
 	if c, err := net.DialTimeout("unix", socket, time.Second); err == nil {
+		perr := api.CheckAgentPeer(c, socket)
 		c.Close()
+		if perr != nil {
+			return fmt.Errorf("not resetting: %w", perr)
+		}
 		return fmt.Errorf("an agent is running in this network namespace (it answers on %s): stop it before 'dysco agent --reset'", socket)
 	}
 	if _, err := os.Stat(pinDir); errors.Is(err, fs.ErrNotExist) {

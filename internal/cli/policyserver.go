@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"fmt"
 	"log/slog"
 	"path/filepath"
 
@@ -90,5 +91,57 @@ GET /healthz.`,
 	f.StringVar(&cfg.MetricsListen, "metrics-listen", policyserver.DefaultMetricsListen, "serve /metrics (plain HTTP, no authentication) on this address; empty: no metrics")
 	f.StringVar(&cfg.ReadyFile, "ready-file", "", "file to write the listening address to once serving (removed on exit)")
 	f.BoolVar(&debug, "debug", false, "log at debug level")
+	cmd.AddCommand(newPolicyServerCheckCmd(), newPolicyServerBackupCmd())
+	return cmd
+}
+
+func newPolicyServerCheckCmd() *cobra.Command {
+	var db string
+	cmd := &cobra.Command{
+		Use:   "check",
+		Short: "Check the policy server's database",
+		Long: `Check the policy server's database: every bbolt page, and every policy and
+type decoded. It prints the version and the counts of a sound database, and
+fails (exit status 1) with what is wrong with a damaged one. The server using
+the file must be stopped. At each start that finds its database sound, the
+server copies it to FILE.bak.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			sum, err := policyserver.Check(db)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%s: sound: version %d, %d policies, %d types\n", db, sum.Version, sum.Policies, sum.Types)
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&db, "db", policyserver.DefaultDB, "bbolt database file")
+	return cmd
+}
+
+func newPolicyServerBackupCmd() *cobra.Command {
+	var db, out string
+	cmd := &cobra.Command{
+		Use:   "backup",
+		Short: "Copy the policy server's database, once it checks out",
+		Long: `Check the policy server's database as "check" does and copy it to --out
+(written whole or not at all). A damaged database is not copied. The server
+using the file must be stopped; it copies its database to FILE.bak itself at
+each start that finds it sound.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if out == "" {
+				return fmt.Errorf("backup needs --out FILE")
+			}
+			sum, err := policyserver.Backup(db, out)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%s copied to %s: version %d, %d policies, %d types\n", db, out, sum.Version, sum.Policies, sum.Types)
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&db, "db", policyserver.DefaultDB, "bbolt database file")
+	cmd.Flags().StringVar(&out, "out", "", "file to write the copy to")
 	return cmd
 }

@@ -432,8 +432,8 @@ func (m *migFlags) flags(cmd *cobra.Command) {
 	f := cmd.Flags()
 	f.BoolVar(&m.on, "migrate-state", false, "move the replaced middlebox's per-session state (conntrack entries, state of middleboxes registered with the agent) to its replacement before the new path carries a packet; one middlebox replaced by one")
 	f.StringVar(&m.semantics, "semantics", "loss-free", "cut-over semantics with --migrate-state: loss-free, order or substream (docs/state-migration.md)")
-	f.Int64Var(&m.holdLimit, "hold-limit", 0, "bytes each anchor may hold during the cut-over with --migrate-state; reaching it cancels (default 8 MiB)")
-	f.DurationVar(&m.timeout, "migrate-timeout", 5*time.Second, "bound on freeze, drain, export and import with --migrate-state; exceeding it cancels")
+	f.Int64Var(&m.holdLimit, "hold-limit", 0, "bytes each anchor may hold during the cut-over with --migrate-state; reaching it cancels (default 8 MiB, at most 256 MiB)")
+	f.DurationVar(&m.timeout, "migrate-timeout", 5*time.Second, "bound on freeze, drain, export and import with --migrate-state; exceeding it cancels (at most 5m)")
 }
 
 // spec checks the flags and returns the request's migration part.
@@ -455,10 +455,10 @@ func (m *migFlags) spec(cmd *cobra.Command, hops int, hopsFlag string) (*api.Mig
 	default:
 		return nil, fmt.Errorf("--semantics %q: want loss-free, order or substream", m.semantics)
 	}
-	if m.holdLimit < 0 {
-		return nil, fmt.Errorf("--hold-limit %d: must not be negative", m.holdLimit)
+	if m.holdLimit < 0 || m.holdLimit > api.MaxHoldLimit {
+		return nil, fmt.Errorf("--hold-limit %d: want 0 (8 MiB) to %d (256 MiB)", m.holdLimit, api.MaxHoldLimit)
 	}
-	if m.timeout <= 0 || m.timeout > 5*time.Minute {
+	if m.timeout <= 0 || m.timeout > api.MaxMigrateTimeoutMS*time.Millisecond {
 		return nil, fmt.Errorf("--migrate-timeout %s: want more than 0 and at most 5m", m.timeout)
 	}
 	return &api.MigrateSpec{Semantics: m.semantics, HoldLimit: m.holdLimit, TimeoutMS: int(m.timeout.Milliseconds())}, nil

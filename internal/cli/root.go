@@ -21,8 +21,15 @@ func register(f func() *cobra.Command) { commands = append(commands, f) }
 // Root builds the command tree.
 func Root() *cobra.Command {
 	root := &cobra.Command{
-		Use:           "dysco",
-		Short:         "Session-level dynamic service chaining for Linux",
+		Use:   "dysco",
+		Short: "Session-level dynamic service chaining for Linux",
+		Long: `Session-level dynamic service chaining for Linux.
+
+The commands that talk to the local agent reach it on the abstract Unix
+socket @dysco-agent of the caller's network namespace, and first check
+that the process serving it runs as root (or as the uid in
+DYSCO_AGENT_UID): a socket another user bound is refused, naming its pid
+and uid, before anything is sent.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}

@@ -8,6 +8,8 @@ import (
 	"net/netip"
 	"time"
 
+	"github.com/cilium/ebpf"
+
 	"github.com/dysco/dysco/internal/wire"
 )
 
@@ -49,7 +51,9 @@ type PolicyChain struct {
 	ToDst bool
 }
 
-// SetPolicies writes the chains of policy slots 0..len-1 and clears the rest.
+// SetPolicies writes the chains of policy slots 0..len-1 and clears the
+// rest, of every bank, with no classifier swap: the tests' way to set slots
+// directly. The agent uses InstallPolicies.
 func (d *Datapath) SetPolicies(chains []PolicyChain) error {
 	if len(chains) > int(d.objs.DyscoPolicies.MaxEntries()) {
 		return fmt.Errorf("datapath: %d policies, at most %d", len(chains), d.objs.DyscoPolicies.MaxEntries())
@@ -80,6 +84,132 @@ func (d *Datapath) SetPolicies(chains []PolicyChain) error {
 	return nil
 }
 
+// PolicyBanks is the number of banks of policy slots and middlebox types
+// (POLICY_BANKS in bpf/include/consts.h): InstallPolicies writes a new set
+// into the bank the installed classifier does not refer to.
+const PolicyBanks = 2
+
+// PoliciesPerBank and TypesPerBank are the policy slots and middlebox types
+// of one bank.
+func (d *Datapath) PoliciesPerBank() int { return int(d.objs.DyscoPolicies.MaxEntries()) / PolicyBanks }
+
+// TypesPerBank: see PoliciesPerBank.
+func (d *Datapath) TypesPerBank() int { return int(d.objs.DyscoTypes.MaxEntries()) / PolicyBanks }
+
+// PolicyBank returns the bank that the installed classifier refers to, as
+// recorded in dysco_config (pinned: it outlives the agent).
+func (d *Datapath) PolicyBank() (int, error) {
+	var v dyscoConfig
+	if err := d.objs.DyscoConfig.Lookup(uint32(0), &v); err != nil {
+		return 0, fmt.Errorf("datapath: configuration: %w", err)
+	}
+	return int(v.PolicyBank % PolicyBanks), nil
+}
+
+// InstallPolicies puts a policy set in force all or nothing. It writes the
+// middlebox types and the chains (whose PolicyHop.Type index types) into the
+// bank that the installed classifier does not refer to, asks load for the
+// classifier of that bank (its verdict for chains[i] must be base+i+1, base
+// being the bank's first slot), and swaps that classifier in with one update
+// of the program array; then it records the bank. Until the swap, new
+// sessions are classified by the old classifier into the old bank, which
+// nothing here writes: if writing the bank or load fails, the error is
+// returned and the set in force is untouched. A nil program from load (no
+// policies) removes the classifier. InstallPolicies returns the program
+// installed; the caller keeps it open until it installs the next and then
+// closes it (the program array holds its own reference).
+func (d *Datapath) InstallPolicies(types [][]netip.Addr, chains []PolicyChain, load func(base int) (*ebpf.Program, error)) (*ebpf.Program, error) {
+	d.polMu.Lock()
+	defer d.polMu.Unlock()
+	active, err := d.PolicyBank()
+	if err != nil {
+		return nil, err
+	}
+	next := (active + 1) % PolicyBanks
+	if err := d.writeBank(next, active, types, chains); err != nil {
+		return nil, err
+	}
+	prog, err := load(next * d.PoliciesPerBank())
+	if err != nil {
+		return nil, err
+	}
+	if err := d.SetPolicyProgram(prog); err != nil {
+		return nil, err
+	}
+	if err := d.setConfig(func(v *dyscoConfig) { v.PolicyBank = uint32(next) }); err != nil {
+		return prog, fmt.Errorf("datapath: policies in force, but their bank not recorded: %w", err)
+	}
+	return prog, nil
+}
+
+// writeBank writes types and chains into bank, clearing its other slots;
+// each type keeps the round-robin cursor it has in the bank from.
+func (d *Datapath) writeBank(bank, from int, types [][]netip.Addr, chains []PolicyChain) error {
+	np, nt := d.PoliciesPerBank(), d.TypesPerBank()
+	if len(chains) > np {
+		return fmt.Errorf("datapath: %d policies, at most %d", len(chains), np)
+	}
+	if len(types) > nt {
+		return fmt.Errorf("datapath: %d middlebox types, at most %d", len(types), nt)
+	}
+	for i := 0; i < nt; i++ {
+		var v dyscoTypeVal
+		if i < len(types) {
+			if len(types[i]) > len(v.Addr) {
+				return fmt.Errorf("datapath: type %d has %d instances, at most %d", i, len(types[i]), len(v.Addr))
+			}
+			var old dyscoTypeVal
+			if err := d.objs.DyscoTypes.Lookup(uint32(from*nt+i), &old); err == nil {
+				v.Rr = old.Rr
+			}
+			v.N = uint32(len(types[i]))
+			for j, a := range types[i] {
+				v.Addr[j] = a.As16()
+			}
+		}
+		if err := d.objs.DyscoTypes.Put(uint32(bank*nt+i), v); err != nil {
+			return err
+		}
+	}
+	for i := 0; i < np; i++ {
+		var v dyscoPolicyVal
+		if i < len(chains) {
+			var err error
+			if v, err = policyVal(i, chains[i], len(types), bank*nt); err != nil {
+				return err
+			}
+		}
+		if err := d.objs.DyscoPolicies.Put(uint32(bank*np+i), v); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// policyVal is the dysco_policies entry of chain c, in slot i, whose type
+// indices (below ntypes) are relative to typeBase.
+func policyVal(i int, c PolicyChain, ntypes, typeBase int) (dyscoPolicyVal, error) {
+	var v dyscoPolicyVal
+	if len(c.Hops)+boolInt(c.ToDst) > wire.MaxHops {
+		return v, fmt.Errorf("datapath: policy slot %d: %d hops, at most %d", i, len(c.Hops), wire.MaxHops-boolInt(c.ToDst))
+	}
+	v.N_hops = uint8(len(c.Hops))
+	v.ToDst = boolU8(c.ToDst)
+	for j, h := range c.Hops {
+		if h.Addr.IsValid() {
+			v.Kind[j] = hopAddr
+			v.Addr[j] = h.Addr.As16()
+			continue
+		}
+		if h.Type < 0 || h.Type >= ntypes {
+			return v, fmt.Errorf("datapath: policy slot %d: hop %d names type %d of %d", i, j, h.Type, ntypes)
+		}
+		v.Kind[j] = hopType
+		v.Type[j] = uint32(typeBase + h.Type)
+	}
+	return v, nil
+}
+
 func boolInt(b bool) int {
 	if b {
 		return 1
@@ -87,8 +217,9 @@ func boolInt(b bool) int {
 	return 0
 }
 
-// SetTypes writes the middlebox types (index = type id). The round-robin
-// cursor of a type whose instances are unchanged is kept.
+// SetTypes writes the middlebox types (index = type id, over every bank)
+// with no classifier swap, as SetPolicies. The round-robin cursor of each
+// type is kept.
 func (d *Datapath) SetTypes(types [][]netip.Addr) error {
 	max := int(d.objs.DyscoTypes.MaxEntries())
 	if len(types) > max {

@@ -80,6 +80,8 @@ type Datapath struct {
 	// cfgMu serialises changes of dysco_config, whose fields have
 	// separate writers (setConfig).
 	cfgMu sync.Mutex
+	// polMu serialises InstallPolicies.
+	polMu sync.Mutex
 }
 
 // Hooks on an interface.

@@ -24,6 +24,7 @@ type dyscoConfig struct {
 	_          structs.HostLayout
 	TapActive  uint32
 	SplitUntil uint32
+	PolicyBank uint32
 }
 
 type dyscoCtlArgs struct {

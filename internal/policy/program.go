@@ -57,6 +57,17 @@ const programName = "dysco_policy"
 // attach type share a prog array: set the spec's AttachType to the
 // datapath's if the datapath programs have one.
 func BuildProgram(policies []Compiled, progs *ebpf.Map) (*ebpf.ProgramSpec, error) {
+	return BuildProgramAt(policies, progs, 0)
+}
+
+// BuildProgramAt is BuildProgram for the policy slots from base on: the
+// verdict of policies[i] is base+i+1. The datapath keeps two banks of
+// MaxPolicies slots, and the agent builds each new classifier for the bank
+// the installed one does not use (datapath.InstallPolicies).
+func BuildProgramAt(policies []Compiled, progs *ebpf.Map, base int) (*ebpf.ProgramSpec, error) {
+	if base < 0 || base%MaxPolicies != 0 || base >= 0xffff-MaxPolicies {
+		return nil, fmt.Errorf("policy classifier: first slot %d is not the start of a bank", base)
+	}
 	if progs == nil {
 		return nil, errors.New("policy classifier: nil prog array")
 	}
@@ -90,7 +101,7 @@ func BuildProgram(policies []Compiled, progs *ebpf.Map) (*ebpf.ProgramSpec, erro
 		e.add(t.insns...)
 		if t.matches {
 			e.label(l.match)
-			if err := e.verdict(uint32(i+1), tcActShot, progs); err != nil {
+			if err := e.verdict(uint32(base+i+1), tcActShot, progs); err != nil {
 				return nil, err
 			}
 		}

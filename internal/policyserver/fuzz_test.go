@@ -56,7 +56,7 @@ func FuzzAPI(f *testing.F) {
 	for _, s := range seeds {
 		f.Add(s.route, s.method, s.name, s.query, s.body)
 	}
-	s, err := New(Config{DB: filepath.Join(f.TempDir(), "policy.db"), Logger: quietLogger()})
+	s, err := New(Config{DB: filepath.Join(f.TempDir(), "policy.db"), Logger: quietLogger(), Insecure: true})
 	if err != nil {
 		f.Fatal(err)
 	}

@@ -265,7 +265,13 @@ func waitParam(r *http.Request) (time.Duration, error) {
 	if err != nil || n < 0 {
 		return 0, fmt.Errorf("wait=%q is not a number of seconds", v)
 	}
-	return min(time.Duration(n)*time.Second, MaxWait), nil
+	return waitSeconds(n), nil
+}
+
+// waitSeconds is a wait of n seconds (n >= 0) as a client asks for it, at
+// most MaxWait (and no overflow for a huge n).
+func waitSeconds(n int) time.Duration {
+	return time.Duration(min(n, int(MaxWait/time.Second))) * time.Second
 }
 
 // Outcomes of waitOps.

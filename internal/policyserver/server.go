@@ -151,10 +151,13 @@ func New(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	cur, err := st.load()
-	if err != nil {
+	var cur api.PolicySet
+	if err := guard(func() (err error) { cur, err = st.load(); return err }); err != nil {
 		st.close()
-		return nil, err
+		return nil, &DamagedError{Path: cfg.DB, Err: err}
+	}
+	if err := st.backup(BackupPath(cfg.DB)); err != nil {
+		cfg.Logger.Warn("no copy of the sound database made", "err", err)
 	}
 	s := &Server{
 		cfg:     cfg,
@@ -457,6 +460,11 @@ func (s *Server) write(w http.ResponseWriter, r *http.Request, kind, name string
 	if err == nil && changed {
 		err = s.publish()
 	}
+	var full *FullError
+	if errors.As(err, &full) {
+		writeError(w, http.StatusConflict, err)
+		return
+	}
 	if err != nil {
 		s.log.Error("storing "+kind+" failed", kind, name, "err", err)
 		writeError(w, http.StatusInternalServerError, err)
@@ -472,9 +480,14 @@ func (s *Server) remove(w http.ResponseWriter, r *http.Request, bucket []byte, k
 	name := r.PathValue("name")
 	s.wmu.Lock()
 	defer s.wmu.Unlock()
-	found, err := s.st.del(bucket, name)
+	found, err := s.st.delete(bucket, name)
 	if err == nil && found {
 		err = s.publish()
+	}
+	var inUse *api.TypeInUseError
+	if errors.As(err, &inUse) {
+		writeError(w, http.StatusConflict, err)
+		return
 	}
 	if err != nil {
 		s.log.Error("deleting "+kind+" failed", kind, name, "err", err)
@@ -514,7 +527,7 @@ func (s *Server) handleWatch(w http.ResponseWriter, r *http.Request) {
 			writeError(w, http.StatusBadRequest, fmt.Errorf("watch: wait=%q is not a number of seconds", v))
 			return
 		}
-		wait = min(time.Duration(n)*time.Second, MaxWait)
+		wait = waitSeconds(n)
 	}
 
 	s.watchers.Add(1)

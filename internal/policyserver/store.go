@@ -8,11 +8,13 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"sort"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
 	bolterrors "go.etcd.io/bbolt/errors"
+	"golang.org/x/sys/unix"
 
 	"github.com/dysco/dysco/internal/api"
 )
@@ -31,33 +33,207 @@ type store struct {
 	db *bolt.DB
 }
 
-// openStore opens (creating it and its directory if needed) the database at path.
+// openStore opens (creating it and its directory if needed) the database at
+// path. A database that bbolt cannot open, or whose pages do not check out,
+// is refused with a *DamagedError, never a panic.
 func openStore(path string) (*store, error) {
 	if dir := filepath.Dir(path); dir != "" {
 		if err := os.MkdirAll(dir, 0o755); err != nil {
 			return nil, fmt.Errorf("policy database: %w", err)
 		}
 	}
-	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: time.Second})
-	if errors.Is(err, bolterrors.ErrTimeout) {
-		return nil, fmt.Errorf("policy database %s is locked by another process (is another dysco policy-server using it?)", path)
-	}
+	db, err := openBolt(path, &bolt.Options{Timeout: time.Second})
 	if err != nil {
-		return nil, fmt.Errorf("policy database %s: %w", path, err)
+		return nil, err
 	}
-	err = db.Update(func(tx *bolt.Tx) error {
-		for _, b := range [][]byte{bucketMeta, bucketPolicies, bucketTypes} {
-			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
-				return err
-			}
+	err = guard(func() error {
+		if err := checkPages(db); err != nil {
+			return err
 		}
-		return nil
+		return db.Update(func(tx *bolt.Tx) error {
+			for _, b := range [][]byte{bucketMeta, bucketPolicies, bucketTypes} {
+				if _, err := tx.CreateBucketIfNotExists(b); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
 	})
 	if err != nil {
 		db.Close()
-		return nil, fmt.Errorf("policy database %s: %w", path, err)
+		return nil, &DamagedError{Path: path, Err: err}
 	}
 	return &store{db: db}, nil
+}
+
+// openBolt opens the bbolt file at path, turning bbolt's panics on a
+// damaged file (such as "invalid freelist page") into a *DamagedError.
+func openBolt(path string, opts *bolt.Options) (*bolt.DB, error) {
+	var db *bolt.DB
+	var file *os.File
+	o := *opts
+	o.OpenFile = func(name string, flag int, perm os.FileMode) (*os.File, error) {
+		f, err := os.OpenFile(name, flag, perm)
+		file = f
+		return f, err
+	}
+	err := guard(func() error {
+		var err error
+		db, err = bolt.Open(path, 0o600, &o)
+		return err
+	})
+	if errors.Is(err, errPanic) && file != nil {
+		// bbolt left the file open, locked and mapped when it
+		// panicked; the mapping holds the file, so unlock it first.
+		_ = unix.Flock(int(file.Fd()), unix.LOCK_UN)
+		file.Close()
+	}
+	if errors.Is(err, bolterrors.ErrTimeout) {
+		return nil, fmt.Errorf("policy database %s is locked by another process (is another dysco policy-server using it?)", path)
+	}
+	if errors.Is(err, bolterrors.ErrInvalid) || errors.Is(err, bolterrors.ErrChecksum) ||
+		errors.Is(err, bolterrors.ErrVersionMismatch) || errors.Is(err, errPanic) {
+		return nil, &DamagedError{Path: path, Err: err}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("policy database %s: %w", path, err)
+	}
+	return db, nil
+}
+
+// DamagedError says that the policy database is damaged, and what to do.
+type DamagedError struct {
+	Path string
+	Err  error
+}
+
+func (e *DamagedError) Error() string {
+	return fmt.Sprintf("policy database %s is damaged (%v); the policy server does not use it. "+
+		"Check it with 'dysco policy-server check --db %s'; then restore a backup: the copy made at "+
+		"the last start that found it sound (%s) or one made with 'dysco policy-server backup'; "+
+		"or move the file away to start with an empty database", e.Path, e.Err, e.Path, BackupPath(e.Path))
+}
+
+func (e *DamagedError) Unwrap() error { return e.Err }
+
+// BackupPath is where the server copies its database at each start that
+// finds it sound: path with ".bak" appended.
+func BackupPath(path string) string { return path + ".bak" }
+
+// errPanic marks a panic of bbolt turned into an error by guard.
+var errPanic = errors.New("bbolt panicked")
+
+// guard runs f, turning a panic (bbolt panics on some damaged pages) and a
+// fault on the mapped file into an error.
+func guard(f func() error) (err error) {
+	old := debug.SetPanicOnFault(true)
+	defer debug.SetPanicOnFault(old)
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("%w: %v", errPanic, r)
+		}
+	}()
+	return f()
+}
+
+// checkPages runs bbolt's consistency check over every page.
+func checkPages(db *bolt.DB) error {
+	return db.View(func(tx *bolt.Tx) error {
+		var errs []error
+		for err := range tx.Check() {
+			errs = append(errs, err)
+			if len(errs) == 10 {
+				break
+			}
+		}
+		return errors.Join(errs...)
+	})
+}
+
+// backup copies the database to out, atomically (a temporary file renamed).
+func (s *store) backup(out string) error {
+	tmp := out + ".tmp"
+	err := guard(func() error {
+		return s.db.View(func(tx *bolt.Tx) error { return tx.CopyFile(tmp, 0o600) })
+	})
+	if err == nil {
+		err = os.Rename(tmp, out)
+	}
+	if err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("policy database backup %s: %w", out, err)
+	}
+	return nil
+}
+
+// Summary describes a policy database that checked out.
+type Summary struct {
+	Version         uint64
+	Policies, Types int
+}
+
+// Check opens the policy database at path read-only, checks every page and
+// decodes every policy and type: `dysco policy-server check`. The server
+// that uses the file must be stopped (it holds the file's lock).
+func Check(path string) (Summary, error) {
+	st, err := openReadOnly(path)
+	if err != nil {
+		return Summary{}, err
+	}
+	defer st.close()
+	var set api.PolicySet
+	err = guard(func() error {
+		if err := checkPages(st.db); err != nil {
+			return err
+		}
+		set, err = st.load()
+		return err
+	})
+	if err != nil {
+		return Summary{}, &DamagedError{Path: path, Err: err}
+	}
+	return Summary{Version: set.Version, Policies: len(set.Policies), Types: len(set.Types)}, nil
+}
+
+// Backup checks the policy database at path as Check does, then copies it
+// to out: `dysco policy-server backup`. A damaged database is not copied.
+func Backup(path, out string) (Summary, error) {
+	sum, err := Check(path)
+	if err != nil {
+		return sum, err
+	}
+	st, err := openReadOnly(path)
+	if err != nil {
+		return sum, err
+	}
+	defer st.close()
+	return sum, st.backup(out)
+}
+
+func openReadOnly(path string) (*store, error) {
+	if _, err := os.Stat(path); err != nil {
+		return nil, fmt.Errorf("policy database: %w", err)
+	}
+	db, err := openBolt(path, &bolt.Options{Timeout: time.Second, ReadOnly: true})
+	if err != nil {
+		return nil, err
+	}
+	st := &store{db: db}
+	err = guard(func() error {
+		return db.View(func(tx *bolt.Tx) error {
+			for _, b := range [][]byte{bucketMeta, bucketPolicies, bucketTypes} {
+				if tx.Bucket(b) == nil {
+					return fmt.Errorf("no %s bucket: not a policy database", b)
+				}
+			}
+			return nil
+		})
+	})
+	if err != nil {
+		db.Close()
+		return nil, &DamagedError{Path: path, Err: err}
+	}
+	return st, nil
 }
 
 func (s *store) close() error { return s.db.Close() }
@@ -133,8 +309,14 @@ func (s *store) put(bucket []byte, name string, v any) (bool, error) {
 	changed := false
 	err = s.db.Update(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucket)
-		if bytes.Equal(b.Get([]byte(name)), data) {
+		old := b.Get([]byte(name))
+		if bytes.Equal(old, data) {
 			return nil
+		}
+		if old == nil {
+			if err := roomFor(b, bucket); err != nil {
+				return err
+			}
 		}
 		changed = true
 		if err := b.Put([]byte(name), data); err != nil {
@@ -142,10 +324,91 @@ func (s *store) put(bucket []byte, name string, v any) (bool, error) {
 		}
 		return bumpVersion(tx)
 	})
+	var full *FullError
+	if errors.As(err, &full) {
+		return false, err
+	}
 	if err != nil {
 		return false, fmt.Errorf("writing policy database: %w", err)
 	}
 	return changed, nil
+}
+
+// FullError refuses a new policy or type beyond the bounds: at most
+// api.MaxStoredPolicies policies and api.MaxTypes types (every agent gets
+// every type, and its datapath holds MaxTypes).
+type FullError struct {
+	Kind  string
+	Limit int
+}
+
+func (e *FullError) Error() string {
+	return fmt.Sprintf("the policy server holds %d %s already, the most it takes: remove one first", e.Limit, e.Kind)
+}
+
+// roomFor checks that bucket may take one more key.
+func roomFor(b *bolt.Bucket, bucket []byte) error {
+	limit, kind := api.MaxStoredPolicies, "policies"
+	if bytes.Equal(bucket, bucketTypes) {
+		limit, kind = api.MaxTypes, "middlebox types"
+	}
+	n := 0
+	c := b.Cursor()
+	for k, _ := c.First(); k != nil; k, _ = c.Next() {
+		if n++; n >= limit {
+			return &FullError{Kind: kind, Limit: limit}
+		}
+	}
+	return nil
+}
+
+// delete removes name from bucket; a type is refused while a policy names it.
+func (st *store) delete(bucket []byte, name string) (bool, error) {
+	if bytes.Equal(bucket, bucketTypes) {
+		return st.delType(name)
+	}
+	return st.del(bucket, name)
+}
+
+// delType removes the middlebox type name, unless a stored policy names it
+// (an *api.TypeInUseError naming those policies): checked and deleted in
+// one transaction, so that no policy naming it can be stored in between.
+func (s *store) delType(name string) (bool, error) {
+	found := false
+	err := s.db.Update(func(tx *bolt.Tx) error {
+		b := tx.Bucket(bucketTypes)
+		if b.Get([]byte(name)) == nil {
+			return nil
+		}
+		found = true
+		var pols []api.Policy
+		err := tx.Bucket(bucketPolicies).ForEach(func(k, v []byte) error {
+			var p api.Policy
+			if err := json.Unmarshal(v, &p); err != nil {
+				return fmt.Errorf("policy %q: %w", k, err)
+			}
+			pols = append(pols, p)
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		if users := api.PoliciesUsingType(pols, name); len(users) > 0 {
+			return &api.TypeInUseError{Type: name, Policies: users}
+		}
+		if err := b.Delete([]byte(name)); err != nil {
+			return err
+		}
+		return bumpVersion(tx)
+	})
+	var inUse *api.TypeInUseError
+	if errors.As(err, &inUse) {
+		return true, err
+	}
+	if err != nil {
+		return false, fmt.Errorf("writing policy database: %w", err)
+	}
+	return found, nil
 }
 
 // del removes name from bucket and bumps the version; it tells whether name was there.

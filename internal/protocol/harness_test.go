@@ -57,6 +57,8 @@ type harness struct {
 	// probe, if set, sees every message before it is delivered
 	// (binding_test.go).
 	probe func(envelope)
+	// holdLimit is the limit of the last Hold.
+	holdLimit uint64
 }
 
 type envelope struct {
@@ -173,6 +175,7 @@ func (h *harness) apply(at netip.Addr, act Action) {
 		h.clamps[at] = append(h.clamps[at], x)
 	case Hold:
 		h.migLog[at] = append(h.migLog[at], fmt.Sprintf("hold %s", x.Side))
+		h.holdLimit = x.Limit
 		if h.migFail[at] == "hold" {
 			h.deliver(at, Held{Session: x.Session, Side: x.Side, Req: x.Req, Err: "cannot hold"})
 		} else {

@@ -65,7 +65,17 @@ const (
 	rightHoldGrace = 5 * time.Second
 )
 
-// MigrateSpecDefaults returns sp with its zero fields set to the defaults.
+// Maxima of a migration spec as a message carries it (a trigger from a
+// middlebox, a freeze from the left anchor): larger values are clamped, so
+// that no peer can make an anchor hold without bound or wait for ever.
+const (
+	MaxHoldLimit    = 256 << 20
+	MaxMigTimeout   = 5 * time.Minute
+	MaxDrainTimeout = 10 * time.Second
+)
+
+// MigrateSpecDefaults returns sp with its zero fields set to the defaults
+// and the others clamped to the maxima.
 func MigrateSpecDefaults(sp MigrateSpec) MigrateSpec {
 	if sp.Semantics == MigrateDefault {
 		sp.Semantics = MigrateLossFree
@@ -73,10 +83,21 @@ func MigrateSpecDefaults(sp MigrateSpec) MigrateSpec {
 	if sp.HoldLimit == 0 {
 		sp.HoldLimit = DefaultHoldLimit
 	}
+	sp.HoldLimit = min(sp.HoldLimit, MaxHoldLimit)
 	if sp.TimeoutMS == 0 {
 		sp.TimeoutMS = uint32(DefaultMigTimeout / time.Millisecond)
 	}
+	sp.TimeoutMS = min(sp.TimeoutMS, uint32(MaxMigTimeout/time.Millisecond))
 	return sp
+}
+
+// drainTimeout is a freeze's drain bound (ms), the default for 0, at most
+// MaxDrainTimeout.
+func drainTimeout(ms uint32) time.Duration {
+	if ms == 0 {
+		return DefaultDrainTimeout
+	}
+	return min(time.Duration(ms)*time.Millisecond, MaxDrainTimeout)
 }
 
 func (sp MigrateSpec) timeout() time.Duration { return time.Duration(sp.TimeoutMS) * time.Millisecond }
@@ -463,10 +484,7 @@ func (a *Agent) onFreeze(from netip.Addr, m *Message) {
 	g := &migRight{spec: MigrateSpec{Semantics: x.Semantics, HoldLimit: x.HoldLimit, TimeoutMS: x.TimeoutMS},
 		peer: x.Marks, from: from, sub: m.Sub, nonce: m.Nonce}
 	g.spec = MigrateSpecDefaults(g.spec)
-	g.drain = time.Duration(x.DrainMS) * time.Millisecond
-	if g.drain <= 0 {
-		g.drain = DefaultDrainTimeout
-	}
+	g.drain = drainTimeout(x.DrainMS)
 	r.rmig = g
 	if r.stage != StageWaitAck {
 		a.migRightAnswer(s, r, &MigStep{Op: MigFreeze, Failed: true, Text: "the right anchor switched already"})

@@ -1,6 +1,7 @@
 package protocol
 
 import (
+	"math"
 	"net/netip"
 	"slices"
 	"strings"
@@ -189,5 +190,57 @@ func TestMigrationAckLost(t *testing.T) {
 	}
 	if got := h.migLog[addr(4)]; !slices.Contains(got, "release left") {
 		t.Errorf("right anchor did %v, want its hold released", got)
+	}
+}
+
+// A freeze whose bounds a peer set beyond the maxima is clamped at the
+// right anchor: it holds at most MaxHoldLimit bytes, and for at most
+// MaxMigTimeout (plus its grace) whatever the message says.
+func TestMigrationFreezeClamped(t *testing.T) {
+	h := newHarness(t, 4)
+	h.chain([]int{1, 2, 4}, nil)
+	h.deliver(addr(1), Reconfigure{Session: sid, RightAnchor: addr(4), Chain: []netip.Addr{addr(3)}, Token: 1,
+		Migrate: &MigrateSpec{Semantics: MigrateOrder}})
+	for !h.queued(MsgMigrate) {
+		if !h.step() {
+			t.Fatalf("no freeze\n%s", h.trace())
+		}
+	}
+	found := false
+	for i, e := range h.queue {
+		if e.msg.Type != MsgMigrate || e.to != addr(4) {
+			continue
+		}
+		m := *e.msg
+		x := *m.Mig
+		x.HoldLimit, x.TimeoutMS, x.DrainMS = maxHoldLimit, math.MaxUint32, math.MaxUint32
+		m.Mig = &x
+		data, err := m.Encode(h.key, e.from)
+		if err != nil {
+			t.Fatal(err)
+		}
+		h.queue[i].msg, h.queue[i].data = &m, data
+		found = true
+	}
+	if !found {
+		t.Fatalf("no freeze for the right anchor\n%s", h.trace())
+	}
+	h.stepType(MsgMigrate, addr(4))
+	if h.holdLimit != MaxHoldLimit {
+		t.Errorf("right anchor holds up to %d bytes, want the maximum %d", h.holdLimit, uint64(MaxHoldLimit))
+	}
+	for k, at := range h.timers {
+		if k.agent == addr(4) && k.id.Kind == TimerMigrate && at-h.now > MaxMigTimeout+rightHoldGrace {
+			t.Errorf("right anchor holds for %v, want at most %v", at-h.now, MaxMigTimeout+rightHoldGrace)
+		}
+	}
+	if sp := MigrateSpecDefaults(MigrateSpec{HoldLimit: 1 << 40, TimeoutMS: math.MaxUint32}); sp.HoldLimit != MaxHoldLimit || sp.TimeoutMS != uint32(MaxMigTimeout/time.Millisecond) {
+		t.Errorf("spec not clamped: %+v", sp)
+	}
+	if d := drainTimeout(math.MaxUint32); d != MaxDrainTimeout {
+		t.Errorf("drain bound %v, want %v", d, MaxDrainTimeout)
+	}
+	if d := drainTimeout(0); d != DefaultDrainTimeout {
+		t.Errorf("drain bound of 0: %v, want the default", d)
 	}
 }

@@ -19,6 +19,9 @@ func ParseMigrate(spec *api.MigrateSpec, hops int) (*MigrateOptions, error) {
 	if spec == nil {
 		return nil, nil
 	}
+	if err := spec.Validate(); err != nil {
+		return nil, err
+	}
 	o := &MigrateOptions{Semantics: spec.Semantics, HoldLimit: spec.HoldLimit, Timeout: time.Duration(spec.TimeoutMS) * time.Millisecond}
 	if err := o.normalize(); err != nil {
 		return nil, fmt.Errorf("migrate: %w", err)

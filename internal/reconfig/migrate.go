@@ -101,6 +101,9 @@ func (o *MigrateOptions) normalize() error {
 	if o.Timeout <= 0 {
 		o.Timeout = defaultMigTimeout
 	}
+	// A trigger's spec comes from a peer: at most the protocol's maxima.
+	o.HoldLimit = min(o.HoldLimit, protocol.MaxHoldLimit)
+	o.Timeout = min(o.Timeout, protocol.MaxMigTimeout)
 	return nil
 }
 

@@ -44,6 +44,9 @@ func TestMain(m *testing.M) {
 		os.RemoveAll(dir)
 		os.Exit(1)
 	}
+	// The fake agents run as the test's user: the library checks that
+	// the agent's socket is served by DYSCO_AGENT_UID (root otherwise).
+	os.Setenv("DYSCO_AGENT_UID", strconv.Itoa(os.Getuid()))
 	code := m.Run()
 	os.RemoveAll(dir)
 	os.Exit(code)
