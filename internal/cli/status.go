@@ -113,6 +113,9 @@ func printStatus(w io.Writer, st api.Status, now time.Time) error {
 	row("attach", orDash(st.Attach))
 	row("interfaces", orDash(strings.Join(st.Ifaces, ", ")))
 	row("session tap", orDash(st.Tap))
+	if f := st.Forwarding; f != nil {
+		row("ip forwarding", forwardingLine(*f))
+	}
 	row("sessions", fmt.Sprint(st.Sessions))
 	row("policy version", fmt.Sprint(st.PolicyVersion))
 	switch {
@@ -139,4 +142,20 @@ func printStatus(w io.Writer, st api.Status, now time.Time) error {
 		}
 	}
 	return tw.Flush()
+}
+
+// forwardingLine shows IP forwarding per family, and the sysctls that are
+// off.
+func forwardingLine(f api.Forwarding) string {
+	word := func(on bool) string {
+		if on {
+			return "on"
+		}
+		return "OFF"
+	}
+	s := fmt.Sprintf("ipv4 %s, ipv6 %s", word(f.IPv4), word(f.IPv6))
+	if len(f.Off) > 0 {
+		s += " (" + strings.Join(f.Off, "=0, ") + "=0)"
+	}
+	return s
 }
