@@ -136,8 +136,8 @@ func (a *Agent) pollForwarding(now time.Time) {
 	if err != nil {
 		return
 	}
-	n := st[statNoForward]
-	if n <= a.fwdWatch.refused || now.Sub(a.fwdWatch.loggedAt) < refusalLogEvery {
+	refused, ok := a.fwdWatch.due(now, st[statNoForward])
+	if !ok {
 		return
 	}
 	names := f.Off
@@ -146,7 +146,21 @@ func (a *Agent) pollForwarding(now time.Time) {
 		names = []string{fwdFamilies[0].hostName, fwdFamilies[1].hostName}
 	}
 	a.log.Warn("refused chained SYNs that this host would have to forward: IP forwarding is off; set the sysctls to 1 (sysctl -w NAME=1), or start the agent with --forward-check=false if a local transparent proxy takes them",
-		"refused", n-a.fwdWatch.refused, "sysctls", strings.Join(names, ","))
-	a.fwdWatch.refused = n
-	a.fwdWatch.loggedAt = now
+		"refused", refused, "sysctls", strings.Join(names, ","))
+}
+
+// due tells whether to log refusals now, the refusal counter being n, and
+// how many there were since the last log line: at most one line per
+// refusalLogEvery, the first at once. A counter lower than before (a
+// datapath loaded afresh) starts the count again.
+func (w *forwardWatch) due(now time.Time, n uint64) (uint64, bool) {
+	if n < w.refused {
+		w.refused = 0
+	}
+	if n == w.refused || now.Sub(w.loggedAt) < refusalLogEvery {
+		return 0, false
+	}
+	d := n - w.refused
+	w.refused, w.loggedAt = n, now
+	return d, true
 }

@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"testing"
+	"time"
 
 	"github.com/dysco/dysco/internal/api"
 )
@@ -52,5 +53,33 @@ func TestReadForwarding(t *testing.T) {
 				t.Errorf("readForwarding = %+v, want %+v", got, c.want)
 			}
 		})
+	}
+}
+
+// TestRefusalLogDue: refusals are logged at once, then at most once per
+// refusalLogEvery with the count since the last line; none without new
+// refusals; a counter that went down (a new datapath) counts from zero.
+func TestRefusalLogDue(t *testing.T) {
+	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	w := forwardWatch{refused: 5} // refusals before the agent started
+	steps := []struct {
+		at   time.Duration
+		n    uint64
+		want uint64
+		log  bool
+	}{
+		{0, 5, 0, false},                              // nothing new
+		{time.Second, 7, 2, true},                     // at once
+		{2 * time.Second, 9, 0, false},                // within the interval
+		{refusalLogEvery, 9, 0, false},                // still within it
+		{refusalLogEvery + time.Second, 12, 5, true},  // the count since the last line
+		{3 * refusalLogEvery, 12, 0, false},           // nothing new
+		{3*refusalLogEvery + time.Second, 1, 1, true}, // counter reset
+	}
+	for i, s := range steps {
+		got, log := w.due(t0.Add(s.at), s.n)
+		if got != s.want || log != s.log {
+			t.Errorf("step %d (at %v, counter %d): due = %d, %v; want %d, %v", i, s.at, s.n, got, log, s.want, s.log)
+		}
 	}
 }
