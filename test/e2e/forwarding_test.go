@@ -20,8 +20,9 @@ import (
 // forward IP refuses its SYN at once. The lab is built from the host list
 // "client,fw=mb,ids,server": fw is a middlebox host by its explicit role
 // (forwarding, a tap), ids a plain host by its name (no forwarding). A chain
-// through fw works; a chain through ids, or through fw once its forwarding
-// is turned off, fails connect() with ECONNREFUSED within a second, IPv4
+// through fw works; a chain through ids, through fw then ids (the reset then
+// crosses fw), or through fw once its forwarding is turned off, fails
+// connect() with ECONNREFUSED within a second, IPv4
 // and IPv6 alike: the refusing host counts drop_no_forward and sends a reset
 // back along the chain, its agent logs the sysctls to set, `dysco status`
 // shows forwarding per family, and an agent started on a middlebox host that
@@ -45,21 +46,27 @@ func TestForwardingOff(t *testing.T) {
 		t.Fatalf("ids: forwarding %+v, want both families off, naming %v", f, both)
 	}
 
-	// One listener and one policy per family and middlebox host.
+	// One listener and one policy per family and chain: through fw,
+	// through ids, and through fw then ids (the reset then crosses fw).
 	type route struct {
 		name string
 		dst  netip.AddrPort
 	}
 	routes := map[string]route{}
 	port := uint16(9710)
-	for _, mb := range []string{"fw", "ids"} {
+	for _, chain := range [][]string{{"fw"}, {"ids"}, {"fw", "ids"}} {
 		for _, v6 := range []bool{false, true} {
 			fam := map[bool]string{false: "ipv4", true: "ipv6"}[v6]
 			dst := netip.AddrPortFrom(e.addr("server", v6), port)
 			e.listen("server", dst)
+			var hops []string
+			for _, h := range chain {
+				hops = append(hops, e.addr(h, v6).String())
+			}
 			// Port+100 is for the exchange at the end.
-			e.policy("client", mb+fam, fmt.Sprintf("tcp dst port %d or tcp dst port %d", port, port+100), e.addr(mb, v6).String())
-			routes[mb+"/"+fam] = route{mb + "/" + fam, dst}
+			name := strings.Join(chain, "+") + "/" + fam
+			e.policy("client", strings.Join(chain, "")+fam, fmt.Sprintf("tcp dst port %d or tcp dst port %d", port, port+100), hops...)
+			routes[name] = route{name, dst}
 			port++
 		}
 	}
@@ -111,15 +118,19 @@ func TestForwardingOff(t *testing.T) {
 	for _, fam := range []string{"ipv4", "ipv6"} {
 		connects(routes["fw/"+fam])
 	}
-	rstBefore := e.status("client").Counters["rst"]
+	rstBefore, fwRstBefore := e.status("client").Counters["rst"], e.status("fw").Counters["rst"]
 	for _, fam := range []string{"ipv4", "ipv6"} {
 		refused(routes["ids/"+fam])
+		refused(routes["fw+ids/"+fam])
 	}
-	if n := e.status("ids").Counters["drop_no_forward"]; n < 2 {
-		t.Errorf("ids counted %d SYNs as drop_no_forward, want one per family at least", n)
+	if n := e.status("ids").Counters["drop_no_forward"]; n < 4 {
+		t.Errorf("ids counted %d SYNs as drop_no_forward, want one per family and chain at least", n)
 	}
-	if n := e.status("client").Counters["rst"] - rstBefore; n < 2 {
+	if n := e.status("client").Counters["rst"] - rstBefore; n < 4 {
 		t.Errorf("the client's datapath saw %d resets, want one per refusal", n)
+	}
+	if n := e.status("fw").Counters["rst"] - fwRstBefore; n < 2 {
+		t.Errorf("fw's datapath saw %d resets, want the two of the chains through it", n)
 	}
 	loggedRefusal("ids", both...)
 
