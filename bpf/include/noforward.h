@@ -51,6 +51,8 @@ volatile const __u8 forward_check = 1;
  * without options; the SYN's Ethernet addresses are kept after it in the
  * scratch buffer. */
 #define NOFWD_MAX_LEN (ETH_HLEN + 40 + 20)
+/* A routing table id that no host uses (RT_TABLE_MAX). */
+#define NOFWD_NO_TABLE 0xffffffffU
 #define NOFWD_MAC_AT NOFWD_MAX_LEN
 _Static_assert(sizeof(struct bpf_fib_lookup) <= sizeof(struct flow_val), "fib lookup parameters do not fit scratch's known");
 _Static_assert(NOFWD_MAC_AT + 12 <= sizeof(((struct scratch *)0)->buf), "scratch buffer too short for the reset");
@@ -150,7 +152,14 @@ static __attribute__((noinline)) int refuse_unforwarded(struct __sk_buff *skb, c
 		f->family = AF_INET6;
 		__builtin_memcpy(f->ipv6_dst, dst, 16);
 	}
-	if (bpf_fib_lookup(skb, f, sizeof(*f), BPF_FIB_LOOKUP_SKIP_NEIGH) != BPF_FIB_LKUP_RET_FWD_DISABLED)
+	/* Only the forwarding check is wanted, which comes first: a table
+	 * that does not exist ends the lookup right after it (NOT_FWDED)
+	 * rather than a route lookup per SYN. Where the kernel has no
+	 * multiple tables the main table is looked up instead; the answer
+	 * that matters is the same. */
+	f->tbid = NOFWD_NO_TABLE;
+	if (bpf_fib_lookup(skb, f, sizeof(*f), BPF_FIB_LOOKUP_DIRECT | BPF_FIB_LOOKUP_TBID | BPF_FIB_LOOKUP_SKIP_NEIGH) !=
+	    BPF_FIB_LKUP_RET_FWD_DISABLED)
 		return -1;
 	stat_inc(STAT_DROP_NO_FORWARD);
 	if (nofwd_rst(skb, p, sc->buf)) {
