@@ -75,10 +75,12 @@ func newStatusCmd() *cobra.Command {
 	var output *string
 	cmd := &cobra.Command{
 		Use:   "status",
-		Short: "Show the local agent's status: attachment, interfaces, policies, counters",
+		Short: "Show the local agent's status: attachment, interfaces, forwarding, policies, counters",
 		Long: `Show the status of the agent of this network namespace: how its datapath is
-attached, on which interfaces, which policy version it enforces and whether
-the policy server is reachable, and the datapath counters.
+attached, on which interfaces, whether the host forwards IPv4 and IPv6 (a
+host that passes chained sessions on must; the sysctls that are off are
+named), which policy version it enforces and whether the policy server is
+reachable, and the datapath counters.
 
 Run it inside a lab host's namespace with: ip netns exec NAME dysco status`,
 		Args: cobra.NoArgs,
