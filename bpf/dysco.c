@@ -27,6 +27,7 @@
  *   twopath.h, twopath_fwd.h     the two-path phase: decisions; packets
  *   hold.h                       holding packets for the agent
  *   syn.h                        SYN set-up on ingress and egress
+ *   noforward.h                  refusing SYNs a host that does not forward must pass on
  *   icmp.h                       ICMP errors about subsession packets
  *   control.h                    the agent's commands (dysco_ctl) */
 #include <linux/bpf.h>

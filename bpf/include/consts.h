@@ -95,6 +95,7 @@ enum stat {
 	STAT_HOLD_PKTS,          /* packets held for the agent (FL_HOLD_*) */
 	STAT_HOLD_BYTES,         /* their bytes, link-layer header included */
 	STAT_HOLD_DROP,          /* packets to hold that did not fit (too long, ring full): dropped */
+	STAT_DROP_NO_FORWARD,    /* chained SYN to pass on while IP forwarding is off: refused with a reset (noforward.h) */
 	STAT_MAX,
 };
 

@@ -37,6 +37,7 @@
 #include "session.h"
 #include "route.h"
 #include "handshake.h"
+#include "noforward.h"
 
 /* tag_opt writes the local tag of session id tag (§4.2 "Tagging SYN
  * packets"): the marking option with type LOCAL_TAG and the id in its last
@@ -217,6 +218,12 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 	st->n_hops = n;
 	local_dst = is_local(st->session.daddr);
 	keep_tag = n > 0 || !local_dst;
+	if (!local_dst) {
+		/* The stack must forward it: refused if it would not. */
+		int rc = refuse_unforwarded(skb, p, st->session.daddr);
+		if (rc >= 0)
+			return rc;
+	}
 
 	if (known) {
 		/* Retransmitted SYN: same session, same flows. */

@@ -65,6 +65,10 @@ type Config struct {
 	// Trusted, when not empty, is the set of prefixes Dysco SYNs are
 	// accepted from.
 	Trusted []netip.Prefix
+	// NoForwardCheck hands chained SYNs this host would have to forward
+	// to the stack even while IP forwarding is off (datapath.Config); by
+	// default the datapath refuses them at once (forwarding.go).
+	NoForwardCheck bool
 	// ControlPort is the UDP port of the reconfiguration protocol (§3.3).
 	ControlPort int
 	// ControlKeyFile holds the deployment secrets that authenticate
@@ -104,6 +108,11 @@ type Agent struct {
 	applyMu sync.Mutex
 
 	tapActive atomic.Bool
+
+	// fwd is IP forwarding as last read (forwarding.go); fwdWatch the
+	// main loop's state for logging refusals.
+	fwd      atomic.Pointer[api.Forwarding]
+	fwdWatch forwardWatch
 
 	// ctl is the reconfiguration machinery (internal/reconfig); nil when
 	// disabled.
@@ -204,7 +213,7 @@ func Run(ctx context.Context, cfg Config) error {
 		tapIndex = uint32(idx)
 	}
 	dp, err := datapath.Load(datapath.Config{PinDir: cfg.PinDir, TapIfindex: tapIndex, PortLo: cfg.PortLo, PortN: cfg.PortN,
-		EnforceTrusted: len(cfg.Trusted) > 0, MaxSessions: cfg.MaxSessions})
+		EnforceTrusted: len(cfg.Trusted) > 0, MaxSessions: cfg.MaxSessions, NoForwardCheck: cfg.NoForwardCheck})
 	if err != nil {
 		return err
 	}
@@ -327,6 +336,7 @@ func Run(ctx context.Context, cfg Config) error {
 			URL: cfg.PolicyServer, TLS: cfg.PolicyServerTLS, Host: cfg.Name, Exec: a.execOperation, Logger: a.log,
 		})
 	}
+	a.startForwarding()
 	if cfg.ReadyFile != "" {
 		if err := os.WriteFile(cfg.ReadyFile, []byte(fmt.Sprintf("%d\n", os.Getpid())), 0o644); err != nil {
 			return fmt.Errorf("agent: ready file: %w", err)
@@ -341,6 +351,8 @@ func Run(ctx context.Context, cfg Config) error {
 
 	gc := time.NewTicker(cfg.GCInterval)
 	defer gc.Stop()
+	fwdTick := time.NewTicker(forwardPoll)
+	defer fwdTick.Stop()
 	var tapTick <-chan time.Time
 	if tapIndex != 0 {
 		t := time.NewTicker(tapPoll)
@@ -371,6 +383,8 @@ func Run(ctx context.Context, cfg Config) error {
 			a.forgetSources()
 		case <-gc.C:
 			a.collect()
+		case now := <-fwdTick.C:
+			a.pollForwarding(now)
 		case <-tapTick:
 			a.watchTap(int(tapIndex))
 		}

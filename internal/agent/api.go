@@ -130,6 +130,7 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 	}
 	a.mu.Unlock()
 	out.Ifaces = a.ifaceList()
+	out.Forwarding = a.fwd.Load()
 	writeJSON(w, 200, out)
 }
 

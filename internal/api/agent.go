@@ -40,6 +40,21 @@ type Status struct {
 	// key file in use, the signing one first (none: reconfiguration is
 	// disabled).
 	ControlKeys []string `json:"control_keys,omitempty"`
+	// Forwarding is whether the host forwards IP, per family; nil from an
+	// agent that does not tell.
+	Forwarding *Forwarding `json:"forwarding,omitempty"`
+}
+
+// Forwarding says whether a host forwards IP, per family. A host that passes
+// chained sessions on (a middlebox host) must: its datapath refuses the SYNs
+// of a family it does not forward (counter drop_no_forward).
+type Forwarding struct {
+	IPv4 bool `json:"ipv4"`
+	IPv6 bool `json:"ipv6"`
+	// Off names the forwarding sysctls at 0: a family's
+	// (net.ipv4.ip_forward, net.ipv6.conf.all.forwarding) or, where that
+	// is on, an interface's (net.ipv4.conf.IFACE.forwarding, …).
+	Off []string `json:"off,omitempty"`
 }
 
 // Session is one session known to an agent, as `dysco sessions` shows it.

@@ -80,7 +80,7 @@ func agentServerTLS(cfg *agent.Config, pki pkiFlags) error {
 func newAgentCmd() *cobra.Command {
 	var cfg agent.Config
 	var trusted []string
-	var reset, debug bool
+	var reset, debug, forwardCheck bool
 	var ports, keyFile, cpuProfile, execTrace string
 	var pki pkiFlags
 	cmd := &cobra.Command{
@@ -110,6 +110,7 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 				}
 				cfg.Trusted = append(cfg.Trusted, p)
 			}
+			cfg.NoForwardCheck = !forwardCheck
 			if ports != "" {
 				var lo, hi uint16
 				if _, err := fmt.Sscanf(ports, "%d-%d", &lo, &hi); err != nil || hi < lo {
@@ -162,6 +163,7 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 	f.IntVar(&cfg.MaxSessions, "max-sessions", 0, fmt.Sprintf("sessions the datapath's maps hold, 1 to %d, four flow entries each (default: the datapath's own size, MAX_SESSIONS; 'dysco status' shows capacity_sessions); maps already pinned keep their size until --reset", datapath.MaxSessionsLimit))
 	f.StringVar(&ports, "ports", "", "subsession port range LOW-HIGH (default 20000-59999)")
 	f.StringSliceVar(&trusted, "trusted", nil, "accept Dysco SYNs only from these prefixes (default: from anyone)")
+	f.BoolVar(&forwardCheck, "forward-check", true, "refuse at once (a reset back to the client, counter drop_no_forward) chained SYNs this host must pass on while IP forwarding is off for their family; false for a host whose local transparent proxy takes them")
 	f.BoolVar(&reset, "reset", false, "remove the pinned datapath under --pin-dir (default: this namespace's) and exit")
 	f.BoolVar(&debug, "debug", false, "debug logging")
 	f.StringVar(&cpuProfile, "cpu-profile", "", "write a CPU profile of the agent to this file until it exits (go tool pprof); {name} in it becomes --name")

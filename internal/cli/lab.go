@@ -44,9 +44,13 @@ func newLabUpCmd() *cobra.Command {
 		Long: `Build a lab and start one agent per host, then print its hosts and addresses.
 If building fails or is interrupted, everything built so far is removed.
 
-Host roles follow their names: mb* are middleboxes, client* clients,
-server* servers, anything else a plain host.`,
+A host's role is given after its name (NAME=ROLE: client, server, middlebox
+or mb, host or plain), or follows the name: mb* are middleboxes, client*
+clients, server* servers, anything else a plain host. Middlebox hosts forward
+IP and their agents get a session-view tap; the table printed shows each
+host's role.`,
 		Example: `  dysco lab up --name demo --topology star --hosts client,mb1,mb2,server
+  dysco lab up --name fw --hosts client,fw=mb,ids=mb,server
   dysco lab up --name paper --topology fig11 --no-agents
   dysco lab up --name chain --topology-file topologies/chain.json`,
 		Args: cobra.NoArgs,
@@ -87,7 +91,7 @@ server* servers, anything else a plain host.`,
 	f := cmd.Flags()
 	f.StringVar(&name, "name", "", "lab name: 1 to 8 lower-case letters or digits, starting with a letter (required)")
 	f.StringVar(&topo, "topology", "", "built-in topology: "+strings.Join(lab.Builtins, ", ")+" (star is the default with --hosts)")
-	f.StringSliceVar(&hosts, "hosts", nil, "hosts of a star or line topology, in address order, comma-separated")
+	f.StringSliceVar(&hosts, "hosts", nil, "hosts of a star or line topology, in address order, comma-separated: NAME or NAME=ROLE (client, server, middlebox or mb, host or plain)")
 	f.StringVar(&topoFile, "topology-file", "", "topology file (JSON, see topologies/)")
 	f.BoolVar(&noAgents, "no-agents", false, "start no agents: plain forwarding, a baseline")
 	f.StringVar(&agentBin, "agent-binary", "", "dysco binary for the agents (default: this binary)")

@@ -36,12 +36,13 @@ func TestLabCLI(t *testing.T) {
 	t.Cleanup(func() { lab.DownByName(name) })
 	ctx := context.Background()
 
-	out, err := runCLI(ctx, "lab", "up", "--name", name, "--hosts", "client,mb1,server",
+	out, err := runCLI(ctx, "lab", "up", "--name", name, "--hosts", "client,mb1,server,fw=mb",
 		"--agent-binary", fake, "--agent-arg=--extra", "--agent-arg=hello")
 	if err != nil {
 		t.Fatalf("lab up: %v\n%s", err, out)
 	}
-	for _, want := range []string{"lab " + name + " is up", "mb1", "middlebox", name + "-router", "10.200.3.2/24", "fd00:dc:0:2::2/64", "(alive)"} {
+	for _, want := range []string{"lab " + name + " is up", "mb1", "middlebox", name + "-router", "10.200.3.2/24", "fd00:dc:0:2::2/64", "(alive)",
+		"\nfw      middlebox  " + name + "-fw"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("lab up output lacks %q:\n%s", want, out)
 		}
@@ -50,9 +51,13 @@ func TestLabCLI(t *testing.T) {
 	if err != nil || !strings.Contains(string(ready), `"extra":"hello"`) || !strings.Contains(string(ready), `"tap":"dysco-tap"`) {
 		t.Errorf("mb1's agent saw %s (%v)", ready, err)
 	}
+	// fw is a middlebox by its explicit role: a tap, like mb1.
+	if ready, err := os.ReadFile(filepath.Join(lab.RunDir(name), "fw.ready")); err != nil || !strings.Contains(string(ready), `"tap":"dysco-tap"`) {
+		t.Errorf("fw's agent saw %s (%v)", ready, err)
+	}
 
 	out, err = runCLI(ctx, "lab", "status", "--name", name)
-	if err != nil || !strings.Contains(out, "star topology, 3 hosts") || strings.Count(out, "(alive)") != 3 {
+	if err != nil || !strings.Contains(out, "star topology, 4 hosts") || strings.Count(out, "(alive)") != 4 || !strings.Contains(out, "\nfw      middlebox  ") {
 		t.Errorf("lab status: %v\n%s", err, out)
 	}
 	out, err = runCLI(ctx, "lab", "status", "-o", "json")
@@ -118,5 +123,14 @@ func TestLabTopologyFlags(t *testing.T) {
 		if !strings.Contains(got, tc.want) {
 			t.Errorf("labTopology(%q, %q, %v) = %q, want %q", tc.topo, tc.file, tc.hosts, got, tc.want)
 		}
+	}
+}
+
+// TestLabUpRoles: an unknown role in --hosts is an error naming the host and
+// the roles there are, before anything is built.
+func TestLabUpRoles(t *testing.T) {
+	_, err := runCLI(context.Background(), "lab", "up", "--name", "never", "--hosts", "client,ids=firewall,server")
+	if err == nil || !strings.Contains(err.Error(), `host "ids": role "firewall" is unknown: use client, server, middlebox (or mb) or host (or plain)`) {
+		t.Errorf("lab up with an unknown role: %v", err)
 	}
 }

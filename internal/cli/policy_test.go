@@ -194,7 +194,8 @@ func TestStatusAndSessions(t *testing.T) {
 	status := api.Status{Name: "h1", Version: "dev", Started: started, PinDir: "/sys/fs/bpf/dysco", Attach: "tcx",
 		Ifaces: []string{"eth0", "eth1"}, Tap: "dysco-tap", Sessions: 1, PolicyVersion: 7,
 		PolicyServer: "http://10.0.0.9:7017", PolicyServerOK: false,
-		Counters: map[string]uint64{"setups": 3, "drop_map_full": 0}}
+		Counters:   map[string]uint64{"setups": 3, "drop_map_full": 0},
+		Forwarding: &api.Forwarding{IPv4: true, Off: []string{"net.ipv6.conf.all.forwarding"}}}
 	sessions := []api.Session{{ID: 4, Session: "10.0.0.1:40000 -> 10.0.0.3:80", Right: "10.0.0.1:40000 -> 10.0.1.2:80",
 		Chain: []string{"10.0.1.2"}, Role: "start", State: "established", PacketsFwd: 10, BytesFwd: 5000,
 		PacketsRev: 8, BytesRev: 3 << 20, AgeSeconds: 75.4}}
@@ -209,6 +210,7 @@ func TestStatusAndSessions(t *testing.T) {
 		"attach          tcx\n",
 		"interfaces      eth0, eth1\n",
 		"policy version  7\n",
+		"ip forwarding   ipv4 on, ipv6 OFF (net.ipv6.conf.all.forwarding=0)\n",
 		"policy server   http://10.0.0.9:7017 (UNREACHABLE; enforcing the cached version 7)\n",
 		"counters:\n  drop_map_full  0\n  setups         3\n",
 		"started         " + started.Format(time.RFC3339) + " (up 1m3",

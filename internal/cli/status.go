@@ -75,10 +75,12 @@ func newStatusCmd() *cobra.Command {
 	var output *string
 	cmd := &cobra.Command{
 		Use:   "status",
-		Short: "Show the local agent's status: attachment, interfaces, policies, counters",
+		Short: "Show the local agent's status: attachment, interfaces, forwarding, policies, counters",
 		Long: `Show the status of the agent of this network namespace: how its datapath is
-attached, on which interfaces, which policy version it enforces and whether
-the policy server is reachable, and the datapath counters.
+attached, on which interfaces, whether the host forwards IPv4 and IPv6 (a
+host that passes chained sessions on must; the sysctls that are off are
+named), which policy version it enforces and whether the policy server is
+reachable, and the datapath counters.
 
 Run it inside a lab host's namespace with: ip netns exec NAME dysco status`,
 		Args: cobra.NoArgs,
@@ -113,6 +115,9 @@ func printStatus(w io.Writer, st api.Status, now time.Time) error {
 	row("attach", orDash(st.Attach))
 	row("interfaces", orDash(strings.Join(st.Ifaces, ", ")))
 	row("session tap", orDash(st.Tap))
+	if f := st.Forwarding; f != nil {
+		row("ip forwarding", forwardingLine(*f))
+	}
 	row("sessions", fmt.Sprint(st.Sessions))
 	row("policy version", fmt.Sprint(st.PolicyVersion))
 	switch {
@@ -147,4 +152,20 @@ func printStatus(w io.Writer, st api.Status, now time.Time) error {
 		}
 	}
 	return tw.Flush()
+}
+
+// forwardingLine shows IP forwarding per family, and the sysctls that are
+// off.
+func forwardingLine(f api.Forwarding) string {
+	word := func(on bool) string {
+		if on {
+			return "on"
+		}
+		return "OFF"
+	}
+	s := fmt.Sprintf("ipv4 %s, ipv6 %s", word(f.IPv4), word(f.IPv6))
+	if len(f.Off) > 0 {
+		s += " (" + strings.Join(f.Off, "=0, ") + "=0)"
+	}
+	return s
 }

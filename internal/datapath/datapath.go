@@ -35,6 +35,11 @@ type Config struct {
 	PortLo, PortN uint16
 	// EnforceTrusted accepts Dysco SYNs only from addresses in the trusted map.
 	EnforceTrusted bool
+	// NoForwardCheck hands chained SYNs that this host would have to
+	// forward to the stack even while IP forwarding is off for their
+	// family (a host whose local transparent proxy takes them); by default
+	// they are refused at once with a reset (drop_no_forward).
+	NoForwardCheck bool
 	// MaxSessions sizes the session maps: this many sessions, and four
 	// flows each (a middlebox host's count). 0: the object's own size
 	// (MAX_SESSIONS in bpf/include/consts.h). Maps already pinned keep their
@@ -114,6 +119,7 @@ func Load(cfg Config) (*Datapath, error) {
 		"port_lo":         cfg.PortLo,
 		"port_n":          cfg.PortN,
 		"enforce_trusted": boolU8(cfg.EnforceTrusted),
+		"forward_check":   boolU8(!cfg.NoForwardCheck),
 	} {
 		if err := spec.Variables[name].Set(v); err != nil {
 			return nil, fmt.Errorf("datapath: set %s: %w", name, err)

@@ -277,6 +277,7 @@ const (
 	dyscoProgDyscoSetup    = "dysco_setup"
 	dyscoProgDyscoTapDrop  = "dysco_tap_drop"
 	dyscoVarEnforceTrusted = "enforce_trusted"
+	dyscoVarForwardCheck   = "forward_check"
 	dyscoVarPortLo         = "port_lo"
 	dyscoVarPortN          = "port_n"
 	dyscoVarTapIfindex     = "tap_ifindex"
@@ -363,6 +364,7 @@ type dyscoMapSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type dyscoVariableSpecs struct {
 	EnforceTrusted *ebpf.VariableSpec `ebpf:"enforce_trusted"`
+	ForwardCheck   *ebpf.VariableSpec `ebpf:"forward_check"`
 	PortLo         *ebpf.VariableSpec `ebpf:"port_lo"`
 	PortN          *ebpf.VariableSpec `ebpf:"port_n"`
 	TapIfindex     *ebpf.VariableSpec `ebpf:"tap_ifindex"`
@@ -442,6 +444,7 @@ func (m *dyscoMaps) Close() error {
 // It can be passed to loadDyscoObjects or ebpf.CollectionSpec.LoadAndAssign.
 type dyscoVariables struct {
 	EnforceTrusted *ebpf.Variable `ebpf:"enforce_trusted"`
+	ForwardCheck   *ebpf.Variable `ebpf:"forward_check"`
 	PortLo         *ebpf.Variable `ebpf:"port_lo"`
 	PortN          *ebpf.Variable `ebpf:"port_n"`
 	TapIfindex     *ebpf.Variable `ebpf:"tap_ifindex"`

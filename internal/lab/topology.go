@@ -25,9 +25,52 @@ const (
 	RoleRouter    Role = "router"
 )
 
+// roleNames are the names a role may be given by (ParseRole): the roles'
+// own, and the short "mb" and "plain" that match the host names the lab
+// infers roles from.
+var roleNames = map[string]Role{
+	"client": RoleClient, "server": RoleServer,
+	"middlebox": RoleMiddlebox, "mb": RoleMiddlebox,
+	"host": RoleHost, "plain": RoleHost,
+}
+
+// ParseRole reads a role given explicitly, in a host list (NAME=ROLE) or a
+// topology file: client, server, middlebox (or mb) or host (or plain). The
+// router role is the lab's own and cannot be given.
+func ParseRole(s string) (Role, error) {
+	if r, ok := roleNames[s]; ok {
+		return r, nil
+	}
+	return "", fmt.Errorf("role %q is unknown: use client, server, middlebox (or mb) or host (or plain)", s)
+}
+
+// ParseHosts reads a host list as `dysco lab up --hosts` takes it: each
+// entry NAME, whose role follows the name (InferRole), or NAME=ROLE
+// (ParseRole), for example "client", "fw=mb", "ids=middlebox". Names are
+// checked by Topology.Validate.
+func ParseHosts(list []string) ([]HostSpec, error) {
+	hs := make([]HostSpec, len(list))
+	for i, e := range list {
+		name, role, explicit := strings.Cut(e, "=")
+		if !explicit {
+			hs[i] = HostSpec{Name: name, Role: InferRole(name)}
+			continue
+		}
+		if name == "" {
+			return nil, fmt.Errorf("host %q: no name before the role (give NAME=ROLE, for example fw=mb)", e)
+		}
+		r, err := ParseRole(role)
+		if err != nil {
+			return nil, fmt.Errorf("host %q: %w", name, err)
+		}
+		hs[i] = HostSpec{Name: name, Role: r}
+	}
+	return hs, nil
+}
+
 // InferRole guesses a host's role from its name, as `dysco lab up --hosts`
-// does: "mb*" is a middlebox, "client*" a client, "server*" a server, and
-// anything else a plain host.
+// does for a name given without a role: "mb*" is a middlebox, "client*" a
+// client, "server*" a server, and anything else a plain host.
 func InferRole(name string) Role {
 	switch {
 	case strings.HasPrefix(name, "mb"):
@@ -140,10 +183,10 @@ func (t Topology) Validate() error {
 			return fmt.Errorf("host %q appears twice in the topology: host names must be unique", h.Name)
 		}
 		seen[h.Name] = true
-		switch h.Role {
-		case "", RoleClient, RoleServer, RoleMiddlebox, RoleHost:
-		default:
-			return fmt.Errorf("host %q has role %q: use client, server, middlebox or host", h.Name, h.Role)
+		if h.Role != "" {
+			if _, err := ParseRole(string(h.Role)); err != nil {
+				return fmt.Errorf("host %q: %w", h.Name, err)
+			}
 		}
 	}
 	return nil
@@ -155,6 +198,8 @@ func (t Topology) withRoles() Topology {
 	for i, h := range t.Hosts {
 		if h.Role == "" {
 			h.Role = InferRole(h.Name)
+		} else if r, err := ParseRole(string(h.Role)); err == nil {
+			h.Role = r // "mb" and "plain" are middlebox and host
 		}
 		hosts[i] = h
 	}
@@ -201,20 +246,26 @@ var Builtins = []string{"star", "line", "fig11"}
 
 // Builtin returns a built-in topology by name: "star" (of hosts, which must
 // not be empty), "line" (of hosts, or DefaultLineHosts if hosts is empty) or
-// "fig11" (hosts must be empty).
+// "fig11" (hosts must be empty). Hosts are as ParseHosts reads them: NAME or
+// NAME=ROLE.
 func Builtin(name string, hosts []string) (Topology, error) {
 	var t Topology
+	specs, err := ParseHosts(hosts)
+	if err != nil {
+		return t, err
+	}
 	switch name {
 	case "star":
 		if len(hosts) == 0 {
-			return t, errors.New("the star topology needs hosts: give them as a list, for example client,mb1,server")
+			return t, errors.New("the star topology needs hosts: give them as a list, for example client,mb1,server or client,fw=mb,server")
 		}
-		t = Star(hosts...)
+		t = Topology{Name: "star", Kind: KindStar, Hosts: specs}
 	case "line":
 		if len(hosts) == 0 {
-			hosts = DefaultLineHosts
+			t = Line(DefaultLineHosts...)
+		} else {
+			t = Topology{Name: "line", Kind: KindLine, Hosts: specs}
 		}
-		t = Line(hosts...)
 	case "fig11":
 		if len(hosts) != 0 {
 			return t, errors.New("the fig11 topology has fixed hosts: do not give a host list (use the star topology for your own hosts)")

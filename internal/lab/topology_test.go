@@ -178,3 +178,83 @@ func TestTopologyFiles(t *testing.T) {
 		t.Error("unknown field: no error")
 	}
 }
+
+// TestParseHosts: a host list takes NAME (role from the name) or NAME=ROLE,
+// with the short role names mb and plain; an unknown or missing role is an
+// error naming the host and the roles there are.
+func TestParseHosts(t *testing.T) {
+	got, err := ParseHosts([]string{"client", "fw=mb", "ids=middlebox", "web", "mbx=plain", "a=server", "b=client", "c=host", "mb3"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []HostSpec{
+		{"client", RoleClient}, {"fw", RoleMiddlebox}, {"ids", RoleMiddlebox}, {"web", RoleHost},
+		{"mbx", RoleHost}, {"a", RoleServer}, {"b", RoleClient}, {"c", RoleHost}, {"mb3", RoleMiddlebox},
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("ParseHosts = %v, want %v", got, want)
+	}
+	for in, msg := range map[string]string{
+		"fw=firewall": `host "fw": role "firewall" is unknown: use client, server, middlebox (or mb) or host (or plain)`,
+		"fw=":         `host "fw": role "" is unknown`,
+		"fw=router":   `host "fw": role "router" is unknown`,
+		"fw=MB":       `host "fw": role "MB" is unknown`,
+		"=mb":         `host "=mb": no name before the role`,
+	} {
+		if _, err := ParseHosts([]string{"client", in}); err == nil || !strings.Contains(err.Error(), msg) {
+			t.Errorf("ParseHosts(%q) = %v, want an error containing %q", in, err, msg)
+		}
+	}
+}
+
+// TestBuiltinRoles: the built-in star and line take explicit roles, which
+// decide forwarding and the tap as an inferred role does; a bad role fails
+// before anything is planned.
+func TestBuiltinRoles(t *testing.T) {
+	for _, kind := range []string{"star", "line"} {
+		topo, err := Builtin(kind, []string{"client", "fw=mb", "mb1=host", "server"})
+		if err != nil {
+			t.Fatalf("%s: %v", kind, err)
+		}
+		ly, err := plan("x", topo)
+		if err != nil {
+			t.Fatalf("%s: %v", kind, err)
+		}
+		roles := map[string]Role{}
+		for _, h := range ly.hosts {
+			roles[h.Name] = h.Role
+		}
+		if want := map[string]Role{"client": RoleClient, "fw": RoleMiddlebox, "mb1": RoleHost, "server": RoleServer}; !reflect.DeepEqual(roles, want) {
+			t.Errorf("%s: roles %v, want %v", kind, roles, want)
+		}
+		if kind == "star" {
+			for _, h := range ly.hosts {
+				if h.Forwarding != (h.Name == "fw") {
+					t.Errorf("star host %s (%s): forwarding %v", h.Name, h.Role, h.Forwarding)
+				}
+			}
+		}
+	}
+	if _, err := Builtin("star", []string{"client", "ids=firewall"}); err == nil || !strings.Contains(err.Error(), `host "ids": role "firewall" is unknown`) {
+		t.Errorf("Builtin with an unknown role: %v", err)
+	}
+}
+
+// TestTopologyFileRoles: a topology file takes the same role names; "mb"
+// and "plain" become middlebox and host, an unknown role is an error.
+func TestTopologyFileRoles(t *testing.T) {
+	topo, err := ParseTopology([]byte(`{"kind": "star", "hosts": [{"name": "client"}, {"name": "fw", "role": "mb"}, {"name": "mb2", "role": "plain"}, {"name": "server"}]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ly, err := plan("x", topo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := []Role{ly.hosts[1].Role, ly.hosts[2].Role}; !reflect.DeepEqual(got, []Role{RoleMiddlebox, RoleHost}) || !ly.hosts[1].Forwarding || ly.hosts[2].Forwarding {
+		t.Errorf("fw and mb2: roles %v, forwarding %v %v; want middlebox (forwarding) and host", got, ly.hosts[1].Forwarding, ly.hosts[2].Forwarding)
+	}
+	if _, err := ParseTopology([]byte(`{"kind": "star", "hosts": [{"name": "ids", "role": "firewall"}]}`)); err == nil || !strings.Contains(err.Error(), `host "ids": role "firewall" is unknown`) {
+		t.Errorf("unknown role in a file: %v", err)
+	}
+}
