@@ -56,13 +56,20 @@ type Config struct {
 	// MaxSessions sizes the datapath's session maps (datapath.Config);
 	// 0: the datapath object's own size.
 	MaxSessions int
-	// Trusted, when not empty, is the set of prefixes Dysco SYNs are
-	// accepted from.
+	// Trusted is the set of prefixes whose Dysco SYNs are admitted
+	// without a valid MAC (with a ControlKey, SYNs are admitted with a
+	// valid MAC or from these prefixes; without one, from these prefixes
+	// only, and none when the set is empty).
 	Trusted []netip.Prefix
+	// HalfOpenPerSource is the budget of half-open sessions that Dysco
+	// SYNs from one source (an IPv4 address or an IPv6 /64) may set up
+	// here; 0: datapath.DefaultHalfOpenPerSource.
+	HalfOpenPerSource int
 	// ControlPort is the UDP port of the reconfiguration protocol (§3.3).
 	ControlPort int
-	// ControlKey is the deployment key authenticating control messages;
-	// empty disables reconfiguration at this agent.
+	// ControlKey is the deployment key authenticating control messages
+	// and, through a key derived from it (SynMACKey), the Dysco SYNs this
+	// host sends and admits; empty disables reconfiguration at this agent.
 	ControlKey []byte
 	// StatePlugins are the state migration plug-ins (internal/migrate)
 	// this agent exports and imports with.
@@ -174,7 +181,7 @@ func Run(ctx context.Context, cfg Config) error {
 		tapIndex = uint32(idx)
 	}
 	dp, err := datapath.Load(datapath.Config{PinDir: cfg.PinDir, TapIfindex: tapIndex, PortLo: cfg.PortLo, PortN: cfg.PortN,
-		EnforceTrusted: len(cfg.Trusted) > 0, MaxSessions: cfg.MaxSessions})
+		HalfOpenPerSource: cfg.HalfOpenPerSource, MaxSessions: cfg.MaxSessions})
 	if err != nil {
 		return err
 	}
@@ -191,10 +198,8 @@ func Run(ctx context.Context, cfg Config) error {
 		a.mu.Unlock()
 		dp.Close()
 	}()
-	if len(cfg.Trusted) > 0 {
-		if err := dp.SetTrusted(cfg.Trusted); err != nil {
-			return err
-		}
+	if err := a.setAdmission(); err != nil {
+		return err
 	}
 	if cfg.Tap != "" {
 		if err := dp.AttachTap(cfg.Tap); err != nil {

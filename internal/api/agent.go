@@ -36,6 +36,9 @@ type Status struct {
 	PolicyServerOK bool `json:"policy_server_ok"`
 	// Counters holds the datapath counters by name (drops by reason, set-ups, ...).
 	Counters map[string]uint64 `json:"counters"`
+	// Admission says which Dysco SYNs the agent admits: with a valid MAC,
+	// from trusted prefixes, both, or none.
+	Admission string `json:"admission,omitempty"`
 }
 
 // Session is one session known to an agent, as `dysco sessions` shows it.

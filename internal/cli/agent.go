@@ -132,14 +132,15 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 	f.DurationVar(&cfg.CloseLinger, "close-linger", 10*time.Second, "keep closed sessions this long for retransmitted FINs and ACKs")
 	f.IntVar(&cfg.MaxSessions, "max-sessions", 0, fmt.Sprintf("sessions the datapath's maps hold, 1 to %d, four flow entries each (default: the datapath's own size, MAX_SESSIONS; 'dysco status' shows capacity_sessions); maps already pinned keep their size until --reset", datapath.MaxSessionsLimit))
 	f.StringVar(&ports, "ports", "", "subsession port range LOW-HIGH (default 20000-59999)")
-	f.StringSliceVar(&trusted, "trusted", nil, "accept Dysco SYNs only from these prefixes (default: from anyone)")
+	f.StringSliceVar(&trusted, "trusted", nil, "also admit Dysco SYNs without a valid MAC from these prefixes (without --control-key-file: only from them; with neither, Dysco SYNs from other hosts are refused)")
+	f.IntVar(&cfg.HalfOpenPerSource, "half-open-per-source", datapath.DefaultHalfOpenPerSource, "half-open sessions that Dysco SYNs from one source (IPv4 address or IPv6 /64) may set up here; more are dropped (drop_half_open)")
 	f.BoolVar(&reset, "reset", false, "remove the pinned datapath under --pin-dir (default: this namespace's) and exit")
 	f.BoolVar(&debug, "debug", false, "debug logging")
 	f.StringVar(&cpuProfile, "cpu-profile", "", "write a CPU profile of the agent to this file until it exits (go tool pprof); {name} in it becomes --name")
 	f.StringVar(&execTrace, "exec-trace", "", "write a Go execution trace of the agent to this file until it exits (go tool trace); {name} in it becomes --name")
 	f.IntVar(&cfg.ControlPort, "control-port", agent.DefaultControlPort, "UDP port of the reconfiguration protocol")
 	f.StringSliceVar(&cfg.StatePlugins, "state-plugins", []string{"conntrack", "api"}, "middlebox state this agent exports and imports for state migration (conntrack, api; empty: none)")
-	f.StringVar(&keyFile, "control-key-file", "", "file holding the deployment key that authenticates reconfiguration messages (hex, at least 16 bytes); without it reconfiguration is disabled")
+	f.StringVar(&keyFile, "control-key-file", "", "file holding the deployment key that authenticates reconfiguration messages and Dysco SYNs (hex, at least 16 bytes); without it reconfiguration is disabled and Dysco SYNs are admitted from --trusted prefixes only")
 	return cmd
 }
 

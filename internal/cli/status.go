@@ -123,6 +123,9 @@ func printStatus(w io.Writer, st api.Status, now time.Time) error {
 	default:
 		row("policy server", fmt.Sprintf("%s (UNREACHABLE; enforcing the cached version %d)", st.PolicyServer, st.PolicyVersion))
 	}
+	if st.Admission != "" {
+		row("syn admission", st.Admission)
+	}
 	if len(st.Counters) == 0 {
 		row("counters", "none")
 	} else {
