@@ -240,3 +240,36 @@ func TestHalfOpenSource(t *testing.T) {
 		}
 	}
 }
+
+// TestSessionNonces: the loader gives the datapath a random nonce key, and
+// the sessions started here get nonces made under it, all different.
+func TestSessionNonces(t *testing.T) {
+	fx := newFixture(t)
+	var k dyscoMacKey
+	if err := fx.d.Maps()["keys"].Lookup(uint32(keyNonce), &k); err != nil || k.Set == 0 || k.K0|k.K1 == 0 {
+		t.Fatalf("no nonce key after Load: %+v (%v)", k, err)
+	}
+	if err := fx.d.SetPolicies([]PolicyChain{{Hops: []PolicyHop{{Addr: mboxV4}}, ToDst: true}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := fx.d.SetPolicyProgram(loadClassifier(t, fx.d, 1)); err != nil {
+		t.Fatal(err)
+	}
+	const n = 64
+	for i := range n {
+		p := pkt{seq: 0xabcdef01, flags: "S", win: 64240, opts: synOpts()}
+		if v, _ := fx.run(t, fx.egress, p.with(tup(apOf(hostV4, uint16(40000+i)), apOf(serverV4, 80))).frame(t)); v != tcActRedirect {
+			t.Fatalf("SYN %d: verdict %d, want %d", i, v, tcActRedirect)
+		}
+	}
+	seen := map[[wire.NonceLen]byte]bool{}
+	for _, s := range fx.sessions(t) {
+		if s.Nonce == ([wire.NonceLen]byte{}) || seen[s.Nonce] {
+			t.Errorf("nonce %x zero or seen before", s.Nonce)
+		}
+		seen[s.Nonce] = true
+	}
+	if len(seen) != n {
+		t.Errorf("%d nonces, want %d", len(seen), n)
+	}
+}
