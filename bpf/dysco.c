@@ -26,6 +26,7 @@
  *   forward.h                    the steady-state path (forward)
  *   twopath.h, twopath_fwd.h     the two-path phase: decisions; packets
  *   hold.h                       holding packets for the agent
+ *   admit.h                      admission of Dysco SYNs: MAC, half-open budget, nonces
  *   syn.h                        SYN set-up on ingress and egress
  *   noforward.h                  refusing SYNs a host that does not forward must pass on
  *   icmp.h                       ICMP errors about subsession packets
@@ -116,7 +117,6 @@ int dysco_setup(struct __sk_buff *skb)
 	if (mode == SETUP_NEW) {
 		__u32 slot = skb->cb[CB_POLICY];
 		struct session_val *s = &sc->sess;
-		__u64 r;
 
 		if (slot == 0)
 			return TC_ACT_OK; /* no policy matches */
@@ -130,8 +130,7 @@ int dysco_setup(struct __sk_buff *skb)
 			return TC_ACT_SHOT;
 		}
 		st->session = p.t;
-		r = ((__u64)bpf_get_prandom_u32() << 32) | bpf_get_prandom_u32();
-		__builtin_memcpy(st->nonce, &r, DYSCO_NONCE_LEN);
+		make_nonce(sc, st->nonce);
 		__builtin_memset(s, 0, sizeof(*s));
 		ends_of(&s->tuple, &p.t);
 		s->created_ms = s->last_ms = stamp();
@@ -291,10 +290,23 @@ int dysco_ctl(struct ctl_args *a)
 		__u32 id = tk.sess_id;
 		int n = session_flows(id, CTL_FREE, &key);
 
+		struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &id);
+
+		if (s)
+			ho_release(s);
 		free_reconf(id);
 		bpf_map_delete_elem(&dysco_syns, &id);
 		bpf_map_delete_elem(&dysco_sessions, &id);
 		return n;
+	}
+	if (op == CTL_HO_RELEASE) {
+		/* The collector is about to delete the session (admit.h). */
+		struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &tk.sess_id);
+
+		if (!s)
+			return -2;
+		ho_release(s);
+		return 0;
 	}
 	if (op == CTL_CUT)
 		return session_flows(tk.sess_id, CTL_CUT, &key);

@@ -2,7 +2,7 @@
 /* The datapath's configuration: the constants the agent sets before load,
  * and the switch of the session-view tap, which it flips at run time.
  *
- * Provides: tap_ifindex, port_lo, port_n and enforce_trusted (volatile const
+ * Provides: tap_ifindex, port_lo, port_n and half_open_max (volatile const
  * globals in .rodata, which the loader sets by name: datapath.go), and
  * tap_on.
  * Expects: a single compilation unit (it defines the globals).
@@ -17,7 +17,7 @@
 volatile const __u32 tap_ifindex = 0;       /* session-view tap, 0: none */
 volatile const __u16 port_lo = 20000;       /* subsession port range */
 volatile const __u16 port_n = 40000;
-volatile const __u8 enforce_trusted = 0;    /* accept Dysco SYNs only from dysco_trusted */
+volatile const __u32 half_open_max = 2048;  /* half-open sessions per source (admit.h) */
 
 /* tap_on tells whether packets are copied to the session-view tap: one
  * was given at load (tap_ifindex) and a capture is open on it (the

@@ -33,6 +33,15 @@
 #define MAX_DELTAS 65536
 #endif
 
+#ifndef HALF_OPEN_SOURCES
+#define HALF_OPEN_SOURCES 16384 /* sources with a half-open budget (dysco_halfopen) */
+#endif
+/* Slots of dysco_keys (admit.h). */
+#define KEY_SYN_CUR 0  /* signs SYN blocks, verifies them */
+#define KEY_SYN_PREV 1 /* verifies them (the key before a rotation) */
+#define KEY_NONCE 2    /* makes session nonces */
+#define KEY_SLOTS 3
+
 #ifndef MAX_TWOPATH
 #define MAX_TWOPATH 16384 /* sides with a new subsession (reconfigured sessions) */
 #endif
@@ -70,7 +79,9 @@ enum stat {
 	STAT_DROP_TOO_MANY_HOPS,
 	STAT_DROP_LOOP,          /* address list names this host or repeats */
 	STAT_DROP_BAD_SESSION,   /* session tuple in the block is not valid (port 0, an end not unicast, both ends the same) */
-	STAT_DROP_UNTRUSTED,     /* Dysco SYN from an address not trusted */
+	STAT_DROP_UNTRUSTED,     /* Dysco SYN from an address not trusted, at a host with no SYN key */
+	STAT_DROP_BAD_MAC,       /* Dysco SYN whose MAC no key verifies (forged, altered, replayed from elsewhere), not from a trusted address */
+	STAT_DROP_HALF_OPEN,     /* Dysco SYN of a new session from a source over its half-open budget */
 	STAT_DROP_SESSIONS_FULL, /* no room in the session map: fail closed */
 	STAT_DROP_FLOWS_FULL,    /* no room in the flow map: fail closed */
 	STAT_DROP_NO_PORT,       /* no free subsession port pair */
@@ -165,6 +176,7 @@ enum role {
 #define CTL_FREE_RECONF 9 /* tp.sess_id: its two-path records and kept requests */
 #define CTL_ADD_SUB 10    /* tp: a side's new subsession (add_sub): req, tpv; key: its ingress flow, delta */
 #define CTL_CLOSED 11     /* tp.sess_id: state |= arg & (ST_FIN_FWD | ST_FIN_REV): FINs that passed elsewhere */
+#define CTL_HO_RELEASE 12 /* tp.sess_id: its half-open count is given back (the collector ends it) */
 
 /* Packet holding (hold.h). The agent re-injects held packets through an
  * AF_PACKET socket with this socket mark; the datapath never holds a packet

@@ -81,6 +81,31 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } dysco_trusted SEC(".maps");
 
+/* Keys of the datapath (admit.h): KEY_SYN_CUR signs the SYN blocks this
+ * host sends, KEY_SYN_CUR and KEY_SYN_PREV verify those it receives (a key
+ * rotation puts the old key in KEY_SYN_PREV first, then the new one in
+ * KEY_SYN_CUR, so that no SYN is refused meanwhile); KEY_NONCE makes the
+ * session nonces. Written by the agent only. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, KEY_SLOTS);
+	__type(key, __u32);
+	__type(value, struct mac_key);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_keys SEC(".maps");
+
+/* Half-open sessions by source (admit.h): the count of sessions set up by
+ * Dysco SYNs from one previous hop (an IPv4 address or an IPv6 /64) that
+ * are not yet established. An LRU map: a source forgotten to make room
+ * starts again from 0, which errs on the side of admitting. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, HALF_OPEN_SOURCES);
+	__type(key, __u64);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_halfopen SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, MAX_POLICIES * POLICY_BANKS);

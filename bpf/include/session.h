@@ -8,7 +8,7 @@
  * only; session ids below 2^24 (SESS_ID_MASK).
  * Maps: dysco_ids (the next id), dysco_sessions (insert; state and last_ms
  * in place; delete in reclaim), dysco_flows4 or dysco_flows6 and dysco_syns
- * (reclaim deletes), dysco_stats. */
+ * (reclaim deletes), dysco_halfopen (ho_release), dysco_stats. */
 #ifndef DYSCO_SESSION_H
 #define DYSCO_SESSION_H
 
@@ -17,6 +17,7 @@
 #include "parsing.h"
 #include "flows.h"
 #include "tuple.h"
+#include "admit.h"
 
 /* stamp is the time stamp of flows and sessions: CLOCK_MONOTONIC_COARSE in
  * milliseconds, modulo 2^32 (it wraps every 49.7 days), as the agent reads it
@@ -74,6 +75,9 @@ static __always_inline void track_state(struct session_val *s, const struct pkt 
 	if (set & ~st) {
 		__sync_fetch_and_or(&s->state, set);
 		s->last_ms = stamp();
+		/* No longer half-open (admit.h). */
+		if (set & (ST_EST | ST_RST))
+			ho_release(s);
 	}
 }
 
@@ -108,6 +112,7 @@ static __attribute__((noinline)) int reclaim(const struct dysco_tuple *key)
 	struct dysco_ends out;
 	struct flow_val *f = flow_get(key, &out);
 	struct dysco_tuple rk;
+	struct session_val *s;
 	__u32 id;
 
 	if (!f)
@@ -118,6 +123,9 @@ static __attribute__((noinline)) int reclaim(const struct dysco_tuple *key)
 	reverse(&rk, &out);
 	flow_del(&rk);
 	flow_del(key);
+	s = bpf_map_lookup_elem(&dysco_sessions, &id);
+	if (s)
+		ho_release(s);
 	bpf_map_delete_elem(&dysco_sessions, &id);
 	bpf_map_delete_elem(&dysco_syns, &id);
 	stat_inc(STAT_REUSED);

@@ -93,8 +93,8 @@ struct flow_val4 {
 /* The bytes both flow values begin with. */
 #define FLOW_HEAD_LEN 36
 
-/* Per-session state on this host. 80 bytes: the kernel accounts 48 + 8 + 80
- * + 8 = 144 bytes per entry, allocated from kmalloc-192 (docs/architecture.md,
+/* Per-session state on this host. 88 bytes: the kernel accounts 48 + 8 + 88
+ * + 8 = 152 bytes per entry, allocated from kmalloc-192 (docs/architecture.md,
  * "Small entries"). */
 struct session_val {
 	struct dysco_ends tuple; /* session tuple as it entered this host (TCP) */
@@ -115,6 +115,10 @@ struct session_val {
 	__u8 ws[2];
 	__u8 has_ts;
 	__u8 pad;
+	/* The source whose half-open budget this session counts against
+	 * (ho_source in admit.h), until it is established, reset or freed;
+	 * 0: none (a session started here, or released already). */
+	__u64 ho_src;
 };
 
 /* What a SYN needs until the handshake is complete: the rest of the address
@@ -283,9 +287,21 @@ struct hold_buf {
 	struct hold_hdr h;
 	__u8 frame[HOLD_MAX_FRAME];
 };
-/* Scratch space for building a SYN's option and block (too big for the stack). */
+/* A key of dysco_keys (admit.h): SipHash-2-4's 128 bits as two
+ * little-endian words; set tells that the slot holds a key. */
+struct mac_key {
+	__u64 k0;
+	__u64 k1;
+	__u32 set;
+	__u32 pad;
+};
+
+/* Scratch space for building a SYN's option and block (too big for the
+ * stack). The block is followed by room for the subsession tuple that ends
+ * the input of its MAC (admit.h). */
 struct scratch {
-	__u8 buf[DYSCO_OPT_LEN + DYSCO_MAX_BLOCK_LEN];
+	__u8 buf[DYSCO_OPT_LEN + DYSCO_MAX_BLOCK_LEN + DYSCO_MAC_SUB_LEN + 4];
+	__u64 nonce_ctr; /* nonces made on this CPU (admit.h, make_nonce) */
 	struct syn_state st;
 	struct session_val sess;
 	struct flow_val fwd, rev, known;
@@ -311,7 +327,10 @@ _Static_assert(__builtin_offsetof(struct flow_val, out) == FLOW_HEAD_LEN &&
 	       __builtin_offsetof(struct flow_val4, flags) == __builtin_offsetof(struct flow_val, flags) &&
 	       __builtin_offsetof(struct flow_val4, sess_id) == __builtin_offsetof(struct flow_val, sess_id),
 	       "flow_val and flow_val4 share their head");
-_Static_assert(sizeof(struct session_val) == 80, "session_val is 80 bytes");
+_Static_assert(sizeof(struct session_val) == 88, "session_val is 88 bytes");
+_Static_assert(__builtin_offsetof(struct session_val, ho_src) % 8 == 0, "session_val.ho_src is aligned");
+_Static_assert(__builtin_offsetof(struct scratch, buf) == 0 && sizeof(((struct scratch *)0)->buf) % 8 == 4,
+	       "the MAC's input is read in words from buf");
 _Static_assert(MAX_POLICIES * POLICY_BANKS < 0xffff, "a policy slot + 1 fits session_val.policy");
 _Static_assert(__builtin_offsetof(struct flow_val, flags) % 4 == 0, "flow_val.flags is aligned");
 _Static_assert(__builtin_offsetof(struct flow_val, packets) % 8 == 0, "flow_val counters are aligned");

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR MIT) */
 /* SYN set-up (§2.1, §4.2). A session's SYN carries the rest of its chain in
  * an address-list block, announced by the marking option. On ingress,
- * ingress_syn checks a SYN's block, records the session and its two flows
+ * ingress_syn checks a SYN's block, admits it (admit.h), records the session and its two flows
  * at this host and hands the stack a plain SYN of the session, with a local
  * tag if the chain goes on from here. On egress, dysco_setup resolves a new
  * session's chain (resolve_policy) or takes up a tagged or known one, and
@@ -19,8 +19,8 @@
  * Maps: dysco_sessions and dysco_syns (insert; delete on failure),
  * dysco_flows4 or dysco_flows6 (insert), dysco_ids (alloc_session),
  * dysco_policies and dysco_types (read; a type's round-robin cursor),
- * dysco_trusted and dysco_local (read), dysco_scratch, dysco_config (read,
- * tap_on), dysco_stats. */
+ * dysco_keys and dysco_trusted (read), dysco_halfopen, dysco_local (read),
+ * dysco_scratch, dysco_config (read, tap_on), dysco_stats. */
 #ifndef DYSCO_SYN_H
 #define DYSCO_SYN_H
 
@@ -37,6 +37,7 @@
 #include "session.h"
 #include "route.h"
 #include "handshake.h"
+#include "admit.h"
 #include "noforward.h"
 
 /* tag_opt writes the local tag of session id tag (§4.2 "Tagging SYN
@@ -119,15 +120,15 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 	struct scratch *sc = bpf_map_lookup_elem(&dysco_scratch, &k0);
 	struct syn_state *st;
 	__u8 *b;
-	int local_dst, keep_tag;
+	int local_dst, keep_tag, rc;
 
 	if (!sc)
 		return TC_ACT_SHOT;
 	st = &sc->st;
 	b = sc->buf;
 	if (opt[5]) {
-		/* Byte 5 of a SYN block's option is 0 in version 1 (only a
-		 * local tag uses it, and that never arrives from the wire). */
+		/* Byte 5 of a SYN block's option is 0 (only a local tag uses
+		 * it, and that never arrives from the wire). */
 		stat_inc(STAT_DROP_MALFORMED);
 		return TC_ACT_SHOT;
 	}
@@ -157,8 +158,9 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		stat_inc(STAT_DROP_BAD_VERSION);
 		return TC_ACT_SHOT;
 	}
-	if (b[5] || b[7]) {
-		/* Version 1 defines no flags (wire.ErrReserved). */
+	if (b[5] || b[7] != DYSCO_PROTO_TCP) {
+		/* This version defines no flags (wire.ErrReserved), and TCP
+		 * sessions only (wire.ErrProto). */
 		stat_inc(STAT_DROP_MALFORMED);
 		return TC_ACT_SHOT;
 	}
@@ -169,6 +171,12 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 	}
 	if (blen != DYSCO_BLOCK_HEADER_LEN + n * DYSCO_ADDR_LEN) {
 		stat_inc(STAT_DROP_BAD_LENGTH);
+		return TC_ACT_SHOT;
+	}
+	/* Admission (admit.h) before anything of the block is believed. */
+	rc = syn_admit(&p->t, b, blen);
+	if (rc) {
+		stat_inc(rc);
 		return TC_ACT_SHOT;
 	}
 	__builtin_memset(st, 0, sizeof(*st));
@@ -183,14 +191,6 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 	    (st->session.sport == st->session.dport && addr_eq(st->session.saddr, st->session.daddr))) {
 		stat_inc(STAT_DROP_BAD_SESSION);
 		return TC_ACT_SHOT;
-	}
-	if (enforce_trusted) {
-		struct trusted_key tk = {.prefixlen = 128};
-		__builtin_memcpy(tk.addr, p->t.saddr, 16);
-		if (!bpf_map_lookup_elem(&dysco_trusted, &tk)) {
-			stat_inc(STAT_DROP_UNTRUSTED);
-			return TC_ACT_SHOT;
-		}
 	}
 	/* A list naming this host or repeating an address would loop. */
 	for (i = 0; i < DYSCO_MAX_HOPS; i++) {
@@ -235,11 +235,19 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		struct session_val *s = &sc->sess;
 		struct flow_val *in = &sc->fwd, *out = &sc->rev;
 		struct dysco_tuple *rkey = &sc->rkey;
+		__u64 src = ho_source(p->t.saddr);
 
+		/* A source over its budget of half-open sessions sets up no
+		 * more until some are established or collected (admit.h). */
+		if (ho_over(src)) {
+			stat_inc(STAT_DROP_HALF_OPEN);
+			return TC_ACT_SHOT;
+		}
 		__builtin_memset(s, 0, sizeof(*s));
 		__builtin_memset(in, 0, sizeof(*in));
 		__builtin_memset(out, 0, sizeof(*out));
 
+		s->ho_src = src;
 		ends_of(&s->tuple, &st->session);
 		s->created_ms = s->last_ms = stamp();
 		__builtin_memcpy(s->nonce, st->nonce, DYSCO_NONCE_LEN);
@@ -273,6 +281,7 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 			stat_inc(STAT_DROP_SESSIONS_FULL);
 			return TC_ACT_SHOT;
 		}
+		ho_take(src);
 		stat_inc(n > 0 ? STAT_SETUP_CONT : STAT_SETUP_END);
 	}
 	ends_of(&sc->ends, &st->session);
@@ -386,17 +395,20 @@ static __always_inline int emit_syn(struct __sk_buff *skb, struct pkt *p, __u32 
 		b[4] = DYSCO_VERSION;
 		b[5] = 0;
 		b[6] = n - 1;
-		b[7] = 0;
+		b[7] = DYSCO_PROTO_TCP;
 		__builtin_memcpy(b + 8, st->nonce, DYSCO_NONCE_LEN);
 		__builtin_memcpy(b + 16, st->session.saddr, 16);
 		__builtin_memcpy(b + 32, st->session.daddr, 16);
 		__builtin_memcpy(b + 48, &st->session.sport, 2);
 		__builtin_memcpy(b + 50, &st->session.dport, 2);
+		__builtin_memset(b + DYSCO_MAC_OFF, 0, DYSCO_MAC_LEN);
 		for (i = 1; i < DYSCO_MAX_HOPS; i++) {
 			if (i >= n)
 				break;
 			copy16(b + DYSCO_BLOCK_HEADER_LEN + (i - 1) * DYSCO_ADDR_LEN, st->hops[i]);
 		}
+		/* Signed for the subsession it goes on (admit.h). */
+		syn_sign(b, blen, &out);
 	}
 
 	if (rewrite_tuple(skb, p, &out))

@@ -62,20 +62,27 @@ type Config struct {
 	// MaxSessions sizes the datapath's session maps (datapath.Config);
 	// 0: the datapath object's own size.
 	MaxSessions int
-	// Trusted, when not empty, is the set of prefixes Dysco SYNs are
-	// accepted from.
+	// Trusted is the set of prefixes whose Dysco SYNs are admitted
+	// without a valid MAC (with a ControlKeyFile, SYNs are admitted with a
+	// valid MAC or from these prefixes; without one, from these prefixes
+	// only, and none when the set is empty).
 	Trusted []netip.Prefix
 	// NoForwardCheck hands chained SYNs this host would have to forward
 	// to the stack even while IP forwarding is off (datapath.Config); by
 	// default the datapath refuses them at once (forwarding.go).
 	NoForwardCheck bool
+	// HalfOpenPerSource is the budget of half-open sessions that Dysco
+	// SYNs from one source (an IPv4 address or an IPv6 /64) may set up
+	// here; 0: datapath.DefaultHalfOpenPerSource.
+	HalfOpenPerSource int
 	// ControlPort is the UDP port of the reconfiguration protocol (§3.3).
 	ControlPort int
 	// ControlKeyFile holds the deployment secrets that authenticate
 	// control messages (internal/keys: one hex secret per line, the first
 	// signs, all are accepted; mode 0600, owned by root or the agent's
-	// user), read again on SIGHUP and when it changes; empty disables
-	// reconfiguration at this agent.
+	// user), read again on SIGHUP and when it changes. The keys derived
+	// from them also sign and admit Dysco SYNs (admission.go). Empty
+	// disables reconfiguration at this agent.
 	ControlKeyFile string
 	// StatePlugins are the state migration plug-ins (internal/migrate)
 	// this agent exports and imports with.
@@ -213,7 +220,7 @@ func Run(ctx context.Context, cfg Config) error {
 		tapIndex = uint32(idx)
 	}
 	dp, err := datapath.Load(datapath.Config{PinDir: cfg.PinDir, TapIfindex: tapIndex, PortLo: cfg.PortLo, PortN: cfg.PortN,
-		EnforceTrusted: len(cfg.Trusted) > 0, MaxSessions: cfg.MaxSessions, NoForwardCheck: cfg.NoForwardCheck})
+		HalfOpenPerSource: cfg.HalfOpenPerSource, MaxSessions: cfg.MaxSessions, NoForwardCheck: cfg.NoForwardCheck})
 	if err != nil {
 		return err
 	}
@@ -230,10 +237,8 @@ func Run(ctx context.Context, cfg Config) error {
 		a.mu.Unlock()
 		dp.Close()
 	}()
-	if len(cfg.Trusted) > 0 {
-		if err := dp.SetTrusted(cfg.Trusted); err != nil {
-			return err
-		}
+	if err := a.setAdmission(); err != nil {
+		return err
 	}
 	if cfg.Tap != "" {
 		if err := dp.AttachTap(cfg.Tap); err != nil {

@@ -126,7 +126,7 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 	out := api.Status{ControlKeys: keyIDs,
 		Name: a.cfg.Name, Version: Version, Started: a.started, PinDir: a.cfg.PinDir, Attach: a.dp.Attach,
 		Tap: a.cfg.Tap, TapActive: a.tapActive.Load(), Sessions: len(sess), PolicyVersion: a.server.Version, PolicyServer: a.cfg.PolicyServer,
-		PolicyServerOK: a.serverOK, Counters: st,
+		PolicyServerOK: a.serverOK, Counters: st, Admission: a.admission(),
 	}
 	a.mu.Unlock()
 	out.Ifaces = a.ifaceList()

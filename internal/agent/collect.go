@@ -56,7 +56,7 @@ func (a *Agent) collect() {
 	a.settleReroutes(reroutes)
 	capped := func(d time.Duration) time.Duration { return min(d, datapath.MaxAge-time.Minute) }
 	idleTimeout, halfOpen, linger := capped(a.cfg.IdleTimeout), capped(a.cfg.HalfOpenTimeout), capped(a.cfg.CloseLinger)
-	var dead []uint32
+	var dead, counted []uint32
 	if err := a.dp.EachSession(func(id uint32, s *datapath.Session) {
 		l, hasFlows := latest[id]
 		delete(latest, id) // what stays in latest afterwards has no session
@@ -73,11 +73,17 @@ func (a *Agent) collect() {
 			idle > idleTimeout,
 			!hasFlows && age > halfOpen:
 			dead = append(dead, id)
+			if s.HoSrc != 0 {
+				counted = append(counted, id)
+			}
 		}
 	}); err != nil {
 		a.log.Warn("collector: list sessions", "err", err)
 		return
 	}
+	// Sessions still counted against their source's half-open budget
+	// give their count back first (datapath.ReleaseHalfOpen).
+	a.dp.ReleaseHalfOpen(counted)
 	a.dp.DeleteSessions(dead)
 	a.dp.DeleteReconfigStates(dead)
 	if a.ctl != nil && len(dead) > 0 {

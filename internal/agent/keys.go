@@ -12,10 +12,15 @@ import (
 
 // onKeys takes a ring the control key file gave after a change (a step of
 // a rotation, docs/operating.md "Control keys"): control messages are
-// signed by its first secret's key from now on, and checked against all.
+// signed by its first secret's key from now on, and checked against all;
+// Dysco SYNs are signed under its first secret's SYN key, and admitted under
+// the first two's (admission.go).
 func (a *Agent) onKeys(r *keys.Ring) {
 	if a.ctl != nil {
 		a.ctl.SetKeys(protocol.KeysFromRing(r))
+	}
+	if err := a.setSynKeys(r); err != nil {
+		a.log.Error("SYN MAC keys not changed", "err", err)
 	}
 }
 

@@ -40,6 +40,9 @@ type Status struct {
 	// key file in use, the signing one first (none: reconfiguration is
 	// disabled).
 	ControlKeys []string `json:"control_keys,omitempty"`
+	// Admission says which Dysco SYNs the agent admits: with a valid MAC,
+	// from trusted prefixes, both, or none.
+	Admission string `json:"admission,omitempty"`
 	// Forwarding is whether the host forwards IP, per family; nil from an
 	// agent that does not tell.
 	Forwarding *Forwarding `json:"forwarding,omitempty"`

@@ -162,7 +162,8 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 	f.DurationVar(&cfg.CloseLinger, "close-linger", 10*time.Second, "keep closed sessions this long for retransmitted FINs and ACKs")
 	f.IntVar(&cfg.MaxSessions, "max-sessions", 0, fmt.Sprintf("sessions the datapath's maps hold, 1 to %d, four flow entries each (default: the datapath's own size, MAX_SESSIONS; 'dysco status' shows capacity_sessions); maps already pinned keep their size until --reset", datapath.MaxSessionsLimit))
 	f.StringVar(&ports, "ports", "", "subsession port range LOW-HIGH (default 20000-59999)")
-	f.StringSliceVar(&trusted, "trusted", nil, "accept Dysco SYNs only from these prefixes (default: from anyone)")
+	f.StringSliceVar(&trusted, "trusted", nil, "also admit Dysco SYNs without a valid MAC from these prefixes (without --control-key-file: only from them; with neither, Dysco SYNs from other hosts are refused)")
+	f.IntVar(&cfg.HalfOpenPerSource, "half-open-per-source", datapath.DefaultHalfOpenPerSource, "half-open sessions that Dysco SYNs from one source (IPv4 address or IPv6 /64) may set up here; more are dropped (drop_half_open)")
 	f.BoolVar(&forwardCheck, "forward-check", true, "refuse at once (a reset back to the client, counter drop_no_forward) chained SYNs this host must pass on while IP forwarding is off for their family; false for a host whose local transparent proxy takes them")
 	f.BoolVar(&reset, "reset", false, "remove the pinned datapath under --pin-dir (default: this namespace's) and exit")
 	f.BoolVar(&debug, "debug", false, "debug logging")
@@ -170,7 +171,7 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 	f.StringVar(&execTrace, "exec-trace", "", "write a Go execution trace of the agent to this file until it exits (go tool trace); {name} in it becomes --name")
 	f.IntVar(&cfg.ControlPort, "control-port", agent.DefaultControlPort, "UDP port of the reconfiguration protocol")
 	f.StringSliceVar(&cfg.StatePlugins, "state-plugins", []string{"conntrack", "api"}, "middlebox state this agent exports and imports for state migration (conntrack, api; empty: none)")
-	f.StringVar(&keyFile, "control-key-file", "", "file of deployment secrets that authenticate reconfiguration messages: one hex secret (at least 16 bytes) per line, '#' comments; the first signs, every one is accepted (rotation: docs/operating.md); mode 0600, owned by root or the agent's user; read again on SIGHUP and when it changes; without it reconfiguration is disabled")
+	f.StringVar(&keyFile, "control-key-file", "", "file of deployment secrets that authenticate reconfiguration messages and Dysco SYNs: one hex secret (at least 16 bytes) per line, '#' comments; the first signs, every one is accepted (Dysco SYNs: the first two; rotation: docs/operating.md); mode 0600, owned by root or the agent's user; read again on SIGHUP and when it changes; without it reconfiguration is disabled and Dysco SYNs are admitted from --trusted prefixes only")
 	return cmd
 }
 

@@ -136,6 +136,9 @@ func printStatus(w io.Writer, st api.Status, now time.Time) error {
 	default:
 		row("control keys", fmt.Sprintf("%s signs; also accepted: %s", st.ControlKeys[0], strings.Join(st.ControlKeys[1:], ", ")))
 	}
+	if st.Admission != "" {
+		row("syn admission", st.Admission)
+	}
 	if len(st.Counters) == 0 {
 		row("counters", "none")
 	} else {

@@ -247,8 +247,8 @@ func (d *Datapath) SetTypes(types [][]netip.Addr) error {
 	return nil
 }
 
-// SetTrusted replaces the prefixes allowed to send Dysco SYNs (used when the
-// datapath was loaded with EnforceTrusted).
+// SetTrusted replaces the prefixes whose Dysco SYNs are admitted without a
+// valid MAC (admission.go).
 func (d *Datapath) SetTrusted(prefixes []netip.Prefix) error {
 	var k dyscoTrustedKey
 	var v uint8

@@ -33,13 +33,15 @@ type Config struct {
 	TapIfindex uint32
 	// PortLo and PortN give the range of subsession ports [PortLo, PortLo+PortN).
 	PortLo, PortN uint16
-	// EnforceTrusted accepts Dysco SYNs only from addresses in the trusted map.
-	EnforceTrusted bool
 	// NoForwardCheck hands chained SYNs that this host would have to
 	// forward to the stack even while IP forwarding is off for their
 	// family (a host whose local transparent proxy takes them); by default
 	// they are refused at once with a reset (drop_no_forward).
 	NoForwardCheck bool
+	// HalfOpenPerSource is the budget of half-open sessions one source
+	// (an IPv4 address or an IPv6 /64) may set up here (admission.go); 0:
+	// DefaultHalfOpenPerSource.
+	HalfOpenPerSource int
 	// MaxSessions sizes the session maps: this many sessions, and four
 	// flows each (a middlebox host's count). 0: the object's own size
 	// (MAX_SESSIONS in bpf/include/consts.h). Maps already pinned keep their
@@ -114,12 +116,18 @@ func Load(cfg Config) (*Datapath, error) {
 	if err != nil {
 		return nil, fmt.Errorf("datapath: %w", err)
 	}
+	if cfg.HalfOpenPerSource == 0 {
+		cfg.HalfOpenPerSource = DefaultHalfOpenPerSource
+	}
+	if err := checkHalfOpen(cfg.HalfOpenPerSource); err != nil {
+		return nil, err
+	}
 	for name, v := range map[string]any{
-		"tap_ifindex":     cfg.TapIfindex,
-		"port_lo":         cfg.PortLo,
-		"port_n":          cfg.PortN,
-		"enforce_trusted": boolU8(cfg.EnforceTrusted),
-		"forward_check":   boolU8(!cfg.NoForwardCheck),
+		"tap_ifindex":   cfg.TapIfindex,
+		"port_lo":       cfg.PortLo,
+		"port_n":        cfg.PortN,
+		"half_open_max": uint32(cfg.HalfOpenPerSource),
+		"forward_check": boolU8(!cfg.NoForwardCheck),
 	} {
 		if err := spec.Variables[name].Set(v); err != nil {
 			return nil, fmt.Errorf("datapath: set %s: %w", name, err)
@@ -156,6 +164,10 @@ func Load(cfg Config) (*Datapath, error) {
 	}
 	if cookie, err := NetnsCookie(); err == nil {
 		_ = d.objs.DyscoIds.Put(uint32(idsNetns), cookie)
+	}
+	if err := d.ensureNonceKey(); err != nil {
+		d.Close()
+		return nil, err
 	}
 	if err := d.objs.DyscoProgs.Put(uint32(progSetup), d.objs.DyscoSetup); err != nil {
 		d.Close()

@@ -128,6 +128,14 @@ type dyscoHoldBuf struct {
 	Frame [65600]uint8
 }
 
+type dyscoMacKey struct {
+	_   structs.HostLayout
+	K0  uint64
+	K1  uint64
+	Set uint32
+	Pad uint32
+}
+
 type dyscoPolicyVal struct {
 	_      structs.HostLayout
 	N_hops uint8
@@ -139,19 +147,20 @@ type dyscoPolicyVal struct {
 }
 
 type dyscoScratch struct {
-	_     structs.HostLayout
-	Buf   [188]uint8
-	St    dyscoSynState
-	Sess  dyscoSessionVal
-	_     [4]byte
-	Fwd   dyscoFlowVal
-	Rev   dyscoFlowVal
-	Known dyscoFlowVal
-	V4    dyscoFlowVal4
-	Fout  dyscoDyscoEnds
-	Next  dyscoDyscoTuple
-	Rkey  dyscoDyscoTuple
-	Ends  dyscoDyscoEnds
+	_        structs.HostLayout
+	Buf      [236]uint8
+	_        [4]byte
+	NonceCtr uint64
+	St       dyscoSynState
+	Sess     dyscoSessionVal
+	Fwd      dyscoFlowVal
+	Rev      dyscoFlowVal
+	Known    dyscoFlowVal
+	V4       dyscoFlowVal4
+	Fout     dyscoDyscoEnds
+	Next     dyscoDyscoTuple
+	Rkey     dyscoDyscoTuple
+	Ends     dyscoDyscoEnds
 }
 
 type dyscoSessionVal struct {
@@ -169,6 +178,7 @@ type dyscoSessionVal struct {
 	Ws        [2]uint8
 	HasTs     uint8
 	Pad       uint8
+	HoSrc     uint64
 }
 
 type dyscoSynState struct {
@@ -250,37 +260,39 @@ type dyscoTypeVal struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	dyscoMapDyscoAgent     = "dysco_agent"
-	dyscoMapDyscoConfig    = "dysco_config"
-	dyscoMapDyscoCtlBuf    = "dysco_ctl_buf"
-	dyscoMapDyscoDeltas    = "dysco_deltas"
-	dyscoMapDyscoEvents    = "dysco_events"
-	dyscoMapDyscoFlows4    = "dysco_flows4"
-	dyscoMapDyscoFlows6    = "dysco_flows6"
-	dyscoMapDyscoHold      = "dysco_hold"
-	dyscoMapDyscoHoldBuf   = "dysco_hold_buf"
-	dyscoMapDyscoIds       = "dysco_ids"
-	dyscoMapDyscoLocal     = "dysco_local"
-	dyscoMapDyscoPolicies  = "dysco_policies"
-	dyscoMapDyscoProgs     = "dysco_progs"
-	dyscoMapDyscoScratch   = "dysco_scratch"
-	dyscoMapDyscoSessions  = "dysco_sessions"
-	dyscoMapDyscoStats     = "dysco_stats"
-	dyscoMapDyscoSyns      = "dysco_syns"
-	dyscoMapDyscoTp        = "dysco_tp"
-	dyscoMapDyscoTpReq     = "dysco_tp_req"
-	dyscoMapDyscoTrusted   = "dysco_trusted"
-	dyscoMapDyscoTypes     = "dysco_types"
-	dyscoProgDyscoCtl      = "dysco_ctl"
-	dyscoProgDyscoEgress   = "dysco_egress"
-	dyscoProgDyscoIngress  = "dysco_ingress"
-	dyscoProgDyscoSetup    = "dysco_setup"
-	dyscoProgDyscoTapDrop  = "dysco_tap_drop"
-	dyscoVarEnforceTrusted = "enforce_trusted"
-	dyscoVarForwardCheck   = "forward_check"
-	dyscoVarPortLo         = "port_lo"
-	dyscoVarPortN          = "port_n"
-	dyscoVarTapIfindex     = "tap_ifindex"
+	dyscoMapDyscoAgent    = "dysco_agent"
+	dyscoMapDyscoConfig   = "dysco_config"
+	dyscoMapDyscoCtlBuf   = "dysco_ctl_buf"
+	dyscoMapDyscoDeltas   = "dysco_deltas"
+	dyscoMapDyscoEvents   = "dysco_events"
+	dyscoMapDyscoFlows4   = "dysco_flows4"
+	dyscoMapDyscoFlows6   = "dysco_flows6"
+	dyscoMapDyscoHalfopen = "dysco_halfopen"
+	dyscoMapDyscoHold     = "dysco_hold"
+	dyscoMapDyscoHoldBuf  = "dysco_hold_buf"
+	dyscoMapDyscoIds      = "dysco_ids"
+	dyscoMapDyscoKeys     = "dysco_keys"
+	dyscoMapDyscoLocal    = "dysco_local"
+	dyscoMapDyscoPolicies = "dysco_policies"
+	dyscoMapDyscoProgs    = "dysco_progs"
+	dyscoMapDyscoScratch  = "dysco_scratch"
+	dyscoMapDyscoSessions = "dysco_sessions"
+	dyscoMapDyscoStats    = "dysco_stats"
+	dyscoMapDyscoSyns     = "dysco_syns"
+	dyscoMapDyscoTp       = "dysco_tp"
+	dyscoMapDyscoTpReq    = "dysco_tp_req"
+	dyscoMapDyscoTrusted  = "dysco_trusted"
+	dyscoMapDyscoTypes    = "dysco_types"
+	dyscoProgDyscoCtl     = "dysco_ctl"
+	dyscoProgDyscoEgress  = "dysco_egress"
+	dyscoProgDyscoIngress = "dysco_ingress"
+	dyscoProgDyscoSetup   = "dysco_setup"
+	dyscoProgDyscoTapDrop = "dysco_tap_drop"
+	dyscoVarForwardCheck  = "forward_check"
+	dyscoVarHalfOpenMax   = "half_open_max"
+	dyscoVarPortLo        = "port_lo"
+	dyscoVarPortN         = "port_n"
+	dyscoVarTapIfindex    = "tap_ifindex"
 )
 
 // loadDysco returns the embedded CollectionSpec for dysco.
@@ -343,9 +355,11 @@ type dyscoMapSpecs struct {
 	DyscoEvents   *ebpf.MapSpec `ebpf:"dysco_events"`
 	DyscoFlows4   *ebpf.MapSpec `ebpf:"dysco_flows4"`
 	DyscoFlows6   *ebpf.MapSpec `ebpf:"dysco_flows6"`
+	DyscoHalfopen *ebpf.MapSpec `ebpf:"dysco_halfopen"`
 	DyscoHold     *ebpf.MapSpec `ebpf:"dysco_hold"`
 	DyscoHoldBuf  *ebpf.MapSpec `ebpf:"dysco_hold_buf"`
 	DyscoIds      *ebpf.MapSpec `ebpf:"dysco_ids"`
+	DyscoKeys     *ebpf.MapSpec `ebpf:"dysco_keys"`
 	DyscoLocal    *ebpf.MapSpec `ebpf:"dysco_local"`
 	DyscoPolicies *ebpf.MapSpec `ebpf:"dysco_policies"`
 	DyscoProgs    *ebpf.MapSpec `ebpf:"dysco_progs"`
@@ -363,11 +377,11 @@ type dyscoMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type dyscoVariableSpecs struct {
-	EnforceTrusted *ebpf.VariableSpec `ebpf:"enforce_trusted"`
-	ForwardCheck   *ebpf.VariableSpec `ebpf:"forward_check"`
-	PortLo         *ebpf.VariableSpec `ebpf:"port_lo"`
-	PortN          *ebpf.VariableSpec `ebpf:"port_n"`
-	TapIfindex     *ebpf.VariableSpec `ebpf:"tap_ifindex"`
+	ForwardCheck *ebpf.VariableSpec `ebpf:"forward_check"`
+	HalfOpenMax  *ebpf.VariableSpec `ebpf:"half_open_max"`
+	PortLo       *ebpf.VariableSpec `ebpf:"port_lo"`
+	PortN        *ebpf.VariableSpec `ebpf:"port_n"`
+	TapIfindex   *ebpf.VariableSpec `ebpf:"tap_ifindex"`
 }
 
 // dyscoObjects contains all objects after they have been loaded into the kernel.
@@ -397,9 +411,11 @@ type dyscoMaps struct {
 	DyscoEvents   *ebpf.Map `ebpf:"dysco_events"`
 	DyscoFlows4   *ebpf.Map `ebpf:"dysco_flows4"`
 	DyscoFlows6   *ebpf.Map `ebpf:"dysco_flows6"`
+	DyscoHalfopen *ebpf.Map `ebpf:"dysco_halfopen"`
 	DyscoHold     *ebpf.Map `ebpf:"dysco_hold"`
 	DyscoHoldBuf  *ebpf.Map `ebpf:"dysco_hold_buf"`
 	DyscoIds      *ebpf.Map `ebpf:"dysco_ids"`
+	DyscoKeys     *ebpf.Map `ebpf:"dysco_keys"`
 	DyscoLocal    *ebpf.Map `ebpf:"dysco_local"`
 	DyscoPolicies *ebpf.Map `ebpf:"dysco_policies"`
 	DyscoProgs    *ebpf.Map `ebpf:"dysco_progs"`
@@ -422,9 +438,11 @@ func (m *dyscoMaps) Close() error {
 		m.DyscoEvents,
 		m.DyscoFlows4,
 		m.DyscoFlows6,
+		m.DyscoHalfopen,
 		m.DyscoHold,
 		m.DyscoHoldBuf,
 		m.DyscoIds,
+		m.DyscoKeys,
 		m.DyscoLocal,
 		m.DyscoPolicies,
 		m.DyscoProgs,
@@ -443,11 +461,11 @@ func (m *dyscoMaps) Close() error {
 //
 // It can be passed to loadDyscoObjects or ebpf.CollectionSpec.LoadAndAssign.
 type dyscoVariables struct {
-	EnforceTrusted *ebpf.Variable `ebpf:"enforce_trusted"`
-	ForwardCheck   *ebpf.Variable `ebpf:"forward_check"`
-	PortLo         *ebpf.Variable `ebpf:"port_lo"`
-	PortN          *ebpf.Variable `ebpf:"port_n"`
-	TapIfindex     *ebpf.Variable `ebpf:"tap_ifindex"`
+	ForwardCheck *ebpf.Variable `ebpf:"forward_check"`
+	HalfOpenMax  *ebpf.Variable `ebpf:"half_open_max"`
+	PortLo       *ebpf.Variable `ebpf:"port_lo"`
+	PortN        *ebpf.Variable `ebpf:"port_n"`
+	TapIfindex   *ebpf.Variable `ebpf:"tap_ifindex"`
 }
 
 // dyscoPrograms contains all programs after they have been loaded into the kernel.

@@ -206,6 +206,9 @@ func newFixtureWith(t testing.TB, configure func(n *testNet, cfg *Config)) *fixt
 	if err := d.SetLocalAddrs([]netip.Addr{hostV4, hostV6}); err != nil {
 		t.Fatal(err)
 	}
+	if err := d.SetSynKeys(&fxSynKey, nil); err != nil {
+		t.Fatal(err)
+	}
 	return fx
 }
 
@@ -231,7 +234,7 @@ func (fx *fixture) run(tb testing.TB, prog *ebpf.Program, frame []byte) (uint32,
 func (fx *fixture) reset(tb testing.TB) {
 	tb.Helper()
 	m := fx.d.Maps()
-	for _, name := range []string{"flows4", "flows6", "sessions", "syns", "deltas"} {
+	for _, name := range []string{"flows4", "flows6", "sessions", "syns", "deltas", "halfopen"} {
 		clearHash(tb, m[name])
 	}
 	if err := fx.d.SetPolicies(nil); err != nil {

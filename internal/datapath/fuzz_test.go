@@ -17,7 +17,8 @@ import (
 //   - drop the SYN, move exactly one drop counter, and keep no state;
 //   - let it pass unchanged and keep no state (not a Dysco SYN);
 //   - take it as a Dysco SYN: then the block is one that the agent's own
-//     decoder (wire.Decode) accepts, of the announced length, and the
+//     decoder (wire.Decode) accepts, of the announced length, with a MAC
+//     that verifies (wire.VerifyBlock) for its subsession, and the
 //     datapath keeps exactly the block's session, its two flows and, where
 //     hops remain, one set-up state with those hops.
 //
@@ -51,8 +52,10 @@ func FuzzIngressSYN(f *testing.F) {
 		{rawBlock(tup(apOf(clientV4, 40000), apOf(clientV4, 40000)), n, 1, serverV4), wire.BlockHeaderLen + wire.AddrLen, false, 0},
 	}
 	for _, s := range seeds {
-		f.Add(s.blk, uint16(s.blen), s.v6, s.typ)
+		f.Add(s.blk, uint16(s.blen), s.v6, s.typ|0x10) // signed
 	}
+	f.Add(good4, uint16(len(good4)), false, uint8(0)) // not signed: a forged MAC
+	f.Add(good6, uint16(len(good6)), true, uint8(0))
 	fx := newFixture(f)
 	f.Fuzz(func(t *testing.T, blk []byte, blen uint16, v6 bool, typ uint8) {
 		if len(blk) > 1200 { // the frame stays within the test device's MTU
@@ -72,14 +75,18 @@ func FuzzIngressSYN(f *testing.F) {
 		if typ&0x20 != 0 {
 			blen = uint16(len(blk))
 		}
-		typ &= 0x1f
+		sign := typ&0x80 != 0 || typ&0x10 != 0
+		typ &= 0x0f
 		sub := subIn4
 		if v6 {
 			sub = subIn6
 		}
 		fx.reset(t)
-		in := dyscoSYN(sub, blk, int(blen))
-		if typ != 0 { // the option's type byte (low 5 bits): 0 keeps the SYN block's
+		in := dyscoSYNRaw(sub, blk, int(blen))
+		if sign { // a MAC made for the subsession, so that the checks after it are reached
+			in = dyscoSYN(sub, blk, int(blen))
+		}
+		if typ != 0 { // the option's type byte (low 4 bits): 0 keeps the SYN block's
 			o := wire.Option(int(blen))
 			o[4] = typ
 			in.opts[len(in.opts)-1] = optRaw(o[:]...)
@@ -120,6 +127,9 @@ func FuzzIngressSYN(f *testing.F) {
 			b, err := wire.Decode(blk)
 			if err != nil {
 				t.Fatalf("accepted a block the agent's decoder refuses: %v", err)
+			}
+			if !wire.VerifyBlock(fxSynKey, in.payload, sub) {
+				t.Errorf("accepted a block whose MAC does not verify for %v", sub)
 			}
 			if b.Session.Is4() != sub.Is4() {
 				t.Errorf("accepted a block of session %v on subsession %v", b.Session, sub)

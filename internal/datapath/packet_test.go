@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/netip"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 
@@ -336,6 +337,7 @@ func rawBlock(sess wire.Tuple, nonce [wire.NonceLen]byte, n int, hops ...netip.A
 	binary.BigEndian.PutUint32(b, wire.Magic)
 	b[4] = wire.Version
 	b[6] = byte(n)
+	b[7] = wire.ProtoTCP
 	copy(b[8:], nonce[:])
 	if sess.Src.IsValid() {
 		a := sess.Src.As16()
@@ -364,9 +366,29 @@ func block(tb testing.TB, sess wire.Tuple, nonce [wire.NonceLen]byte, hops ...ne
 	return b
 }
 
-// dyscoSYN is a SYN on a subsession carrying blk, marked as Linux options plus
-// the marking option announcing blen bytes.
+// bl is the length of a block of n hops.
+func bl(n int) int { return wire.BlockHeaderLen + n*wire.AddrLen }
+
+// fxSynKey is the SYN MAC key of the fixtures' datapath (newFixtureWith).
+var fxSynKey = wire.MACKey{0x5e, 0xc2, 0xe7, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, 0x09, 0x0a, 0x0b, 0x0c, 0x0d}
+
+// signed returns blk signed under key for subsession sub (a copy; blk as
+// it is if it is shorter than a block header).
+func signed(key wire.MACKey, blk []byte, sub wire.Tuple) []byte {
+	c := slices.Clone(blk)
+	wire.SignBlock(key, c, sub)
+	return c
+}
+
+// dyscoSYN is a SYN on a subsession carrying blk signed for it under
+// fxSynKey, marked as Linux options plus the marking option announcing
+// blen bytes.
 func dyscoSYN(sub wire.Tuple, blk []byte, blen int) pkt {
+	return dyscoSYNRaw(sub, signed(fxSynKey, blk, sub), blen)
+}
+
+// dyscoSYNRaw is dyscoSYN with blk as it is (its MAC not made).
+func dyscoSYNRaw(sub wire.Tuple, blk []byte, blen int) pkt {
 	p := pkt{seq: 0x11223344, flags: "S", win: 64240, opts: append(synOpts(), optDysco(blen)), payload: blk}
 	return p.with(sub)
 }

@@ -15,6 +15,7 @@ var StatNames = []string{
 	"rewrite_in", "rewrite_out", "tap",
 	"drop_malformed", "drop_bad_magic", "drop_bad_version", "drop_bad_length",
 	"drop_too_many_hops", "drop_loop", "drop_bad_session", "drop_untrusted",
+	"drop_bad_mac", "drop_half_open",
 	"drop_sessions_full", "drop_flows_full", "drop_no_port", "drop_no_route",
 	"drop_option_space", "drop_syn_data", "drop_no_setup", "drop_bad_policy",
 	"drop_no_syn_state", "drop_helper",

@@ -49,7 +49,11 @@ func checkEmitted(t *testing.T, in pkt, out []byte, session wire.Tuple, nonce [w
 	if b.Session != session || b.Nonce != nonce || !equalAddrs(b.Hops, hops) {
 		t.Errorf("block session %v nonce %x hops %v, want %v %x %v", b.Session, b.Nonce, b.Hops, session, nonce, hops)
 	}
-	exp := in.with(sub).withOpts(append(slices.Clone(opts), optDysco(b.Len()))...).withPayload(block(t, session, nonce, hops...))
+	// Signed for the subsession it goes on, as package wire computes it.
+	if !wire.VerifyBlock(fxSynKey, tcp.Payload, sub) {
+		t.Errorf("the emitted block's MAC %x does not verify for %v", b.MAC, sub)
+	}
+	exp := in.with(sub).withOpts(append(slices.Clone(opts), optDysco(b.Len()))...).withPayload(signed(fxSynKey, block(t, session, nonce, hops...), sub))
 	expectFrame(t, out, exp)
 	return sub
 }

@@ -184,55 +184,55 @@ func TestIngressBadSYN(t *testing.T) {
 		verdict uint32
 		stat    string // counter expected to move by one; "" none
 	}{
-		{name: "bad magic", in: dyscoSYN(subIn4, mut(good(), func(b []byte) { b[0] = 'X' }), 68), verdict: tcActShot, stat: "drop_bad_magic"},
-		{name: "unknown version", in: dyscoSYN(subIn4, mut(good(), func(b []byte) { b[4] = 2 }), 68), verdict: tcActShot, stat: "drop_bad_version"},
-		{name: "too many hops, header only", in: dyscoSYN(subIn4, rawBlock(sess4, n, 9), 52), verdict: tcActShot, stat: "drop_too_many_hops"},
-		{name: "too many hops, all listed", in: dyscoSYN(subIn4, rawBlock(sess4, n, 9, hops9...), 52+9*16), verdict: tcActShot, stat: "drop_too_many_hops"},
-		{name: "block length differs from option", in: dyscoSYN(subIn4, good(), 52), verdict: tcActShot, stat: "drop_bad_length"},
-		{name: "option announces more than the payload", in: dyscoSYN(subIn4, good(), 84), verdict: tcActShot, stat: "drop_bad_length"},
-		{name: "block length differs from hop count", in: dyscoSYN(subIn4, rawBlock(sess4, n, 2, serverV4), 68), verdict: tcActShot, stat: "drop_bad_length"},
+		{name: "bad magic", in: dyscoSYN(subIn4, mut(good(), func(b []byte) { b[0] = 'X' }), bl(1)), verdict: tcActShot, stat: "drop_bad_magic"},
+		{name: "unknown version", in: dyscoSYN(subIn4, mut(good(), func(b []byte) { b[4] = 1 }), bl(1)), verdict: tcActShot, stat: "drop_bad_version"},
+		{name: "too many hops, header only", in: dyscoSYN(subIn4, rawBlock(sess4, n, 9), bl(0)), verdict: tcActShot, stat: "drop_too_many_hops"},
+		{name: "too many hops, all listed", in: dyscoSYN(subIn4, rawBlock(sess4, n, 9, hops9...), bl(9)), verdict: tcActShot, stat: "drop_too_many_hops"},
+		{name: "block length differs from option", in: dyscoSYN(subIn4, good(), bl(0)), verdict: tcActShot, stat: "drop_bad_length"},
+		{name: "option announces more than the payload", in: dyscoSYN(subIn4, good(), bl(2)), verdict: tcActShot, stat: "drop_bad_length"},
+		{name: "block length differs from hop count", in: dyscoSYN(subIn4, rawBlock(sess4, n, 2, serverV4), bl(1)), verdict: tcActShot, stat: "drop_bad_length"},
 		{name: "block shorter than its header", in: dyscoSYN(subIn4, good()[:48], 48), verdict: tcActShot, stat: "drop_bad_length"},
 		{name: "marking option without a block", in: dyscoSYN(subIn4, nil, 0), verdict: tcActShot, stat: "drop_bad_length"},
 		{name: "truncated block: frame shorter than the IP length", in: func() pkt {
-			p := dyscoSYN(subIn4, good(), 68)
+			p := dyscoSYN(subIn4, good(), bl(1))
 			p.cut = 20
 			return p
 		}(), verdict: tcActShot, stat: "drop_malformed"},
-		{name: "address list names this host", in: dyscoSYN(subIn4, block(t, sess4, n, hostV4, serverV4), 84), verdict: tcActShot, stat: "drop_loop"},
-		{name: "address list names this host v6", in: dyscoSYN(subIn6, block(t, sess6, n, serverV6, hostV6), 84), verdict: tcActShot, stat: "drop_loop"},
-		{name: "repeated address", in: dyscoSYN(subIn4, rawBlock(sess4, n, 3, mboxV4, serverV4, mboxV4), 100), verdict: tcActShot, stat: "drop_loop"},
-		{name: "mixed families: v6 hop in a v4 block", in: dyscoSYN(subIn4, rawBlock(sess4, n, 1, serverV6), 68), verdict: tcActShot, stat: "drop_malformed"},
-		{name: "mixed families: v4 hop in a v6 block", in: dyscoSYN(subIn6, rawBlock(sess6, n, 1, serverV4), 68), verdict: tcActShot, stat: "drop_malformed"},
-		{name: "mixed families: v6 session in a v4 SYN", in: dyscoSYN(subIn4, good6(), 68), verdict: tcActShot, stat: "drop_bad_session"},
-		{name: "mixed families: session v4 to v6", in: dyscoSYN(subIn4, rawBlock(tup(apOf(clientV4, 40000), apOf(serverV6, 80)), n, 1, serverV4), 68), verdict: tcActShot, stat: "drop_bad_session"},
-		{name: "zero source port in session tuple", in: dyscoSYN(subIn4, rawBlock(tup(apOf(clientV4, 0), apOf(serverV4, 80)), n, 1, serverV4), 68), verdict: tcActShot, stat: "drop_bad_session"},
-		{name: "zero destination port in session tuple", in: dyscoSYN(subIn6, rawBlock(tup(apOf(clientV6, 40000), apOf(serverV6, 0)), n, 1, serverV6), 68), verdict: tcActShot, stat: "drop_bad_session"},
-		{name: "flags set", in: dyscoSYN(subIn4, mut(good(), func(b []byte) { b[5] = 1 }), 68), verdict: tcActShot, stat: "drop_malformed"},
-		{name: "reserved byte set", in: dyscoSYN(subIn6, mut(good6(), func(b []byte) { b[7] = 0x80 }), 68), verdict: tcActShot, stat: "drop_malformed"},
+		{name: "address list names this host", in: dyscoSYN(subIn4, block(t, sess4, n, hostV4, serverV4), bl(2)), verdict: tcActShot, stat: "drop_loop"},
+		{name: "address list names this host v6", in: dyscoSYN(subIn6, block(t, sess6, n, serverV6, hostV6), bl(2)), verdict: tcActShot, stat: "drop_loop"},
+		{name: "repeated address", in: dyscoSYN(subIn4, rawBlock(sess4, n, 3, mboxV4, serverV4, mboxV4), bl(3)), verdict: tcActShot, stat: "drop_loop"},
+		{name: "mixed families: v6 hop in a v4 block", in: dyscoSYN(subIn4, rawBlock(sess4, n, 1, serverV6), bl(1)), verdict: tcActShot, stat: "drop_malformed"},
+		{name: "mixed families: v4 hop in a v6 block", in: dyscoSYN(subIn6, rawBlock(sess6, n, 1, serverV4), bl(1)), verdict: tcActShot, stat: "drop_malformed"},
+		{name: "mixed families: v6 session in a v4 SYN", in: dyscoSYN(subIn4, good6(), bl(1)), verdict: tcActShot, stat: "drop_bad_session"},
+		{name: "mixed families: session v4 to v6", in: dyscoSYN(subIn4, rawBlock(tup(apOf(clientV4, 40000), apOf(serverV6, 80)), n, 1, serverV4), bl(1)), verdict: tcActShot, stat: "drop_bad_session"},
+		{name: "zero source port in session tuple", in: dyscoSYN(subIn4, rawBlock(tup(apOf(clientV4, 0), apOf(serverV4, 80)), n, 1, serverV4), bl(1)), verdict: tcActShot, stat: "drop_bad_session"},
+		{name: "zero destination port in session tuple", in: dyscoSYN(subIn6, rawBlock(tup(apOf(clientV6, 40000), apOf(serverV6, 0)), n, 1, serverV6), bl(1)), verdict: tcActShot, stat: "drop_bad_session"},
+		{name: "flags set", in: dyscoSYN(subIn4, mut(good(), func(b []byte) { b[5] = 1 }), bl(1)), verdict: tcActShot, stat: "drop_malformed"},
+		{name: "protocol not TCP", in: dyscoSYN(subIn6, mut(good6(), func(b []byte) { b[7] = 17 }), bl(1)), verdict: tcActShot, stat: "drop_malformed"},
 		{
 			name: "marking option's byte 5 set",
 			in: func() pkt {
-				p := dyscoSYN(subIn4, good(), 68)
-				o := wire.Option(68)
+				p := dyscoSYN(subIn4, good(), bl(1))
+				o := wire.Option(bl(1))
 				o[5] = 1
 				p.opts[len(p.opts)-1] = optRaw(o[:]...)
 				return p
 			}(),
 			verdict: tcActShot, stat: "drop_malformed",
 		},
-		{name: "session from an end to itself", in: dyscoSYN(subIn4, rawBlock(tup(apOf(clientV4, 40000), apOf(clientV4, 40000)), n, 1, serverV4), 68), verdict: tcActShot, stat: "drop_bad_session"},
-		{name: "session from an end to itself v6", in: dyscoSYN(subIn6, rawBlock(tup(apOf(serverV6, 443), apOf(serverV6, 443)), n, 1, serverV6), 68), verdict: tcActShot, stat: "drop_bad_session"},
-		{name: "unspecified session source", in: dyscoSYN(subIn4, rawBlock(tup(apOf(netip.AddrFrom4([4]byte{}), 40000), apOf(serverV4, 80)), n, 1, serverV4), 68), verdict: tcActShot, stat: "drop_bad_session"},
-		{name: "loopback session source", in: dyscoSYN(subIn4, rawBlock(tup(apOf(netip.MustParseAddr("127.0.0.1"), 40000), apOf(serverV4, 80)), n, 1, serverV4), 68), verdict: tcActShot, stat: "drop_bad_session"},
-		{name: "multicast session destination v6", in: dyscoSYN(subIn6, rawBlock(tup(apOf(clientV6, 40000), apOf(netip.MustParseAddr("ff02::1"), 80)), n, 1, serverV6), 68), verdict: tcActShot, stat: "drop_bad_session"},
-		{name: "broadcast session destination", in: dyscoSYN(subIn4, rawBlock(tup(apOf(clientV4, 40000), apOf(netip.AddrFrom4([4]byte{255, 255, 255, 255}), 80)), n, 1, serverV4), 68), verdict: tcActShot, stat: "drop_bad_session"},
-		{name: "unspecified hop v4", in: dyscoSYN(subIn4, rawBlock(sess4, n, 1, netip.AddrFrom4([4]byte{})), 68), verdict: tcActShot, stat: "drop_malformed"},
-		{name: "unspecified hop v6", in: dyscoSYN(subIn6, rawBlock(sess6, n, 1, netip.IPv6Unspecified()), 68), verdict: tcActShot, stat: "drop_malformed"},
-		{name: "loopback hop", in: dyscoSYN(subIn4, rawBlock(sess4, n, 2, mboxV4, netip.MustParseAddr("127.0.0.2")), 84), verdict: tcActShot, stat: "drop_malformed"},
-		{name: "loopback hop v6", in: dyscoSYN(subIn6, rawBlock(sess6, n, 1, netip.IPv6Loopback()), 68), verdict: tcActShot, stat: "drop_malformed"},
-		{name: "multicast hop", in: dyscoSYN(subIn4, rawBlock(sess4, n, 1, netip.MustParseAddr("224.0.0.5")), 68), verdict: tcActShot, stat: "drop_malformed"},
-		{name: "multicast hop v6", in: dyscoSYN(subIn6, rawBlock(sess6, n, 1, netip.MustParseAddr("ff05::2")), 68), verdict: tcActShot, stat: "drop_malformed"},
-		{name: "broadcast hop", in: dyscoSYN(subIn4, rawBlock(sess4, n, 1, netip.AddrFrom4([4]byte{255, 255, 255, 255})), 68), verdict: tcActShot, stat: "drop_malformed"},
+		{name: "session from an end to itself", in: dyscoSYN(subIn4, rawBlock(tup(apOf(clientV4, 40000), apOf(clientV4, 40000)), n, 1, serverV4), bl(1)), verdict: tcActShot, stat: "drop_bad_session"},
+		{name: "session from an end to itself v6", in: dyscoSYN(subIn6, rawBlock(tup(apOf(serverV6, 443), apOf(serverV6, 443)), n, 1, serverV6), bl(1)), verdict: tcActShot, stat: "drop_bad_session"},
+		{name: "unspecified session source", in: dyscoSYN(subIn4, rawBlock(tup(apOf(netip.AddrFrom4([4]byte{}), 40000), apOf(serverV4, 80)), n, 1, serverV4), bl(1)), verdict: tcActShot, stat: "drop_bad_session"},
+		{name: "loopback session source", in: dyscoSYN(subIn4, rawBlock(tup(apOf(netip.MustParseAddr("127.0.0.1"), 40000), apOf(serverV4, 80)), n, 1, serverV4), bl(1)), verdict: tcActShot, stat: "drop_bad_session"},
+		{name: "multicast session destination v6", in: dyscoSYN(subIn6, rawBlock(tup(apOf(clientV6, 40000), apOf(netip.MustParseAddr("ff02::1"), 80)), n, 1, serverV6), bl(1)), verdict: tcActShot, stat: "drop_bad_session"},
+		{name: "broadcast session destination", in: dyscoSYN(subIn4, rawBlock(tup(apOf(clientV4, 40000), apOf(netip.AddrFrom4([4]byte{255, 255, 255, 255}), 80)), n, 1, serverV4), bl(1)), verdict: tcActShot, stat: "drop_bad_session"},
+		{name: "unspecified hop v4", in: dyscoSYN(subIn4, rawBlock(sess4, n, 1, netip.AddrFrom4([4]byte{})), bl(1)), verdict: tcActShot, stat: "drop_malformed"},
+		{name: "unspecified hop v6", in: dyscoSYN(subIn6, rawBlock(sess6, n, 1, netip.IPv6Unspecified()), bl(1)), verdict: tcActShot, stat: "drop_malformed"},
+		{name: "loopback hop", in: dyscoSYN(subIn4, rawBlock(sess4, n, 2, mboxV4, netip.MustParseAddr("127.0.0.2")), bl(2)), verdict: tcActShot, stat: "drop_malformed"},
+		{name: "loopback hop v6", in: dyscoSYN(subIn6, rawBlock(sess6, n, 1, netip.IPv6Loopback()), bl(1)), verdict: tcActShot, stat: "drop_malformed"},
+		{name: "multicast hop", in: dyscoSYN(subIn4, rawBlock(sess4, n, 1, netip.MustParseAddr("224.0.0.5")), bl(1)), verdict: tcActShot, stat: "drop_malformed"},
+		{name: "multicast hop v6", in: dyscoSYN(subIn6, rawBlock(sess6, n, 1, netip.MustParseAddr("ff05::2")), bl(1)), verdict: tcActShot, stat: "drop_malformed"},
+		{name: "broadcast hop", in: dyscoSYN(subIn4, rawBlock(sess4, n, 1, netip.AddrFrom4([4]byte{255, 255, 255, 255})), bl(1)), verdict: tcActShot, stat: "drop_malformed"},
 		{
 			name: "local tag arriving from the wire is forged",
 			in: func() pkt {
@@ -245,8 +245,8 @@ func TestIngressBadSYN(t *testing.T) {
 		{
 			name: "kind 253 option of another experiment is not Dysco",
 			in: func() pkt {
-				p := dyscoSYN(subIn4, good(), 68)
-				p.opts = append(synOpts(), optRaw(253, 8, 0x12, 0x34, 1, 0, 0, 68))
+				p := dyscoSYN(subIn4, good(), bl(1))
+				p.opts = append(synOpts(), optRaw(253, 8, 0x12, 0x34, 1, 0, 0, byte(bl(1))))
 				return p
 			}(),
 			verdict: tcActOK,
@@ -272,8 +272,8 @@ func TestIngressBadSYN(t *testing.T) {
 		{
 			name: "marking option not last",
 			in: func() pkt {
-				p := dyscoSYN(subIn4, good(), 68)
-				p.opts = append([]layers.TCPOption{optDysco(68)}, synOpts()...)
+				p := dyscoSYN(subIn4, good(), bl(1))
+				p.opts = append([]layers.TCPOption{optDysco(bl(1))}, synOpts()...)
 				return p
 			}(),
 			verdict: tcActOK,
@@ -281,7 +281,7 @@ func TestIngressBadSYN(t *testing.T) {
 		{
 			name: "SYN-ACK with a marking option is not a Dysco SYN",
 			in: func() pkt {
-				p := dyscoSYN(subIn4, good(), 68)
+				p := dyscoSYN(subIn4, good(), bl(1))
 				p.flags, p.ack = "SA", 1
 				return p
 			}(),
@@ -316,7 +316,7 @@ func TestIngressBadSYN(t *testing.T) {
 // twice, too many hops.
 func TestPrependHops(t *testing.T) {
 	fx := newFixture(t)
-	frame := dyscoSYN(subIn4, block(t, sess4, nonceOf(4), serverV4), 68).frame(t)
+	frame := dyscoSYN(subIn4, block(t, sess4, nonceOf(4), serverV4), bl(1)).frame(t)
 	if verdict, _ := fx.run(t, fx.ingress, frame); verdict != tcActOK {
 		t.Fatalf("verdict %d for the SYN", verdict)
 	}

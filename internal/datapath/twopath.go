@@ -35,6 +35,7 @@ const (
 	ctlFreeReconf = 9
 	ctlAddSub     = 10
 	ctlClosed     = 11
+	ctlHoRelease  = 12
 
 	evProgress = 1
 )

@@ -26,6 +26,11 @@ func CHeader() []byte {
 		{"BLOCK_HEADER_LEN", BlockHeaderLen},
 		{"MAX_BLOCK_LEN", MaxBlockLen},
 		{"NONCE_LEN", NonceLen},
+		{"PROTO_TCP", ProtoTCP},
+		{"MAC_OFF", MACOff},
+		{"MAC_LEN", MACLen},
+		{"MAC_KEY_LEN", MACKeyLen},
+		{"MAC_SUB_LEN", MACSubLen},
 	} {
 		fmt.Fprintf(&b, "#define DYSCO_%s 0x%x\n", c.name, c.val)
 	}

@@ -13,9 +13,11 @@ import (
 //   - has a valid session tuple (addresses, non-zero ports, not to itself),
 //     session and hops all of one address family, no hop repeated;
 //   - encodes again (Encode) to a block that decodes to an equal block;
-//   - and to the input's bytes, but for the flags and reserved bytes (5 and
-//     7), which Decode ignores and Encode writes as zero: IPv4 addresses are
-//     read unmapped and written IPv4-mapped again.
+//   - and to the input's bytes exactly (the flags are 0, the protocol TCP,
+//     the MAC carried as is): IPv4 addresses are read unmapped and written
+//     IPv4-mapped again;
+//   - whose MAC, once signed for a subsession, verifies, and no longer
+//     verifies for another subsession or with any byte changed.
 //
 // `go test` runs the seeds; `go test -run '^$' -fuzz '^FuzzDecode$'
 // ./internal/wire` searches.
@@ -47,6 +49,7 @@ func FuzzDecode(f *testing.F) {
 	f.Add(good[:len(good)-1])
 	f.Add(mut(func(p []byte) []byte { return append(p, 0) }))
 	f.Add(mut(func(p []byte) []byte { p[5], p[7] = 0xff, 0xff; return p }))
+	f.Add(mut(func(p []byte) []byte { p[7] = 17; return p }))
 	f.Add(mut(func(p []byte) []byte { p[6] = MaxHops + 1; return p }))
 	f.Add(mut(func(p []byte) []byte { p[48], p[49] = 0, 0; return p }))
 	f.Add(mut(func(p []byte) []byte {
@@ -88,10 +91,28 @@ func FuzzDecode(f *testing.F) {
 		if !reflect.DeepEqual(again, b) {
 			t.Fatalf("round trip\n got %+v\nwant %+v", again, b)
 		}
-		want := append([]byte(nil), p...)
-		want[5], want[7] = 0, 0
-		if !bytes.Equal(enc, want) {
-			t.Fatalf("re-encoding differs from the input\n got %x\nwant %x", enc, want)
+		if !bytes.Equal(enc, p) {
+			t.Fatalf("re-encoding differs from the input\n got %x\nwant %x", enc, p)
+		}
+		key := MACKey{1, 2, 3}
+		sub := tuple("10.9.0.1", "10.9.0.2", 20001, 20002)
+		if !s.Src.Is4() {
+			sub = tuple("fd09::1", "fd09::2", 20001, 20002)
+		}
+		if !SignBlock(key, enc, sub) || !VerifyBlock(key, enc, sub) {
+			t.Fatalf("signed block does not verify")
+		}
+		other := sub
+		other.SrcPort++
+		if VerifyBlock(key, enc, other) {
+			t.Fatalf("block verifies on another subsession")
+		}
+		for i := range enc {
+			enc[i] ^= 0x40
+			if VerifyBlock(key, enc, sub) {
+				t.Fatalf("block verifies with byte %d changed", i)
+			}
+			enc[i] ^= 0x40
 		}
 	})
 }

@@ -40,17 +40,32 @@ const (
 	// Magic opens every SynBlock ("DYSC").
 	Magic = 0x44595343
 	// Version is the SynBlock version this code writes and accepts.
-	Version = 1
+	// Version 2 added the MAC and the protocol byte.
+	Version = 2
 	// MaxHops bounds the address list of a SYN block.
 	MaxHops = 8
 	// AddrLen is the size of one address: IPv4 is stored IPv4-mapped.
 	AddrLen = 16
 	// BlockHeaderLen is the fixed part of a SynBlock before the hops.
-	BlockHeaderLen = 52
+	BlockHeaderLen = 60
 	// MaxBlockLen is the largest SynBlock.
 	MaxBlockLen = BlockHeaderLen + MaxHops*AddrLen
 	// NonceLen is the size of the per-session nonce.
 	NonceLen = 8
+
+	// ProtoTCP is the session protocol a block of this version announces
+	// (byte 7, the IP protocol number); a receiver refuses any other.
+	ProtoTCP = 6
+	// MACOff is where the block's MAC sits, MACLen its size (SipHash-2-4
+	// output, little-endian as SipHash writes it).
+	MACOff = 52
+	MACLen = 8
+	// MACKeyLen is the size of a SYN MAC key (SipHash-2-4's 128 bits).
+	MACKeyLen = 16
+	// MACSubLen is the size of the subsession tuple appended to the block
+	// to form the MAC's input: source and destination address (16 bytes
+	// each, IPv4-mapped) and ports (2 each, network order).
+	MACSubLen = 36
 )
 
 // Tuple is a TCP five-tuple (the protocol is always TCP for now).
@@ -72,23 +87,27 @@ func (t Tuple) String() string {
 func (t Tuple) Is4() bool { return t.Src.Unmap().Is4() && t.Dst.Unmap().Is4() }
 
 // SynBlock is the payload of a Dysco SYN (§2.1): the session tuple, the
-// per-session nonce used later to authenticate control messages, and the
-// addresses still to be visited after the receiver. The receiver is the
+// per-session nonce used later to authenticate control messages, the
+// addresses still to be visited after the receiver, and a MAC that admits
+// the SYN at its receiver (BlockMAC). The receiver is the
 // destination of the packet carrying the block; when Hops is empty the
 // receiver ends the chain (it is the session's destination, or it hands the
 // plain SYN on by ordinary routing, §2.4).
 //
 // Layout, network byte order:
 //
-//	0  magic (4)   4 version (1)  5 flags (1)  6 hop count (1)  7 reserved (1)
+//	0  magic (4)   4 version (1)  5 flags (1)  6 hop count (1)  7 protocol (1, TCP)
 //	8  nonce (8)
 //	16 session source address (16)   32 session destination address (16)
 //	48 session source port (2)       50 session destination port (2)
-//	52 hops, 16 bytes each
+//	52 MAC (8)
+//	60 hops, 16 bytes each
 type SynBlock struct {
 	Session Tuple
 	Nonce   [NonceLen]byte
 	Hops    []netip.Addr
+	// MAC is carried as is by Encode and Decode; SignBlock computes it.
+	MAC [MACLen]byte
 }
 
 // Errors returned by Decode; the datapath counts the same cases as drops.
@@ -102,7 +121,8 @@ var (
 	ErrLoop       = errors.New("dysco syn block: address list repeats an address")
 	ErrBadSession = errors.New("dysco syn block: invalid session tuple")
 	ErrBadHop     = errors.New("dysco syn block: a hop is not a unicast address")
-	ErrReserved   = errors.New("dysco syn block: flags or reserved byte set")
+	ErrReserved   = errors.New("dysco syn block: flags set")
+	ErrProto      = errors.New("dysco syn block: protocol not supported")
 )
 
 // Unicast reports whether a can be a host of a session or a hop of a chain:
@@ -131,6 +151,7 @@ func (b *SynBlock) Encode(dst []byte) ([]byte, error) {
 	binary.BigEndian.PutUint32(h[0:], Magic)
 	h[4] = Version
 	h[6] = byte(len(b.Hops))
+	h[7] = ProtoTCP
 	copy(h[8:16], b.Nonce[:])
 	a := b.Session.Src.As16()
 	copy(h[16:32], a[:])
@@ -138,6 +159,7 @@ func (b *SynBlock) Encode(dst []byte) ([]byte, error) {
 	copy(h[32:48], a[:])
 	binary.BigEndian.PutUint16(h[48:], b.Session.SrcPort)
 	binary.BigEndian.PutUint16(h[50:], b.Session.DstPort)
+	copy(h[MACOff:], b.MAC[:])
 	dst = append(dst, h[:]...)
 	for _, hop := range b.Hops {
 		a := hop.As16()
@@ -157,10 +179,13 @@ func Decode(p []byte) (*SynBlock, error) {
 	if p[4] != Version {
 		return nil, fmt.Errorf("%w %d", ErrVersion, p[4])
 	}
-	// Version 1 defines no flags: a block with any set, or with the
-	// reserved byte set, is of a version this code does not know.
-	if p[5] != 0 || p[7] != 0 {
+	// Version 2 defines no flags: a block with any set is of a version
+	// this code does not know. Sessions are TCP only for now.
+	if p[5] != 0 {
 		return nil, ErrReserved
+	}
+	if p[7] != ProtoTCP {
+		return nil, ErrProto
 	}
 	n := int(p[6])
 	if n > MaxHops {
@@ -175,6 +200,7 @@ func Decode(p []byte) (*SynBlock, error) {
 	b.Session.Dst = addr16(p[32:48])
 	b.Session.SrcPort = binary.BigEndian.Uint16(p[48:])
 	b.Session.DstPort = binary.BigEndian.Uint16(p[50:])
+	copy(b.MAC[:], p[MACOff:MACOff+MACLen])
 	for i := 0; i < n; i++ {
 		off := BlockHeaderLen + i*AddrLen
 		b.Hops = append(b.Hops, addr16(p[off:off+AddrLen]))

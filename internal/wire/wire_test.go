@@ -16,7 +16,7 @@ func TestRoundTrip(t *testing.T) {
 	for _, b := range []SynBlock{
 		{Session: tuple("10.0.0.1", "10.0.0.9", 40000, 80), Nonce: [8]byte{1, 2, 3, 4, 5, 6, 7, 8},
 			Hops: []netip.Addr{netip.MustParseAddr("10.0.1.1"), netip.MustParseAddr("10.0.0.9")}},
-		{Session: tuple("fd00::1", "fd00::9", 1, 443)},
+		{Session: tuple("fd00::1", "fd00::9", 1, 443), MAC: [MACLen]byte{9, 8, 7}},
 	} {
 		enc, err := b.Encode(nil)
 		if err != nil {
@@ -29,7 +29,7 @@ func TestRoundTrip(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got.Session != b.Session || got.Nonce != b.Nonce || len(got.Hops) != len(b.Hops) {
+		if got.Session != b.Session || got.Nonce != b.Nonce || got.MAC != b.MAC || len(got.Hops) != len(b.Hops) {
 			t.Fatalf("round trip: got %+v, want %+v", got, b)
 		}
 		for i := range b.Hops {
@@ -56,7 +56,7 @@ func TestDecodeErrors(t *testing.T) {
 		"trailing": {mut(func(p []byte) []byte { return append(p, 0) }), ErrLength},
 		"port 0":   {mut(func(p []byte) []byte { p[48], p[49] = 0, 0; return p }), ErrBadSession},
 		"flags":    {mut(func(p []byte) []byte { p[5] = 1; return p }), ErrReserved},
-		"reserved": {mut(func(p []byte) []byte { p[7] = 0x80; return p }), ErrReserved},
+		"udp":      {mut(func(p []byte) []byte { p[7] = 17; return p }), ErrProto},
 		"to itself": {mut(func(p []byte) []byte {
 			copy(p[32:48], p[16:32])
 			copy(p[50:52], p[48:50])

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/dysco/dysco/internal/agent"
 	"github.com/dysco/dysco/internal/lab"
 	"github.com/dysco/dysco/internal/testutil"
 	"github.com/dysco/dysco/internal/wire"
@@ -343,12 +344,19 @@ func TestBadSYNs(t *testing.T) {
 		{"loop through this host", enc(wire.SynBlock{Session: good.Session, Hops: []netip.Addr{mb, dst}}), -1, "drop_loop"},
 		{"zero port", mut(func(p []byte) []byte { p[48], p[49] = 0, 0; return p }), -1, "drop_bad_session"},
 	}
+	// Each block is signed for its subsession with the lab's key, so that
+	// it is admitted and the check meant refuses it.
+	key, err := agent.SynMACKey(e.ctlKey())
+	if err != nil {
+		t.Fatal(err)
+	}
 	for i, c := range cases {
 		before := e.status("mb1").Counters[c.counter]
 		l := c.optLen
 		if l < 0 {
 			l = len(c.block)
 		}
+		wire.SignBlock(key, c.block, wire.Tuple{Src: src, Dst: mb, SrcPort: uint16(30000 + i), DstPort: 20000})
 		e.sendRawSYN("client", src, mb, uint16(30000+i), 20000, l, c.block)
 		testutil.Eventually(t, 5*time.Second, c.name+" to be counted as "+c.counter, func() bool {
 			return e.status("mb1").Counters[c.counter] > before
