@@ -115,6 +115,9 @@ type Agent struct {
 	applyMu sync.Mutex
 
 	tapActive atomic.Bool
+	// apiRefused counts local API connections refused for their peer
+	// (peer.go).
+	apiRefused atomic.Uint64
 
 	// fwd is IP forwarding as last read (forwarding.go); fwdWatch the
 	// main loop's state for logging refusals.

@@ -16,7 +16,6 @@ import (
 	"github.com/dysco/dysco/internal/policy"
 	"github.com/dysco/dysco/internal/protocol"
 	"github.com/dysco/dysco/internal/wire"
-	"golang.org/x/sys/unix"
 )
 
 // Version is the agent's version string.
@@ -30,7 +29,7 @@ func (a *Agent) serveAPI() (*http.Server, error) {
 		return nil, fmt.Errorf("agent: local API on %s: %w (is another agent running in this network namespace?)", a.cfg.Socket, err)
 	}
 	srv := &http.Server{Handler: a.apiMux(), ReadHeaderTimeout: 5 * time.Second}
-	go srv.Serve(rootOnly{ln})
+	go srv.Serve(&rootOnly{Listener: ln, log: a.log, refused: &a.apiRefused})
 	return srv, nil
 }
 
@@ -53,34 +52,6 @@ func (a *Agent) apiMux() *http.ServeMux {
 		mux.Handle("/v1/state/", a.providers.Handler())
 	}
 	return mux
-}
-
-// rootOnly accepts connections from root peers only.
-type rootOnly struct{ net.Listener }
-
-func (l rootOnly) Accept() (net.Conn, error) {
-	for {
-		c, err := l.Listener.Accept()
-		if err != nil {
-			return nil, err
-		}
-		uc, ok := c.(*net.UnixConn)
-		if !ok {
-			return c, nil
-		}
-		raw, err := uc.SyscallConn()
-		if err != nil {
-			c.Close()
-			continue
-		}
-		var cred *unix.Ucred
-		_ = raw.Control(func(fd uintptr) { cred, err = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED) })
-		if err != nil || cred.Uid != 0 {
-			c.Close()
-			continue
-		}
-		return c, nil
-	}
 }
 
 func writeJSON(w http.ResponseWriter, code int, v any) {
@@ -115,6 +86,7 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
+	st["api_refused_peers"] = a.apiRefused.Load()
 	var keyIDs []string
 	if a.keys != nil {
 		keyIDs = a.keys.Ring().IDs()
