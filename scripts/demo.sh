@@ -3,7 +3,8 @@
 # two unmodified middleboxes (an iptables firewall whose FORWARD policy is
 # DROP, and a tcpdump monitor on the session-view tap); a live download whose
 # middleboxes are deleted while it runs; an unmodified HAProxy that removes
-# itself from the session it relays (libdysco); then teardown; and last the
+# itself from the session it relays (libdysco); central policies from a policy
+# server over mutual TLS (certificates from `dysco certs`); then teardown; and last the
 # paper's proxy-removal experiment (`dysco lab run proxy-removal --quick`):
 # 200 live sessions (--quick; --full: 600), goodput and the proxy's CPU, nothing lost.
 set -euo pipefail
@@ -11,15 +12,35 @@ cd "$(dirname "$0")/.."
 D=bin/dysco
 LAB=demo
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
-cleanup() { $D lab down --name "$LAB" >/dev/null 2>&1 || true; rm -rf "$work"; }
+cleanup() {
+  [ -n "${ps:-}" ] && kill "$ps" 2>/dev/null && wait "$ps" 2>/dev/null
+  $D lab down --name "$LAB" >/dev/null 2>&1 || true
+  rm -rf "$work"
+}
 work=$(mktemp -d)
 trap cleanup EXIT INT TERM
 $D lab down --name "$LAB" >/dev/null 2>&1 || true
 
-say "Building a lab: client, mb1, mb2, server around a router (plain routing would bypass mb1 and mb2)"
-$D lab up --name "$LAB" --topology star --hosts client,mb1,mb2,server --agent-arg=--close-linger=2s
+say "Certificates of the management plane (dysco certs): a CA, the policy server's, one per agent, the operator's"
+PKI=$work/pki PS=https://10.200.1.1:7017
+$D certs ca --dir "$PKI" | sed 's/^/  /'
+$D certs server --dir "$PKI" --ip 10.200.1.1 | sed 's/^/  /'
+$D certs agent client mb1 mb2 server --dir "$PKI" | sed 's/^/  /'
+$D certs operator --dir "$PKI" | sed 's/^/  /'
+
+say "Building a lab: client, mb1, mb2, server around a router (plain routing would bypass mb1 and mb2); every agent has the deployment key and its certificate"
+$D lab up --name "$LAB" --topology star --hosts client,mb1,mb2,server --agent-arg=--close-linger=2s \
+  --agent-arg=--policy-server=$PS --agent-arg=--pki-dir="$PKI"
 on() { local h=$1; shift; ip netns exec "$LAB-$h" "$@"; }
 CLIENT=10.200.1.2 MB1=10.200.2.2 MB2=10.200.3.2 SERVER=10.200.4.2
+
+say "The policy server runs in the router's namespace: HTTPS, mutual TLS"
+ip netns exec "$LAB-router" $D policy-server --listen 10.200.1.1:7017 --pki-dir "$PKI" --db "$work/policy.db" \
+  --ready-file "$work/ps.ready" > "$work/ps.log" 2>&1 &
+ps=$!
+for _ in $(seq 100); do [ -s "$work/ps.ready" ] && break; kill -0 $ps 2>/dev/null || { cat "$work/ps.log"; exit 1; }; sleep 0.1; done
+[ -s "$work/ps.ready" ] || { echo "  the policy server did not start:"; cat "$work/ps.log"; exit 1; }
+echo "  serving on $(cat "$work/ps.ready")"
 
 say "mb1 runs a stateful firewall: FORWARD policy DROP, only new SYNs to the server's port 80 and established sessions pass"
 on mb1 iptables -P FORWARD DROP
@@ -108,6 +129,16 @@ echo "  the client's agent removed the proxy (time from its request to the old p
 on client $D reconfig history | tail -n +2 | tail -3 | sed 's/^/    /'
 kill "$(cat "$work/haproxy.pid")" 2>/dev/null || true
 
+say "Central policies: the operator's certificate may change them, a client without one may not"
+code=$(on client curl -s -o /dev/null -w '%{http_code}' --cacert "$PKI/ca.crt" -X PUT --data '{}' $PS/v1/policies/ssh || true)
+echo "  curl with no client certificate, PUT /v1/policies/ssh: HTTP $code"
+[ "$code" = 401 ] || { echo "  expected 401"; exit 1; }
+on client $D policy add ssh --server $PS --pki-dir "$PKI" --host client --chain $MB1 'tcp dst port 22' | sed 's/^/  /'
+for _ in $(seq 100); do on client $D policy list | grep -q '^ssh' && break; sleep 0.1; done
+echo "  the client's agent took it from the server (watching with its agent certificate):"
+on client $D policy list | sed 's/^/    /'
+on client $D policy rm ssh --server $PS --pki-dir "$PKI" | sed 's/^/  /'
+
 say "Teardown: sessions end with their TCP sessions (FIN), state is collected"
 for _ in $(seq 150); do
   n=0; for h in client mb1 mb2 server; do n=$((n + $(on $h $D status -o json | grep -o '"sessions": *[0-9]*' | grep -o '[0-9]*$'))); done
@@ -116,6 +147,7 @@ done
 for h in client mb1 mb2 server; do printf '  %-6s %s\n' $h "$(on $h $D sessions)"; done
 
 say "Removing the lab"
+kill $ps 2>/dev/null; wait $ps 2>/dev/null || true; ps=
 $D lab down --name "$LAB" >/dev/null
 
 say "The paper's Figures 12 and 13: bundles of live sessions through HAProxy (libdysco), the proxy removed one bundle at a time"

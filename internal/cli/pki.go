@@ -34,7 +34,7 @@ type pkiFlags struct {
 // the default certificate files (e.g. "operator", "agent-{name}").
 func (p *pkiFlags) add(f *pflag.FlagSet, base string) {
 	p.base = base
-	f.StringVar(&p.dir, "pki-dir", defaultPKIDir(), "directory of the certificates for the policy server (`dysco certs`; env DYSCO_PKI_DIR)")
+	f.StringVar(&p.dir, "pki-dir", defaultPKIDir(), "directory of the certificates for the policy server (made by dysco certs; env DYSCO_PKI_DIR)")
 	f.StringVar(&p.cert, "tls-cert", "", "client certificate for an https:// policy server (default PKI-DIR/"+base+".crt)")
 	f.StringVar(&p.key, "tls-key", "", "its key (default PKI-DIR/"+base+".key)")
 	f.StringVar(&p.ca, "tls-ca", "", "CA certificate that signs the policy server's (default PKI-DIR/"+certs.CAFile+")")

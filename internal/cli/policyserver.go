@@ -83,7 +83,7 @@ GET /healthz.`,
 	f := cmd.Flags()
 	f.StringVar(&cfg.Listen, "listen", policyserver.DefaultListen, "TCP address to serve on")
 	f.StringVar(&cfg.DB, "db", policyserver.DefaultDB, "bbolt database file (its directory is created)")
-	f.StringVar(&pkiDir, "pki-dir", defaultPKIDir(), "directory of the server's certificate (server.crt, server.key) and the CA (ca.crt) of the clients' (`dysco certs`; env DYSCO_PKI_DIR)")
+	f.StringVar(&pkiDir, "pki-dir", defaultPKIDir(), "directory of the server's certificate (server.crt, server.key) and the CA (ca.crt) of the clients' (made by dysco certs; env DYSCO_PKI_DIR)")
 	f.StringVar(&cfg.CertFile, "tls-cert", "", "the server's certificate (default PKI-DIR/server.crt)")
 	f.StringVar(&cfg.KeyFile, "tls-key", "", "the server's key (default PKI-DIR/server.key)")
 	f.StringVar(&cfg.ClientCAFile, "client-ca", "", "CA certificate that signs the clients' certificates (default PKI-DIR/ca.crt)")
