@@ -230,7 +230,7 @@ func TestAdmissionForgedSYN(t *testing.T) {
 	e.exchange("client", "server", dst, 9000, 64<<10)
 	real := capture()
 	blk, _ := real.block()
-	if key, err := agent.SynMACKey(e.ctlKey()); err != nil || !wire.VerifyBlock(key, blk, real.sub()) {
+	if key, err := agent.SynMACKey(e.secret()); err != nil || !wire.VerifyBlock(key, blk, real.sub()) {
 		t.Fatalf("the captured SYN's block does not verify under the lab's SYN key (%v)", err)
 	}
 	setups := e.counter("mb1", "setup_cont")
@@ -251,7 +251,7 @@ func TestAdmissionForgedSYN(t *testing.T) {
 	})
 	rewritten := forged(real.sport+2, func(p *synPacket) {
 		// Signed for its own subsession, then its session pointed elsewhere.
-		key, _ := agent.SynMACKey(e.ctlKey())
+		key, _ := agent.SynMACKey(e.secret())
 		wire.SignBlock(key, p.payload, p.sub())
 		binary.BigEndian.PutUint16(p.payload[50:], 9001)
 	})
@@ -304,7 +304,7 @@ func TestAdmissionHalfOpenFlood(t *testing.T) {
 	})
 	dst, mb, src := e.addr("server", false), e.addr("mb1", false), e.addr("client", false)
 	e.policy("client2", "web", "tcp dst portrange 9000-9009", mb.String())
-	key, err := agent.SynMACKey(e.ctlKey())
+	key, err := agent.SynMACKey(e.secret())
 	if err != nil {
 		t.Fatal(err)
 	}

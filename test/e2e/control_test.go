@@ -50,11 +50,18 @@ const ctlPort = agent.DefaultControlPort
 // its agents.
 func (e *env) ctlKey() []byte {
 	e.t.Helper()
+	return keys.Derive(e.secret(), keys.PurposeControl)
+}
+
+// secret is the lab's deployment secret, from which the agents derive
+// their keys (the control messages', the Dysco SYNs').
+func (e *env) secret() []byte {
+	e.t.Helper()
 	r, err := keys.Load(filepath.Join(e.lab.RunDir(), "control.key"), os.Geteuid())
 	if err != nil {
 		e.t.Fatalf("deployment secret: %v", err)
 	}
-	return keys.Derive(r.Signing(), keys.PurposeControl)
+	return r.Signing()
 }
 
 // ctlSocket opens a UDP socket in host's namespace, bound to addr and an

@@ -17,13 +17,15 @@ import (
 	"github.com/dysco/dysco/internal/testutil"
 )
 
-// runPolicyServer starts `dysco policy-server` on db and returns its URL
-// and a function that stops it (SIGTERM) and checks that it exited cleanly.
+// runPolicyServer starts `dysco policy-server` on db, insecure on loopback
+// (the test is about the database; TestMgmtAuth is about TLS), and returns
+// its URL and a function that stops it (SIGTERM) and checks that it exited
+// cleanly.
 func runPolicyServer(t *testing.T, db string) (string, func()) {
 	t.Helper()
 	ready := filepath.Join(t.TempDir(), "ready")
 	w := testutil.NewFileWaiter(t, ready)
-	cmd := exec.Command(dyscoBin, "policy-server", "--listen", "127.0.0.1:0", "--db", db, "--ready-file", ready)
+	cmd := exec.Command(dyscoBin, "policy-server", "--insecure", "--metrics-listen", "", "--listen", "127.0.0.1:0", "--db", db, "--ready-file", ready)
 	var out strings.Builder
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Start(); err != nil {
@@ -87,7 +89,7 @@ func TestPolicyServerFailsClosed(t *testing.T) {
 	if err := os.WriteFile(db, data, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	out, err = dyscoOut("policy-server", "--listen", "127.0.0.1:0", "--db", db)
+	out, err = dyscoOut("policy-server", "--insecure", "--metrics-listen", "", "--listen", "127.0.0.1:0", "--db", db)
 	var ee *exec.ExitError
 	if !errors.As(err, &ee) || ee.ExitCode() != 1 {
 		t.Fatalf("policy server on a damaged database: %v\n%s", err, out)

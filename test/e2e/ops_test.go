@@ -346,7 +346,7 @@ func TestBadSYNs(t *testing.T) {
 	}
 	// Each block is signed for its subsession with the lab's key, so that
 	// it is admitted and the check meant refuses it.
-	key, err := agent.SynMACKey(e.ctlKey())
+	key, err := agent.SynMACKey(e.secret())
 	if err != nil {
 		t.Fatal(err)
 	}
