@@ -155,16 +155,9 @@ func (d *Datapath) writeBank(bank, from int, types [][]netip.Addr, chains []Poli
 	for i := 0; i < nt; i++ {
 		var v dyscoTypeVal
 		if i < len(types) {
-			if len(types[i]) > len(v.Addr) {
-				return fmt.Errorf("datapath: type %d has %d instances, at most %d", i, len(types[i]), len(v.Addr))
-			}
-			var old dyscoTypeVal
-			if err := d.objs.DyscoTypes.Lookup(uint32(from*nt+i), &old); err == nil {
-				v.Rr = old.Rr
-			}
-			v.N = uint32(len(types[i]))
-			for j, a := range types[i] {
-				v.Addr[j] = a.As16()
+			var err error
+			if v, err = d.typeVal(i, types[i], uint32(from*nt+i)); err != nil {
+				return err
 			}
 		}
 		if err := d.objs.DyscoTypes.Put(uint32(bank*nt+i), v); err != nil {
@@ -228,16 +221,9 @@ func (d *Datapath) SetTypes(types [][]netip.Addr) error {
 	for i := 0; i < max; i++ {
 		var v dyscoTypeVal
 		if i < len(types) {
-			if len(types[i]) > len(v.Addr) {
-				return fmt.Errorf("datapath: type %d has %d instances, at most %d", i, len(types[i]), len(v.Addr))
-			}
-			var old dyscoTypeVal
-			if err := d.objs.DyscoTypes.Lookup(uint32(i), &old); err == nil {
-				v.Rr = old.Rr
-			}
-			v.N = uint32(len(types[i]))
-			for j, a := range types[i] {
-				v.Addr[j] = a.As16()
+			var err error
+			if v, err = d.typeVal(i, types[i], uint32(i)); err != nil {
+				return err
 			}
 		}
 		if err := d.objs.DyscoTypes.Put(uint32(i), v); err != nil {
@@ -245,6 +231,24 @@ func (d *Datapath) SetTypes(types [][]netip.Addr) error {
 		}
 	}
 	return nil
+}
+
+// typeVal is the dysco_types entry of type i with instances addrs; it keeps
+// the round-robin cursor of the entry at cursorFrom.
+func (d *Datapath) typeVal(i int, addrs []netip.Addr, cursorFrom uint32) (dyscoTypeVal, error) {
+	var v dyscoTypeVal
+	if len(addrs) > len(v.Addr) {
+		return v, fmt.Errorf("datapath: type %d has %d instances, at most %d", i, len(addrs), len(v.Addr))
+	}
+	var old dyscoTypeVal
+	if err := d.objs.DyscoTypes.Lookup(cursorFrom, &old); err == nil {
+		v.Rr = old.Rr
+	}
+	v.N = uint32(len(addrs))
+	for j, a := range addrs {
+		v.Addr[j] = a.As16()
+	}
+	return v, nil
 }
 
 // SetTrusted replaces the prefixes whose Dysco SYNs are admitted without a

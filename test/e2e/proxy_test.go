@@ -460,14 +460,7 @@ func TestProxyRemovalOneWay(t *testing.T) {
 				serverErr <- err
 				return
 			}
-			h := sha256.New()
-			n, err := io.Copy(h, c)
-			if err == nil && n != total {
-				err = fmt.Errorf("received %d bytes, want %d", n, total)
-			}
-			if err == nil {
-				err = checkStream(h, 4, total)
-			}
+			err = recvStream(c, 4, total)
 			if err == nil {
 				_, err = io.WriteString(c, "ok\n")
 			}
@@ -486,15 +479,7 @@ func TestProxyRemovalOneWay(t *testing.T) {
 					clientErr <- err
 					return
 				}
-				h := sha256.New()
-				n, err := io.Copy(h, c)
-				if err == nil && n != total {
-					err = fmt.Errorf("received %d bytes, want %d", n, total)
-				}
-				if err == nil {
-					err = checkStream(h, 3, total)
-				}
-				clientErr <- err
+				clientErr <- recvStream(c, 3, total)
 				return
 			}
 			if _, err := io.Copy(pacedConn{c, rate}, io.LimitReader(newStream(4), total)); err != nil {
@@ -566,4 +551,18 @@ func (e *env) ifaceBytes(host string) (rx, tx int64) {
 		tx += s
 	}
 	return rx, tx
+}
+
+// recvStream reads r to its end and checks that it was the total bytes of
+// the stream of seed.
+func recvStream(r io.Reader, seed uint64, total int64) error {
+	h := sha256.New()
+	n, err := io.Copy(h, r)
+	if err != nil {
+		return err
+	}
+	if n != total {
+		return fmt.Errorf("received %d bytes, want %d", n, total)
+	}
+	return checkStream(h, seed, total)
 }
