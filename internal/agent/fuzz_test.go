@@ -118,11 +118,11 @@ func FuzzLocalAPI(f *testing.F) {
 			if kind == 3 {
 				var p api.Policy
 				json.Unmarshal(rec.Body.Bytes(), &p)
-				ok = listed(set.Policies, p, func(q api.Policy) string { return q.Name })
+				ok = testutil.ListedJSON(set.Policies, p, func(q api.Policy) string { return q.Name })
 			} else {
 				var ty api.MiddleboxType
 				json.Unmarshal(rec.Body.Bytes(), &ty)
-				ok = listed(set.Types, ty, func(q api.MiddleboxType) string { return q.Name })
+				ok = testutil.ListedJSON(set.Types, ty, func(q api.MiddleboxType) string { return q.Name })
 			}
 			if !ok {
 				t.Fatalf("stored %s is not listed as answered: %s", path, rec.Body.Bytes())
@@ -145,19 +145,6 @@ func FuzzLocalAPI(f *testing.F) {
 // route or a method not allowed (plain text, not from a handler).
 func muxAnswer(rec *httptest.ResponseRecorder) bool {
 	return strings.HasPrefix(rec.Header().Get("Content-Type"), "text/plain") && (rec.Code == 404 || rec.Code == 405 || rec.Code == 301)
-}
-
-// listed tells whether list has an item named like v that encodes to the
-// same JSON.
-func listed[T any](list []T, v T, name func(T) string) bool {
-	want, _ := json.Marshal(v)
-	for _, x := range list {
-		if name(x) == name(v) {
-			got, _ := json.Marshal(x)
-			return bytes.Equal(got, want)
-		}
-	}
-	return false
 }
 
 // FuzzLocalFile: the agent's local policies file (local-policies.json in

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/dysco/dysco/internal/testutil"
+
 	"github.com/dysco/dysco/internal/api"
 )
 
@@ -99,7 +101,7 @@ func FuzzAPI(f *testing.F) {
 			if err := json.Unmarshal(rec.Body.Bytes(), &p); err != nil {
 				t.Fatal(err)
 			}
-			if !containsJSON(cur.Policies, p, func(q api.Policy) string { return q.Name }) {
+			if !testutil.ListedJSON(cur.Policies, p, func(q api.Policy) string { return q.Name }) {
 				t.Fatalf("stored policy %q is not in the published set as answered", p.Name)
 			}
 		case kind == 2 && m == http.MethodPut && code == 200:
@@ -107,7 +109,7 @@ func FuzzAPI(f *testing.F) {
 			if err := json.Unmarshal(rec.Body.Bytes(), &ty); err != nil {
 				t.Fatal(err)
 			}
-			if !containsJSON(cur.Types, ty, func(q api.MiddleboxType) string { return q.Name }) {
+			if !testutil.ListedJSON(cur.Types, ty, func(q api.MiddleboxType) string { return q.Name }) {
 				t.Fatalf("stored type %q is not in the published set as answered", ty.Name)
 			}
 		case (kind == 1 || kind == 2) && m == http.MethodDelete && code == 204:
@@ -123,17 +125,4 @@ func FuzzAPI(f *testing.F) {
 			}
 		}
 	})
-}
-
-// containsJSON tells whether list has an item named like v that encodes
-// to the same JSON.
-func containsJSON[T any](list []T, v T, name func(T) string) bool {
-	want, _ := json.Marshal(v)
-	for _, x := range list {
-		if name(x) == name(v) {
-			got, _ := json.Marshal(x)
-			return bytes.Equal(got, want)
-		}
-	}
-	return false
 }
