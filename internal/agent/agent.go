@@ -662,7 +662,7 @@ func (a *Agent) applyPolicies() error {
 		if len(compiled) == 0 {
 			return nil, nil
 		}
-		spec, err := policy.BuildProgramAt(compiled, a.dp.ProgArray(), b)
+		spec, err := policy.BuildProgram(compiled, a.dp.ProgArray(), b)
 		if err != nil {
 			return nil, err
 		}

@@ -51,39 +51,6 @@ type PolicyChain struct {
 	ToDst bool
 }
 
-// SetPolicies writes the chains of policy slots 0..len-1 and clears the
-// rest, of every bank, with no classifier swap: the tests' way to set slots
-// directly. The agent uses InstallPolicies.
-func (d *Datapath) SetPolicies(chains []PolicyChain) error {
-	if len(chains) > int(d.objs.DyscoPolicies.MaxEntries()) {
-		return fmt.Errorf("datapath: %d policies, at most %d", len(chains), d.objs.DyscoPolicies.MaxEntries())
-	}
-	for i := 0; i < int(d.objs.DyscoPolicies.MaxEntries()); i++ {
-		var v dyscoPolicyVal
-		if i < len(chains) {
-			c := chains[i]
-			if len(c.Hops)+boolInt(c.ToDst) > wire.MaxHops {
-				return fmt.Errorf("datapath: policy slot %d: %d hops, at most %d", i, len(c.Hops), wire.MaxHops-boolInt(c.ToDst))
-			}
-			v.N_hops = uint8(len(c.Hops))
-			v.ToDst = boolU8(c.ToDst)
-			for j, h := range c.Hops {
-				if h.Addr.IsValid() {
-					v.Kind[j] = hopAddr
-					v.Addr[j] = h.Addr.As16()
-				} else {
-					v.Kind[j] = hopType
-					v.Type[j] = uint32(h.Type)
-				}
-			}
-		}
-		if err := d.objs.DyscoPolicies.Put(uint32(i), v); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
 // PolicyBanks is the number of banks of policy slots and middlebox types
 // (POLICY_BANKS in bpf/include/consts.h): InstallPolicies writes a new set
 // into the bank the installed classifier does not refer to.
@@ -208,29 +175,6 @@ func boolInt(b bool) int {
 		return 1
 	}
 	return 0
-}
-
-// SetTypes writes the middlebox types (index = type id, over every bank)
-// with no classifier swap, as SetPolicies. The round-robin cursor of each
-// type is kept.
-func (d *Datapath) SetTypes(types [][]netip.Addr) error {
-	max := int(d.objs.DyscoTypes.MaxEntries())
-	if len(types) > max {
-		return fmt.Errorf("datapath: %d middlebox types, at most %d", len(types), max)
-	}
-	for i := 0; i < max; i++ {
-		var v dyscoTypeVal
-		if i < len(types) {
-			var err error
-			if v, err = d.typeVal(i, types[i], uint32(i)); err != nil {
-				return err
-			}
-		}
-		if err := d.objs.DyscoTypes.Put(uint32(i), v); err != nil {
-			return err
-		}
-	}
-	return nil
 }
 
 // typeVal is the dysco_types entry of type i with instances addrs; it keeps

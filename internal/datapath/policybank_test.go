@@ -26,7 +26,7 @@ func TestInstallPoliciesAllOrNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	build := func(base int) (*ebpf.ProgramSpec, error) {
-		return policy.BuildProgramAt([]policy.Compiled{web}, fx.d.ProgArray(), base)
+		return policy.BuildProgram([]policy.Compiled{web}, fx.d.ProgArray(), base)
 	}
 	load := func(base int) (*ebpf.Program, error) {
 		spec, err := build(base)

@@ -56,15 +56,12 @@ const programName = "dysco_policy"
 // loaded. The kernel lets only programs with the same type and expected
 // attach type share a prog array: set the spec's AttachType to the
 // datapath's if the datapath programs have one.
-func BuildProgram(policies []Compiled, progs *ebpf.Map) (*ebpf.ProgramSpec, error) {
-	return BuildProgramAt(policies, progs, 0)
-}
-
-// BuildProgramAt is BuildProgram for the policy slots from base on: the
-// verdict of policies[i] is base+i+1. The datapath keeps two banks of
-// MaxPolicies slots, and the agent builds each new classifier for the bank
-// the installed one does not use (datapath.InstallPolicies).
-func BuildProgramAt(policies []Compiled, progs *ebpf.Map, base int) (*ebpf.ProgramSpec, error) {
+//
+// The verdicts are for the policy slots from base on: policies[i] gives
+// base+i+1. The datapath keeps two banks of MaxPolicies slots, and the
+// agent builds each new classifier for the bank the installed one does not
+// use (datapath.InstallPolicies).
+func BuildProgram(policies []Compiled, progs *ebpf.Map, base int) (*ebpf.ProgramSpec, error) {
 	if base < 0 || base%MaxPolicies != 0 || base >= 0xffff-MaxPolicies {
 		return nil, fmt.Errorf("policy classifier: first slot %d is not the start of a bank", base)
 	}

@@ -99,7 +99,7 @@ func compileAll(tb testing.TB, filters []string) []Compiled {
 
 func mustBuild(tb testing.TB, cs []Compiled, progs *ebpf.Map) *ebpf.ProgramSpec {
 	tb.Helper()
-	spec, err := BuildProgram(cs, progs)
+	spec, err := BuildProgram(cs, progs, 0)
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -263,7 +263,7 @@ func TestClassifierMaxPolicies(t *testing.T) {
 		t.Logf("%d policies: %d instructions verified", MaxPolicies, n)
 	}
 
-	_, err = BuildProgram(compileAll(t, realisticFilters(MaxPolicies+1)), c.progs)
+	_, err = BuildProgram(compileAll(t, realisticFilters(MaxPolicies+1)), c.progs, 0)
 	if err == nil || !strings.Contains(err.Error(), fmt.Sprint(MaxPolicies)) {
 		t.Errorf("BuildProgram with %d policies: error %v, want one naming the limit", MaxPolicies+1, err)
 	}
