@@ -442,30 +442,21 @@ func TestProxyRemovalOneWay(t *testing.T) {
 			name = "download"
 		}
 		rx0, tx0 := e.ifaceBytes("proxy")
-		serverErr := make(chan error, 1)
-		go func() {
-			c, err := ln.Accept()
-			if err != nil {
-				serverErr <- err
-				return
-			}
-			defer c.Close()
+		serverErr := serveOne(ln, func(c net.Conn) error {
 			if download {
 				line, err := bufio.NewReader(c).ReadString('\n')
 				if err != nil || line != request {
-					serverErr <- fmt.Errorf("request %q: %v", line, err)
-					return
+					return fmt.Errorf("request %q: %v", line, err)
 				}
 				_, err = io.Copy(pacedConn{c, rate}, io.LimitReader(newStream(3), total))
-				serverErr <- err
-				return
+				return err
 			}
-			err = recvStream(c, 4, total)
-			if err == nil {
-				_, err = io.WriteString(c, "ok\n")
+			if err := recvStream(c, 4, total); err != nil {
+				return err
 			}
-			serverErr <- err
-		}()
+			_, err := io.WriteString(c, "ok\n")
+			return err
+		})
 		c, err := e.dial("client", netip.AddrPortFrom(proxy, 9400), 10*time.Second)
 		if err != nil {
 			t.Fatal(err)
@@ -496,7 +487,7 @@ func TestProxyRemovalOneWay(t *testing.T) {
 		testutil.Eventually(t, time.Minute, name+": the proxy to leave the path", func() bool {
 			return sessionGoesDirect(e, port, server)
 		})
-		for _, ch := range []chan error{clientErr, serverErr} {
+		for _, ch := range []<-chan error{clientErr, serverErr} {
 			select {
 			case err := <-ch:
 				if err != nil {
@@ -565,4 +556,20 @@ func recvStream(r io.Reader, seed uint64, total int64) error {
 		return fmt.Errorf("received %d bytes, want %d", n, total)
 	}
 	return checkStream(h, seed, total)
+}
+
+// serveOne accepts one connection on ln, runs serve on it and closes it;
+// the channel gets serve's error (or Accept's).
+func serveOne(ln net.Listener, serve func(net.Conn) error) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			done <- err
+			return
+		}
+		defer c.Close()
+		done <- serve(c)
+	}()
+	return done
 }
