@@ -34,18 +34,24 @@ const (
 
 // fwdFamily is one family's forwarding sysctls: the host's, and the
 // interfaces' (the kernel checks the interface a packet comes in on; writing
-// the host's value sets every interface's).
+// the host's value sets every interface's). Paths are under /proc/sys; a
+// sysctl's name is its path with dots (sysctlName).
 type fwdFamily struct {
-	host      string // path under /proc/sys
-	hostName  string // sysctl name
-	iface     string // path with %s for the interface
-	ifaceName string
-	v4        bool
+	host  string // the host's
+	iface string // an interface's, with %s for its name
+	v4    bool
 }
 
 var fwdFamilies = []fwdFamily{
-	{host: "net/ipv4/ip_forward", hostName: "net.ipv4.ip_forward", iface: "net/ipv4/conf/%s/forwarding", ifaceName: "net.ipv4.conf.%s.forwarding", v4: true},
-	{host: "net/ipv6/conf/all/forwarding", hostName: "net.ipv6.conf.all.forwarding", iface: "net/ipv6/conf/%s/forwarding", ifaceName: "net.ipv6.conf.%s.forwarding"},
+	{host: "net/ipv4/ip_forward", iface: "net/ipv4/conf/%s/forwarding", v4: true},
+	{host: "net/ipv6/conf/all/forwarding", iface: "net/ipv6/conf/%s/forwarding"},
+}
+
+// sysctlName is the name sysctl(8) gives the sysctl at path (under
+// /proc/sys), for interface ifc where path has %s: dots for slashes, and
+// the dots of an interface name as slashes.
+func sysctlName(path, ifc string) string {
+	return strings.Replace(strings.ReplaceAll(path, "/", "."), "%s", strings.ReplaceAll(ifc, ".", "/"), 1)
 }
 
 // readForwarding reads the forwarding sysctls under root (procSys) for the
@@ -60,14 +66,13 @@ func readForwarding(root string, ifaces []string) api.Forwarding {
 		on := false
 		if v, ok := readSysctl(root, fam.host); ok {
 			if v == "0" {
-				out.Off = append(out.Off, fam.hostName)
+				out.Off = append(out.Off, sysctlName(fam.host, ""))
 			} else {
 				on = true
 				for _, ifc := range ifaces {
 					if v, ok := readSysctl(root, strings.Replace(fam.iface, "%s", ifc, 1)); ok && v == "0" {
 						on = false
-						// sysctl(8) writes dots in interface names as slashes.
-						out.Off = append(out.Off, strings.Replace(fam.ifaceName, "%s", strings.ReplaceAll(ifc, ".", "/"), 1))
+						out.Off = append(out.Off, sysctlName(fam.iface, ifc))
 					}
 				}
 			}
@@ -143,7 +148,7 @@ func (a *Agent) pollForwarding(now time.Time) {
 	names := f.Off
 	if len(names) == 0 {
 		// Turned on since: name what was off.
-		names = []string{fwdFamilies[0].hostName, fwdFamilies[1].hostName}
+		names = []string{sysctlName(fwdFamilies[0].host, ""), sysctlName(fwdFamilies[1].host, "")}
 	}
 	a.log.Warn("refused chained SYNs that this host would have to forward: IP forwarding is off; set the sysctls to 1 (sysctl -w NAME=1), or start the agent with --forward-check=false if a local transparent proxy takes them",
 		"refused", refused, "sysctls", strings.Join(names, ","))
