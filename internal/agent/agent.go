@@ -101,12 +101,16 @@ type Agent struct {
 	started time.Time
 	metrics *metrics
 
-	mu         sync.Mutex
-	local      api.PolicySet // policies and types added through the local API
-	server     api.PolicySet // the policy server's last set
-	serverOK   bool
-	policyProg *ebpf.Program
-	ifaces     map[string]bool
+	mu       sync.Mutex
+	local    api.PolicySet // policies and types added through the local API
+	server   api.PolicySet // the policy server's last set
+	serverOK bool
+	// serverInForce is the version of the server's set that the
+	// classifier in force was built from (what `dysco status` reports:
+	// the set just received may still be compiling).
+	serverInForce uint64
+	policyProg    *ebpf.Program
+	ifaces        map[string]bool
 	// slotPolicy names the policy of each verdict (policy slot + 1)
 	// of both banks; replaced whole on each change.
 	slotPolicy map[int]string
@@ -631,6 +635,7 @@ func (a *Agent) applyPolicies() error {
 	defer a.applyMu.Unlock()
 	a.mu.Lock()
 	pols, types := effectiveSet(a.local, a.server)
+	version := a.server.Version
 	a.mu.Unlock()
 
 	typeIndex := map[string]int{}
@@ -696,6 +701,7 @@ func (a *Agent) applyPolicies() error {
 	}
 	a.slotPolicy = names
 	a.typeIndex = typeIndex
+	a.serverInForce = version
 	a.mu.Unlock()
 	return errors.Join(errs...)
 }

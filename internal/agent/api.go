@@ -97,7 +97,7 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 	a.mu.Lock()
 	out := api.Status{ControlKeys: keyIDs,
 		Name: a.cfg.Name, Version: Version, Started: a.started, PinDir: a.cfg.PinDir, Attach: a.dp.Attach,
-		Tap: a.cfg.Tap, TapActive: a.tapActive.Load(), Sessions: len(sess), PolicyVersion: a.server.Version, PolicyServer: a.cfg.PolicyServer,
+		Tap: a.cfg.Tap, TapActive: a.tapActive.Load(), Sessions: len(sess), PolicyVersion: a.serverInForce, PolicyServer: a.cfg.PolicyServer,
 		PolicyServerOK: a.serverOK, Counters: st, Admission: a.admission(),
 	}
 	a.mu.Unlock()
