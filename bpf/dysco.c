@@ -29,6 +29,7 @@
  *   admit.h                      admission of Dysco SYNs: MAC, half-open budget, nonces
  *   syn.h                        SYN set-up on ingress and egress
  *   noforward.h                  refusing SYNs a host that does not forward must pass on
+ *   udp.h                        UDP sessions: set-up by the first datagram, steady state
  *   icmp.h                       ICMP errors about subsession packets
  *   control.h                    the agent's commands (dysco_ctl) */
 #include <linux/bpf.h>
@@ -53,6 +54,7 @@
 #include "include/twopath_fwd.h"
 #include "include/forward.h"
 #include "include/syn.h"
+#include "include/udp.h"
 #include "include/icmp.h"
 #include "include/control.h"
 
@@ -79,6 +81,18 @@ int dysco_ingress(struct __sk_buff *skb)
 	f = flow_get(&p.t, out);
 	if (f && !(f->flags & FL_INGRESS))
 		f = 0;
+	if (p.udp) {
+		if ((!f || (f->flags & FL_SYN_STRIP)) && udp_marker(skb, &p, opt)) {
+			/* Set-up in its own program: its stack and its
+			 * states stay out of this one's. */
+			bpf_tail_call(skb, &dysco_progs, PROG_UDP_INGRESS);
+			stat_inc(STAT_DROP_NO_SETUP);
+			return TC_ACT_SHOT;
+		}
+		if (f)
+			return forward_udp(skb, &p, f, out, 0);
+		return TC_ACT_OK;
+	}
 	if ((p.flags & (TH_SYN | TH_ACK)) == TH_SYN) {
 		int otype = dysco_opt(skb, &p, opt);
 		if (otype == DYSCO_OPT_TYPE_LOCAL_TAG) {
@@ -112,6 +126,12 @@ int dysco_setup(struct __sk_buff *skb)
 
 	if (!sc || parse(skb, &p))
 		return TC_ACT_SHOT;
+	if (p.udp) {
+		/* A UDP datagram after the policy program. */
+		bpf_tail_call(skb, &dysco_progs, PROG_UDP_SETUP);
+		stat_inc(STAT_DROP_NO_SETUP);
+		return TC_ACT_SHOT;
+	}
 	otype = dysco_opt(skb, &p, opt);
 	st = &sc->st;
 	if (mode == SETUP_NEW) {
@@ -139,6 +159,7 @@ int dysco_setup(struct __sk_buff *skb)
 		s->policy = (__u16)slot;
 		s->role = ROLE_START;
 		s->is_v6 = p.v6;
+		s->proto = IPPROTO_TCP;
 		handshake(skb, &p, s);
 		if (alloc_session(s, &id))
 			return TC_ACT_SHOT;
@@ -183,6 +204,41 @@ int dysco_setup(struct __sk_buff *skb)
 	return rc;
 }
 
+/* dysco_udp_setup handles UDP datagrams on egress that may need a block
+ * (udp.h, setup_udp), reached by tail call from dysco_egress or, after the
+ * policy program, from dysco_setup. */
+SEC("tc")
+int dysco_udp_setup(struct __sk_buff *skb)
+{
+	__u32 k0 = 0;
+	struct scratch *sc = bpf_map_lookup_elem(&dysco_scratch, &k0);
+
+	if (!sc || parse(skb, &sc->pk) || !sc->pk.udp)
+		return TC_ACT_SHOT;
+	return setup_udp(skb, &sc->pk, skb->cb[CB_MODE], sc);
+}
+
+/* dysco_udp_ingress handles a datagram that ends with a block's marker,
+ * reached by tail call from dysco_ingress (udp.h, ingress_udp). */
+SEC("tc")
+int dysco_udp_ingress(struct __sk_buff *skb)
+{
+	__u32 k0 = 0;
+	struct scratch *sc = bpf_map_lookup_elem(&dysco_scratch, &k0);
+	struct flow_val *f;
+	struct pkt p;
+	__u8 m[DYSCO_OPT_LEN];
+
+	if (!sc || parse(skb, &p) || !p.udp || !udp_marker(skb, &p, m))
+		return TC_ACT_SHOT;
+	f = flow_get(&p.t, &sc->fout);
+	if (f && !(f->flags & FL_INGRESS))
+		f = 0;
+	if (f && !(f->flags & FL_SYN_STRIP))
+		return forward_udp(skb, &p, f, &sc->fout, 0);
+	return ingress_udp(skb, &p, m, f);
+}
+
 SEC("tc")
 int dysco_egress(struct __sk_buff *skb)
 {
@@ -201,6 +257,22 @@ int dysco_egress(struct __sk_buff *skb)
 	f = flow_get(&p.t, out);
 	if (f && (f->flags & FL_INGRESS))
 		f = 0;
+	if (p.udp) {
+		if (udp_control(&p))
+			return TC_ACT_OK;
+		if (f && !(f->flags & FL_SYN_EMIT))
+			return forward_udp(skb, &p, f, out, 1);
+		if (f || udp_setup_id(skb)) {
+			skb->cb[CB_MODE] = SETUP_CONT;
+			bpf_tail_call(skb, &dysco_progs, PROG_UDP_SETUP);
+			stat_inc(STAT_DROP_NO_SETUP);
+			return TC_ACT_SHOT;
+		}
+		skb->cb[CB_MODE] = SETUP_NEW;
+		skb->cb[CB_POLICY] = 0;
+		bpf_tail_call(skb, &dysco_progs, PROG_POLICY);
+		return TC_ACT_OK; /* no policies installed */
+	}
 	/* A SYN on the tuple of a session that has ended begins a new one. */
 	if ((p.flags & (TH_SYN | TH_ACK)) == TH_SYN && f && (f->flags & FL_SYN_EMIT) && ended(f) && reclaim(&p.t))
 		f = 0;

@@ -18,6 +18,7 @@ volatile const __u32 tap_ifindex = 0;       /* session-view tap, 0: none */
 volatile const __u16 port_lo = 20000;       /* subsession port range */
 volatile const __u16 port_n = 40000;
 volatile const __u32 half_open_max = 2048;  /* half-open sessions per source (admit.h) */
+volatile const __u16 ctl_port = 0;          /* the agents' control channel (UDP), never chained; 0: none */
 
 /* tap_on tells whether packets are copied to the session-view tap: one
  * was given at load (tap_ifindex) and a capture is open on it (the

@@ -54,7 +54,9 @@
 /* Slots of the dysco_progs program array. */
 #define PROG_POLICY 0 /* generated from the policies' tcpdump filters */
 #define PROG_SETUP 1  /* dysco_setup: SYN handling on egress */
-#define PROG_SLOTS 2
+#define PROG_UDP_SETUP 2   /* dysco_udp_setup: UDP set-up on egress */
+#define PROG_UDP_INGRESS 3 /* dysco_udp_ingress: datagrams with a block on ingress */
+#define PROG_SLOTS 4
 
 /* skb->cb words passed between tail calls on egress. */
 #define CB_POLICY 0 /* written by the policy program: policy slot + 1, or 0 */
@@ -107,6 +109,8 @@ enum stat {
 	STAT_HOLD_BYTES,         /* their bytes, link-layer header included */
 	STAT_HOLD_DROP,          /* packets to hold that did not fit (too long, ring full): dropped */
 	STAT_DROP_NO_FORWARD,    /* chained SYN to pass on while IP forwarding is off: refused with a reset (noforward.h) */
+	STAT_DROP_SETUP_GSO,     /* first datagram of a UDP session is a GSO packet: cannot carry the block */
+	STAT_DROP_SETUP_MTU,     /* datagram that the block would take past the MTU */
 	STAT_MAX,
 };
 

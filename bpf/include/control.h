@@ -68,12 +68,12 @@ static __attribute__((noinline)) int session_flows(__u32 id, __u32 op, const str
 			__builtin_memcpy(k.daddr, s->tuple.daddr, 16);
 			k.sport = s->tuple.sport;
 			k.dport = s->tuple.dport;
-			k.proto = IPPROTO_TCP;
+			k.proto = s->proto;
 			k.pad[0] = k.pad[1] = k.pad[2] = 0;
 		} else if (d == 1) {
-			reverse(&k, &s->tuple);
+			reverse(&k, &s->tuple, s->proto);
 		} else {
-			if (onward->proto != IPPROTO_TCP)
+			if (onward->proto != s->proto)
 				break;
 			__builtin_memcpy(&k, onward, sizeof(k));
 			k.pad[0] = k.pad[1] = k.pad[2] = 0;
@@ -81,7 +81,7 @@ static __attribute__((noinline)) int session_flows(__u32 id, __u32 op, const str
 		f = flow_get(&k, &out);
 		if (!f || f->sess_id != id)
 			continue;
-		reverse(&in, &out);
+		reverse(&in, &out, k.proto);
 		n += session_flow(&k, id, op);
 		n += session_flow(&in, id, op);
 	}
@@ -92,7 +92,7 @@ static __attribute__((noinline)) int session_flows(__u32 id, __u32 op, const str
 			continue;
 		__builtin_memcpy(&k, &tp->in_old, sizeof(k));
 		/* new_out is a tuple; its ends are its first 36 bytes. */
-		reverse(&in, (const struct dysco_ends *)&tp->new_out);
+		reverse(&in, (const struct dysco_ends *)&tp->new_out, k.proto);
 		n += session_flow(&k, id, op);
 		n += session_flow(&in, id, op);
 	}

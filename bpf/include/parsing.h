@@ -11,6 +11,7 @@
 #include <linux/ip.h>
 #include <linux/ipv6.h>
 #include <linux/tcp.h>
+#include <linux/udp.h>
 #include <bpf/bpf_endian.h>
 #include "structs.h"
 
@@ -19,19 +20,6 @@
 #define TH_RST 0x04
 #define TH_ACK 0x10
 
-struct pkt {
-	__u32 l3;     /* offset of the IP header */
-	__u32 l4;     /* offset of the TCP header */
-	__u32 l3_len; /* IP total length (IPv6: 40 + payload length) */
-	__u32 doff;   /* TCP header length, bytes */
-	__u32 payload;
-	__u32 seq;    /* TCP sequence number, host order */
-	__u32 ack;    /* TCP acknowledgment number, host order */
-	__u8 v6;
-	__u8 flags;   /* TCP flag byte */
-	__u8 pad[2];
-	struct dysco_tuple t;
-};
 
 static __always_inline void map4(__u8 *dst, __be32 a)
 {
@@ -47,8 +35,8 @@ static __always_inline int is_mapped4(const __u8 *a)
 	return w[0] == 0 && w[1] == 0 && w[2] == bpf_htonl(0xffff);
 }
 
-/* parse fills p for a TCP packet over IPv4 (unfragmented) or IPv6 (no
- * extension headers). Anything else is not Dysco's business: -1. */
+/* parse fills p for a TCP or UDP packet over IPv4 (unfragmented) or IPv6
+ * (no extension headers). Anything else is not Dysco's business: -1. */
 static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 {
 	void *data = (void *)(long)skb->data;
@@ -60,13 +48,13 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 		return -1;
 	p->l3 = sizeof(*eth);
 	__builtin_memset(&p->t, 0, sizeof(p->t));
-	p->t.proto = IPPROTO_TCP;
 	if (eth->h_proto == bpf_htons(ETH_P_IP)) {
 		struct iphdr *ip = data + sizeof(*eth);
 		if ((void *)(ip + 1) > end)
 			return -1;
-		if (ip->protocol != IPPROTO_TCP || ip->ihl < 5)
+		if ((ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP) || ip->ihl < 5)
 			return -1;
+		p->t.proto = ip->protocol;
 		if (ip->frag_off & bpf_htons(0x3fff)) /* MF or offset */
 			return -1;
 		p->v6 = 0;
@@ -78,8 +66,9 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 		struct ipv6hdr *ip6 = data + sizeof(*eth);
 		if ((void *)(ip6 + 1) > end)
 			return -1;
-		if (ip6->nexthdr != IPPROTO_TCP)
+		if (ip6->nexthdr != IPPROTO_TCP && ip6->nexthdr != IPPROTO_UDP)
 			return -1;
+		p->t.proto = ip6->nexthdr;
 		p->v6 = 1;
 		p->l4 = p->l3 + sizeof(*ip6);
 		p->l3_len = sizeof(*ip6) + bpf_ntohs(ip6->payload_len);
@@ -94,6 +83,22 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 	}
 	if (p->l4 > 14 + 60)
 		return -1;
+	p->udp = p->t.proto == IPPROTO_UDP;
+	if (p->udp) {
+		struct udphdr *uh = data + p->l4;
+
+		if ((void *)(uh + 1) > end)
+			return -1;
+		p->t.sport = uh->source;
+		p->t.dport = uh->dest;
+		p->doff = sizeof(*uh);
+		p->flags = 0;
+		p->seq = p->ack = 0;
+		if (p->l3_len < p->l4 - p->l3 + sizeof(*uh))
+			return -1;
+		p->payload = p->l3_len - (p->l4 - p->l3) - sizeof(*uh);
+		return 0;
+	}
 	th = data + p->l4;
 	if ((void *)(th + 1) > end)
 		return -1;
@@ -114,6 +119,8 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
  * returns the option type (DYSCO_OPT_TYPE_*) or 0, and copies the option. */
 static __always_inline int dysco_opt(struct __sk_buff *skb, const struct pkt *p, __u8 opt[DYSCO_OPT_LEN])
 {
+	if (p->udp)
+		return 0;
 	if (p->doff < sizeof(struct tcphdr) + DYSCO_OPT_LEN)
 		return 0;
 	if (bpf_skb_load_bytes(skb, p->l4 + p->doff - DYSCO_OPT_LEN, opt, DYSCO_OPT_LEN))

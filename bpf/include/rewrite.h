@@ -17,9 +17,12 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_core_read.h>
 #include "parsing.h"
+#include "maps.h"
 
 #define IP_CSUM_OFF(p) ((p)->l3 + offsetof(struct iphdr, check))
 #define TCP_CSUM_OFF(p) ((p)->l4 + offsetof(struct tcphdr, check))
+/* The checksum of the packet's transport header, TCP or UDP. */
+#define L4_CSUM_OFF(p) ((p)->l4 + ((p)->udp ? offsetof(struct udphdr, check) : offsetof(struct tcphdr, check)))
 
 /* How the kernel holds an skb's checksum (include/linux/skbuff.h). */
 #define CSUM_NONE 0
@@ -41,6 +44,18 @@ static __always_inline __u32 skb_ip_summed(struct __sk_buff *skb)
 	struct sk_buff___dysco *k = bpf_cast_to_kern_ctx(skb);
 
 	return (__u32)BPF_CORE_READ_BITFIELD(k, ip_summed);
+}
+
+/* l4_flags gives the flags of bpf_l4_csum_replace for the packet's transport
+ * checksum. A UDP checksum of zero means "none" (RFC 768): it stays zero,
+ * and a computed zero is sent as 0xffff (BPF_F_MARK_MANGLED_0, as the
+ * kernel's own NAT does). With CHECKSUM_PARTIAL the field is the pseudo
+ * header's sum, where zero is a value like any other. */
+static __always_inline __u64 l4_flags(struct __sk_buff *skb, const struct pkt *p)
+{
+	if (p->udp && skb_ip_summed(skb) != CSUM_PARTIAL)
+		return BPF_F_MARK_MANGLED_0;
+	return 0;
 }
 
 /* Ones' complement arithmetic of the Internet checksum (RFC 1071) on 32-bit
@@ -76,6 +91,18 @@ static __always_inline __u16 fix_tcp_check(__u16 check, __u32 mode, __u32 da, __
 	return (__u16)~csum_fold(csum_add(csum_add((__u16)~check, da), dp));
 }
 
+/* fix_l4_check updates the transport checksum at ck as fix_tcp_check does,
+ * with UDP's rule for zero (l4_flags). */
+static __always_inline void fix_l4_check(__u16 *ck, int udp, __u32 mode, __u32 da, __u32 dp)
+{
+	__u16 v;
+
+	if (udp && mode != CSUM_PARTIAL && *ck == 0)
+		return;
+	v = fix_tcp_check(*ck, mode, da, dp);
+	*ck = (udp && v == 0) ? 0xffff : v;
+}
+
 /* rewrite_direct writes out's addresses and ports with direct packet
  * access and checksums computed here: no helper calls, the steady-state
  * path's largest cost (BENCHMARKS.md, "Datapath cost, alone"). It takes IPv4
@@ -98,8 +125,11 @@ static __attribute__((noinline)) int rewrite_direct(struct __sk_buff *skb, struc
 		struct iphdr *ip = data + sizeof(struct ethhdr);
 		struct tcphdr *th = (void *)(ip + 1);
 		__u32 *ports = (__u32 *)th;
+		__u16 *ck = p->udp ? (__u16 *)((__u8 *)th + offsetof(struct udphdr, check)) : &th->check;
 		__u32 s4, d4;
 
+		/* A UDP datagram with less than 12 bytes of data takes the
+		 * helpers: one bound check for both protocols. */
 		if (p->l4 != p->l3 + sizeof(struct iphdr) || (void *)(th + 1) > end)
 			return 1;
 		__builtin_memcpy(&s4, out->saddr + 12, 4);
@@ -109,12 +139,13 @@ static __attribute__((noinline)) int rewrite_direct(struct __sk_buff *skb, struc
 		ip->check = (__u16)~csum_fold(csum_add((__u16)~ip->check, da));
 		ip->saddr = s4;
 		ip->daddr = d4;
-		th->check = fix_tcp_check(th->check, mode, da, dp);
+		fix_l4_check(ck, p->udp, mode, da, dp);
 		*ports = newp;
 	} else {
 		struct ipv6hdr *ip6 = data + sizeof(struct ethhdr);
 		struct tcphdr *th = (void *)(ip6 + 1);
 		__u32 *ports = (__u32 *)th;
+		__u16 *ck = p->udp ? (__u16 *)((__u8 *)th + offsetof(struct udphdr, check)) : &th->check;
 		__u32 *a = (__u32 *)&ip6->saddr;
 
 		if ((void *)(th + 1) > end)
@@ -128,7 +159,7 @@ static __attribute__((noinline)) int rewrite_direct(struct __sk_buff *skb, struc
 			a[i] = w;
 		}
 		dp = csum_swap(0, *ports, newp);
-		th->check = fix_tcp_check(th->check, mode, da, dp);
+		fix_l4_check(ck, p->udp, mode, da, dp);
 		*ports = newp;
 	}
 	__builtin_memcpy(p->t.saddr, out->saddr, 16);
@@ -143,14 +174,21 @@ static __attribute__((noinline)) int rewrite_direct(struct __sk_buff *skb, struc
  * Without IPv4 options the addresses and the ports are contiguous: one
  * store. Set-up and the two-path phase use it; the steady state
  * (rewrite_fast) tries rewrite_direct first. */
-static __always_inline int rewrite_tuple(struct __sk_buff *skb, struct pkt *p, const struct dysco_ends *out)
+static __attribute__((noinline)) int rewrite_tuple(struct __sk_buff *skb, struct pkt *p, const struct dysco_ends *out)
 {
+	__u32 k0 = 0;
+	struct scratch *sc = bpf_map_lookup_elem(&dysco_scratch, &k0);
 	__u32 oldp = (__u32)p->t.sport | ((__u32)p->t.dport << 16);
 	__u32 newp = (__u32)out->sport | ((__u32)out->dport << 16);
+	__u64 lf = l4_flags(skb, p);
+	__u32 co = L4_CSUM_OFF(p);
 	__s64 diff;
 
+	/* In scratch space: the callers' frames leave little room. */
+	if (!sc)
+		return -1;
 	if (!p->v6) {
-		__u32 old[3], new[3];
+		__u32 *old = sc->csw, *new = sc->csw + 8;
 		__builtin_memcpy(&old[0], p->t.saddr + 12, 4);
 		__builtin_memcpy(&old[1], p->t.daddr + 12, 4);
 		__builtin_memcpy(&new[0], out->saddr + 12, 4);
@@ -159,12 +197,12 @@ static __always_inline int rewrite_tuple(struct __sk_buff *skb, struct pkt *p, c
 		if (old[0] != new[0] || old[1] != new[1]) {
 			diff = bpf_csum_diff(old, 8, new, 8, 0);
 			if (bpf_l3_csum_replace(skb, IP_CSUM_OFF(p), 0, diff, 0) ||
-			    bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, BPF_F_PSEUDO_HDR))
+			    bpf_l4_csum_replace(skb, co, 0, diff, BPF_F_PSEUDO_HDR | lf))
 				return -1;
 		}
 		if (oldp != newp) {
 			diff = bpf_csum_diff(&oldp, 4, &newp, 4, 0);
-			if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, 0))
+			if (bpf_l4_csum_replace(skb, co, 0, diff, lf))
 				return -1;
 		}
 		if (p->l4 == p->l3 + sizeof(struct iphdr)) {
@@ -175,18 +213,18 @@ static __always_inline int rewrite_tuple(struct __sk_buff *skb, struct pkt *p, c
 			return -1;
 		}
 	} else {
-		__u32 old[8], new[9];
+		__u32 *old = sc->csw, *new = sc->csw + 8;
 		__builtin_memcpy(&old[0], p->t.saddr, 16);
 		__builtin_memcpy(&old[4], p->t.daddr, 16);
 		__builtin_memcpy(&new[0], out->saddr, 16);
 		__builtin_memcpy(&new[4], out->daddr, 16);
 		new[8] = newp;
 		diff = bpf_csum_diff(old, 32, new, 32, 0);
-		if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, BPF_F_PSEUDO_HDR))
+		if (bpf_l4_csum_replace(skb, co, 0, diff, BPF_F_PSEUDO_HDR | lf))
 			return -1;
 		if (oldp != newp) {
 			diff = bpf_csum_diff(&oldp, 4, &newp, 4, 0);
-			if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, 0))
+			if (bpf_l4_csum_replace(skb, co, 0, diff, lf))
 				return -1;
 		}
 		/* The TCP header follows the IPv6 header (parse allows no
@@ -211,8 +249,9 @@ static __always_inline int rewrite_fast(struct __sk_buff *skb, struct pkt *p, co
 	return rewrite_tuple(skb, p, out);
 }
 
-/* set_l3_len changes the IP length fields (and the TCP pseudo-header length)
- * for a packet about to grow or shrink to l3_len bytes of IP. */
+/* set_l3_len changes the IP length fields (and the pseudo-header length of
+ * the transport checksum; UDP: its length field too) for a packet about to
+ * grow or shrink to l3_len bytes of IP. */
 static __always_inline int set_l3_len(struct __sk_buff *skb, struct pkt *p, __u32 l3_len)
 {
 	__u32 hl = p->l4 - p->l3;
@@ -228,8 +267,17 @@ static __always_inline int set_l3_len(struct __sk_buff *skb, struct pkt *p, __u3
 		if (bpf_skb_store_bytes(skb, p->l3 + offsetof(struct ipv6hdr, payload_len), &n, 2, 0))
 			return -1;
 	}
-	if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), oldt, newt, BPF_F_PSEUDO_HDR | 2))
+	if (p->udp) {
+		__u64 lf = l4_flags(skb, p);
+
+		/* The length is in the pseudo header and in the UDP header. */
+		if (bpf_l4_csum_replace(skb, L4_CSUM_OFF(p), oldt, newt, BPF_F_PSEUDO_HDR | lf | 2) ||
+		    bpf_l4_csum_replace(skb, L4_CSUM_OFF(p), oldt, newt, lf | 2) ||
+		    bpf_skb_store_bytes(skb, p->l4 + offsetof(struct udphdr, len), &newt, 2, 0))
+			return -1;
+	} else if (bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), oldt, newt, BPF_F_PSEUDO_HDR | 2)) {
 		return -1;
+	}
 	p->l3_len = l3_len;
 	return 0;
 }
@@ -262,7 +310,7 @@ static __always_inline int csum_bytes(struct __sk_buff *skb, struct pkt *p, void
 		diff = bpf_csum_diff(0, 0, buf, len, 0);
 	if (diff < 0)
 		return -1;
-	return bpf_l4_csum_replace(skb, TCP_CSUM_OFF(p), 0, diff, 0) ? -1 : 0;
+	return bpf_l4_csum_replace(skb, L4_CSUM_OFF(p), 0, diff, l4_flags(skb, p)) ? -1 : 0;
 }
 
 /* replace_u32 rewrites a 32-bit TCP header or option field at off. */

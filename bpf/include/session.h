@@ -120,7 +120,7 @@ static __attribute__((noinline)) int reclaim(const struct dysco_tuple *key)
 	if (!ended(f))
 		return 0;
 	id = f->sess_id;
-	reverse(&rk, &out);
+	reverse(&rk, &out, key->proto);
 	flow_del(&rk);
 	flow_del(key);
 	s = bpf_map_lookup_elem(&dysco_sessions, &id);

@@ -93,11 +93,11 @@ struct flow_val4 {
 /* The bytes both flow values begin with. */
 #define FLOW_HEAD_LEN 36
 
-/* Per-session state on this host. 88 bytes: the kernel accounts 48 + 8 + 88
- * + 8 = 152 bytes per entry, allocated from kmalloc-192 (docs/architecture.md,
+/* Per-session state on this host. 96 bytes: the kernel accounts 48 + 8 + 96
+ * + 8 = 160 bytes per entry, allocated from kmalloc-192 (docs/architecture.md,
  * "Small entries"). */
 struct session_val {
-	struct dysco_ends tuple; /* session tuple as it entered this host (TCP) */
+	struct dysco_ends tuple; /* session tuple as it entered this host */
 	__u32 created_ms;        /* stamps (stamp() in session.h) */
 	__u32 last_ms;           /* last state change (packets: see the flows) */
 	__u8 nonce[DYSCO_NONCE_LEN];
@@ -114,11 +114,17 @@ struct session_val {
 	__u8 is_v6;
 	__u8 ws[2];
 	__u8 has_ts;
-	__u8 pad;
+	__u8 proto;              /* IPPROTO_TCP or IPPROTO_UDP */
 	/* The source whose half-open budget this session counts against
 	 * (ho_source in admit.h), until it is established, reset or freed;
 	 * 0: none (a session started here, or released already). */
 	__u64 ho_src;
+	/* A UDP session's idle timeouts in seconds (0: the agent's
+	 * defaults), before it has carried datagrams both ways and after:
+	 * from its policy at the chain start, from the block elsewhere. The
+	 * collector reads them (internal/agent/collect.go). */
+	__u16 idle_s[2];
+	__u32 pad;
 };
 
 /* What a SYN needs until the handshake is complete: the rest of the address
@@ -130,7 +136,8 @@ struct syn_state {
 	__u8 hops[DYSCO_MAX_HOPS][16];
 	__u8 n_hops;                /* hops[0] is the next hop */
 	__u8 emitted;               /* an egress flow exists (retransmission) */
-	__u8 pad[6];
+	__u16 idle_s[2];            /* UDP: the idle timeouts the block carries */
+	__u8 pad[2];
 };
 
 /* Sequence translation for one flow (paper §3.4, §4.2), applied by anchors
@@ -150,6 +157,7 @@ struct policy_val {
 	__u8 n_hops;
 	__u8 to_dst;  /* append the session destination to the chain */
 	__u8 pad[2];
+	__u16 idle_s[2]; /* UDP sessions' idle timeouts, seconds (0: the defaults) */
 	__u32 type[DYSCO_MAX_HOPS];     /* HOP_TYPE: index into dysco_types */
 	__u8 kind[DYSCO_MAX_HOPS];      /* HOP_ADDR or HOP_TYPE */
 	__u8 addr[DYSCO_MAX_HOPS][16];  /* HOP_ADDR */
@@ -159,6 +167,22 @@ struct type_val {
 	__u32 n;
 	__u32 rr; /* round-robin cursor, advanced atomically */
 	__u8 addr[MAX_INSTANCES][16];
+};
+
+/* A parsed packet (parsing.h, parse). */
+struct pkt {
+	__u32 l3;     /* offset of the IP header */
+	__u32 l4;     /* offset of the TCP or UDP header */
+	__u32 l3_len; /* IP total length (IPv6: 40 + payload length) */
+	__u32 doff;   /* TCP header length, bytes (UDP: 8) */
+	__u32 payload;
+	__u32 seq;    /* TCP sequence number, host order (UDP: 0) */
+	__u32 ack;    /* TCP acknowledgment number, host order (UDP: 0) */
+	__u8 v6;
+	__u8 flags;   /* TCP flag byte (UDP: 0) */
+	__u8 udp;     /* t.proto is IPPROTO_UDP */
+	__u8 pad;
+	struct dysco_tuple t;
 };
 
 /* Settings the agent changes while the datapath runs. */
@@ -300,7 +324,7 @@ struct mac_key {
  * stack). The block is followed by room for the subsession tuple that ends
  * the input of its MAC (admit.h). */
 struct scratch {
-	__u8 buf[DYSCO_OPT_LEN + DYSCO_MAX_BLOCK_LEN + DYSCO_MAC_SUB_LEN + 4];
+	__u8 buf[DYSCO_OPT_LEN + DYSCO_MAX_BLOCK_LEN + DYSCO_MAC_SUB_LEN + 8];
 	__u64 nonce_ctr; /* nonces made on this CPU (admit.h, make_nonce) */
 	struct syn_state st;
 	struct session_val sess;
@@ -312,6 +336,9 @@ struct scratch {
 	struct dysco_ends fout;
 	struct dysco_tuple next, rkey;
 	struct dysco_ends ends; /* a SYN's rewrite target on ingress, its next hop on egress */
+	struct dysco_ends sub;  /* the subsession a SYN or a datagram with a block goes on (egress) */
+	__u32 csw[18];          /* rewrite_tuple's words before and after (rewrite.h) */
+	struct pkt pk;          /* the packet of the UDP programs (dysco.c), off their stacks */
 };
 
 /* The sizes the memory figures rest on (BENCHMARKS.md), and the layout
@@ -327,7 +354,7 @@ _Static_assert(__builtin_offsetof(struct flow_val, out) == FLOW_HEAD_LEN &&
 	       __builtin_offsetof(struct flow_val4, flags) == __builtin_offsetof(struct flow_val, flags) &&
 	       __builtin_offsetof(struct flow_val4, sess_id) == __builtin_offsetof(struct flow_val, sess_id),
 	       "flow_val and flow_val4 share their head");
-_Static_assert(sizeof(struct session_val) == 88, "session_val is 88 bytes");
+_Static_assert(sizeof(struct session_val) == 96, "session_val is 96 bytes");
 _Static_assert(__builtin_offsetof(struct session_val, ho_src) % 8 == 0, "session_val.ho_src is aligned");
 _Static_assert(__builtin_offsetof(struct scratch, buf) == 0 && sizeof(((struct scratch *)0)->buf) % 8 == 4,
 	       "the MAC's input is read in words from buf");

@@ -111,12 +111,79 @@ static __attribute__((noinline)) int tap_syn(struct __sk_buff *skb, struct pkt *
 	return 0;
 }
 
+/* check_block checks the block of blen bytes at b (in scratch space) that a
+ * packet p of protocol proto carries, admits it (admit.h) and reads it into
+ * st: 0 if it may set up a session here, else the counter of the drop. The
+ * same checks as wire.Decode; a UDP block ends with the session's idle
+ * timeouts (wire.UDPExtLen). */
+static __attribute__((noinline)) int check_block(struct pkt *p, __u8 *b, __u32 blen, struct syn_state *st, __u8 proto)
+{
+	__u32 n, i, j, ext = proto == IPPROTO_UDP ? DYSCO_UDP_EXT_LEN : 0;
+	int rc;
+
+	if (blen < DYSCO_BLOCK_HEADER_LEN || blen > DYSCO_MAX_BLOCK_LEN)
+		return STAT_DROP_BAD_LENGTH;
+	if (b[0] != ((DYSCO_MAGIC >> 24) & 0xff) || b[1] != ((DYSCO_MAGIC >> 16) & 0xff) ||
+	    b[2] != ((DYSCO_MAGIC >> 8) & 0xff) || b[3] != (DYSCO_MAGIC & 0xff))
+		return STAT_DROP_BAD_MAGIC;
+	if (b[4] != DYSCO_VERSION)
+		return STAT_DROP_BAD_VERSION;
+	/* This version defines no flags (wire.ErrReserved); the protocol is
+	 * the packet's own (wire.ErrProto). */
+	if (b[5] || b[7] != proto)
+		return STAT_DROP_MALFORMED;
+	n = b[6];
+	if (n > DYSCO_MAX_HOPS)
+		return STAT_DROP_TOO_MANY_HOPS;
+	if (blen != DYSCO_BLOCK_HEADER_LEN + n * DYSCO_ADDR_LEN + ext)
+		return STAT_DROP_BAD_LENGTH;
+	/* Admission (admit.h) before anything of the block is believed. */
+	rc = syn_admit(&p->t, b, blen);
+	if (rc)
+		return rc;
+	__builtin_memset(st, 0, sizeof(*st));
+	__builtin_memcpy(st->nonce, b + 8, DYSCO_NONCE_LEN);
+	__builtin_memcpy(st->session.saddr, b + 16, 16);
+	__builtin_memcpy(st->session.daddr, b + 32, 16);
+	__builtin_memcpy(&st->session.sport, b + 48, 2);
+	__builtin_memcpy(&st->session.dport, b + 50, 2);
+	st->session.proto = proto;
+	if (!st->session.sport || !st->session.dport || is_mapped4(st->session.saddr) == p->v6 ||
+	    is_mapped4(st->session.daddr) == p->v6 || !unicast(st->session.saddr) || !unicast(st->session.daddr) ||
+	    (st->session.sport == st->session.dport && addr_eq(st->session.saddr, st->session.daddr)))
+		return STAT_DROP_BAD_SESSION;
+	/* A list naming this host or repeating an address would loop. */
+	for (i = 0; i < DYSCO_MAX_HOPS; i++) {
+		if (i >= n)
+			break;
+		__builtin_memcpy(st->hops[i], b + DYSCO_BLOCK_HEADER_LEN + i * DYSCO_ADDR_LEN, 16);
+		/* Mixed families, or an address no packet can go to: not a loop. */
+		if (is_mapped4(st->hops[i]) == p->v6 || !unicast(st->hops[i]))
+			return STAT_DROP_MALFORMED;
+		if (is_local(st->hops[i]))
+			return STAT_DROP_LOOP;
+		for (j = 0; j < DYSCO_MAX_HOPS; j++) {
+			if (j >= i)
+				break;
+			if (addr_eq(st->hops[i], st->hops[j]))
+				return STAT_DROP_LOOP;
+		}
+	}
+	st->n_hops = n;
+	if (ext && blen >= DYSCO_BLOCK_HEADER_LEN + DYSCO_UDP_EXT_LEN && blen <= DYSCO_MAX_BLOCK_LEN) {
+		__u8 *e = b + blen - DYSCO_UDP_EXT_LEN;
+		st->idle_s[0] = ((__u16)e[0] << 8) | e[1];
+		st->idle_s[1] = ((__u16)e[2] << 8) | e[3];
+	}
+	return 0;
+}
+
 /* ingress_syn handles a Dysco SYN arriving from the previous hop (§2.1): it
  * checks the block, records the session and its two flows on this side,
  * rewrites the SYN to the session tuple and hands it to the stack. */
 static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u8 *opt, struct flow_val *known)
 {
-	__u32 k0 = 0, blen, n, i, j, id;
+	__u32 k0 = 0, blen, n, id;
 	struct scratch *sc = bpf_map_lookup_elem(&dysco_scratch, &k0);
 	struct syn_state *st;
 	__u8 *b;
@@ -149,73 +216,12 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		stat_inc(STAT_DROP_MALFORMED);
 		return TC_ACT_SHOT;
 	}
-	if (b[0] != ((DYSCO_MAGIC >> 24) & 0xff) || b[1] != ((DYSCO_MAGIC >> 16) & 0xff) ||
-	    b[2] != ((DYSCO_MAGIC >> 8) & 0xff) || b[3] != (DYSCO_MAGIC & 0xff)) {
-		stat_inc(STAT_DROP_BAD_MAGIC);
-		return TC_ACT_SHOT;
-	}
-	if (b[4] != DYSCO_VERSION) {
-		stat_inc(STAT_DROP_BAD_VERSION);
-		return TC_ACT_SHOT;
-	}
-	if (b[5] || b[7] != DYSCO_PROTO_TCP) {
-		/* This version defines no flags (wire.ErrReserved), and TCP
-		 * sessions only (wire.ErrProto). */
-		stat_inc(STAT_DROP_MALFORMED);
-		return TC_ACT_SHOT;
-	}
-	n = b[6];
-	if (n > DYSCO_MAX_HOPS) {
-		stat_inc(STAT_DROP_TOO_MANY_HOPS);
-		return TC_ACT_SHOT;
-	}
-	if (blen != DYSCO_BLOCK_HEADER_LEN + n * DYSCO_ADDR_LEN) {
-		stat_inc(STAT_DROP_BAD_LENGTH);
-		return TC_ACT_SHOT;
-	}
-	/* Admission (admit.h) before anything of the block is believed. */
-	rc = syn_admit(&p->t, b, blen);
+	rc = check_block(p, b, blen, st, IPPROTO_TCP);
 	if (rc) {
 		stat_inc(rc);
 		return TC_ACT_SHOT;
 	}
-	__builtin_memset(st, 0, sizeof(*st));
-	__builtin_memcpy(st->nonce, b + 8, DYSCO_NONCE_LEN);
-	__builtin_memcpy(st->session.saddr, b + 16, 16);
-	__builtin_memcpy(st->session.daddr, b + 32, 16);
-	__builtin_memcpy(&st->session.sport, b + 48, 2);
-	__builtin_memcpy(&st->session.dport, b + 50, 2);
-	st->session.proto = IPPROTO_TCP;
-	if (!st->session.sport || !st->session.dport || is_mapped4(st->session.saddr) == p->v6 ||
-	    is_mapped4(st->session.daddr) == p->v6 || !unicast(st->session.saddr) || !unicast(st->session.daddr) ||
-	    (st->session.sport == st->session.dport && addr_eq(st->session.saddr, st->session.daddr))) {
-		stat_inc(STAT_DROP_BAD_SESSION);
-		return TC_ACT_SHOT;
-	}
-	/* A list naming this host or repeating an address would loop. */
-	for (i = 0; i < DYSCO_MAX_HOPS; i++) {
-		if (i >= n)
-			break;
-		__builtin_memcpy(st->hops[i], b + DYSCO_BLOCK_HEADER_LEN + i * DYSCO_ADDR_LEN, 16);
-		if (is_mapped4(st->hops[i]) == p->v6 || !unicast(st->hops[i])) {
-			/* Mixed families, or an address no SYN can go to: not a loop. */
-			stat_inc(STAT_DROP_MALFORMED);
-			return TC_ACT_SHOT;
-		}
-		if (is_local(st->hops[i])) {
-			stat_inc(STAT_DROP_LOOP);
-			return TC_ACT_SHOT;
-		}
-		for (j = 0; j < DYSCO_MAX_HOPS; j++) {
-			if (j >= i)
-				break;
-			if (addr_eq(st->hops[i], st->hops[j])) {
-				stat_inc(STAT_DROP_LOOP);
-				return TC_ACT_SHOT;
-			}
-		}
-	}
-	st->n_hops = n;
+	n = st->n_hops;
 	local_dst = is_local(st->session.daddr);
 	keep_tag = n > 0 || !local_dst;
 	if (!local_dst) {
@@ -254,13 +260,14 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 		s->state = ST_SYN;
 		s->role = n > 0 ? ROLE_MIDDLE : (local_dst ? ROLE_END : ROLE_END_FWD);
 		s->is_v6 = p->v6;
+		s->proto = IPPROTO_TCP;
 		handshake(skb, p, s);
 		if (alloc_session(s, &id))
 			return TC_ACT_SHOT;
 		ends_of(&in->out, &st->session);
 		in->sess_id = id;
 		in->flags = FL_INGRESS | FL_SYN_STRIP | (s->role != ROLE_END ? FL_TAP : 0);
-		reverse(rkey, &in->out);
+		reverse(rkey, &in->out, IPPROTO_TCP);
 		reverse_ends(&out->out, &p->t);
 		out->sess_id = id;
 		out->flags = FL_REV | (same_route(skb, p->v6, st->session.saddr, p->t.saddr) ? 0 : FL_REROUTE);
@@ -299,6 +306,76 @@ static __always_inline int ingress_syn(struct __sk_buff *skb, struct pkt *p, __u
 	return TC_ACT_OK;
 }
 
+/* new_subsession makes the subsession of session id to its next hop
+ * (sc->st.hops[0]) for the packet p leaving the host (§2.1): its ports,
+ * claimed atomically through the reverse flow's key, the two flows, and the
+ * set-up state, marked emitted. sc->sub gets the subsession tuple. 0, or -1
+ * with the drop counted. */
+static __always_inline int subsession_make(struct __sk_buff *skb, struct pkt *p, __u32 id, struct scratch *sc)
+{
+	struct syn_state *st = &sc->st;
+	struct dysco_ends *out = &sc->sub;
+	struct bpf_redir_neigh nh;
+	struct dysco_ends *next = &sc->ends;
+	struct dysco_tuple *rkey = &sc->rkey;
+	struct flow_val *fwd = &sc->fwd, *rev = &sc->rev;
+	struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &id);
+	__u32 ifindex, r, i;
+	__u8 flags_role = 0;
+	int ok = 0;
+
+	if (s && s->role == ROLE_MIDDLE)
+		flags_role = FL_TAP;
+	__builtin_memset(next, 0, sizeof(*next));
+	__builtin_memset(fwd, 0, sizeof(*fwd));
+	__builtin_memset(rev, 0, sizeof(*rev));
+	__builtin_memcpy(next->daddr, st->hops[0], 16);
+	if (route(skb, next, p->v6, &nh, &ifindex, out->saddr, p->t.saddr)) {
+		stat_inc(STAT_DROP_NO_ROUTE);
+		return -1;
+	}
+	__builtin_memcpy(out->daddr, st->hops[0], 16);
+	rev->sess_id = id;
+	rev->flags = FL_INGRESS | FL_REV | flags_role;
+	reverse_ends(&rev->out, &p->t);
+	for (i = 0; i < ALLOC_TRIES; i++) {
+		r = bpf_get_prandom_u32();
+		out->sport = bpf_htons(port_lo + (__u16)((r & 0xffff) % port_n));
+		out->dport = bpf_htons(port_lo + (__u16)((r >> 16) % port_n));
+		reverse(rkey, out, p->t.proto);
+		if (!flow_put(rkey, rev, BPF_NOEXIST, &sc->v4)) {
+			ok = 1;
+			break;
+		}
+	}
+	if (!ok) {
+		stat_inc(STAT_DROP_NO_PORT);
+		return -1;
+	}
+	fwd->out = *out;
+	fwd->sess_id = id;
+	fwd->flags = FL_SYN_EMIT | (same_route(skb, p->v6, p->t.daddr, out->daddr) ? 0 : FL_REROUTE);
+	fwd->packets = 1;
+	fwd->bytes = skb->len;
+	fwd->last_ms = stamp();
+	reclaim(&p->t);
+	if (flow_put(&p->t, fwd, BPF_NOEXIST, &sc->v4)) {
+		flow_del(rkey);
+		stat_inc(STAT_DROP_FLOWS_FULL);
+		return -1;
+	}
+	st->emitted = 1;
+	bpf_map_update_elem(&dysco_syns, &id, st, BPF_ANY);
+	return 0;
+}
+
+/* new_subsession is subsession_make in a frame of its own, for callers
+ * with little stack to spare (udp.h). */
+static __attribute__((noinline)) int new_subsession(struct __sk_buff *skb, struct pkt *p, __u32 id, struct scratch *sc)
+{
+	return subsession_make(skb, p, id, sc);
+}
+
 /* emit_syn sends the SYN of a session on to its next hop: it allocates the
  * subsession (ports claimed atomically through the reverse flow's key), writes
  * the marking option and the block with the rest of the list (§2.1), and
@@ -309,7 +386,6 @@ static __always_inline int emit_syn(struct __sk_buff *skb, struct pkt *p, __u32 
 	__u8 *buf = sc->buf;
 	struct dysco_ends out = {};
 	__u32 n = st->n_hops, blen, add, i;
-	__u8 flags_role = 0;
 
 	if (n == 0 || n > DYSCO_MAX_HOPS)
 		return TC_ACT_SHOT;
@@ -323,57 +399,10 @@ static __always_inline int emit_syn(struct __sk_buff *skb, struct pkt *p, __u32 
 	if (known) {
 		out = known->out;
 		stat_inc(STAT_SYN_RETRANS);
+	} else if (subsession_make(skb, p, id, sc)) {
+		return TC_ACT_SHOT;
 	} else {
-		struct bpf_redir_neigh nh;
-		struct dysco_ends *next = &sc->ends;
-		struct dysco_tuple *rkey = &sc->rkey;
-		struct flow_val *fwd = &sc->fwd, *rev = &sc->rev;
-		struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &id);
-		__u32 ifindex, r;
-		int ok = 0;
-
-		if (s && s->role == ROLE_MIDDLE)
-			flags_role = FL_TAP;
-		__builtin_memset(next, 0, sizeof(*next));
-		__builtin_memset(fwd, 0, sizeof(*fwd));
-		__builtin_memset(rev, 0, sizeof(*rev));
-		__builtin_memcpy(next->daddr, st->hops[0], 16);
-		if (route(skb, next, p->v6, &nh, &ifindex, out.saddr, p->t.saddr)) {
-			stat_inc(STAT_DROP_NO_ROUTE);
-			return TC_ACT_SHOT;
-		}
-		__builtin_memcpy(out.daddr, st->hops[0], 16);
-		rev->sess_id = id;
-		rev->flags = FL_INGRESS | FL_REV | flags_role;
-		reverse_ends(&rev->out, &p->t);
-		for (i = 0; i < ALLOC_TRIES; i++) {
-			r = bpf_get_prandom_u32();
-			out.sport = bpf_htons(port_lo + (__u16)((r & 0xffff) % port_n));
-			out.dport = bpf_htons(port_lo + (__u16)((r >> 16) % port_n));
-			reverse(rkey, &out);
-			if (!flow_put(rkey, rev, BPF_NOEXIST, &sc->v4)) {
-				ok = 1;
-				break;
-			}
-		}
-		if (!ok) {
-			stat_inc(STAT_DROP_NO_PORT);
-			return TC_ACT_SHOT;
-		}
-		fwd->out = out;
-		fwd->sess_id = id;
-		fwd->flags = FL_SYN_EMIT | (same_route(skb, p->v6, p->t.daddr, out.daddr) ? 0 : FL_REROUTE);
-		fwd->packets = 1;
-		fwd->bytes = skb->len;
-		fwd->last_ms = stamp();
-		reclaim(&p->t);
-		if (flow_put(&p->t, fwd, BPF_NOEXIST, &sc->v4)) {
-			flow_del(rkey);
-			stat_inc(STAT_DROP_FLOWS_FULL);
-			return TC_ACT_SHOT;
-		}
-		st->emitted = 1;
-		bpf_map_update_elem(&dysco_syns, &id, st, BPF_ANY);
+		out = sc->sub;
 	}
 
 	/* Option and block, built in scratch space. */
@@ -469,6 +498,8 @@ static __always_inline int resolve_policy(__u32 slot, const struct pkt *p, struc
 
 	if (!pol || pol->n_hops > DYSCO_MAX_HOPS)
 		return -1;
+	st->idle_s[0] = pol->idle_s[0];
+	st->idle_s[1] = pol->idle_s[1];
 	for (i = 0; i < DYSCO_MAX_HOPS; i++) {
 		if (i >= pol->n_hops)
 			break;

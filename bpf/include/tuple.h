@@ -53,14 +53,15 @@ static __always_inline int is_local(const __u8 *addr)
 	return bpf_map_lookup_elem(&dysco_local, addr) != 0;
 }
 
-/* reverse gives the key of the packets that answer those sent to e. */
-static __always_inline void reverse(struct dysco_tuple *r, const struct dysco_ends *e)
+/* reverse gives the key of the packets of protocol proto that answer those
+ * sent to e. */
+static __always_inline void reverse(struct dysco_tuple *r, const struct dysco_ends *e, __u8 proto)
 {
 	__builtin_memcpy(r->saddr, e->daddr, 16);
 	__builtin_memcpy(r->daddr, e->saddr, 16);
 	r->sport = e->dport;
 	r->dport = e->sport;
-	r->proto = IPPROTO_TCP;
+	r->proto = proto;
 	r->pad[0] = r->pad[1] = r->pad[2] = 0;
 }
 

@@ -55,6 +55,11 @@ type Config struct {
 	Socket string
 	// Timeouts of the session collector.
 	IdleTimeout, HalfOpenTimeout, CloseLinger time.Duration
+	// UDPTimeout and UDPStreamTimeout end UDP sessions idle that long,
+	// before and after they have carried datagrams both ways, unless
+	// their policy sets its own (the Linux conntrack defaults: 30 s and
+	// 120 s).
+	UDPTimeout, UDPStreamTimeout time.Duration
 	// GCInterval is how often ended sessions are collected.
 	GCInterval time.Duration
 	// PortLo and PortN give the subsession port range.
@@ -161,6 +166,12 @@ func (c *Config) defaults() {
 	if c.Socket == "" {
 		c.Socket = api.AgentSocket
 	}
+	if c.UDPTimeout == 0 {
+		c.UDPTimeout = 30 * time.Second
+	}
+	if c.UDPStreamTimeout == 0 {
+		c.UDPStreamTimeout = 120 * time.Second
+	}
 	if c.IdleTimeout == 0 {
 		c.IdleTimeout = time.Hour
 	}
@@ -227,7 +238,8 @@ func Run(ctx context.Context, cfg Config) error {
 		tapIndex = uint32(idx)
 	}
 	dp, err := datapath.Load(datapath.Config{PinDir: cfg.PinDir, TapIfindex: tapIndex, PortLo: cfg.PortLo, PortN: cfg.PortN,
-		HalfOpenPerSource: cfg.HalfOpenPerSource, MaxSessions: cfg.MaxSessions, NoForwardCheck: cfg.NoForwardCheck})
+		HalfOpenPerSource: cfg.HalfOpenPerSource, MaxSessions: cfg.MaxSessions, NoForwardCheck: cfg.NoForwardCheck,
+		ControlPort: uint16(max(cfg.ControlPort, 0))})
 	if err != nil {
 		return err
 	}

@@ -203,7 +203,7 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 			}
 		}
 		as := api.Session{
-			ID: s.ID, Session: s.Tuple.String(), Left: left[s.ID], Right: right[s.ID],
+			ID: s.ID, Session: s.Tuple.String(), Proto: datapath.ProtoName(s.Proto), Left: left[s.ID], Right: right[s.ID],
 			Role: datapath.RoleName(s.Role), State: datapath.StateName(s.State),
 			PacketsFwd: t.packets[0], BytesFwd: t.bytes[0], PacketsRev: t.packets[1], BytesRev: t.bytes[1],
 			AgeSeconds:  datapath.Age(now, s.CreatedMs).Seconds(),

@@ -11,7 +11,8 @@ import (
 // teardown"): after a reset, or FINs in both directions, plus a linger that
 // lets the last ACK and retransmitted FINs through; after the half-open
 // timeout for sessions never established; after the idle timeout for the
-// rest. A session's last activity is the latest of its flows' and its own
+// rest. A UDP session has no FIN: it ends when idle for its one-way time
+// before a datagram came back, its stream time after (udpTimeouts). A session's last activity is the latest of its flows' and its own
 // state changes. Set-up state goes once the session is established, and
 // flows whose session is gone go too, so nothing is left behind.
 //
@@ -66,6 +67,16 @@ func (a *Agent) collect() {
 			idle = min(idle, datapath.Age(now, l))
 		}
 		st := s.State
+		if s.Proto == datapath.ProtoUDP {
+			oneWay, stream := a.udpTimeouts(s)
+			if st&datapath.StEst == 0 && idle > capped(oneWay) || idle > capped(stream) || !hasFlows && age > halfOpen {
+				dead = append(dead, id)
+				if s.HoSrc != 0 {
+					counted = append(counted, id)
+				}
+			}
+			return
+		}
 		switch {
 		case st&datapath.StRST != 0 && idle > linger/5,
 			st&datapath.StFINFwd != 0 && st&datapath.StFINRev != 0 && idle > linger,
@@ -134,3 +145,28 @@ var (
 	latestMu  sync.Mutex
 	latestMap = map[uint32]uint32{}
 )
+
+// udpGrace is how much longer than the chain's start a middlebox host or
+// the far end keeps an idle UDP session: every datagram passes every host,
+// so the start, which sets a new chain up for the next datagram, forgets
+// the session first, and no host of the chain refuses a datagram of a
+// session the start still has.
+const udpGrace = 5 * time.Second
+
+// udpTimeouts gives a UDP session's idle timeouts at this host: its
+// policy's (carried in the block to every host of the chain), else this
+// agent's defaults.
+func (a *Agent) udpTimeouts(s *datapath.Session) (oneWay, stream time.Duration) {
+	oneWay, stream = a.cfg.UDPTimeout, a.cfg.UDPStreamTimeout
+	if s.IdleS[0] != 0 {
+		oneWay = time.Duration(s.IdleS[0]) * time.Second
+	}
+	if s.IdleS[1] != 0 {
+		stream = time.Duration(s.IdleS[1]) * time.Second
+	}
+	if s.Role != datapath.RoleStart {
+		oneWay += udpGrace
+		stream += udpGrace
+	}
+	return oneWay, stream
+}

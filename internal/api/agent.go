@@ -64,6 +64,7 @@ type Forwarding struct {
 type Session struct {
 	ID      uint32 `json:"id"`
 	Session string `json:"session"` // session tuple "a:p -> b:q"
+	Proto   string `json:"proto"`   // "tcp" or "udp"
 	// Left and Right are the subsessions on each side of this host, empty
 	// where this host is an end of the chain.
 	Left        string   `json:"left,omitempty"`

@@ -159,6 +159,8 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 	f.StringVar(&cfg.MetricsAddr, "metrics", "", "serve Prometheus metrics on this address, e.g. 127.0.0.1:9017")
 	f.DurationVar(&cfg.IdleTimeout, "idle-timeout", time.Hour, "end sessions idle this long")
 	f.DurationVar(&cfg.HalfOpenTimeout, "half-open-timeout", 30*time.Second, "end sessions not established within this time")
+	f.DurationVar(&cfg.UDPTimeout, "udp-timeout", 30*time.Second, "end UDP sessions that have carried datagrams one way only after this idle time (a policy's --idle overrides it)")
+	f.DurationVar(&cfg.UDPStreamTimeout, "udp-stream-timeout", 120*time.Second, "end UDP sessions that have carried datagrams both ways after this idle time (a policy's --idle overrides it)")
 	f.DurationVar(&cfg.CloseLinger, "close-linger", 10*time.Second, "keep closed sessions this long for retransmitted FINs and ACKs")
 	f.IntVar(&cfg.MaxSessions, "max-sessions", 0, fmt.Sprintf("sessions the datapath's maps hold, 1 to %d, four flow entries each (default: the datapath's own size, MAX_SESSIONS; 'dysco status' shows capacity_sessions); maps already pinned keep their size until --reset", datapath.MaxSessionsLimit))
 	f.StringVar(&ports, "ports", "", "subsession port range LOW-HIGH (default 20000-59999)")

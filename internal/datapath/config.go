@@ -49,6 +49,9 @@ type PolicyHop struct {
 type PolicyChain struct {
 	Hops  []PolicyHop
 	ToDst bool
+	// IdleS holds a UDP session's idle timeouts in seconds, one way and
+	// both ways (0: the agents' defaults); they travel in the block.
+	IdleS [2]uint16
 }
 
 // PolicyBanks is the number of banks of policy slots and middlebox types
@@ -155,6 +158,7 @@ func policyVal(i int, c PolicyChain, ntypes, typeBase int) (dyscoPolicyVal, erro
 	}
 	v.N_hops = uint8(len(c.Hops))
 	v.ToDst = boolU8(c.ToDst)
+	v.IdleS = c.IdleS
 	for j, h := range c.Hops {
 		if h.Addr.IsValid() {
 			v.Kind[j] = hopAddr

@@ -42,6 +42,9 @@ type Config struct {
 	// (an IPv4 address or an IPv6 /64) may set up here (admission.go); 0:
 	// DefaultHalfOpenPerSource.
 	HalfOpenPerSource int
+	// ControlPort is the UDP port of the agents' control channel: its
+	// datagrams are never chained, whatever the policies say. 0: none.
+	ControlPort uint16
 	// MaxSessions sizes the session maps: this many sessions, and four
 	// flows each (a middlebox host's count). 0: the object's own size
 	// (MAX_SESSIONS in bpf/include/consts.h). Maps already pinned keep their
@@ -128,6 +131,7 @@ func Load(cfg Config) (*Datapath, error) {
 		"port_n":        cfg.PortN,
 		"half_open_max": uint32(cfg.HalfOpenPerSource),
 		"forward_check": boolU8(!cfg.NoForwardCheck),
+		"ctl_port":      cfg.ControlPort,
 	} {
 		if err := spec.Variables[name].Set(v); err != nil {
 			return nil, fmt.Errorf("datapath: set %s: %w", name, err)
@@ -169,16 +173,21 @@ func Load(cfg Config) (*Datapath, error) {
 		d.Close()
 		return nil, err
 	}
-	if err := d.objs.DyscoProgs.Put(uint32(progSetup), d.objs.DyscoSetup); err != nil {
-		d.Close()
-		return nil, fmt.Errorf("datapath: install set-up program: %w", err)
+	for slot, prog := range map[uint32]*ebpf.Program{progSetup: d.objs.DyscoSetup,
+		progUDPSetup: d.objs.DyscoUdpSetup, progUDPIngress: d.objs.DyscoUdpIngress} {
+		if err := d.objs.DyscoProgs.Put(slot, prog); err != nil {
+			d.Close()
+			return nil, fmt.Errorf("datapath: install set-up program: %w", err)
+		}
 	}
 	return d, nil
 }
 
 const (
-	progPolicy = 0
-	progSetup  = 1
+	progPolicy     = 0
+	progSetup      = 1
+	progUDPSetup   = 2
+	progUDPIngress = 3
 
 	idsNetns = 1 // dysco_ids slot holding the owner's netns cookie
 )

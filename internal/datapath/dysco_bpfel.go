@@ -141,6 +141,7 @@ type dyscoPolicyVal struct {
 	N_hops uint8
 	ToDst  uint8
 	Pad    [2]uint8
+	IdleS  [2]uint16
 	Type   [8]uint32
 	Kind   [8]uint8
 	Addr   [8][16]uint8
@@ -148,7 +149,7 @@ type dyscoPolicyVal struct {
 
 type dyscoScratch struct {
 	_        structs.HostLayout
-	Buf      [236]uint8
+	Buf      [244]uint8
 	_        [4]byte
 	NonceCtr uint64
 	St       dyscoSynState
@@ -161,6 +162,24 @@ type dyscoScratch struct {
 	Next     dyscoDyscoTuple
 	Rkey     dyscoDyscoTuple
 	Ends     dyscoDyscoEnds
+	Sub      dyscoDyscoEnds
+	Csw      [18]uint32
+	Pk       struct {
+		_       structs.HostLayout
+		L3      uint32
+		L4      uint32
+		L3Len   uint32
+		Doff    uint32
+		Payload uint32
+		Seq     uint32
+		Ack     uint32
+		V6      uint8
+		Flags   uint8
+		Udp     uint8
+		Pad     uint8
+		T       dyscoDyscoTuple
+	}
+	_ [4]byte
 }
 
 type dyscoSessionVal struct {
@@ -177,8 +196,10 @@ type dyscoSessionVal struct {
 	IsV6      uint8
 	Ws        [2]uint8
 	HasTs     uint8
-	Pad       uint8
+	Proto     uint8
 	HoSrc     uint64
+	IdleS     [2]uint16
+	Pad       uint32
 }
 
 type dyscoSynState struct {
@@ -188,7 +209,8 @@ type dyscoSynState struct {
 	Hops    [8][16]uint8
 	N_hops  uint8
 	Emitted uint8
-	Pad     [6]uint8
+	IdleS   [2]uint16
+	Pad     [2]uint8
 }
 
 type dyscoTpKey struct {
@@ -260,39 +282,42 @@ type dyscoTypeVal struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	dyscoMapDyscoAgent    = "dysco_agent"
-	dyscoMapDyscoConfig   = "dysco_config"
-	dyscoMapDyscoCtlBuf   = "dysco_ctl_buf"
-	dyscoMapDyscoDeltas   = "dysco_deltas"
-	dyscoMapDyscoEvents   = "dysco_events"
-	dyscoMapDyscoFlows4   = "dysco_flows4"
-	dyscoMapDyscoFlows6   = "dysco_flows6"
-	dyscoMapDyscoHalfopen = "dysco_halfopen"
-	dyscoMapDyscoHold     = "dysco_hold"
-	dyscoMapDyscoHoldBuf  = "dysco_hold_buf"
-	dyscoMapDyscoIds      = "dysco_ids"
-	dyscoMapDyscoKeys     = "dysco_keys"
-	dyscoMapDyscoLocal    = "dysco_local"
-	dyscoMapDyscoPolicies = "dysco_policies"
-	dyscoMapDyscoProgs    = "dysco_progs"
-	dyscoMapDyscoScratch  = "dysco_scratch"
-	dyscoMapDyscoSessions = "dysco_sessions"
-	dyscoMapDyscoStats    = "dysco_stats"
-	dyscoMapDyscoSyns     = "dysco_syns"
-	dyscoMapDyscoTp       = "dysco_tp"
-	dyscoMapDyscoTpReq    = "dysco_tp_req"
-	dyscoMapDyscoTrusted  = "dysco_trusted"
-	dyscoMapDyscoTypes    = "dysco_types"
-	dyscoProgDyscoCtl     = "dysco_ctl"
-	dyscoProgDyscoEgress  = "dysco_egress"
-	dyscoProgDyscoIngress = "dysco_ingress"
-	dyscoProgDyscoSetup   = "dysco_setup"
-	dyscoProgDyscoTapDrop = "dysco_tap_drop"
-	dyscoVarForwardCheck  = "forward_check"
-	dyscoVarHalfOpenMax   = "half_open_max"
-	dyscoVarPortLo        = "port_lo"
-	dyscoVarPortN         = "port_n"
-	dyscoVarTapIfindex    = "tap_ifindex"
+	dyscoMapDyscoAgent       = "dysco_agent"
+	dyscoMapDyscoConfig      = "dysco_config"
+	dyscoMapDyscoCtlBuf      = "dysco_ctl_buf"
+	dyscoMapDyscoDeltas      = "dysco_deltas"
+	dyscoMapDyscoEvents      = "dysco_events"
+	dyscoMapDyscoFlows4      = "dysco_flows4"
+	dyscoMapDyscoFlows6      = "dysco_flows6"
+	dyscoMapDyscoHalfopen    = "dysco_halfopen"
+	dyscoMapDyscoHold        = "dysco_hold"
+	dyscoMapDyscoHoldBuf     = "dysco_hold_buf"
+	dyscoMapDyscoIds         = "dysco_ids"
+	dyscoMapDyscoKeys        = "dysco_keys"
+	dyscoMapDyscoLocal       = "dysco_local"
+	dyscoMapDyscoPolicies    = "dysco_policies"
+	dyscoMapDyscoProgs       = "dysco_progs"
+	dyscoMapDyscoScratch     = "dysco_scratch"
+	dyscoMapDyscoSessions    = "dysco_sessions"
+	dyscoMapDyscoStats       = "dysco_stats"
+	dyscoMapDyscoSyns        = "dysco_syns"
+	dyscoMapDyscoTp          = "dysco_tp"
+	dyscoMapDyscoTpReq       = "dysco_tp_req"
+	dyscoMapDyscoTrusted     = "dysco_trusted"
+	dyscoMapDyscoTypes       = "dysco_types"
+	dyscoProgDyscoCtl        = "dysco_ctl"
+	dyscoProgDyscoEgress     = "dysco_egress"
+	dyscoProgDyscoIngress    = "dysco_ingress"
+	dyscoProgDyscoSetup      = "dysco_setup"
+	dyscoProgDyscoTapDrop    = "dysco_tap_drop"
+	dyscoProgDyscoUdpIngress = "dysco_udp_ingress"
+	dyscoProgDyscoUdpSetup   = "dysco_udp_setup"
+	dyscoVarCtlPort          = "ctl_port"
+	dyscoVarForwardCheck     = "forward_check"
+	dyscoVarHalfOpenMax      = "half_open_max"
+	dyscoVarPortLo           = "port_lo"
+	dyscoVarPortN            = "port_n"
+	dyscoVarTapIfindex       = "tap_ifindex"
 )
 
 // loadDysco returns the embedded CollectionSpec for dysco.
@@ -337,11 +362,13 @@ type dyscoSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type dyscoProgramSpecs struct {
-	DyscoCtl     *ebpf.ProgramSpec `ebpf:"dysco_ctl"`
-	DyscoEgress  *ebpf.ProgramSpec `ebpf:"dysco_egress"`
-	DyscoIngress *ebpf.ProgramSpec `ebpf:"dysco_ingress"`
-	DyscoSetup   *ebpf.ProgramSpec `ebpf:"dysco_setup"`
-	DyscoTapDrop *ebpf.ProgramSpec `ebpf:"dysco_tap_drop"`
+	DyscoCtl        *ebpf.ProgramSpec `ebpf:"dysco_ctl"`
+	DyscoEgress     *ebpf.ProgramSpec `ebpf:"dysco_egress"`
+	DyscoIngress    *ebpf.ProgramSpec `ebpf:"dysco_ingress"`
+	DyscoSetup      *ebpf.ProgramSpec `ebpf:"dysco_setup"`
+	DyscoTapDrop    *ebpf.ProgramSpec `ebpf:"dysco_tap_drop"`
+	DyscoUdpIngress *ebpf.ProgramSpec `ebpf:"dysco_udp_ingress"`
+	DyscoUdpSetup   *ebpf.ProgramSpec `ebpf:"dysco_udp_setup"`
 }
 
 // dyscoMapSpecs contains maps before they are loaded into the kernel.
@@ -377,6 +404,7 @@ type dyscoMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type dyscoVariableSpecs struct {
+	CtlPort      *ebpf.VariableSpec `ebpf:"ctl_port"`
 	ForwardCheck *ebpf.VariableSpec `ebpf:"forward_check"`
 	HalfOpenMax  *ebpf.VariableSpec `ebpf:"half_open_max"`
 	PortLo       *ebpf.VariableSpec `ebpf:"port_lo"`
@@ -461,6 +489,7 @@ func (m *dyscoMaps) Close() error {
 //
 // It can be passed to loadDyscoObjects or ebpf.CollectionSpec.LoadAndAssign.
 type dyscoVariables struct {
+	CtlPort      *ebpf.Variable `ebpf:"ctl_port"`
 	ForwardCheck *ebpf.Variable `ebpf:"forward_check"`
 	HalfOpenMax  *ebpf.Variable `ebpf:"half_open_max"`
 	PortLo       *ebpf.Variable `ebpf:"port_lo"`
@@ -472,11 +501,13 @@ type dyscoVariables struct {
 //
 // It can be passed to loadDyscoObjects or ebpf.CollectionSpec.LoadAndAssign.
 type dyscoPrograms struct {
-	DyscoCtl     *ebpf.Program `ebpf:"dysco_ctl"`
-	DyscoEgress  *ebpf.Program `ebpf:"dysco_egress"`
-	DyscoIngress *ebpf.Program `ebpf:"dysco_ingress"`
-	DyscoSetup   *ebpf.Program `ebpf:"dysco_setup"`
-	DyscoTapDrop *ebpf.Program `ebpf:"dysco_tap_drop"`
+	DyscoCtl        *ebpf.Program `ebpf:"dysco_ctl"`
+	DyscoEgress     *ebpf.Program `ebpf:"dysco_egress"`
+	DyscoIngress    *ebpf.Program `ebpf:"dysco_ingress"`
+	DyscoSetup      *ebpf.Program `ebpf:"dysco_setup"`
+	DyscoTapDrop    *ebpf.Program `ebpf:"dysco_tap_drop"`
+	DyscoUdpIngress *ebpf.Program `ebpf:"dysco_udp_ingress"`
+	DyscoUdpSetup   *ebpf.Program `ebpf:"dysco_udp_setup"`
 }
 
 func (p *dyscoPrograms) Close() error {
@@ -486,6 +517,8 @@ func (p *dyscoPrograms) Close() error {
 		p.DyscoIngress,
 		p.DyscoSetup,
 		p.DyscoTapDrop,
+		p.DyscoUdpIngress,
+		p.DyscoUdpSetup,
 	)
 }
 

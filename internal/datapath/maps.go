@@ -47,6 +47,23 @@ const (
 	hopType = 2
 )
 
+// Session protocols (session_val.proto: the IP protocol number).
+const (
+	ProtoTCP = 6
+	ProtoUDP = 17
+)
+
+// ProtoName names a session's protocol.
+func ProtoName(p uint8) string {
+	switch p {
+	case ProtoTCP:
+		return "tcp"
+	case ProtoUDP:
+		return "udp"
+	}
+	return fmt.Sprintf("proto-%d", p)
+}
+
 // RoleName names a session role.
 func RoleName(r uint8) string {
 	switch r {

@@ -22,7 +22,7 @@ var StatNames = []string{
 	"fin", "rst", "delta", "icmp", "reused",
 	"tp_old", "tp_new", "tp_straddle", "tp_clamp", "drop_orphan", "events_lost",
 	"hold_pkts", "hold_bytes", "hold_drop",
-	"drop_no_forward",
+	"drop_no_forward", "drop_setup_gso", "drop_setup_mtu",
 }
 
 // Stats sums the per-CPU counters.

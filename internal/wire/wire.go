@@ -36,6 +36,13 @@ const (
 	// SYN packets"): the option's last three bytes hold a tag that is
 	// meaningful only to the agent that wrote it and never leaves the host.
 	OptTypeLocalTag = 2
+	// OptTypeUDPBlock marks a UDP datagram that carries a SynBlock (§2.1
+	// applied to sessions without a SYN): the 8-byte marker, the option's
+	// layout, is the datagram's last 8 bytes; its byte 5 is the number of
+	// zero bytes (0 or 1) between the application's data and the block,
+	// which keeps the block at an even offset for the checksum, and its last
+	// two bytes the block length (UDPMarker).
+	OptTypeUDPBlock = 3
 
 	// Magic opens every SynBlock ("DYSC").
 	Magic = 0x44595343
@@ -48,14 +55,19 @@ const (
 	AddrLen = 16
 	// BlockHeaderLen is the fixed part of a SynBlock before the hops.
 	BlockHeaderLen = 60
+	// UDPExtLen is the size of the part a UDP session's block adds after
+	// the hops: the idle timeouts of the session in seconds, before it has
+	// seen a datagram in both directions and after (2 bytes each).
+	UDPExtLen = 4
 	// MaxBlockLen is the largest SynBlock.
-	MaxBlockLen = BlockHeaderLen + MaxHops*AddrLen
+	MaxBlockLen = BlockHeaderLen + MaxHops*AddrLen + UDPExtLen
 	// NonceLen is the size of the per-session nonce.
 	NonceLen = 8
 
-	// ProtoTCP is the session protocol a block of this version announces
+	// ProtoTCP and ProtoUDP are the session protocols a block announces
 	// (byte 7, the IP protocol number); a receiver refuses any other.
 	ProtoTCP = 6
+	ProtoUDP = 17
 	// MACOff is where the block's MAC sits, MACLen its size (SipHash-2-4
 	// output, little-endian as SipHash writes it).
 	MACOff = 52
@@ -68,7 +80,8 @@ const (
 	MACSubLen = 36
 )
 
-// Tuple is a TCP five-tuple (the protocol is always TCP for now).
+// Tuple is the addresses and ports of a session or a subsession; the
+// protocol (TCP or UDP) is the session's.
 type Tuple struct {
 	Src, Dst         netip.Addr
 	SrcPort, DstPort uint16
@@ -96,16 +109,23 @@ func (t Tuple) Is4() bool { return t.Src.Unmap().Is4() && t.Dst.Unmap().Is4() }
 //
 // Layout, network byte order:
 //
-//	0  magic (4)   4 version (1)  5 flags (1)  6 hop count (1)  7 protocol (1, TCP)
+//	0  magic (4)   4 version (1)  5 flags (1)  6 hop count (1)  7 protocol (1, TCP or UDP)
 //	8  nonce (8)
 //	16 session source address (16)   32 session destination address (16)
 //	48 session source port (2)       50 session destination port (2)
 //	52 MAC (8)
 //	60 hops, 16 bytes each
+//	UDP only, after the hops: idle timeout one way (2), idle timeout both ways (2), seconds
 type SynBlock struct {
 	Session Tuple
-	Nonce   [NonceLen]byte
-	Hops    []netip.Addr
+	// Proto is ProtoTCP (also when zero) or ProtoUDP.
+	Proto uint8
+	Nonce [NonceLen]byte
+	Hops  []netip.Addr
+	// IdleOneWay and IdleStream are a UDP session's idle timeouts in
+	// seconds, before and after it has carried datagrams both ways; 0: the
+	// receiver's default. Not carried for TCP.
+	IdleOneWay, IdleStream uint16
 	// MAC is carried as is by Encode and Decode; SignBlock computes it.
 	MAC [MACLen]byte
 }
@@ -137,7 +157,20 @@ func Unicast(a netip.Addr) bool {
 }
 
 // Len is the encoded length of b.
-func (b *SynBlock) Len() int { return BlockHeaderLen + len(b.Hops)*AddrLen }
+func (b *SynBlock) Len() int {
+	n := BlockHeaderLen + len(b.Hops)*AddrLen
+	if b.Proto == ProtoUDP {
+		n += UDPExtLen
+	}
+	return n
+}
+
+func (b *SynBlock) proto() uint8 {
+	if b.Proto == 0 {
+		return ProtoTCP
+	}
+	return b.Proto
+}
 
 // Encode appends the encoded block to dst.
 func (b *SynBlock) Encode(dst []byte) ([]byte, error) {
@@ -151,7 +184,7 @@ func (b *SynBlock) Encode(dst []byte) ([]byte, error) {
 	binary.BigEndian.PutUint32(h[0:], Magic)
 	h[4] = Version
 	h[6] = byte(len(b.Hops))
-	h[7] = ProtoTCP
+	h[7] = b.proto()
 	copy(h[8:16], b.Nonce[:])
 	a := b.Session.Src.As16()
 	copy(h[16:32], a[:])
@@ -164,6 +197,10 @@ func (b *SynBlock) Encode(dst []byte) ([]byte, error) {
 	for _, hop := range b.Hops {
 		a := hop.As16()
 		dst = append(dst, a[:]...)
+	}
+	if b.Proto == ProtoUDP {
+		dst = binary.BigEndian.AppendUint16(dst, b.IdleOneWay)
+		dst = binary.BigEndian.AppendUint16(dst, b.IdleStream)
 	}
 	return dst, nil
 }
@@ -180,21 +217,29 @@ func Decode(p []byte) (*SynBlock, error) {
 		return nil, fmt.Errorf("%w %d", ErrVersion, p[4])
 	}
 	// Version 2 defines no flags: a block with any set is of a version
-	// this code does not know. Sessions are TCP only for now.
+	// this code does not know.
 	if p[5] != 0 {
 		return nil, ErrReserved
 	}
-	if p[7] != ProtoTCP {
+	if p[7] != ProtoTCP && p[7] != ProtoUDP {
 		return nil, ErrProto
 	}
 	n := int(p[6])
 	if n > MaxHops {
 		return nil, ErrTooMany
 	}
-	if len(p) != BlockHeaderLen+n*AddrLen {
+	ext := 0
+	if p[7] == ProtoUDP {
+		ext = UDPExtLen
+	}
+	if len(p) != BlockHeaderLen+n*AddrLen+ext {
 		return nil, ErrLength
 	}
-	b := &SynBlock{}
+	b := &SynBlock{Proto: p[7]}
+	if ext != 0 {
+		b.IdleOneWay = binary.BigEndian.Uint16(p[len(p)-4:])
+		b.IdleStream = binary.BigEndian.Uint16(p[len(p)-2:])
+	}
 	copy(b.Nonce[:], p[8:16])
 	b.Session.Src = addr16(p[16:32])
 	b.Session.Dst = addr16(p[32:48])
@@ -246,6 +291,31 @@ func addr16(p []byte) netip.Addr {
 // Option returns the 8-byte marking option announcing a block of blockLen bytes.
 func Option(blockLen int) [OptLen]byte {
 	return [OptLen]byte{OptKind, OptLen, OptExID >> 8, OptExID & 0xff, OptTypeSYNBlock, 0, byte(blockLen >> 8), byte(blockLen)}
+}
+
+// UDPMarker returns the 8 bytes that end a UDP datagram carrying a block of
+// blockLen bytes after pad zero bytes (0 or 1).
+func UDPMarker(blockLen, pad int) [OptLen]byte {
+	return [OptLen]byte{OptKind, OptLen, OptExID >> 8, OptExID & 0xff, OptTypeUDPBlock, byte(pad), byte(blockLen >> 8), byte(blockLen)}
+}
+
+// SplitUDP separates a UDP payload that ends with a marker into the
+// application's data and the block. ok is false when the payload carries
+// no marker; err tells a marker whose block cannot be there.
+func SplitUDP(payload []byte) (data, block []byte, ok bool, err error) {
+	if len(payload) < OptLen {
+		return payload, nil, false, nil
+	}
+	m := payload[len(payload)-OptLen:]
+	if m[0] != OptKind || m[1] != OptLen || m[2] != OptExID>>8 || m[3] != OptExID&0xff || m[4] != OptTypeUDPBlock {
+		return payload, nil, false, nil
+	}
+	pad, blen := int(m[5]), int(m[6])<<8|int(m[7])
+	if pad > 1 || blen < BlockHeaderLen || blen > MaxBlockLen || pad+blen+OptLen > len(payload) {
+		return payload, nil, true, ErrLength
+	}
+	end := len(payload) - OptLen
+	return payload[:end-blen-pad], payload[end-blen : end], true, nil
 }
 
 // ParseTuple reads a tuple written as "SRC:PORT -> DST:PORT" (IPv6

@@ -48,15 +48,16 @@ func TestDecodeErrors(t *testing.T) {
 		p    []byte
 		want error
 	}{
-		"short":    {enc[:10], ErrShort},
-		"magic":    {mut(func(p []byte) []byte { p[0] ^= 1; return p }), ErrMagic},
-		"version":  {mut(func(p []byte) []byte { p[4] = 9; return p }), ErrVersion},
-		"too many": {mut(func(p []byte) []byte { p[6] = MaxHops + 1; return p }), ErrTooMany},
-		"length":   {mut(func(p []byte) []byte { p[6] = 2; return p }), ErrLength},
-		"trailing": {mut(func(p []byte) []byte { return append(p, 0) }), ErrLength},
-		"port 0":   {mut(func(p []byte) []byte { p[48], p[49] = 0, 0; return p }), ErrBadSession},
-		"flags":    {mut(func(p []byte) []byte { p[5] = 1; return p }), ErrReserved},
-		"udp":      {mut(func(p []byte) []byte { p[7] = 17; return p }), ErrProto},
+		"short":                    {enc[:10], ErrShort},
+		"magic":                    {mut(func(p []byte) []byte { p[0] ^= 1; return p }), ErrMagic},
+		"version":                  {mut(func(p []byte) []byte { p[4] = 9; return p }), ErrVersion},
+		"too many":                 {mut(func(p []byte) []byte { p[6] = MaxHops + 1; return p }), ErrTooMany},
+		"length":                   {mut(func(p []byte) []byte { p[6] = 2; return p }), ErrLength},
+		"trailing":                 {mut(func(p []byte) []byte { return append(p, 0) }), ErrLength},
+		"port 0":                   {mut(func(p []byte) []byte { p[48], p[49] = 0, 0; return p }), ErrBadSession},
+		"flags":                    {mut(func(p []byte) []byte { p[5] = 1; return p }), ErrReserved},
+		"udp without its timeouts": {mut(func(p []byte) []byte { p[7] = ProtoUDP; return p }), ErrLength},
+		"sctp":                     {mut(func(p []byte) []byte { p[7] = 132; return p }), ErrProto},
 		"to itself": {mut(func(p []byte) []byte {
 			copy(p[32:48], p[16:32])
 			copy(p[50:52], p[48:50])
@@ -140,5 +141,41 @@ func TestOption(t *testing.T) {
 	o := Option(100)
 	if o[0] != OptKind || o[1] != OptLen || o[4] != OptTypeSYNBlock || int(o[6])<<8|int(o[7]) != 100 {
 		t.Fatalf("option %x", o)
+	}
+}
+
+func TestUDPBlockRoundTrip(t *testing.T) {
+	b := SynBlock{Session: tuple("10.0.0.1", "10.0.3.2", 40000, 4433), Proto: ProtoUDP,
+		Hops: []netip.Addr{netip.MustParseAddr("10.0.1.1")}, IdleOneWay: 30, IdleStream: 120}
+	enc, err := b.Encode(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(enc) != b.Len() || len(enc) != BlockHeaderLen+AddrLen+UDPExtLen {
+		t.Fatalf("length %d, Len %d", len(enc), b.Len())
+	}
+	got, err := Decode(enc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Proto != ProtoUDP || got.IdleOneWay != 30 || got.IdleStream != 120 || got.Session != b.Session || len(got.Hops) != 1 {
+		t.Fatalf("decoded %+v", got)
+	}
+	for _, pad := range []int{0, 1} {
+		data := []byte("hello")[:5-pad]
+		p := append(append(append([]byte(nil), data...), make([]byte, pad)...), enc...)
+		m := UDPMarker(len(enc), pad)
+		p = append(p, m[:]...)
+		d, blk, ok, err := SplitUDP(p)
+		if !ok || err != nil || string(d) != string(data) || string(blk) != string(enc) {
+			t.Fatalf("pad %d: %q %x %v %v", pad, d, blk, ok, err)
+		}
+	}
+	if _, _, ok, _ := SplitUDP([]byte("a plain datagram")); ok {
+		t.Fatal("plain datagram taken for a block")
+	}
+	m := UDPMarker(MaxBlockLen, 0)
+	if _, _, ok, err := SplitUDP(append([]byte("short"), m[:]...)); !ok || err == nil {
+		t.Fatalf("a marker longer than its datagram: ok %v err %v", ok, err)
 	}
 }
