@@ -146,12 +146,14 @@ func (c Compiled) Note() string {
 // icmp-echoreply` turns the echo request into a reply, `ip proto 47` turns
 // the protocol-253 probe into GRE.
 //
-// Free bytes are the MAC addresses, the IP header's TOS, identification,
-// TTL, checksum, addresses (and IPv6 traffic class, flow label and hop
-// limit), the ports and every other transport field except TCP's data offset
-// and flags (a first packet is a SYN), the lengths, and the payload. The
-// protocol byte is free in the protocol-253 probe only, for values other
-// than those of TCP, UDP, ICMP, ICMPv6 and IPv6 extension headers.
+// Free bytes are the MAC addresses; the IP header's TOS, identification,
+// TTL, checksum and addresses (IPv6: the low bits of the traffic class, the
+// flow label, hop limit and addresses); the transport header but for TCP's
+// data offset and flags (a first packet is a SYN) and UDP's length; and the
+// payload. Fixed are the EtherType, the IP version, header and packet
+// lengths, IPv4's flags and fragment offset, and the protocol (next header),
+// which is free in the protocol-253 probe only, for values other than those
+// of TCP, UDP, ICMP, ICMPv6 and IPv6 extension headers.
 //
 // Limits: a filter that matches only VLAN-tagged frames, IPv4 options or
 // fragments, IPv6 extension headers, TCP segments other than a SYN, or
@@ -162,9 +164,9 @@ func (c Compiled) Note() string {
 // policy refused, never accepted and bypassed: the datapath itself chains
 // only untagged TCP and UDP over IPv4 without fragmentation and IPv6
 // without extension headers. The exploration of each probe stops after
-// maxProbePaths paths; a filter with that many independent alternatives on
-// the path to a match may be reported as matching less than it does, with
-// the same consequence.
+// maxProbePaths paths or maxProbeSteps instructions; a filter with that many
+// alternatives before its match may be reported as matching less than it
+// does, with the same consequence.
 func (f Filter) Protocols() ProtoSet {
 	if f.vm == nil {
 		return 0
@@ -186,8 +188,12 @@ func (f Filter) Protocols() ProtoSet {
 	return s
 }
 
-// maxProbePaths bounds the paths explored on one probe.
-const maxProbePaths = 4096
+// maxProbePaths bounds the paths explored on one probe, and maxProbeSteps
+// the instructions executed on it over all paths (a few milliseconds).
+const (
+	maxProbePaths = 4096
+	maxProbeSteps = 1 << 20
+)
 
 // A probe is a first packet whose free bytes the exploration may write.
 type probe struct {
@@ -346,12 +352,12 @@ func (p *path) load(off uint64, size int) (uint32, bool) {
 func (f Filter) explore(prog []bpf.Instruction, acc []bool, pr probe) bool {
 	start := &path{frame: append([]byte(nil), pr.frame...), settled: make([]bool, len(pr.frame))}
 	stack := []*path{start}
-	paths := 0
-	for len(stack) > 0 && paths < maxProbePaths {
+	paths, steps := 0, maxProbeSteps
+	for len(stack) > 0 && paths < maxProbePaths && steps > 0 {
 		p := stack[len(stack)-1]
 		stack = stack[:len(stack)-1]
 		paths++
-		accepted, forks := run(prog, acc, pr, p)
+		accepted, forks := run(prog, acc, pr, p, &steps)
 		if accepted && f.Match(p.frame) {
 			return true
 		}
@@ -363,11 +369,12 @@ func (f Filter) explore(prog []bpf.Instruction, acc []bool, pr probe) bool {
 // run executes p until it returns (reporting whether it accepts) or reaches
 // a jump whose test it can choose; then it returns the paths of the
 // branches, the one where the test is true last (explored first).
-func run(prog []bpf.Instruction, acc []bool, pr probe, p *path) (bool, []*path) {
+func run(prog []bpf.Instruction, acc []bool, pr probe, p *path, steps *int) (bool, []*path) {
 	for p.pc < len(prog) {
-		if !acc[p.pc] {
+		if !acc[p.pc] || *steps <= 0 {
 			return false, nil
 		}
+		*steps--
 		ins := prog[p.pc]
 		if j, ok := ins.(bpf.JumpIf); ok {
 			t, f := p.pc+1+int(j.SkipTrue), p.pc+1+int(j.SkipFalse)

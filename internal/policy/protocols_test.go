@@ -3,6 +3,7 @@ package policy
 import (
 	"bytes"
 	"errors"
+	"math/rand/v2"
 	"net/netip"
 	"testing"
 	"time"
@@ -237,5 +238,65 @@ func TestFirstPacketMatchesSYN(t *testing.T) {
 		if !f.Match(b) {
 			t.Errorf("%q does not match the SYN", expr)
 		}
+	}
+}
+
+// TestProtocolsCoverRandomFirstPackets checks Protocols against the filter
+// itself: whenever a first packet (built by FirstPacket from addresses and
+// ports the filters name, and others) matches a filter, Protocols of that
+// filter includes the packet's protocol class.
+func TestProtocolsCoverRandomFirstPackets(t *testing.T) {
+	filters := []string{
+		"tcp dst port 80", "udp dst port 4433", "port 53", "host 10.0.3.2", "icmp", "ip6 and udp",
+		"sctp", "tcp or udp", "not tcp", "udp dst port 4433 and dst host 10.0.3.2",
+		"src net 10.0.0.0/16 and dst portrange 5000-6000", "ip6 src host 2001:db8::5 and udp",
+		"dst host 2001:db8::6 or ip proto 47", "udp and not dst port 53 and src port 5000",
+		"(tcp dst port 80 and src host 10.0.3.1) or (udp src port 6000 and dst net 10.0.3.0/24)",
+	}
+	filters = append(filters, oracleFilters...)
+	filters = append(filters, realisticFilters(6)...)
+	v4 := []string{"10.0.3.2", "10.0.3.1", "10.0.0.7", "10.200.4.2", "192.168.1.5"}
+	v6 := []string{"2001:db8::5", "2001:db8::6", "2001:db8:3::9", "fd00::1"}
+	ports := []uint16{53, 80, 443, 4433, 5000, 5500, 6000, 1000, 8443, 40000}
+	protos := []uint8{ipProtoTCP, ipProtoUDP, ipProtoICMP, ipProtoSCTP, 47, 50, ipProtoTest}
+	r := rand.New(rand.NewPCG(45, 1))
+	for _, expr := range filters {
+		f, err := CompileFilter(expr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := f.Protocols()
+		matched := 0
+		for range 3000 {
+			proto := protos[r.IntN(len(protos))]
+			pool := v4
+			if r.IntN(2) == 0 {
+				pool = v6
+			}
+			src := netip.AddrPortFrom(netip.MustParseAddr(pool[r.IntN(len(pool))]), ports[r.IntN(len(ports))])
+			dst := netip.AddrPortFrom(netip.MustParseAddr(pool[r.IntN(len(pool))]), ports[r.IntN(len(ports))])
+			b, err := FirstPacket(proto, src, dst)
+			if err != nil {
+				t.Fatal(err)
+			}
+			class := Other
+			switch proto {
+			case ipProtoTCP:
+				class = TCP
+			case ipProtoUDP:
+				class = UDP
+			case ipProtoICMP:
+				class = ICMP
+			}
+			if !f.Match(b) {
+				continue
+			}
+			matched++
+			if !got.Has(class) {
+				t.Errorf("%q matches %v %s -> %s (proto %d) but Protocols = %v", expr, class, src, dst, proto, got)
+				break
+			}
+		}
+		t.Logf("%q: %d of 3000 packets matched; Protocols %v", expr, matched, got)
 	}
 }
