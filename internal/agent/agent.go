@@ -127,6 +127,10 @@ type Agent struct {
 	// apiRefused counts local API connections refused for their peer
 	// (peer.go).
 	apiRefused atomic.Uint64
+	// refusedUnchained and refusedFilter count the policies the agent
+	// refused to install (compilePolicy): their filter matches no
+	// protocol the datapath chains, or does not compile.
+	refusedUnchained, refusedFilter atomic.Uint64
 
 	// fwd is IP forwarding as last read (forwarding.go); fwdWatch the
 	// main loop's state for logging refusals.
@@ -641,7 +645,8 @@ func effectiveSet(local, server api.PolicySet) ([]api.Policy, []api.MiddleboxTyp
 // cannot be resolved (it names a type no one defines) keeps its slot with an
 // empty chain, which the datapath drops (fail closed), never bypasses; a
 // policy whose filter does not compile cannot classify anything and is left
-// out. Both are reported in the error.
+// out, and so is one whose filter matches no protocol the datapath chains
+// (compilePolicy logs and counts both). All are reported in the error.
 func (a *Agent) applyPolicies() error {
 	a.applyMu.Lock()
 	defer a.applyMu.Unlock()
@@ -660,7 +665,7 @@ func (a *Agent) applyPolicies() error {
 	var chains []datapath.PolicyChain
 	var errs []error
 	for _, p := range pols {
-		c, err := policy.Compile(p)
+		c, err := a.compilePolicy(p)
 		if err != nil {
 			errs = append(errs, err)
 			continue
@@ -716,6 +721,28 @@ func (a *Agent) applyPolicies() error {
 	a.serverInForce = version
 	a.mu.Unlock()
 	return errors.Join(errs...)
+}
+
+// compilePolicy compiles p for the classifier (policy.Compile). A policy it
+// refuses, because its filter does not compile or matches no protocol the
+// datapath chains (policy.UnchainedError), is logged and counted
+// (dysco_policies_refused_total): the agent never installs a policy whose
+// sessions would all bypass its chain.
+func (a *Agent) compilePolicy(p api.Policy) (policy.Compiled, error) {
+	c, err := policy.Compile(p)
+	if err == nil {
+		return c, nil
+	}
+	reason := "filter"
+	var ue *policy.UnchainedError
+	if errors.As(err, &ue) {
+		reason = "unchained"
+		a.refusedUnchained.Add(1)
+	} else {
+		a.refusedFilter.Add(1)
+	}
+	a.log.Error("policy refused, not installed", "name", p.Name, "filter", p.Filter, "reason", reason, "err", err)
+	return policy.Compiled{}, err
 }
 
 // notInForceError is applyPolicies' failure to put the set in force: the

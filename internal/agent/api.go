@@ -13,7 +13,6 @@ import (
 
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/datapath"
-	"github.com/dysco/dysco/internal/policy"
 	"github.com/dysco/dysco/internal/protocol"
 	"github.com/dysco/dysco/internal/wire"
 )
@@ -87,6 +86,8 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	st["api_refused_peers"] = a.apiRefused.Load()
+	st["policies_refused_unchained"] = a.refusedUnchained.Load()
+	st["policies_refused_filter"] = a.refusedFilter.Load()
 	var keyIDs []string
 	if a.keys != nil {
 		keyIDs = a.keys.Ring().IDs()
@@ -270,7 +271,7 @@ func (a *Agent) handlePutPolicy(w http.ResponseWriter, r *http.Request) {
 		writeErr(w, 400, fmt.Errorf("policy name %q in the body differs from %q in the path", p.Name, name))
 		return
 	}
-	if _, err := policy.Compile(p); err != nil {
+	if _, err := a.compilePolicy(p); err != nil {
 		writeErr(w, 400, err)
 		return
 	}

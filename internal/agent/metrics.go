@@ -43,6 +43,7 @@ var (
 	descSessions = prometheus.NewDesc("dysco_sessions", "Live sessions on this host by role and state.", []string{"role", "state"}, nil)
 	descHop      = prometheus.NewDesc("dysco_hop_packets", "Packets of live sessions exchanged with each neighbouring hop of their chains (to: sent on a subsession to it; from: received on one from it).", []string{"hop", "direction"}, nil)
 	descHopBytes = prometheus.NewDesc("dysco_hop_bytes", "Bytes of live sessions exchanged with each neighbouring hop of their chains.", []string{"hop", "direction"}, nil)
+	descRefused  = prometheus.NewDesc("dysco_policies_refused_total", "Policies the agent refused to install, each time it was asked to, by reason: unchained (the filter matches no protocol the datapath chains) or filter (it does not compile).", []string{"reason"}, nil)
 )
 
 func (c *dpCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -50,9 +51,12 @@ func (c *dpCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descSessions
 	ch <- descHop
 	ch <- descHopBytes
+	ch <- descRefused
 }
 
 func (c *dpCollector) Collect(ch chan<- prometheus.Metric) {
+	ch <- prometheus.MustNewConstMetric(descRefused, prometheus.CounterValue, float64(c.a.refusedUnchained.Load()), "unchained")
+	ch <- prometheus.MustNewConstMetric(descRefused, prometheus.CounterValue, float64(c.a.refusedFilter.Load()), "filter")
 	if st, err := c.a.dp.Stats(); err == nil {
 		for k, v := range st {
 			ch <- prometheus.MustNewConstMetric(descCounter, prometheus.CounterValue, float64(v), k)

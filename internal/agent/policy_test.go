@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"bytes"
+	"log/slog"
 	"net/netip"
 	"strings"
 	"testing"
@@ -72,6 +74,32 @@ func TestCounted(t *testing.T) {
 	} {
 		if got := datapath.Counted(c.f, c.role); got != c.want {
 			t.Errorf("Counted(%+v, role %d) = %v, want %v", c.f, c.role, got, c.want)
+		}
+	}
+}
+
+// A policy whose filter matches no protocol the datapath chains is refused
+// with a clear log line and counted, as one whose filter does not compile.
+func TestCompilePolicyRefusals(t *testing.T) {
+	var logs bytes.Buffer
+	a := &Agent{log: slog.New(slog.NewTextHandler(&logs, nil))}
+	if _, err := a.compilePolicy(api.Policy{Name: "web", Filter: "tcp dst port 80"}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := a.compilePolicy(api.Policy{Name: "quic", Filter: "icmp"})
+	want := `policy "quic": filter "icmp" matches only icmp packets; dysco chains tcp and udp sessions`
+	if err == nil || err.Error() != want {
+		t.Errorf("icmp policy: %v, want %s", err, want)
+	}
+	if _, err := a.compilePolicy(api.Policy{Name: "bad", Filter: "tcp dst port"}); err == nil {
+		t.Error("a filter that does not compile was accepted")
+	}
+	if u, f := a.refusedUnchained.Load(), a.refusedFilter.Load(); u != 1 || f != 1 {
+		t.Errorf("counters unchained %d, filter %d; want 1 and 1", u, f)
+	}
+	for _, w := range []string{`msg="policy refused, not installed" name=quic filter=icmp reason=unchained`, `name=bad filter="tcp dst port" reason=filter`} {
+		if !strings.Contains(logs.String(), w) {
+			t.Errorf("log\n%s\nlacks %s", logs.String(), w)
 		}
 	}
 }

@@ -14,14 +14,16 @@ import (
 	"github.com/dysco/dysco/internal/wire"
 )
 
-// Policy steers the sessions whose first SYN matches Filter through Chain
+// Policy steers the sessions whose first packet matches Filter through Chain
 // (paper §2.2). Policies are evaluated in ascending Priority, then Name; the
 // first match wins.
 type Policy struct {
 	// Name identifies the policy; [A-Za-z0-9._-], at most 63 characters.
 	Name string `json:"name"`
 	// Filter is a predicate in tcpdump filter syntax, compiled by libpcap
-	// against the Ethernet frame of the session's first SYN.
+	// against the Ethernet frame of the session's first packet: a TCP SYN
+	// or the first UDP datagram. A filter that matches neither is refused
+	// (policy.Compile).
 	Filter string `json:"filter"`
 	// Chain lists the middleboxes to traverse, in order. An empty chain makes
 	// matching sessions Dysco sessions straight to their destination so that
@@ -36,6 +38,30 @@ type Policy struct {
 	// Hosts names the agents the policy server gives this policy to; empty
 	// means every agent.
 	Hosts []string `json:"hosts,omitempty"`
+	// IdleTimeoutS is how long, in seconds, a session of this policy that
+	// does not end with a FIN (UDP) lives without a packet: 0 for the
+	// defaults (DefaultIdleTimeoutOneWay, DefaultIdleTimeoutStream), else
+	// MinIdleTimeout to MaxIdleTimeout, for sessions that have seen one
+	// direction or both alike.
+	IdleTimeoutS int `json:"idle_timeout_s,omitempty"`
+}
+
+// Idle timeouts of sessions that do not end with a FIN (UDP). The defaults
+// are those of Linux's connection tracking for UDP
+// (nf_conntrack_udp_timeout and nf_conntrack_udp_timeout_stream): a session
+// that has seen packets one way only ends after DefaultIdleTimeoutOneWay
+// without a packet, one that has seen both directions after
+// DefaultIdleTimeoutStream. A policy's IdleTimeoutS replaces both.
+const (
+	DefaultIdleTimeoutOneWay = 30 * time.Second
+	DefaultIdleTimeoutStream = 120 * time.Second
+	MinIdleTimeout           = time.Second
+	MaxIdleTimeout           = 24 * time.Hour
+)
+
+// IdleTimeout is p's idle timeout, 0 when p uses the defaults.
+func (p *Policy) IdleTimeout() time.Duration {
+	return time.Duration(p.IdleTimeoutS) * time.Second
 }
 
 // Hop is one element of a chain: a middlebox address, or the name of a
@@ -114,6 +140,10 @@ func (p *Policy) Validate() error {
 		if h == "" || len(h) > 253 || strings.IndexFunc(h, func(r rune) bool { return r <= ' ' || r == 0x7f }) >= 0 {
 			return fmt.Errorf("policy %q: host %q is not an agent name", p.Name, h)
 		}
+	}
+	if s := p.IdleTimeoutS; s != 0 && (s < int(MinIdleTimeout/time.Second) || s > int(MaxIdleTimeout/time.Second)) {
+		return fmt.Errorf("policy %q: idle timeout of %d s: want 0 (the defaults, %v one way, %v both ways) or %v to %v",
+			p.Name, p.IdleTimeoutS, DefaultIdleTimeoutOneWay, DefaultIdleTimeoutStream, MinIdleTimeout, MaxIdleTimeout)
 	}
 	if p.EndBeforeDestination && len(p.Chain) == 0 {
 		return fmt.Errorf("policy %q: end_before_destination needs a chain", p.Name)

@@ -1,10 +1,12 @@
 package api
 
 import (
+	"encoding/json"
 	"fmt"
 	"net/netip"
 	"strings"
 	"testing"
+	"time"
 )
 
 func addrs(ss ...string) []netip.Addr {
@@ -54,6 +56,11 @@ func TestPolicyAndTypeValidate(t *testing.T) {
 		{Policy{Name: "web", Filter: "tcp", Chain: []Hop{hop("224.0.0.9")}}, `hop 224.0.0.9 is not a unicast address`},
 		{Policy{Name: "web", Filter: "tcp", Chain: []Hop{hop("::1")}}, `hop ::1 is not a unicast address`},
 		{Policy{Name: "web", Filter: "tcp", Chain: []Hop{hop("10.0.0.5"), hop("10.0.0.5")}}, "appears twice"},
+		{Policy{Name: "quic", Filter: "udp", IdleTimeoutS: 1}, ""},
+		{Policy{Name: "quic", Filter: "udp", IdleTimeoutS: 86400}, ""},
+		{Policy{Name: "quic", Filter: "udp", IdleTimeoutS: 86401}, `idle timeout of 86401 s: want 0 (the defaults, 30s one way, 2m0s both ways) or 1s to 24h0m0s`},
+		{Policy{Name: "quic", Filter: "udp", IdleTimeoutS: -1}, `idle timeout of -1 s`},
+		{Policy{Name: "quic", Filter: "udp", IdleTimeoutS: 1 << 62}, `idle timeout of`},
 	} {
 		err := tc.p.Validate()
 		if tc.want == "" && err != nil || tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)) {
@@ -97,5 +104,22 @@ func TestOperationMigrateBounds(t *testing.T) {
 	ok := Operation{Host: "h1", Reconfig: &ReconfigRequest{To: to, Migrate: &MigrateSpec{HoldLimit: MaxHoldLimit, TimeoutMS: MaxMigrateTimeoutMS}}}
 	if err := ok.Validate(); err != nil {
 		t.Errorf("the maxima: %v", err)
+	}
+}
+
+func TestPolicyIdleTimeoutJSON(t *testing.T) {
+	var p Policy
+	// A policy stored before the field existed uses the defaults.
+	if err := json.Unmarshal([]byte(`{"name":"web","filter":"tcp"}`), &p); err != nil || p.IdleTimeout() != 0 {
+		t.Fatalf("old policy: %+v, %v", p, err)
+	}
+	p.IdleTimeoutS = 600
+	b, err := json.Marshal(p)
+	if err != nil || !strings.Contains(string(b), `"idle_timeout_s":600`) {
+		t.Fatalf("Marshal = %s, %v", b, err)
+	}
+	var q Policy
+	if err := json.Unmarshal(b, &q); err != nil || q.IdleTimeout() != 10*time.Minute {
+		t.Fatalf("round trip: %+v, %v", q, err)
 	}
 }

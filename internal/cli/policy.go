@@ -7,11 +7,13 @@ import (
 	"net/netip"
 	"regexp"
 	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/certs"
+	"github.com/dysco/dysco/internal/policy"
 )
 
 func init() {
@@ -33,11 +35,11 @@ func newPolicyCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "policy",
 		Short: "Add, list and remove the policies that steer sessions through middleboxes",
-		Long: `A policy sends the sessions whose first SYN matches a tcpdump filter through
-a chain of middleboxes (paper §2.2). Policies live on the local agent, or on
+		Long: `A policy sends the sessions whose first packet matches a tcpdump filter
+through a chain of middleboxes (paper §2.2). Policies live on the local agent, or on
 the policy server (--server), which hands them to the agents.`,
 	}
-	cmd.AddCommand(newPolicyAddCmd(), newPolicyListCmd(), newPolicyRmCmd())
+	cmd.AddCommand(newPolicyAddCmd(), newPolicyListCmd(), newPolicyRmCmd(), newPolicyTestCmd())
 	return cmd
 }
 
@@ -66,25 +68,39 @@ func newPolicyAddCmd() *cobra.Command {
 		hosts    []string
 		priority int
 		endEarly bool
+		idle     time.Duration
 		server   string
 		pki      pkiFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "add NAME [--chain HOP[,HOP...]] [flags] 'FILTER'",
 		Short: "Add or replace a policy",
-		Long: `Add the policy NAME, or replace it: sessions whose first SYN matches FILTER
-(tcpdump syntax) go through the chain of hops, each an IP address or the name
-of a middlebox type (see "dysco type"). An empty chain makes matching
-sessions Dysco sessions straight to their destination, so that a chain can be
-inserted later.`,
+		Long: `Add the policy NAME, or replace it: sessions whose first packet (a TCP SYN,
+or the first UDP datagram of a flow) matches FILTER (tcpdump syntax) go
+through the chain of hops, each an IP address or the name of a middlebox type
+(see "dysco type"). An empty chain makes matching sessions Dysco sessions
+straight to their destination, so that a chain can be inserted later.
+
+Dysco chains TCP and UDP sessions. A filter that matches neither (icmp, sctp,
+"tcp[tcpflags] & tcp-ack != 0", which no SYN matches) is refused; one that also
+matches other protocols (host 10.0.3.2) is accepted, and the packets of those
+protocols pass unchained.
+
+--idle sets how long a UDP session lives without a packet (1s to 24h); by
+default 30s until it has seen packets both ways, 120s after.`,
 		Example: `  dysco policy add web --chain 10.0.1.2,nat 'tcp dst port 80'
+  dysco policy add quic --chain fw --idle 5m 'udp dst port 4433'
   dysco policy add --server https://10.0.0.9:7017 --host h1 ssh --chain ids tcp port 22`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			name, filter, err := policyArgs(args)
 			if err != nil {
 				return err
 			}
-			p := api.Policy{Name: name, Filter: filter, EndBeforeDestination: endEarly, Priority: priority, Hosts: hosts}
+			idleS, err := idleSeconds(idle)
+			if err != nil {
+				return err
+			}
+			p := api.Policy{Name: name, Filter: filter, EndBeforeDestination: endEarly, Priority: priority, Hosts: hosts, IdleTimeoutS: idleS}
 			for _, s := range chain {
 				h, err := api.ParseHop(s)
 				if err != nil {
@@ -95,7 +111,11 @@ inserted later.`,
 			if server == "" && len(hosts) > 0 {
 				return errors.New("--host only applies with --server: the policy server hands policies to the hosts named; the local agent takes every policy it is given")
 			}
-			if err := p.Validate(); err != nil {
+			// Compile validates p, compiles its filter with libpcap
+			// and refuses one that matches no protocol dysco chains,
+			// before anything is sent.
+			compiled, err := policy.Compile(p)
+			if err != nil {
 				return err
 			}
 			c, err := clientFor(server, pki)
@@ -106,10 +126,14 @@ inserted later.`,
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "policy %q installed %s\n", p.Name, where(c, server))
+			if note := compiled.Note(); note != "" {
+				fmt.Fprintln(cmd.OutOrStdout(), note)
+			}
 			return nil
 		},
 	}
 	f := cmd.Flags()
+	f.DurationVar(&idle, "idle", 0, "idle timeout of the policy's UDP sessions, whole seconds from 1s to 24h (default 30s one way, 120s both ways)")
 	f.StringSliceVar(&chain, "chain", nil, "middleboxes to traverse, in order: IP addresses or middlebox type names, comma-separated")
 	f.BoolVar(&endEarly, "end-before-destination", false, "end the chain at its last hop, which hands the plain SYN on to the destination (§2.4)")
 	f.IntVar(&priority, "priority", 0, "evaluation order; lower first, then by name")
@@ -117,6 +141,18 @@ inserted later.`,
 	f.StringVar(&server, "server", "", serverFlagUsage)
 	pki.add(f, certs.RoleOperator)
 	return cmd
+}
+
+// idleSeconds turns --idle into api.Policy.IdleTimeoutS.
+func idleSeconds(d time.Duration) (int, error) {
+	if d == 0 {
+		return 0, nil
+	}
+	if d < api.MinIdleTimeout || d > api.MaxIdleTimeout || d%time.Second != 0 {
+		return 0, fmt.Errorf("--idle %v: want whole seconds from %v to %v (0 for the defaults, %v one way, %v both ways)",
+			d, api.MinIdleTimeout, api.MaxIdleTimeout, api.DefaultIdleTimeoutOneWay, api.DefaultIdleTimeoutStream)
+	}
+	return int(d / time.Second), nil
 }
 
 func newPolicyListCmd() *cobra.Command {
@@ -160,10 +196,23 @@ func printPolicies(w io.Writer, set api.PolicySet) error {
 		_, err := fmt.Fprintf(w, "no policies (version %d)\n", set.Version)
 		return err
 	}
-	tw := newTabWriter(w)
-	fmt.Fprintln(tw, "NAME\tPRIORITY\tFILTER\tCHAIN\tHOSTS")
+	// The IDLE column appears when a policy sets its idle timeout.
+	idle := false
 	for _, p := range set.Policies {
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\n", p.Name, p.Priority, p.Filter, chainString(p), hostsString(p.Hosts))
+		idle = idle || p.IdleTimeoutS != 0
+	}
+	tw := newTabWriter(w)
+	fmt.Fprint(tw, "NAME\tPRIORITY\tFILTER\tCHAIN\tHOSTS")
+	if idle {
+		fmt.Fprint(tw, "\tIDLE")
+	}
+	fmt.Fprintln(tw)
+	for _, p := range set.Policies {
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s", p.Name, p.Priority, p.Filter, chainString(p), hostsString(p.Hosts))
+		if idle {
+			fmt.Fprintf(tw, "\t%s", idleString(p))
+		}
+		fmt.Fprintln(tw)
 	}
 	return tw.Flush()
 }
@@ -183,6 +232,14 @@ func chainString(p api.Policy) string {
 		s += " (ends before destination)"
 	}
 	return s
+}
+
+// idleString shows a policy's idle timeout, "-" for the defaults.
+func idleString(p api.Policy) string {
+	if p.IdleTimeoutS == 0 {
+		return "-"
+	}
+	return p.IdleTimeout().String()
 }
 
 func hostsString(hosts []string) string {

@@ -102,9 +102,53 @@ web   5         tcp dst port 80  10.0.1.2,nat                        *
 		t.Errorf("type list printed %q, want %q", out, want)
 	}
 
-	mustDysco(t, "policy", "rm", "web", "ssh", "--server", url)
+	// A filter that also matches unchained protocols is accepted, with a
+	// note; --idle shows in the list.
+	out = mustDysco(t, "policy", "add", "dns", "--chain", "10.0.1.4", "--idle", "5m", "--priority", "9", "--server", url, "port 53 or icmp")
+	if want := `policy "dns" installed on policy server ` + url + "\n" +
+		`policy "dns" chains tcp and udp sessions; other packets its filter matches (icmp and other) pass unchained` + "\n"; out != want {
+		t.Errorf("add printed\n%s\nwant\n%s", out, want)
+	}
+	out = mustDysco(t, "policy", "list", "--server", url)
+	want = `NAME  PRIORITY  FILTER           CHAIN                               HOSTS  IDLE
+ssh   0         tcp port 22      10.0.1.3 (ends before destination)  h1,h2  -
+web   5         tcp dst port 80  10.0.1.2,nat                        *      -
+dns   9         port 53 or icmp  10.0.1.4                            *      5m0s
+`
+	if out != want {
+		t.Errorf("policy list printed\n%s\nwant\n%s", out, want)
+	}
+	if err := json.Unmarshal([]byte(mustDysco(t, "policy", "ls", "-o", "json", "--server", url)), &set); err != nil {
+		t.Fatal(err)
+	}
+	if len(set.Policies) != 3 || set.Policies[2].IdleTimeoutS != 300 {
+		t.Errorf("policy list -o json: %+v", set)
+	}
+
+	// policy test runs the policies, in order, on the first packet.
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"10.0.0.1:40000", "10.0.3.2:80"}, `tcp 10.0.0.1:40000 -> 10.0.3.2:80: policy "web" matches: chain 10.0.1.2,nat` + "\n"},
+		{[]string{"--proto", "udp", "10.0.0.1:40000", "10.0.3.2:53"}, `udp 10.0.0.1:40000 -> 10.0.3.2:53: policy "dns" matches: chain 10.0.1.4` + "\n"},
+		{[]string{"--proto", "udp", "[2001:db8::1]:40000", "[2001:db8::2]:53"}, `udp [2001:db8::1]:40000 -> [2001:db8::2]:53: policy "dns" matches: chain 10.0.1.4` + "\n"},
+		{[]string{"--proto", "udp", "10.0.0.1:40000", "10.0.3.2:80"}, `udp 10.0.0.1:40000 -> 10.0.3.2:80: no policy matches; the session is not chained` + "\n"},
+		{[]string{"--proto", "icmp", "10.0.0.1", "10.0.3.2"}, `icmp 10.0.0.1 -> 10.0.3.2: policy "dns" matches: chain 10.0.1.4` + "\n" +
+			`dysco chains tcp and udp sessions: this icmp packet passes unchained` + "\n"},
+		// ssh is given to h1 and h2 only.
+		{[]string{"--host", "h3", "10.0.0.1:40000", "10.0.3.2:22"}, `tcp 10.0.0.1:40000 -> 10.0.3.2:22: no policy matches; the session is not chained` + "\n"},
+		{[]string{"--host", "h1", "10.0.0.1:40000", "10.0.3.2:22"}, `tcp 10.0.0.1:40000 -> 10.0.3.2:22: policy "ssh" matches: chain 10.0.1.3 (ends before destination)` + "\n"},
+	} {
+		out := mustDysco(t, append([]string{"policy", "test", "--server", url}, tc.args...)...)
+		if out != tc.want {
+			t.Errorf("policy test %s printed\n%s\nwant\n%s", strings.Join(tc.args, " "), out, tc.want)
+		}
+	}
+
+	mustDysco(t, "policy", "rm", "web", "ssh", "dns", "--server", url)
 	mustDysco(t, "type", "rm", "nat", "--server", url)
-	if out := mustDysco(t, "policy", "list", "--server", url); out != "no policies (version 6)\n" {
+	if out := mustDysco(t, "policy", "list", "--server", url); out != "no policies (version 8)\n" {
 		t.Errorf("empty list printed %q", out)
 	}
 	if out := mustDysco(t, "type", "list", "-o", "json", "--server", url); strings.TrimSpace(out) != "[]" {
@@ -130,7 +174,20 @@ func TestPolicyAddErrors(t *testing.T) {
 		{[]string{"policy", "add", "web", "--chain", "10.0.0.1,bad hop", "tcp"}, `--chain: hop "bad hop": neither an IP address nor a middlebox type name`},
 		{[]string{"policy", "add", "web", "--host", "h1", "tcp"}, "--host only applies with --server"},
 		{[]string{"policy", "add", "web", "--end-before-destination", "tcp"}, "end_before_destination needs a chain"},
-		{[]string{"policy", "add", "web", "--server", url, "tcp dst prot 80"}, `policy "web": filter "tcp dst prot 80": syntax error`},
+		// The server's hook refuses this one; the CLI's own checks pass.
+		{[]string{"policy", "add", "web", "--server", url, "tcp dst port 80"}, `policy "web": filter "tcp dst port 80": syntax error`},
+		// These the CLI refuses before sending.
+		{[]string{"policy", "add", "web", "--server", url, "tcp dst port"}, `policy "web": filter "tcp dst port": can't parse filter expression: syntax error`},
+		{[]string{"policy", "add", "ping", "--server", url, "icmp"}, `policy "ping": filter "icmp" matches only icmp packets; dysco chains tcp and udp sessions`},
+		{[]string{"policy", "add", "acks", "--server", url, "tcp[tcpflags] & tcp-ack != 0"}, `policy "acks": filter "tcp[tcpflags] & tcp-ack != 0" matches no first packet of a session dysco can chain`},
+		{[]string{"policy", "add", "quic", "--idle", "500ms", "udp"}, `--idle 500ms: want whole seconds from 1s to 24h0m0s (0 for the defaults, 30s one way, 2m0s both ways)`},
+		{[]string{"policy", "add", "quic", "--idle", "25h", "udp"}, `--idle 25h0m0s: want whole seconds`},
+		{[]string{"policy", "add", "quic", "--idle", "-1s", "udp"}, `--idle -1s: want whole seconds`},
+		{[]string{"policy", "test", "10.0.0.1:1"}, `accepts 2 arg(s), received 1`},
+		{[]string{"policy", "test", "--proto", "ospf", "10.0.0.1", "10.0.0.2"}, `--proto "ospf": want tcp, udp, icmp, icmp6, sctp or an IP protocol number`},
+		{[]string{"policy", "test", "10.0.0.1:1", "host:2"}, `DST: "host:2" is not ADDR, ADDR:PORT or [ADDR]:PORT`},
+		{[]string{"policy", "test", "10.0.0.1:1", "[2001:db8::1]:2"}, `are of different address families`},
+		{[]string{"policy", "test", "--host", "h1", "10.0.0.1:1", "10.0.0.2:2"}, `--host only applies with --server`},
 		{[]string{"policy", "list", "-o", "yaml", "--server", url}, `--output "yaml": use table or json`},
 		{[]string{"type", "add", "nat"}, "usage: dysco type add NAME ADDR"},
 		{[]string{"type", "add", "nat", "10.0.0.1,box"}, `type "nat": instance "box" is not an IP address`},
@@ -184,6 +241,16 @@ func TestPolicyAddOnLocalAgent(t *testing.T) {
 		t.Errorf("printed %q", out)
 	}
 	want := api.Policy{Name: "web", Filter: "tcp dst port 80", Chain: []api.Hop{{Addr: netip.MustParseAddr("10.0.1.2")}}}
+	if p := <-got; !reflect.DeepEqual(p, want) {
+		t.Errorf("agent got %+v, want %+v", p, want)
+	}
+
+	out = mustDysco(t, "policy", "add", "quic", "--chain", "10.0.1.2", "--idle", "90s", "host 10.0.3.2 and not tcp")
+	if want := "policy \"quic\" installed on the local agent\n" +
+		"policy \"quic\" chains udp sessions; other packets its filter matches (icmp and other) pass unchained\n"; out != want {
+		t.Errorf("printed\n%s\nwant\n%s", out, want)
+	}
+	want = api.Policy{Name: "quic", Filter: "host 10.0.3.2 and not tcp", Chain: []api.Hop{{Addr: netip.MustParseAddr("10.0.1.2")}}, IdleTimeoutS: 90}
 	if p := <-got; !reflect.DeepEqual(p, want) {
 		t.Errorf("agent got %+v, want %+v", p, want)
 	}
@@ -295,5 +362,27 @@ func TestPolicyServerVerb(t *testing.T) {
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatalf("policy-server: %v", err)
+	}
+}
+
+// TestPolicyServerRefusesUnchained sends policies straight to a policy
+// server that validates with the hook `dysco policy-server` installs: a
+// filter that matches no protocol dysco chains gets a 400.
+func TestPolicyServerRefusesUnchained(t *testing.T) {
+	url := startPolicyServer(t, policyServerValidatePolicy)
+	c, err := clientFor(url, pkiFlags{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = c.PutPolicy(t.Context(), api.Policy{Name: "quic", Filter: "icmp", Chain: []api.Hop{{Addr: netip.MustParseAddr("10.0.1.2")}}})
+	if want := `policy "quic": filter "icmp" matches only icmp packets; dysco chains tcp and udp sessions`; err == nil || err.Error() != want {
+		t.Errorf("PUT icmp policy: %v\nwant %s", err, want)
+	}
+	if err := c.PutPolicy(t.Context(), api.Policy{Name: "quic", Filter: "udp dst port 4433", IdleTimeoutS: 60}); err != nil {
+		t.Errorf("PUT udp policy: %v", err)
+	}
+	set, err := c.Policies(t.Context())
+	if err != nil || len(set.Policies) != 1 || set.Policies[0].IdleTimeoutS != 60 {
+		t.Errorf("policies %+v, %v", set, err)
 	}
 }

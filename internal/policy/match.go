@@ -58,6 +58,24 @@ func (m *SessionMatcher) Match(t wire.Tuple) bool {
 	return m.filter.Match(frame)
 }
 
+// MatchProto is Match for a session of IP protocol proto: a TCP session is
+// tested as Match does, on its SYN; a session of another protocol (UDP) on
+// the first packet FirstPacket builds from t, as the policy classifier saw
+// it.
+func (m *SessionMatcher) MatchProto(t wire.Tuple, proto uint8) bool {
+	if m.all {
+		return true
+	}
+	if proto == ipProtoTCP {
+		return m.Match(t)
+	}
+	frame, err := FirstPacket(proto, netip.AddrPortFrom(t.Src, t.SrcPort), netip.AddrPortFrom(t.Dst, t.DstPort))
+	if err != nil {
+		return false
+	}
+	return m.filter.Match(frame)
+}
+
 // Placeholder MAC addresses of synthesised frames: unicast, locally
 // administered.
 var (

@@ -181,3 +181,39 @@ func TestSynFrameWellFormed(t *testing.T) {
 		}
 	}
 }
+
+func TestSessionMatcherProto(t *testing.T) {
+	v4 := tupleOf("10.0.0.1", 50000, "10.0.3.2", 4433)
+	v6 := tupleOf("2001:db8::1", 50000, "2001:db8:3::2", 4433)
+	for _, tc := range []struct {
+		expr     string
+		tcp, udp bool
+	}{
+		{"", true, true},
+		{"udp dst port 4433", false, true},
+		{"tcp dst port 4433", true, false},
+		{"port 4433", true, true},
+		{"udp and src host 10.0.0.1", false, true},
+	} {
+		m, err := CompileMatch(tc.expr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := m.MatchProto(v4, ipProtoTCP); got != tc.tcp {
+			t.Errorf("%q on TCP %v: %v, want %v", tc.expr, v4, got, tc.tcp)
+		}
+		if got := m.MatchProto(v4, ipProtoUDP); got != tc.udp {
+			t.Errorf("%q on UDP %v: %v, want %v", tc.expr, v4, got, tc.udp)
+		}
+		if tc.expr == "udp and src host 10.0.0.1" {
+			continue
+		}
+		if got := m.MatchProto(v6, ipProtoUDP); got != tc.udp {
+			t.Errorf("%q on UDP %v: %v, want %v", tc.expr, v6, got, tc.udp)
+		}
+	}
+	m, _ := CompileMatch("udp")
+	if m.MatchProto(tupleOf("10.0.0.1", 1, "2001:db8::1", 2), ipProtoUDP) {
+		t.Error("a tuple of two families matched")
+	}
+}

@@ -1,6 +1,7 @@
 // Package policy turns policies (paper §2.2: "sessions whose first SYN
 // matches this predicate go through this chain") into the eBPF classifier
-// the datapath runs on a session's first SYN.
+// the datapath runs on the first packet of a new session: a TCP SYN, or the
+// first UDP datagram of a flow (Chained lists the protocols).
 //
 // A policy's predicate is a tcpdump filter, compiled by libpcap into classic
 // BPF for Ethernet frames (CompileFilter). The package translates every
@@ -9,10 +10,15 @@
 // user space (Matcher) for `dysco policy test` and as the tests' oracle.
 // Both sides follow one set of semantics, documented on BuildProgram and
 // Filter.Match, so that what the CLI reports is what the datapath does.
+//
+// Compile also finds which protocols a filter matches (Filter.Protocols) and
+// refuses a policy whose filter matches none the datapath chains, so that
+// a policy is never accepted for sessions that would bypass its chain.
 package policy
 
 import (
 	"fmt"
+	"time"
 
 	"github.com/dysco/dysco/internal/api"
 )
@@ -21,11 +27,16 @@ import (
 type Compiled struct {
 	Policy api.Policy
 	Filter Filter
+	// Protocols is what the filter matches (Filter.Protocols); it holds
+	// at least one protocol of Chained.
+	Protocols ProtoSet
 }
 
-// Compile validates p and compiles its filter. Errors name the policy, e.g.
-// `policy "web": filter "tcp dst port": can't parse filter expression: syntax
-// error`.
+// Compile validates p, compiles its filter and finds the protocols the
+// filter matches. Errors name the policy, e.g. `policy "web": filter "tcp dst
+// port": can't parse filter expression: syntax error`. A filter that matches
+// no protocol in Chained is refused with an *UnchainedError: its policy
+// would never steer a session.
 func Compile(p api.Policy) (Compiled, error) {
 	if err := p.Validate(); err != nil {
 		return Compiled{}, err
@@ -34,7 +45,11 @@ func Compile(p api.Policy) (Compiled, error) {
 	if err != nil {
 		return Compiled{}, fmt.Errorf("policy %q: %w", p.Name, err)
 	}
-	return Compiled{Policy: p, Filter: f}, nil
+	ps, err := checkChained(p.Name, f)
+	if err != nil {
+		return Compiled{}, err
+	}
+	return Compiled{Policy: p, Filter: f, Protocols: ps}, nil
 }
 
 // CompileAll compiles policies in the order given, which is the order the
@@ -80,4 +95,16 @@ func (m *Matcher) Match(frame []byte) (api.Policy, bool) {
 		return api.Policy{}, false
 	}
 	return m.policies[v-1].Policy, true
+}
+
+// IdleTimeouts returns how long a session of policy p that does not end with
+// a FIN (UDP) lives without a packet: oneWay while it has seen packets in
+// the first direction only, stream once it has seen both. They are the
+// policy's IdleTimeoutS when set, both alike, else
+// api.DefaultIdleTimeoutOneWay and api.DefaultIdleTimeoutStream.
+func IdleTimeouts(p api.Policy) (oneWay, stream time.Duration) {
+	if d := p.IdleTimeout(); d > 0 {
+		return d, d
+	}
+	return api.DefaultIdleTimeoutOneWay, api.DefaultIdleTimeoutStream
 }

@@ -18,6 +18,8 @@ import (
 	"testing"
 	"time"
 
+	bolt "go.etcd.io/bbolt"
+
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/testutil"
 )
@@ -236,6 +238,8 @@ func TestValidationErrors(t *testing.T) {
 		{"PUT", "/v1/policies/web", `{"filter":`, 400, "request body is not a valid policy"},
 		{"PUT", "/v1/policies/web", `{"filter":"tcp"}{}`, 400, "more than one JSON value"},
 		{"PUT", "/v1/policies/web", `{"filter":"tcp dst prot 80"}`, 400, `policy "web": filter "tcp dst prot 80": syntax error near "prot"`},
+		{"PUT", "/v1/policies/quic", `{"filter":"udp","idle_timeout_s":86401}`, 400, `policy "quic": idle timeout of 86401 s: want 0 (the defaults, 30s one way, 2m0s both ways) or 1s to 24h0m0s`},
+		{"PUT", "/v1/policies/quic", `{"filter":"udp","idle_timeout_s":"5m"}`, 400, "request body is not a valid policy"},
 		{"PUT", "/v1/types/nat", `{"instances":[]}`, 400, `type "nat": no instances`},
 		{"PUT", "/v1/types/nat", `{"instances":["10.0.0.5","10.0.0.5"]}`, 400, "instance 10.0.0.5 appears twice"},
 		{"PUT", "/v1/types/nat", `{"instances":["nope"]}`, 400, "request body is not a valid middlebox type"},
@@ -280,6 +284,40 @@ func TestPersistence(t *testing.T) {
 	mustPut(t, ts.url, "/v1/policies/ssh", `{"filter":"tcp port 22"}`)
 	if v := list(t, ts.url).Version; v != before.Version+1 {
 		t.Errorf("version after restart and a change = %d, want %d", v, before.Version+1)
+	}
+}
+
+// TestIdleTimeoutStored checks that the server stores and returns a policy's
+// idle timeout, and that a record written before the field existed reads
+// as 0, the defaults.
+func TestIdleTimeoutStored(t *testing.T) {
+	db := filepath.Join(t.TempDir(), "policy.db")
+	st, err := openStore(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = st.db.Update(func(tx *bolt.Tx) error {
+		return tx.Bucket(bucketPolicies).Put([]byte("old"), []byte(`{"name":"old","filter":"tcp port 25","chain":[{"addr":"10.0.0.2"}]}`))
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st.close()
+
+	ts := startServer(t, Config{DB: db})
+	mustPut(t, ts.url, "/v1/policies/quic", `{"filter":"udp dst port 4433","idle_timeout_s":300}`)
+	set := list(t, ts.url)
+	want := []api.Policy{
+		{Name: "old", Filter: "tcp port 25", Chain: []api.Hop{{Addr: addr2}}},
+		{Name: "quic", Filter: "udp dst port 4433", IdleTimeoutS: 300},
+	}
+	if !reflect.DeepEqual(set.Policies, want) {
+		t.Fatalf("listed %+v\nwant %+v", set.Policies, want)
+	}
+	ts.stop()
+	ts = startServer(t, Config{DB: db})
+	if got := list(t, ts.url).Policies; !reflect.DeepEqual(got, want) {
+		t.Errorf("after a restart: %+v", got)
 	}
 }
 

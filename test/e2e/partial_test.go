@@ -155,6 +155,7 @@ func TestLocalPolicies(t *testing.T) {
 	}{
 		{[]string{"policy", "add", "bad", "--chain", mb1, "tcp dst prot 80"}, `policy "bad": filter "tcp dst prot 80"`},
 		{[]string{"policy", "add", "notype", "--chain", "scrubber", "tcp"}, `middlebox type "scrubber" is not defined`},
+		{[]string{"policy", "add", "ping", "--chain", mb1, "icmp"}, `policy "ping": filter "icmp" matches only icmp packets; dysco chains tcp and udp sessions`},
 		{[]string{"policy", "rm", "nosuch"}, `no such local policy`},
 		{[]string{"type", "rm", "nosuch"}, `no such local type`},
 	} {
