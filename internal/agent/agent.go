@@ -754,6 +754,10 @@ func (e *notInForceError) Unwrap() error { return e.err }
 
 func resolveChain(p api.Policy, typeIndex map[string]int) (datapath.PolicyChain, error) {
 	c := datapath.PolicyChain{ToDst: !p.EndBeforeDestination}
+	if p.IdleTimeoutS != 0 {
+		// The same for both phases of a UDP session (policy.IdleTimeouts).
+		c.IdleS = [2]uint16{uint16(min(p.IdleTimeoutS, 0xffff)), uint16(min(p.IdleTimeoutS, 0xffff))}
+	}
 	for _, h := range p.Chain {
 		if h.Addr.IsValid() {
 			c.Hops = append(c.Hops, datapath.PolicyHop{Addr: h.Addr})

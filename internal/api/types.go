@@ -56,7 +56,7 @@ const (
 	DefaultIdleTimeoutOneWay = 30 * time.Second
 	DefaultIdleTimeoutStream = 120 * time.Second
 	MinIdleTimeout           = time.Second
-	MaxIdleTimeout           = 24 * time.Hour
+	MaxIdleTimeout           = 18 * time.Hour // the block carries seconds in 16 bits
 )
 
 // IdleTimeout is p's idle timeout, 0 when p uses the defaults.

@@ -57,8 +57,8 @@ func TestPolicyAndTypeValidate(t *testing.T) {
 		{Policy{Name: "web", Filter: "tcp", Chain: []Hop{hop("::1")}}, `hop ::1 is not a unicast address`},
 		{Policy{Name: "web", Filter: "tcp", Chain: []Hop{hop("10.0.0.5"), hop("10.0.0.5")}}, "appears twice"},
 		{Policy{Name: "quic", Filter: "udp", IdleTimeoutS: 1}, ""},
-		{Policy{Name: "quic", Filter: "udp", IdleTimeoutS: 86400}, ""},
-		{Policy{Name: "quic", Filter: "udp", IdleTimeoutS: 86401}, `idle timeout of 86401 s: want 0 (the defaults, 30s one way, 2m0s both ways) or 1s to 24h0m0s`},
+		{Policy{Name: "quic", Filter: "udp", IdleTimeoutS: 64800}, ""},
+		{Policy{Name: "quic", Filter: "udp", IdleTimeoutS: 64801}, `idle timeout of 64801 s: want 0 (the defaults, 30s one way, 2m0s both ways) or 1s to 18h0m0s`},
 		{Policy{Name: "quic", Filter: "udp", IdleTimeoutS: -1}, `idle timeout of -1 s`},
 		{Policy{Name: "quic", Filter: "udp", IdleTimeoutS: 1 << 62}, `idle timeout of`},
 	} {

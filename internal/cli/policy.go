@@ -86,7 +86,7 @@ Dysco chains TCP and UDP sessions. A filter that matches neither (icmp, sctp,
 matches other protocols (host 10.0.3.2) is accepted, and the packets of those
 protocols pass unchained.
 
---idle sets how long a UDP session lives without a packet (1s to 24h); by
+--idle sets how long a UDP session lives without a packet (1s to 18h); by
 default 30s until it has seen packets both ways, 120s after.`,
 		Example: `  dysco policy add web --chain 10.0.1.2,nat 'tcp dst port 80'
   dysco policy add quic --chain fw --idle 5m 'udp dst port 4433'
@@ -133,7 +133,7 @@ default 30s until it has seen packets both ways, 120s after.`,
 		},
 	}
 	f := cmd.Flags()
-	f.DurationVar(&idle, "idle", 0, "idle timeout of the policy's UDP sessions, whole seconds from 1s to 24h (default 30s one way, 120s both ways)")
+	f.DurationVar(&idle, "idle", 0, "idle timeout of the policy's UDP sessions, whole seconds from 1s to 18h (default 30s one way, 120s both ways)")
 	f.StringSliceVar(&chain, "chain", nil, "middleboxes to traverse, in order: IP addresses or middlebox type names, comma-separated")
 	f.BoolVar(&endEarly, "end-before-destination", false, "end the chain at its last hop, which hands the plain SYN on to the destination (§2.4)")
 	f.IntVar(&priority, "priority", 0, "evaluation order; lower first, then by name")

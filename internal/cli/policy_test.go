@@ -180,7 +180,7 @@ func TestPolicyAddErrors(t *testing.T) {
 		{[]string{"policy", "add", "web", "--server", url, "tcp dst port"}, `policy "web": filter "tcp dst port": can't parse filter expression: syntax error`},
 		{[]string{"policy", "add", "ping", "--server", url, "icmp"}, `policy "ping": filter "icmp" matches only icmp packets; dysco chains tcp and udp sessions`},
 		{[]string{"policy", "add", "acks", "--server", url, "tcp[tcpflags] & tcp-ack != 0"}, `policy "acks": filter "tcp[tcpflags] & tcp-ack != 0" matches no first packet of a session dysco can chain`},
-		{[]string{"policy", "add", "quic", "--idle", "500ms", "udp"}, `--idle 500ms: want whole seconds from 1s to 24h0m0s (0 for the defaults, 30s one way, 2m0s both ways)`},
+		{[]string{"policy", "add", "quic", "--idle", "500ms", "udp"}, `--idle 500ms: want whole seconds from 1s to 18h0m0s (0 for the defaults, 30s one way, 2m0s both ways)`},
 		{[]string{"policy", "add", "quic", "--idle", "25h", "udp"}, `--idle 25h0m0s: want whole seconds`},
 		{[]string{"policy", "add", "quic", "--idle", "-1s", "udp"}, `--idle -1s: want whole seconds`},
 		{[]string{"policy", "test", "10.0.0.1:1"}, `accepts 2 arg(s), received 1`},
