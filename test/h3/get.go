@@ -128,6 +128,9 @@ func get(ctx context.Context, u string, tlsConf *tls.Config, out io.Writer, inte
 		sum.Bytes = got.Load()
 		sum.Seconds = time.Since(start).Seconds()
 		sum.Error = err.Error()
+		if ctx.Err() != nil {
+			sum.Error = fmt.Sprintf("gave up after %.1f s (--timeout): %v", sum.Seconds, err)
+		}
 		return sum
 	}
 	pu, err := url.Parse(u)

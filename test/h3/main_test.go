@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"syscall"
 	"testing"
@@ -20,6 +21,30 @@ func TestMain(m *testing.M) {
 		os.Exit(0)
 	}
 	os.Exit(m.Run())
+}
+
+// startServe starts serve on listen and returns it with the address it
+// listens on (its ready line).
+func startServe(t *testing.T, listen string, args ...string) (*exec.Cmd, string) {
+	t.Helper()
+	srv := command(append([]string{"serve", "--listen", listen}, args...)...)
+	out, err := srv.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Process.Kill(); srv.Wait() })
+	line, err := bufio.NewReader(out).ReadString('\n')
+	if err != nil {
+		t.Fatalf("no ready line: %v", err)
+	}
+	addr, ok := strings.CutPrefix(strings.TrimSpace(line), "listening on ")
+	if !ok {
+		t.Fatalf("ready line %q", line)
+	}
+	return srv, addr
 }
 
 func command(args ...string) *exec.Cmd {
@@ -61,23 +86,7 @@ func TestServeGet(t *testing.T) {
 	dir := t.TempDir()
 	stats := filepath.Join(dir, "stats.json")
 	cert := filepath.Join(dir, "cert.pem")
-	srv := command("serve", "--listen", "[::1]:0", "--stats", stats, "--cert", cert)
-	out, err := srv.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := srv.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Process.Kill()
-	line, err := bufio.NewReader(out).ReadString('\n')
-	if err != nil {
-		t.Fatalf("no ready line: %v", err)
-	}
-	addr, ok := strings.CutPrefix(strings.TrimSpace(line), "listening on ")
-	if !ok {
-		t.Fatalf("ready line %q", line)
-	}
+	srv, addr := startServe(t, "[::1]:0", "--stats", stats, "--cert", cert)
 	samples := filepath.Join(dir, "samples.jsonl")
 	get := command("get", "https://"+addr+"/bytes/3000000", "--ca", cert, "--interval", "1ms", "--samples", samples)
 	b, err := get.Output()
@@ -119,4 +128,40 @@ func TestServeGet(t *testing.T) {
 	if st.Connections != 2 || st.Migrated != 0 || st.Conns[0].Requests != 1 || st.Conns[0].Bytes != 3000000 || st.Conns[0].Open {
 		t.Errorf("stats:\n%s", b)
 	}
+}
+
+// TestServerLost: the server dies in the middle of a download and another
+// takes its port. get must fail (a timeout here; a stateless reset would
+// do too), not dial the new server and hide the loss.
+func TestServerLost(t *testing.T) {
+	dir := t.TempDir()
+	srv, addr := startServe(t, "127.0.0.1:0")
+	samples := filepath.Join(dir, "samples.jsonl")
+	get := command("get", "https://"+addr+"/bytes/300000000", "--insecure", "--timeout", "3s", "--interval", "10ms", "--samples", samples)
+	var out strings.Builder
+	get.Stdout = &out
+	if err := get.Start(); err != nil {
+		t.Fatal(err)
+	}
+	// The ready signal: the body is flowing.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		b, _ := os.ReadFile(samples)
+		if regexp.MustCompile(`"bytes":[1-9]`).Match(b) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the download did not start; samples:\n%s", b)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	srv.Process.Kill()
+	srv.Wait()
+	startServe(t, addr)
+	err := get.Wait()
+	var sum Summary
+	if jerr := json.Unmarshal([]byte(out.String()), &sum); jerr != nil || err == nil || sum.OK {
+		t.Fatalf("get after the server was lost: exit %v, summary %s", err, out.String())
+	}
+	t.Logf("get failed as it should: %s", sum.Error)
 }
