@@ -1,6 +1,6 @@
 // Command dysco-h3 is an HTTP/3 server and client for Dysco's tests and
-// experiments: real QUIC sessions (quic-go, with its defaults: UDP GSO and
-// GRO where the kernel has them) whose bytes are checked end to end, and a
+// experiments: real QUIC sessions (quic-go, with its defaults: UDP GSO on
+// send where the kernel has it) whose bytes are checked end to end, and a
 // server that reports whether any of its connections migrated.
 //
 //	dysco-h3 serve --listen [::]:4433 [--stats FILE] [--cert FILE]
