@@ -443,14 +443,15 @@ func jsonLine(out string) string {
 // reverse (-R), and checks what arrived: bytes, and loss under 10%. The
 // rate is modest (20 Mb/s): each datagram crosses ten veth hops, and on a
 // busy 2-core machine a faster stream overruns the receiver's socket
-// buffer, a loss that says nothing about the chain.
+// buffer, a loss that says nothing about the chain; -w 2M gives the
+// receiver half a second of slack (within net.core.rmem_max).
 func (u *udpEnv) iperfUDP(v6 bool) {
 	t := u.t
 	dst := u.addr("server", v6)
 	before := u.setups(u.mbs)
 	for run, args := range [][]string{nil, {"-R"}} {
 		p := u.iperfServerOnce("server", iperfPort, fmt.Sprintf("iperf3u-%d", run))
-		out := u.run("client", append([]string{"iperf3", "-J", "-u", "-b", "20M", "-t", "2", "-c", dst.String(), "-p", fmt.Sprint(iperfPort)}, args...)...)
+		out := u.run("client", append([]string{"iperf3", "-J", "-u", "-b", "20M", "-w", "2M", "-t", "2", "-c", dst.String(), "-p", fmt.Sprint(iperfPort)}, args...)...)
 		var r struct {
 			End struct {
 				Sum struct {
