@@ -3,17 +3,23 @@
 
 GO ?= go
 BIN := bin/dysco
+# dysco-h3: the HTTP/3 client and server of the UDP tests (docs/lab.md), in
+# its own Go module (test/h3) so that the product does not depend on quic-go.
+H3BIN := bin/dysco-h3
 export CGO_ENABLED := 1
 
-.PHONY: all build deps generate check-generate vet test demo bench soak soak-e2e verify fuzz clean lab-clean
+.PHONY: all build h3 deps generate check-generate vet test demo bench soak soak-e2e verify fuzz clean lab-clean
 
 all: build
 
 deps:
 	@scripts/deps.sh
 
-build: deps lib/libdysco.so
+build: deps lib/libdysco.so h3
 	$(GO) build -o $(BIN) ./cmd/dysco
+
+h3:
+	$(GO) build -C test/h3 -o ../../$(H3BIN) .
 
 # libdysco: the proxy-side library (docs/libdysco.md), for LD_PRELOAD or -ldysco.
 # Built under a temporary name and renamed: test packages running in parallel
@@ -34,10 +40,12 @@ check-generate: generate
 
 vet:
 	$(GO) vet ./...
+	cd test/h3 && $(GO) vet ./...
 	@test -z "$$(gofmt -l $$(git ls-files '*.go' | grep -v '_bpfel.go$$'))" || { gofmt -l .; echo "gofmt needed"; exit 1; }
 
 test: build check-generate vet lab-clean
 	$(GO) test -count=1 -timeout 25m -p 2 ./...
+	cd test/h3 && $(GO) test -count=1 ./...
 	@$(MAKE) --no-print-directory lab-clean
 	model/verify.sh --quick
 

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Installs what building, testing and the demo need, from Debian's packages.
 # Idempotent: only missing packages are installed; apt-get update runs once.
+# dnsmasq-base is the dnsmasq binary alone: unlike the dnsmasq package it
+# installs no service, so nothing starts a resolver on the host's port 53;
+# the tests run their own dnsmasq inside lab namespaces.
 set -euo pipefail
 pkgs=(
   clang llvm libbpf-dev libpcap-dev linux-libc-dev   # datapath build, libpcap for policy filters
   iproute2 iptables conntrack ethtool util-linux     # lab and middleboxes
   nginx-light iperf3 curl tcpdump wrk haproxy        # real programs in tests, demo, benchmarks
+  dnsmasq-base bind9-dnsutils                        # UDP tests: a DNS server and dig
   spin                                               # protocol model checking
   libclang-rt-dev                                    # make fuzz: libFuzzer and sanitizers (libdysco's harness)
 )

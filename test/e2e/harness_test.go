@@ -152,6 +152,14 @@ func dumpLogs(t *testing.T, l *lab.Lab) {
 	}
 }
 
+// withT returns the env for a subtest that shares the lab: failures are
+// reported to t, from t's goroutine.
+func (e *env) withT(t *testing.T) *env {
+	c := *e
+	c.t = t
+	return &c
+}
+
 func (e *env) host(name string) *lab.Host {
 	h := e.lab.Host(name)
 	if h == nil {
