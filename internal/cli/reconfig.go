@@ -551,6 +551,8 @@ func parseNFHops(flag string, vals []string) ([]netip.Addr, []string, error) {
 			name, addr = "", v
 		} else if !protocol.ValidNFName(name) {
 			return nil, nil, fmt.Errorf("%s: %q: the network function's name must be a letter, then letters, digits, '_' or '-', at most %d characters", flag, v, protocol.MaxNFName)
+		} else if strings.TrimSpace(addr) == "" {
+			return nil, nil, fmt.Errorf("%s: %q: no address after '@'", flag, v)
 		} else {
 			named = true
 		}
