@@ -327,6 +327,9 @@ func Run(ctx context.Context, cfg Config) error {
 		a.keys.Start(ctx, 0)
 	} else {
 		a.log.Info("reconfiguration disabled: no control key")
+		if len(cfg.NFs) > 0 {
+			a.log.Warn("network functions (--nf) are started for reconfigurations only: without --control-key-file none will be")
+		}
 		// No agent reads the hold ring: packets straddling a cut-off
 		// go whole on the old path.
 		if err := a.dp.SetSplitReader(0); err != nil {

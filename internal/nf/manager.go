@@ -133,6 +133,9 @@ func (m *Manager) Ensure(ctx context.Context, name string) error {
 	for {
 		switch f.state {
 		case Ready:
+			// A demand: the idle time starts again, so that the session
+			// asking has time to take the function (Acquire).
+			m.armIdle(f)
 			m.mu.Unlock()
 			return nil
 		case Stopping:

@@ -62,8 +62,8 @@ type Spec struct {
 	// are gone (stopped, or exited by themselves): it cleans up what the
 	// function left (rules, files).
 	Stop string
-	// StopIdle stops the function once it has served no session for this
-	// long; 0: never.
+	// StopIdle stops the function once it has served no session, nor been
+	// asked for, for this long; 0: never.
 	StopIdle time.Duration
 	// StartTimeout bounds a start (0: DefaultStartTimeout).
 	StartTimeout time.Duration

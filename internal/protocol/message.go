@@ -604,6 +604,14 @@ func (m *Message) String() string {
 		if m.Flags&FlagGrant != 0 {
 			s += " delta=" + m.Delta.String()
 		}
+		if m.NF != nil {
+			s += fmt.Sprintf(" nf=%q", m.NF.Names)
+			if m.Flags&FlagRefuse != 0 {
+				s += fmt.Sprintf(" reason=%q text=%q", m.Reason, m.NF.Text)
+			} else {
+				s += " starting"
+			}
+		}
 	case MsgNackLock:
 		s += fmt.Sprintf(" reason=%q blocker=%s", m.Reason, m.Blocker)
 	case MsgFin:
