@@ -90,11 +90,15 @@ func (a *Agent) onNFSyn(from netip.Addr, m *Message, name string) {
 		a.emit(StartNF{Req: m.Req, Name: name, Session: m.Session})
 		a.emit(Progress{Req: m.Req, Role: RoleNewHop, Stage: StageSettingUp, Note: "starting network function " + name, NF: name})
 		a.sendNFStarting(from, m, name)
-	case j.from != from || j.m.Sub != m.Sub || j.name != name || j.m.Nonce != m.Nonce:
-		a.reject(RejectUnexpected, m, from, "syn for %s: another new path of the request waits here", m.Req)
+	case j.name != name || j.m.Nonce != m.Nonce || j.m.Session != m.Session:
+		a.reject(RejectUnexpected, m, from, "syn for %s: names another function or session than the one waiting here", m.Req)
 	case j.failed:
 		a.refuseNF(from, m, name, j.text)
 	default:
+		// The latest copy is the one to join: a host before this one
+		// that left on a lost refusal and joined again comes with a new
+		// subsession.
+		j.from, j.m = from, m
 		a.sendNFStarting(from, m, name)
 	}
 }

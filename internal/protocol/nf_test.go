@@ -129,6 +129,12 @@ func TestNFFailedCancels(t *testing.T) {
 	if q := h.queue; len(q) != 1 || q[0].msg.Type != MsgSynAck || q[0].msg.Reason != ReasonNF || q[0].msg.Flags&FlagRefuse == 0 {
 		t.Fatalf("queued %+v", q)
 	}
+	// So does one on another subsession (6 joined again after it left).
+	h.queue = nil
+	h.deliver(addr(7), MessageIn{From: addr(6), Data: h.synOn(newSub(6, 7, 1), req)})
+	if q := h.queue; len(q) != 1 || q[0].msg.Reason != ReasonNF || q[0].msg.Sub != newSub(6, 7, 1) || len(h.nfStarts[addr(7)]) != 1 {
+		t.Fatalf("queued %+v", q)
+	}
 	// A second request is a new demand: started again.
 	h.queue = nil
 	h.reconfigureNF(1, 3, []int{6, 7}, []string{"", "fw"}, 2)
@@ -139,8 +145,11 @@ func TestNFFailedCancels(t *testing.T) {
 }
 
 // synTo is a SYN of request req to agent i from agent 6, naming "fw" for i.
-func (h *harness) synTo(i int, req ReqKey) []byte {
-	m := &Message{Type: MsgSyn, Nonce: testNonce, Sub: wire6(6, i), Session: sessionTuple, Req: req,
+func (h *harness) synTo(i int, req ReqKey) []byte { return h.synOn(newSub(6, i, 0), req) }
+
+// synOn is a SYN of request req on sub, naming "fw" for its receiver.
+func (h *harness) synOn(sub wire.Tuple, req ReqKey) []byte {
+	m := &Message{Type: MsgSyn, Nonce: testNonce, Sub: sub, Session: sessionTuple, Req: req,
 		RightAnchor: addr(3), Hops: []netip.Addr{addr(3)}, NF: &NFBody{Names: []string{"fw"}}}
 	b, err := m.Encode(h.key, addr(6))
 	if err != nil {
@@ -149,10 +158,10 @@ func (h *harness) synTo(i int, req ReqKey) []byte {
 	return b
 }
 
-// wire6 is the new subsession from 6 to i that the left anchor's first hop
-// made (its first port).
-func wire6(from, to int) wire.Tuple {
-	return wire.Tuple{Src: addr(from), Dst: addr(to), SrcPort: DefaultConfig(addr(from), nil).PortBase, DstPort: sessionTuple.DstPort}
+// newSub is the new subsession from one agent to another that the sender
+// made with its n-th port.
+func newSub(from, to, n int) wire.Tuple {
+	return wire.Tuple{Src: addr(from), Dst: addr(to), SrcPort: DefaultConfig(addr(from), nil).PortBase + uint16(n), DstPort: sessionTuple.DstPort}
 }
 
 // TestNFNeverAnswered: an agent that never reports its function does not

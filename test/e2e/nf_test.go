@@ -50,24 +50,36 @@ func (e *env) nfStatus(host, name string) api.NFStatus {
 // Then mb1 asks to hand the session to mb2 through a function mb2 never
 // gets ready: the request is cancelled with the reason, and the session
 // stays on mb1. Every byte arrives, both ways.
+//
+// ipv6: the same with an IPv6 session (NF@ADDR with an IPv6 address) and
+// an ip6tables firewall.
 func TestNFOnDemand(t *testing.T) {
+	t.Run("ipv4", func(t *testing.T) { nfOnDemand(t, false) })
+	t.Run("ipv6", func(t *testing.T) { nfOnDemand(t, true) })
+}
+
+func nfOnDemand(t *testing.T, v6 bool) {
 	dir := t.TempDir()
 	starts := filepath.Join(dir, "firewall-starts")
 	const port = "9700"
+	ipt := "iptables"
+	if v6 {
+		ipt = "ip6tables"
+	}
 	fw := []string{
-		"--nf", "firewall.start=sleep 1; iptables -P FORWARD DROP && " +
-			"iptables -A FORWARD -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT && " +
-			"iptables -A FORWARD -p tcp -m multiport --ports " + port + " -m conntrack --ctstate NEW -m comment --comment dysco-nf-firewall -j ACCEPT && " +
+		"--nf", "firewall.start=sleep 1; " + ipt + " -P FORWARD DROP && " +
+			ipt + " -A FORWARD -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT && " +
+			ipt + " -A FORWARD -p tcp -m multiport --ports " + port + " -m conntrack --ctstate NEW -m comment --comment dysco-nf-firewall -j ACCEPT && " +
 			"echo started >> " + starts + " && exec sleep infinity",
-		"--nf", "firewall.ready=iptables -S FORWARD | grep -q dysco-nf-firewall",
-		"--nf", "firewall.stop=iptables -F FORWARD; iptables -P FORWARD ACCEPT",
+		"--nf", "firewall.ready=" + ipt + " -S FORWARD | grep -q dysco-nf-firewall",
+		"--nf", "firewall.stop=" + ipt + " -F FORWARD; " + ipt + " -P FORWARD ACCEPT",
 		"--nf", "firewall.start-timeout=10s",
 	}
 	broken := []string{"--nf", "broken.start=exec sleep infinity", "--nf", "broken.ready=false", "--nf", "broken.start-timeout=2s"}
 	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "mb2", "server"),
 		hostArgs: map[string][]string{"mb1": fw, "mb2": broken}})
-	dst := e.addr("server", false)
-	mb1, mb2 := e.addr("mb1", false), e.addr("mb2", false)
+	dst := e.addr("server", v6)
+	mb1, mb2 := e.addr("mb1", v6), e.addr("mb2", v6)
 	if st := e.nfStatus("mb1", "firewall"); st.State != "stopped" || st.Starts != 0 {
 		t.Fatalf("firewall before any demand: %+v", st)
 	}
@@ -103,7 +115,7 @@ func TestNFOnDemand(t *testing.T) {
 		t.Fatal(err)
 	}
 	testutil.Eventually(t, 10*time.Second, "mb1's conntrack to hold the session", func() bool { return e.tracked("mb1", tuple) })
-	if out := e.run("mb1", "iptables", "-S", "FORWARD"); !strings.Contains(out, "-P FORWARD DROP") {
+	if out := e.run("mb1", ipt, "-S", "FORWARD"); !strings.Contains(out, "-P FORWARD DROP") {
 		t.Fatalf("mb1's FORWARD chain:\n%s", out)
 	}
 	// The history shows the wait as its own phase.
