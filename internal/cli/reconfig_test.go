@@ -8,6 +8,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/dysco/dysco/internal/api"
 )
@@ -333,5 +334,27 @@ func TestReconfigHelp(t *testing.T) {
 	}
 	if out := mustDysco(t, "middlebox", "--help"); !strings.Contains(out, "§2.3") {
 		t.Errorf("dysco middlebox --help lacks §2.3:\n%s", out)
+	}
+}
+
+// TestStatusNFs: dysco status lists the agent's network functions.
+func TestStatusNFs(t *testing.T) {
+	at := time.Date(2026, 11, 28, 6, 10, 1, 0, time.UTC)
+	var b strings.Builder
+	err := printStatus(&b, api.Status{Name: "mb1", NFs: []api.NFStatus{
+		{Name: "firewall", State: "ready", PID: 4242, StartedAt: at, Sessions: 1, Starts: 1},
+		{Name: "ids", State: "failed", Starts: 2, Failures: 2, LastError: "network function ids not ready within 10s"},
+	}}, at.Add(time.Minute))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range []string{
+		"network functions:",
+		"  firewall  ready, pid 4242, started 2026-11-28T06:10:01Z, 1 sessions, 1 starts, 0 exits, 0 failed starts",
+		"  ids       failed, 0 sessions, 2 starts, 0 exits, 2 failed starts; last error: network function ids not ready within 10s",
+	} {
+		if !strings.Contains(b.String(), w) {
+			t.Errorf("printed\n%s\nwant the line %q", b.String(), w)
+		}
 	}
 }
