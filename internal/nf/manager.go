@@ -251,13 +251,15 @@ func (m *Manager) start(f *fn, done chan struct{}) {
 		}
 		wait = min(2*wait, 500*time.Millisecond)
 	}
-	select {
-	case <-exited:
+	m.mu.Lock()
+	if f.pid == 0 {
+		// Reaped already (reap clears pid first, under the lock): it
+		// exited during its start.
+		m.mu.Unlock()
+		<-exited
 		m.endStart(f, done, fmt.Errorf("network function %s exited during its start (%s)", sp.Name, m.exitText(f)), false)
 		return
-	default:
 	}
-	m.mu.Lock()
 	f.state = Ready
 	f.startErr = nil
 	close(done)
@@ -293,6 +295,7 @@ func (m *Manager) endStart(f *fn, done chan struct{}, err error, kill bool) {
 func (m *Manager) reap(f *fn, cmd *exec.Cmd, exited chan struct{}) {
 	err := cmd.Wait()
 	m.mu.Lock()
+	f.pid = 0
 	asked := f.stopping
 	why := "exit status 0"
 	if err != nil {

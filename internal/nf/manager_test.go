@@ -224,3 +224,23 @@ func TestStopKillsStubbornGroup(t *testing.T) {
 		t.Fatalf("pid %d still running", pid)
 	}
 }
+
+// TestStartExitsWithoutReadyCheck: a function without a readiness check
+// whose command ends at once is not taken for ready.
+func TestStartExitsWithoutReadyCheck(t *testing.T) {
+	m := newTestManager(t, Spec{Name: "oneshot", Start: "true"})
+	for range 5 {
+		err := m.Ensure(context.Background(), "oneshot")
+		if err == nil {
+			// It may have been seen alive; then its exit is noticed.
+			waitFor(t, 5*time.Second, "the exit noticed", func() bool { return status(m, "oneshot").State == Stopped })
+			continue
+		}
+		if !strings.Contains(err.Error(), "exited during its start") {
+			t.Fatalf("err %v", err)
+		}
+		if st := status(m, "oneshot"); st.State != Failed || st.PID != 0 {
+			t.Fatalf("status %+v", st)
+		}
+	}
+}
