@@ -26,6 +26,7 @@ import (
 	"github.com/dysco/dysco/internal/datapath"
 	"github.com/dysco/dysco/internal/keys"
 	"github.com/dysco/dysco/internal/migrate"
+	"github.com/dysco/dysco/internal/nf"
 	"github.com/dysco/dysco/internal/policy"
 	"github.com/dysco/dysco/internal/protocol"
 	"github.com/dysco/dysco/internal/psclient"
@@ -92,7 +93,10 @@ type Config struct {
 	// StatePlugins are the state migration plug-ins (internal/migrate)
 	// this agent exports and imports with.
 	StatePlugins []string
-	Log          *slog.Logger
+	// NFs are the network functions this agent starts when a new path
+	// names one for it (internal/nf; heterogeneous-sfc-quic §IV).
+	NFs []nf.Spec
+	Log *slog.Logger
 }
 
 // DefaultControlPort is the UDP port of the reconfiguration protocol.
@@ -101,6 +105,7 @@ const DefaultControlPort = reconfig.DefaultControlPort
 // Agent is a running agent.
 type Agent struct {
 	cfg     Config
+	nfs     *nf.Manager // nil: no network functions (--nf)
 	log     *slog.Logger
 	dp      *datapath.Datapath
 	started time.Time
@@ -314,8 +319,23 @@ func Run(ctx context.Context, cfg Config) error {
 			}
 			states = set
 		}
-		ctl, err := reconfig.New(reconfig.Config{Port: cfg.ControlPort, Keys: protocol.KeysFromRing(a.keys.Ring()), Datapath: a.dp,
-			Log: a.log, SelfAddr: a.selfAddr, SourceAddr: a.sourceAddr, SameRoute: a.sameRoute, Tap: cfg.Tap != "", States: states})
+		rc := reconfig.Config{Port: cfg.ControlPort, Keys: protocol.KeysFromRing(a.keys.Ring()), Datapath: a.dp,
+			Log: a.log, SelfAddr: a.selfAddr, SourceAddr: a.sourceAddr, SameRoute: a.sameRoute, Tap: cfg.Tap != "", States: states}
+		if len(cfg.NFs) > 0 {
+			m, err := nf.NewManager(cfg.NFs, a.log)
+			if err != nil {
+				return fmt.Errorf("--nf: %w", err)
+			}
+			a.nfs, rc.NFs = m, m
+			defer func() {
+				// The functions run in process groups of their own:
+				// stopped with the agent.
+				c, cancel := context.WithTimeout(context.Background(), nf.StopGrace+5*time.Second)
+				defer cancel()
+				m.Close(c)
+			}()
+		}
+		ctl, err := reconfig.New(rc)
 		if err != nil {
 			return err
 		}
@@ -327,6 +347,9 @@ func Run(ctx context.Context, cfg Config) error {
 		a.keys.Start(ctx, 0)
 	} else {
 		a.log.Info("reconfiguration disabled: no control key")
+		if len(cfg.NFs) > 0 {
+			a.log.Warn("network functions (--nf) are started for reconfigurations only: without --control-key-file none will be")
+		}
 		// No agent reads the hold ring: packets straddling a cut-off
 		// go whole on the old path.
 		if err := a.dp.SetSplitReader(0); err != nil {

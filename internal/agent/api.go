@@ -104,6 +104,12 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 	a.mu.Unlock()
 	out.Ifaces = a.ifaceList()
 	out.Forwarding = a.fwd.Load()
+	if a.nfs != nil {
+		for _, f := range a.nfs.Status() {
+			out.NFs = append(out.NFs, api.NFStatus{Name: f.Name, State: string(f.State), PID: f.PID, StartedAt: f.StartedAt,
+				Sessions: f.Sessions, Starts: f.Starts, Exits: f.Exits, Failures: f.Failures, LastError: f.LastError})
+		}
+	}
 	writeJSON(w, 200, out)
 }
 

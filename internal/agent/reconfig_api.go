@@ -12,6 +12,7 @@ import (
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/datapath"
 	"github.com/dysco/dysco/internal/policy"
+	"github.com/dysco/dysco/internal/protocol"
 	"github.com/dysco/dysco/internal/reconfig"
 	"github.com/vishvananda/netlink"
 )
@@ -98,6 +99,9 @@ func (a *Agent) reconfig(ctx context.Context, req api.ReconfigRequest) (api.Reco
 	for _, h := range req.Chain {
 		chain = append(chain, h.Unmap())
 	}
+	if err := protocol.CheckNFs(chain, req.NFs); err != nil {
+		return bad(fmt.Errorf("reconfig: %w", err))
+	}
 	mig, err := reconfig.ParseMigrate(req.Migrate, len(chain))
 	if err != nil {
 		return bad(err)
@@ -119,7 +123,7 @@ func (a *Agent) reconfig(ctx context.Context, req api.ReconfigRequest) (api.Reco
 	ctx, cancel := context.WithTimeout(ctx, reconfigWait(req.TimeoutMS))
 	defer cancel()
 	rep := api.ReconfigReply{Results: []api.ReconfigResult{}}
-	for _, o := range a.ctl.Reconfigure(ctx, ids, to, chain, mig) {
+	for _, o := range a.ctl.ReconfigureNF(ctx, ids, to, chain, req.NFs, mig) {
 		res := api.ReconfigResult{ID: o.ID, Session: tuples[o.ID], Outcome: o.Outcome, Reason: o.Reason}
 		if o.Result != nil {
 			// As history has it (with the migration's report): the

@@ -46,6 +46,32 @@ type Status struct {
 	// Forwarding is whether the host forwards IP, per family; nil from an
 	// agent that does not tell.
 	Forwarding *Forwarding `json:"forwarding,omitempty"`
+	// NFs are the network functions the agent starts on demand (its --nf),
+	// sorted by name.
+	NFs []NFStatus `json:"nfs,omitempty"`
+}
+
+// NFStatus is the state of one network function an agent starts on demand
+// (docs/operating.md, "Network functions on demand").
+type NFStatus struct {
+	Name string `json:"name"`
+	// State is stopped, starting, ready, stopping or failed (its last
+	// start failed; it is started again on the next demand).
+	State string `json:"state"`
+	// PID is its process group's leader, while it runs; StartedAt when
+	// that process started.
+	PID       int       `json:"pid,omitempty"`
+	StartedAt time.Time `json:"started_at,omitzero"`
+	// Sessions is the number of sessions joined at this host for it.
+	Sessions int `json:"sessions"`
+	// Starts counts the processes started, Exits those that exited by
+	// themselves, Failures the starts that failed.
+	Starts   uint64 `json:"starts"`
+	Exits    uint64 `json:"exits"`
+	Failures uint64 `json:"failures"`
+	// LastError is why the last start failed, or how the process last
+	// exited by itself.
+	LastError string `json:"last_error,omitempty"`
 }
 
 // Forwarding says whether a host forwards IP, per family. A host that passes

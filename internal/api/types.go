@@ -210,6 +210,10 @@ type ReconfigRequest struct {
 	Match string       `json:"match"`
 	To    netip.Addr   `json:"to"`
 	Chain []netip.Addr `json:"chain,omitempty"`
+	// NFs, if set, has one entry per hop of Chain: the network function
+	// that hop's agent must start before it joins the new path ("" for
+	// none; docs/operating.md, "Network functions on demand").
+	NFs []string `json:"nfs,omitempty"`
 	// TimeoutMS bounds the wait for the results (0: the agent's default).
 	TimeoutMS int `json:"timeout_ms,omitempty"`
 	// Migrate moves the replaced middlebox's per-session state to its
@@ -330,6 +334,13 @@ type ReconfigResult struct {
 	// Zero where the request did not get that far.
 	LockMicros  int64 `json:"lock_micros,omitempty"`
 	SetupMicros int64 `json:"setup_micros,omitempty"`
+	// NF is the network function a host of the new path started for the
+	// request (the first one the left anchor waited for), and NFMicros
+	// the time the new path's set-up waited for it: from that host's
+	// word that it starts the function to the new path's answer (or
+	// refusal). Part of SetupMicros when the new path came up.
+	NF       string `json:"nf,omitempty"`
+	NFMicros int64  `json:"nf_micros,omitempty"`
 	// Migration is set for requests with state migration.
 	Migration *MigrationReport `json:"migration,omitempty"`
 }
@@ -469,6 +480,9 @@ func (o *Operation) Validate() error {
 		}
 		if len(r.Chain) > MaxChain {
 			return fmt.Errorf("operation: reconfig chain of %d hops, at most %d", len(r.Chain), MaxChain)
+		}
+		if len(r.NFs) != 0 && len(r.NFs) != len(r.Chain) {
+			return fmt.Errorf("operation: reconfig with %d network functions for %d hops", len(r.NFs), len(r.Chain))
 		}
 	}
 	if m := o.Middlebox; m != nil && len(m.With) > MaxChain {

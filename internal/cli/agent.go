@@ -18,6 +18,7 @@ import (
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/certs"
 	"github.com/dysco/dysco/internal/datapath"
+	"github.com/dysco/dysco/internal/nf"
 	"github.com/spf13/cobra"
 )
 
@@ -79,7 +80,7 @@ func agentServerTLS(cfg *agent.Config, pki pkiFlags) error {
 
 func newAgentCmd() *cobra.Command {
 	var cfg agent.Config
-	var trusted []string
+	var trusted, nfFlags []string
 	var reset, debug, forwardCheck bool
 	var ports, keyFile, cpuProfile, execTrace string
 	var pki pkiFlags
@@ -111,6 +112,11 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 				cfg.Trusted = append(cfg.Trusted, p)
 			}
 			cfg.NoForwardCheck = !forwardCheck
+			specs, err := nf.ParseFlags(nfFlags)
+			if err != nil {
+				return err
+			}
+			cfg.NFs = specs
 			if ports != "" {
 				var lo, hi uint16
 				if _, err := fmt.Sscanf(ports, "%d-%d", &lo, &hi); err != nil || hi < lo {
@@ -172,6 +178,7 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 	f.StringVar(&cpuProfile, "cpu-profile", "", "write a CPU profile of the agent to this file until it exits (go tool pprof); {name} in it becomes --name")
 	f.StringVar(&execTrace, "exec-trace", "", "write a Go execution trace of the agent to this file until it exits (go tool trace); {name} in it becomes --name")
 	f.IntVar(&cfg.ControlPort, "control-port", agent.DefaultControlPort, "UDP port of the reconfiguration protocol")
+	f.StringArrayVar(&nfFlags, "nf", nil, "a network function this agent starts when a reconfiguration's new path names it for this host (dysco reconfig --chain NF@ADDR): one attribute per flag, NAME.KEY=VALUE, KEY one of start (required: a /bin/sh -c command, run in its own process group for as long as the function runs), ready (a command polled until it exits 0; default: ready once started), stop (a command run after its processes are gone), stop-idle (stop it after serving no session this long; default 0: never), start-timeout (default 10s, at most 20s); repeat the flag (docs/operating.md, \"Network functions on demand\")")
 	f.StringSliceVar(&cfg.StatePlugins, "state-plugins", []string{"conntrack", "api"}, "middlebox state this agent exports and imports for state migration (conntrack, api; empty: none)")
 	f.StringVar(&keyFile, "control-key-file", "", "file of deployment secrets that authenticate reconfiguration messages and Dysco SYNs: one hex secret (at least 16 bytes) per line, '#' comments; the first signs, every one is accepted (Dysco SYNs: the first two; rotation: docs/operating.md); mode 0600, owned by root or the agent's user; read again on SIGHUP and when it changes; without it reconfiguration is disabled and Dysco SYNs are admitted from --trusted prefixes only")
 	return cmd

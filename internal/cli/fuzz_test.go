@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/protocol"
 	"github.com/dysco/dysco/internal/wire"
 )
 
@@ -36,6 +37,7 @@ func FuzzSessionArgs(f *testing.F) {
 		{"[::ffff:10.0.0.1]:1 -> 10.0.0.2:2", "224.0.0.1,127.0.0.1,0.0.0.0,10.0.0.1,10.0.0.1", `null`},
 		{"[fe80::1%eth0]:1 -> [fe80::2%eth0]:2", "fe80::1%eth0", `{"delta":1e3}`},
 		{" -> ", "x", `[]`},
+		{"10.0.0.1:1 -> 10.0.0.2:2", "fw@10.0.1.1,10.0.1.2,ids@fd00::1,@10.0.0.3,a b@10.0.0.4", `{}`},
 	} {
 		f.Add(s.tuple, s.hops, []byte(s.splice))
 	}
@@ -70,6 +72,11 @@ func FuzzSessionArgs(f *testing.F) {
 					t.Fatalf("%q: hop %v (not unicast, mapped or repeated)", hops, h)
 				}
 				seen[h] = true
+			}
+		}
+		if hs, nfs, err := parseNFHops("--chain", vals); err == nil {
+			if nfs != nil && len(nfs) != len(hs) || protocol.CheckNFs(hs, nfs) != nil {
+				t.Fatalf("%q: hops %v, network functions %q", hops, hs, nfs)
 			}
 		}
 		var req api.SpliceRequest

@@ -14,6 +14,7 @@ import (
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/certs"
 	"github.com/dysco/dysco/internal/policy"
+	"github.com/dysco/dysco/internal/protocol"
 	"github.com/dysco/dysco/internal/wire"
 )
 
@@ -74,7 +75,13 @@ unbroken.
 RIGHT_ANCHOR is a host after this one on the session's path (a middlebox of
 its chain, or the session's destination) and runs an agent. The hops of
 --chain are middlebox addresses (no type names), of the session's address
-family, running agents; neither anchor may appear among them. A host carries
+family, running agents; neither anchor may appear among them. A hop written
+NF@ADDR (firewall@10.0.2.5) names the network function its host must run:
+its agent starts it (its --nf NF.start=...) and waits until it is ready
+before it joins the new segment, while the session stays on its old path;
+if it cannot (no such function there, the start failed or was not ready in
+time) the request fails with the reason and the session keeps its old path.
+--timeout should cover the function's start. A host carries
 a session once: a hop that the session already crosses cannot be on the new
 segment too (the request is refused, naming it), unless --chain is exactly
 the segment as it is (then nothing changes, and the request succeeds as
@@ -110,6 +117,10 @@ carries the operator certificate of --pki-dir (or --tls-cert, --tls-key).
   dysco reconfig --match 'tcp dst port 80 and dst host 10.0.9.1' --to 10.0.9.1
   # replace the middlebox before 10.0.3.2 by two others, waiting up to 30s
   dysco reconfig --match tcp --to 10.0.3.2 --chain 10.0.2.6,10.0.2.7 --timeout 30s
+
+  # insert 10.0.2.5, whose agent starts its network function "firewall"
+  # (agent flag --nf firewall.start=...) before it joins
+  dysco reconfig --match tcp --to 10.0.3.2 --chain firewall@10.0.2.5
   # replace the firewall before 10.0.3.2 by 10.0.2.6, moving its conntrack state
   dysco reconfig --match tcp --to 10.0.3.2 --chain 10.0.2.6 --migrate-state --semantics substream
   # the same insertion, at the agent named edge1, from anywhere
@@ -135,7 +146,7 @@ carries the operator certificate of --pki-dir (or --tls-cert, --tls-key).
 			if err != nil {
 				return err
 			}
-			hops, err := parseHops("--chain", chain)
+			hops, nfs, err := parseNFHops("--chain", chain)
 			if err != nil {
 				return err
 			}
@@ -151,7 +162,7 @@ carries the operator certificate of --pki-dir (or --tls-cert, --tls-key).
 			if err != nil {
 				return err
 			}
-			req := api.ReconfigRequest{Match: match, To: right, Chain: hops, TimeoutMS: tms}
+			req := api.ReconfigRequest{Match: match, To: right, Chain: hops, NFs: nfs, TimeoutMS: tms}
 			if req.Migrate, err = mig.spec(cmd, len(hops), "--chain"); err != nil {
 				return err
 			}
@@ -167,7 +178,7 @@ carries the operator certificate of --pki-dir (or --tls-cert, --tls-key).
 	f := cmd.Flags()
 	f.StringVar(&match, "match", "", "tcpdump filter selecting the sessions, tested against their first SYN (required)")
 	f.StringVar(&to, "to", "", "right anchor: the host after this one on the sessions' path where the new segment ends (required)")
-	f.StringSliceVar(&chain, "chain", nil, "middleboxes of the new segment, in order: IP addresses, comma-separated; empty deletes every middlebox up to --to")
+	f.StringSliceVar(&chain, "chain", nil, "middleboxes of the new segment, in order: IP addresses, or NF@ADDR to have the host at ADDR start its network function NF before it joins (its agent's --nf), comma-separated; empty deletes every middlebox up to --to")
 	f.DurationVar(&timeout, "timeout", defaultReconfigTimeout, "how long the agent waits for the sessions' results")
 	f.BoolVar(&asJSON, "json", false, "print the agent's reply as JSON")
 	mig.flags(cmd)
@@ -524,6 +535,40 @@ func parseHops(flag string, vals []string) ([]netip.Addr, error) {
 	return hops, nil
 }
 
+// parseNFHops reads hops as parseHops does, each an address or NF@ADDR:
+// the network function the host at ADDR must run, which its agent starts
+// before it joins the new path (its --nf). nfs is nil when no hop names
+// one, else one per hop ("" for none). An IPv6 address holds no '@'.
+func parseNFHops(flag string, vals []string) ([]netip.Addr, []string, error) {
+	var addrs, nfs []string
+	named := false
+	for _, v := range vals {
+		if strings.TrimSpace(v) == "" {
+			continue
+		}
+		name, addr, ok := strings.Cut(strings.TrimSpace(v), "@")
+		if !ok {
+			name, addr = "", v
+		} else if !protocol.ValidNFName(name) {
+			return nil, nil, fmt.Errorf("%s: %q: the network function's name must be a letter, then letters, digits, '_' or '-', at most %d characters", flag, v, protocol.MaxNFName)
+		} else if strings.TrimSpace(addr) == "" {
+			return nil, nil, fmt.Errorf("%s: %q: no address after '@'", flag, v)
+		} else {
+			named = true
+		}
+		addrs = append(addrs, addr)
+		nfs = append(nfs, name)
+	}
+	hops, err := parseHops(flag, addrs)
+	if err != nil {
+		return nil, nil, err
+	}
+	if !named {
+		nfs = nil
+	}
+	return hops, nfs, nil
+}
+
 // timeoutMS converts --timeout for the request.
 func timeoutMS(d time.Duration) (int, error) {
 	if d < time.Millisecond {
@@ -613,10 +658,21 @@ func printResults(w io.Writer, rs []api.ReconfigResult) error {
 
 // formatPhases writes the phases of a reconfiguration at its left anchor:
 // locking, setting up the new path, and the two-path phase (each its own
-// duration, adding up to the total), "-" where they are not known.
+// duration, adding up to the total), "-" where they are not known. When
+// the new path waited for a network function to start, that wait is a
+// phase of its own after the locking ("nf 812.0").
 func formatPhases(r api.ReconfigResult) string {
 	if r.LockMicros <= 0 {
 		return "-"
+	}
+	if r.NFMicros > 0 {
+		// The wait for a network function, its own phase within the
+		// set-up: lock/nf/rest of the set-up/two-path.
+		if r.SetupMicros <= 0 {
+			return fmt.Sprintf("%.1f/nf %.1f/-/-ms", float64(r.LockMicros)/1000, float64(r.NFMicros)/1000)
+		}
+		return fmt.Sprintf("%.1f/nf %.1f/%.1f/%.1fms", float64(r.LockMicros)/1000, float64(r.NFMicros)/1000,
+			float64(max(r.SetupMicros-r.LockMicros-r.NFMicros, 0))/1000, float64(r.Micros-r.SetupMicros)/1000)
 	}
 	if r.SetupMicros <= 0 {
 		return fmt.Sprintf("%.1f/-/-ms", float64(r.LockMicros)/1000)

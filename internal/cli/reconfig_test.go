@@ -8,6 +8,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/dysco/dysco/internal/api"
 )
@@ -117,6 +118,34 @@ func TestReconfigOutput(t *testing.T) {
 	}
 }
 
+// TestReconfigNFHops: --chain hops written NF@ADDR name the network
+// function each host must start before it joins (IPv6 too: an address
+// holds no '@'), plain addresses none; the phases show the wait for it.
+func TestReconfigNFHops(t *testing.T) {
+	a := newReconfigAgent(t, api.ReconfigReply{Results: []api.ReconfigResult{
+		{ID: 3, Session: "10.0.0.1:40000 -> 10.0.9.1:80", Outcome: "succeeded", Micros: 900000, LockMicros: 1000,
+			SetupMicros: 860000, NF: "firewall", NFMicros: 850000},
+		{ID: 4, Session: "10.0.0.1:40001 -> 10.0.9.1:80", Outcome: "failed", Micros: 3100000, LockMicros: 1000, NF: "ids", NFMicros: 3000000,
+			Reason: "network function ids could not be started at 10.0.2.6: not ready within 3s"},
+	}})
+	out, _ := runDysco(t, "reconfig", "--match", "tcp", "--to", "10.0.3.2", "--chain", "firewall@10.0.2.5,10.0.2.6,ids_2@10.0.2.7")
+	for _, w := range []string{"1.0/nf 850.0/9.0/40.0ms", "1.0/nf 3000.0/-/-ms", "network function ids could not be started"} {
+		if !strings.Contains(out, w) {
+			t.Errorf("printed\n%s\nwant %q in it", out, w)
+		}
+	}
+	wantReq := api.ReconfigRequest{Match: "tcp", To: netip.MustParseAddr("10.0.3.2"), Chain: addrs("10.0.2.5", "10.0.2.6", "10.0.2.7"),
+		NFs: []string{"firewall", "", "ids_2"}, TimeoutMS: 10000}
+	if got := <-a.reconfigs; !reflect.DeepEqual(got, wantReq) {
+		t.Errorf("agent got %+v, want %+v", got, wantReq)
+	}
+	runDysco(t, "reconfig", "--match", "tcp", "--to", "2001:db8:9::1", "--chain", "fw@2001:db8::5")
+	wantReq = api.ReconfigRequest{Match: "tcp", To: netip.MustParseAddr("2001:db8:9::1"), Chain: addrs("2001:db8::5"), NFs: []string{"fw"}, TimeoutMS: 10000}
+	if got := <-a.reconfigs; !reflect.DeepEqual(got, wantReq) {
+		t.Errorf("agent got %+v, want %+v", got, wantReq)
+	}
+}
+
 func TestReconfigAllSucceed(t *testing.T) {
 	a := newReconfigAgent(t, api.ReconfigReply{Results: []api.ReconfigResult{
 		{ID: 1, Session: "[2001:db8::1]:40000 -> [2001:db8:9::1]:443", Outcome: "succeeded", Micros: 800},
@@ -171,6 +200,10 @@ func TestReconfigFlagErrors(t *testing.T) {
 		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--chain", "10.0.2.5,10.0.2.6", "--chain", "10.0.2.5"}, "--chain: 10.0.2.5 appears twice"},
 		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--chain", "2001:db8::5"}, "--chain: 2001:db8::5 and --to 10.0.3.2 are of different address families"},
 		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--chain", "10.0.2.1,10.0.2.2,10.0.2.3,10.0.2.4,10.0.2.5,10.0.2.6,10.0.2.7,10.0.2.8"}, "--chain: more than 7 hops; at most 7"},
+		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--chain", "fire wall@10.0.2.5"}, `--chain: "fire wall@10.0.2.5": the network function's name`},
+		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--chain", "@10.0.2.5"}, `--chain: "@10.0.2.5": the network function's name`},
+		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--chain", "fw@"}, `--chain: "fw@": no address after '@'`},
+		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--chain", "fw@10.0.3.2"}, "--chain: 10.0.3.2 is the right anchor (--to)"},
 		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--timeout", "0s"}, "--timeout 0s: must be at least 1ms"},
 		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--timeout", "-1s"}, "--timeout -1s: must be at least 1ms"},
 		{[]string{"--match", "tcp", "--to", "10.0.3.2", "--timeout", "48h"}, "--timeout 48h0m0s: at most 24h"},
@@ -301,5 +334,27 @@ func TestReconfigHelp(t *testing.T) {
 	}
 	if out := mustDysco(t, "middlebox", "--help"); !strings.Contains(out, "§2.3") {
 		t.Errorf("dysco middlebox --help lacks §2.3:\n%s", out)
+	}
+}
+
+// TestStatusNFs: dysco status lists the agent's network functions.
+func TestStatusNFs(t *testing.T) {
+	at := time.Date(2026, 11, 28, 6, 10, 1, 0, time.UTC)
+	var b strings.Builder
+	err := printStatus(&b, api.Status{Name: "mb1", NFs: []api.NFStatus{
+		{Name: "firewall", State: "ready", PID: 4242, StartedAt: at, Sessions: 1, Starts: 1},
+		{Name: "ids", State: "failed", Starts: 2, Failures: 2, LastError: "network function ids not ready within 10s"},
+	}}, at.Add(time.Minute))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range []string{
+		"network functions:",
+		"  firewall  ready, pid 4242, started 2026-11-28T06:10:01Z, 1 sessions, 1 starts, 0 exits, 0 failed starts",
+		"  ids       failed, 0 sessions, 2 starts, 0 exits, 2 failed starts; last error: network function ids not ready within 10s",
+	} {
+		if !strings.Contains(b.String(), w) {
+			t.Errorf("printed\n%s\nwant the line %q", b.String(), w)
+		}
 	}
 }

@@ -139,6 +139,23 @@ func printStatus(w io.Writer, st api.Status, now time.Time) error {
 	if st.Admission != "" {
 		row("syn admission", st.Admission)
 	}
+	if len(st.NFs) > 0 {
+		fmt.Fprintln(tw, "network functions:")
+		for _, f := range st.NFs {
+			v := f.State
+			if f.PID != 0 {
+				v += fmt.Sprintf(", pid %d", f.PID)
+			}
+			if !f.StartedAt.IsZero() {
+				v += ", started " + f.StartedAt.Format(time.RFC3339)
+			}
+			v += fmt.Sprintf(", %d sessions, %d starts, %d exits, %d failed starts", f.Sessions, f.Starts, f.Exits, f.Failures)
+			if f.LastError != "" {
+				v += "; last error: " + f.LastError
+			}
+			row("  "+f.Name, v)
+		}
+	}
 	if len(st.Counters) == 0 {
 		row("counters", "none")
 	} else {

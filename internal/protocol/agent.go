@@ -94,7 +94,10 @@ type Agent struct {
 	reqWindows map[netip.Addr]*reqWindow
 	// triggers are the triggers this agent sent, waiting for their
 	// answers, by their keys (trigger.go).
-	triggers   map[ReqKey]*trigOut
+	triggers map[ReqKey]*trigOut
+	// nfJoins are the new paths waiting here for a network function to
+	// start before this agent joins them (nf.go), at most maxNFJoins.
+	nfJoins    map[ReqKey]*nfJoin
 	trigTokens uint64
 	nextReq    uint32
 	nextJoin   SessionID
@@ -146,6 +149,7 @@ func New(cfg Config) *Agent {
 		earlySyns:  map[ReqKey]earlySyn{},
 		reqWindows: map[netip.Addr]*reqWindow{},
 		triggers:   map[ReqKey]*trigOut{},
+		nfJoins:    map[ReqKey]*nfJoin{},
 		nextJoin:   cfg.JoinedBase,
 		nextReq:    cfg.FirstReq,
 	}
@@ -209,6 +213,8 @@ func (a *Agent) Handle(now time.Duration, ev Event) []Action {
 		a.onStateExported(e)
 	case StateImported:
 		a.onStateImported(e)
+	case NFStarted:
+		a.onNFStarted(e)
 	case HoldOverflow:
 		a.onHoldOverflow(e)
 	case DatapathReady:

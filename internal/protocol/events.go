@@ -113,7 +113,11 @@ type Reconfigure struct {
 	Session     SessionID
 	RightAnchor netip.Addr
 	Chain       []netip.Addr
-	Token       uint64
+	// NFs, if set, has one entry per hop of Chain: the network function
+	// that hop must run (its agent starts it before it joins the new
+	// path; heterogeneous-sfc-quic §IV), "" for none.
+	NFs   []string
+	Token uint64
 	// Gate holds the switch to the new path: once the new path answered
 	// (SYN-ACK), the left anchor emits NewPathReady and waits for Proceed
 	// before it sends the ACK and starts the two-path phase.
@@ -234,6 +238,15 @@ type StateExported struct {
 	Err     string
 }
 
+// NFStarted answers StartNF: Err is empty when the network function is
+// ready, and says why not otherwise (unknown here, failed to start, not
+// ready in time); the new path is then refused (ReasonNF).
+type NFStarted struct {
+	Req  ReqKey
+	Name string
+	Err  string
+}
+
 // StateImported answers ImportState (Tuple is the action's).
 type StateImported struct {
 	Session SessionID
@@ -271,6 +284,7 @@ func (Held) event()            {}
 func (Drained) event()         {}
 func (StateExported) event()   {}
 func (StateImported) event()   {}
+func (NFStarted) event()       {}
 func (HoldOverflow) event()    {}
 
 // TimerKind says what a timer is for.
@@ -385,6 +399,23 @@ type JoinSession struct {
 	Nonce       [wire.NonceLen]byte
 	Left, Right SideInfo
 	Req         ReqKey // the request whose new path it is
+	// NF is the network function the request named for this host, which
+	// StartNF made ready (the session uses it until it is freed); "" for
+	// none.
+	NF string
+}
+
+// StartNF asks the agent to start the network function Name, which the
+// new path of Req names for this host (heterogeneous-sfc-quic §IV: "The
+// need for a specific VNF can be included in the control packet"), and
+// to answer with NFStarted once it is ready or cannot be. The SYN waits
+// meanwhile: the host joins the new path and passes the SYN on only once
+// the function is ready, and answers the SYN's retransmissions with a
+// synAck saying that it is starting (the session stays on its old path).
+type StartNF struct {
+	Req     ReqKey
+	Name    string
+	Session wire.Tuple
 }
 
 // StartTwoPath starts the two-path phase on a side (§3.5): the datapath
@@ -562,6 +593,9 @@ type Result struct {
 	// Hop (ReasonOnPath) is the hop of the new chain already on the
 	// session's path, when the left anchor knows it.
 	Hop netip.Addr
+	// NF (ReasonNF) is the network function Hop could not start, and
+	// Detail its agent's reason.
+	NF, Detail string
 	// Trigger, when set, is the trigger that asked for the request (its
 	// sender and number): the agent did not ask for it itself, and Token
 	// is the one TriggerAccepted gave. The sender gets the result in the
@@ -623,6 +657,11 @@ type Progress struct {
 	Role    Role
 	Stage   Stage
 	Note    string
+	// NF (left anchor, settingUp): a host of the new path starts this
+	// network function, the new path waits for it; NFDone: the wait
+	// is over (the new path answered, or was refused).
+	NF     string
+	NFDone bool
 }
 
 func (Send) action()             {}
@@ -630,6 +669,7 @@ func (SetTimer) action()         {}
 func (CancelTimer) action()      {}
 func (AddSubsession) action()    {}
 func (JoinSession) action()      {}
+func (StartNF) action()          {}
 func (StartTwoPath) action()     {}
 func (EndTwoPath) action()       {}
 func (RemoveSubsession) action() {}

@@ -131,6 +131,39 @@ func FuzzDecode(f *testing.F) {
 	f.Add(editOf(fz, func(b []byte) []byte { b[migAt+5] = 1; return remac(b) }))               // reserved byte
 	f.Add(editOf(fz, func(b []byte) []byte { b[migAt+35] = 1; return remac(b) }))              // a blob past the end
 	f.Add(editOf(fz, func(b []byte) []byte { b[migAt+2] = byte(MigExport); return remac(b) })) // marks on an export
+	// Network functions (NFBody): a syn naming them, a synAck that one
+	// starts, a refusal; and edits.
+	nfSyn := sampleMessage()
+	nfSyn.Hops = []netip.Addr{addr(20), nfSyn.RightAnchor}
+	nfSyn.NF = &NFBody{Names: []string{"firewall", ""}}
+	nfStarting := sampleOf(MsgSynAck, sampleMessage())
+	nfStarting.Flags, nfStarting.Blocker, nfStarting.Reason, nfStarting.NF = 0, ReqKey{}, ReasonNone, &NFBody{Names: []string{"ids-2"}}
+	nfRefused := sampleOf(MsgSynAck, v6)
+	nfRefused.Flags, nfRefused.Reason, nfRefused.Blocker = FlagRefuse, ReasonNF, ReqKey{}
+	nfRefused.Hops = []netip.Addr{v6.Sub.Dst}
+	nfRefused.NF = &NFBody{Names: []string{"firewall"}, Text: "not ready within 10s"}
+	var nfb []byte
+	for _, m := range []*Message{nfSyn, &nfStarting, &nfRefused} {
+		b, err := m.Encode(testKey, testFrom)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+		if m == nfSyn {
+			nfb = b
+		}
+	}
+	nfAt := len(nfb) - MACLen - (extNFLen + 1 + len("firewall") + 1)
+	f.Add(editOf(nfb, func(b []byte) []byte { b[nfAt+2] = 1; return remac(b) }))       // count short of the hops
+	f.Add(editOf(nfb, func(b []byte) []byte { b[nfAt+3] = 1; return remac(b) }))       // reserved byte
+	f.Add(editOf(nfb, func(b []byte) []byte { b[nfAt+7] = '!'; return remac(b) }))     // a bad character
+	f.Add(editOf(nfb, func(b []byte) []byte { b[nfAt+6] = 200; return remac(b) }))     // a name past the end
+	f.Add(editOf(nfb, func(b []byte) []byte { b[nfAt+5] = 1; return remac(b) }))       // a text past the end
+	f.Add(editOf(nfb, func(b []byte) []byte { b[5] = byte(MsgAck); return remac(b) })) // on an ack
+	f.Add(editOf(nfb, func(b []byte) []byte {                                          // a name for the right anchor
+		b[nfAt+2], b[155] = 3, b[155]+2
+		return remac(append(append(b[:len(b)-MACLen], 1, 'x'), make([]byte, MACLen)...))
+	}))
 	edit := func(fn func(b []byte) []byte) []byte { return fn(append([]byte(nil), good...)) }
 	f.Add([]byte(nil))
 	f.Add(good[:5])
@@ -158,11 +191,12 @@ func FuzzDecode(f *testing.F) {
 			if n := extLen(t, m); len(m.Hops) > wire.MaxHops || n > MaxExtLen || len(in) != MsgHeaderLen+len(m.Hops)*wire.AddrLen+n+MACLen {
 				t.Fatalf("accepted %d bytes with %d hops and an extension of %d", len(in), len(m.Hops), n)
 			}
-			if m.Type < MsgRequestLock || m.Type > MsgMigrateAnswer || m.Flags&^knownFlags != 0 || m.Reason > lastWireReason {
+			if m.Type < MsgRequestLock || m.Type > MsgMigrateAnswer || m.Flags&^knownFlags != 0 || m.Reason > lastWireReason && m.Reason != ReasonNF {
 				t.Fatalf("accepted type %d, flags %#x, reason %d", m.Type, m.Flags, m.Reason)
 			}
 			if m.Migrate != nil && m.Type != MsgTrigger || (m.Answer != nil) != (m.Type == MsgTriggerResult) ||
-				(m.Mig != nil) != (m.Type == MsgMigrate || m.Type == MsgMigrateAnswer) {
+				(m.Mig != nil) != (m.Type == MsgMigrate || m.Type == MsgMigrateAnswer) ||
+				m.NF != nil && m.Type != MsgSyn && m.Type != MsgSynAck {
 				t.Fatalf("accepted a %s with migrate=%v answer=%v", m.Type, m.Migrate, m.Answer)
 			}
 			enc, err := m.Encode(testKey, testFrom)

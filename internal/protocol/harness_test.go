@@ -59,6 +59,10 @@ type harness struct {
 	probe func(envelope)
 	// holdLimit is the limit of the last Hold.
 	holdLimit uint64
+	// nfStarts: the network functions each agent was asked to start
+	// (tests answer with NFStarted).
+	nfStarts map[netip.Addr][]StartNF
+	progress []Progress
 }
 
 type envelope struct {
@@ -92,7 +96,8 @@ func newHarness(t *testing.T, n int) *harness {
 		starts: map[netip.Addr][]StartTwoPath{}, ends: map[netip.Addr][]EndTwoPath{}, frees: map[netip.Addr][]SessionID{},
 		clamps: map[netip.Addr][]SetWindowClamp{}, ready: map[netip.Addr][]NewPathReady{},
 		migLog: map[netip.Addr][]string{}, migDone: map[netip.Addr][]MigrationDone{}, migFail: map[netip.Addr]string{},
-		locks: map[netip.Addr]ReqKey{}, sent: map[netip.Addr]map[MsgType]int{}, trigAccepted: map[netip.Addr][]TriggerAccepted{}}
+		nfStarts: map[netip.Addr][]StartNF{},
+		locks:    map[netip.Addr]ReqKey{}, sent: map[netip.Addr]map[MsgType]int{}, trigAccepted: map[netip.Addr][]TriggerAccepted{}}
 	h.vars = func(netip.Addr, Side) TwoPath {
 		return TwoPath{OldSent: 1000, OldSentAcked: 1000, OldRcvd: 5000, OldRcvdAcked: 5000, NewRcvd: true, FirstNewRcvd: 5000}
 	}
@@ -210,6 +215,10 @@ func (h *harness) apply(at netip.Addr, act Action) {
 		h.ready[at] = append(h.ready[at], x)
 	case Progress:
 		h.log = append(h.log, fmt.Sprintf("%s %s %s %s %s", at, x.Req, x.Role, x.Stage, x.Note))
+		h.progress = append(h.progress, x)
+	case StartNF:
+		h.log = append(h.log, fmt.Sprintf("%s start network function %s for %s", at, x.Name, x.Req))
+		h.nfStarts[at] = append(h.nfStarts[at], x)
 	}
 }
 

@@ -220,6 +220,8 @@ type Message struct {
 	Answer *TriggerAnswer
 	// Mig (migrate, migrateAnswer) is the migration step's body.
 	Mig *MigStep
+	// NF (syn, synAck) names network functions (NFBody); nil: none.
+	NF *NFBody
 }
 
 // RejectReason classifies a message the agent refused; agents count them.
@@ -423,7 +425,7 @@ func (m *Message) validate() error {
 	if m.Type == MsgMigrate || m.Type == MsgMigrateAnswer {
 		return m.validateMig()
 	}
-	if m.Reason > ReasonStale && m.Reason != ReasonOnPath {
+	if m.Reason > ReasonStale && m.Reason != ReasonOnPath && m.Reason != ReasonNF {
 		return decodeErr(RejectMalformed, "unknown reason %d", m.Reason)
 	}
 	for i, h := range m.Hops {
@@ -445,11 +447,14 @@ func (m *Message) validate() error {
 	case m.Type == MsgSyn, m.Type == MsgAckLock:
 	case m.Type == MsgSynAck && m.Flags&FlagRefuse != 0:
 		// A refusal names the host that refused (refuseSyn), and why.
-		if len(m.Hops) != 1 || m.Reason != ReasonOnPath && m.Reason != ReasonSetupFailed && m.Reason != ReasonStale {
+		if len(m.Hops) != 1 || m.Reason != ReasonOnPath && m.Reason != ReasonSetupFailed && m.Reason != ReasonStale && m.Reason != ReasonNF {
 			return decodeErr(RejectMalformed, "refusing synAck with %d hops, reason %d", len(m.Hops), m.Reason)
 		}
 	case len(m.Hops) > 0:
 		return decodeErr(RejectMalformed, "%d hops on a %s", len(m.Hops), m.Type)
+	}
+	if err := m.validateNF(); err != nil {
+		return err
 	}
 	if m.Type == MsgSyn {
 		// The receiver of a syn is the packet's destination; the list
@@ -599,12 +604,23 @@ func (m *Message) String() string {
 		if m.Flags&FlagGrant != 0 {
 			s += " delta=" + m.Delta.String()
 		}
+		if m.NF != nil {
+			s += fmt.Sprintf(" nf=%q", m.NF.Names)
+			if m.Flags&FlagRefuse != 0 {
+				s += fmt.Sprintf(" reason=%q text=%q", m.Reason, m.NF.Text)
+			} else {
+				s += " starting"
+			}
+		}
 	case MsgNackLock:
 		s += fmt.Sprintf(" reason=%q blocker=%s", m.Reason, m.Blocker)
 	case MsgFin:
 		s += fmt.Sprintf(" cutoff=%d", m.Delta.Seq)
 	case MsgSyn:
 		s += fmt.Sprintf(" hops=%v", m.Hops)
+		if m.NF != nil {
+			s += fmt.Sprintf(" nf=%q", m.NF.Names)
+		}
 	case MsgTrigger:
 		s += fmt.Sprintf(" chain=%v", m.Hops)
 		if m.Migrate != nil {

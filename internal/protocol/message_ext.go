@@ -48,7 +48,52 @@ const (
 	// answer, an import): the plug-ins' bundle (internal/migrate,
 	// MaxBundleSize) must fit one datagram with the rest of the message.
 	MaxStateLen = 60000
+	// ExtNF: the network functions of a new path's hosts (Message.NF).
+	ExtNF = 4
+	// extNFLen is its fixed part: version, kind, count, reserved (1
+	// each), text length (2); the names (a length byte and the name
+	// each), then the text follow.
+	extNFLen = 6
+	// MaxNFName bounds a network function's name.
+	MaxNFName = 32
+	// MaxNFText bounds a refusal's text.
+	MaxNFText = 512
 )
+
+// NFBody is the body of extension kind ExtNF: the network functions a new
+// path's hosts must run (heterogeneous-sfc-quic §IV: "The need for a
+// specific VNF can be included in the control packet during service chain
+// modification").
+//
+//   - syn: Names[0] is the receiver's, then one per later middlebox (as
+//     many names as hops: the last hop, the right anchor, runs none);
+//     "" for a host that runs none, at least one name set.
+//   - synAck without FlagRefuse: a host of the new path starts its
+//     function (Names, one); the left anchor keeps waiting.
+//   - synAck refusing with ReasonNF: the function (Names, one) could not
+//     be started; Text says why.
+type NFBody struct {
+	Names []string
+	Text  string
+}
+
+// ValidNFName reports whether s may name a network function on the wire:
+// 1 to MaxNFName bytes, a letter first, then letters, digits, '_' and '-'.
+func ValidNFName(s string) bool {
+	if len(s) == 0 || len(s) > MaxNFName {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z':
+		case i > 0 && (c >= '0' && c <= '9' || c == '_' || c == '-'):
+		default:
+			return false
+		}
+	}
+	return true
+}
 
 // Flags of a migration step's body.
 const (
@@ -225,8 +270,90 @@ func (m *Message) ext() ([]byte, error) {
 		binary.BigEndian.PutUint16(b[34:], uint16(len(x.Blob)))
 		b = append(b, x.Text...)
 		return append(b, x.Blob...), nil
+	case m.NF != nil:
+		x := m.NF
+		if len(x.Names) > wire.MaxHops || len(x.Text) > MaxNFText {
+			return nil, ErrExtTooLong
+		}
+		b := make([]byte, extNFLen, extNFLen+len(x.Text)+len(x.Names)*(MaxNFName+1))
+		b[0], b[1], b[2] = ExtVersion, ExtNF, byte(len(x.Names))
+		binary.BigEndian.PutUint16(b[4:], uint16(len(x.Text)))
+		for _, n := range x.Names {
+			if len(n) > MaxNFName {
+				return nil, ErrExtTooLong
+			}
+			b = append(b, byte(len(n)))
+			b = append(b, n...)
+		}
+		return append(b, x.Text...), nil
 	}
 	return nil, nil
+}
+
+// decodeNF parses an ExtNF body; validateNF checks it against the type.
+func (m *Message) decodeNF(b []byte) error {
+	if len(b) < extNFLen {
+		return decodeErr(RejectMalformed, "network functions of %d bytes, at least %d", len(b), extNFLen)
+	}
+	c, t := int(b[2]), int(binary.BigEndian.Uint16(b[4:]))
+	if c > wire.MaxHops || b[3] != 0 || t > MaxNFText {
+		return decodeErr(RejectMalformed, "network functions: %d names, reserved %d, text of %d", c, b[3], t)
+	}
+	x := &NFBody{}
+	off := extNFLen
+	for i := 0; i < c; i++ {
+		if off >= len(b) {
+			return decodeErr(RejectMalformed, "network functions: name %d missing", i)
+		}
+		n := int(b[off])
+		off++
+		if n > MaxNFName || off+n > len(b) {
+			return decodeErr(RejectMalformed, "network functions: name %d of %d bytes", i, n)
+		}
+		name := string(b[off : off+n])
+		if n > 0 && !ValidNFName(name) {
+			return decodeErr(RejectMalformed, "network functions: name %d %q invalid", i, name)
+		}
+		x.Names = append(x.Names, name)
+		off += n
+	}
+	if len(b) != off+t {
+		return decodeErr(RejectMalformed, "network functions of %d bytes, %d names and a text of %d need %d", len(b), c, t, off+t)
+	}
+	x.Text = string(b[off:])
+	m.NF = x
+	return nil
+}
+
+// validateNF checks a message's network functions (NFBody) against its
+// type: names for the receiver and every hop but the last (the right
+// anchor) on a syn, at least one set; one name, set, on a synAck (with a text only on
+// a refusal for ReasonNF, which must carry it); none elsewhere.
+func (m *Message) validateNF() error {
+	x := m.NF
+	refusesNF := m.Type == MsgSynAck && m.Flags&FlagRefuse != 0 && m.Reason == ReasonNF
+	if x == nil {
+		if refusesNF {
+			return decodeErr(RejectMalformed, "a refusal for a network function without its name")
+		}
+		return nil
+	}
+	switch {
+	case m.Type == MsgSyn:
+		if len(x.Names) != len(m.Hops) || x.Text != "" {
+			return decodeErr(RejectMalformed, "syn with %d hops and %d network function names (or a text)", len(m.Hops), len(x.Names))
+		}
+		if !slices.ContainsFunc(x.Names, func(n string) bool { return n != "" }) {
+			return decodeErr(RejectMalformed, "syn with network functions that names none")
+		}
+	case m.Type == MsgSynAck && m.Flags == 0 && m.Reason == ReasonNone, refusesNF:
+		if len(x.Names) != 1 || x.Names[0] == "" || x.Text != "" && !refusesNF {
+			return decodeErr(RejectMalformed, "synAck with %d network function names", len(x.Names))
+		}
+	default:
+		return decodeErr(RejectMalformed, "network functions on a %s (flags %#x, reason %d)", m.Type, m.Flags, m.Reason)
+	}
+	return nil
 }
 
 // decodeExt parses an extension body (ExtVersion): its version, its kind,
@@ -289,6 +416,8 @@ func (m *Message) decodeExt(b []byte) error {
 			x.Blob = bytes.Clone(b[extMigStepLen+nt:])
 		}
 		m.Mig = x
+	case b[1] == ExtNF && (m.Type == MsgSyn || m.Type == MsgSynAck):
+		return m.decodeNF(b)
 	default:
 		return decodeErr(RejectMalformed, "extension of kind %d on a %s", b[1], m.Type)
 	}
@@ -325,7 +454,7 @@ func (m *Message) validateTrigger(v4 bool) error {
 		return decodeErr(RejectMalformed, "a triggerResult without its answer")
 	case len(m.Hops) > 0:
 		return decodeErr(RejectMalformed, "%d hops on a triggerResult", len(m.Hops))
-	case m.Reason > lastWireReason:
+	case m.Reason > lastWireReason && m.Reason != ReasonNF:
 		return decodeErr(RejectMalformed, "unknown reason %d", m.Reason)
 	case x.Hop.IsValid() && !fam(x.Hop):
 		return decodeErr(RejectMalformed, "answer: hop %s invalid", x.Hop)

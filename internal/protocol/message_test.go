@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/netip"
 	"reflect"
+	"strings"
 	"sync"
 	"testing"
 
@@ -451,5 +452,72 @@ func TestMessageListsAndFlags(t *testing.T) {
 				t.Fatalf("got %v, want malformed", err)
 			}
 		})
+	}
+}
+
+// TestMessageNF: the network functions of a new path's hosts
+// (heterogeneous-sfc-quic §IV) round-trip on a syn and a synAck, and
+// what does not fit the type is refused as malformed.
+func TestMessageNF(t *testing.T) {
+	syn := sampleMessage()
+	syn.Hops = []netip.Addr{addr(20), addr(21), syn.RightAnchor}
+	syn.NF = &NFBody{Names: []string{"firewall", "", "ids"}}
+	starting := sampleOf(MsgSynAck, sampleMessage())
+	starting.Flags, starting.Reason, starting.Blocker = 0, ReasonNone, ReqKey{}
+	starting.NF = &NFBody{Names: []string{"firewall"}}
+	refused := sampleOf(MsgSynAck, sampleMessage6())
+	refused.Flags, refused.Reason, refused.Blocker = FlagRefuse, ReasonNF, ReqKey{}
+	refused.Hops = []netip.Addr{refused.Sub.Dst}
+	refused.NF = &NFBody{Names: []string{"ids_2"}, Text: "network function ids_2 not ready within 10s"}
+	for _, m := range []*Message{syn, &starting, &refused} {
+		b, err := m.Encode(testKey, testFrom)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := Decode(testKey, testFrom, b)
+		if err != nil {
+			t.Fatalf("%s: %v", m, err)
+		}
+		if !reflect.DeepEqual(got, m) {
+			t.Fatalf("round trip\n got %+v\nwant %+v", got, m)
+		}
+	}
+	bad := func(what string, m *Message) {
+		t.Helper()
+		b, err := m.Encode(testKey, testFrom)
+		if err != nil {
+			return // refused already
+		}
+		var de *DecodeError
+		if _, err := Decode(testKey, testFrom, b); !errors.As(err, &de) || de.Reason != RejectMalformed {
+			t.Errorf("%s: %v, want malformed", what, err)
+		}
+	}
+	with := func(base Message, fn func(m *Message)) *Message {
+		m := base
+		if base.NF != nil {
+			nf := *base.NF
+			nf.Names = append([]string(nil), nf.Names...)
+			m.NF = &nf
+		}
+		fn(&m)
+		return &m
+	}
+	bad("count short of the hops", with(*syn, func(m *Message) { m.NF.Names = m.NF.Names[:2] }))
+	bad("a name for the right anchor", with(*syn, func(m *Message) { m.NF.Names = append(m.NF.Names, "x") }))
+	bad("none named", with(*syn, func(m *Message) { m.NF.Names[0], m.NF.Names[2] = "", "" }))
+	bad("a text on a syn", with(*syn, func(m *Message) { m.NF.Text = "hi" }))
+	bad("a bad character", with(*syn, func(m *Message) { m.NF.Names[0] = "fire wall" }))
+	bad("a digit first", with(*syn, func(m *Message) { m.NF.Names[0] = "9fw" }))
+	bad("too long", with(*syn, func(m *Message) { m.NF.Names[0] = strings.Repeat("f", MaxNFName+1) }))
+	bad("two on a synAck", with(starting, func(m *Message) { m.NF.Names = []string{"a", "b"} }))
+	bad("a text on a starting synAck", with(starting, func(m *Message) { m.NF.Text = "why" }))
+	bad("on a granting synAck", with(starting, func(m *Message) { m.Flags = FlagGrant }))
+	bad("a refusal for it without its name", with(refused, func(m *Message) { m.NF = nil }))
+	bad("on another refusal", with(refused, func(m *Message) { m.Reason = ReasonOnPath }))
+	bad("on an ack", with(starting, func(m *Message) { m.Type = MsgAck }))
+	bad("on a requestLock", with(*syn, func(m *Message) { m.Type = MsgRequestLock; m.Hops = nil; m.NF.Names = []string{"fw"} }))
+	if !ValidNFName("firewall") || !ValidNFName("a-b_9") || ValidNFName("") || ValidNFName("a.b") {
+		t.Fatal("ValidNFName")
 	}
 }

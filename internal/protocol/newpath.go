@@ -2,6 +2,7 @@ package protocol
 
 import (
 	"net/netip"
+	"slices"
 
 	"github.com/dysco/dysco/internal/wire"
 )
@@ -73,6 +74,11 @@ func (a *Agent) sendSyn(s *session, l *anchor) {
 	// The addresses after the receiver, ending with the right anchor; none
 	// when the receiver is the right anchor.
 	m.Hops = append(append([]netip.Addr(nil), l.chain...), l.rightAnchor)[1:]
+	if l.nfs != nil {
+		// The network function of each middlebox, the receiver's first
+		// (heterogeneous-sfc-quic §IV).
+		m.NF = &NFBody{Names: append([]string(nil), l.nfs...)}
+	}
 	a.send(l.newPeer, m)
 	l.tries++
 	a.setTimer(s, TimerSyn, l.req, a.backoff(l.tries))
@@ -117,6 +123,18 @@ func (a *Agent) onNewSyn(from netip.Addr, m *Message, onPath bool) {
 		a.refuseSyn(from, m, ReasonOnPath, a.cfg.Self)
 		return
 	}
+	if name := m.selfNF(); name != "" {
+		// Join once the function runs (nf.go).
+		a.onNFSyn(from, m, name)
+		return
+	}
+	a.joinNewPath(from, m, "")
+}
+
+// joinNewPath joins the new path of the SYN m (from the host before this
+// one on it): a session with both subsessions, the SYN passed on. nf is
+// the network function the request named for this host, ready now.
+func (a *Agent) joinNewPath(from netip.Addr, m *Message, nf string) {
 	a.nextJoin++
 	s := a.newSession(a.nextJoin, m.Session, m.Nonce)
 	s.joinReq, s.joinRight = m.Req, m.RightAnchor
@@ -130,8 +148,12 @@ func (a *Agent) onNewSyn(from netip.Addr, m *Message, onPath bool) {
 	// packets reach this host only after the SYN-ACK, which this agent
 	// passes back after this step.
 	a.forwardSyn(s, m)
-	a.emit(JoinSession{Session: s.id, Tuple: s.tuple, Nonce: s.nonce, Left: left, Right: right, Req: m.Req})
-	a.progress(s, m.Req, RoleNewHop, StageSettingUp, "joined")
+	a.emit(JoinSession{Session: s.id, Tuple: s.tuple, Nonce: s.nonce, Left: left, Right: right, Req: m.Req, NF: nf})
+	note := "joined"
+	if nf != "" {
+		note = "joined, network function " + nf + " ready"
+	}
+	a.progress(s, m.Req, RoleNewHop, StageSettingUp, note)
 }
 
 // acceptSyn is the right anchor's part of the new path's set-up, once it
@@ -279,6 +301,11 @@ func (a *Agent) refuseJoin(s *session) {
 func (a *Agent) forwardSyn(s *session, m *Message) {
 	f := *m
 	f.Hops = m.Hops[1:]
+	f.NF = nil
+	if m.NF != nil && slices.ContainsFunc(m.NF.Names[1:], func(n string) bool { return n != "" }) {
+		// The later middleboxes' network functions.
+		f.NF = &NFBody{Names: m.NF.Names[1:]}
+	}
 	a.sendSide(s, SideRight, &f)
 }
 
@@ -301,6 +328,15 @@ func (a *Agent) onSynDup(s *session, ref subRef, m *Message) {
 
 func (a *Agent) onSynAck(s *session, ref subRef, m *Message) {
 	if l := s.left; l != nil && l.req == m.Req && l.newSub == m.Sub {
+		if m.NF != nil && m.Flags&FlagRefuse == 0 {
+			a.onNFStarting(s, l, m)
+			return
+		}
+		if l.nfWait != "" && !l.nfDone {
+			l.nfDone = true
+			a.emit(Progress{Session: s.id, Req: l.req, Role: RoleLeftAnchor, Stage: l.stage,
+				Note: "the new path answered after network function " + l.nfWait + " started", NF: l.nfWait, NFDone: true})
+		}
 		if m.Flags&FlagRefuse != 0 {
 			// A host of the new path refused to join it (refuseSyn).
 			if l.stage == StageSettingUp && !l.gated {
@@ -308,8 +344,13 @@ func (a *Agent) onSynAck(s *session, ref subRef, m *Message) {
 				// changed, the request does not fit the path (refused).
 				// One that could not install it: the new path failed.
 				end := &Result{Outcome: Failed, Reason: ReasonSetupFailed}
-				if m.Reason == ReasonOnPath {
+				switch m.Reason {
+				case ReasonOnPath:
 					end = &Result{Outcome: Refused, Reason: ReasonOnPath}
+				case ReasonNF:
+					// Its network function could not be started
+					// (heterogeneous-sfc-quic §IV): cancelled.
+					end = &Result{Outcome: Failed, Reason: ReasonNF, NF: m.NF.Names[0], Detail: m.NF.Text}
 				}
 				if len(m.Hops) == 1 {
 					end.Hop = m.Hops[0] // the host that refused
@@ -346,7 +387,7 @@ func (a *Agent) onSynAck(s *session, ref subRef, m *Message) {
 			// A host after us refused the new path: it will never be
 			// used.
 			a.progress(s, m.Req, RoleNewHop, StageDone, "new path refused further on: "+m.Reason.String())
-			if m.Reason == ReasonOnPath || m.Reason == ReasonStale {
+			if m.Reason == ReasonOnPath || m.Reason == ReasonStale || m.Reason == ReasonNF {
 				// It did not pass the SYN on (a host on the path
 				// already, or the right anchor of a request that is
 				// over): nothing after it to free.

@@ -3,6 +3,7 @@ package protocol
 import (
 	"errors"
 	"net/netip"
+	"slices"
 
 	"github.com/dysco/dysco/internal/wire"
 )
@@ -22,7 +23,7 @@ func (a *Agent) onReconfigure(e Reconfigure, trig *trigIn) {
 		refuse(ReasonNoSession, ReqKey{})
 		return
 	}
-	if err := a.checkChain(e.RightAnchor, e.Chain); err != nil {
+	if err := a.checkChain(e.RightAnchor, e.Chain); err != nil || !checkNFs(e.Chain, e.NFs) {
 		refuse(ReasonInvalid, ReqKey{})
 		return
 	}
@@ -37,6 +38,9 @@ func (a *Agent) onReconfigure(e Reconfigure, trig *trigIn) {
 	a.nextReq++
 	l := &anchor{role: RoleLeftAnchor, req: ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq}, token: e.Token,
 		rightAnchor: e.RightAnchor, chain: append([]netip.Addr(nil), e.Chain...), gate: e.Gate || e.Migrate != nil, trig: trig}
+	if slices.ContainsFunc(e.NFs, func(n string) bool { return n != "" }) {
+		l.nfs = append([]string(nil), e.NFs...)
+	}
 	if e.Migrate != nil {
 		l.mig = &migLeft{spec: MigrateSpecDefaults(*e.Migrate)}
 	}

@@ -107,8 +107,16 @@ type anchor struct {
 	stage       Stage
 	rightAnchor netip.Addr
 	chain       []netip.Addr
-	tries       int
-	delta       Delta // leftDelta at the left anchor, rightDelta at the right anchor (§3.4)
+	// nfs (left anchor): the network function of each hop of chain, ""
+	// for none; nil when none names one (Reconfigure.NFs).
+	nfs []string
+	// nfWait (left anchor): a host of the new path said it starts this
+	// network function; nfDone: the new path has answered since.
+	nfWait  string
+	nfDone  bool
+	nfSince time.Duration // when the first such word came
+	tries   int
+	delta   Delta // leftDelta at the left anchor, rightDelta at the right anchor (§3.4)
 	// grantDelta (right anchor): the leftDelta that requestLock gathered
 	// on its way, which the granting synAck carries (synAckMsg).
 	grantDelta  Delta

@@ -228,6 +228,10 @@ const (
 	// ReasonNoAnswer (TriggerResult, never on the wire): the left
 	// neighbour did not answer the trigger after every retransmission.
 	ReasonNoAnswer
+	// ReasonNF: a host of the new path could not start the network
+	// function the request named for it (Result.Hop, Result.NF, and why
+	// in Result.Detail; heterogeneous-sfc-quic §IV).
+	ReasonNF
 )
 
 // lastWireReason is the last reason a message may carry (a trigger's
@@ -266,6 +270,8 @@ func (r Reason) String() string {
 		return "the sender is no longer this session's next hop (its path changed)"
 	case ReasonNoAnswer:
 		return "no answer from the left neighbour"
+	case ReasonNF:
+		return "a host of the new path could not start its network function"
 	}
 	return fmt.Sprintf("reason-%d", uint8(r))
 }

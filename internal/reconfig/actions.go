@@ -103,6 +103,8 @@ func (c *Shell) do(v6 bool, act protocol.Action) error {
 			return err // nil, or a failure; ENOENT: the side's record is gone
 		}
 		return nil
+	case protocol.StartNF:
+		c.doStartNF(v6, x)
 	case protocol.JoinSession:
 		c.flush() // as AddSubsession: the SYN goes on first
 		if err := c.join(v6, x); err != nil {
@@ -415,6 +417,7 @@ func (c *Shell) join(v6 bool, x protocol.JoinSession) error {
 	}
 	c.joinedDP[x.Session] = id
 	c.pidOf[id], c.famOf[id] = x.Session, v6
+	c.holdNF(id, x.NF)
 	c.notReady[x.Session] = &readyPoll{id: id, every: 20 * time.Millisecond}
 	return nil
 }

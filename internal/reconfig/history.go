@@ -81,6 +81,13 @@ func (c *Shell) record(x protocol.Result, rep api.MigrationReport, hasRep bool) 
 			if !ph.twoPath.IsZero() {
 				r.SetupMicros = ph.twoPath.Sub(at).Microseconds()
 			}
+			if !ph.nfStart.IsZero() {
+				end := ph.nfEnd
+				if end.IsZero() {
+					end = at.Add(took)
+				}
+				r.NF, r.NFMicros = ph.nf, end.Sub(ph.nfStart).Microseconds()
+			}
 		}
 	}
 	delete(c.phases, x.Req)
@@ -93,7 +100,13 @@ func (c *Shell) record(x protocol.Result, rep api.MigrationReport, hasRep bool) 
 
 // phaseTimes are when a request this host is the left anchor of reached
 // its phases (api.ReconfigResult's LockMicros and SetupMicros).
-type phaseTimes struct{ locked, twoPath time.Time }
+type phaseTimes struct {
+	locked, twoPath time.Time
+	// nfStart and nfEnd: the new path's wait for a network function
+	// (protocol.Progress.NF), nf its name.
+	nfStart, nfEnd time.Time
+	nf             string
+}
 
 // maxPhases bounds c.phases: requests whose result never comes (an agent
 // stopped mid-way cannot happen, but a protocol bug must not grow memory).
@@ -108,6 +121,16 @@ func (c *Shell) notePhase(x protocol.Progress) {
 		c.phases = map[protocol.ReqKey]phaseTimes{}
 	}
 	ph := c.phases[x.Req]
+	if x.NF != "" {
+		switch {
+		case x.NFDone && ph.nfEnd.IsZero():
+			ph.nfEnd = time.Now()
+		case !x.NFDone && ph.nfStart.IsZero():
+			ph.nfStart, ph.nf = time.Now(), x.NF
+		}
+		c.phases[x.Req] = ph
+		return
+	}
 	switch x.Stage {
 	case protocol.StageSettingUp: // reported again when a gated new path is ready
 		if !ph.locked.IsZero() {

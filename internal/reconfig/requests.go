@@ -18,6 +18,14 @@ import (
 // by a new path through chain (§3.1), and waits for the results (or ctx's
 // deadline). mig, if not nil, migrates the middlebox's state (§3.5).
 func (c *Shell) Reconfigure(ctx context.Context, ids []uint32, to netip.Addr, chain []netip.Addr, mig *MigrateOptions) []Outcome {
+	return c.ReconfigureNF(ctx, ids, to, chain, nil, mig)
+}
+
+// ReconfigureNF is Reconfigure with the network function each hop of
+// chain must run (nfs: one per hop, "" for none; nil: none), which the
+// hop's agent starts before it joins the new path
+// (heterogeneous-sfc-quic §IV).
+func (c *Shell) ReconfigureNF(ctx context.Context, ids []uint32, to netip.Addr, chain []netip.Addr, nfs []string, mig *MigrateOptions) []Outcome {
 	type pending struct {
 		id    uint32
 		ch    chan waited
@@ -51,7 +59,7 @@ func (c *Shell) Reconfigure(ctx context.Context, ids []uint32, to netip.Addr, ch
 			if mig != nil {
 				spec = migrateSpec(mig)
 			}
-			c.handle(c.famOf[id], protocol.Reconfigure{Session: c.pidOf[id], RightAnchor: to, Chain: chain, Token: c.token, Migrate: spec})
+			c.handle(c.famOf[id], protocol.Reconfigure{Session: c.pidOf[id], RightAnchor: to, Chain: chain, NFs: nfs, Token: c.token, Migrate: spec})
 		}
 		close(done)
 	})

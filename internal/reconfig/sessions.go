@@ -415,6 +415,7 @@ func (c *Shell) drop(id uint32, pid protocol.SessionID) {
 	delete(c.famOf, id)
 	delete(c.joinedDP, pid)
 	delete(c.notReady, pid)
+	c.releaseNF(id)
 	for side := uint32(0); side < 2; side++ {
 		k := datapath.TPKey{SessId: id, Side: side}
 		delete(c.active, k)

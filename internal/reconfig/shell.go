@@ -51,6 +51,9 @@ type Config struct {
 	Tap bool
 	// States are the state migration plug-ins (a *migrate.Set); nil: none.
 	States StatePlugins
+	// NFs starts the network functions new paths name for this host
+	// (nf.go); nil: none (such a new path is refused).
+	NFs NFManager
 	// Tune, if set, changes the protocol core's configuration after the
 	// shell's defaults (tests: shorter timers).
 	Tune func(*protocol.Config)
@@ -90,6 +93,7 @@ type Shell struct {
 	prevTP    map[datapath.TPKey]datapath.TPVal
 	spliced   map[protocol.SessionID]splicedPair
 	trigWaits map[uint64]*trigWait // triggers this agent sent, by token
+	nfOf      map[uint32]string    // joined sessions → the network function they use (nf.go)
 	// otherVersion: peers logged as speaking another control protocol
 	// version (olderPeer).
 	otherVersion map[netip.Addr]bool
@@ -161,6 +165,7 @@ func New(cfg Config) (*Shell, error) {
 	}
 	c := &Shell{cfg: cfg, dp: cfg.Datapath, log: cfg.Log, conn: conn, port: cfg.Port, keys: cfg.Keys, states: cfg.States,
 		protos: map[bool]*protocol.Agent{}, timers: map[timerKey]*time.Timer{},
+		nfOf:     map[uint32]string{},
 		joinedDP: map[protocol.SessionID]uint32{}, pidOf: map[uint32]protocol.SessionID{}, famOf: map[uint32]bool{},
 		notReady: map[protocol.SessionID]*readyPoll{}, waiters: map[uint64]chan waited{}, started: map[uint64]time.Time{},
 		active: map[datapath.TPKey]bool{}, prevTP: map[datapath.TPKey]datapath.TPVal{}, spliced: map[protocol.SessionID]splicedPair{},

@@ -40,6 +40,8 @@ type host struct {
 	// state plug-ins (migration tests).
 	holder *fakeHolder
 	states *fakeStates
+	// nfs, if set, starts the host's network functions (nf_test.go).
+	nfs NFManager
 }
 
 // logBuf keeps a shell's log for a failing test.
@@ -107,7 +109,7 @@ func (l *lab) start(h *host) {
 		h.logs = &logBuf{}
 	}
 	self := h.addr
-	sh, err := New(Config{Port: DefaultControlPort, Keys: testKey, Datapath: h.dp, Conn: l.net.conn(h.addr),
+	sh, err := New(Config{Port: DefaultControlPort, Keys: testKey, Datapath: h.dp, Conn: l.net.conn(h.addr), NFs: h.nfs,
 		Log:      slog.New(slog.NewTextHandler(io.MultiWriter(h.logs), &slog.HandlerOptions{Level: slog.LevelDebug})).With("host", h.name),
 		SelfAddr: func(v6 bool) netip.Addr { return map[bool]netip.Addr{false: self}[v6] },
 		Tune: func(c *protocol.Config) {

@@ -202,6 +202,9 @@ func reasonText(r protocol.Result) string {
 	if r.Reason == protocol.ReasonOnPath && r.Hop.IsValid() {
 		text = r.Hop.String() + " is already on the session's path (a middlebox cannot be on the old and the new path at once; to keep it, anchor the request at it)"
 	}
+	if r.Reason == protocol.ReasonNF {
+		text = fmt.Sprintf("network function %s could not be started at %s: %s; cancelled, the session stays on its old path", r.NF, r.Hop, r.Detail)
+	}
 	if r.Outcome == protocol.Succeeded {
 		text = ""
 		if r.Unchanged {
