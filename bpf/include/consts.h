@@ -153,6 +153,7 @@ enum role {
 #define FL_HOLD_DATA (1 << 13) /* egress: hold packets with new data (beyond mk_seq), see hold.h */
 #define FL_HOLD_ALL (1 << 14)  /* egress: hold every packet of the flow */
 #define FL_MARKS (1 << 15)     /* mk_seq and mk_ack are known (set once, by mark() or CTL_MARKS_MERGE) */
+#define FL_PENDING (1 << 16)   /* egress: a UDP session's tuple before its subsession exists (udp.h) */
 
 /* tp_val.state */
 #define TP_IDLE 0      /* new subsession installed; everything still on the old path */

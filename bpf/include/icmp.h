@@ -22,9 +22,10 @@
 #include "tuple.h"
 
 /* ingress_icmp translates an ICMP error about a subsession packet this host
- * sent (a next hop unreachable, a packet too big) into one about the
- * session, addressed to the session's source: that host's TCP then learns
- * of it as it would without Dysco, and a connection to a dead next hop
+ * sent (a next hop unreachable, a packet too big, a closed UDP port) into
+ * one about the session, addressed to the session's source: that host's TCP
+ * or UDP socket then learns of it as it would without Dysco (a UDP socket
+ * gets ECONNREFUSED for a closed port), and a connection to a dead next hop
  * fails at once instead of by timeout. The quoted tuple is rewritten (with
  * the quoted IPv4 checksum and the ICMP checksum), and the outer destination
  * becomes the session's source when that is another host (an agentless
@@ -38,6 +39,7 @@ static __attribute__((noinline)) int ingress_icmp(struct __sk_buff *skb)
 	struct flow_val *f;
 	__u8 *hdr;
 	__u16 proto;
+	__u8 l4p;
 	int v6;
 	__s64 diff;
 
@@ -59,8 +61,9 @@ static __attribute__((noinline)) int ingress_icmp(struct __sk_buff *skb)
 		if (bpf_skb_load_bytes(skb, icmp, hdr, 1) || (hdr[0] != 3 && hdr[0] != 11 && hdr[0] != 12))
 			return TC_ACT_OK;
 		in3 = icmp + 8;
-		if (bpf_skb_load_bytes(skb, in3, hdr, 20) || hdr[9] != IPPROTO_TCP)
+		if (bpf_skb_load_bytes(skb, in3, hdr, 20) || (hdr[9] != IPPROTO_TCP && hdr[9] != IPPROTO_UDP))
 			return TC_ACT_OK;
+		l4p = hdr[9];
 		ihl = (hdr[0] & 0xf) * 4;
 		if (ihl < 20 || ihl > 60)
 			return TC_ACT_OK;
@@ -75,8 +78,9 @@ static __attribute__((noinline)) int ingress_icmp(struct __sk_buff *skb)
 		if (bpf_skb_load_bytes(skb, icmp, hdr, 1) || hdr[0] < 1 || hdr[0] > 4)
 			return TC_ACT_OK;
 		in3 = icmp + 8;
-		if (bpf_skb_load_bytes(skb, in3, hdr, 40) || hdr[6] != IPPROTO_TCP)
+		if (bpf_skb_load_bytes(skb, in3, hdr, 40) || (hdr[6] != IPPROTO_TCP && hdr[6] != IPPROTO_UDP))
 			return TC_ACT_OK;
+		l4p = hdr[6];
 		__builtin_memcpy(kp->daddr, &hdr[8], 16);
 		__builtin_memcpy(kp->saddr, &hdr[24], 16);
 		in4 = in3 + 40;
@@ -87,7 +91,7 @@ static __attribute__((noinline)) int ingress_icmp(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	kp->dport = *(__be16 *)&hdr[0];
 	kp->sport = *(__be16 *)&hdr[2];
-	kp->proto = IPPROTO_TCP;
+	kp->proto = l4p;
 	f = flow_get(kp, fo);
 	if (!f || !(f->flags & FL_INGRESS))
 		return TC_ACT_OK;

@@ -46,8 +46,22 @@ static __always_inline __u32 skb_ip_summed(struct __sk_buff *skb)
 	return (__u32)BPF_CORE_READ_BITFIELD(k, ip_summed);
 }
 
+/* l4_mode gives how the packet's transport checksum field is to be
+ * updated: as skb_ip_summed says, except for a UDP GSO packet, whose field
+ * holds the pseudo header's sum whatever ip_summed says (the kernel's
+ * udp4_hwcsum and udp6_hwcsum_outgoing write it and leave ip_summed at
+ * CHECKSUM_NONE when the device does not offload checksums; segmentation
+ * computes the checksums from it). */
+static __always_inline __u32 l4_mode(struct __sk_buff *skb, const struct pkt *p)
+{
+	if (p->udp && skb->gso_size)
+		return CSUM_PARTIAL;
+	return skb_ip_summed(skb);
+}
+
 /* l4_flags gives the flags of bpf_l4_csum_replace for the packet's transport
- * checksum. A UDP checksum of zero means "none" (RFC 768): it stays zero,
+ * checksum (a UDP GSO packet whose ip_summed is not CHECKSUM_PARTIAL never
+ * gets here: rewrite_fast). A UDP checksum of zero means "none" (RFC 768): it stays zero,
  * and a computed zero is sent as 0xffff (BPF_F_MARK_MANGLED_0, as the
  * kernel's own NAT does). With CHECKSUM_PARTIAL the field is the pseudo
  * header's sum, where zero is a value like any other. */
@@ -115,7 +129,7 @@ static __attribute__((noinline)) int rewrite_direct(struct __sk_buff *skb, struc
 {
 	void *data = (void *)(long)skb->data;
 	void *end = (void *)(long)skb->data_end;
-	__u32 mode = skb_ip_summed(skb), da = 0, dp, i;
+	__u32 mode = l4_mode(skb, p), da = 0, dp, i;
 	__u32 newp = (__u32)out->sport | ((__u32)out->dport << 16);
 	const __u32 *n;
 
@@ -128,9 +142,9 @@ static __attribute__((noinline)) int rewrite_direct(struct __sk_buff *skb, struc
 		__u16 *ck = p->udp ? (__u16 *)((__u8 *)th + offsetof(struct udphdr, check)) : &th->check;
 		__u32 s4, d4;
 
-		/* A UDP datagram with less than 12 bytes of data takes the
-		 * helpers: one bound check for both protocols. */
-		if (p->l4 != p->l3 + sizeof(struct iphdr) || (void *)(th + 1) > end)
+		/* The transport header in the linear part: a UDP GSO packet's
+		 * may hold nothing after it. */
+		if (p->l4 != p->l3 + sizeof(struct iphdr) || (void *)th + (p->udp ? 8 : sizeof(*th)) > end)
 			return 1;
 		__builtin_memcpy(&s4, out->saddr + 12, 4);
 		__builtin_memcpy(&d4, out->daddr + 12, 4);
@@ -148,7 +162,7 @@ static __attribute__((noinline)) int rewrite_direct(struct __sk_buff *skb, struc
 		__u16 *ck = p->udp ? (__u16 *)((__u8 *)th + offsetof(struct udphdr, check)) : &th->check;
 		__u32 *a = (__u32 *)&ip6->saddr;
 
-		if ((void *)(th + 1) > end)
+		if ((void *)th + (p->udp ? 8 : sizeof(*th)) > end)
 			return 1;
 		n = (const __u32 *)out->saddr;
 #pragma unroll
@@ -246,6 +260,12 @@ static __always_inline int rewrite_fast(struct __sk_buff *skb, struct pkt *p, co
 {
 	if (!rewrite_direct(skb, p, out))
 		return 0;
+	/* A UDP GSO packet's field is the pseudo header's sum, which the
+	 * helpers update as a full checksum unless ip_summed says
+	 * CHECKSUM_PARTIAL (l4_mode): rewrite_direct takes every such packet
+	 * but one with IPv4 options, which no sender of UDP GSO writes. */
+	if (p->udp && skb->gso_size && skb_ip_summed(skb) != CSUM_PARTIAL)
+		return -1;
 	return rewrite_tuple(skb, p, out);
 }
 

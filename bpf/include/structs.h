@@ -324,7 +324,7 @@ struct mac_key {
  * stack). The block is followed by room for the subsession tuple that ends
  * the input of its MAC (admit.h). */
 struct scratch {
-	__u8 buf[DYSCO_OPT_LEN + DYSCO_MAX_BLOCK_LEN + DYSCO_MAC_SUB_LEN + 8];
+	__u8 buf[DYSCO_OPT_LEN + DYSCO_MAX_BLOCK_LEN + DYSCO_MAC_SUB_LEN + 4];
 	__u64 nonce_ctr; /* nonces made on this CPU (admit.h, make_nonce) */
 	struct syn_state st;
 	struct session_val sess;

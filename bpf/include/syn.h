@@ -172,6 +172,8 @@ static __attribute__((noinline)) int check_block(struct pkt *p, __u8 *b, __u32 b
 	st->n_hops = n;
 	if (ext && blen >= DYSCO_BLOCK_HEADER_LEN + DYSCO_UDP_EXT_LEN && blen <= DYSCO_MAX_BLOCK_LEN) {
 		__u8 *e = b + blen - DYSCO_UDP_EXT_LEN;
+		if (e[4] | e[5] | e[6] | e[7])
+			return STAT_DROP_MALFORMED; /* wire.ErrReserved */
 		st->idle_s[0] = ((__u16)e[0] << 8) | e[1];
 		st->idle_s[1] = ((__u16)e[2] << 8) | e[3];
 	}

@@ -192,6 +192,16 @@ static __attribute__((noinline)) int ingress_udp(struct __sk_buff *skb, struct p
 			stat_inc(STAT_DROP_SESSIONS_FULL);
 			return TC_ACT_SHOT;
 		}
+		/* The session's tuple links the datagram to its session on
+		 * egress too, should the middlebox overwrite the mark (a
+		 * CONNMARK restore): a pending flow, replaced by the
+		 * subsession's (setup_udp). */
+		if (keep) {
+			__builtin_memset(in, 0, sizeof(*in));
+			in->sess_id = id;
+			in->flags = FL_SYN_EMIT | FL_PENDING;
+			flow_put(&st->session, in, BPF_NOEXIST, &sc->v4);
+		}
 		ho_take(src);
 		stat_inc(n > 0 ? STAT_SETUP_CONT : STAT_SETUP_END);
 	}
@@ -267,10 +277,11 @@ static __attribute__((noinline)) int emit_udp(struct __sk_buff *skb, struct pkt 
 		}
 		if (blen > DYSCO_MAX_BLOCK_LEN || blen < DYSCO_BLOCK_HEADER_LEN + DYSCO_UDP_EXT_LEN)
 			goto fail;
-		b[blen - 4] = st->idle_s[0] >> 8;
-		b[blen - 3] = st->idle_s[0] & 0xff;
-		b[blen - 2] = st->idle_s[1] >> 8;
-		b[blen - 1] = st->idle_s[1] & 0xff;
+		b[blen - 8] = st->idle_s[0] >> 8;
+		b[blen - 7] = st->idle_s[0] & 0xff;
+		b[blen - 6] = st->idle_s[1] >> 8;
+		b[blen - 5] = st->idle_s[1] & 0xff;
+		__builtin_memset(b + blen - 4, 0, 4);
 		/* Signed for the subsession it goes on (admit.h). */
 		syn_sign(b, blen, out);
 		/* The marker, after the block. */
@@ -418,6 +429,14 @@ static __always_inline int setup_udp(struct __sk_buff *skb, struct pkt *p, __u32
 	f = flow_get(&p->t, &sc->known.out);
 	if (f && (f->flags & FL_INGRESS))
 		f = 0;
+	if (f && (f->flags & FL_PENDING)) {
+		/* The session's tuple, unchanged by the middlebox: the
+		 * subsession's flow takes the pending one's place. */
+		if (!mid)
+			mid = f->sess_id;
+		flow_del(&p->t);
+		f = 0;
+	}
 	if (f) {
 		struct session_val *s;
 
@@ -454,7 +473,7 @@ static __always_inline int setup_udp(struct __sk_buff *skb, struct pkt *p, __u32
 		bpf_tail_call(skb, &dysco_progs, PROG_POLICY);
 		return TC_ACT_OK;
 	}
-	if (mid)
+	if (udp_setup_id(skb))
 		skb->mark = 0;
 	__builtin_memcpy(st, saved, sizeof(*st));
 	if (st->n_hops == 0) {

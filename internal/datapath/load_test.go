@@ -56,7 +56,7 @@ func TestLoadRefusesIncompatiblePins(t *testing.T) {
 	}
 	// dysco_flows is retired (the flows are now by family), with the
 	// layout it had last.
-	old := map[string]uint32{"dysco_flows6": 88, "dysco_sessions": 96, "dysco_flows": 72}
+	old := map[string]uint32{"dysco_flows6": 88, "dysco_sessions": 88, "dysco_flows": 72}
 	for name, vsize := range old {
 		from := name
 		if name == "dysco_flows" {
@@ -90,7 +90,7 @@ func TestLoadRefusesIncompatiblePins(t *testing.T) {
 		t.Errorf("error does not wrap ErrMapIncompatible: %v", err)
 	}
 	for _, want := range []string{
-		"dysco_flows6 (ValueSize: 88 changed to 72)", "dysco_sessions (ValueSize: 96 changed to 88)",
+		"dysco_flows6 (ValueSize: 88 changed to 72)", "dysco_sessions (ValueSize: 88 changed to 96)",
 		"dysco_flows (no longer used: the flows are in dysco_flows4 and dysco_flows6)",
 		"dysco agent --reset --pin-dir " + dir,
 	} {
@@ -140,7 +140,7 @@ func TestValueSizes(t *testing.T) {
 		{"flow_val", binary.Size(Flow{}), 72},
 		{"flow_val4", binary.Size(Flow4{}), 48},
 		{"dysco_tuple4", binary.Size(Tuple4{}), 16},
-		{"session_val", binary.Size(Session{}), 88},
+		{"session_val", binary.Size(Session{}), 96},
 		{"dysco_ends", binary.Size(Ends{}), 36},
 		{"dysco_tuple", binary.Size(Tuple{}), 40},
 	} {

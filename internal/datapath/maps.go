@@ -42,6 +42,7 @@ const (
 	FlHoldData = FlagHoldData // hold.go
 	FlHoldAll  = FlagHoldAll
 	FlMarks    = 1 << 15 // MkSeq and MkAck are known
+	FlPending  = 1 << 16 // a UDP session's tuple on egress before its subsession exists
 
 	hopAddr = 1
 	hopType = 2

@@ -170,6 +170,9 @@ func (d *SessionMap) CutSession(id uint32, onward Tuple) (int, error) {
 // InsertSession stores a session the agent creates (a middlebox joining a
 // new path, §3.1) under a fresh id below 2^24, as the datapath does.
 func (d *SessionMap) InsertSession(s Session) (uint32, error) {
+	if s.Proto == 0 {
+		s.Proto = ProtoTCP
+	}
 	for range 16 {
 		var b [4]byte
 		if _, err := rand.Read(b[:]); err != nil {

@@ -57,8 +57,9 @@ const (
 	BlockHeaderLen = 60
 	// UDPExtLen is the size of the part a UDP session's block adds after
 	// the hops: the idle timeouts of the session in seconds, before it has
-	// seen a datagram in both directions and after (2 bytes each).
-	UDPExtLen = 4
+	// seen a datagram in both directions and after (2 bytes each), and 4
+	// bytes of zeros that keep the MAC's input a multiple of 8 bytes.
+	UDPExtLen = 8
 	// MaxBlockLen is the largest SynBlock.
 	MaxBlockLen = BlockHeaderLen + MaxHops*AddrLen + UDPExtLen
 	// NonceLen is the size of the per-session nonce.
@@ -115,7 +116,7 @@ func (t Tuple) Is4() bool { return t.Src.Unmap().Is4() && t.Dst.Unmap().Is4() }
 //	48 session source port (2)       50 session destination port (2)
 //	52 MAC (8)
 //	60 hops, 16 bytes each
-//	UDP only, after the hops: idle timeout one way (2), idle timeout both ways (2), seconds
+//	UDP only, after the hops: idle timeout one way (2), idle timeout both ways (2), seconds; zero (4)
 type SynBlock struct {
 	Session Tuple
 	// Proto is ProtoTCP (also when zero) or ProtoUDP.
@@ -201,6 +202,7 @@ func (b *SynBlock) Encode(dst []byte) ([]byte, error) {
 	if b.Proto == ProtoUDP {
 		dst = binary.BigEndian.AppendUint16(dst, b.IdleOneWay)
 		dst = binary.BigEndian.AppendUint16(dst, b.IdleStream)
+		dst = append(dst, 0, 0, 0, 0)
 	}
 	return dst, nil
 }
@@ -237,8 +239,12 @@ func Decode(p []byte) (*SynBlock, error) {
 	}
 	b := &SynBlock{Proto: p[7]}
 	if ext != 0 {
-		b.IdleOneWay = binary.BigEndian.Uint16(p[len(p)-4:])
-		b.IdleStream = binary.BigEndian.Uint16(p[len(p)-2:])
+		e := p[len(p)-ext:]
+		if binary.BigEndian.Uint32(e[4:]) != 0 {
+			return nil, ErrReserved
+		}
+		b.IdleOneWay = binary.BigEndian.Uint16(e)
+		b.IdleStream = binary.BigEndian.Uint16(e[2:])
 	}
 	copy(b.Nonce[:], p[8:16])
 	b.Session.Src = addr16(p[16:32])

@@ -46,7 +46,7 @@ import (
 // false, the dysco mode skips when a UDP policy is refused or bypassed;
 // once true, either is a failure. DYSCO_E2E_UDP_STRICT=1 in the
 // environment does the same without editing it (for work on the datapath).
-const udpChained = false
+const udpChained = true
 
 func udpStrict() bool { return udpChained || os.Getenv("DYSCO_E2E_UDP_STRICT") != "" }
 
@@ -57,12 +57,18 @@ const (
 	quicPort4 = 4434
 	iperfPort = 5201
 	dnsPort   = 53
+	// closedPort has no socket on the server: its sessions go through
+	// mb4 alone, and the server's port unreachable must fail the client's
+	// socket as it would without a chain.
+	closedPort = 5399
 )
 
 var chain4Ports = []int{quicPort4, iperfPort, dnsPort}
 
 // dnsQueries is how many DNS sessions the DNS scenario opens, from the
-// source ports dnsSrcPort on (below the ephemeral range).
+// source ports dnsSrcPort on (below the ephemeral range); the round with
+// offloads off uses the dnsQueries ports below, so that its sessions are
+// new ones (the same tuple within the idle timeout is the same session).
 const (
 	dnsQueries = 10000
 	dnsSrcPort = 20000
@@ -121,7 +127,8 @@ func TestUDP(t *testing.T) {
 						t.Run("quic-chain1", func(t *testing.T) { u.withT(t).quic(v6, quicPort1, u.mbs[:1]) })
 						t.Run("quic-chain4", func(t *testing.T) { u.withT(t).quic(v6, quicPort4, u.mbs) })
 						t.Run("iperf3", func(t *testing.T) { u.withT(t).iperfUDP(v6) })
-						t.Run("dns", func(t *testing.T) { u.withT(t).dns(v6) })
+						t.Run("dns", func(t *testing.T) { u.withT(t).dns(v6, off) })
+						t.Run("closed-port", func(t *testing.T) { u.withT(t).closedPort(v6) })
 					})
 				}
 			}
@@ -169,6 +176,7 @@ func newUDPEnv(t *testing.T, dysco bool) *udpEnv {
 				dports = append(dports, fmt.Sprintf("dst port %d", p))
 			}
 			u.udpPolicy(fmt.Sprintf("udp4-%s", fam), fmt.Sprintf("%s and udp and (%s)", fam, strings.Join(dports, " or ")), chain)
+			u.udpPolicy(fmt.Sprintf("closed-%s", fam), fmt.Sprintf("%s and udp dst port %d", fam, closedPort), chain[3:])
 		} else {
 			u.steer(v6, []int{quicPort1}, u.mbs[:1])
 			u.steer(v6, chain4Ports, u.mbs)
@@ -488,16 +496,20 @@ func (u *udpEnv) iperfUDP(v6 bool) {
 // dns sends dnsQueries queries with dig, each from a source port of its
 // own (a new UDP session), through the four middleboxes; every one must be answered,
 // and the firewall must have tracked every one.
-func (u *udpEnv) dns(v6 bool) {
+func (u *udpEnv) dns(v6, txOff bool) {
 	t := u.t
 	dst := u.addr("server", v6)
 	// dig picks source ports at random, and 10,000 draws from the
 	// ephemeral range repeat some (the same tuple again: the same session
 	// to conntrack and to Dysco). So each query binds a port of its own.
 	src := u.addr("client", v6)
+	base := dnsSrcPort
+	if txOff {
+		base -= dnsQueries
+	}
 	var q strings.Builder
 	for i := range dnsQueries {
-		fmt.Fprintf(&q, "-b %s#%d q%d.x.lab A\n", src, dnsSrcPort+i, i)
+		fmt.Fprintf(&q, "-b %s#%d q%d.x.lab A\n", src, base+i, i)
 	}
 	file := filepath.Join(t.TempDir(), "queries")
 	if err := os.WriteFile(file, []byte(q.String()), 0o644); err != nil {
@@ -537,4 +549,23 @@ func (u *udpEnv) dns(v6 bool) {
 		t.Errorf("mb1's conntrack holds %d DNS sessions, want %d (one per query)", tracked, dnsQueries)
 	}
 	u.checkChained(before, u.mbs, dnsQueries)
+}
+
+// closedPort sends a query to a port nobody listens on, through mb4: the
+// server's ICMP port unreachable, translated back along the chain, fails
+// dig's socket at once (connection refused), as it does without a chain.
+func (u *udpEnv) closedPort(v6 bool) {
+	t := u.t
+	before := u.setups(u.mbs[3:])
+	start := time.Now()
+	cmd := u.lab.Command(t.Context(), "client", "dig", "@"+u.addr("server", v6).String(), "-p", fmt.Sprint(closedPort), "+tries=1", "+time=10", "closed.x.lab", "A")
+	out, _ := cmd.CombinedOutput()
+	took := time.Since(start)
+	if !strings.Contains(string(out), "connection refused") {
+		t.Fatalf("dig to a closed port through the chain: want connection refused, got (after %v):\n%s", took, out)
+	}
+	if took > 5*time.Second {
+		t.Errorf("the refusal took %v: the ICMP error did not reach the client's socket", took)
+	}
+	u.checkChained(before, u.mbs[3:], 1)
 }
