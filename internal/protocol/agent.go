@@ -97,7 +97,10 @@ type Agent struct {
 	triggers map[ReqKey]*trigOut
 	// nfJoins are the new paths waiting here for a network function to
 	// start before this agent joins them (nf.go), at most maxNFJoins.
-	nfJoins    map[ReqKey]*nfJoin
+	nfJoins map[ReqKey]*nfJoin
+	// gone are the requestLocks answered "session ended" or passed here,
+	// for answering their retransmissions (gone.go).
+	gone       goneSet
 	trigTokens uint64
 	nextReq    uint32
 	nextJoin   SessionID

@@ -28,8 +28,12 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 	hasEarly := false
 	// Every request is marked in its left anchor's window here, also
 	// at a middle agent: a replay after the session ended must not be
-	// answered (onMessage, MessageIn.Gone).
+	// answered, but a retransmission from the same sender must
+	// (onGoneRequest, MessageIn.Gone).
 	a.heardOf(k)
+	if !fromQueue {
+		a.notePassed(m, from)
+	}
 	if m.RightAnchor == a.cfg.Self {
 		early, hasEarly = a.takeEarlySyn(k)
 	}
