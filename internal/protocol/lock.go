@@ -14,6 +14,9 @@ import (
 // to: its own anchor delta on the arrival side plus the application's
 // delta (§3.4). Summed along the old path it gives rightDelta / leftDelta.
 func (s *session) contribution(to Side) Delta {
+	if s.proto == ProtoUDP {
+		return Delta{} // datagrams: no sequence numbers
+	}
 	if to == SideRight {
 		return s.sides[SideLeft].Delta.Add(s.app.Right)
 	}

@@ -15,7 +15,7 @@ func (a *Agent) msg(s *session, t MsgType, sub wire.Tuple, req ReqKey, ra netip.
 	if r, ok := a.subs[sub]; ok && r.id == s.id {
 		nonce = r.nonce
 	}
-	return &Message{Type: t, Nonce: nonce, Sub: sub, Session: s.tuple, Req: req, RightAnchor: ra}
+	return &Message{Type: t, Nonce: nonce, Sub: sub, Session: s.tuple, Req: req, RightAnchor: ra, Proto: s.proto}
 }
 
 func (a *Agent) send(to netip.Addr, m *Message) {

@@ -12,6 +12,7 @@ import (
 type SessionView struct {
 	ID        SessionID
 	Tuple     wire.Tuple
+	Proto     Proto
 	Sides     [2]*SideInfo // nil where the chain ends
 	App       AppDelta
 	Joined    bool // created by a new path's SYN
@@ -65,7 +66,7 @@ func (a *Agent) View(id SessionID) (SessionView, bool) {
 	if s == nil {
 		return SessionView{}, false
 	}
-	v := SessionView{ID: s.id, Tuple: s.tuple, App: s.app, Joined: !s.joinReq.IsZero(), Lock: s.lock,
+	v := SessionView{ID: s.id, Tuple: s.tuple, Proto: s.proto, App: s.app, Joined: !s.joinReq.IsZero(), Lock: s.lock,
 		Requestor: s.requestor, Queued: len(s.queue), Cancels: len(s.cancels), Lingering: len(s.tombs),
 		Teardown: s.teardown != nil}
 	for i, sd := range s.sides {
