@@ -18,7 +18,7 @@ import (
 // finds the session gone. So the agent remembers, for a bounded time and
 // number, which (request, subsession, sender) it has answered or passed,
 // and answers a copy from the same sender on the same subsession again,
-// at most once per goneMinGap. What is not answered: a copy that follows
+// at most once per goneMinGap (RTO). What is not answered: a copy that follows
 // the last answer sooner than any retransmission can (a duplicate the
 // network or an attacker made), and anything after the left anchor's
 // retransmissions have run out (goneSpan: a replay of an old request).
@@ -86,8 +86,11 @@ func (a *Agent) goneSpan() time.Duration {
 }
 
 // goneMinGap is the shortest time between two answers to one request: a
-// retransmission comes at least RTO after the copy before it.
-func (a *Agent) goneMinGap() time.Duration { return a.cfg.RTO / 2 }
+// left anchor (of the same deployment, so of the same RTO) retransmits at
+// least RTO after the copy before; a copy that comes sooner is the
+// network's or an attacker's. (A retransmission that overtook part of that
+// gap in the network is not answered; the next one is.)
+func (a *Agent) goneMinGap() time.Duration { return a.cfg.RTO }
 
 // onGoneRequest answers requestLock m for a session that ended here, if it
 // is the first copy heard of, or a retransmission of one answered or
