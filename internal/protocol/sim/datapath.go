@@ -358,6 +358,17 @@ func (h *host) applyDatapath(act protocol.Action) {
 				s = c
 			}
 		}
+		// The session tuple never changes (§3.1: the ends and the kept
+		// middleboxes see the same session), and a UDP session is joined
+		// as one.
+		if s != nil && x.Tuple != s.tuple {
+			w.fail("%s: joins s%d with tuple %s, the session's is %s", h, s.idx, x.Tuple, s.tuple)
+			return
+		}
+		if s != nil && (x.Proto == protocol.ProtoUDP) != s.udp {
+			w.fail("%s: joins s%d as %s", h, s.idx, x.Proto)
+			return
+		}
 		// One state per session tuple, as in the datapath: a session
 		// carried here on a live path cannot be joined again (the agent
 		// checked the SYN, onPath; the protocol refuses if this fails),

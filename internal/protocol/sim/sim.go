@@ -527,6 +527,19 @@ func (w *world) onResult(h *host, x protocol.Result) {
 	if x.Reason == protocol.ReasonOnPath {
 		w.stats.OnPath++
 	}
+	// The session tuple is the same at every host of the path, whatever
+	// the reconfigurations did (the ends' and kept middleboxes' view).
+	_, dss := w.path(r.sess)
+	for _, ds := range dss {
+		if v, ok := ds.h.agent.View(ds.id); ok && v.Tuple != r.sess.tuple {
+			w.fail("%s: s%d's tuple is %s here, %s at its ends", ds.h, r.sess.idx, v.Tuple, r.sess.tuple)
+			return
+		}
+		if v, ok := ds.h.agent.View(ds.id); ok && (v.Proto == protocol.ProtoUDP) != r.sess.udp {
+			w.fail("%s: s%d is %s here", ds.h, r.sess.idx, v.Proto)
+			return
+		}
+	}
 	if !r.sess.rst && !r.sess.ending && w.rng.IntN(4) == 0 {
 		// The same session again at once (back to back).
 		w.stats.BackToBack++
