@@ -325,14 +325,19 @@ func (h *host) startTwoPath(ds *dpSess, side protocol.Side) {
 	h.report(ds, side)
 }
 
-// report tells the agent the two-path variables changed.
+// report tells the agent the two-path variables changed. As the agent's
+// shell does (internal/reconfig progress), the variables are read when the
+// notice is handled, and only from the phase that sent it while it is
+// still running: a notice of a phase that has ended since reports nothing
+// (else it would reach the next request's right anchor in waitAck as its
+// datapath's switch).
 func (h *host) report(ds *dpSess, side protocol.Side) {
-	v := *ds.sides[side].tp
+	tp := ds.sides[side].tp
 	h.w.after(0, func() {
-		if ds.gone {
+		if ds.gone || ds.sides[side].tp != tp {
 			return
 		}
-		h.handle(protocol.TwoPathProgress{Session: ds.id, Side: side, Vars: v})
+		h.handle(protocol.TwoPathProgress{Session: ds.id, Side: side, Vars: *tp})
 		h.w.checkLocks()
 	})
 }
