@@ -22,7 +22,9 @@ import "time"
 // phase (tombs, lingering, middle agents freed once the finAcks passed
 // both ways, locks released), only when its fin is answered and the
 // other's has come: both sides have ended. No deltas, marks, cut-off,
-// window clamp or split.
+// window clamp or split. A left anchor whose old path still hears
+// datagrams a drain time after its switch sends the ACK again, at most
+// once per drain time: the right anchor may have lost it (onUDPProgress).
 //
 // Why nothing is lost: a datagram on the old path was sent by an anchor
 // before its switch. The left anchor switches before the right one, and
