@@ -480,6 +480,29 @@ inline onTomb(r) {
 }
 
 /* one of the two anchors is done with two paths: completion checks (evaluate) */
+#ifdef UDP
+/* UDP (udp.pml, internal/protocol/udp.go): the fin once this side has
+ * ended (uq), the other's fin answered at once, completion when both */
+inline evaluate() {
+	if
+	:: tp[me] ->
+		r = tpReq[me];
+		if
+		:: !finSent[me] && uq[me] -> finSent[me] = 1; finTries[me] = 0; sendFin(r)
+		:: else
+		fi;
+		if
+		:: haveCut[me] && !answered[me] -> answered[me] = 1; sendFinAck(r, finVia[me])
+		:: else
+		fi;
+		if
+		:: finAcked[me] && answered[me] -> complete(r)
+		:: else
+		fi
+	:: else
+	fi
+}
+#else
 inline evaluate() {
 	if
 	:: tp[me] ->
@@ -505,6 +528,7 @@ inline evaluate() {
 	:: else
 	fi
 }
+#endif
 
 /* a middle agent of the old path: fin-acks passed both ways, it frees the
  * session (after Linger in Go; retransmitted fins are still passed here) */
@@ -1171,6 +1195,11 @@ end:
 #else
 			rq = (la[1] == me && stageL[1] == 0 -> 1 : NR);
 			startReq(rq)
+#endif
+#ifdef UDP
+		/* TimerQuiet: this anchor's old path has been quiet for the
+		 * drain time since its switch (udp.pml UQUIET) */
+		:: UQUIET(me) -> printf("MSC: %d TimerQuiet: side ended\n", me); uq[me] = 1
 #endif
 		/* the host writes its next byte, or closes (not while it holds) */
 		:: ISHOST(me) && !HELD(me) && (hSndNxt[HOST(me)] < NDH(HOST(me)) || (FINS && !hFinSent[HOST(me)])) ->

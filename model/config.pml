@@ -52,6 +52,11 @@
  * Data: NDR bytes left to right, NDL right to left (1 sequence number
  * each, one segment per byte); with FINS each host closes (TCP FIN) at a
  * nondeterministic moment after its data, so FINs fall in every phase.
+ *
+ * -DUDP (with a configuration whose anchors are end hosts or middleboxes,
+ * no deltas, no FINS, no MIGRATE): a UDP session, NDR and NDL datagrams
+ * each way, the two-path phase for datagrams (udp.pml); with
+ * -DBROKEN_UDP_NO_QUIET an anchor ends its side at its switch.
  */
 
 #ifndef NDR
@@ -287,6 +292,9 @@
 
 #ifndef NA
 #error "choose a configuration: -DDELETE, -DINSERT, -DREPLACE, ..."
+#endif
+#if defined(UDP) && (FINS || defined(MIGRATE) || defined(APPD))
+#error "-DUDP: no FINS, MIGRATE or AppDeltas (datagrams have no sequence numbers)"
 #endif
 #ifndef APPD
 #define APPD skip

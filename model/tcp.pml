@@ -44,6 +44,9 @@
 #define MIGORDERPUT(nb) skip
 #endif
 
+#ifdef UDP
+#include "udp.pml"
+#else
 /* twopath.go CutOff: snapshot the side's marks */
 inline startTwoPath(me, side, r) {
 	tp[me] = 1; tpSide[me] = side; tpReq[me] = r;
@@ -55,7 +58,9 @@ inline startTwoPath(me, side, r) {
 	newRcvd[me] = 0; firstNewRcvd[me] = 0;
 	finSent[me] = 0; finAcked[me] = 0; answered[me] = 0; haveCut[me] = 0; probes[me] = 0; finVia[me] = 0; finOldAcked[me] = 0
 }
+#endif
 
+#ifndef UDP
 /* one piece on one path: egress delta (ack - delta) */
 inline put(nb, d, ps, pa, px, pst, pat) {
 	assert(nfull(net[nb]));   /* the bounded channels never overflow */
@@ -217,3 +222,4 @@ inline tcpIn() {
 	fi
 	fi
 }
+#endif

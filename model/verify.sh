@@ -136,6 +136,18 @@ CONFIGS=(
 	"migrate-order|-DMIGRATE -DMIG_ORDER|ok"
 	"migrate-loss|-DMIGRATE -DLOSS=1|ok"
 	"migrate-order-loss|-DMIGRATE -DMIG_ORDER -DLOSS=1|ok"
+	# UDP sessions (docs/verification.md, "UDP sessions"): datagrams both
+	# ways, the two-path phase for datagrams; an anchor ends its side only
+	# once the old path holds no datagram (the drain-time assumption)
+	"udp-delete|-DDELETE -DUDP|ok"
+	"udp-insert|-DINSERT -DUDP|ok"
+	"udp-replace|-DREPLACE -DUDP|ok"
+	"udp-delete2|-DDELETE2 -DUDP|ok"
+	"udp-delete-2x2|-DDELETE -DUDP -DNDR=2 -DNDL=2|ok"
+	"udp-contend|-DCONTEND -DUDP|ok"
+	"udp-delete-loss|-DDELETE -DUDP -DLOSS=1|ok"
+	"udp-insert-loss|-DINSERT -DUDP -DLOSS=1|ok"
+	"udp-delete-giveup|-DDELETE -DUDP -DLOSS=1 -DMAXTRIES=1|ok"
 	# the deliberately broken variants must fail
 	"broken-skip-lock|-DCONTEND -DBROKEN_SKIP_LOCK|error"
 	"broken-acks-old|-DDELETE -DBROKEN_ACKS_OLD|error"
@@ -152,9 +164,12 @@ CONFIGS=(
 	# migrating left anchor switches before the import is confirmed
 	"broken-trigger-dup|-DTRIGGER -DLOSS=1 -DBROKEN_TRIGGER_DUP|error"
 	"broken-mig-early-switch|-DMIGRATE -DBROKEN_MIG_EARLY_SWITCH|error"
+	# a UDP anchor ends its side at its switch, without waiting for its
+	# old path to drain: a datagram reaches a torn-down old path
+	"broken-udp-no-quiet|-DDELETE -DUDP -DBROKEN_UDP_NO_QUIET|error"
 )
-QUICK="delete insert replace delete-delta delete2 contend cancel insert-fin insert-right delete-loss insert-loss cancel-loss cancel-replace-loss delete-giveup onpath-same onpath-partial onpath-reorder onpath-outside onpath-none join-failed trigger trigger-loss-nodata migrate migrate-order migrate-loss migrate-order-loss broken-skip-lock broken-acks-old broken-no-dedup broken-fin-no-reanswer broken-no-probe broken-onpath broken-onpath-outside broken-live-known broken-trigger-dup broken-mig-early-switch"
-BROKEN="broken-skip-lock broken-acks-old broken-no-dedup broken-fin-no-reanswer broken-no-probe broken-onpath broken-onpath-outside broken-live-known broken-trigger-dup broken-mig-early-switch"
+QUICK="delete insert replace delete-delta delete2 contend cancel insert-fin insert-right delete-loss insert-loss cancel-loss cancel-replace-loss delete-giveup onpath-same onpath-partial onpath-reorder onpath-outside onpath-none join-failed trigger trigger-loss-nodata migrate migrate-order migrate-loss migrate-order-loss udp-delete udp-insert udp-replace broken-skip-lock broken-acks-old broken-no-dedup broken-fin-no-reanswer broken-no-probe broken-onpath broken-onpath-outside broken-live-known broken-trigger-dup broken-mig-early-switch broken-udp-no-quiet"
+BROKEN="broken-skip-lock broken-acks-old broken-no-dedup broken-fin-no-reanswer broken-no-probe broken-onpath broken-onpath-outside broken-live-known broken-trigger-dup broken-mig-early-switch broken-udp-no-quiet"
 
 # C optimisation of pan: -O2 (the default) makes the big searches fast,
 # but compiling pan.c at -O2 takes 15-30 s; the quick set's searches take

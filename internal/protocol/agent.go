@@ -39,6 +39,12 @@ type Config struct {
 	// WindowClamp is the largest window advertised by an anchor during the
 	// two-path phase (§5.3: 64 KB).
 	WindowClamp uint32
+	// UDPDrain is how long a UDP anchor's old path must have been quiet
+	// (no datagram received on it) since its switch before the anchor
+	// ends its side of the two-path phase (udp.go). It must exceed the
+	// longest time a datagram spends on the old path. Zero: 500 ms; at
+	// most MaxUDPDrain.
+	UDPDrain time.Duration
 	// PortBase and PortCount bound the ports of new subsessions.
 	PortBase, PortCount uint16
 	// JoinedBase is the number after which this agent numbers the sessions
@@ -73,6 +79,7 @@ func DefaultConfig(self netip.Addr, k *Keys) Config {
 		Linger:      10 * time.Second,
 		LockLease:   2 * time.Minute,
 		WindowClamp: 64 << 10,
+		UDPDrain:    500 * time.Millisecond,
 		PortBase:    40000,
 		PortCount:   20000,
 	}
@@ -97,7 +104,10 @@ type Agent struct {
 	triggers map[ReqKey]*trigOut
 	// nfJoins are the new paths waiting here for a network function to
 	// start before this agent joins them (nf.go), at most maxNFJoins.
-	nfJoins    map[ReqKey]*nfJoin
+	nfJoins map[ReqKey]*nfJoin
+	// gone are the requestLocks answered "session ended" or passed here,
+	// for answering their retransmissions (gone.go).
+	gone       goneSet
 	trigTokens uint64
 	nextReq    uint32
 	nextJoin   SessionID
@@ -126,6 +136,10 @@ func New(cfg Config) *Agent {
 	if cfg.LockLease == 0 {
 		cfg.LockLease = d.LockLease
 	}
+	if cfg.UDPDrain <= 0 {
+		cfg.UDPDrain = d.UDPDrain
+	}
+	cfg.UDPDrain = min(cfg.UDPDrain, MaxUDPDrain, cfg.LockLease/4)
 	if cfg.GateTimeout <= 0 || cfg.GateTimeout > cfg.LockLease/2 {
 		cfg.GateTimeout = cfg.LockLease / 4
 	}

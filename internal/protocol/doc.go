@@ -16,7 +16,9 @@
 // The per-packet rules of the two-path phase (§3.5) are pure functions of a
 // packet summary and the anchor's variables (Decide, Observe) so that the
 // datapath can implement the same tables and be tested against the shared
-// vectors in testdata/twopath_vectors.json.
+// vectors in testdata/twopath_vectors.json. A UDP session (SessionUp.Proto)
+// has no sequence numbers: its two-path phase is a switch per anchor and a
+// drain of the old path (udp.go).
 //
 // docs/protocol.md describes the state machines, the message format and what
 // the datapath must do for each action.

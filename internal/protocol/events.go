@@ -61,10 +61,16 @@ type Resume struct {
 type SessionUp struct {
 	Session SessionID
 	Tuple   wire.Tuple
-	Nonce   [wire.NonceLen]byte
-	Left    *SideInfo
-	Right   *SideInfo
-	App     AppDelta
+	// Proto is the session's transport (zero: TCP). A UDP session's
+	// two-path phase has no cut-off: each anchor sends every datagram on
+	// the new path from its switch and ends its side once its old path
+	// has been quiet for Config.UDPDrain (udp.go, docs/protocol.md "UDP
+	// sessions").
+	Proto Proto
+	Nonce [wire.NonceLen]byte
+	Left  *SideInfo
+	Right *SideInfo
+	App   AppDelta
 	// Lock, when set, is the request whose lock this agent held as a
 	// middle agent of its old path when it restarted (KeepLock): the
 	// session is locked for it again, so that the anchors' FINs pass and
@@ -187,7 +193,11 @@ type TimerFired struct{ ID TimerID }
 
 // TwoPathProgress reports the datapath's two-path variables of an anchor's
 // side after they changed, or after the datapath started the two-path phase
-// by itself (an armed new subsession received its first packet).
+// by itself (an armed new subsession received its first packet). For a
+// UDP session only Vars.OldDgrams counts (udp.go): the agent reports it
+// when it changes, and at the latest right before it hands over the side's
+// TimerQuiet, so that the protocol never takes a side for quiet that
+// received a datagram on its old path within the drain time.
 type TwoPathProgress struct {
 	Session SessionID
 	Side    Side
@@ -303,6 +313,7 @@ const (
 	TimerTrigger                         // retransmit a trigger (its sender); Req is the trigger's key
 	TimerMigrate                         // a state migration's bound (left anchor), a right anchor's hold's lease
 	TimerMigrateMsg                      // retransmit a state migration's step
+	TimerQuiet                           // a UDP anchor's old path may have been quiet for the drain time (udp.go)
 )
 
 func (k TimerKind) String() string {
@@ -329,6 +340,8 @@ func (k TimerKind) String() string {
 		return "migrate"
 	case TimerMigrateMsg:
 		return "migrate-msg"
+	case TimerQuiet:
+		return "quiet"
 	}
 	return fmt.Sprintf("timer-%d", uint8(k))
 }
@@ -396,6 +409,7 @@ type AddSubsession struct {
 type JoinSession struct {
 	Session     SessionID
 	Tuple       wire.Tuple
+	Proto       Proto // the session's transport, from the SYN
 	Nonce       [wire.NonceLen]byte
 	Left, Right SideInfo
 	Req         ReqKey // the request whose new path it is

@@ -14,6 +14,9 @@ import (
 // to: its own anchor delta on the arrival side plus the application's
 // delta (§3.4). Summed along the old path it gives rightDelta / leftDelta.
 func (s *session) contribution(to Side) Delta {
+	if s.proto == ProtoUDP {
+		return Delta{} // datagrams: no sequence numbers
+	}
 	if to == SideRight {
 		return s.sides[SideLeft].Delta.Add(s.app.Right)
 	}
@@ -28,8 +31,12 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 	hasEarly := false
 	// Every request is marked in its left anchor's window here, also
 	// at a middle agent: a replay after the session ended must not be
-	// answered (onMessage, MessageIn.Gone).
+	// answered, but a retransmission from the same sender must
+	// (onGoneRequest, MessageIn.Gone).
 	a.heardOf(k)
+	if !fromQueue {
+		a.notePassed(m, from)
+	}
 	if m.RightAnchor == a.cfg.Self {
 		early, hasEarly = a.takeEarlySyn(k)
 	}

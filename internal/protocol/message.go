@@ -92,7 +92,8 @@ func (t MsgType) String() string {
 const (
 	// MsgMagic opens every control message ("DYSR").
 	MsgMagic = 0x44595352
-	// MsgVersion is the version this code writes and accepts (5 since
+	// MsgVersion is the version this code writes and accepts (6 since
+	// messages carry the session's transport, TCP or UDP; 5 since
 	// the MAC covers the sender's address and is keyed by a key derived
 	// from the deployment secret (Keys); 4 since triggers are control
 	// messages with an extension body, and state migration's steps too
@@ -101,7 +102,7 @@ const (
 	// requestLock). Every agent of a deployment must speak the same
 	// version: a left anchor takes an ackLock's list for the whole old
 	// segment, and a middlebox's trigger is a message of this protocol.
-	MsgVersion = 5
+	MsgVersion = 6
 	// MsgHeaderLen is the fixed part before the hops.
 	MsgHeaderLen = 172
 	// MACLen is the length of the truncated HMAC-SHA256 that ends a message.
@@ -172,7 +173,8 @@ const (
 //	124 blocker request: left anchor (16), id (4)   (nackLock)
 //	144 delta seq (4), delta ts (4): rightDelta (requestLock), leftDelta
 //	    (ackLock, a granting synAck), the sender's cut-off oldSent (fin)
-//	152 window scale (1)   153 hop count (1)
+//	152 window scale (low 7 bits; at most 14) and transport (bit 7: UDP)
+//	    153 hop count (1)
 //	154 extension length (2): the bytes of the extension body, 0: none
 //	156 anchor nonce (8)
 //	164 left delta seq (4), ts (4): the leftDelta gathered so far
@@ -210,6 +212,9 @@ type Message struct {
 	// (§3.4). The right anchor puts it in its granting synAck.
 	LeftDelta Delta
 	WScale    uint8
+	// Proto is the session's transport (every message of a session
+	// carries it; a middlebox joining a new path takes it from the SYN).
+	Proto Proto
 	// AnchorNonce (requestLock) is the left anchor's nonce, which the new
 	// path will carry: middle agents pass it on unchanged.
 	AnchorNonce [wire.NonceLen]byte
@@ -312,7 +317,7 @@ func (m *Message) Encode(k *Keys, from netip.Addr) ([]byte, error) {
 	binary.BigEndian.PutUint32(b[140:], m.Blocker.ID)
 	binary.BigEndian.PutUint32(b[144:], m.Delta.Seq)
 	binary.BigEndian.PutUint32(b[148:], m.Delta.TS)
-	b[152] = m.WScale
+	b[152] = m.WScale&0x7f | byte(m.Proto)<<7
 	b[153] = byte(len(m.Hops))
 	binary.BigEndian.PutUint16(b[154:], uint16(len(ext)))
 	copy(b[156:164], m.AnchorNonce[:])
@@ -377,7 +382,7 @@ func Decode(k *Keys, from netip.Addr, b []byte) (*Message, error) {
 		m.Blocker = ReqKey{}
 	}
 	m.Delta = Delta{Seq: binary.BigEndian.Uint32(b[144:]), TS: binary.BigEndian.Uint32(b[148:])}
-	m.WScale = b[152]
+	m.WScale, m.Proto = b[152]&0x7f, Proto(b[152]>>7)
 	copy(m.AnchorNonce[:], b[156:164])
 	m.LeftDelta = Delta{Seq: binary.BigEndian.Uint32(b[164:]), TS: binary.BigEndian.Uint32(b[168:])}
 	for i := 0; i < n; i++ {
@@ -595,6 +600,9 @@ func getTuple(b []byte) wire.Tuple {
 
 func (m *Message) String() string {
 	s := fmt.Sprintf("%s req=%s ra=%s sub=%s", m.Type, m.Req, m.RightAnchor, m.Sub)
+	if m.Proto != ProtoTCP {
+		s += " " + m.Proto.String()
+	}
 	switch m.Type {
 	case MsgRequestLock:
 		s += " delta=" + m.Delta.String() + " leftDelta=" + m.LeftDelta.String()

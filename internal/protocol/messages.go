@@ -15,7 +15,7 @@ func (a *Agent) msg(s *session, t MsgType, sub wire.Tuple, req ReqKey, ra netip.
 	if r, ok := a.subs[sub]; ok && r.id == s.id {
 		nonce = r.nonce
 	}
-	return &Message{Type: t, Nonce: nonce, Sub: sub, Session: s.tuple, Req: req, RightAnchor: ra}
+	return &Message{Type: t, Nonce: nonce, Sub: sub, Session: s.tuple, Req: req, RightAnchor: ra, Proto: s.proto}
 }
 
 func (a *Agent) send(to netip.Addr, m *Message) {
@@ -80,19 +80,12 @@ func (a *Agent) onMessage(e MessageIn) {
 			return // the new path's state is already gone
 		}
 		a.reject(RejectUnknownSession, m, e.From, "no subsession %s", m.Sub)
-		if e.Gone && m.Type == MsgRequestLock && !a.knownReq(m.Req) {
+		if e.Gone && m.Type == MsgRequestLock {
 			// The session ended here: its request cannot lock the
-			// segment. Tell the left anchor now (the answer goes back
-			// the way the request came, as any nackLock). Only once,
-			// and only for a request not heard of here before (the
-			// window of replay.go): a replayed requestLock of a
-			// session that has ended gets no answer. A retransmission
-			// of one whose nack was lost gets none either; its left
-			// anchor gives up when its retransmissions run out.
-			a.heardOf(m.Req)
-			n := &Message{Type: MsgNackLock, Reason: ReasonSessionEnded, Nonce: m.Nonce, Sub: m.Sub,
-				Session: m.Session, Req: m.Req, RightAnchor: m.RightAnchor}
-			a.send(e.From, n)
+			// segment. Tell the left anchor now, and again at each of its
+			// retransmissions (gone.go); the answer goes back the way the
+			// request came, as any nackLock.
+			a.onGoneRequest(m, e.From)
 		}
 		return
 	}

@@ -127,7 +127,7 @@ func TestModelReasonsAndOutcomes(t *testing.T) {
 
 // modelOnly are the model's inline procedures that have no method of the
 // same name in the package: the network, the datapath and the end hosts
-// (tcp.pml), and the model's own checks and bookkeeping.
+// (tcp.pml, udp.pml), and the model's own checks and bookkeeping.
 var modelOnly = map[string]bool{
 	"ctl":            true, // a send on the lossy network
 	"ctlA":           true, // the same, with a second value (requestLock's leftDelta)
@@ -152,7 +152,7 @@ var inlineRe = regexp.MustCompile(`(?m)^inline\s+([A-Za-z]+)\s*\(`)
 // agent is named after the Agent method it mirrors.
 func TestModelProcedureNames(t *testing.T) {
 	var src strings.Builder
-	for _, f := range []string{"dysco.pml", "agent.pml", "tcp.pml"} {
+	for _, f := range []string{"dysco.pml", "agent.pml", "tcp.pml", "udp.pml"} {
 		b, err := os.ReadFile(filepath.Join("..", "..", "model", f))
 		if err != nil {
 			t.Fatalf("reading the model: %v", err)

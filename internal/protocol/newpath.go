@@ -137,7 +137,9 @@ func (a *Agent) onNewSyn(from netip.Addr, m *Message, onPath bool) {
 func (a *Agent) joinNewPath(from netip.Addr, m *Message, nf string) {
 	a.nextJoin++
 	s := a.newSession(a.nextJoin, m.Session, m.Nonce)
-	s.joinReq, s.joinRight = m.Req, m.RightAnchor
+	s.joinReq, s.joinRight, s.proto = m.Req, m.RightAnchor, m.Proto
+	// A joined UDP session needs no marks to be an anchor: it is ready.
+	s.ready = s.proto == ProtoUDP
 	next := m.Hops[0]
 	left := SideInfo{Peer: from, Sub: m.Sub, Nonce: m.Nonce}
 	right := SideInfo{Peer: next, Sub: a.allocPort(next, m.Session.DstPort), Nonce: m.Nonce}
@@ -148,7 +150,7 @@ func (a *Agent) joinNewPath(from netip.Addr, m *Message, nf string) {
 	// packets reach this host only after the SYN-ACK, which this agent
 	// passes back after this step.
 	a.forwardSyn(s, m)
-	a.emit(JoinSession{Session: s.id, Tuple: s.tuple, Nonce: s.nonce, Left: left, Right: right, Req: m.Req, NF: nf})
+	a.emit(JoinSession{Session: s.id, Tuple: s.tuple, Proto: s.proto, Nonce: s.nonce, Left: left, Right: right, Req: m.Req, NF: nf})
 	note := "joined"
 	if nf != "" {
 		note = "joined, network function " + nf + " ready"
@@ -167,6 +169,10 @@ func (a *Agent) acceptSyn(s *session, from netip.Addr, m *Message) {
 	}
 	if r.stage != StageWaitSyn {
 		a.reject(RejectUnexpected, m, from, "syn for %s in stage %s", m.Req, r.stage)
+		return
+	}
+	if m.Proto != s.proto {
+		a.reject(RejectUnexpected, m, from, "syn for %s: a %s session here, not %s", m.Req, s.proto, m.Proto)
 		return
 	}
 	if _, used := a.subs[m.Sub]; used {
@@ -467,6 +473,13 @@ func (a *Agent) switchPaths(s *session, an *anchor, side Side) {
 	}
 	an.stage, an.tries = StageTwoPath, 0
 	a.emit(StartTwoPath{Session: s.id, Side: side, Old: s.sides[side].Sub, New: an.newSub})
+	if s.proto == ProtoUDP {
+		// Every datagram from now on goes on the new path; both paths
+		// are accepted until the old one is torn down (udp.go).
+		a.progress(s, an.req, an.role, StageTwoPath, "")
+		a.udpSwitched(s, an)
+		return
+	}
 	if an.role == RoleRightAnchor {
 		a.migReleaseRight(s, an) // what it held goes on the new path
 	}

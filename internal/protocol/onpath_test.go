@@ -4,6 +4,7 @@ import (
 	"net/netip"
 	"slices"
 	"testing"
+	"time"
 )
 
 // A host holds one datapath state per session tuple, so a middlebox cannot
@@ -323,16 +324,96 @@ func TestRequestForGoneSession(t *testing.T) {
 	if h.sent[addr(1)][MsgRequestLock] != 1 {
 		t.Fatalf("requestLock sent %d times", h.sent[addr(1)][MsgRequestLock])
 	}
-	// The same requestLock again (a replay, or a retransmission whose
-	// nack was lost) is not answered: the request was heard of.
+	// The same requestLock again at once (a duplicate: no retransmission
+	// comes this soon) is not answered.
 	if len(gone) != 1 {
 		t.Fatalf("agent 2 was told %d messages of the ended session, want the requestLock", len(gone))
 	}
 	nacks := h.sent[addr(2)][MsgNackLock]
 	h.deliver(addr(2), gone[0])
 	if len(h.queue) != 0 || h.sent[addr(2)][MsgNackLock] != nacks {
+		t.Fatalf("agent 2 answered a duplicated requestLock of an ended session\n%s", h.trace())
+	}
+	// Once its left anchor has long stopped asking, a copy is a replay:
+	// not answered either.
+	h.now += 10 * time.Minute
+	h.deliver(addr(2), gone[0])
+	if len(h.queue) != 0 || h.sent[addr(2)][MsgNackLock] != nacks {
 		t.Fatalf("agent 2 answered a replayed requestLock of an ended session\n%s", h.trace())
 	}
+}
+
+// The "session ended" answer is idempotent: a retransmitted requestLock
+// whose nack was lost is answered again, and so is one whose first copy
+// passed the host while the session still lived there (its request is in
+// the replay window). Before, both went unanswered and the left anchor
+// gave up after all its retransmissions, "timeout" instead of "session
+// ended".
+func TestGoneAnswerRetransmitted(t *testing.T) {
+	gone := func(h *harness) { // delivers everything, "Gone" where the receiver has no session
+		for len(h.queue) > 0 {
+			e := h.queue[0]
+			h.queue = h.queue[1:]
+			in := h.messageIn(e)
+			if _, _, known := h.agents[e.to].Lookup(e.msg.Sub); !known && e.msg.Type != MsgSyn {
+				in.Gone = true
+			}
+			h.deliver(e.to, in)
+		}
+	}
+	t.Run("nack-lost", func(t *testing.T) {
+		h := newHarness(t, 3)
+		h.chain([]int{1, 2, 3}, nil)
+		h.deliver(addr(2), SessionEnd{Session: sid, Cause: "fin"})
+		h.reconfigure(1, 3, nil, 1)
+		h.dropType(MsgSyn, addr(3)) // the early SYN: not needed here
+		e := h.queue[0]
+		h.queue = h.queue[1:]
+		h.deliver(addr(2), MessageIn{From: e.from, Data: e.data, Gone: true}) // nack
+		h.dropType(MsgNackLock, addr(1))
+		h.fireNext() // agent 1 retransmits
+		gone(h)
+		if r := h.result(1); r.Outcome != Refused || r.Reason != ReasonSessionEnded {
+			t.Fatalf("result %s %s, want refused: session ended\n%s", r.Outcome, r.Reason, h.trace())
+		}
+		if n := h.sent[addr(1)][MsgRequestLock]; n != 2 {
+			t.Fatalf("requestLock sent %d times, want 2", n)
+		}
+	})
+	t.Run("passed-then-ended", func(t *testing.T) {
+		h := newHarness(t, 3)
+		h.chain([]int{1, 2, 3}, nil)
+		h.reconfigure(1, 3, nil, 1)
+		h.stepType(MsgRequestLock, addr(2)) // passes agent 2 while it lives
+		h.dropType(MsgRequestLock, addr(3))
+		h.deliver(addr(2), SessionEnd{Session: sid, Cause: "fin"})
+		h.fireNext() // agent 1 retransmits
+		gone(h)
+		if r := h.result(1); r.Outcome != Refused || r.Reason != ReasonSessionEnded {
+			t.Fatalf("result %s %s, want refused: session ended\n%s", r.Outcome, r.Reason, h.trace())
+		}
+	})
+	t.Run("other-sender", func(t *testing.T) {
+		// A copy of the request on its subsession from another sender is
+		// not answered: it was not the one answered.
+		h := newHarness(t, 3)
+		h.chain([]int{1, 2, 3}, nil)
+		h.deliver(addr(2), SessionEnd{Session: sid, Cause: "fin"})
+		h.reconfigure(1, 3, nil, 1)
+		e := h.queue[0]
+		gone(h)
+		m := *e.msg
+		b, err := m.Encode(testKey, addr(3))
+		if err != nil {
+			t.Fatal(err)
+		}
+		nacks := h.sent[addr(2)][MsgNackLock]
+		h.now += time.Second
+		h.deliver(addr(2), MessageIn{From: addr(3), Data: b, Gone: true})
+		if h.sent[addr(2)][MsgNackLock] != nacks {
+			t.Fatalf("agent 2 answered a copy from another sender\n%s", h.trace())
+		}
+	})
 }
 
 // The refusal of a failed join lost: the SYN sent again is refused again

@@ -16,9 +16,10 @@ import (
 // §3.4.3): a left anchor numbers its requests upwards across all its
 // sessions (Config.FirstReq), so an early SYN whose request is already
 // known here, or older than the window, is a replay or a stale
-// retransmission and is refused and counted. The same window keeps a
-// replayed requestLock of a session that has ended here from being
-// answered (MessageIn.Gone).
+// retransmission and is refused and counted. The same window tells a
+// replayed requestLock of a session that has ended here (MessageIn.Gone)
+// from a new one; gone.go answers the retransmissions of those it answered
+// or passed.
 
 const (
 	// reqWindowBits is how far below the newest request heard of from a

@@ -35,6 +35,12 @@ func (a *Agent) onReconfigure(e Reconfigure, trig *trigIn) {
 		refuse(ReasonBusy, s.joinReq) // joined a new path; the datapath has not seen traffic yet
 		return
 	}
+	if s.proto == ProtoUDP && e.Migrate != nil {
+		// State migration's semantics (order, substream) are defined
+		// on TCP's marks (state-migration.md).
+		refuse(ReasonInvalid, ReqKey{})
+		return
+	}
 	a.nextReq++
 	l := &anchor{role: RoleLeftAnchor, req: ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq}, token: e.Token,
 		rightAnchor: e.RightAnchor, chain: append([]netip.Addr(nil), e.Chain...), gate: e.Gate || e.Migrate != nil, trig: trig}

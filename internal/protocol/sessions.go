@@ -16,7 +16,10 @@ func (a *Agent) onSessionUp(e SessionUp) {
 		a.endSession(old)
 	}
 	s := a.newSession(e.Session, e.Tuple, e.Nonce)
-	s.app, s.ready = e.App, true
+	s.app, s.ready, s.proto = e.App, true, e.Proto
+	if s.proto == ProtoUDP {
+		s.app = AppDelta{} // no sequence numbers: no deltas
+	}
 	if e.Left != nil {
 		l := *e.Left
 		if l.Nonce == ([wire.NonceLen]byte{}) {
@@ -85,6 +88,9 @@ func (a *Agent) resume(s *session, side Side, rs *Resume) {
 	// variables (TwoPathProgress), and evaluate goes on from there.
 	an.stage = StageTwoPath
 	a.progress(s, an.req, an.role, StageTwoPath, note)
+	if s.proto == ProtoUDP {
+		a.udpSwitched(s, an) // the drain time starts again
+	}
 }
 
 func (a *Agent) newSession(id SessionID, t wire.Tuple, nonce [wire.NonceLen]byte) *session {

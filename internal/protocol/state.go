@@ -29,6 +29,7 @@ type subRef struct {
 type session struct {
 	id      SessionID
 	tuple   wire.Tuple
+	proto   Proto
 	nonce   [wire.NonceLen]byte
 	sides   [2]*SideInfo
 	app     AppDelta
@@ -158,6 +159,14 @@ type anchor struct {
 	// anchor, rmig its freeze at the right anchor (migrate.go).
 	mig  *migLeft
 	rmig *migRight
+	// UDP sessions (udp.go): quiet, the side's old path has been quiet
+	// for the drain time since the switch (its side of the phase ended);
+	// oldDgrams, the datapath's count of old-path datagrams last reported;
+	// heardAt, when the protocol last saw it move (or the switch); ackAt
+	// (left anchor), when the ACK last went.
+	quiet          bool
+	oldDgrams      uint64
+	heardAt, ackAt time.Duration
 }
 
 // The ways a fin can come (anchor.finVia).

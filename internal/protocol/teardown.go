@@ -50,6 +50,10 @@ func (a *Agent) onProgress(e TwoPathProgress) {
 	if an.stage != StageTwoPath {
 		return
 	}
+	if s.proto == ProtoUDP {
+		a.onUDPProgress(s, an, e.Vars)
+		return
+	}
 	an.vars, an.haveVars = e.Vars, true
 	a.evaluate(s, an)
 }
@@ -57,15 +61,20 @@ func (a *Agent) onProgress(e TwoPathProgress) {
 // evaluate sends the UDP FIN once everything sent on the old path is
 // acknowledged, answers the other anchor's FIN once everything it sent is
 // received and acknowledged, and completes when both hold.
+//
+// For a UDP session (udp.go) the fin goes once the side's old path has been
+// quiet for the drain time, and the other's fin is answered at once: it
+// says that the other side has ended.
 func (a *Agent) evaluate(s *session, an *anchor) {
-	if an.stage != StageTwoPath || !an.haveVars {
+	udp := s.proto == ProtoUDP
+	if an.stage != StageTwoPath || !an.haveVars && !udp {
 		return // the datapath reports the cut-off right after StartTwoPath
 	}
-	if !an.finSent && an.vars.SendDone() {
+	if !an.finSent && (udp && an.quiet || !udp && an.vars.SendDone()) {
 		an.finSent, an.tries = true, 0
 		a.sendFin(s, an)
 	}
-	if an.finVia != 0 && !an.finAckSent && an.vars.RecvDone(an.peerCutoff, true) {
+	if an.finVia != 0 && !an.finAckSent && (udp || an.vars.RecvDone(an.peerCutoff, true)) {
 		an.finAckSent = true
 		a.sendFinAck(s, an, an.finVia)
 	}
@@ -256,8 +265,11 @@ func (a *Agent) complete(s *session, an *anchor) {
 	sd := s.sides[side]
 	old := sd.Sub
 	a.cancelTimer(s, TimerFin, an.req)
+	a.cancelTimer(s, TimerQuiet, an.req)
 	a.emit(EndTwoPath{Session: s.id, Side: side, New: an.newSub})
-	a.emit(SetWindowClamp{Session: s.id, Side: side, Bytes: 0})
+	if s.proto != ProtoUDP {
+		a.emit(SetWindowClamp{Session: s.id, Side: side, Bytes: 0})
+	}
 	a.subs[old] = subRef{id: s.id, side: side, peer: sd.Peer, nonce: sd.Nonce, tomb: true}
 	ra := an.rightAnchor
 	if an.role == RoleRightAnchor {
@@ -297,7 +309,7 @@ func (a *Agent) complete(s *session, an *anchor) {
 // timeout, as before.
 func (a *Agent) onFinsSeen(e FinsSeen) {
 	s := a.sessions[e.Session]
-	if s == nil {
+	if s == nil || s.proto == ProtoUDP {
 		return
 	}
 	var flags uint8

@@ -126,5 +126,7 @@ func (a *Agent) onTimer(id TimerID) {
 		a.onLinger(s, id.Req)
 	case TimerMigrate, TimerMigrateMsg:
 		a.onMigrateTimer(s, id)
+	case TimerQuiet:
+		a.onQuiet(s, id.Req)
 	}
 }

@@ -115,6 +115,11 @@ type TwoPath struct {
 	// AckHiOK: what Deliver writes into late packets of the old path.
 	AckHi   uint32 `json:"ackHi"`
 	AckHiOK bool   `json:"ackHiOK"`
+	// OldDgrams (UDP sessions only; none of the above is used for them)
+	// counts the datagrams that arrived on the old path since the side
+	// switched: the protocol ends the side's phase once it has not moved
+	// for the drain time (udp.go).
+	OldDgrams uint64 `json:"oldDgrams,omitempty"`
 }
 
 func (v TwoPath) String() string {

@@ -334,4 +334,28 @@ const (
 	// FaultMigHoldLeak: a migration that fails leaves the left anchor's
 	// hold in place (its packets are never sent again).
 	FaultMigHoldLeak
+	// FaultUDPNoQuiet: a UDP anchor ends its side of the two-path phase
+	// as soon as it switches, without waiting for its old path to be
+	// quiet for the drain time (udp.go): datagrams still on the old path
+	// reach an anchor whose old path is gone.
+	FaultUDPNoQuiet
 )
+
+// Proto is a session's transport protocol. The zero value is TCP.
+type Proto uint8
+
+// Transport protocols of sessions.
+const (
+	ProtoTCP Proto = iota
+	ProtoUDP
+)
+
+func (p Proto) String() string {
+	switch p {
+	case ProtoTCP:
+		return "tcp"
+	case ProtoUDP:
+		return "udp"
+	}
+	return fmt.Sprintf("proto-%d", uint8(p))
+}

@@ -12,6 +12,7 @@ import (
 type SessionView struct {
 	ID        SessionID
 	Tuple     wire.Tuple
+	Proto     Proto
 	Sides     [2]*SideInfo // nil where the chain ends
 	App       AppDelta
 	Joined    bool // created by a new path's SYN
@@ -23,6 +24,10 @@ type SessionView struct {
 	Cancels   int         // cancelLock exchanges in progress
 	Lingering int         // torn-down old subsessions kept to answer FINs
 	Teardown  bool        // a middle agent of an old path being torn down
+	// TornDown: a middle agent of an old path that both anchors' fins
+	// have passed: nothing more travels that path (for UDP sessions, the
+	// old path drained before either anchor sent its fin).
+	TornDown bool
 }
 
 // AnchorView is a read-only copy of an anchor's state.
@@ -65,9 +70,10 @@ func (a *Agent) View(id SessionID) (SessionView, bool) {
 	if s == nil {
 		return SessionView{}, false
 	}
-	v := SessionView{ID: s.id, Tuple: s.tuple, App: s.app, Joined: !s.joinReq.IsZero(), Lock: s.lock,
+	v := SessionView{ID: s.id, Tuple: s.tuple, Proto: s.proto, App: s.app, Joined: !s.joinReq.IsZero(), Lock: s.lock,
 		Requestor: s.requestor, Queued: len(s.queue), Cancels: len(s.cancels), Lingering: len(s.tombs),
-		Teardown: s.teardown != nil}
+		Teardown: s.teardown != nil,
+		TornDown: s.teardown != nil && s.teardown.fins[0] && s.teardown.fins[1]}
 	for i, sd := range s.sides {
 		if sd != nil {
 			c := *sd

@@ -152,6 +152,9 @@ func (c *Shell) announce(id uint32) error {
 	// is the one the old path carried from here: behind a NAT, the
 	// middlebox's output.
 	up := protocol.SessionUp{Session: protocol.SessionID(id), Tuple: c.onward(id, &s), Nonce: s.Nonce}
+	if s.Proto == datapath.ProtoUDP {
+		up.Proto = protocol.ProtoUDP // the two-path phase for datagrams (protocol/udp.go)
+	}
 	ws := func(i int) uint8 {
 		if s.Ws[i] == 0xff {
 			return 0

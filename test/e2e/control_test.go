@@ -322,7 +322,8 @@ func (x *ctlTransfer) finish(t *testing.T) {
 // afterwards succeeds. Nothing answers them, but for two: a well-formed
 // requestLock under the right key for a session this host does not have
 // is answered once with a nackLock "session ended" (a session that ended
-// here: docs/protocol.md), and its copy in the bundle, a replay, is not;
+// here: docs/protocol.md), and its copy in the bundle, sent within the
+// retransmission timeout (a duplicate, not a retransmission), is not;
 // a well-formed trigger for a subsession this host does not have is
 // answered once, refused, and its copy and an older one are not.
 func TestControlForgedMessages(t *testing.T) {

@@ -45,7 +45,24 @@ func (w *world) build() {
 			w.startSession(s, live, time.Duration(r.IntN(2500))*time.Millisecond)
 		}
 	}
-	w.stats.Sessions, w.stats.Hosts = nS, len(w.hosts)
+	// UDP sessions beside them (udp.go), on their own clients and
+	// servers.
+	nU := 0
+	if !w.opts.NoUDP {
+		nU = udpCount(w.opts.Seed)
+	}
+	for i := nS; i < nS+nU; i++ {
+		s := &simSession{idx: i, udp: true}
+		s.client = w.newHost(fmt.Sprintf("c%d", i), false)
+		s.server = w.newHost(fmt.Sprintf("s%d", i), false)
+		s.tuple = wire.Tuple{Src: s.client.addr, Dst: s.server.addr, SrcPort: uint16(30000 + i), DstPort: 53}
+		for j := range s.nonce {
+			s.nonce[j] = byte(r.IntN(256))
+		}
+		w.sessions = append(w.sessions, s)
+		w.after(time.Duration(r.IntN(2500))*time.Millisecond, func() { w.setUpUDP(s, live) })
+	}
+	w.stats.Sessions, w.stats.Hosts = nS+nU, len(w.hosts)
 	w.tracef("seed %d: loss %.2f dup %.2f jitter %s, %d middleboxes, %d sessions", w.opts.Seed, w.loss, w.dup, w.jitter, nM, nS)
 	for _, h := range w.hosts {
 		w.tracef("host %s %s dead=%v", h, h.addr, h.dead)
@@ -93,7 +110,7 @@ func (w *world) newSession(i int, live []*host, reuse *simSession) *simSession {
 func (w *world) startSession(s *simSession, live []*host, d time.Duration) {
 	w.after(d, func() {
 		for _, o := range w.sessions {
-			if o.idx >= s.idx || o.tuple != s.tuple {
+			if o.idx >= s.idx || o.tuple != s.tuple || o.udp {
 				continue
 			}
 			if o.ends[0] == nil || !o.rst && (o.ends[0].state == tcpOpen || o.ends[1].state == tcpOpen) {
@@ -282,7 +299,7 @@ func (w *world) issue(s *simSession, n int) {
 		}
 		// Now and then the replacement of one middlebox by one, with its
 		// state (migrate.go).
-		migrating := n == 1 && ri == li+2 && len(free) > 0 && r.IntN(3) == 0
+		migrating := n == 1 && ri == li+2 && len(free) > 0 && r.IntN(3) == 0 && !s.udp
 		if migrating {
 			chain = []*host{free[r.IntN(len(free))]}
 		}
@@ -300,7 +317,7 @@ func (w *world) issue(s *simSession, n int) {
 		if li+1 < len(hs)-1 && ri > li && r.IntN(4) == 0 {
 			req.sender = hs[li+1]
 		}
-		if r.IntN(3) == 0 && (req.sender == nil || len(chain) == 1) {
+		if r.IntN(3) == 0 && (req.sender == nil || len(chain) == 1 && !s.udp) { // a triggered gate migrates: TCP only
 			req.gate, req.abort = true, r.IntN(3) == 0
 		}
 		if migrating && req.sender == nil {

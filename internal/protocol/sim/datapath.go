@@ -20,6 +20,7 @@ type dpSess struct {
 	sides  [2]*dpSide
 	app    protocol.AppDelta // a middlebox's own deltas
 	end    *tcpEnd           // set on end hosts
+	udp    *udpEnd           // set on end hosts of a UDP session
 	joined bool
 	ready  bool
 	gone   bool
@@ -49,6 +50,9 @@ type dpSide struct {
 	old   *dpSub // the old subsession during and just after the two-path phase
 	neu   *dpSub // the new subsession until EndTwoPath
 	armed bool
+	// ended (UDP): EndTwoPath came; old is still there until
+	// RemoveSubsession, and a datagram arriving on it is a violation.
+	ended bool
 	tp    *protocol.TwoPath
 	marks protocol.Marks
 	clamp uint32
@@ -92,6 +96,10 @@ func seqLT(a, b uint32) bool { return int32(a-b) < 0 }
 
 // receive handles a packet arriving from the network on subsession t.
 func (h *host) receive(t wire.Tuple, p pkt) {
+	if p.sess.udp {
+		h.receiveUDP(t, p)
+		return
+	}
 	w := h.w
 	sub := h.subs[t]
 	if sub == nil || sub.ds.gone {
@@ -163,6 +171,10 @@ func (h *host) receive(t wire.Tuple, p pkt) {
 // send handles a packet leaving the host on side: the two-path rules, the
 // egress translation (§3.4 table: out, subtract from the ack), the network.
 func (h *host) send(ds *dpSess, side protocol.Side, p pkt) {
+	if ds.sess.udp {
+		h.sendUDP(ds, side, p)
+		return
+	}
 	w := h.w
 	sd := ds.sides[side]
 	if sd == nil || sd.cur == nil {
@@ -294,6 +306,10 @@ func (h *host) startTwoPath(ds *dpSess, side protocol.Side) {
 	if sd.tp != nil {
 		return
 	}
+	if ds.sess.udp {
+		h.startUDP(ds, side)
+		return
+	}
 	if !sd.marks.Ready() {
 		h.w.fail("%s: cut-off on the %s side of s%d with unknown marks", h, side, ds.sess.idx)
 		return
@@ -309,14 +325,19 @@ func (h *host) startTwoPath(ds *dpSess, side protocol.Side) {
 	h.report(ds, side)
 }
 
-// report tells the agent the two-path variables changed.
+// report tells the agent the two-path variables changed. As the agent's
+// shell does (internal/reconfig progress), the variables are read when the
+// notice is handled, and only from the phase that sent it while it is
+// still running: a notice of a phase that has ended since reports nothing
+// (else it would reach the next request's right anchor in waitAck as its
+// datapath's switch).
 func (h *host) report(ds *dpSess, side protocol.Side) {
-	v := *ds.sides[side].tp
+	tp := ds.sides[side].tp
 	h.w.after(0, func() {
-		if ds.gone {
+		if ds.gone || ds.sides[side].tp != tp {
 			return
 		}
-		h.handle(protocol.TwoPathProgress{Session: ds.id, Side: side, Vars: v})
+		h.handle(protocol.TwoPathProgress{Session: ds.id, Side: side, Vars: *tp})
 		h.w.checkLocks()
 	})
 }
@@ -341,6 +362,17 @@ func (h *host) applyDatapath(act protocol.Action) {
 			if c.nonce == x.Nonce {
 				s = c
 			}
+		}
+		// The session tuple never changes (§3.1: the ends and the kept
+		// middleboxes see the same session), and a UDP session is joined
+		// as one.
+		if s != nil && x.Tuple != s.tuple {
+			w.fail("%s: joins s%d with tuple %s, the session's is %s", h, s.idx, x.Tuple, s.tuple)
+			return
+		}
+		if s != nil && (x.Proto == protocol.ProtoUDP) != s.udp {
+			w.fail("%s: joins s%d as %s", h, s.idx, x.Proto)
+			return
 		}
 		// One state per session tuple, as in the datapath: a session
 		// carried here on a live path cannot be joined again (the agent
@@ -404,7 +436,7 @@ func (h *host) applyDatapath(act protocol.Action) {
 			w.fail("%s: EndTwoPath for %s, new subsession %v", h, x.New, sd.neu)
 			return
 		}
-		sd.cur, sd.neu, sd.tp = sd.neu, nil, nil
+		sd.cur, sd.neu, sd.tp, sd.ended = sd.neu, nil, nil, ds.sess.udp
 		w.tracef("%s end two-path %s side s%d", h, x.Side, ds.sess.idx)
 		if w.opts.old&oldNoNotice == 0 {
 			id := ds.id
@@ -502,7 +534,7 @@ func (h *host) endSession(ds *dpSess, cause string) {
 		return
 	}
 	h.w.tracef("%s collector ends session %d (s%d): %s", h, ds.id, ds.sess.idx, cause)
-	if cause == "idle" && h.w.loss == 0 && !ds.sess.rst {
+	if cause == "idle" && h.w.loss == 0 && !ds.sess.rst && !ds.sess.udp {
 		// Without loss every host of the path sees the session's FINs, or
 		// learns of those that went on an old path (FinsSeen): none keeps
 		// it until its idle timeout.
@@ -528,11 +560,15 @@ func (h *host) endSession(ds *dpSess, cause string) {
 }
 
 func (h *host) idleCheck(ds *dpSess) {
-	h.w.at(ds.lastActive+idleTimeout, func() {
+	idle := idleTimeout
+	if ds.sess.udp {
+		idle = udpIdle // UDP sessions end by idleness only
+	}
+	h.w.at(ds.lastActive+idle, func() {
 		if ds.gone {
 			return
 		}
-		if h.w.now-ds.lastActive >= idleTimeout {
+		if h.w.now-ds.lastActive >= idle {
 			h.endSession(ds, "idle")
 			return
 		}

@@ -8,7 +8,12 @@
 // both directions with a simplified TCP, and fires reconfiguration requests
 // at random, several at once on overlapping segments, through middleboxes
 // that are sometimes dead, while end hosts close or reset their sessions at
-// any time. A model of the datapath carries out the agents' actions (flows,
+// any time. Some runs add UDP sessions (udp.go): their ends send
+// datagrams both ways and stop, the collectors end them when idle, and
+// their reconfigurations take the UDP two-path phase (protocol/udp.go);
+// a datagram that reaches a host whose state of its path is gone, or an
+// old path whose teardown has begun, is a violation. A model of the
+// datapath carries out the agents' actions (flows,
 // deltas, the two-path rules of protocol.Decide and protocol.Observe), and a
 // model of the agent's collector ends sessions after FIN, RST or idleness.
 //
@@ -42,6 +47,9 @@ type Options struct {
 	Faults protocol.Fault
 	// Trace records a readable trace of every event.
 	Trace bool
+	// NoUDP: no UDP sessions (a run as it was before they came, for
+	// seeds that found bugs in TCP runs).
+	NoUDP bool
 	// noLockWalk turns the continuous lock check off, to show that the
 	// end-of-run checks catch broken locking on their own.
 	noLockWalk bool
@@ -107,8 +115,13 @@ type Stats struct {
 	// State migrations (migrate.go): started (NewPathReady), moved,
 	// aborted (a step failed), holds taken.
 	Migrations, MigMoved, MigAborted, Holds int
-	SimTime                                 time.Duration
-	Events                                  int
+	// UDP sessions (udp.go): sessions, reconfigurations requested and
+	// succeeded, switches of anchors' sides, datagrams sent by the ends,
+	// and datagrams received by anchors on each path in the phase.
+	// (UDPChanged: succeeded, not unchanged.)
+	UDPSessions, UDPRequests, UDPSucceeded, UDPChanged, UDPSwitches, Datagrams, OldPathDgrams, NewPathDgrams int
+	SimTime                                                                                                  time.Duration
+	Events                                                                                                   int
 }
 
 // Add accumulates another run's counts.
@@ -140,6 +153,14 @@ func (s *Stats) Add(o Stats) {
 	s.MigMoved += o.MigMoved
 	s.MigAborted += o.MigAborted
 	s.Holds += o.Holds
+	s.UDPSessions += o.UDPSessions
+	s.UDPRequests += o.UDPRequests
+	s.UDPSucceeded += o.UDPSucceeded
+	s.UDPChanged += o.UDPChanged
+	s.UDPSwitches += o.UDPSwitches
+	s.Datagrams += o.Datagrams
+	s.OldPathDgrams += o.OldPathDgrams
+	s.NewPathDgrams += o.NewPathDgrams
 	s.ExtraOldAcks += o.ExtraOldAcks
 	s.OldPathData += o.OldPathData
 	s.NewPathData += o.NewPathData
@@ -180,11 +201,13 @@ func (s Stats) String() string {
 		"unconfirmed=%d resets=%d closed-marks=%d\n  outcomes[%s]\n  two-path: cut-offs=%d splits=%d extra-old-acks=%d old-path-data=%d new-path-data=%d raised-acks=%d too-old-acks=%d\n"+
 		"  triggers=%d (taken %d, answered %d, refused by the left neighbour %d, unanswered %d, acks %d, replays %d)\n"+
 		"  migrations=%d (moved %d, aborted %d, holds %d)\n"+
+		"  udp: sessions=%d requests=%d succeeded=%d (changed %d) switches=%d datagrams=%d old-path=%d new-path=%d\n"+
 		"  control=%d data=%d lost=%d dup=%d rejected[%s] simtime=%s events=%d",
 		s.Sessions, s.Reused, s.Requests, s.BackToBack, s.Succeeded, s.Unchanged, s.Refused, s.Contended, s.OnPath, s.Failed, s.SetupFailed, s.Unconfirmed,
 		s.Resets, s.ClosedMarks, list(s.Outcomes), s.CutOffs, s.Splits, s.ExtraOldAcks, s.OldPathData, s.NewPathData, s.RaisedAcks, s.TooOldAcks,
 		s.Triggers, s.TriggersTaken, s.TriggersAnswered, s.TriggersRefused, s.TriggersUnanswered, s.TriggerAcks, s.TriggerReplays,
 		s.Migrations, s.MigMoved, s.MigAborted, s.Holds,
+		s.UDPSessions, s.UDPRequests, s.UDPSucceeded, s.UDPChanged, s.UDPSwitches, s.Datagrams, s.OldPathDgrams, s.NewPathDgrams,
 		s.ControlSent, s.DataSent, s.Lost, s.Duplicated, list(s.Rejected), s.SimTime, s.Events)
 }
 
@@ -391,7 +414,9 @@ type simSession struct {
 	idx      int
 	tuple    wire.Tuple
 	nonce    [wire.NonceLen]byte
-	ends     [2]*tcpEnd    // [0] the initiator (left), [1] the responder (right)
+	ends     [2]*tcpEnd // [0] the initiator (left), [1] the responder (right)
+	udp      bool       // a UDP session: uends instead of ends
+	uends    [2]*udpEnd
 	rst      bool          // an end host reset the session (or gave up)
 	ending   bool          // a collector saw the session end (FINs both ways acknowledged, or RST)
 	endingAt time.Duration // when it first did
@@ -502,6 +527,19 @@ func (w *world) onResult(h *host, x protocol.Result) {
 	if x.Reason == protocol.ReasonOnPath {
 		w.stats.OnPath++
 	}
+	// The session tuple is the same at every host of the path, whatever
+	// the reconfigurations did (the ends' and kept middleboxes' view).
+	_, dss := w.path(r.sess)
+	for _, ds := range dss {
+		if v, ok := ds.h.agent.View(ds.id); ok && v.Tuple != r.sess.tuple {
+			w.fail("%s: s%d's tuple is %s here, %s at its ends", ds.h, r.sess.idx, v.Tuple, r.sess.tuple)
+			return
+		}
+		if v, ok := ds.h.agent.View(ds.id); ok && (v.Proto == protocol.ProtoUDP) != r.sess.udp {
+			w.fail("%s: s%d is %s here", ds.h, r.sess.idx, v.Proto)
+			return
+		}
+	}
 	if !r.sess.rst && !r.sess.ending && w.rng.IntN(4) == 0 {
 		// The same session again at once (back to back).
 		w.stats.BackToBack++
@@ -515,6 +553,15 @@ func (w *world) onResult(h *host, x protocol.Result) {
 		note += " hop=" + x.Hop.String()
 	}
 	w.tracef("%s RESULT %s %s: %s %s blocker=%s unconfirmed=%v%s", h, r, x.Req, x.Outcome, x.Reason, x.Blocker, x.Unconfirmed, note)
+	if r.sess.udp {
+		w.stats.UDPRequests++
+		if x.Outcome == protocol.Succeeded {
+			w.stats.UDPSucceeded++
+			if !x.Unchanged {
+				w.stats.UDPChanged++
+			}
+		}
+	}
 	switch x.Outcome {
 	case protocol.Succeeded:
 		w.stats.Succeeded++
@@ -537,12 +584,17 @@ func (w *world) onResult(h *host, x protocol.Result) {
 // path returns the hosts a session's packets traverse now, left to right,
 // with the datapath state at each, as the datapath's egress flows say.
 func (w *world) path(s *simSession) ([]*host, []*dpSess) {
-	e := s.ends[0]
-	if e == nil || e.ds.gone {
+	var first *dpSess
+	if e := s.ends[0]; e != nil {
+		first = e.ds
+	} else if e := s.uends[0]; e != nil {
+		first = e.ds
+	}
+	if first == nil || first.gone {
 		return nil, nil
 	}
-	hs, ds := []*host{e.h}, []*dpSess{e.ds}
-	cur := e.ds
+	hs, ds := []*host{first.h}, []*dpSess{first}
+	cur := first
 	for i := 0; i < 16; i++ {
 		sd := cur.sides[protocol.SideRight]
 		if sd == nil || sd.cur == nil {
