@@ -263,7 +263,7 @@ func TestStatusAndSessions(t *testing.T) {
 		PolicyServer: "http://10.0.0.9:7017", PolicyServerOK: false,
 		Counters:   map[string]uint64{"setups": 3, "drop_map_full": 0},
 		Forwarding: &api.Forwarding{IPv4: true, Off: []string{"net.ipv6.conf.all.forwarding"}}}
-	sessions := []api.Session{{ID: 4, Session: "10.0.0.1:40000 -> 10.0.0.3:80", Right: "10.0.0.1:40000 -> 10.0.1.2:80",
+	sessions := []api.Session{{ID: 4, Proto: "tcp", Session: "10.0.0.1:40000 -> 10.0.0.3:80", Right: "10.0.0.1:40000 -> 10.0.1.2:80",
 		Chain: []string{"10.0.1.2"}, Role: "start", State: "established", PacketsFwd: 10, BytesFwd: 5000,
 		PacketsRev: 8, BytesRev: 3 << 20, AgeSeconds: 75.4}}
 	mux := http.NewServeMux()
@@ -292,8 +292,8 @@ func TestStatusAndSessions(t *testing.T) {
 	}
 
 	out = mustDysco(t, "sessions")
-	want := `ID  SESSION                        ROLE   STATE        LEFT  RIGHT                          CHAIN     PKTS FWD/REV  BYTES FWD/REV  AGE
-4   10.0.0.1:40000 -> 10.0.0.3:80  start  established  -     10.0.0.1:40000 -> 10.0.1.2:80  10.0.1.2  10/8          4.9KiB/3.0MiB  1m15s
+	want := `ID  PROTO  SESSION                        ROLE   STATE        LEFT  RIGHT                          CHAIN     PKTS FWD/REV  BYTES FWD/REV  AGE
+4   tcp    10.0.0.1:40000 -> 10.0.0.3:80  start  established  -     10.0.0.1:40000 -> 10.0.1.2:80  10.0.1.2  10/8          4.9KiB/3.0MiB  1m15s
 `
 	if out != want {
 		t.Errorf("sessions printed\n%s\nwant\n%s", out, want)

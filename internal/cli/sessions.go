@@ -51,10 +51,10 @@ the packets and bytes seen forward and in reverse.`,
 
 func printSessions(w io.Writer, ss []api.Session) error {
 	tw := newTabWriter(w)
-	fmt.Fprintln(tw, "ID\tSESSION\tROLE\tSTATE\tLEFT\tRIGHT\tCHAIN\tPKTS FWD/REV\tBYTES FWD/REV\tAGE")
+	fmt.Fprintln(tw, "ID\tPROTO\tSESSION\tROLE\tSTATE\tLEFT\tRIGHT\tCHAIN\tPKTS FWD/REV\tBYTES FWD/REV\tAGE")
 	for _, s := range ss {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\t%d/%d\t%s/%s\t%s\n",
-			s.ID, s.Session, orDash(s.Role), orDash(s.State), orDash(s.Left), orDash(s.Right),
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d/%d\t%s/%s\t%s\n",
+			s.ID, orDash(s.Proto), s.Session, orDash(s.Role), orDash(s.State), orDash(s.Left), orDash(s.Right),
 			orDash(strings.Join(s.Chain, ",")), s.PacketsFwd, s.PacketsRev,
 			formatBytes(s.BytesFwd), formatBytes(s.BytesRev), formatAge(s.AgeSeconds))
 	}
