@@ -48,6 +48,7 @@
 #include "route.h"
 #include "admit.h"
 #include "syn.h"
+#include "twopath.h"
 
 /* A datagram's socket mark between ingress and egress of a middlebox host,
  * while it carries a block: the top byte, and the session id below. */
@@ -329,6 +330,69 @@ static __attribute__((noinline)) void udp_answered(const struct dysco_ends *out,
 		__sync_fetch_and_and(&e->flags, ~FL_SYN_EMIT);
 }
 
+/* udp_tp_egress sends a datagram of a side with a two-path record (§3.5 for
+ * UDP, docs/protocol.md "UDP sessions"): on the new path once the side has
+ * switched (TP_ACTIVE: its anchor switched; TP_NEW: the old path is gone),
+ * on the old path before; the old path is the record's (after an earlier
+ * reconfiguration, its new path), not the flow's own target. No deltas, no
+ * cut-off. Returns -1 without a record, else a TC verdict. */
+static __attribute__((noinline)) int udp_tp_egress(struct __sk_buff *skb, struct pkt *p, __u32 id, __u32 flags)
+{
+	struct tp_key k = {.sess_id = id, .side = (flags & FL_REV) ? SIDE_LEFT : SIDE_RIGHT};
+	struct tp_val *tp = bpf_map_lookup_elem(&dysco_tp, &k);
+	__u32 k0 = 0;
+	struct scratch *sc = bpf_map_lookup_elem(&dysco_scratch, &k0);
+	__u32 st;
+	__u8 reroute;
+
+	if (!tp || !sc)
+		return -1;
+	st = tp->state;
+	/* A tuple's ends are its first 36 bytes (struct dysco_ends). */
+	if (st == TP_ACTIVE || st == TP_NEW) {
+		__builtin_memcpy(&sc->sub, &tp->new_out, sizeof(sc->sub));
+		reroute = tp->reroute_new;
+		tp->to_new++;
+		stat_inc(STAT_TP_NEW);
+	} else {
+		__builtin_memcpy(&sc->sub, &tp->old_out, sizeof(sc->sub));
+		reroute = tp->reroute_old;
+		tp->to_old++;
+		stat_inc(STAT_TP_OLD);
+	}
+	if (rewrite_fast(skb, p, &sc->sub)) {
+		stat_inc(STAT_DROP_HELPER);
+		return TC_ACT_SHOT;
+	}
+	stat_inc(STAT_REWRITE_OUT);
+	if (reroute)
+		return redirect_to(skb, &sc->sub, p->v6);
+	return TC_ACT_OK;
+}
+
+/* udp_tp_ingress records a datagram received on a side's old or new
+ * subsession: old-path datagrams after the switch are counted (the
+ * protocol's OldDgrams, in old_rcvd), and the first datagram on an armed
+ * new subsession switches the side (the right anchor whose ACK was lost),
+ * reported to the agent. */
+static __always_inline void udp_tp_ingress(__u32 id, __u32 flags)
+{
+	struct tp_key k = {.sess_id = id, .side = (flags & FL_REV) ? SIDE_RIGHT : SIDE_LEFT};
+	struct tp_val *tp = bpf_map_lookup_elem(&dysco_tp, &k);
+	int new_path = (flags & (FL_TP_NEW | FL_TP_OLD)) == FL_TP_NEW;
+
+	if (!tp)
+		return;
+	if (new_path) {
+		if (tp->armed && tp->state == TP_IDLE)
+			tp_start(tp, &k, 0);
+		tp->new_rcvd = 1;
+		return;
+	}
+	if (tp->state == TP_ACTIVE || tp->state == TP_NEW)
+		__sync_fetch_and_add(&tp->old_rcvd, 1);
+}
+
 /* forward_udp applies a flow to a datagram: the steady state of a UDP
  * session. The first datagram that comes back on a subsession tells this
  * host that the next hop has the session: the session has carried
@@ -360,6 +424,13 @@ static __always_inline int forward_udp(struct __sk_buff *skb, struct pkt *p, str
 			}
 		}
 	}
+	if (egress && (flags & FL_TP_OUT)) {
+		int rc = udp_tp_egress(skb, p, id, flags);
+		if (rc >= 0)
+			return rc;
+	}
+	if (!egress && (flags & (FL_TP_OLD | FL_TP_NEW)))
+		udp_tp_ingress(id, flags);
 	if (rewrite_fast(skb, p, out)) {
 		stat_inc(STAT_DROP_HELPER);
 		return TC_ACT_SHOT;

@@ -61,6 +61,10 @@ type Config struct {
 	// their policy sets its own (the Linux conntrack defaults: 30 s and
 	// 120 s).
 	UDPTimeout, UDPStreamTimeout time.Duration
+	// UDPDrain is how long a UDP session's old path must have been quiet
+	// before an anchor of its reconfiguration ends the two-path phase
+	// (docs/protocol.md, "UDP sessions"); 0: the protocol's default.
+	UDPDrain time.Duration
 	// GCInterval is how often ended sessions are collected.
 	GCInterval time.Duration
 	// PortLo and PortN give the subsession port range.
@@ -321,6 +325,9 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 		rc := reconfig.Config{Port: cfg.ControlPort, Keys: protocol.KeysFromRing(a.keys.Ring()), Datapath: a.dp,
 			Log: a.log, SelfAddr: a.selfAddr, SourceAddr: a.sourceAddr, SameRoute: a.sameRoute, Tap: cfg.Tap != "", States: states}
+		if cfg.UDPDrain > 0 {
+			rc.Tune = func(pc *protocol.Config) { pc.UDPDrain = cfg.UDPDrain }
+		}
 		if len(cfg.NFs) > 0 {
 			m, err := nf.NewManager(cfg.NFs, a.log)
 			if err != nil {

@@ -35,20 +35,16 @@ func reconfigWait(ms int) time.Duration {
 // which this host has the sides the caller needs: established, not reset,
 // not closed both ways (a session one end has closed still carries the
 // other end's data, and is reconfigured like any other). Sessions still in
-// their handshake are not included. UDP sessions that match are returned
-// apart: the reconfiguration protocol does not move them yet (udpRefused).
-func (a *Agent) liveSessions(m *policy.SessionMatcher, needLeft, needRight bool) (out, udp []datapath.SessionEntry, err error) {
+// their handshake are not included, nor UDP sessions that no datagram has
+// answered yet. The filter is tested on the session's first packet (a TCP
+// SYN, or a UDP datagram).
+func (a *Agent) liveSessions(m *policy.SessionMatcher, needLeft, needRight bool) ([]datapath.SessionEntry, error) {
 	all, err := a.dp.Sessions()
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
+	var out []datapath.SessionEntry
 	for _, s := range all {
-		if s.Proto == datapath.ProtoUDP {
-			if m.MatchProto(s.Tuple.Wire(), datapath.ProtoUDP) {
-				udp = append(udp, s)
-			}
-			continue
-		}
 		if s.State&datapath.StEst == 0 || s.State&datapath.StRST != 0 ||
 			s.State&(datapath.StFINFwd|datapath.StFINRev) == datapath.StFINFwd|datapath.StFINRev {
 			continue
@@ -58,23 +54,12 @@ func (a *Agent) liveSessions(m *policy.SessionMatcher, needLeft, needRight bool)
 		if needLeft && !hasLeft || needRight && !hasRight {
 			continue
 		}
-		if !m.Match(s.Tuple.Wire()) {
+		if !m.MatchProto(s.Tuple.Wire(), s.Proto) {
 			continue
 		}
 		out = append(out, s)
 	}
-	return out, udp, nil
-}
-
-// udpRefused gives the result of a reconfiguration request for each UDP
-// session it matched: refused, with the reason, rather than left out.
-func udpRefused(udp []datapath.SessionEntry) []api.ReconfigResult {
-	var out []api.ReconfigResult
-	for _, s := range udp {
-		out = append(out, api.ReconfigResult{ID: s.ID, Session: s.Tuple.Wire().String(), Outcome: "failed",
-			Reason: "a UDP session: this version reconfigures TCP sessions only; the session stays on its path"})
-	}
-	return out
+	return out, nil
 }
 
 func (a *Agent) handleReconfig(w http.ResponseWriter, r *http.Request) {
@@ -127,7 +112,7 @@ func (a *Agent) reconfig(ctx context.Context, req api.ReconfigRequest) (api.Reco
 	if err != nil {
 		return bad(err)
 	}
-	sessions, udp, err := a.liveSessions(m, false, true)
+	sessions, err := a.liveSessions(m, false, true)
 	if err != nil {
 		return api.ReconfigReply{}, &requestError{500, err}
 	}
@@ -139,7 +124,7 @@ func (a *Agent) reconfig(ctx context.Context, req api.ReconfigRequest) (api.Reco
 	}
 	ctx, cancel := context.WithTimeout(ctx, reconfigWait(req.TimeoutMS))
 	defer cancel()
-	rep := api.ReconfigReply{Results: append([]api.ReconfigResult{}, udpRefused(udp)...)}
+	rep := api.ReconfigReply{Results: []api.ReconfigResult{}}
 	for _, o := range a.ctl.ReconfigureNF(ctx, ids, to, chain, req.NFs, mig) {
 		res := api.ReconfigResult{ID: o.ID, Session: tuples[o.ID], Outcome: o.Outcome, Reason: o.Reason}
 		if o.Result != nil {
@@ -199,13 +184,13 @@ func (a *Agent) middlebox(ctx context.Context, req api.MiddleboxRequest) (api.Re
 	if err != nil {
 		return api.ReconfigReply{}, &requestError{400, err}
 	}
-	sessions, udp, err := a.liveSessions(m, true, true)
+	sessions, err := a.liveSessions(m, true, true)
 	if err != nil {
 		return api.ReconfigReply{}, &requestError{500, err}
 	}
 	ctx, cancel := context.WithTimeout(ctx, reconfigWait(req.TimeoutMS))
 	defer cancel()
-	rep := api.ReconfigReply{Results: append([]api.ReconfigResult{}, udpRefused(udp)...)}
+	rep := api.ReconfigReply{Results: []api.ReconfigResult{}}
 	rep.Results = append(rep.Results, a.ctl.RemoveSelf(ctx, sessions, req.With, req.Migrate)...)
 	return rep, nil
 }

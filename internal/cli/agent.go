@@ -125,6 +125,17 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 				cfg.PortLo, cfg.PortN = lo, hi-lo+1
 			}
 			cfg.ControlKeyFile = keyFile
+			if cfg.UDPDrain <= 0 || cfg.UDPDrain > 7500*time.Millisecond {
+				return fmt.Errorf("--udp-drain %v: want more than 0 and at most 7.5s (a quarter of the old path's lock lease)", cfg.UDPDrain)
+			}
+			for _, d := range []struct {
+				flag string
+				v    time.Duration
+			}{{"--udp-timeout", cfg.UDPTimeout}, {"--udp-stream-timeout", cfg.UDPStreamTimeout}} {
+				if d.v < time.Second || d.v > 18*time.Hour {
+					return fmt.Errorf("%s %v: want 1s to 18h", d.flag, d.v)
+				}
+			}
 			if cfg.PolicyServer != "" {
 				if err := agentServerTLS(&cfg, pki); err != nil {
 					return err
@@ -166,6 +177,7 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 	f.DurationVar(&cfg.IdleTimeout, "idle-timeout", time.Hour, "end sessions idle this long")
 	f.DurationVar(&cfg.HalfOpenTimeout, "half-open-timeout", 30*time.Second, "end sessions not established within this time")
 	f.DurationVar(&cfg.UDPTimeout, "udp-timeout", 30*time.Second, "end UDP sessions that have carried datagrams one way only after this idle time (a policy's --idle overrides it)")
+	f.DurationVar(&cfg.UDPDrain, "udp-drain", 500*time.Millisecond, "reconfiguring a UDP session: how long its old path must have been quiet before the anchors tear it down; longer than the longest time a datagram spends on a path (at most 7.5s)")
 	f.DurationVar(&cfg.UDPStreamTimeout, "udp-stream-timeout", 120*time.Second, "end UDP sessions that have carried datagrams both ways after this idle time (a policy's --idle overrides it)")
 	f.DurationVar(&cfg.CloseLinger, "close-linger", 10*time.Second, "keep closed sessions this long for retransmitted FINs and ACKs")
 	f.IntVar(&cfg.MaxSessions, "max-sessions", 0, fmt.Sprintf("sessions the datapath's maps hold, 1 to %d, four flow entries each (default: the datapath's own size, MAX_SESSIONS; 'dysco status' shows capacity_sessions); maps already pinned keep their size until --reset", datapath.MaxSessionsLimit))

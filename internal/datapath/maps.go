@@ -186,6 +186,16 @@ func TupleFrom(t wire.Tuple) Tuple {
 	return k
 }
 
+// TupleOf converts a wire tuple to a key of protocol proto (a session's
+// session_val.proto; 0 is taken for TCP).
+func TupleOf(t wire.Tuple, proto uint8) Tuple {
+	k := TupleFrom(t)
+	if proto != 0 {
+		k.Proto = proto
+	}
+	return k
+}
+
 // Wire converts to a wire tuple.
 func (k Tuple) Wire() wire.Tuple {
 	return wire.Tuple{

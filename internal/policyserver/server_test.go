@@ -238,7 +238,7 @@ func TestValidationErrors(t *testing.T) {
 		{"PUT", "/v1/policies/web", `{"filter":`, 400, "request body is not a valid policy"},
 		{"PUT", "/v1/policies/web", `{"filter":"tcp"}{}`, 400, "more than one JSON value"},
 		{"PUT", "/v1/policies/web", `{"filter":"tcp dst prot 80"}`, 400, `policy "web": filter "tcp dst prot 80": syntax error near "prot"`},
-		{"PUT", "/v1/policies/quic", `{"filter":"udp","idle_timeout_s":86401}`, 400, `policy "quic": idle timeout of 86401 s: want 0 (the defaults, 30s one way, 2m0s both ways) or 1s to 24h0m0s`},
+		{"PUT", "/v1/policies/quic", `{"filter":"udp","idle_timeout_s":64801}`, 400, `policy "quic": idle timeout of 64801 s: want 0 (the defaults, 30s one way, 2m0s both ways) or 1s to 18h0m0s`},
 		{"PUT", "/v1/policies/quic", `{"filter":"udp","idle_timeout_s":"5m"}`, 400, "request body is not a valid policy"},
 		{"PUT", "/v1/types/nat", `{"instances":[]}`, 400, `type "nat": no instances`},
 		{"PUT", "/v1/types/nat", `{"instances":["10.0.0.5","10.0.0.5"]}`, 400, "instance 10.0.0.5 appears twice"},

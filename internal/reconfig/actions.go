@@ -34,6 +34,16 @@ func (c *Shell) do(v6 bool, act protocol.Action) error {
 					return
 				}
 				delete(c.timers, k)
+				if x.ID.Kind == protocol.TimerQuiet {
+					// A UDP anchor's drain: the old path's count
+					// as it is now, before the timer (the core
+					// takes the side for quiet only if it did not
+					// move; docs/protocol.md, "UDP sessions").
+					id := c.dpID(x.ID.Session)
+					for side := uint32(0); side < 2; side++ {
+						c.progress(datapath.TPKey{SessId: id, Side: side})
+					}
+				}
 				c.handle(v6, protocol.TimerFired{ID: x.ID})
 			})
 		})
@@ -67,7 +77,7 @@ func (c *Shell) do(v6 bool, act protocol.Action) error {
 		delete(c.prevTP, k)
 		if tp, ok := dp.TwoPath(k); ok {
 			// The new ingress flow inherits what arrived on the old path.
-			_ = dp.MergeMarks(tp.InOld, datapath.TupleFrom(tp.NewOut.Wire().Reverse()))
+			_ = dp.MergeMarks(tp.InOld, datapath.TupleOf(tp.NewOut.Wire().Reverse(), tp.NewOut.Proto))
 		}
 		dp.DeleteTPReq(k)
 		// FINs that went on the old path: the new path's middleboxes
@@ -227,9 +237,9 @@ func (c *Shell) addSub(x protocol.AddSubsession) error {
 	if sndWS == 0xff {
 		sndWS = 0
 	}
-	egKey := datapath.TupleFrom(eg)
+	egKey := datapath.TupleOf(eg, s.Proto)
 	k := datapath.TPKey{SessId: id, Side: uint32(x.Side)}
-	tp := datapath.TPVal{State: datapath.TPIdle, EgKey: egKey, NewOut: datapath.TupleFrom(newOut), SndWs: sndWS, Nonce: x.Nonce}
+	tp := datapath.TPVal{State: datapath.TPIdle, EgKey: egKey, NewOut: datapath.TupleOf(newOut, s.Proto), SndWs: sndWS, Nonce: x.Nonce}
 	if x.Armed {
 		tp.Armed = 1
 	}
@@ -251,7 +261,7 @@ func (c *Shell) addSub(x protocol.AddSubsession) error {
 		// first on the new path and start this side at once, sending on
 		// a path the other anchor may not receive on yet (it installs
 		// after its SYN) — a reset of the session.
-		if err := dp.SetFlowFlags(datapath.TupleFrom(old.NewOut.Wire().Reverse()), 0, datapath.FlTPNew); err != nil {
+		if err := dp.SetFlowFlags(datapath.TupleOf(old.NewOut.Wire().Reverse(), s.Proto), 0, datapath.FlTPNew); err != nil {
 			return err
 		}
 		if err := dp.PutDelta(egKey, old.Nd); err != nil {
@@ -270,7 +280,7 @@ func (c *Shell) addSub(x protocol.AddSubsession) error {
 			tp.RerouteOld = 1
 		}
 	}
-	tp.InOld = datapath.TupleFrom(tp.OldOut.Wire().Reverse())
+	tp.InOld = datapath.TupleOf(tp.OldOut.Wire().Reverse(), s.Proto)
 	if !c.cfg.SameRoute(eg.Dst, newOut.Dst) {
 		tp.RerouteNew = 1
 	}
@@ -279,7 +289,7 @@ func (c *Shell) addSub(x protocol.AddSubsession) error {
 	if x.WScaleIn != x.WScaleOut {
 		in.WsOn = 1
 	}
-	newIn := datapath.TupleFrom(newOut.Reverse())
+	newIn := datapath.TupleOf(newOut.Reverse(), s.Proto)
 	// What a restarted agent needs to resume the request (reconfigured).
 	rq := datapath.TPReq{LeftAnchor: x.Req.LeftAnchor.As16(), Id: x.Req.ID, RightAnchor: x.RightAnchor.As16(),
 		OldNonce: x.OldNonce, Role: datapath.TPReqLeftAnchor}
@@ -312,7 +322,11 @@ func (c *Shell) removeSub(x protocol.RemoveSubsession) error {
 	if x.Side == protocol.SideLeft {
 		out = x.Sub.Reverse()
 	}
-	in := datapath.TupleFrom(out.Reverse())
+	var proto uint8
+	if s, ok := dp.Session(id); ok {
+		proto = s.Proto
+	}
+	in := datapath.TupleOf(out.Reverse(), proto)
 	tp, ok := dp.TwoPath(k)
 	// An old path removed after its linger leaves its marks behind: the
 	// side's end of the two-path phase (EndTwoPath) merged them into the
@@ -325,7 +339,7 @@ func (c *Shell) removeSub(x protocol.RemoveSubsession) error {
 	// reconfiguration's cut-off came from it (the session stalled;
 	// TestReconfigureMonitor at 9 Gbit/s, three seconds of linger).
 	dp.DeleteFlow(in)
-	if !ok || tp.NewOut != datapath.TupleFrom(out) || tp.State == datapath.TPNew {
+	if !ok || tp.NewOut != datapath.TupleOf(out, proto) || tp.State == datapath.TPNew {
 		return nil
 	}
 	delete(c.active, k)
@@ -351,10 +365,11 @@ func (c *Shell) join(v6 bool, x protocol.JoinSession) error {
 	t, l, r := x.Tuple, x.Left.Sub, x.Right.Sub
 	// The SYN was checked when it came (onPacket: liveHere), but the
 	// session may have come through this host since.
-	if _, live := c.liveHere(t, x.Nonce); live {
+	proto := dpProto(x.Proto)
+	if _, live := c.liveHere(t, x.Nonce, proto); live {
 		return fmt.Errorf("join: session %s is already on a live path through this host", t)
 	}
-	sess := datapath.Session{Tuple: datapath.EndsFrom(t), Nonce: x.Nonce, Role: datapath.RoleMiddle,
+	sess := datapath.Session{Tuple: datapath.EndsFrom(t), Nonce: x.Nonce, Role: datapath.RoleMiddle, Proto: proto,
 		State: datapath.StSYN | datapath.StSYNACK | datapath.StEst | datapath.StSetupDone}
 	if v6 {
 		sess.IsV6 = 1
@@ -377,7 +392,7 @@ func (c *Shell) join(v6 bool, x protocol.JoinSession) error {
 	// retransmissions), or from a session that has ended: the new path
 	// replaces it.
 	for _, k := range []wire.Tuple{l, t, r.Reverse(), t.Reverse()} {
-		f, ok := dp.Flow(datapath.TupleFrom(k))
+		f, ok := dp.Flow(datapath.TupleOf(k, proto))
 		if !ok {
 			continue
 		}
@@ -401,10 +416,10 @@ func (c *Shell) join(v6 bool, x protocol.JoinSession) error {
 		k datapath.Tuple
 		f datapath.Flow
 	}{
-		{datapath.TupleFrom(l), datapath.Flow{Out: datapath.EndsFrom(t), SessId: id, Flags: datapath.FlIngress | datapath.FlEst | tap}},
-		{datapath.TupleFrom(t), datapath.Flow{Out: datapath.EndsFrom(r), SessId: id, Flags: datapath.FlEst | reroute(t.Dst, r.Dst)}},
-		{datapath.TupleFrom(r.Reverse()), datapath.Flow{Out: datapath.EndsFrom(t.Reverse()), SessId: id, Flags: datapath.FlIngress | datapath.FlRev | datapath.FlEst | tap}},
-		{datapath.TupleFrom(t.Reverse()), datapath.Flow{Out: datapath.EndsFrom(l.Reverse()), SessId: id, Flags: datapath.FlRev | datapath.FlEst | reroute(t.Src, l.Src)}},
+		{datapath.TupleOf(l, proto), datapath.Flow{Out: datapath.EndsFrom(t), SessId: id, Flags: datapath.FlIngress | datapath.FlEst | tap}},
+		{datapath.TupleOf(t, proto), datapath.Flow{Out: datapath.EndsFrom(r), SessId: id, Flags: datapath.FlEst | reroute(t.Dst, r.Dst)}},
+		{datapath.TupleOf(r.Reverse(), proto), datapath.Flow{Out: datapath.EndsFrom(t.Reverse()), SessId: id, Flags: datapath.FlIngress | datapath.FlRev | datapath.FlEst | tap}},
+		{datapath.TupleOf(t.Reverse(), proto), datapath.Flow{Out: datapath.EndsFrom(l.Reverse()), SessId: id, Flags: datapath.FlRev | datapath.FlEst | reroute(t.Src, l.Src)}},
 	}
 	for i, fl := range flows {
 		if err := dp.AddFlow(fl.k, fl.f); err != nil {

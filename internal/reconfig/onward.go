@@ -42,7 +42,7 @@ func (c *Shell) onward(id uint32, s *datapath.Session) wire.Tuple {
 	if s.Role != datapath.RoleStart && s.Role != datapath.RoleMiddle {
 		return t
 	}
-	if f, ok := c.dp.Flow(datapath.TupleFrom(t)); ok && f.SessId == id && f.Flags&datapath.FlIngress == 0 {
+	if f, ok := c.dp.Flow(datapath.TupleOf(t, s.Proto)); ok && f.SessId == id && f.Flags&datapath.FlIngress == 0 {
 		return t
 	}
 	if o, ok := c.onwardOf[id]; ok && o.created == s.CreatedMs {
@@ -101,7 +101,7 @@ func (c *Shell) onwardKey(id uint32) datapath.Tuple {
 		return datapath.Tuple{}
 	}
 	if on := c.onward(id, &s); on != s.Tuple.Wire() {
-		return datapath.TupleFrom(on)
+		return datapath.TupleOf(on, s.Proto)
 	}
 	return datapath.Tuple{}
 }

@@ -63,6 +63,11 @@ func (c *Shell) progress(k datapath.TPKey) {
 }
 
 func varsOf(tp datapath.TPVal) protocol.TwoPath {
+	if tp.EgKey.Proto == datapath.ProtoUDP {
+		// A UDP side counts the datagrams that came on its old path
+		// after its switch (udp.h, udp_tp_ingress).
+		return protocol.TwoPath{OldDgrams: uint64(tp.OldRcvd)}
+	}
 	return protocol.TwoPath{OldSent: tp.OldSent, OldRcvd: tp.OldRcvd, OldSentAcked: tp.OldSentAcked,
 		OldRcvdAcked: tp.OldRcvdAcked, FirstNewRcvd: tp.FirstNewRcvd, NewRcvd: tp.NewRcvd != 0,
 		AckHi: tp.AckHi, AckHiOK: tp.AckHiOk != 0}

@@ -43,7 +43,7 @@ func (c *Shell) onPacket(from netip.Addr, data []byte) {
 		// if the session crosses this host already (one datapath state
 		// per session tuple; protocol.MessageIn.OnPath).
 		if _, _, known := p.Lookup(m.Sub); !known && m.RightAnchor != p.Self() && len(m.Hops) > 0 {
-			_, onPath = c.liveHere(m.Session, m.Nonce)
+			_, onPath = c.liveHere(m.Session, m.Nonce, dpProto(m.Proto))
 		}
 	} else if err == nil && m.Type != protocol.MsgTriggerResult {
 		// (An answer to a trigger names this host's subsession of a
@@ -51,13 +51,13 @@ func (c *Shell) onPacket(from netip.Addr, data []byte) {
 		// with its trigger, and it must not announce the session.)
 		pid, _, ok := p.Lookup(m.Sub)
 		if !ok {
-			if id, ok := c.sessionBySub(m.Sub); ok {
+			if id, ok := c.sessionBySub(m.Sub, dpProto(m.Proto)); ok {
 				_ = c.announce(id)
 			} else {
 				// No session of the datapath has the subsession, nor
 				// the session it names (an old path's subsession of a
 				// live session is not an ended session).
-				gone = !c.hasSession(m.Session, m.Nonce)
+				gone = !c.hasSession(m.Session, m.Nonce, dpProto(m.Proto))
 			}
 		} else if m.Type == protocol.MsgRequestLock && m.RightAnchor == p.Self() {
 			// A joined session may be the right anchor now. (A middle
@@ -81,10 +81,10 @@ func (c *Shell) onPacket(from netip.Addr, data []byte) {
 // earlier connection must not take over the tuple). A session of another
 // nonce closed both ways is an earlier TCP connection of the same tuple:
 // it gives way. It returns the session.
-func (c *Shell) liveHere(t wire.Tuple, nonce [wire.NonceLen]byte) (uint32, bool) {
+func (c *Shell) liveHere(t wire.Tuple, nonce [wire.NonceLen]byte, proto uint8) (uint32, bool) {
 	const closed = datapath.StFINFwd | datapath.StFINRev
 	for _, k := range []wire.Tuple{t, t.Reverse()} {
-		f, ok := c.dp.Flow(datapath.TupleFrom(k))
+		f, ok := c.dp.Flow(datapath.TupleOf(k, proto))
 		if !ok {
 			continue
 		}
@@ -105,9 +105,9 @@ func (c *Shell) liveHere(t wire.Tuple, nonce [wire.NonceLen]byte) (uint32, bool)
 
 // hasSession reports whether the datapath holds a session of tuple t (as
 // it arrives here, either way) with the given nonce.
-func (c *Shell) hasSession(t wire.Tuple, nonce [wire.NonceLen]byte) bool {
+func (c *Shell) hasSession(t wire.Tuple, nonce [wire.NonceLen]byte, proto uint8) bool {
 	for _, k := range []wire.Tuple{t, t.Reverse()} {
-		if f, ok := c.dp.Flow(datapath.TupleFrom(k)); ok {
+		if f, ok := c.dp.Flow(datapath.TupleOf(k, proto)); ok {
 			if s, ok := c.dp.Session(f.SessId); ok && s.Nonce == nonce {
 				return true
 			}
@@ -118,9 +118,9 @@ func (c *Shell) hasSession(t wire.Tuple, nonce [wire.NonceLen]byte) bool {
 
 // sessionBySub finds the datapath session that has subsession sub (as its
 // SYN went) on one of its sides at this host.
-func (c *Shell) sessionBySub(sub wire.Tuple) (uint32, bool) {
+func (c *Shell) sessionBySub(sub wire.Tuple, proto uint8) (uint32, bool) {
 	for _, k := range []wire.Tuple{sub, sub.Reverse()} {
-		if f, ok := c.dp.Flow(datapath.TupleFrom(k)); ok && f.Flags&datapath.FlIngress != 0 {
+		if f, ok := c.dp.Flow(datapath.TupleOf(k, proto)); ok && f.Flags&datapath.FlIngress != 0 {
 			return f.SessId, true
 		}
 	}
@@ -177,7 +177,7 @@ func (c *Shell) announce(id uint32) error {
 	if up.Left == nil && up.Right == nil {
 		detail := ""
 		for _, k := range []wire.Tuple{up.Tuple, t.Reverse()} {
-			if f, ok := c.dp.Flow(datapath.TupleFrom(k)); ok {
+			if f, ok := c.dp.Flow(datapath.TupleOf(k, s.Proto)); ok {
 				detail += fmt.Sprintf("; flow %s: session %d flags %#x -> %s", k, f.SessId, f.Flags, f.Out.Wire())
 			} else {
 				detail += fmt.Sprintf("; no flow %s", k)
@@ -323,7 +323,7 @@ func (c *Shell) currentSub(id uint32, s *datapath.Session, side protocol.Side) (
 		if side == protocol.SideRight {
 			eg = c.onward(id, s)
 		}
-		f, ok := c.dp.Flow(datapath.TupleFrom(eg))
+		f, ok := c.dp.Flow(datapath.TupleOf(eg, s.Proto))
 		if !ok || f.SessId != id || f.Flags&datapath.FlIngress != 0 {
 			return wire.Tuple{}, false
 		}
@@ -368,16 +368,16 @@ func (c *Shell) flowKeysOf(id uint32) []datapath.Tuple {
 	}
 	t := s.Tuple.Wire()
 	for _, eg := range []wire.Tuple{c.onward(id, &s), t.Reverse()} {
-		k := datapath.TupleFrom(eg)
+		k := datapath.TupleOf(eg, s.Proto)
 		if f, ok := c.dp.Flow(k); ok && f.SessId == id {
 			add(k)
-			add(datapath.TupleFrom(f.Out.Wire().Reverse()))
+			add(datapath.TupleOf(f.Out.Wire().Reverse(), s.Proto))
 		}
 	}
 	for side := uint32(0); side < 2; side++ {
 		if tp, ok := c.dp.TwoPath(datapath.TPKey{SessId: id, Side: side}); ok {
 			add(tp.InOld)
-			add(datapath.TupleFrom(tp.NewOut.Wire().Reverse()))
+			add(datapath.TupleOf(tp.NewOut.Wire().Reverse(), s.Proto))
 		}
 	}
 	return out
@@ -424,4 +424,13 @@ func (c *Shell) drop(id uint32, pid protocol.SessionID) {
 		delete(c.active, k)
 		delete(c.prevTP, k)
 	}
+}
+
+// dpProto gives the datapath's protocol number (session_val.proto) of a
+// protocol transport.
+func dpProto(p protocol.Proto) uint8 {
+	if p == protocol.ProtoUDP {
+		return datapath.ProtoUDP
+	}
+	return datapath.ProtoTCP
 }
