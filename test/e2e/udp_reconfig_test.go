@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -11,15 +12,30 @@ import (
 	"github.com/dysco/dysco/internal/testutil"
 )
 
-// iperfErr is iperf3's error in its JSON report, or "".
-func iperfErr(out string) string {
-	var r struct {
-		Error string `json:"error"`
+// iperfUDPReport is what the UDP tests read of iperf3 -u -J's report.
+type iperfUDPReport struct {
+	End struct {
+		Sum struct {
+			Bytes       int64   `json:"bytes"`
+			Packets     int64   `json:"packets"`
+			LostPackets int64   `json:"lost_packets"`
+			LostPercent float64 `json:"lost_percent"`
+		} `json:"sum"`
+	} `json:"end"`
+	Error string `json:"error"`
+}
+
+// parseIperfUDP reads iperf3 -u -J's report; an error if it has none or
+// says iperf3 failed.
+func parseIperfUDP(out string) (iperfUDPReport, error) {
+	var r iperfUDPReport
+	if err := json.Unmarshal([]byte(out), &r); err != nil {
+		return r, fmt.Errorf("no report: %w", err)
 	}
-	if json.Unmarshal([]byte(out), &r) != nil {
-		return "no report"
+	if r.Error != "" {
+		return r, errors.New(r.Error)
 	}
-	return r.Error
+	return r, nil
 }
 
 // TestUDPReconfigure: a live iperf3 -u stream, both directions, has its
@@ -99,22 +115,10 @@ func TestUDPReconfigure(t *testing.T) {
 					t.Logf("%s: %d sessions, %.1f ms", step.what, len(rep.Results), float64(rep.Results[0].Micros)/1000)
 				}
 				out := <-done
-				var r struct {
-					End struct {
-						Sum struct {
-							Bytes       int64   `json:"bytes"`
-							Packets     int64   `json:"packets"`
-							LostPackets int64   `json:"lost_packets"`
-							LostPercent float64 `json:"lost_percent"`
-						} `json:"sum"`
-					} `json:"end"`
-					Error string `json:"error"`
-				}
-				if lines := icmp(); iperfErr(out) != "" {
-					t.Logf("ICMP at the client:\n%s", strings.Join(lines, "\n"))
-				}
-				if err := json.Unmarshal([]byte(out), &r); err != nil || r.Error != "" {
-					t.Fatalf("iperf3 -u: %v %s\n%s", err, r.Error, out)
+				lines := icmp()
+				r, err := parseIperfUDP(out)
+				if err != nil {
+					t.Fatalf("iperf3 -u: %v\n%s\nICMP at the client:\n%s", err, out, strings.Join(lines, "\n"))
 				}
 				s := r.End.Sum
 				t.Logf("iperf3 -u reverse=%v: %d packets, %d lost", reverse, s.Packets, s.LostPackets)

@@ -460,19 +460,9 @@ func (u *udpEnv) iperfUDP(v6 bool) {
 	for run, args := range [][]string{nil, {"-R"}} {
 		p := u.iperfServerOnce("server", iperfPort, fmt.Sprintf("iperf3u-%d", run))
 		out := u.run("client", append([]string{"iperf3", "-J", "-u", "-b", "20M", "-w", "2M", "-t", "2", "-c", dst.String(), "-p", fmt.Sprint(iperfPort)}, args...)...)
-		var r struct {
-			End struct {
-				Sum struct {
-					Bytes       int64   `json:"bytes"`
-					Packets     int64   `json:"packets"`
-					LostPackets int64   `json:"lost_packets"`
-					LostPercent float64 `json:"lost_percent"`
-				} `json:"sum"`
-			} `json:"end"`
-			Error string `json:"error"`
-		}
-		if err := json.Unmarshal([]byte(out), &r); err != nil || r.Error != "" {
-			t.Fatalf("iperf3 -u %v: %v %s\n%s", args, err, r.Error, out)
+		r, err := parseIperfUDP(out)
+		if err != nil {
+			t.Fatalf("iperf3 -u %v: %v\n%s", args, err, out)
 		}
 		s := r.End.Sum
 		t.Logf("iperf3 -u %v: %d bytes, %d packets, %d lost (%.2f%%)", args, s.Bytes, s.Packets, s.LostPackets, s.LostPercent)
