@@ -80,3 +80,22 @@ func TestResetDatapath(t *testing.T) {
 		t.Errorf("second reset said %q, want that nothing was pinned", out.String())
 	}
 }
+
+// TestAgentUDPFlags: the UDP timeouts and the drain time are checked before
+// the agent starts, with the bounds in the message.
+func TestAgentUDPFlags(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--udp-drain", "10s"}, "--udp-drain 10s: want more than 0 and at most 7.5s"},
+		{[]string{"--udp-drain", "0s"}, "--udp-drain 0s: want more than 0"},
+		{[]string{"--udp-timeout", "500ms"}, "--udp-timeout 500ms: want 1s to 18h"},
+		{[]string{"--udp-stream-timeout", "19h"}, "--udp-stream-timeout 19h0m0s: want 1s to 18h"},
+	} {
+		out, err := runDysco(t, append([]string{"agent"}, c.args...)...)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("dysco agent %s: %v, want %q\n%s", strings.Join(c.args, " "), err, c.want, out)
+		}
+	}
+}

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"fmt"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -12,26 +13,38 @@ import (
 
 // TestUDPLifetime: UDP sessions end after their policy's idle time on
 // every host of the chain, the start first, and the same tuple then sets
-// up a new chain; a session map that is full refuses new UDP sessions,
-// counted, and never lets their datagrams go around the middlebox.
+// up a new chain; a session that a middlebox host has forgotten (its
+// agent's shorter timeouts) is refused visibly, never sent around it; a
+// session map that is full refuses new UDP sessions, counted, and never
+// lets their datagrams go around the middlebox.
 func TestUDPLifetime(t *testing.T) {
 	testutil.RequireTools(t, "dnsmasq", "dig", "tcpdump")
 	const maxSessions = 64
+	const otherPort = 5353 // sessions of no set idle time: each agent's own
 	e := newLab(t, labOpts{topology: lab.Star("client", "mb1", "server"), prefix: "ul",
-		agentArgs: []string{"--max-sessions", fmt.Sprint(maxSessions)}})
+		agentArgs: []string{"--max-sessions", fmt.Sprint(maxSessions)},
+		hostArgs:  map[string][]string{"mb1": {"--udp-timeout", "1s", "--udp-stream-timeout", "1s"}}})
 	srv, mb1 := e.addr("server", false), e.addr("mb1", false)
 	if _, err := e.lab.Start("server", "dnsmasq", "dnsmasq", "--conf-file=/dev/null", "--keep-in-foreground",
 		"--no-resolv", "--no-hosts", "--user=root", "--bind-interfaces", "--log-facility=-",
 		"--listen-address="+srv.String(), fmt.Sprintf("--port=%d", dnsPort), "--address=/x.lab/10.9.9.9", "--cache-size=0"); err != nil {
 		t.Fatal(err)
 	}
+	if _, err := e.lab.Start("server", "dnsmasq2", "dnsmasq", "--conf-file=/dev/null", "--keep-in-foreground",
+		"--no-resolv", "--no-hosts", "--user=root", "--bind-interfaces", "--log-facility=-", "--pid-file="+filepath.Join(t.TempDir(), "dnsmasq2.pid"),
+		"--listen-address="+srv.String(), fmt.Sprintf("--port=%d", otherPort), "--address=/x.lab/10.9.9.9", "--cache-size=0"); err != nil {
+		t.Fatal(err)
+	}
 	e.waitListenUDP("server", dnsPort, 1)
+	e.waitListenUDP("server", otherPort, 1)
 	e.dysco("client", "policy", "add", "dns", "--idle", "2s", "--chain", mb1.String(), fmt.Sprintf("udp dst port %d", dnsPort))
-	query := func(port int) string {
-		out, _ := e.lab.Command(t.Context(), "client", "dig", "@"+srv.String(), "-p", fmt.Sprint(dnsPort), "-b",
-			fmt.Sprintf("%s#%d", e.addr("client", false), port), "+short", "+tries=1", "+time=1", "q.x.lab", "A").Output()
+	e.dysco("client", "policy", "add", "dns-other", "--chain", mb1.String(), fmt.Sprintf("udp dst port %d", otherPort))
+	queryTo := func(dport, port int) string {
+		out, _ := e.lab.Command(t.Context(), "client", "dig", "@"+srv.String(), "-p", fmt.Sprint(dport), "-b",
+			fmt.Sprintf("%s#%d", e.addr("client", false), port), "+short", "+tries=1", "+time=1", "q.x.lab", "A").CombinedOutput()
 		return strings.TrimSpace(string(out))
 	}
+	query := func(port int) string { return queryTo(dnsPort, port) }
 	udpSessions := func(host string) int {
 		n := 0
 		for _, s := range e.sessions(host) {
@@ -71,6 +84,27 @@ func TestUDPLifetime(t *testing.T) {
 		}
 		if d := e.status("client").Counters["setup_start"] - start; d != 2 {
 			t.Errorf("the client started %d chains for the tuple, want 2 (one per session)", d)
+		}
+	})
+
+	t.Run("forgotten at a middlebox", func(t *testing.T) {
+		e := e.withT(t)
+		if out := queryTo(otherPort, 30002); out != "10.9.9.9" {
+			t.Fatalf("query: %q", out)
+		}
+		// mb1 forgets it after 1 s (+5 s after the start's time); the
+		// client keeps it for its 120 s.
+		testutil.Eventually(t, 15*time.Second, "mb1 to end the session", func() bool { return udpSessions("mb1") == 0 })
+		if n := udpSessions("client"); n != 1 {
+			t.Fatalf("the client holds %d UDP sessions, want the one mb1 forgot", n)
+		}
+		stop := e.capture("server", e.host("server").Iface, fmt.Sprintf("udp port %d", otherPort))
+		out := queryTo(otherPort, 30002)
+		if lines := stop(); len(lines) > 0 && lines[0] != "" {
+			t.Errorf("%d datagrams of the forgotten session reached the server:\n%s", len(lines), strings.Join(lines, "\n"))
+		}
+		if !strings.Contains(out, "connection refused") {
+			t.Errorf("a datagram of a session mb1 forgot: want the client's socket refused (ICMP port unreachable from mb1), got %q", out)
 		}
 	})
 
