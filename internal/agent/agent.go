@@ -180,10 +180,10 @@ func (c *Config) defaults() {
 		c.Socket = api.AgentSocket
 	}
 	if c.UDPTimeout == 0 {
-		c.UDPTimeout = 30 * time.Second
+		c.UDPTimeout = api.DefaultIdleTimeoutOneWay
 	}
 	if c.UDPStreamTimeout == 0 {
-		c.UDPStreamTimeout = 120 * time.Second
+		c.UDPStreamTimeout = api.DefaultIdleTimeoutStream
 	}
 	if c.IdleTimeout == 0 {
 		c.IdleTimeout = time.Hour

@@ -18,7 +18,6 @@ package policy
 
 import (
 	"fmt"
-	"time"
 
 	"github.com/dysco/dysco/internal/api"
 )
@@ -95,16 +94,4 @@ func (m *Matcher) Match(frame []byte) (api.Policy, bool) {
 		return api.Policy{}, false
 	}
 	return m.policies[v-1].Policy, true
-}
-
-// IdleTimeouts returns how long a session of policy p that does not end with
-// a FIN (UDP) lives without a packet: oneWay while it has seen packets in
-// the first direction only, stream once it has seen both. They are the
-// policy's IdleTimeoutS when set, both alike, else
-// api.DefaultIdleTimeoutOneWay and api.DefaultIdleTimeoutStream.
-func IdleTimeouts(p api.Policy) (oneWay, stream time.Duration) {
-	if d := p.IdleTimeout(); d > 0 {
-		return d, d
-	}
-	return api.DefaultIdleTimeoutOneWay, api.DefaultIdleTimeoutStream
 }

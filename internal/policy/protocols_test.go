@@ -6,7 +6,6 @@ import (
 	"math/rand/v2"
 	"net/netip"
 	"testing"
-	"time"
 
 	"github.com/gopacket/gopacket"
 	"github.com/gopacket/gopacket/layers"
@@ -144,17 +143,6 @@ func TestCompileRefusesUnchained(t *testing.T) {
 				t.Errorf("Note\n got %q\nwant %q", got, tc.note)
 			}
 		})
-	}
-}
-
-func TestIdleTimeouts(t *testing.T) {
-	one, stream := IdleTimeouts(api.Policy{Name: "quic", Filter: "udp"})
-	if one != 30*time.Second || stream != 120*time.Second {
-		t.Errorf("defaults = %v, %v", one, stream)
-	}
-	one, stream = IdleTimeouts(api.Policy{Name: "quic", Filter: "udp", IdleTimeoutS: 600})
-	if one != 10*time.Minute || stream != 10*time.Minute {
-		t.Errorf("600 s = %v, %v", one, stream)
 	}
 }
 
