@@ -189,12 +189,15 @@ type UDPSetupResult struct {
 // established session. An exchange is a request and its response, each
 // through mb1's ingress and egress hooks.
 type UDPSetupBPF struct {
-	Exchanges       int     `json:"exchanges"`
-	NsPerFirst      float64 `json:"ns_per_first_exchange"`
-	NsPerSteady     float64 `json:"ns_per_steady_exchange"`
-	RunsPerFirst    float64 `json:"runs_per_first_exchange"`
-	RunsPerSteady   float64 `json:"runs_per_steady_exchange"`
-	SetupNsPerHop   float64 `json:"setup_ns"` // NsPerFirst - NsPerSteady
+	Exchanges     int     `json:"exchanges"`
+	NsPerFirst    float64 `json:"ns_per_first_exchange"`
+	NsPerSteady   float64 `json:"ns_per_steady_exchange"`
+	RunsPerFirst  float64 `json:"runs_per_first_exchange"`
+	RunsPerSteady float64 `json:"runs_per_steady_exchange"`
+	SetupNsPerHop float64 `json:"setup_ns"` // NsPerFirst - NsPerSteady
+	// NsPerConnect is the same run time per TCP connect() through the
+	// chain (SYN, SYN-ACK, ACK and the RST of the close), for reference.
+	NsPerConnect    float64 `json:"ns_per_tcp_connect"`
 	StatsMethod     string  `json:"stats_method"`
 	ProgramsMeasure string  `json:"programs"`
 }
@@ -280,8 +283,8 @@ func UDPSetup(ctx context.Context, o *Options, p *labkit.Pair, r *Report, pr *la
 	note := fmt.Sprintf("second exchange of the same session (control): Dysco %.1f µs, baseline %.1f µs, %+.1f µs/mb; p99 of the first exchange added %.1f µs/mb; %d sessions per lab, %d exchanges unanswered",
 		ds, bs, addedSteady, (d99-b99)/float64(p.NMB), len(res.DyscoFirst), res.Lost)
 	if res.BPF != nil {
-		note += fmt.Sprintf("; BPF run time on mb1 per exchange: %.0f ns for a session's first, %.0f ns for a steady one (%+.0f ns of set-up per hop)",
-			res.BPF.NsPerFirst, res.BPF.NsPerSteady, res.BPF.SetupNsPerHop)
+		note += fmt.Sprintf("; BPF run time on mb1 per exchange: %.0f ns for a session's first, %.0f ns for a steady one (%+.0f ns of set-up per hop); per TCP connect() through the same chain %.0f ns",
+			res.BPF.NsPerFirst, res.BPF.NsPerSteady, res.BPF.SetupNsPerHop, res.BPF.NsPerConnect)
 	}
 	r.add(&Figure{
 		Key:  fmt.Sprintf("udpsetup-%dmb", p.NMB),
@@ -370,5 +373,20 @@ func udpSetupBPF(ctx context.Context, p *labkit.Pair, n int) (_ *UDPSetupBPF, er
 		return nil, err
 	}
 	b.SetupNsPerHop = b.NsPerFirst - b.NsPerSteady
+	rt0, _, err := total()
+	if err != nil {
+		return nil, err
+	}
+	cs, _, err := connectSamples(ctx, l, netip.AddrPortFrom(p.Dysco.Server, labkit.ConnectPort), n)
+	if err != nil {
+		return nil, err
+	}
+	rt1, _, err := total()
+	if err != nil {
+		return nil, err
+	}
+	if len(cs) > 0 {
+		b.NsPerConnect = float64((rt1 - rt0).Nanoseconds()) / float64(len(cs))
+	}
 	return b, nil
 }
