@@ -228,7 +228,13 @@ func plan(o *Options) []planned {
 			if err := p.SetTxOffload(ctx, on); err != nil {
 				return err
 			}
-			return Connect(ctx, o, p, r, pr, on)
+			err := Connect(ctx, o, p, r, pr, on)
+			if !on {
+				// The benchmarks after it run with the veths'
+				// default, offload on.
+				err = errors.Join(err, p.SetTxOffload(ctx, true))
+			}
+			return err
 		}
 	}
 	for _, nmb := range []int{1, 4} {
