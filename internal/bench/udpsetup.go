@@ -218,8 +218,12 @@ func UDPSetup(ctx context.Context, o *Options, p *labkit.Pair, r *Report, pr *la
 			return err
 		}
 		defer e.Close()
-		if _, lost, err := udpSessions(ctx, v.Lab, netip.AddrPortFrom(v.Server, labkit.UDPEchoPort), udpSetupWarmup, 2); err != nil || lost == udpSetupWarmup {
-			return fmt.Errorf("%s, %s lab, warm-up: %v (%d of %d sessions unanswered)", what, v.Name, err, lost, udpSetupWarmup)
+		_, lost, err := udpSessions(ctx, v.Lab, netip.AddrPortFrom(v.Server, labkit.UDPEchoPort), udpSetupWarmup, 2)
+		if err != nil {
+			return fmt.Errorf("%s, %s lab, warm-up: %w", what, v.Name, err)
+		}
+		if lost == udpSetupWarmup {
+			return fmt.Errorf("%s, %s lab, warm-up: none of %d sessions was answered", what, v.Name, udpSetupWarmup)
 		}
 	}
 	chunks := 5
