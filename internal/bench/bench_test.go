@@ -28,6 +28,28 @@ func TestParseIperf(t *testing.T) {
 	}
 }
 
+func TestParseIperfUDP(t *testing.T) {
+	// iperf3 3.12 -u -J: sum_received is the receiver's side.
+	res, err := parseIperfUDP(`{"end":{"sum":{"bits_per_second":2e9,"lost_packets":0,"packets":10},"sum_sent":{"bits_per_second":2e9,"packets":100},"sum_received":{"bits_per_second":1.5e9,"lost_packets":3,"packets":100}}}`)
+	if err != nil || res.Gbps != 1.5 || res.Lost != 3 || res.Packets != 100 || res.LossPct() != 3 {
+		t.Errorf("parseIperfUDP = %+v, %v", res, err)
+	}
+	// Older iperf3: only sum.
+	res, err = parseIperfUDP(`{"end":{"sum":{"bits_per_second":1e9,"lost_packets":1,"packets":1000}}}`)
+	if err != nil || res.Gbps != 1 || res.Lost != 1 {
+		t.Errorf("parseIperfUDP without sum_received = %+v, %v", res, err)
+	}
+	for _, bad := range []string{`{"error":"unable to connect to server"}`, `{"end":{}}`, "garbage"} {
+		if _, err := parseIperfUDP(bad); err == nil {
+			t.Errorf("parseIperfUDP(%q) accepted", bad)
+		}
+	}
+	argv := strings.Join(iperfUDPArgv("10.0.0.2", 6, 1, 100, 2e9), " ")
+	if !strings.Contains(argv, "-u -b 20000000 ") || !strings.Contains(argv, "-P 100") {
+		t.Errorf("iperfUDPArgv: -b is per stream: %s", argv)
+	}
+}
+
 func TestParseWrk(t *testing.T) {
 	out := `Running 5s test @ http://10.201.2.2:80/1k.bin
   2 threads and 100 connections
@@ -78,7 +100,7 @@ func TestPlan(t *testing.T) {
 		names = append(names, p.Name)
 	}
 	got := strings.Join(names, "|")
-	for _, want := range []string{"labs, 1 mb|goodput, 1 mb|", "memory per session|teardown, 1 mb|labs, 4 mb|nginx+wrk, 4 mb|", "teardown, 4 mb|labs, proxy removal|proxy removal, 60 sessions|teardown, proxy removal|labs, churn|reconfiguration under churn, 6 rounds|teardown, churn|labs, disruption|disruption of one session by a reconfiguration, 4s, SACK on and off|teardown, disruption"} {
+	for _, want := range []string{"labs, 1 mb|goodput, 1 mb|", "memory per session|udp goodput, 1 mb|quic download, 1 mb|udp set-up latency, 1 mb|teardown, 1 mb|labs, 4 mb|nginx+wrk, 4 mb|", "quic download, 4 mb|udp set-up latency, 4 mb|teardown, 4 mb|", "teardown, 4 mb|labs, proxy removal|proxy removal, 60 sessions|teardown, proxy removal|labs, churn|reconfiguration under churn, 6 rounds|teardown, churn|labs, disruption|disruption of one session by a reconfiguration, 4s, SACK on and off|teardown, disruption"} {
 		if !strings.Contains(got, want) {
 			t.Errorf("plan %q lacks %q", got, want)
 		}
@@ -180,7 +202,7 @@ func TestQuick(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 7*time.Minute)
 	defer cancel()
 	var log strings.Builder
 	rep, err := Run(ctx, o, &log)
@@ -201,11 +223,13 @@ func TestQuick(t *testing.T) {
 		"connect-1mb-offload-on", "connect-1mb-offload-off", "connect-4mb-offload-on", "connect-4mb-offload-off",
 		"memory-all-mb1", "memory-all-client", "memory-fixed-client",
 		"reconfig-proxy-removal", "reconfig-goodput", "churn-reconfig",
-		"disruption-sack-on", "disruption-sack-off"}
+		"disruption-sack-on", "disruption-sack-off",
+		"udp-1mb-P1", "udp-1mb-P100", "quic-1mb", "quic-4mb", "udpsetup-1mb", "udpsetup-4mb"}
 	got := map[string]*Figure{}
 	for _, f := range rep.Figures {
 		got[f.Key] = f
-		// A connect figure is a difference and may be negative. A
+		// A connect or udpsetup figure is a difference and may be
+		// negative. A
 		// disruption figure is its smallest 50 ms bin, and a bin that
 		// received nothing is a measured dip (0), not a missing value:
 		// the benchmark reports a session that stalled as an error,
@@ -213,6 +237,7 @@ func TestQuick(t *testing.T) {
 		missing := math.IsNaN(f.Dysco)
 		switch {
 		case strings.HasPrefix(f.Key, "connect"):
+		case strings.HasPrefix(f.Key, "udpsetup"):
 		case strings.HasPrefix(f.Key, "disruption"):
 			missing = missing || f.Dysco < 0
 		default:

@@ -19,6 +19,11 @@
 //	          offload on and off
 //	bpfstats  run time per packet of the TC programs (kernel BPF stats)
 //	memory    memory per session at 100,000 sessions (maps + agent)
+//	udp       iperf3 -u, 1 and 100 flows through 1 middlebox, at the
+//	          highest rate the baseline carries without loss
+//	quic      HTTP/3 downloads (dysco-h3) through 1 and 4 middleboxes
+//	udpsetup  the first request/response exchange of new UDP sessions
+//	          through 1 and 4 middleboxes, and mb1's BPF time per set-up
 //	reconfig  an unmodified HAProxy under libdysco removed from 600 live
 //	          sessions: reconfiguration time at the left anchor, goodput
 //	          through the proxy and after its removal (own star lab)
@@ -85,7 +90,7 @@ type Options struct {
 func (o *Options) Agents() labkit.Agents { return labkit.Agents{Dysco: o.Dysco, Args: o.AgentArgs} }
 
 // Benchmark names, in run order.
-var allBenchmarks = []string{"goodput", "rps", "connect", "bpfstats", "memory", "reconfig", "churn", "disruption"}
+var allBenchmarks = []string{"goodput", "rps", "connect", "bpfstats", "memory", "udp", "quic", "udpsetup", "reconfig", "churn", "disruption"}
 
 func (o *Options) wants(name string) bool {
 	for _, b := range o.Only {
@@ -110,7 +115,7 @@ func ParseFlags(args []string) (*Options, error) {
 	fs.IntVar(&o.Reps, "reps", 0, "repetitions of each Dysco/baseline pair (default 5, quick 1)")
 	fs.DurationVar(&o.IperfTime, "iperf-time", 0, "iperf3 duration, after 1 s of omitted warm-up (default 6s, quick 1s)")
 	fs.DurationVar(&o.WrkTime, "wrk-time", 0, "wrk duration (default 6s, quick 1s)")
-	fs.IntVar(&o.Connects, "connects", 0, "connect() calls per variant, topology and offload setting (default 2000, quick 100)")
+	fs.IntVar(&o.Connects, "connects", 0, "connect() calls per variant, topology and offload setting, and new UDP sessions per variant and topology (default 2000, quick 100)")
 	fs.IntVar(&o.Sessions, "sessions", 100000, "sessions for the memory benchmark")
 	fs.IntVar(&o.ReconfigSessions, "reconfig-sessions", 0, "concurrent sessions whose proxy is removed, reconfig benchmark (default 600, quick 60)")
 	fs.DurationVar(&o.ReconfigWindow, "reconfig-window", 0, "goodput window before and after the proxy removal, reconfig benchmark (default 5s, quick 2s)")

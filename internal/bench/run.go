@@ -228,7 +228,13 @@ func plan(o *Options) []planned {
 			if err := p.SetTxOffload(ctx, on); err != nil {
 				return err
 			}
-			return Connect(ctx, o, p, r, pr, on)
+			err := Connect(ctx, o, p, r, pr, on)
+			if !on {
+				// The benchmarks after it run with the veths'
+				// default, offload on.
+				err = errors.Join(err, p.SetTxOffload(ctx, true))
+			}
+			return err
 		}
 	}
 	for _, nmb := range []int{1, 4} {
@@ -244,7 +250,10 @@ func plan(o *Options) []planned {
 		add("connect", nmb, fmt.Sprintf("connect() latency, %d mb, tx offload off", nmb), connectEst, withOffload(false))
 		if nmb == 1 {
 			add("memory", 1, "memory per session", 2*11*time.Second, benchMemory)
+			add("udp", 1, "udp goodput, 1 mb", 2*(8*3*time.Second+2*time.Duration(o.Reps)*(it+2*time.Second)), benchUDP)
 		}
+		add("quic", nmb, fmt.Sprintf("quic download, %d mb", nmb), 10*time.Second+2*time.Duration(o.Reps)*4*time.Second, benchQUIC)
+		add("udpsetup", nmb, fmt.Sprintf("udp set-up latency, %d mb", nmb), 2*connectEst+2*time.Second, UDPSetup)
 		for _, p := range out {
 			if p.nmb == nmb && p.bench != "" {
 				benches = append(benches, p)

@@ -65,7 +65,7 @@ func needLab(t *testing.T, tools ...string) {
 // TestRegistry checks that every experiment of docs/experiments.md is
 // registered with phases for every size.
 func TestRegistry(t *testing.T) {
-	for _, n := range []string{"setup-latency", "goodput", "nginx", "proxy-removal", "disruption", "firewall-migration", "churn"} {
+	for _, n := range []string{"setup-latency", "goodput", "nginx", "proxy-removal", "disruption", "firewall-migration", "churn", "udp-setup"} {
 		e, err := Lookup(n)
 		if err != nil {
 			t.Fatal(err)
@@ -119,6 +119,29 @@ func TestExperimentsTiny(t *testing.T) {
 						t.Errorf("%d mb, offload %v: mb%d continued %d SYNs for %d connect() samples", c.Middleboxes, c.TxOffload, i+1, n, len(c.Dysco))
 					}
 				}
+			}
+		},
+		"udp-setup": func(t *testing.T, r *Result) {
+			all := r.Data.([]*bench.UDPSetupResult)
+			if len(all) != 2 {
+				t.Fatalf("%d topologies, want 2", len(all))
+			}
+			for _, c := range all {
+				n := udpSetupSessions(Tiny)
+				if len(c.DyscoFirst) < n-5 || len(c.BaselineFirst) < n-5 || len(c.DyscoSecond) < n-5 || len(c.BaselineSecond) < n-5 {
+					t.Errorf("%d mb: %d/%d first and %d/%d second exchanges", c.Middleboxes, len(c.DyscoFirst), len(c.BaselineFirst), len(c.DyscoSecond), len(c.BaselineSecond))
+				}
+				for _, m := range []float64{labkit.Median(c.DyscoFirst), labkit.Median(c.BaselineFirst)} {
+					if !(m > 0 && m < 10_000) {
+						t.Errorf("%d mb: median first exchange %v µs", c.Middleboxes, m)
+					}
+				}
+				// Every Dysco session went through the whole chain (the
+				// runner fails otherwise; here the counts are logged).
+				if len(c.ChainSetups) != c.Middleboxes {
+					t.Fatalf("%d mb: set-ups counted on %d middleboxes", c.Middleboxes, len(c.ChainSetups))
+				}
+				t.Logf("%d mb: sessions continued per middlebox %v for %d sessions; BPF %+v %s", c.Middleboxes, c.ChainSetups, len(c.DyscoFirst), c.BPF, c.BPFError)
 			}
 		},
 		"goodput": func(t *testing.T, r *Result) {

@@ -31,7 +31,16 @@ const (
 	HTTPPort    = 80
 	ConnectPort = 9000
 	SmallFile   = "1k.bin"
+	// UDPEchoPort is the UDP echo server of the UDP set-up benchmark;
+	// H3Port the dysco-h3 server's.
+	UDPEchoPort = 9001
+	H3Port      = 4433
 )
+
+// UDPPolicyFilter is the Dysco labs' second policy, given by
+// Pair.AddUDPPolicy: the UDP data of iperf3 -u (its control connection is
+// TCP), the UDP echo server and dysco-h3.
+var UDPPolicyFilter = fmt.Sprintf("udp and (dst port %d or dst port %d or dst port %d)", IperfPort, UDPEchoPort, H3Port)
 
 // policyFilter is the client's policy in the Dysco labs.
 var policyFilter = fmt.Sprintf("tcp and (dst port %d or dst port %d or dst port %d)", IperfPort, HTTPPort, ConnectPort)
@@ -54,6 +63,10 @@ type Pair struct {
 	dirs   []string
 	lns    []net.Listener
 	closed sync.Once
+	dysco  string
+	udpPol bool
+	// closers run at Close.
+	closers []func()
 }
 
 // Both returns the two variants in measurement order.
@@ -174,7 +187,7 @@ func lineHosts(nmb int) []string {
 // middleboxes, starts the servers in both and installs the Dysco policy.
 func UpPair(ctx context.Context, a Agents, set *Labs, prefix string, nmb int, pr *Progress) (_ *Pair, err error) {
 	hosts := lineHosts(nmb)
-	p := &Pair{NMB: nmb, hosts: hosts}
+	p := &Pair{NMB: nmb, hosts: hosts, dysco: a.Dysco}
 	defer func() {
 		if err != nil {
 			p.Close()
@@ -237,6 +250,30 @@ func UpPair(ctx context.Context, a Agents, set *Labs, prefix string, nmb int, pr
 	return p, nil
 }
 
+// AddUDPPolicy gives the client of the Dysco lab a second policy, "udp",
+// chaining the UDP sessions of UDPPolicyFilter through the same middleboxes
+// (once; the TCP benchmarks run without it).
+func (p *Pair) AddUDPPolicy(ctx context.Context) error {
+	if p.udpPol {
+		return nil
+	}
+	var chain []string
+	for _, addr := range p.Chain {
+		chain = append(chain, addr.String())
+	}
+	if _, err := DyscoCLI(ctx, p.dysco, p.Dysco.Lab, "client", "policy", "add", "udp", "--chain", strings.Join(chain, ","), UDPPolicyFilter); err != nil {
+		return err
+	}
+	p.udpPol = true
+	return nil
+}
+
+// OnClose registers fn to run when the pair is closed (servers a
+// benchmark started for itself).
+func (p *Pair) OnClose(fn func()) {
+	p.closers = append(p.closers, fn)
+}
+
 // startServers starts iperf3, nginx and a connect() listener on the server.
 func (p *Pair) startServers(ctx context.Context, v *Variant) error {
 	l := v.Lab
@@ -280,6 +317,9 @@ func (p *Pair) startServers(ctx context.Context, v *Variant) error {
 // labs themselves go with the Labs.
 func (p *Pair) Close() {
 	p.closed.Do(func() {
+		for _, fn := range p.closers {
+			fn()
+		}
 		for _, ln := range p.lns {
 			ln.Close()
 		}
