@@ -193,6 +193,10 @@ func TestQuick(t *testing.T) {
 	if out, err := exec.Command("go", "build", "-o", bin, "../../cmd/dysco").CombinedOutput(); err != nil {
 		t.Fatalf("building dysco: %v\n%s", err, out)
 	}
+	// dysco-h3 beside it, for the quic benchmark (its own module).
+	if out, err := exec.Command("go", "build", "-C", "../../test/h3", "-o", filepath.Join(dir, "dysco-h3"), ".").CombinedOutput(); err != nil {
+		t.Fatalf("building dysco-h3: %v\n%s", err, out)
+	}
 	// libdysco, preloaded into HAProxy by the reconfig benchmark.
 	if out, err := exec.Command("make", "-s", "-C", "../..", "lib/libdysco.so").CombinedOutput(); err != nil {
 		t.Fatalf("building libdysco: %v\n%s", err, out)
