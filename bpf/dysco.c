@@ -89,6 +89,12 @@ int dysco_ingress(struct __sk_buff *skb)
 			stat_inc(STAT_DROP_NO_SETUP);
 			return TC_ACT_SHOT;
 		}
+		if (f && udp6_zero(skb, &p)) {
+			skb->cb[CB_MODE] = 0;
+			bpf_tail_call(skb, &dysco_progs, PROG_UDP6_SUM);
+			stat_inc(STAT_DROP_NO_SETUP);
+			return TC_ACT_SHOT;
+		}
 		if (f)
 			return forward_udp(skb, &p, f, out, 0);
 		return TC_ACT_OK;
@@ -239,6 +245,28 @@ int dysco_udp_ingress(struct __sk_buff *skb)
 	return ingress_udp(skb, &p, m, f);
 }
 
+/* dysco_udp6_sum forwards an IPv6 datagram of a session that has no
+ * checksum (udp.h, udp6_zero) once its checksum is computed, reached by tail
+ * call from dysco_ingress (cb[CB_MODE] 0) or dysco_egress (1). */
+SEC("tc")
+int dysco_udp6_sum(struct __sk_buff *skb)
+{
+	__u32 k0 = 0, egress = skb->cb[CB_MODE];
+	struct scratch *sc = bpf_map_lookup_elem(&dysco_scratch, &k0);
+	struct flow_val *f;
+
+	if (!sc || parse(skb, &sc->pk) || !sc->pk.udp)
+		return TC_ACT_SHOT;
+	f = flow_get(&sc->pk.t, &sc->fout);
+	if (!f || !(f->flags & FL_INGRESS) != !!egress)
+		return TC_ACT_SHOT;
+	if (udp6_sum(skb, &sc->pk, sc)) {
+		stat_inc(STAT_DROP_HELPER);
+		return TC_ACT_SHOT;
+	}
+	return forward_udp(skb, &sc->pk, f, &sc->fout, egress);
+}
+
 SEC("tc")
 int dysco_egress(struct __sk_buff *skb)
 {
@@ -260,6 +288,12 @@ int dysco_egress(struct __sk_buff *skb)
 	if (p.udp) {
 		if (udp_control(&p))
 			return TC_ACT_OK;
+		if (f && !(f->flags & FL_SYN_EMIT) && udp6_zero(skb, &p)) {
+			skb->cb[CB_MODE] = 1;
+			bpf_tail_call(skb, &dysco_progs, PROG_UDP6_SUM);
+			stat_inc(STAT_DROP_NO_SETUP);
+			return TC_ACT_SHOT;
+		}
 		if (f && !(f->flags & FL_SYN_EMIT))
 			return forward_udp(skb, &p, f, out, 1);
 		if (f || udp_setup_id(skb)) {

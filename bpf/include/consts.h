@@ -56,7 +56,10 @@
 #define PROG_SETUP 1  /* dysco_setup: SYN handling on egress */
 #define PROG_UDP_SETUP 2   /* dysco_udp_setup: UDP set-up on egress */
 #define PROG_UDP_INGRESS 3 /* dysco_udp_ingress: datagrams with a block on ingress */
-#define PROG_SLOTS 4
+#define PROG_UDP6_SUM 4    /* dysco_udp6_sum: an IPv6 datagram without a checksum (udp.h) */
+#define PROG_SLOTS 5
+/* Longest UDP segment whose checksum the datapath computes in full. */
+#define UDP6_SUM_MAX 4096
 
 /* skb->cb words passed between tail calls on egress. */
 #define CB_POLICY 0 /* written by the policy program: policy slot + 1, or 0 */

@@ -339,6 +339,11 @@ struct scratch {
 	struct dysco_ends sub;  /* the subsession a SYN or a datagram with a block goes on (egress) */
 	__u32 csw[18];          /* rewrite_tuple's words before and after (rewrite.h) */
 	struct pkt pk;          /* the packet of the UDP programs (dysco.c), off their stacks */
+	__u8 chunk[512];        /* a UDP segment's bytes being summed (udp6_sum) */
+	__u32 sum;              /* their sum so far */
+	__u32 at;               /* the next chunk's offset */
+	__u32 end;              /* the segment's end */
+	__u32 pad2;
 };
 
 /* The sizes the memory figures rest on (BENCHMARKS.md), and the layout

@@ -330,6 +330,81 @@ static __attribute__((noinline)) void udp_answered(const struct dysco_ends *out,
 		__sync_fetch_and_and(&e->flags, ~FL_SYN_EMIT);
 }
 
+/* udp6_zero tells whether the datagram is an IPv6 one whose checksum field
+ * is zero: no checksum, which IPv6 allows only for tunnels (RFC 6935). The
+ * rewrite cannot update what was never computed; udp6_sum computes it. */
+static __always_inline int udp6_zero(struct __sk_buff *skb, const struct pkt *p)
+{
+	__u16 ck = 1;
+
+	if (!p->v6 || !p->udp || skb->gso_size || skb_ip_summed(skb) == CSUM_PARTIAL)
+		return 0;
+	bpf_skb_load_bytes(skb, p->l4 + 6, &ck, 2);
+	return ck == 0;
+}
+
+/* udp6_chunk adds the next chunk of the segment to the sum (a bpf_loop
+ * step); the last chunk is padded with zeros to a multiple of 4 bytes,
+ * which adds nothing. */
+struct udp6_loop {
+	struct __sk_buff *skb;
+};
+
+static long udp6_chunk(__u32 i, void *ctx)
+{
+	struct __sk_buff *skb = ((struct udp6_loop *)ctx)->skb;
+	__u32 k0 = 0, n;
+	struct scratch *sc = bpf_map_lookup_elem(&dysco_scratch, &k0);
+	__s64 s;
+
+	if (!sc || sc->at >= sc->end)
+		return 1;
+	n = sc->end - sc->at;
+	if (n > sizeof(sc->chunk))
+		n = sizeof(sc->chunk);
+	__builtin_memset(sc->chunk, 0, sizeof(sc->chunk));
+	if (n == 0 || n > sizeof(sc->chunk) || bpf_skb_load_bytes(skb, sc->at, sc->chunk, n))
+		return 1;
+	s = bpf_csum_diff(0, 0, (__be32 *)sc->chunk, (n + 3) & ~3u, sc->sum);
+	if (s < 0)
+		return 1;
+	sc->sum = (__u32)s;
+	sc->at += n;
+	return 0;
+}
+
+/* udp6_sum writes the full UDP checksum of an IPv6 datagram that has none
+ * (udp6_zero), so that the rewrite can update it as any other: the pseudo
+ * header, then the segment, chunk by chunk. Segments longer than
+ * UDP6_SUM_MAX are refused: 0, or -1 for a drop. */
+static __attribute__((noinline)) int udp6_sum(struct __sk_buff *skb, struct pkt *p, struct scratch *sc)
+{
+	__u32 len = p->l3_len - (p->l4 - p->l3), w[10];
+	struct udp6_loop lc = {.skb = skb};
+	__u16 ck;
+	__s64 s;
+
+	if (len < 8 || len > UDP6_SUM_MAX)
+		return -1;
+	__builtin_memcpy(w, p->t.saddr, 16);
+	__builtin_memcpy(w + 4, p->t.daddr, 16);
+	w[8] = bpf_htonl(len);
+	w[9] = bpf_htonl(IPPROTO_UDP);
+	s = bpf_csum_diff(0, 0, w, sizeof(w), 0);
+	if (s < 0)
+		return -1;
+	sc->sum = (__u32)s;
+	sc->at = p->l4;
+	sc->end = p->l4 + len;
+	bpf_loop(UDP6_SUM_MAX / sizeof(sc->chunk) + 1, udp6_chunk, &lc, 0);
+	if (sc->at != sc->end)
+		return -1;
+	ck = ~csum_fold(sc->sum);
+	if (ck == 0)
+		ck = 0xffff;
+	return bpf_skb_store_bytes(skb, p->l4 + 6, &ck, 2, BPF_F_RECOMPUTE_CSUM) ? -1 : 0;
+}
+
 /* udp_tp_egress sends a datagram of a side with a two-path record (§3.5 for
  * UDP, docs/protocol.md "UDP sessions"): on the new path once the side has
  * switched (TP_ACTIVE: its anchor switched; TP_NEW: the old path is gone),

@@ -174,7 +174,7 @@ func Load(cfg Config) (*Datapath, error) {
 		return nil, err
 	}
 	for slot, prog := range map[uint32]*ebpf.Program{progSetup: d.objs.DyscoSetup,
-		progUDPSetup: d.objs.DyscoUdpSetup, progUDPIngress: d.objs.DyscoUdpIngress} {
+		progUDPSetup: d.objs.DyscoUdpSetup, progUDPIngress: d.objs.DyscoUdpIngress, progUDP6Sum: d.objs.DyscoUdp6Sum} {
 		if err := d.objs.DyscoProgs.Put(slot, prog); err != nil {
 			d.Close()
 			return nil, fmt.Errorf("datapath: install set-up program: %w", err)
@@ -188,6 +188,7 @@ const (
 	progSetup      = 1
 	progUDPSetup   = 2
 	progUDPIngress = 3
+	progUDP6Sum    = 4
 
 	idsNetns = 1 // dysco_ids slot holding the owner's netns cookie
 )

@@ -179,7 +179,12 @@ type dyscoScratch struct {
 		Pad     uint8
 		T       dyscoDyscoTuple
 	}
-	_ [4]byte
+	Chunk [512]uint8
+	Sum   uint32
+	At    uint32
+	End   uint32
+	Pad2  uint32
+	_     [4]byte
 }
 
 type dyscoSessionVal struct {
@@ -310,6 +315,7 @@ const (
 	dyscoProgDyscoIngress    = "dysco_ingress"
 	dyscoProgDyscoSetup      = "dysco_setup"
 	dyscoProgDyscoTapDrop    = "dysco_tap_drop"
+	dyscoProgDyscoUdp6Sum    = "dysco_udp6_sum"
 	dyscoProgDyscoUdpIngress = "dysco_udp_ingress"
 	dyscoProgDyscoUdpSetup   = "dysco_udp_setup"
 	dyscoVarCtlPort          = "ctl_port"
@@ -367,6 +373,7 @@ type dyscoProgramSpecs struct {
 	DyscoIngress    *ebpf.ProgramSpec `ebpf:"dysco_ingress"`
 	DyscoSetup      *ebpf.ProgramSpec `ebpf:"dysco_setup"`
 	DyscoTapDrop    *ebpf.ProgramSpec `ebpf:"dysco_tap_drop"`
+	DyscoUdp6Sum    *ebpf.ProgramSpec `ebpf:"dysco_udp6_sum"`
 	DyscoUdpIngress *ebpf.ProgramSpec `ebpf:"dysco_udp_ingress"`
 	DyscoUdpSetup   *ebpf.ProgramSpec `ebpf:"dysco_udp_setup"`
 }
@@ -506,6 +513,7 @@ type dyscoPrograms struct {
 	DyscoIngress    *ebpf.Program `ebpf:"dysco_ingress"`
 	DyscoSetup      *ebpf.Program `ebpf:"dysco_setup"`
 	DyscoTapDrop    *ebpf.Program `ebpf:"dysco_tap_drop"`
+	DyscoUdp6Sum    *ebpf.Program `ebpf:"dysco_udp6_sum"`
 	DyscoUdpIngress *ebpf.Program `ebpf:"dysco_udp_ingress"`
 	DyscoUdpSetup   *ebpf.Program `ebpf:"dysco_udp_setup"`
 }
@@ -517,6 +525,7 @@ func (p *dyscoPrograms) Close() error {
 		p.DyscoIngress,
 		p.DyscoSetup,
 		p.DyscoTapDrop,
+		p.DyscoUdp6Sum,
 		p.DyscoUdpIngress,
 		p.DyscoUdpSetup,
 	)

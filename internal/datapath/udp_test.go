@@ -12,7 +12,7 @@ import (
 )
 
 // udpFrame is an Ethernet frame of a UDP datagram from src to dst carrying
-// payload, with its checksum computed (zero: sent as zero, IPv4 only).
+// payload, with its checksum computed (zeroSum: sent as zero).
 func udpFrame(tb testing.TB, src, dst netip.AddrPort, payload []byte, zeroSum bool) []byte {
 	tb.Helper()
 	udp := &layers.UDP{SrcPort: layers.UDPPort(src.Port()), DstPort: layers.UDPPort(dst.Port())}
@@ -39,6 +39,9 @@ func udpFrame(tb testing.TB, src, dst netip.AddrPort, payload []byte, zeroSum bo
 	b := append([]byte(nil), buf.Bytes()...)
 	if zeroSum {
 		l4 := 14 + 20
+		if src.Addr().Is6() {
+			l4 = 14 + 40
+		}
 		binary.BigEndian.PutUint16(b[l4+6:], 0)
 	}
 	return b
@@ -254,5 +257,32 @@ func TestUDPIngress(t *testing.T) {
 		}
 		fx.expectStats(t, before, map[string]uint64{c.stat: 1})
 		fx.expectNoState(t)
+	}
+}
+
+// TestUDP6ZeroChecksum: an IPv6 datagram of a session that carries no
+// checksum (RFC 6935 allows it for tunnels) leaves with its checksum
+// computed, the datagram otherwise as any other of the session.
+func TestUDP6ZeroChecksum(t *testing.T) {
+	fx := newFixture(t)
+	sess := wire.Tuple{Src: clientV6, Dst: serverV6, SrcPort: 4789, DstPort: 4789}
+	sub := wire.Tuple{Src: prevV6, Dst: hostV6, SrcPort: 41001, DstPort: 41002}
+	if v, _ := fx.run(t, fx.ingress, udpFrame(t, apOf(sub.Src, sub.SrcPort), apOf(sub.Dst, sub.DstPort),
+		udpBlock(t, []byte("first"), sess, sub, serverV6), false)); v != tcActOK {
+		t.Fatalf("set-up: verdict %d, stats %v", v, fx.stats(t))
+	}
+	for _, n := range []int{0, 1, 7, 512, 513, 1400} {
+		data := make([]byte, n)
+		for i := range data {
+			data[i] = byte(i*7 + n)
+		}
+		v, out := fx.run(t, fx.ingress, udpFrame(t, apOf(sub.Src, sub.SrcPort), apOf(sub.Dst, sub.DstPort), data, true))
+		if v != tcActOK {
+			t.Fatalf("%d bytes: verdict %d, stats %v", n, v, fx.stats(t))
+		}
+		got, payload, sum := udpOut(t, out) // checks the checksum
+		if got != sess || string(payload) != string(data) || sum == 0 {
+			t.Errorf("%d bytes: %v, %d bytes, checksum %#04x; want %v, the data, a checksum", n, got, len(payload), sum, sess)
+		}
 	}
 }
