@@ -165,3 +165,44 @@ func TestServerLost(t *testing.T) {
 	}
 	t.Logf("get failed as it should: %s", sum.Error)
 }
+
+func TestParseBitRate(t *testing.T) {
+	for _, c := range []struct {
+		in   string
+		want int64
+		ok   bool
+	}{
+		{"0", 0, true},
+		{"40M", 40_000_000, true},
+		{"500k", 500_000, true},
+		{"1.5G", 1_500_000_000, true},
+		{"1200", 1200, true},
+		{"", 0, false},
+		{"M", 0, false},
+		{"-1M", 0, false},
+		{"fast", 0, false},
+		{"5T", 0, false},
+	} {
+		got, err := parseBitRate(c.in)
+		if (err == nil) != c.ok || got != c.want {
+			t.Errorf("parseBitRate(%q) = %d, %v", c.in, got, err)
+		}
+	}
+}
+
+// TestServeRate: --rate paces the body: 2 MB at 40 Mbit/s take 0.4 s.
+func TestServeRate(t *testing.T) {
+	_, addr := startServe(t, "127.0.0.1:0", "--rate", "40M")
+	const n = 2_000_000
+	b, err := command("get", "https://"+addr+"/bytes/2000000", "--insecure").Output()
+	var sum Summary
+	if err != nil || json.Unmarshal(b, &sum) != nil || !sum.OK || sum.Bytes != n {
+		t.Fatalf("get: %v %s", err, b)
+	}
+	if sum.Seconds < 0.38 || sum.Mbps > 42 {
+		t.Errorf("2 MB at 40 Mbit/s came in %.3f s (%.1f Mbit/s)", sum.Seconds, sum.Mbps)
+	}
+	if _, err := command("serve", "--listen", "127.0.0.1:0", "--rate", "fast").Output(); err == nil {
+		t.Error("serve took --rate fast")
+	}
+}
