@@ -206,3 +206,34 @@ func TestServeRate(t *testing.T) {
 		t.Error("serve took --rate fast")
 	}
 }
+
+// slowThenFast is a writer that blocks for a while on its first writes (a
+// slow path) and records when each write came.
+type slowThenFast struct {
+	slow  int
+	times []time.Time
+}
+
+func (w *slowThenFast) Write(p []byte) (int, error) {
+	if len(w.times) < w.slow {
+		time.Sleep(20 * time.Millisecond)
+	}
+	w.times = append(w.times, time.Now())
+	return len(p), nil
+}
+
+// TestPacedCopyNoCatchUp: a body held back below its rate does not burst
+// to catch up once the path is fast again.
+func TestPacedCopyNoCatchUp(t *testing.T) {
+	const rate = 40_000_000 // 16 KiB chunks every 3.3 ms
+	w := &slowThenFast{slow: 10}
+	if _, err := pacedCopy(w, stream(40*paceChunk), rate); err != nil {
+		t.Fatal(err)
+	}
+	after := w.times[w.slow:]
+	secs := after[len(after)-1].Sub(after[0]).Seconds()
+	got := float64((len(after)-1)*paceChunk) * 8 / secs
+	if got > 1.1*rate {
+		t.Errorf("after the slow writes: %.1f Mbit/s, over the rate of %d", got/1e6, rate/1_000_000)
+	}
+}

@@ -313,22 +313,28 @@ func parseBitRate(v string) (int64, error) {
 	return int64(f * float64(mult)), nil
 }
 
-// paceChunk is how much pacedCopy writes at a time.
-const paceChunk = 16 << 10
+// paceChunk is how much pacedCopy writes at a time; paceBurst how far
+// behind its schedule a paced body may fall and still catch up at full
+// speed.
+const (
+	paceChunk = 16 << 10
+	paceBurst = 10 * time.Millisecond
+)
 
 // pacedCopy copies src to w no faster than rate bits per second (0:
-// unpaced), in chunks of paceChunk, each written once the time the bytes
-// before it take at the rate has passed.
+// unpaced), in chunks of paceChunk, each written when the time the bytes
+// before it take at the rate has passed. A body held back below the rate
+// (a slow path, flow control) does not make up for it with a burst later:
+// its schedule never lags the clock by more than paceBurst.
 func pacedCopy(w io.Writer, src io.Reader, rate int64) (int64, error) {
 	if rate <= 0 {
 		return io.Copy(w, src)
 	}
 	buf := make([]byte, paceChunk)
-	start := time.Now()
+	next := time.Now()
 	var sent int64
 	for {
-		due := start.Add(time.Duration(float64(sent) * 8 / float64(rate) * float64(time.Second)))
-		if d := time.Until(due); d > 0 {
+		if d := time.Until(next); d > 0 {
 			time.Sleep(d)
 		}
 		n, rerr := src.Read(buf)
@@ -338,6 +344,10 @@ func pacedCopy(w io.Writer, src io.Reader, rate int64) (int64, error) {
 			if werr != nil {
 				return sent, werr
 			}
+			if floor := time.Now().Add(-paceBurst); next.Before(floor) {
+				next = floor
+			}
+			next = next.Add(time.Duration(float64(m) * 8 / float64(rate) * float64(time.Second)))
 		}
 		if rerr == io.EOF {
 			return sent, nil
