@@ -42,6 +42,10 @@ var testBinaries = sync.OnceValues(func() ([2]string, error) {
 	if out, err := exec.Command("make", "-s", "-C", "../..", "lib/libdysco.so").CombinedOutput(); err != nil {
 		return [2]string{}, &buildError{"libdysco", err, out}
 	}
+	// dysco-h3 beside dysco, where quic-migration looks for it.
+	if out, err := exec.Command("go", "build", "-C", "../../test/h3", "-o", filepath.Join(dir, "dysco-h3"), ".").CombinedOutput(); err != nil {
+		return [2]string{}, &buildError{"dysco-h3", err, out}
+	}
 	lib, _ := filepath.Abs("../../lib/libdysco.so")
 	return [2]string{bin, lib}, nil
 })
@@ -65,7 +69,7 @@ func needLab(t *testing.T, tools ...string) {
 // TestRegistry checks that every experiment of docs/experiments.md is
 // registered with phases for every size.
 func TestRegistry(t *testing.T) {
-	for _, n := range []string{"setup-latency", "goodput", "nginx", "proxy-removal", "disruption", "firewall-migration", "churn", "udp-setup"} {
+	for _, n := range []string{"setup-latency", "goodput", "nginx", "proxy-removal", "disruption", "firewall-migration", "churn", "udp-setup", "quic-migration"} {
 		e, err := Lookup(n)
 		if err != nil {
 			t.Fatal(err)
@@ -237,6 +241,30 @@ func TestExperimentsTiny(t *testing.T) {
 			}
 			if d.SocketPolls < 10 || d.SocketLives == 0 {
 				t.Errorf("the socket poller listed the client's sockets %d times and saw %d sessions", d.SocketPolls, d.SocketLives)
+			}
+		},
+		"quic-migration": func(t *testing.T, r *Result) {
+			d := r.Data.(*qmData)
+			if len(d.Moves) != qmSessions || len(d.Downloads) != qmSessions || len(d.Timeline) < 30 {
+				t.Fatalf("%d moves, %d downloads, %d bins", len(d.Moves), len(d.Downloads), len(d.Timeline))
+			}
+			for _, mv := range d.Moves {
+				if mv.Result == nil || mv.Result.Outcome != "succeeded" {
+					t.Errorf("session %d's move: %+v %s", mv.Session, mv.Result, mv.Error)
+				}
+			}
+			if d.Moves[0].Result == nil || d.Moves[0].Result.NF != "firewall" || d.NF == nil || d.NF.Starts != 1 {
+				t.Errorf("mb2's firewall: first move %+v, status %+v", d.Moves[0].Result, d.NF)
+			}
+			for i, dl := range d.Downloads {
+				if !dl.OK || dl.Got != dl.Bytes || dl.Connections != 1 || dl.Migrated != 0 {
+					t.Errorf("download %d: %+v", i+1, dl)
+				}
+			}
+			// The fast path is paced by the server, the slow one shaped
+			// to the same rate for all three: well above, not a close call.
+			if !(d.BeforeMbps > 0 && d.AfterMbps > 1.5*d.BeforeMbps) {
+				t.Errorf("throughput %v Mbit/s before the moves, %v after", d.BeforeMbps, d.AfterMbps)
 			}
 		},
 		"disruption": func(t *testing.T, r *Result) {

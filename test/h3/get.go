@@ -43,6 +43,9 @@ type Summary struct {
 type Sample struct {
 	// T is the end of the interval, in seconds since the request was sent.
 	T float64 `json:"t"`
+	// At is the same instant as Unix time in seconds, to line up the
+	// samples of several clients.
+	At float64 `json:"at"`
 	// Bytes is the body received so far; Mbps the rate over the interval.
 	Bytes int64   `json:"bytes"`
 	Mbps  float64 `json:"mbps"`
@@ -231,7 +234,7 @@ func sample(start time.Time, interval time.Duration, got *atomic.Int64, w io.Wri
 				now = time.Now()
 			}
 			n := got.Load()
-			s := Sample{T: now.Sub(start).Seconds(), Bytes: n}
+			s := Sample{T: now.Sub(start).Seconds(), At: float64(now.UnixNano()) / 1e9, Bytes: n}
 			if d := now.Sub(lastT).Seconds(); d > 0 {
 				s.Mbps = float64(n-last) * 8 / 1e6 / d
 			}

@@ -165,3 +165,75 @@ func TestServerLost(t *testing.T) {
 	}
 	t.Logf("get failed as it should: %s", sum.Error)
 }
+
+func TestParseBitRate(t *testing.T) {
+	for _, c := range []struct {
+		in   string
+		want int64
+		ok   bool
+	}{
+		{"0", 0, true},
+		{"40M", 40_000_000, true},
+		{"500k", 500_000, true},
+		{"1.5G", 1_500_000_000, true},
+		{"1200", 1200, true},
+		{"", 0, false},
+		{"M", 0, false},
+		{"-1M", 0, false},
+		{"fast", 0, false},
+		{"5T", 0, false},
+	} {
+		got, err := parseBitRate(c.in)
+		if (err == nil) != c.ok || got != c.want {
+			t.Errorf("parseBitRate(%q) = %d, %v", c.in, got, err)
+		}
+	}
+}
+
+// TestServeRate: --rate paces the body: 2 MB at 40 Mbit/s take 0.4 s.
+func TestServeRate(t *testing.T) {
+	_, addr := startServe(t, "127.0.0.1:0", "--rate", "40M")
+	const n = 2_000_000
+	b, err := command("get", "https://"+addr+"/bytes/2000000", "--insecure").Output()
+	var sum Summary
+	if err != nil || json.Unmarshal(b, &sum) != nil || !sum.OK || sum.Bytes != n {
+		t.Fatalf("get: %v %s", err, b)
+	}
+	if sum.Seconds < 0.38 || sum.Mbps > 42 {
+		t.Errorf("2 MB at 40 Mbit/s came in %.3f s (%.1f Mbit/s)", sum.Seconds, sum.Mbps)
+	}
+	if _, err := command("serve", "--listen", "127.0.0.1:0", "--rate", "fast").Output(); err == nil {
+		t.Error("serve took --rate fast")
+	}
+}
+
+// slowThenFast is a writer that blocks for a while on its first writes (a
+// slow path) and records when each write came.
+type slowThenFast struct {
+	slow  int
+	times []time.Time
+}
+
+func (w *slowThenFast) Write(p []byte) (int, error) {
+	if len(w.times) < w.slow {
+		time.Sleep(20 * time.Millisecond)
+	}
+	w.times = append(w.times, time.Now())
+	return len(p), nil
+}
+
+// TestPacedCopyNoCatchUp: a body held back below its rate does not burst
+// to catch up once the path is fast again.
+func TestPacedCopyNoCatchUp(t *testing.T) {
+	const rate = 40_000_000 // 16 KiB chunks every 3.3 ms
+	w := &slowThenFast{slow: 10}
+	if _, err := pacedCopy(w, stream(40*paceChunk), rate); err != nil {
+		t.Fatal(err)
+	}
+	after := w.times[w.slow:]
+	secs := after[len(after)-1].Sub(after[0]).Seconds()
+	got := float64((len(after)-1)*paceChunk) * 8 / secs
+	if got > 1.1*rate {
+		t.Errorf("after the slow writes: %.1f Mbit/s, over the rate of %d", got/1e6, rate/1_000_000)
+	}
+}

@@ -69,6 +69,8 @@ type server struct {
 	stats     Stats
 	statsPath string
 	byConn    map[*quic.Conn]*ConnStats // live connections
+	// rate paces each response body (bits per second); 0: unpaced.
+	rate int64
 }
 
 type connKey struct{}
@@ -78,6 +80,8 @@ func serveMain(args []string) error {
 	listen := fs.String("listen", "[::]:4433", "UDP `ADDR:PORT` to listen on ([::]:PORT takes IPv4 and IPv6)")
 	statsPath := fs.String("stats", "", "write the per-connection report as JSON to `FILE` after each connection and on SIGTERM/SIGINT")
 	certPath := fs.String("cert", "", "write the generated self-signed certificate (PEM) to `FILE`, for get --ca")
+	var rate bitRate
+	fs.Var(&rate, "rate", "send each response body at most at `RATE` bits per second (40M, 500k, 1G; 0: as fast as QUIC goes)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -97,7 +101,7 @@ func serveMain(args []string) error {
 	if err != nil {
 		return fmt.Errorf("listen on %s: %w", *listen, err)
 	}
-	s := &server{statsPath: *statsPath, byConn: map[*quic.Conn]*ConnStats{}}
+	s := &server{statsPath: *statsPath, byConn: map[*quic.Conn]*ConnStats{}, rate: int64(rate)}
 	s.stats.Listen = ln.Addr().String()
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /bytes/{n}", s.serveBytes)
@@ -204,7 +208,7 @@ func (s *server) serveBytes(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set(hashHeader, streamHash(n))
 	w.Header().Set("Content-Length", strconv.FormatInt(n, 10))
 	w.Header().Set("Content-Type", "application/octet-stream")
-	sent, err := io.Copy(w, stream(n))
+	sent, err := pacedCopy(w, stream(n), s.rate)
 	if cs != nil {
 		s.mu.Lock()
 		cs.Requests++
@@ -270,4 +274,86 @@ func selfSigned() (*tls.Config, []byte, error) {
 		return nil, nil, errors.New("encoding the certificate")
 	}
 	return &tls.Config{Certificates: []tls.Certificate{cert}}, certPEM, nil
+}
+
+// bitRate is a rate in bits per second, written as a number with an
+// optional decimal suffix k, M or G (as iperf3's -b).
+type bitRate int64
+
+func (r *bitRate) String() string { return strconv.FormatInt(int64(*r), 10) }
+
+func (r *bitRate) Set(v string) error {
+	n, err := parseBitRate(v)
+	if err != nil {
+		return err
+	}
+	*r = bitRate(n)
+	return nil
+}
+
+// parseBitRate reads "40M" (40,000,000), "500k", "1G" or a plain number
+// of bits per second.
+func parseBitRate(v string) (int64, error) {
+	mult := int64(1)
+	num := v
+	if v != "" {
+		switch v[len(v)-1] {
+		case 'k', 'K':
+			mult, num = 1e3, v[:len(v)-1]
+		case 'm', 'M':
+			mult, num = 1e6, v[:len(v)-1]
+		case 'g', 'G':
+			mult, num = 1e9, v[:len(v)-1]
+		}
+	}
+	f, err := strconv.ParseFloat(num, 64)
+	if err != nil || f < 0 || f*float64(mult) > 1e12 {
+		return 0, fmt.Errorf("rate %q: want bits per second, like 40M, 500k or 1G", v)
+	}
+	return int64(f * float64(mult)), nil
+}
+
+// paceChunk is how much pacedCopy writes at a time; paceBurst how far
+// behind its schedule a paced body may fall and still catch up at full
+// speed.
+const (
+	paceChunk = 16 << 10
+	paceBurst = 10 * time.Millisecond
+)
+
+// pacedCopy copies src to w no faster than rate bits per second (0:
+// unpaced), in chunks of paceChunk, each written when the time the bytes
+// before it take at the rate has passed. A body held back below the rate
+// (a slow path, flow control) does not make up for it with a burst later:
+// its schedule never lags the clock by more than paceBurst.
+func pacedCopy(w io.Writer, src io.Reader, rate int64) (int64, error) {
+	if rate <= 0 {
+		return io.Copy(w, src)
+	}
+	buf := make([]byte, paceChunk)
+	next := time.Now()
+	var sent int64
+	for {
+		if d := time.Until(next); d > 0 {
+			time.Sleep(d)
+		}
+		n, rerr := src.Read(buf)
+		if n > 0 {
+			m, werr := w.Write(buf[:n])
+			sent += int64(m)
+			if werr != nil {
+				return sent, werr
+			}
+			if floor := time.Now().Add(-paceBurst); next.Before(floor) {
+				next = floor
+			}
+			next = next.Add(time.Duration(float64(m) * 8 / float64(rate) * float64(time.Second)))
+		}
+		if rerr == io.EOF {
+			return sent, nil
+		}
+		if rerr != nil {
+			return sent, rerr
+		}
+	}
 }
