@@ -12,8 +12,8 @@ import (
 // sessions still on mb1 until its move, then the server's pace.
 func TestQMBytes(t *testing.T) {
 	z := qmSize{Warm: 2 * time.Second, Interval: 2 * time.Second, Tail: 2 * time.Second, ShapedMbit: 60, RateMbit: 60}
-	// Session 1: 20 Mbit/s for 2 s, 60 for 6 s = 400 Mbit; session 3:
-	// 20 for 2 s, 30 for 2 s, 60 for 4 s = 340 Mbit.
+	// The first download: 20 Mbit/s for 2 s, 60 for 6 s = 400 Mbit; the
+	// third: 20 for 2 s, 30 for 2 s, 60 for 4 s = 340 Mbit.
 	for i, want := range []int64{50_000_000, 42_500_000, 42_500_000} {
 		if got := qmBytes(z, i); got != want {
 			t.Errorf("session %d: %d bytes, want %d", i+1, got, want)
