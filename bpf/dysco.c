@@ -82,7 +82,8 @@ int dysco_ingress(struct __sk_buff *skb)
 	if (f && !(f->flags & FL_INGRESS))
 		f = 0;
 	if (p.udp) {
-		if ((!f || (f->flags & FL_SYN_STRIP)) && udp_marker(skb, &p, opt)) {
+		/* A block for this host (not one it routes on: see below). */
+		if ((!f || (f->flags & FL_SYN_STRIP)) && udp_marker(skb, &p, opt) && is_local(p.t.daddr)) {
 			/* Set-up in its own program: its stack and its
 			 * states stay out of this one's. */
 			bpf_tail_call(skb, &dysco_progs, PROG_UDP_INGRESS);
@@ -108,7 +109,11 @@ int dysco_ingress(struct __sk_buff *skb)
 			stat_inc(STAT_DROP_MALFORMED);
 			return TC_ACT_SHOT;
 		}
-		if (otype == DYSCO_OPT_TYPE_SYN_BLOCK && (!f || (f->flags & FL_SYN_STRIP)))
+		/* A block is for the host its packet is addressed to: a host
+		 * that only routes the packet on (a line of hosts, where the
+		 * path between two hops crosses a third) forwards it as it
+		 * is. */
+		if (otype == DYSCO_OPT_TYPE_SYN_BLOCK && (!f || (f->flags & FL_SYN_STRIP)) && is_local(p.t.daddr))
 			return ingress_syn(skb, &p, opt, f);
 	}
 	if (f)
@@ -420,6 +425,18 @@ int dysco_ctl(struct ctl_args *a)
 		return add_sub(a, &key, &tk);
 	if (op == CTL_FREE_RECONF) {
 		free_reconf(tk.sess_id);
+		return 0;
+	}
+	if (op == CTL_WS) {
+		/* A middlebox that joined a new path learns the window scale
+		 * of the leftward direction from the new path's synAck (the
+		 * SYN brought the other): it needs both should it be an
+		 * anchor later (the window clamp). */
+		struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &tk.sess_id);
+
+		if (!s || arg > 14)
+			return s ? -22 : -2;
+		s->ws[1] = arg;
 		return 0;
 	}
 	if (op == CTL_CLOSED) {

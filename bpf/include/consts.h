@@ -185,6 +185,7 @@ enum role {
 #define CTL_ADD_SUB 10    /* tp: a side's new subsession (add_sub): req, tpv; key: its ingress flow, delta */
 #define CTL_CLOSED 11     /* tp.sess_id: state |= arg & (ST_FIN_FWD | ST_FIN_REV): FINs that passed elsewhere */
 #define CTL_HO_RELEASE 12 /* tp.sess_id: its half-open count is given back (the collector ends it) */
+#define CTL_WS 13         /* tp.sess_id: ws[1] = arg, the leftward window scale a joined session learns */
 
 /* Packet holding (hold.h). The agent re-injects held packets through an
  * AF_PACKET socket with this socket mark; the datapath never holds a packet

@@ -104,6 +104,14 @@ func (a *Agent) reconfig(ctx context.Context, req api.ReconfigRequest) (api.Reco
 	if err := protocol.CheckNFs(chain, req.NFs); err != nil {
 		return bad(fmt.Errorf("reconfig: %w", err))
 	}
+	if a.ownAddr(to) {
+		return bad(fmt.Errorf("reconfig: --to %s is an address of this host: the right anchor is a host after this one on the session's path", to))
+	}
+	for _, h := range chain {
+		if a.ownAddr(h) {
+			return bad(fmt.Errorf("reconfig: --chain names %s, an address of this host: this host is the left anchor, not a hop of the new segment", h))
+		}
+	}
 	mig, err := reconfig.ParseMigrate(req.Migrate, len(chain))
 	if err != nil {
 		return bad(err)
@@ -180,6 +188,11 @@ func (a *Agent) middlebox(ctx context.Context, req api.MiddleboxRequest) (api.Re
 	if _, err := reconfig.ParseMigrate(req.Migrate, len(req.With)); err != nil {
 		return api.ReconfigReply{}, &requestError{400, err}
 	}
+	for _, h := range req.With {
+		if a.ownAddr(h.Unmap()) {
+			return api.ReconfigReply{}, &requestError{400, fmt.Errorf("middlebox: the replacement %s is an address of this host, which leaves the sessions", h)}
+		}
+	}
 	m, err := policy.CompileMatch(req.Match)
 	if err != nil {
 		return api.ReconfigReply{}, &requestError{400, err}
@@ -221,6 +234,24 @@ func (a *Agent) execOperation(ctx context.Context, op api.Operation) api.Operati
 	}
 	a.log.Info("operation carried out", "id", op.ID, "sessions", len(rep.Results))
 	return api.OperationResult{Reply: &rep}
+}
+
+// ownAddr reports whether x is one of this host's addresses.
+func (a *Agent) ownAddr(x netip.Addr) bool {
+	fam := netlink.FAMILY_V4
+	if x.Is6() {
+		fam = netlink.FAMILY_V6
+	}
+	addrs, err := netlink.AddrList(nil, fam)
+	if err != nil {
+		return false
+	}
+	for _, ad := range addrs {
+		if ip, ok := netip.AddrFromSlice(ad.IP); ok && ip.Unmap() == x {
+			return true
+		}
+	}
+	return false
 }
 
 // selfAddr returns this host's first global address of a family: the

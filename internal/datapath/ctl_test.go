@@ -432,7 +432,7 @@ func TestCtlConsts(t *testing.T) {
 	for name, want := range map[string]int{
 		"CTL_FLAGS_SET": ctlFlagsSet, "CTL_FLAGS_CLEAR": ctlFlagsClear, "CTL_TP_START": ctlTPStart,
 		"CTL_TP_STATE": ctlTPState, "CTL_TP_CLAMP": ctlTPClamp, "CTL_MARKS_MERGE": ctlMarksMerge,
-		"CTL_FREE": ctlFree, "CTL_CUT": ctlCut, "CTL_FREE_RECONF": ctlFreeReconf, "CTL_ADD_SUB": ctlAddSub, "CTL_CLOSED": ctlClosed,
+		"CTL_FREE": ctlFree, "CTL_CUT": ctlCut, "CTL_FREE_RECONF": ctlFreeReconf, "CTL_ADD_SUB": ctlAddSub, "CTL_CLOSED": ctlClosed, "CTL_WS": ctlWS, "CTL_HO_RELEASE": ctlHoRelease,
 		"SIDE_LOCK": TPSideLock, "SIDE_SPLICE": TPSideSplice,
 	} {
 		m := regexp.MustCompile(`(?m)^#define ` + name + `\s+(\d+)`).FindSubmatch(src)
@@ -661,6 +661,33 @@ func TestMarkClosed(t *testing.T) {
 	fx.d.DeleteSession(id)
 	if err := fx.d.MarkClosed(id, StFINFwd); err == nil {
 		t.Fatal("MarkClosed of a session that is gone succeeded")
+	}
+}
+
+// TestSetLeftwardWScale: a joined session learns the window scale of its
+// leftward direction (the synAck's); the rightward one and the rest of the
+// session stay; a scale above 14 or a session that is gone is refused.
+func TestSetLeftwardWScale(t *testing.T) {
+	fx := newFixture(t)
+	s := Session{State: StSYN | StSYNACK | StEst | StSetupDone, Role: RoleMiddle, Ws: [2]uint8{9, 0xff}, CreatedMs: Now(), LastMs: Now()}
+	id, err := fx.d.InsertSession(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := fx.d.SetLeftwardWScale(id, 7); err != nil {
+		t.Fatal(err)
+	}
+	want := s
+	want.Proto, want.Ws[1] = ProtoTCP, 7
+	if got, _ := fx.d.Session(id); got != want {
+		t.Fatalf("session %+v, want %+v", got, want)
+	}
+	if err := fx.d.SetLeftwardWScale(id, 15); err == nil {
+		t.Error("window scale 15 accepted")
+	}
+	fx.d.DeleteSession(id)
+	if err := fx.d.SetLeftwardWScale(id, 7); err == nil {
+		t.Error("a session that is gone learned a window scale")
 	}
 }
 

@@ -159,6 +159,13 @@ func (d *SessionMap) MarkClosed(id uint32, dirs uint32) error {
 	return d.ctlArgs(dyscoCtlArgs{Op: ctlClosed, Tp: TPKey{SessId: id}, Arg: dirs, Stamp: Now()})
 }
 
+// SetLeftwardWScale records the window scale of the leftward direction of
+// session id (Ws[1]), which a middlebox that joined a new path learns from
+// its synAck; the datapath's copy of the session is changed in place.
+func (d *SessionMap) SetLeftwardWScale(id uint32, ws uint8) error {
+	return d.ctlArgs(dyscoCtlArgs{Op: ctlWS, Tp: TPKey{SessId: id}, Arg: uint32(ws)})
+}
+
 // CutSession cuts this host off session id, in one run of the control
 // program: the session's ingress flows go (with their deltas), its egress
 // flows get FlDrop; the session stays. Flows are found as FreeSession finds

@@ -151,6 +151,22 @@ func TestIngressDyscoSYN(t *testing.T) {
 			}
 		})
 	}
+
+	// A Dysco SYN addressed to another host, which this one routes on
+	// (the path between two hops crosses it): forwarded as it is, no
+	// state, nothing counted.
+	t.Run("routed on", func(t *testing.T) {
+		fx.reset(t)
+		sub := tup(ap("10.1.0.20:31000"), ap("10.1.0.31:32000"))
+		blk := block(t, sess4, nonceOf(8), serverV4)
+		frame := dyscoSYN(sub, blk, len(blk)).frame(t)
+		before := fx.stats(t)
+		if verdict, out := fx.run(t, fx.ingress, frame); verdict != tcActOK || string(out) != string(frame) {
+			t.Errorf("verdict %d, changed %v", verdict, string(out) != string(frame))
+		}
+		fx.expectStats(t, before, nil)
+		fx.expectNoState(t)
+	})
 }
 
 func equalAddrs(a, b []netip.Addr) bool {

@@ -36,6 +36,7 @@ const (
 	ctlAddSub     = 10
 	ctlClosed     = 11
 	ctlHoRelease  = 12
+	ctlWS         = 13
 
 	evProgress = 1
 )

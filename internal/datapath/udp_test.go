@@ -1,6 +1,7 @@
 package datapath
 
 import (
+	"bytes"
 	"encoding/binary"
 	"net/netip"
 	"testing"
@@ -258,6 +259,19 @@ func TestUDPIngress(t *testing.T) {
 		fx.expectStats(t, before, map[string]uint64{c.stat: 1})
 		fx.expectNoState(t)
 	}
+
+	// A block addressed to another host (this one routes the datagram
+	// on, the path between two hops crossing it): forwarded as it is, no
+	// state, nothing counted.
+	fx.reset(t)
+	transit := wire.Tuple{Src: prevV4, Dst: mboxV4, SrcPort: 41005, DstPort: 41006}
+	frame := udpFrame(t, apOf(transit.Src, transit.SrcPort), apOf(transit.Dst, transit.DstPort), udpBlock(t, []byte("query"), sess, transit, serverV4), false)
+	before = fx.stats(t)
+	if v, out := fx.run(t, fx.ingress, frame); v != tcActOK || !bytes.Equal(out, frame) {
+		t.Errorf("routed on: verdict %d, changed %v", v, !bytes.Equal(out, frame))
+	}
+	fx.expectStats(t, before, nil)
+	fx.expectNoState(t)
 }
 
 // TestUDP6ZeroChecksum: an IPv6 datagram of a session that carries no

@@ -586,6 +586,15 @@ type MarkClosed struct {
 	Fwd, Rev bool
 }
 
+// JoinedWScale records in a joined session's datapath state the window
+// scale of the windows that travel leftwards (towards the session's
+// client), which the new path's synAck brought; the SYN brought the other
+// (JoinSession: Right.SendWScale).
+type JoinedWScale struct {
+	Session SessionID
+	Rev     uint8
+}
+
 // Result reports the end of a reconfiguration request at its left anchor.
 type Result struct {
 	Session SessionID
@@ -690,6 +699,7 @@ func (RemoveSubsession) action() {}
 func (SetWindowClamp) action()   {}
 func (FreeSession) action()      {}
 func (MarkClosed) action()       {}
+func (JoinedWScale) action()     {}
 func (KeepLock) action()         {}
 func (NewPathReady) action()     {}
 func (Result) action()           {}

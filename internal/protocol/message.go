@@ -173,7 +173,8 @@ const (
 //	124 blocker request: left anchor (16), id (4)   (nackLock)
 //	144 delta seq (4), delta ts (4): rightDelta (requestLock), leftDelta
 //	    (ackLock, a granting synAck), the sender's cut-off oldSent (fin)
-//	152 window scale (low 7 bits; at most 14) and transport (bit 7: UDP)
+//	152 window scale (low 7 bits; at most 14): the sending anchor's stack's
+//	    (requestLock, ackLock, syn, synAck); and transport (bit 7: UDP)
 //	    153 hop count (1)
 //	154 extension length (2): the bytes of the extension body, 0: none
 //	156 anchor nonce (8)

@@ -10,17 +10,26 @@ import (
 // The new path (§3.1, §3.3): SYN, SYN-ACK and ack of the new path, joins
 // and their refusals, early SYNs, and the switch to two paths.
 
+// allocPort chooses the tuple of a new subsession to dst: a port of the
+// agent's range that no subsession to dst uses.
+//
+// The subsession leaves from the address the host's route to dst chooses
+// (Config.Source), as the datagrams of its control messages do and as the
+// datapath's subsessions set up by a SYN do: a host with several addresses
+// (a middlebox between two subnets) sends the SYN of the new path from the
+// subsession's own source, which the next hop checks (onNewSyn).
 func (a *Agent) allocPort(dst netip.Addr, dport uint16) wire.Tuple {
+	src := a.source(dst)
 	for i := 0; i < int(a.cfg.PortCount); i++ {
 		p := a.cfg.PortBase + a.nextPort
 		a.nextPort = (a.nextPort + 1) % a.cfg.PortCount
-		t := wire.Tuple{Src: a.cfg.Self, Dst: dst, SrcPort: p, DstPort: dport}
+		t := wire.Tuple{Src: src, Dst: dst, SrcPort: p, DstPort: dport}
 		if _, used := a.subs[t]; !used {
 			return t
 		}
 	}
 	// Every port is in use towards dst: reuse (the datapath refuses it).
-	return wire.Tuple{Src: a.cfg.Self, Dst: dst, SrcPort: a.cfg.PortBase, DstPort: dport}
+	return wire.Tuple{Src: src, Dst: dst, SrcPort: a.cfg.PortBase, DstPort: dport}
 }
 
 // beginSetup is the left anchor's step once the segment is locked: send
@@ -71,6 +80,7 @@ func (a *Agent) beginSetup(s *session, l *anchor) {
 
 func (a *Agent) sendSyn(s *session, l *anchor) {
 	m := a.msg(s, MsgSyn, l.newSub, l.req, l.rightAnchor)
+	m.WScale = s.sides[SideRight].SendWScale // synWScale
 	// The addresses after the receiver, ending with the right anchor; none
 	// when the receiver is the right anchor.
 	m.Hops = append(append([]netip.Addr(nil), l.chain...), l.rightAnchor)[1:]
@@ -141,8 +151,11 @@ func (a *Agent) joinNewPath(from netip.Addr, m *Message, nf string) {
 	// A joined UDP session needs no marks to be an anchor: it is ready.
 	s.ready = s.proto == ProtoUDP
 	next := m.Hops[0]
-	left := SideInfo{Peer: from, Sub: m.Sub, Nonce: m.Nonce}
-	right := SideInfo{Peer: next, Sub: a.allocPort(next, m.Session.DstPort), Nonce: m.Nonce}
+	// The windows of the packets that pass rightwards are in the left
+	// anchor's scale, which the SYN carries (synWScale); those that pass
+	// leftwards in the right anchor's, which its synAck brings (onSynAck).
+	left := SideInfo{Peer: from, Sub: m.Sub, Nonce: m.Nonce, PeerWScale: m.WScale}
+	right := SideInfo{Peer: next, Sub: a.allocPort(next, m.Session.DstPort), Nonce: m.Nonce, SendWScale: m.WScale}
 	s.sides[SideLeft], s.sides[SideRight] = &left, &right
 	a.subs[left.Sub] = subRef{id: s.id, side: SideLeft, peer: from, nonce: m.Nonce}
 	a.subs[right.Sub] = subRef{id: s.id, side: SideRight, peer: next, nonce: m.Nonce}
@@ -215,10 +228,12 @@ func (a *Agent) sendSynAck(s *session, r *anchor, to netip.Addr, sub wire.Tuple)
 // requestLock brings (a duplicate at the right anchor).
 func (a *Agent) synAckMsg(s *session, r *anchor, sub wire.Tuple) *Message {
 	m := a.msg(s, MsgSynAck, sub, r.req, a.cfg.Self)
+	// Our window scale: the grant's, and for the middleboxes joining the
+	// new path the scale of the windows they pass leftwards.
+	m.WScale = s.sides[SideLeft].SendWScale
 	if r.newPeer == r.req.LeftAnchor && !r.resumed {
 		m.Flags |= FlagGrant
 		m.Delta = r.grantDelta
-		m.WScale = s.sides[SideLeft].SendWScale
 	}
 	return m
 }
@@ -389,6 +404,14 @@ func (a *Agent) onSynAck(s *session, ref subRef, m *Message) {
 		}
 		f := *m
 		a.sendSide(s, SideLeft, &f)
+		if m.Flags&FlagRefuse == 0 && !s.joinWS && s.proto == ProtoTCP {
+			// The right anchor's window scale: that of the windows
+			// this host passes leftwards, which it needs should it be
+			// an anchor of a later reconfiguration (§4.2).
+			s.joinWS = true
+			s.sides[SideLeft].SendWScale, s.sides[SideRight].PeerWScale = m.WScale, m.WScale
+			a.emit(JoinedWScale{Session: s.id, Rev: m.WScale})
+		}
 		if m.Flags&FlagRefuse != 0 {
 			// A host after us refused the new path: it will never be
 			// used.

@@ -128,7 +128,9 @@ func (a *Agent) sendEarlySyn(s *session, l *anchor) {
 	l.newPeer = l.rightAnchor
 	l.newSub = a.allocPort(l.newPeer, s.tuple.DstPort)
 	a.subs[l.newSub] = subRef{id: s.id, side: SideRight, peer: l.newPeer, nonce: side.Nonce}
-	a.send(l.newPeer, a.msg(s, MsgSyn, l.newSub, l.req, l.rightAnchor))
+	m := a.msg(s, MsgSyn, l.newSub, l.req, l.rightAnchor)
+	m.WScale = side.SendWScale // synWScale
+	a.send(l.newPeer, m)
 }
 
 func (a *Agent) maxSeen(s *session, k ReqKey) {

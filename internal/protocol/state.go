@@ -36,6 +36,9 @@ type session struct {
 	joinReq ReqKey // set when a new-path SYN created the session
 	// joinRight is the right anchor of joinReq.
 	joinRight netip.Addr
+	// joinWS: this joined session has learned the window scale of the
+	// windows that travel left, from its new path's synAck (JoinedWScale).
+	joinWS bool
 	// joinFailed: this joined session's new path failed: its datapath
 	// could not install it (JoinFailed; the session has no datapath
 	// state), or a host after it could not (a setup-failed refusal passed

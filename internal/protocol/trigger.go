@@ -271,7 +271,7 @@ func (a *Agent) onTrigger(s *session, ref subRef, m *Message, from netip.Addr) {
 // its sender gives up after its retransmissions (§3.6).
 func (a *Agent) onTriggerUnknown(e MessageIn, m *Message) {
 	k := m.Req
-	if k.LeftAnchor != e.From || m.Sub.Src != a.cfg.Self || m.Sub.Dst != e.From {
+	if k.LeftAnchor != e.From || m.Sub.Src != a.source(e.From) || m.Sub.Dst != e.From {
 		a.reject(RejectUnknownSession, m, e.From, "trigger for no subsession %s", m.Sub)
 		return
 	}

@@ -158,6 +158,12 @@ func (c *Shell) do(v6 bool, act protocol.Action) error {
 		}
 		c.free(id)
 		c.drop(id, x.Session)
+	case protocol.JoinedWScale:
+		id := c.dpID(x.Session)
+		if id == 0 {
+			return nil
+		}
+		return dp.SetLeftwardWScale(id, x.Rev)
 	case protocol.MarkClosed:
 		id := c.dpID(x.Session)
 		if id == 0 {
@@ -374,7 +380,9 @@ func (c *Shell) join(v6 bool, x protocol.JoinSession) error {
 	if v6 {
 		sess.IsV6 = 1
 	}
-	sess.Ws = [2]uint8{0xff, 0xff}
+	// The window scale of the rightward direction came with the SYN; the
+	// leftward one comes with the synAck (JoinedWScale).
+	sess.Ws = [2]uint8{x.Right.SendWScale, 0xff}
 	sess.CreatedMs = datapath.Now()
 	sess.LastMs = sess.CreatedMs
 	reroute := func(from, to netip.Addr) uint32 {

@@ -41,6 +41,7 @@ type Sessions interface {
 	FreeSession(id uint32, onward datapath.Tuple) (int, error)
 	CutSession(id uint32, onward datapath.Tuple) (int, error)
 	MarkClosed(id uint32, dirs uint32) error
+	SetLeftwardWScale(id uint32, ws uint8) error
 	SetWindowClamp(k datapath.TPKey, bytes uint32) error
 }
 

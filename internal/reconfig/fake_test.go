@@ -194,6 +194,18 @@ func (d *fakeDP) CutSession(id uint32, _ datapath.Tuple) (int, error) {
 	return n, nil
 }
 
+func (d *fakeDP) SetLeftwardWScale(id uint32, ws uint8) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	s, ok := d.sessions[id]
+	if !ok {
+		return syscall.ENOENT
+	}
+	s.Ws[1] = ws
+	d.sessions[id] = s
+	return nil
+}
+
 func (d *fakeDP) MarkClosed(id uint32, dirs uint32) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()

@@ -351,6 +351,19 @@ func (h *host) applyDatapath(act protocol.Action) {
 			w.fail("%s: AddSubsession for session %d, which the datapath does not hold", h, x.Session)
 			return
 		}
+		if s := ds.sess; !s.udp {
+			// Packets arriving on a right side's new subsession travel
+			// leftwards; on a left side's, rightwards.
+			want := s.ws[0]
+			if x.Side == protocol.SideRight {
+				want = s.ws[1]
+			}
+			if x.WScaleIn != want || x.WScaleOut != want {
+				w.fail("%s: s%d's new %s subsession rescales windows from %d to %d; both are %d",
+					h, s.idx, x.Side, x.WScaleIn, x.WScaleOut, want)
+				return
+			}
+		}
 		sub := &dpSub{ds: ds, side: x.Side, tuple: x.Sub, peer: x.Peer, delta: x.Delta}
 		sd := ds.sides[x.Side]
 		sd.neu, sd.armed = sub, x.Armed
@@ -372,6 +385,11 @@ func (h *host) applyDatapath(act protocol.Action) {
 		}
 		if s != nil && (x.Proto == protocol.ProtoUDP) != s.udp {
 			w.fail("%s: joins s%d as %s", h, s.idx, x.Proto)
+			return
+		}
+		if s != nil && !s.udp && (x.Right.SendWScale != s.ws[0] || x.Left.PeerWScale != s.ws[0]) {
+			w.fail("%s: joins s%d with rightward window scale %d (left side %d), the session's is %d",
+				h, s.idx, x.Right.SendWScale, x.Left.PeerWScale, s.ws[0])
 			return
 		}
 		// One state per session tuple, as in the datapath: a session

@@ -105,6 +105,10 @@ func (h *host) apply(act protocol.Action) {
 		w.onTriggerAccepted(h, x)
 	case protocol.TriggerResult:
 		w.onTriggerResult(h, x)
+	case protocol.JoinedWScale:
+		if ds := h.dp[x.Session]; ds != nil && x.Rev != ds.sess.ws[1] {
+			w.fail("%s: s%d learns leftward window scale %d, the session's is %d", h, ds.sess.idx, x.Rev, ds.sess.ws[1])
+		}
 	case protocol.MarkClosed:
 		if ds := h.dp[x.Session]; ds != nil {
 			w.stats.ClosedMarks++

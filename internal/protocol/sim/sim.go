@@ -411,12 +411,17 @@ func (w *world) deliver(from, to *host, what string, fn func()) {
 // ---- sessions and requests ----
 
 type simSession struct {
-	idx      int
-	tuple    wire.Tuple
-	nonce    [wire.NonceLen]byte
-	ends     [2]*tcpEnd // [0] the initiator (left), [1] the responder (right)
-	udp      bool       // a UDP session: uends instead of ends
-	uends    [2]*udpEnd
+	idx   int
+	tuple wire.Tuple
+	nonce [wire.NonceLen]byte
+	ends  [2]*tcpEnd // [0] the initiator (left), [1] the responder (right)
+	udp   bool       // a UDP session: uends instead of ends
+	uends [2]*udpEnd
+	// ws are the window scales of a TCP session's two directions: of the
+	// windows that travel rightwards (the initiator's) and leftwards (the
+	// responder's). No middlebox rescales windows, so every host's
+	// translation of a new subsession keeps them (§4.2).
+	ws       [2]uint8
 	rst      bool          // an end host reset the session (or gave up)
 	ending   bool          // a collector saw the session end (FINs both ways acknowledged, or RST)
 	endingAt time.Duration // when it first did
