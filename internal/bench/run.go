@@ -250,7 +250,7 @@ func plan(o *Options) []planned {
 		add("connect", nmb, fmt.Sprintf("connect() latency, %d mb, tx offload off", nmb), connectEst, withOffload(false))
 		if nmb == 1 {
 			add("memory", 1, "memory per session", 2*11*time.Second, benchMemory)
-			add("udp", 1, "udp goodput, 1 mb", 2*(8*3*time.Second+2*time.Duration(o.Reps)*(it+2*time.Second)), benchUDP)
+			add("udp", 1, "udp goodput, 1 mb; datagrams lost across reconfigurations", 2*(8*3*time.Second+2*time.Duration(o.Reps)*(it+2*time.Second))+20*time.Second, benchUDP)
 		}
 		add("quic", nmb, fmt.Sprintf("quic download, %d mb", nmb), 10*time.Second+2*time.Duration(o.Reps)*4*time.Second, benchQUIC)
 		add("udpsetup", nmb, fmt.Sprintf("udp set-up latency, %d mb", nmb), 2*connectEst+2*time.Second, UDPSetup)

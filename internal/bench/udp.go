@@ -166,11 +166,13 @@ type UDPGoodputDetails struct {
 }
 
 // benchUDP: iperf3 -u through one middlebox, 1 and 100 flows, at the
-// highest rate the baseline carries without loss.
+// highest rate the baseline carries without loss; then the datagrams lost
+// across reconfigurations of a live stream (benchUDPReconfig).
 func benchUDP(ctx context.Context, o *Options, p *labkit.Pair, r *Report, pr *labkit.Progress) error {
 	if err := p.AddUDPPolicy(ctx); err != nil {
 		return err
 	}
+	var rate1 float64 // the 1-flow rate
 	for _, flows := range []int{1, 100} {
 		d := &UDPGoodputDetails{Flows: flows}
 		r.Details[fmt.Sprintf("udp-%dmb-P%d", p.NMB, flows)] = d
@@ -180,6 +182,9 @@ func benchUDP(ctx context.Context, o *Options, p *labkit.Pair, r *Report, pr *la
 			return fmt.Errorf("udp, %d flow(s): rate search: %w", flows, err)
 		}
 		d.RateMbps = rate / 1e6
+		if flows == 1 {
+			rate1 = rate
+		}
 		secs := Secs(o.IperfTime)
 		what := fmt.Sprintf("udp goodput, %d flow(s) at %.0f Mbit/s, %d mb", flows, rate/1e6, p.NMB)
 		lost := map[string][2]int64{}
@@ -209,7 +214,7 @@ func benchUDP(ctx context.Context, o *Options, p *labkit.Pair, r *Report, pr *la
 		f.Note = fmt.Sprintf("rate %.0f Mbit/s found on the baseline (%d steps; carried: < %.1f %% lost and ≥ 95 %% of it received); %s", rate/1e6, len(steps), udpMaxLoss, f.Note)
 		r.add(f)
 	}
-	return nil
+	return benchUDPReconfig(ctx, o, p, r, pr, rate1)
 }
 
 // h3Binary is dysco-h3, beside the dysco binary (`make build`).
