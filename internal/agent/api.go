@@ -103,6 +103,11 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 	}
 	a.mu.Unlock()
 	out.Ifaces = a.ifaceList()
+	for _, v6 := range []bool{false, true} {
+		if s := a.selfAddr(v6); s.IsValid() {
+			out.Addrs = append(out.Addrs, s.String())
+		}
+	}
 	out.Forwarding = a.fwd.Load()
 	if a.nfs != nil {
 		for _, f := range a.nfs.Status() {

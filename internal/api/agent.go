@@ -23,6 +23,9 @@ type Status struct {
 	PinDir  string    `json:"pin_dir"`
 	Attach  string    `json:"attach"` // "tcx" or "clsact"
 	Ifaces  []string  `json:"ifaces"`
+	// Addrs are the addresses other agents and reconfiguration requests
+	// name this host by (--chain, --to), one per family it has.
+	Addrs []string `json:"addrs,omitempty"`
 	Tap     string    `json:"tap,omitempty"`
 	// TapActive tells whether a capture listens on the tap: the datapath
 	// copies packets there only then.

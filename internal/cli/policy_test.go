@@ -259,7 +259,7 @@ func TestPolicyAddOnLocalAgent(t *testing.T) {
 func TestStatusAndSessions(t *testing.T) {
 	started := time.Now().Add(-90 * time.Second).UTC().Truncate(time.Second)
 	status := api.Status{Name: "h1", Version: "dev", Started: started, PinDir: "/sys/fs/bpf/dysco", Attach: "tcx",
-		Ifaces: []string{"eth0", "eth1"}, Tap: "dysco-tap", Sessions: 1, PolicyVersion: 7,
+		Ifaces: []string{"eth0", "eth1"}, Addrs: []string{"10.0.0.1", "fd00::1"}, Tap: "dysco-tap", Sessions: 1, PolicyVersion: 7,
 		PolicyServer: "http://10.0.0.9:7017", PolicyServerOK: false,
 		Counters:   map[string]uint64{"setups": 3, "drop_map_full": 0},
 		Forwarding: &api.Forwarding{IPv4: true, Off: []string{"net.ipv6.conf.all.forwarding"}}}
@@ -276,6 +276,7 @@ func TestStatusAndSessions(t *testing.T) {
 		"agent           h1\n",
 		"attach          tcx\n",
 		"interfaces      eth0, eth1\n",
+		"agent address   10.0.0.1, fd00::1\n",
 		"policy version  7\n",
 		"ip forwarding   ipv4 on, ipv6 OFF (net.ipv6.conf.all.forwarding=0)\n",
 		"policy server   http://10.0.0.9:7017 (UNREACHABLE; enforcing the cached version 7)\n",

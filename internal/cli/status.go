@@ -114,6 +114,9 @@ func printStatus(w io.Writer, st api.Status, now time.Time) error {
 	row("pin dir", orDash(st.PinDir))
 	row("attach", orDash(st.Attach))
 	row("interfaces", orDash(strings.Join(st.Ifaces, ", ")))
+	if len(st.Addrs) > 0 {
+		row("agent address", strings.Join(st.Addrs, ", "))
+	}
 	row("session tap", orDash(st.Tap))
 	if f := st.Forwarding; f != nil {
 		row("ip forwarding", forwardingLine(*f))
