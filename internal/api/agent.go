@@ -26,7 +26,7 @@ type Status struct {
 	// Addrs are the addresses other agents and reconfiguration requests
 	// name this host by (--chain, --to), one per family it has.
 	Addrs []string `json:"addrs,omitempty"`
-	Tap     string    `json:"tap,omitempty"`
+	Tap   string   `json:"tap,omitempty"`
 	// TapActive tells whether a capture listens on the tap: the datapath
 	// copies packets there only then.
 	TapActive bool `json:"tap_active,omitempty"`
