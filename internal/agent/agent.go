@@ -546,17 +546,11 @@ func (a *Agent) ifaceList() []string {
 }
 
 func (a *Agent) syncAddrs() error {
-	addrs, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
+	addrs, err := hostAddrs(netlink.FAMILY_ALL)
 	if err != nil {
 		return err
 	}
-	var out []netip.Addr
-	for _, ad := range addrs {
-		if ip, ok := netip.AddrFromSlice(ad.IP); ok {
-			out = append(out, ip.Unmap())
-		}
-	}
-	return a.dp.SetLocalAddrs(out)
+	return a.dp.SetLocalAddrs(addrs)
 }
 
 // ---- policies ----

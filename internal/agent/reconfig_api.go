@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/netip"
+	"slices"
 	"time"
 
 	"github.com/dysco/dysco/internal/api"
@@ -236,22 +237,30 @@ func (a *Agent) execOperation(ctx context.Context, op api.Operation) api.Operati
 	return api.OperationResult{Reply: &rep}
 }
 
+// hostAddrs lists this host's addresses of family fam (netlink.FAMILY_V4,
+// _V6 or _ALL), IPv4 ones unmapped.
+func hostAddrs(fam int) ([]netip.Addr, error) {
+	addrs, err := netlink.AddrList(nil, fam)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]netip.Addr, 0, len(addrs))
+	for _, ad := range addrs {
+		if ip, ok := netip.AddrFromSlice(ad.IP); ok {
+			out = append(out, ip.Unmap())
+		}
+	}
+	return out, nil
+}
+
 // ownAddr reports whether x is one of this host's addresses.
 func (a *Agent) ownAddr(x netip.Addr) bool {
 	fam := netlink.FAMILY_V4
 	if x.Is6() {
 		fam = netlink.FAMILY_V6
 	}
-	addrs, err := netlink.AddrList(nil, fam)
-	if err != nil {
-		return false
-	}
-	for _, ad := range addrs {
-		if ip, ok := netip.AddrFromSlice(ad.IP); ok && ip.Unmap() == x {
-			return true
-		}
-	}
-	return false
+	addrs, _ := hostAddrs(fam)
+	return slices.Contains(addrs, x)
 }
 
 // selfAddr returns this host's first global address of a family: the
@@ -261,17 +270,9 @@ func (a *Agent) selfAddr(v6 bool) netip.Addr {
 	if v6 {
 		fam = netlink.FAMILY_V6
 	}
-	addrs, err := netlink.AddrList(nil, fam)
-	if err != nil {
-		return netip.Addr{}
-	}
+	addrs, _ := hostAddrs(fam)
 	var best netip.Addr
-	for _, ad := range addrs {
-		ip, ok := netip.AddrFromSlice(ad.IP)
-		if !ok {
-			continue
-		}
-		ip = ip.Unmap()
+	for _, ip := range addrs {
 		if ip.Is6() != v6 || !ip.IsGlobalUnicast() {
 			continue
 		}
