@@ -206,7 +206,7 @@ func TestStoreBounds(t *testing.T) {
 	mustPut(t, ts.url, "/v1/types/t0", `{"instances":["10.0.0.6"]}`)
 
 	for i := 0; i < api.MaxStoredPolicies; i++ {
-		if _, err := ts.st.put(bucketPolicies, fmt.Sprintf("p%d", i), api.Policy{Name: fmt.Sprintf("p%d", i), Filter: "tcp"}); err != nil {
+		if _, err := ts.st.PutPolicy(t.Context(), api.Policy{Name: fmt.Sprintf("p%d", i), Filter: "tcp"}); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -89,7 +89,7 @@ type Config struct {
 type Server struct {
 	cfg Config
 	log *slog.Logger
-	st  *store
+	st  Store
 	mux *http.ServeMux
 
 	// tls is the listener's TLS configuration and roots the CA pool client
@@ -153,7 +153,7 @@ func New(cfg Config) (*Server, error) {
 	}
 	var cur api.PolicySet
 	if err := guard(func() (err error) { cur, err = st.load(); return err }); err != nil {
-		st.close()
+		st.Close()
 		return nil, &DamagedError{Path: cfg.DB, Err: err}
 	}
 	if err := st.backup(BackupPath(cfg.DB)); err != nil {
@@ -277,7 +277,7 @@ func (s *Server) stop() { s.closeOnce.Do(func() { close(s.closing) }) }
 // Close ends the waiting watches and closes the database.
 func (s *Server) Close() error {
 	s.stop()
-	return s.st.close()
+	return s.st.Close()
 }
 
 // Run serves cfg until ctx is done: the `dysco policy-server` command.
@@ -357,7 +357,7 @@ func isLoopback(a net.Addr) bool {
 // publish makes the database's current content the set in force and wakes
 // every watch.
 func (s *Server) publish() error {
-	set, err := s.st.load()
+	set, err := s.st.Load(context.Background())
 	if err != nil {
 		return err
 	}
@@ -410,7 +410,7 @@ func (s *Server) handlePutPolicy(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, err)
 		return
 	}
-	s.write(w, r, "policy", name, func() (bool, error) { return s.st.put(bucketPolicies, name, p) }, p)
+	s.write(w, r, "policy", name, func() (bool, error) { return s.st.PutPolicy(r.Context(), p) }, p)
 }
 
 func (s *Server) validatePolicy(p api.Policy) error {
@@ -441,15 +441,15 @@ func (s *Server) handlePutType(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, err)
 		return
 	}
-	s.write(w, r, "type", name, func() (bool, error) { return s.st.put(bucketTypes, name, t) }, t)
+	s.write(w, r, "type", name, func() (bool, error) { return s.st.PutType(r.Context(), t) }, t)
 }
 
 func (s *Server) handleDeletePolicy(w http.ResponseWriter, r *http.Request) {
-	s.remove(w, r, bucketPolicies, "policy")
+	s.remove(w, r, "policy", s.st.DeletePolicy)
 }
 
 func (s *Server) handleDeleteType(w http.ResponseWriter, r *http.Request) {
-	s.remove(w, r, bucketTypes, "type")
+	s.remove(w, r, "type", s.st.DeleteType)
 }
 
 // write runs a change and publishes the result; it answers with stored.
@@ -476,11 +476,11 @@ func (s *Server) write(w http.ResponseWriter, r *http.Request, kind, name string
 	writeJSON(w, http.StatusOK, stored)
 }
 
-func (s *Server) remove(w http.ResponseWriter, r *http.Request, bucket []byte, kind string) {
+func (s *Server) remove(w http.ResponseWriter, r *http.Request, kind string, del func(context.Context, string) (bool, error)) {
 	name := r.PathValue("name")
 	s.wmu.Lock()
 	defer s.wmu.Unlock()
-	found, err := s.st.delete(bucket, name)
+	found, err := del(r.Context(), name)
 	if err == nil && found {
 		err = s.publish()
 	}

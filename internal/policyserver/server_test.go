@@ -302,7 +302,7 @@ func TestIdleTimeoutStored(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	st.close()
+	st.Close()
 
 	ts := startServer(t, Config{DB: db})
 	mustPut(t, ts.url, "/v1/policies/quic", `{"filter":"udp dst port 4433","idle_timeout_s":300}`)

@@ -2,6 +2,7 @@ package policyserver
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -28,15 +29,63 @@ var (
 	keyVersion     = []byte("version")
 )
 
-// store keeps policies and middlebox types in a bbolt database.
-type store struct {
+// Store keeps the policy set: policies and middlebox types by name, and
+// the set's version, which every change raises. The embedded bbolt
+// database (boltStore) is the default.
+type Store interface {
+	// Load reads the whole set: policies in evaluation order (priority,
+	// then name), types by name.
+	Load(ctx context.Context) (api.PolicySet, error)
+	// PutPolicy and PutType store an object under its name, unless the
+	// stored one is the same, and tell whether anything changed. A new
+	// object beyond the bounds is refused with a *FullError.
+	PutPolicy(ctx context.Context, p api.Policy) (bool, error)
+	PutType(ctx context.Context, t api.MiddleboxType) (bool, error)
+	// DeletePolicy and DeleteType remove an object and tell whether it was
+	// there. A type that a stored policy names stays, refused with an
+	// *api.TypeInUseError.
+	DeletePolicy(ctx context.Context, name string) (bool, error)
+	DeleteType(ctx context.Context, name string) (bool, error)
+	Close() error
+}
+
+// boltStore keeps policies and middlebox types in a bbolt database.
+type boltStore struct {
 	db *bolt.DB
 }
+
+var _ Store = (*boltStore)(nil)
+
+// Load implements Store.
+func (s *boltStore) Load(context.Context) (api.PolicySet, error) { return s.load() }
+
+// PutPolicy implements Store.
+func (s *boltStore) PutPolicy(_ context.Context, p api.Policy) (bool, error) {
+	return s.put(bucketPolicies, p.Name, p)
+}
+
+// PutType implements Store.
+func (s *boltStore) PutType(_ context.Context, t api.MiddleboxType) (bool, error) {
+	return s.put(bucketTypes, t.Name, t)
+}
+
+// DeletePolicy implements Store.
+func (s *boltStore) DeletePolicy(_ context.Context, name string) (bool, error) {
+	return s.del(bucketPolicies, name)
+}
+
+// DeleteType implements Store.
+func (s *boltStore) DeleteType(_ context.Context, name string) (bool, error) {
+	return s.delType(name)
+}
+
+// Close implements Store.
+func (s *boltStore) Close() error { return s.db.Close() }
 
 // openStore opens (creating it and its directory if needed) the database at
 // path. A database that bbolt cannot open, or whose pages do not check out,
 // is refused with a *DamagedError, never a panic.
-func openStore(path string) (*store, error) {
+func openStore(path string) (*boltStore, error) {
 	if dir := filepath.Dir(path); dir != "" {
 		if err := os.MkdirAll(dir, 0o755); err != nil {
 			return nil, fmt.Errorf("policy database: %w", err)
@@ -63,7 +112,7 @@ func openStore(path string) (*store, error) {
 		db.Close()
 		return nil, &DamagedError{Path: path, Err: err}
 	}
-	return &store{db: db}, nil
+	return &boltStore{db: db}, nil
 }
 
 // openBolt opens the bbolt file at path, turning bbolt's panics on a
@@ -151,7 +200,7 @@ func checkPages(db *bolt.DB) error {
 }
 
 // backup copies the database to out, atomically (a temporary file renamed).
-func (s *store) backup(out string) error {
+func (s *boltStore) backup(out string) error {
 	tmp := out + ".tmp"
 	err := guard(func() error {
 		return s.db.View(func(tx *bolt.Tx) error { return tx.CopyFile(tmp, 0o600) })
@@ -180,7 +229,7 @@ func Check(path string) (Summary, error) {
 	if err != nil {
 		return Summary{}, err
 	}
-	defer st.close()
+	defer st.Close()
 	var set api.PolicySet
 	err = guard(func() error {
 		if err := checkPages(st.db); err != nil {
@@ -206,11 +255,11 @@ func Backup(path, out string) (Summary, error) {
 	if err != nil {
 		return sum, err
 	}
-	defer st.close()
+	defer st.Close()
 	return sum, st.backup(out)
 }
 
-func openReadOnly(path string) (*store, error) {
+func openReadOnly(path string) (*boltStore, error) {
 	if _, err := os.Stat(path); err != nil {
 		return nil, fmt.Errorf("policy database: %w", err)
 	}
@@ -218,7 +267,7 @@ func openReadOnly(path string) (*store, error) {
 	if err != nil {
 		return nil, err
 	}
-	st := &store{db: db}
+	st := &boltStore{db: db}
 	err = guard(func() error {
 		return db.View(func(tx *bolt.Tx) error {
 			for _, b := range [][]byte{bucketMeta, bucketPolicies, bucketTypes} {
@@ -236,11 +285,9 @@ func openReadOnly(path string) (*store, error) {
 	return st, nil
 }
 
-func (s *store) close() error { return s.db.Close() }
-
 // load reads the whole set, policies sorted by priority then name and types
 // by name.
-func (s *store) load() (api.PolicySet, error) {
+func (s *boltStore) load() (api.PolicySet, error) {
 	set := api.PolicySet{Policies: []api.Policy{}, Types: []api.MiddleboxType{}}
 	err := s.db.View(func(tx *bolt.Tx) error {
 		set.Version = version(tx)
@@ -301,7 +348,7 @@ func bumpVersion(tx *bolt.Tx) error {
 // put stores v under name in bucket and bumps the version, unless the stored
 // value is already the same: a repeated PUT changes nothing and wakes no
 // watcher. It tells whether anything changed.
-func (s *store) put(bucket []byte, name string, v any) (bool, error) {
+func (s *boltStore) put(bucket []byte, name string, v any) (bool, error) {
 	data, err := json.Marshal(v)
 	if err != nil {
 		return false, err
@@ -362,18 +409,10 @@ func roomFor(b *bolt.Bucket, bucket []byte) error {
 	return nil
 }
 
-// delete removes name from bucket; a type is refused while a policy names it.
-func (st *store) delete(bucket []byte, name string) (bool, error) {
-	if bytes.Equal(bucket, bucketTypes) {
-		return st.delType(name)
-	}
-	return st.del(bucket, name)
-}
-
 // delType removes the middlebox type name, unless a stored policy names it
 // (an *api.TypeInUseError naming those policies): checked and deleted in
 // one transaction, so that no policy naming it can be stored in between.
-func (s *store) delType(name string) (bool, error) {
+func (s *boltStore) delType(name string) (bool, error) {
 	found := false
 	err := s.db.Update(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketTypes)
@@ -412,7 +451,7 @@ func (s *store) delType(name string) (bool, error) {
 }
 
 // del removes name from bucket and bumps the version; it tells whether name was there.
-func (s *store) del(bucket []byte, name string) (bool, error) {
+func (s *boltStore) del(bucket []byte, name string) (bool, error) {
 	found := false
 	err := s.db.Update(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucket)
