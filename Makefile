@@ -8,18 +8,24 @@ BIN := bin/dysco
 H3BIN := bin/dysco-h3
 export CGO_ENABLED := 1
 
-.PHONY: all build h3 deps generate check-generate vet test demo bench soak soak-e2e verify fuzz clean lab-clean
+.PHONY: all build h3 etcd deps generate check-generate vet test demo bench soak soak-e2e verify fuzz clean lab-clean
 
 all: build
 
 deps:
 	@scripts/deps.sh
 
-build: deps lib/libdysco.so h3
+build: deps lib/libdysco.so h3 etcd
 	$(GO) build -o $(BIN) ./cmd/dysco
 
 h3:
 	$(GO) build -C test/h3 -o ../../$(H3BIN) .
+
+# etcd and etcdctl: the real etcd of the etcd backend's tests (docs/etcd.md),
+# built from Go modules in their own module (test/etcd).
+etcd:
+	$(GO) build -C test/etcd -o ../../bin/etcd .
+	$(GO) build -C test/etcd -o ../../bin/etcdctl go.etcd.io/etcd/etcdctl/v3
 
 # libdysco: the proxy-side library (docs/libdysco.md), for LD_PRELOAD or -ldysco.
 # Built under a temporary name and renamed: test packages running in parallel
@@ -41,6 +47,7 @@ check-generate: generate
 vet:
 	$(GO) vet ./...
 	cd test/h3 && $(GO) vet ./...
+	cd test/etcd && $(GO) vet ./...
 	@test -z "$$(gofmt -l $$(git ls-files '*.go' | grep -v '_bpfel.go$$'))" || { gofmt -l .; echo "gofmt needed"; exit 1; }
 
 test: build check-generate vet lab-clean

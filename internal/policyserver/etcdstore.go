@@ -1,0 +1,324 @@
+package policyserver
+
+// The policy set in etcd (docs/etcd.md): policy servers are then stateless
+// replicas over one etcd cluster. Keys under a prefix (default /dysco/v1/):
+//
+//	PREFIX policies/NAME   the policy's JSON
+//	PREFIX types/NAME      the middlebox type's JSON
+//	PREFIX meta/version    written by every change: its ModRevision, the
+//	                       store's revision at the last change, is the set's
+//	                       version
+//
+// Every change is one transaction conditioned on meta/version being the one
+// the change read: changes from several replicas are serialized by etcd,
+// and the bounds (FullError) and a type's use (TypeInUseError) are checked
+// against the set the change applies to. Each replica watches the prefix
+// from the revision of the set it holds, requiring a leader (a member cut
+// off from the quorum ends the watch instead of going quiet), and reloads
+// the set when it changes or when the watch fell behind a compaction.
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"strings"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/dysco/dysco/internal/api"
+)
+
+// DefaultEtcdPrefix is where the policy set lives in etcd.
+const DefaultEtcdPrefix = "/dysco/v1/"
+
+// etcdTimeout bounds every request to etcd: without a quorum a write
+// fails within it, with a NoQuorumError.
+const etcdTimeout = 3 * time.Second
+
+// etcdRetries bounds the retries of a change that raced another replica's.
+const etcdRetries = 16
+
+// NoQuorumError says that etcd could not commit or serve a request: no
+// leader, or not enough members reachable.
+type NoQuorumError struct{ Err error }
+
+func (e *NoQuorumError) Error() string {
+	return fmt.Sprintf("etcd has no quorum (no leader, or too few members reachable): %v; the agents keep the policies they have", e.Err)
+}
+
+func (e *NoQuorumError) Unwrap() error { return e.Err }
+
+// quorumErr turns the errors of a request that etcd could not serve for
+// want of a quorum into a *NoQuorumError.
+func quorumErr(err error) error {
+	if err == nil {
+		return nil
+	}
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, rpctypes.ErrNoLeader) ||
+		errors.Is(err, rpctypes.ErrGRPCNoLeader) || strings.Contains(err.Error(), "no leader") {
+		return &NoQuorumError{Err: err}
+	}
+	return err
+}
+
+// etcdStore keeps the policy set in etcd.
+type etcdStore struct {
+	cli    *clientv3.Client
+	prefix string
+	log    *slog.Logger
+	// onChange runs when the watch sees the set change (this replica's
+	// changes or another's).
+	onChange func()
+	cancel   context.CancelFunc
+	done     chan struct{}
+}
+
+var _ Store = (*etcdStore)(nil)
+
+func (s *etcdStore) key(kind, name string) string { return s.prefix + kind + "/" + name }
+func (s *etcdStore) metaKey() string              { return s.prefix + "meta/version" }
+
+// openEtcdStore connects to etcd and starts watching the set; onChange runs
+// on every change seen.
+func openEtcdStore(cfg clientv3.Config, prefix string, log *slog.Logger, onChange func()) (*etcdStore, error) {
+	if prefix == "" {
+		prefix = DefaultEtcdPrefix
+	}
+	if !strings.HasSuffix(prefix, "/") {
+		prefix += "/"
+	}
+	if cfg.DialTimeout == 0 {
+		cfg.DialTimeout = etcdTimeout
+	}
+	cli, err := clientv3.New(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("etcd %s: %w", strings.Join(cfg.Endpoints, ","), err)
+	}
+	s := &etcdStore{cli: cli, prefix: prefix, log: log, onChange: onChange, done: make(chan struct{})}
+	_, rev, err := s.load(context.Background())
+	if err != nil {
+		cli.Close()
+		return nil, fmt.Errorf("etcd %s: %w", strings.Join(cfg.Endpoints, ","), err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	s.cancel = cancel
+	go s.watch(ctx, rev)
+	return s, nil
+}
+
+// ctx bounds a request and requires a leader.
+func (s *etcdStore) ctx(parent context.Context) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithTimeout(parent, etcdTimeout)
+	return clientv3.WithRequireLeader(ctx), cancel
+}
+
+// load reads the set and the store's revision it was read at.
+func (s *etcdStore) load(parent context.Context) (api.PolicySet, int64, error) {
+	ctx, cancel := s.ctx(parent)
+	defer cancel()
+	resp, err := s.cli.Get(ctx, s.prefix, clientv3.WithPrefix())
+	if err != nil {
+		return api.PolicySet{}, 0, quorumErr(err)
+	}
+	set, err := s.decode(resp)
+	return set, resp.Header.Revision, err
+}
+
+// decode builds the set from a Get of the prefix.
+func (s *etcdStore) decode(resp *clientv3.GetResponse) (api.PolicySet, error) {
+	set := api.PolicySet{Policies: []api.Policy{}, Types: []api.MiddleboxType{}}
+	for _, kv := range resp.Kvs {
+		k := strings.TrimPrefix(string(kv.Key), s.prefix)
+		switch {
+		case k == "meta/version":
+			set.Version = uint64(kv.ModRevision)
+		case strings.HasPrefix(k, "policies/"):
+			var p api.Policy
+			if err := json.Unmarshal(kv.Value, &p); err != nil {
+				return api.PolicySet{}, fmt.Errorf("policy %q: %w", strings.TrimPrefix(k, "policies/"), err)
+			}
+			set.Policies = append(set.Policies, p)
+		case strings.HasPrefix(k, "types/"):
+			var t api.MiddleboxType
+			if err := json.Unmarshal(kv.Value, &t); err != nil {
+				return api.PolicySet{}, fmt.Errorf("type %q: %w", strings.TrimPrefix(k, "types/"), err)
+			}
+			set.Types = append(set.Types, t)
+		}
+	}
+	sortSet(&set)
+	return set, nil
+}
+
+// Load implements Store.
+func (s *etcdStore) Load(ctx context.Context) (api.PolicySet, error) {
+	set, _, err := s.load(ctx)
+	return set, err
+}
+
+// change runs fn on the set as it is and commits what it returns (puts,
+// deletes) with a new version, unless another change came in between: then
+// it runs again on the newer set. fn returns no operations for no change.
+func (s *etcdStore) change(parent context.Context, fn func(set api.PolicySet, kvs map[string][]byte) ([]clientv3.Op, error)) (bool, error) {
+	for range etcdRetries {
+		ctx, cancel := s.ctx(parent)
+		resp, err := s.cli.Get(ctx, s.prefix, clientv3.WithPrefix())
+		if err != nil {
+			cancel()
+			return false, quorumErr(err)
+		}
+		set, err := s.decode(resp)
+		if err != nil {
+			cancel()
+			return false, err
+		}
+		kvs := map[string][]byte{}
+		var metaRev int64
+		for _, kv := range resp.Kvs {
+			kvs[string(kv.Key)] = kv.Value
+			if string(kv.Key) == s.metaKey() {
+				metaRev = kv.ModRevision
+			}
+		}
+		ops, err := fn(set, kvs)
+		if err != nil || len(ops) == 0 {
+			cancel()
+			return false, err
+		}
+		ops = append(ops, clientv3.OpPut(s.metaKey(), ""))
+		tx, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(s.metaKey()), "=", metaRev)).Then(ops...).Commit()
+		cancel()
+		if err != nil {
+			return false, quorumErr(err)
+		}
+		if tx.Succeeded {
+			return true, nil
+		}
+	}
+	return false, fmt.Errorf("etcd: the policy set changed %d times while this change was tried; try again", etcdRetries)
+}
+
+// put stores v under kind/name unless it is stored so already; limit bounds
+// the number of objects of the kind.
+func (s *etcdStore) put(ctx context.Context, kind, name string, v any, limit int, what string) (bool, error) {
+	data, err := json.Marshal(v)
+	if err != nil {
+		return false, err
+	}
+	key := s.key(kind, name)
+	return s.change(ctx, func(set api.PolicySet, kvs map[string][]byte) ([]clientv3.Op, error) {
+		old, ok := kvs[key]
+		if ok && string(old) == string(data) {
+			return nil, nil
+		}
+		if !ok {
+			n := 0
+			for k := range kvs {
+				if strings.HasPrefix(k, s.prefix+kind+"/") {
+					n++
+				}
+			}
+			if n >= limit {
+				return nil, &FullError{Kind: what, Limit: limit}
+			}
+		}
+		return []clientv3.Op{clientv3.OpPut(key, string(data))}, nil
+	})
+}
+
+// PutPolicy implements Store.
+func (s *etcdStore) PutPolicy(ctx context.Context, p api.Policy) (bool, error) {
+	return s.put(ctx, "policies", p.Name, p, api.MaxStoredPolicies, "policies")
+}
+
+// PutType implements Store.
+func (s *etcdStore) PutType(ctx context.Context, t api.MiddleboxType) (bool, error) {
+	return s.put(ctx, "types", t.Name, t, api.MaxTypes, "middlebox types")
+}
+
+// DeletePolicy implements Store.
+func (s *etcdStore) DeletePolicy(ctx context.Context, name string) (bool, error) {
+	key := s.key("policies", name)
+	return s.change(ctx, func(_ api.PolicySet, kvs map[string][]byte) ([]clientv3.Op, error) {
+		if _, ok := kvs[key]; !ok {
+			return nil, nil
+		}
+		return []clientv3.Op{clientv3.OpDelete(key)}, nil
+	})
+}
+
+// DeleteType implements Store: refused while a policy of the same set
+// names the type.
+func (s *etcdStore) DeleteType(ctx context.Context, name string) (bool, error) {
+	key := s.key("types", name)
+	found := false
+	_, err := s.change(ctx, func(set api.PolicySet, kvs map[string][]byte) ([]clientv3.Op, error) {
+		if _, ok := kvs[key]; !ok {
+			found = false
+			return nil, nil
+		}
+		found = true
+		if users := api.PoliciesUsingType(set.Policies, name); len(users) > 0 {
+			return nil, &api.TypeInUseError{Type: name, Policies: users}
+		}
+		return []clientv3.Op{clientv3.OpDelete(key)}, nil
+	})
+	return found, err
+}
+
+// watch follows the prefix from revision rev on, and runs onChange for
+// every change. A watch that ends (no leader, the member gone, a
+// compaction past rev) starts again after a back-off with jitter: from rev
+// on, or, after a compaction, from a fresh read of the set.
+func (s *etcdStore) watch(ctx context.Context, rev int64) {
+	defer close(s.done)
+	backoff := 100 * time.Millisecond
+	for ctx.Err() == nil {
+		wch := s.cli.Watch(clientv3.WithRequireLeader(ctx), s.prefix, clientv3.WithPrefix(), clientv3.WithRev(rev+1))
+		for resp := range wch {
+			if resp.CompactRevision > 0 {
+				// Fell behind a compaction: the events are gone; read
+				// the whole set again and go on from there.
+				s.log.Warn("etcd: the watch fell behind a compaction; reloading the policy set", "compacted", resp.CompactRevision, "had", rev)
+				if _, r, err := s.load(ctx); err == nil {
+					rev = r
+					s.onChange()
+				}
+				break
+			}
+			if err := resp.Err(); err != nil {
+				s.log.Warn("etcd: watch ended", "err", err)
+				break
+			}
+			if len(resp.Events) > 0 {
+				rev = resp.Header.Revision
+				backoff = 100 * time.Millisecond
+				s.onChange()
+			}
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		d := backoff + time.Duration(rand.Int64N(int64(backoff)))
+		if backoff < 5*time.Second {
+			backoff *= 2
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(d):
+		}
+	}
+}
+
+// Close implements Store.
+func (s *etcdStore) Close() error {
+	s.cancel()
+	<-s.done
+	return s.cli.Close()
+}

@@ -1,0 +1,198 @@
+package policyserver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/testutil"
+)
+
+// etcdBin is the etcd server that `make build` builds from test/etcd.
+var etcdBin = filepath.Join("..", "..", "bin", "etcd")
+
+// freePort returns a loopback TCP port nobody listens on now.
+func freePort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// startEtcd runs a one-member etcd on loopback for the test and returns its
+// client URL and a function that kills it; the member and its data go when
+// the test ends.
+func startEtcd(t *testing.T) (string, func()) {
+	t.Helper()
+	if _, err := os.Stat(etcdBin); err != nil {
+		t.Fatalf("%v: run `make build` (it builds bin/etcd from test/etcd)", err)
+	}
+	dir := t.TempDir()
+	client := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	peer := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	cmd := exec.Command(etcdBin, "--name", "m1", "--data-dir", filepath.Join(dir, "data"),
+		"--listen-client-urls", client, "--advertise-client-urls", client,
+		"--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+		"--initial-cluster", "m1="+peer, "--log-outputs", filepath.Join(dir, "etcd.log"))
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	stop := func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	}
+	t.Cleanup(func() {
+		stop()
+		if t.Failed() {
+			if b, err := os.ReadFile(filepath.Join(dir, "etcd.log")); err == nil {
+				t.Logf("etcd log:\n%s", b)
+			}
+		}
+	})
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{client}, DialTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	testutil.Eventually(t, 20*time.Second, "etcd to serve", func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_, err := cli.Get(clientv3.WithRequireLeader(ctx), "health")
+		return err == nil
+	})
+	return client, stop
+}
+
+func openTestEtcdStore(t *testing.T, url, prefix string, changes *atomic.Int64) *etcdStore {
+	t.Helper()
+	s, err := openEtcdStore(clientv3.Config{Endpoints: []string{url}}, prefix, slog.Default(), func() { changes.Add(1) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	return s
+}
+
+// TestEtcdStore: the policy set in a real etcd, through two replicas of
+// the store. Versions are the store's revisions and rise with every change
+// and only then; each replica sees the other's changes by its watch; the
+// bounds and a type's use are checked against the set a change applies to;
+// a watch that fell behind a compaction reloads the set.
+func TestEtcdStore(t *testing.T) {
+	url, _ := startEtcd(t)
+	ctx := t.Context()
+	var ca, cb atomic.Int64
+	a := openTestEtcdStore(t, url, "/dysco-test/", &ca)
+	b := openTestEtcdStore(t, url, "/dysco-test", &cb)
+
+	set, err := a.Load(ctx)
+	if err != nil || set.Version != 0 || len(set.Policies) != 0 {
+		t.Fatalf("empty store: %+v %v", set, err)
+	}
+	pol := api.Policy{Name: "web", Filter: "tcp dst port 80", Chain: []api.Hop{{Type: "fw"}}}
+	typ := api.MiddleboxType{Name: "fw", Instances: []netip.Addr{netip.MustParseAddr("10.0.0.5")}}
+	if ch, err := a.PutType(ctx, typ); !ch || err != nil {
+		t.Fatalf("put type: %v %v", ch, err)
+	}
+	if ch, err := a.PutPolicy(ctx, pol); !ch || err != nil {
+		t.Fatalf("put policy: %v %v", ch, err)
+	}
+	v1, err := b.Load(ctx)
+	if err != nil || len(v1.Policies) != 1 || v1.Policies[0].Filter != pol.Filter || len(v1.Types) != 1 || v1.Version == 0 {
+		t.Fatalf("replica b reads %+v %v", v1, err)
+	}
+	testutil.Eventually(t, 5*time.Second, "replica b to see both changes", func() bool { return cb.Load() >= 1 })
+
+	// The same object again: no change, no new version.
+	if ch, err := b.PutPolicy(ctx, pol); ch || err != nil {
+		t.Fatalf("same policy again: changed %v, %v", ch, err)
+	}
+	if v, _ := a.Load(ctx); v.Version != v1.Version {
+		t.Fatalf("version %d after an unchanged put, was %d", v.Version, v1.Version)
+	}
+	// A type in use stays; once its policy is gone it goes.
+	var inUse *api.TypeInUseError
+	if found, err := b.DeleteType(ctx, "fw"); !found || !errors.As(err, &inUse) {
+		t.Fatalf("delete a type in use: %v %v", found, err)
+	}
+	if found, err := b.DeletePolicy(ctx, "web"); !found || err != nil {
+		t.Fatalf("delete policy: %v %v", found, err)
+	}
+	if found, err := b.DeletePolicy(ctx, "web"); found || err != nil {
+		t.Fatalf("delete it again: %v %v", found, err)
+	}
+	if found, err := a.DeleteType(ctx, "fw"); !found || err != nil {
+		t.Fatalf("delete the type: %v %v", found, err)
+	}
+	v2, _ := a.Load(ctx)
+	if v2.Version <= v1.Version || len(v2.Policies)+len(v2.Types) != 0 {
+		t.Fatalf("after the deletes: %+v (was version %d)", v2, v1.Version)
+	}
+	// Bounds: MaxTypes types, then a FullError.
+	for i := range api.MaxTypes {
+		if _, err := a.PutType(ctx, api.MiddleboxType{Name: fmt.Sprintf("t%d", i), Instances: []netip.Addr{netip.MustParseAddr("10.0.0.5")}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var full *FullError
+	if _, err := b.PutType(ctx, api.MiddleboxType{Name: "one-more", Instances: []netip.Addr{netip.MustParseAddr("10.0.0.5")}}); !errors.As(err, &full) {
+		t.Fatalf("type beyond the bound: %v", err)
+	}
+
+	// A compaction past the revision a watch would resume from: the
+	// replica reloads (its onChange runs) and follows later changes.
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{url}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	resp, err := cli.Get(ctx, "x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Compact(ctx, resp.Header.Revision); err != nil {
+		t.Fatal(err)
+	}
+	before := cb.Load()
+	if _, err := a.PutPolicy(ctx, api.Policy{Name: "after-compaction", Filter: "udp"}); err != nil {
+		t.Fatal(err)
+	}
+	testutil.Eventually(t, 5*time.Second, "replica b to see the change after the compaction", func() bool { return cb.Load() > before })
+}
+
+// TestEtcdStoreNoQuorum: with etcd gone, reads and writes fail within the
+// store's timeout with a NoQuorumError, never hang.
+func TestEtcdStoreNoQuorum(t *testing.T) {
+	url, stop := startEtcd(t)
+	var n atomic.Int64
+	s := openTestEtcdStore(t, url, "", &n)
+	if _, err := s.PutPolicy(t.Context(), api.Policy{Name: "p", Filter: "tcp"}); err != nil {
+		t.Fatal(err)
+	}
+	// The test's etcd is the only member: stopping it takes the quorum.
+	stop()
+	start := time.Now()
+	_, err := s.PutPolicy(t.Context(), api.Policy{Name: "q", Filter: "tcp"})
+	var nq *NoQuorumError
+	if !errors.As(err, &nq) {
+		t.Fatalf("write without etcd: %v", err)
+	}
+	if d := time.Since(start); d > etcdTimeout+2*time.Second {
+		t.Fatalf("the write failed after %v", d)
+	}
+}
