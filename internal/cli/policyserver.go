@@ -32,7 +32,9 @@ func newPolicyServerCmd() *cobra.Command {
 		Use:   "policy-server",
 		Short: "Run the policy server, which stores policies and hands them to the agents",
 		Long: `Run the policy server (paper §2.2): it keeps policies and middlebox types in
-a bbolt database and serves them over HTTPS/JSON. Agents started with its URL
+a bbolt database (--db), or in an etcd cluster (--etcd: any number of policy
+servers then serve the same set, each a stateless replica), and serves them
+over HTTPS/JSON. Agents started with its URL
 long-poll /v1/watch for the policies meant for them, and keep their last set
 while it is down. Operators change policies with "dysco policy add --server URL".
 
@@ -82,7 +84,12 @@ GET /healthz.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&cfg.Listen, "listen", policyserver.DefaultListen, "TCP address to serve on")
-	f.StringVar(&cfg.DB, "db", policyserver.DefaultDB, "bbolt database file (its directory is created)")
+	f.StringVar(&cfg.DB, "db", policyserver.DefaultDB, "bbolt database file (its directory is created); not used with --etcd")
+	f.StringSliceVar(&cfg.Etcd, "etcd", nil, "keep the policies in this etcd cluster instead of --db: its client URLs, comma-separated; policy servers are then stateless replicas (docs/etcd.md)")
+	f.StringVar(&cfg.EtcdPrefix, "etcd-prefix", policyserver.DefaultEtcdPrefix, "key prefix of the policy set in etcd")
+	f.StringVar(&cfg.EtcdCertFile, "etcd-cert", "", "client certificate for etcd (https:// URLs with client authentication)")
+	f.StringVar(&cfg.EtcdKeyFile, "etcd-key", "", "its key")
+	f.StringVar(&cfg.EtcdCAFile, "etcd-ca", "", "CA certificate of etcd's server certificate")
 	f.StringVar(&pkiDir, "pki-dir", defaultPKIDir(), "directory of the server's certificate (server.crt, server.key) and the CA (ca.crt) of the clients' (made by dysco certs; env DYSCO_PKI_DIR)")
 	f.StringVar(&cfg.CertFile, "tls-cert", "", "the server's certificate (default PKI-DIR/server.crt)")
 	f.StringVar(&cfg.KeyFile, "tls-key", "", "the server's key (default PKI-DIR/server.key)")

@@ -19,16 +19,20 @@ package policyserver
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"os"
 	"strings"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
 
 	"github.com/dysco/dysco/internal/api"
 )
@@ -109,6 +113,36 @@ func openEtcdStore(cfg clientv3.Config, prefix string, log *slog.Logger, onChang
 	s.cancel = cancel
 	go s.watch(ctx, rev)
 	return s, nil
+}
+
+// etcdClientConfig is the etcd client configuration of cfg: its endpoints,
+// and mutual TLS when it names a certificate or a CA.
+func etcdClientConfig(cfg Config) (clientv3.Config, error) {
+	ec := clientv3.Config{Endpoints: cfg.Etcd, DialTimeout: etcdTimeout, Logger: zap.NewNop()}
+	if cfg.EtcdCertFile == "" && cfg.EtcdKeyFile == "" && cfg.EtcdCAFile == "" {
+		return ec, nil
+	}
+	tc := &tls.Config{MinVersion: tls.VersionTLS12}
+	if cfg.EtcdCertFile != "" || cfg.EtcdKeyFile != "" {
+		c, err := tls.LoadX509KeyPair(cfg.EtcdCertFile, cfg.EtcdKeyFile)
+		if err != nil {
+			return ec, fmt.Errorf("etcd client certificate: %w", err)
+		}
+		tc.Certificates = []tls.Certificate{c}
+	}
+	if cfg.EtcdCAFile != "" {
+		pem, err := os.ReadFile(cfg.EtcdCAFile)
+		if err != nil {
+			return ec, fmt.Errorf("etcd CA: %w", err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return ec, fmt.Errorf("etcd CA %s: no certificate in it", cfg.EtcdCAFile)
+		}
+		tc.RootCAs = pool
+	}
+	ec.TLS = tc
+	return ec, nil
 }
 
 // ctx bounds a request and requires a leader.

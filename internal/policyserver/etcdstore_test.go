@@ -2,14 +2,18 @@ package policyserver
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -194,5 +198,57 @@ func TestEtcdStoreNoQuorum(t *testing.T) {
 	}
 	if d := time.Since(start); d > etcdTimeout+2*time.Second {
 		t.Fatalf("the write failed after %v", d)
+	}
+}
+
+// TestEtcdReplicas: two policy servers over one etcd serve the same set: a
+// policy put through one reaches a watch on the other; with etcd gone, a
+// write fails at once with 503 and the reason, and the watch still answers
+// with the set the replica holds.
+func TestEtcdReplicas(t *testing.T) {
+	url, stop := startEtcd(t)
+	replica := func() (*Server, string) {
+		s, err := New(Config{Insecure: true, Etcd: []string{url}, EtcdPrefix: "/replicas/"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := httptest.NewServer(s.Handler())
+		t.Cleanup(func() { srv.Close(); s.Close() })
+		return s, srv.URL
+	}
+	_, a := replica()
+	_, b := replica()
+	got := make(chan api.PolicySet, 1)
+	go func() {
+		var set api.PolicySet
+		resp, err := http.Get(b + "/v1/watch?host=h1&after=0&wait=20")
+		if err == nil {
+			json.NewDecoder(resp.Body).Decode(&set)
+			resp.Body.Close()
+		}
+		got <- set
+	}()
+	mustPut(t, a, "/v1/policies/web", `{"filter":"tcp dst port 80"}`)
+	select {
+	case set := <-got:
+		if len(set.Policies) != 1 || set.Policies[0].Name != "web" || set.Version == 0 {
+			t.Fatalf("replica b's watch answered %+v", set)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("replica b's watch did not answer")
+	}
+
+	stop()
+	start := time.Now()
+	code, data := call(t, "PUT", a+"/v1/policies/ssh", `{"filter":"tcp dst port 22"}`)
+	if e := decode[api.Error](t, data); code != http.StatusServiceUnavailable || !strings.Contains(e.Error, "no quorum") {
+		t.Fatalf("write without etcd: %d %q", code, e.Error)
+	}
+	if d := time.Since(start); d > etcdTimeout+2*time.Second {
+		t.Fatalf("the write failed after %v", d)
+	}
+	code, data = call(t, "GET", b+"/v1/watch?host=h1&after=0&wait=1", "")
+	if set := decode[api.PolicySet](t, data); code != 200 || len(set.Policies) != 1 {
+		t.Fatalf("watch on replica b without etcd: %d %+v", code, set)
 	}
 }

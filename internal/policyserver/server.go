@@ -67,8 +67,17 @@ type Config struct {
 	// on this address (the API listener does not serve /metrics).
 	MetricsListen string
 	// DB is the bbolt database file (DefaultDB when empty); its directory is
-	// created if needed.
+	// created if needed. Unused with Etcd.
 	DB string
+	// Etcd, when set, are the client URLs of an etcd cluster that keeps the
+	// policy set instead of DB (etcdstore.go): the server is then one of
+	// any number of stateless replicas. EtcdPrefix is where in etcd
+	// (DefaultEtcdPrefix when empty); EtcdCertFile, EtcdKeyFile and
+	// EtcdCAFile, when set, are the client certificate, its key and the CA
+	// of etcd's server certificate (https:// URLs).
+	Etcd                                  []string
+	EtcdPrefix                            string
+	EtcdCertFile, EtcdKeyFile, EtcdCAFile string
 	// ReadyFile, when set, is written with the listening address once the
 	// server accepts connections, and removed when it stops.
 	ReadyFile string
@@ -115,6 +124,12 @@ type Server struct {
 	closeOnce sync.Once
 	watchers  atomic.Int64
 
+	// storeChanged is signalled by a store that sees the set change
+	// (etcd); following is closed when followStore has stopped (nil: no
+	// such goroutine).
+	storeChanged chan struct{}
+	following    chan struct{}
+
 	// ops are the operations relayed to agents (operations.go).
 	ops *ops
 
@@ -147,32 +162,74 @@ func New(cfg Config) (*Server, error) {
 			return nil, fmt.Errorf("policy server: %w; create the certificates with `dysco certs` (docs/operating.md, \"Policy server\"), or pass --insecure to serve plain HTTP with no authentication", err)
 		}
 	}
-	st, err := openStore(cfg.DB)
-	if err != nil {
-		return nil, err
-	}
-	var cur api.PolicySet
-	if err := guard(func() (err error) { cur, err = st.load(); return err }); err != nil {
-		st.Close()
-		return nil, &DamagedError{Path: cfg.DB, Err: err}
-	}
-	if err := st.backup(BackupPath(cfg.DB)); err != nil {
-		cfg.Logger.Warn("no copy of the sound database made", "err", err)
-	}
 	s := &Server{
-		cfg:     cfg,
-		log:     cfg.Logger,
-		st:      st,
-		cur:     cur,
-		changed: make(chan struct{}),
-		closing: make(chan struct{}),
-		ops:     newOps(),
-		tls:     tc,
-		roots:   roots,
+		cfg:          cfg,
+		log:          cfg.Logger,
+		changed:      make(chan struct{}),
+		closing:      make(chan struct{}),
+		storeChanged: make(chan struct{}, 1),
+		ops:          newOps(),
+		tls:          tc,
+		roots:        roots,
+	}
+	if len(cfg.Etcd) > 0 {
+		ec, err := etcdClientConfig(cfg)
+		if err != nil {
+			return nil, err
+		}
+		// Changes by any replica reach this one through the store's
+		// watch: it publishes them (followStore).
+		st, err := openEtcdStore(ec, cfg.EtcdPrefix, cfg.Logger, func() {
+			select {
+			case s.storeChanged <- struct{}{}:
+			default:
+			}
+		})
+		if err != nil {
+			return nil, err
+		}
+		s.st = st
+		if s.cur, err = st.Load(context.Background()); err != nil {
+			st.Close()
+			return nil, err
+		}
+		s.following = make(chan struct{})
+		go s.followStore()
+	} else {
+		st, err := openStore(cfg.DB)
+		if err != nil {
+			return nil, err
+		}
+		if err := guard(func() (err error) { s.cur, err = st.load(); return err }); err != nil {
+			st.Close()
+			return nil, &DamagedError{Path: cfg.DB, Err: err}
+		}
+		if err := st.backup(BackupPath(cfg.DB)); err != nil {
+			cfg.Logger.Warn("no copy of the sound database made", "err", err)
+		}
+		s.st = st
 	}
 	s.initMetrics()
 	s.routes()
 	return s, nil
+}
+
+// followStore publishes the changes the store reports (other replicas'
+// among them) until the server closes.
+func (s *Server) followStore() {
+	defer close(s.following)
+	for {
+		select {
+		case <-s.closing:
+			return
+		case <-s.storeChanged:
+			// Not under wmu: a read that waits for a lost quorum must
+			// not hold up this replica's writes, which fail fast.
+			if err := s.publish(); err != nil {
+				s.log.Warn("the policy store changed but cannot be read; agents keep the set they have", "err", err)
+			}
+		}
+	}
 }
 
 // routes serves each route to the roles that may use it (auth.go).
@@ -277,6 +334,9 @@ func (s *Server) stop() { s.closeOnce.Do(func() { close(s.closing) }) }
 // Close ends the waiting watches and closes the database.
 func (s *Server) Close() error {
 	s.stop()
+	if s.following != nil {
+		<-s.following
+	}
 	return s.st.Close()
 }
 
@@ -362,6 +422,14 @@ func (s *Server) publish() error {
 		return err
 	}
 	s.mu.Lock()
+	if set.Version <= s.cur.Version {
+		// Seen already (a replica publishes its own change, then
+		// hears of it from the store), or an older read that lost
+		// the race with a newer one: sets are published in version
+		// order.
+		s.mu.Unlock()
+		return nil
+	}
 	s.cur = set
 	close(s.changed)
 	s.changed = make(chan struct{})
@@ -461,8 +529,14 @@ func (s *Server) write(w http.ResponseWriter, r *http.Request, kind, name string
 		err = s.publish()
 	}
 	var full *FullError
-	if errors.As(err, &full) {
+	var nq *NoQuorumError
+	switch {
+	case errors.As(err, &full):
 		writeError(w, http.StatusConflict, err)
+		return
+	case errors.As(err, &nq):
+		s.log.Warn("storing "+kind+" failed", kind, name, "err", err)
+		writeError(w, http.StatusServiceUnavailable, err)
 		return
 	}
 	if err != nil {
@@ -485,8 +559,14 @@ func (s *Server) remove(w http.ResponseWriter, r *http.Request, kind string, del
 		err = s.publish()
 	}
 	var inUse *api.TypeInUseError
-	if errors.As(err, &inUse) {
+	var nq *NoQuorumError
+	switch {
+	case errors.As(err, &inUse):
 		writeError(w, http.StatusConflict, err)
+		return
+	case errors.As(err, &nq):
+		s.log.Warn("deleting "+kind+" failed", kind, name, "err", err)
+		writeError(w, http.StatusServiceUnavailable, err)
 		return
 	}
 	if err != nil {
