@@ -400,6 +400,20 @@ type MiddleboxRequest struct {
 // exactly one of Reconfig (the agent is the left anchor, as `dysco
 // reconfig`) and Middlebox (the agent is the middlebox leaving or being
 // replaced, as `dysco middlebox`). The server gives it an ID and a state;
+// AgentRegistration is an agent that polls the policy servers for its
+// policies (GET /v1/agents): registered by each poll, it lapses when the
+// agent stops polling (docs/etcd.md, "Agents").
+type AgentRegistration struct {
+	Host string `json:"host"`
+	// Addr is the address the agent's last poll came from.
+	Addr string `json:"addr"`
+	// Applied is the version of the set the agent held at its last poll
+	// (its after=): the convergence signal.
+	Applied uint64 `json:"applied"`
+	// Seen is the time of its last poll.
+	Seen time.Time `json:"seen"`
+}
+
 // the agent named by Host claims it, carries it out as if asked through its
 // local API, and reports the reply. docs/operating.md, "From one place,
 // through the policy server".

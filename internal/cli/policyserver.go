@@ -54,7 +54,7 @@ run on agent H as if typed there, and print its results. Agents claim them
 by long-polling /v1/operations/claim; operations live in memory only.
 
 Routes: GET /v1/policies, PUT|DELETE /v1/policies/NAME, PUT|DELETE /v1/types/NAME,
-GET /v1/watch?host=H&after=V[&wait=S], POST|GET /v1/operations,
+GET /v1/watch?host=H&after=V[&wait=S], GET /v1/agents, POST|GET /v1/operations,
 GET /v1/operations/ID[?wait=S], POST /v1/operations/claim?host=H[&wait=S],
 PUT /v1/operations/ID/result, GET /healthz; on --metrics-listen: GET /metrics,
 GET /healthz.`,

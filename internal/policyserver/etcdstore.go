@@ -8,11 +8,12 @@ package policyserver
 //	PREFIX meta/version    written by every change: its ModRevision, the
 //	                       store's revision at the last change, is the set's
 //	                       version
+//	PREFIX agents/HOST     an agent's registration, under its lease
 //
 // Every change is one transaction conditioned on meta/version being the one
 // the change read: changes from several replicas are serialized by etcd,
 // and the bounds (FullError) and a type's use (TypeInUseError) are checked
-// against the set the change applies to. Each replica watches the prefix
+// against the set the change applies to. Each replica watches meta/version
 // from the revision of the set it holds, requiring a leader (a member cut
 // off from the quorum ends the watch instead of going quiet), and reloads
 // the set when it changes or when the watch fell behind a compaction.
@@ -28,6 +29,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"strings"
+	"sync"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
@@ -80,6 +82,12 @@ type etcdStore struct {
 	onChange func()
 	cancel   context.CancelFunc
 	done     chan struct{}
+
+	// leases are the leases of the agents this replica registered, by
+	// host: a registration lives under its agent's lease, which each poll
+	// keeps alive.
+	leaseMu sync.Mutex
+	leases  map[string]clientv3.LeaseID
 }
 
 var _ Store = (*etcdStore)(nil)
@@ -155,7 +163,7 @@ func (s *etcdStore) ctx(parent context.Context) (context.Context, context.Cancel
 func (s *etcdStore) load(parent context.Context) (api.PolicySet, int64, error) {
 	ctx, cancel := s.ctx(parent)
 	defer cancel()
-	resp, err := s.cli.Get(ctx, s.prefix, clientv3.WithPrefix())
+	resp, err := s.getSet(ctx)
 	if err != nil {
 		return api.PolicySet{}, 0, quorumErr(err)
 	}
@@ -163,7 +171,13 @@ func (s *etcdStore) load(parent context.Context) (api.PolicySet, int64, error) {
 	return set, resp.Header.Revision, err
 }
 
-// decode builds the set from a Get of the prefix.
+// getSet reads the keys of the set: meta/, policies/ and types/, in key
+// order (not the agents' registrations, agents/, before them).
+func (s *etcdStore) getSet(ctx context.Context) (*clientv3.GetResponse, error) {
+	return s.cli.Get(ctx, s.prefix+"meta/", clientv3.WithRange(s.prefix+"types0"))
+}
+
+// decode builds the set from getSet's answer.
 func (s *etcdStore) decode(resp *clientv3.GetResponse) (api.PolicySet, error) {
 	set := api.PolicySet{Policies: []api.Policy{}, Types: []api.MiddleboxType{}}
 	for _, kv := range resp.Kvs {
@@ -201,7 +215,7 @@ func (s *etcdStore) Load(ctx context.Context) (api.PolicySet, error) {
 func (s *etcdStore) change(parent context.Context, fn func(set api.PolicySet, kvs map[string][]byte) ([]clientv3.Op, error)) (bool, error) {
 	for range etcdRetries {
 		ctx, cancel := s.ctx(parent)
-		resp, err := s.cli.Get(ctx, s.prefix, clientv3.WithPrefix())
+		resp, err := s.getSet(ctx)
 		if err != nil {
 			cancel()
 			return false, quorumErr(err)
@@ -313,7 +327,9 @@ func (s *etcdStore) watch(ctx context.Context, rev int64) {
 	defer close(s.done)
 	backoff := 100 * time.Millisecond
 	for ctx.Err() == nil {
-		wch := s.cli.Watch(clientv3.WithRequireLeader(ctx), s.prefix, clientv3.WithPrefix(), clientv3.WithRev(rev+1))
+		// Every change of the set writes meta/version: its events are
+		// the set's changes, and registrations wake nobody.
+		wch := s.cli.Watch(clientv3.WithRequireLeader(ctx), s.metaKey(), clientv3.WithRev(rev+1))
 		for resp := range wch {
 			if resp.CompactRevision > 0 {
 				// Fell behind a compaction: the events are gone; read
@@ -348,6 +364,61 @@ func (s *etcdStore) watch(ctx context.Context, rev int64) {
 		case <-time.After(d):
 		}
 	}
+}
+
+// Register implements Store: the registration is PREFIX agents/HOST under
+// a lease of ttl, the host's at this replica, kept alive by each poll; an
+// agent that stops polling (or moves to another replica, which takes it
+// over with a lease of its own) lapses with its lease.
+func (s *etcdStore) Register(parent context.Context, reg api.AgentRegistration, ttl time.Duration) error {
+	data, err := json.Marshal(reg)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := s.ctx(parent)
+	defer cancel()
+	s.leaseMu.Lock()
+	id, ok := s.leases[reg.Host]
+	s.leaseMu.Unlock()
+	if ok {
+		if _, err := s.cli.KeepAliveOnce(ctx, id); err != nil {
+			ok = false // lapsed (or etcd lost it): a new one
+		}
+	}
+	if !ok {
+		l, err := s.cli.Grant(ctx, int64(max(ttl/time.Second, 1)))
+		if err != nil {
+			return quorumErr(err)
+		}
+		id = l.ID
+		s.leaseMu.Lock()
+		if s.leases == nil {
+			s.leases = map[string]clientv3.LeaseID{}
+		}
+		s.leases[reg.Host] = id
+		s.leaseMu.Unlock()
+	}
+	_, err = s.cli.Put(ctx, s.key("agents", reg.Host), string(data), clientv3.WithLease(id))
+	return quorumErr(err)
+}
+
+// Agents implements Store.
+func (s *etcdStore) Agents(parent context.Context) ([]api.AgentRegistration, error) {
+	ctx, cancel := s.ctx(parent)
+	defer cancel()
+	resp, err := s.cli.Get(ctx, s.prefix+"agents/", clientv3.WithPrefix())
+	if err != nil {
+		return nil, quorumErr(err)
+	}
+	out := []api.AgentRegistration{}
+	for _, kv := range resp.Kvs {
+		var r api.AgentRegistration
+		if err := json.Unmarshal(kv.Value, &r); err != nil {
+			return nil, fmt.Errorf("registration %q: %w", kv.Key, err)
+		}
+		out = append(out, r)
+	}
+	return out, nil
 }
 
 // Close implements Store.

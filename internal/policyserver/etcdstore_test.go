@@ -179,6 +179,38 @@ func TestEtcdStore(t *testing.T) {
 	testutil.Eventually(t, 5*time.Second, "replica b to see the change after the compaction", func() bool { return cb.Load() > before })
 }
 
+// TestEtcdRegistrations: an agent's registration lives under its lease and
+// lapses once it stops polling; another replica takes it over.
+func TestEtcdRegistrations(t *testing.T) {
+	url, _ := startEtcd(t)
+	var n atomic.Int64
+	a := openTestEtcdStore(t, url, "/reg/", &n)
+	b := openTestEtcdStore(t, url, "/reg/", &n)
+	ctx := t.Context()
+	reg := api.AgentRegistration{Host: "h1", Addr: "10.0.0.1", Applied: 7, Seen: time.Now().UTC().Truncate(time.Second)}
+	if err := a.Register(ctx, reg, 2*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	reg.Applied = 9
+	if err := b.Register(ctx, reg, 2*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	regs, err := a.Agents(ctx)
+	if err != nil || len(regs) != 1 || regs[0].Applied != 9 {
+		t.Fatalf("registrations %+v %v", regs, err)
+	}
+	if set, err := a.Load(ctx); err != nil || len(set.Policies) != 0 || set.Version != 0 {
+		t.Fatalf("registrations show in the set: %+v %v", set, err)
+	}
+	if n.Load() != 0 {
+		t.Fatalf("registrations woke the replicas' watches %d times", n.Load())
+	}
+	testutil.Eventually(t, 10*time.Second, "h1's registration to lapse", func() bool {
+		regs, err := b.Agents(ctx)
+		return err == nil && len(regs) == 0
+	})
+}
+
 // TestEtcdStoreNoQuorum: with etcd gone, reads and writes fail within the
 // store's timeout with a NoQuorumError, never hang.
 func TestEtcdStoreNoQuorum(t *testing.T) {
@@ -237,6 +269,13 @@ func TestEtcdReplicas(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("replica b's watch did not answer")
 	}
+
+	// h1's poll at b registered it, with the version it held: a lists it.
+	testutil.Eventually(t, 5*time.Second, "h1 to be registered", func() bool {
+		_, data := call(t, "GET", a+"/v1/agents", "")
+		regs := decode[[]api.AgentRegistration](t, data)
+		return len(regs) == 1 && regs[0].Host == "h1" && regs[0].Applied == 0 && regs[0].Addr == "127.0.0.1"
+	})
 
 	stop()
 	start := time.Now()

@@ -242,6 +242,7 @@ func (s *Server) routes() {
 	s.guard("PUT /v1/types/{name}", operatorOnly, s.handlePutType)
 	s.guard("DELETE /v1/types/{name}", operatorOnly, s.handleDeleteType)
 	s.guard("GET /v1/watch", watchers, s.handleWatch)
+	s.guard("GET /v1/agents", readers, s.handleAgents)
 	s.guard("POST /v1/operations", operatorOnly, s.handleCreateOp)
 	s.guard("GET /v1/operations", readers, s.handleListOps)
 	s.guard("GET /v1/operations/{id}", readers, s.handleGetOp)
@@ -610,6 +611,7 @@ func (s *Server) handleWatch(w http.ResponseWriter, r *http.Request) {
 		wait = waitSeconds(n)
 	}
 
+	s.register(host, r.RemoteAddr, after)
 	s.watchers.Add(1)
 	defer s.watchers.Add(-1)
 	timer := time.NewTimer(wait)
@@ -638,6 +640,41 @@ func (s *Server) handleWatch(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
+}
+
+// registrationTTL is how long an agent stays registered after a poll: the
+// longest poll, and time to send the next.
+var registrationTTL = MaxWait + 15*time.Second
+
+// register records the agent's poll in the store, in the background: a
+// store without a quorum must not hold up the poll, which the replica
+// answers from the set it holds.
+func (s *Server) register(host, remote string, applied uint64) {
+	addr := remote
+	if h, _, err := net.SplitHostPort(remote); err == nil {
+		addr = h
+	}
+	reg := api.AgentRegistration{Host: host, Addr: addr, Applied: applied, Seen: time.Now().UTC()}
+	go func() {
+		if err := s.st.Register(context.Background(), reg, registrationTTL); err != nil {
+			s.log.Debug("cannot register the agent", "host", host, "err", err)
+		}
+	}()
+}
+
+// handleAgents lists the agents registered (any replica's, with etcd).
+func (s *Server) handleAgents(w http.ResponseWriter, r *http.Request) {
+	regs, err := s.st.Agents(r.Context())
+	var nq *NoQuorumError
+	switch {
+	case errors.As(err, &nq):
+		writeError(w, http.StatusServiceUnavailable, err)
+		return
+	case err != nil:
+		writeError(w, http.StatusInternalServerError, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, regs)
 }
 
 // handleNoRoute answers, in JSON, requests that match no route: 405 when the

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"runtime/debug"
 	"sort"
+	"sync"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
@@ -46,12 +47,62 @@ type Store interface {
 	// *api.TypeInUseError.
 	DeletePolicy(ctx context.Context, name string) (bool, error)
 	DeleteType(ctx context.Context, name string) (bool, error)
+	// Register records an agent's poll; the registration lapses after
+	// ttl without another. Agents lists the registrations in force, by
+	// host.
+	Register(ctx context.Context, reg api.AgentRegistration, ttl time.Duration) error
+	Agents(ctx context.Context) ([]api.AgentRegistration, error)
 	Close() error
 }
 
-// boltStore keeps policies and middlebox types in a bbolt database.
+// boltStore keeps policies and middlebox types in a bbolt database, and
+// the agents' registrations in memory (they are of the moment, and one
+// server has them all).
 type boltStore struct {
 	db *bolt.DB
+
+	regMu sync.Mutex
+	regs  map[string]boltReg
+}
+
+type boltReg struct {
+	api.AgentRegistration
+	until time.Time
+}
+
+// Register implements Store.
+func (s *boltStore) Register(_ context.Context, reg api.AgentRegistration, ttl time.Duration) error {
+	s.regMu.Lock()
+	defer s.regMu.Unlock()
+	if s.regs == nil {
+		s.regs = map[string]boltReg{}
+	}
+	now := time.Now()
+	for h, r := range s.regs {
+		if now.After(r.until) {
+			delete(s.regs, h)
+		}
+	}
+	if _, ok := s.regs[reg.Host]; !ok && len(s.regs) >= maxSeenHosts {
+		return fmt.Errorf("%d agents registered already", maxSeenHosts)
+	}
+	s.regs[reg.Host] = boltReg{reg, now.Add(ttl)}
+	return nil
+}
+
+// Agents implements Store.
+func (s *boltStore) Agents(context.Context) ([]api.AgentRegistration, error) {
+	s.regMu.Lock()
+	defer s.regMu.Unlock()
+	now := time.Now()
+	out := []api.AgentRegistration{}
+	for _, r := range s.regs {
+		if now.Before(r.until) {
+			out = append(out, r.AgentRegistration)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Host < out[j].Host })
+	return out, nil
 }
 
 var _ Store = (*boltStore)(nil)
