@@ -146,6 +146,13 @@ func (c *Client) Policies(ctx context.Context) (PolicySet, error) {
 	return s, err
 }
 
+// Agents returns the agents registered at a policy server.
+func (c *Client) Agents(ctx context.Context) ([]AgentRegistration, error) {
+	var out []AgentRegistration
+	err := c.do(ctx, http.MethodGet, "/v1/agents", nil, &out)
+	return out, err
+}
+
 // PutPolicy creates or replaces the policy p.Name.
 func (c *Client) PutPolicy(ctx context.Context, p Policy) error {
 	if p.Name == "" {

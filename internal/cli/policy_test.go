@@ -387,3 +387,32 @@ func TestPolicyServerRefusesUnchained(t *testing.T) {
 		t.Errorf("policies %+v, %v", set, err)
 	}
 }
+
+// TestStatusCluster: the agents registered at the policy server, with the
+// version each holds against the one in force.
+func TestStatusCluster(t *testing.T) {
+	url := startPolicyServer(t, nil)
+	mustDysco(t, "policy", "add", "web", "--server", url, "tcp dst port 80")
+	// Two agents poll: h1 holds the set in force (version 1), h2 none.
+	for _, q := range []string{"host=h1&after=1&wait=0", "host=h2&after=0&wait=0"} {
+		resp, err := http.Get(url + "/v1/watch?" + q)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+	}
+	var out string
+	testutil.Eventually(t, 5*time.Second, "both agents registered", func() bool {
+		out = mustDysco(t, "status", "--cluster", "--server", url)
+		return strings.Contains(out, "2 agents")
+	})
+	for _, want := range []string{"AGENT  ADDRESS    APPLIED     LAST POLL\n", "\nh1     127.0.0.1  1           ", "\nh2     127.0.0.1  0 (behind)  ",
+		"2 agents, 1 behind version 1 in force\n"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("status --cluster lacks %q:\n%s", want, out)
+		}
+	}
+	if _, err := runDysco(t, "status", "--cluster"); err == nil || !strings.Contains(err.Error(), "--cluster needs --server") {
+		t.Errorf("--cluster without --server: %v", err)
+	}
+}

@@ -2,6 +2,7 @@ package cli
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -12,6 +13,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/certs"
 )
 
 func init() { register(newStatusCmd) }
@@ -72,7 +74,12 @@ func orDash(s string) string {
 }
 
 func newStatusCmd() *cobra.Command {
-	var output *string
+	var (
+		output  *string
+		cluster bool
+		server  string
+		pki     pkiFlags
+	)
 	cmd := &cobra.Command{
 		Use:   "status",
 		Short: "Show the local agent's status: attachment, interfaces, forwarding, policies, counters",
@@ -82,12 +89,26 @@ host that passes chained sessions on must; the sysctls that are off are
 named), which policy version it enforces and whether the policy server is
 reachable, and the datapath counters.
 
-Run it inside a lab host's namespace with: ip netns exec NAME dysco status`,
+Run it inside a lab host's namespace with: ip netns exec NAME dysco status
+
+With --cluster --server URL it lists instead every agent registered at the
+policy servers (every replica's, over etcd): the version of the policy set
+each held at its last poll against the version in force, and how long ago
+that poll was. An agent that stops polling leaves the list within 45 s.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			format, err := parseOutput(*output)
 			if err != nil {
 				return err
+			}
+			if cluster {
+				if server == "" {
+					return errors.New("--cluster needs --server URL: the policy server knows the agents")
+				}
+				return clusterStatus(cmd, server, pki, format)
+			}
+			if server != "" {
+				return errors.New("--server applies with --cluster only: the status of one agent comes from its own host")
 			}
 			st, err := agentClient().Status(cmd.Context())
 			if err != nil {
@@ -100,7 +121,54 @@ Run it inside a lab host's namespace with: ip netns exec NAME dysco status`,
 		},
 	}
 	output = addOutputFlag(cmd)
+	cmd.Flags().BoolVar(&cluster, "cluster", false, "list the agents registered at the policy server (--server) and the policy version each holds")
+	cmd.Flags().StringVar(&server, "server", "", serverFlagUsage)
+	pki.add(cmd.Flags(), certs.RoleOperator)
 	return cmd
+}
+
+// clusterStatus prints the agents registered at the policy server, with the
+// version each holds against the one in force.
+func clusterStatus(cmd *cobra.Command, server string, pki pkiFlags, format outputFormat) error {
+	c, err := pki.serverClient(server)
+	if err != nil {
+		return err
+	}
+	set, err := c.Policies(cmd.Context())
+	if err != nil {
+		return err
+	}
+	regs, err := c.Agents(cmd.Context())
+	if err != nil {
+		return err
+	}
+	if format == outputJSON {
+		return writeJSONOut(cmd.OutOrStdout(), map[string]any{"version": set.Version, "agents": regs})
+	}
+	return printCluster(cmd.OutOrStdout(), set.Version, regs, time.Now())
+}
+
+func printCluster(w io.Writer, version uint64, regs []api.AgentRegistration, now time.Time) error {
+	behind := 0
+	tw := newTabWriter(w)
+	fmt.Fprintln(tw, "AGENT\tADDRESS\tAPPLIED\tLAST POLL")
+	for _, r := range regs {
+		applied := fmt.Sprint(r.Applied)
+		if r.Applied < version {
+			applied += " (behind)"
+			behind++
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s ago\n", r.Host, r.Addr, applied, now.Sub(r.Seen).Round(time.Second))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	s := "s"
+	if len(regs) == 1 {
+		s = ""
+	}
+	_, err := fmt.Fprintf(w, "%d agent%s, %d behind version %d in force\n", len(regs), s, behind, version)
+	return err
 }
 
 func printStatus(w io.Writer, st api.Status, now time.Time) error {
