@@ -13,6 +13,7 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -33,14 +34,22 @@ const maxBody = 16 << 20
 // /v1/types routes; /v1/status and /v1/sessions exist on the agent only and
 // /v1/watch on the policy server only. A Client is safe for concurrent use.
 type Client struct {
-	base   string // "http://dysco-agent" or the server URL, without a trailing slash
-	target string // what error messages call the peer
-	hc     *http.Client
+	// peers are "http://dysco-agent", or the policy server's URLs (several
+	// replicas: tried in turn), without a trailing slash.
+	peers []peer
+	cur   atomic.Int32 // the peer that answered last
+	hc    *http.Client
 	// Timeout bounds each request whose context has no deadline; zero means
 	// DefaultTimeout. Watch is bounded by its wait instead, and the
 	// reconfiguration requests (Reconfig, Middlebox, Splice with Wait) by
 	// the agent's own wait plus ReconfigSlack when that is longer.
 	Timeout time.Duration
+}
+
+// peer is one server a Client may talk to.
+type peer struct {
+	base   string // URL without a trailing slash
+	target string // what error messages call it
 }
 
 // NewAgentClient returns a client of the agent of the caller's network
@@ -69,9 +78,8 @@ func NewUnixClient(socket string) *Client {
 		IdleConnTimeout: 30 * time.Second,
 	}
 	return &Client{
-		base:   "http://dysco-agent",
-		target: "agent on " + socket,
-		hc:     &http.Client{Transport: tr},
+		peers: []peer{{base: "http://dysco-agent", target: "agent on " + socket}},
+		hc:    &http.Client{Transport: tr},
 	}
 }
 
@@ -83,31 +91,37 @@ func NewServerClient(serverURL string) *Client { return NewServerClientTLS(serve
 // NewServerClientTLS returns a client of the policy server at serverURL
 // ("https://host:7017"; a bare "host:port" means https when tc is set)
 // that presents tc's client certificate and verifies the server against
-// tc's CA. An http:// URL is served without TLS.
+// tc's CA. An http:// URL is served without TLS. serverURL may list
+// several replicas, separated by commas: a request that finds one
+// unreachable, or answered 503 (shutting down, or without a quorum), is
+// sent to the next, and the one that answers is asked first next time.
 func NewServerClientTLS(serverURL string, tc *tls.Config) *Client {
-	u := strings.TrimRight(strings.TrimSpace(serverURL), "/")
-	if !strings.Contains(u, "://") {
-		if tc != nil {
-			u = "https://" + u
-		} else {
-			u = "http://" + u
+	var peers []peer
+	for _, one := range strings.Split(serverURL, ",") {
+		u := strings.TrimRight(strings.TrimSpace(one), "/")
+		if u == "" && len(peers) > 0 {
+			continue
 		}
+		if !strings.Contains(u, "://") {
+			if tc != nil {
+				u = "https://" + u
+			} else {
+				u = "http://" + u
+			}
+		}
+		peers = append(peers, peer{base: u, target: "policy server " + u})
 	}
 	tr := http.DefaultTransport.(*http.Transport).Clone()
 	if tc != nil {
 		tr.TLSClientConfig = tc.Clone()
 		tr.ForceAttemptHTTP2 = false
 	}
-	return &Client{
-		base:   u,
-		target: "policy server " + u,
-		hc:     &http.Client{Transport: tr},
-	}
+	return &Client{peers: peers, hc: &http.Client{Transport: tr}}
 }
 
 // Target describes the peer, for messages: "agent on @dysco-agent" or
-// "policy server http://10.0.0.9:7017".
-func (c *Client) Target() string { return c.target }
+// "policy server http://10.0.0.9:7017" (the replica asked first).
+func (c *Client) Target() string { return c.peers[int(c.cur.Load())%len(c.peers)].target }
 
 // HTTPError is the error for an answer whose status is not 2xx; Message is
 // the api.Error the peer sent.
@@ -206,19 +220,66 @@ func (c *Client) do(ctx context.Context, method, path string, body, out any) err
 		ctx, cancel = context.WithTimeout(ctx, t)
 		defer cancel()
 	}
-	var rd io.Reader
+	var data []byte
 	if body != nil {
 		b, err := json.Marshal(body)
 		if err != nil {
 			return fmt.Errorf("%s %s: encoding request: %w", method, path, err)
 		}
-		rd = bytes.NewReader(b)
+		data = b
 	}
-	req, err := http.NewRequestWithContext(ctx, method, c.base+path, rd)
+	n := len(c.peers)
+	first := int(c.cur.Load()) % n
+	var err error
+	for i := range n {
+		k := (first + i) % n
+		err = c.doAt(ctx, c.peers[k], method, path, data, body != nil, out)
+		if err == nil || ctx.Err() != nil || !failover(method, err) {
+			break
+		}
+	}
+	return err
+}
+
+// failover tells whether a request that failed with err may be sent to
+// another replica: it was answered 503, or found no server; a POST (not
+// idempotent) only when it never left (the connection was refused).
+func failover(method string, err error) bool {
+	var he *HTTPError
+	if errors.As(err, &he) {
+		return he.StatusCode == http.StatusServiceUnavailable
+	}
+	var unreachable *unreachableError
+	if !errors.As(err, &unreachable) {
+		return false
+	}
+	if method != http.MethodPost {
+		return true
+	}
+	var oe *net.OpError
+	return errors.As(err, &oe) && oe.Op == "dial"
+}
+
+// unreachableError is a request that got no answer from a server.
+type unreachableError struct {
+	target string
+	err    error
+}
+
+func (e *unreachableError) Error() string { return e.target + " unreachable: " + e.err.Error() }
+func (e *unreachableError) Unwrap() error { return e.err }
+
+// doAt sends one request to p.
+func (c *Client) doAt(ctx context.Context, p peer, method, path string, data []byte, hasBody bool, out any) error {
+	var rd io.Reader
+	if hasBody {
+		rd = bytes.NewReader(data)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, p.base+path, rd)
 	if err != nil {
-		return fmt.Errorf("%s: %w", c.target, err)
+		return fmt.Errorf("%s: %w", p.target, err)
 	}
-	if body != nil {
+	if hasBody {
 		req.Header.Set("Content-Type", "application/json")
 	}
 	req.Header.Set("Accept", "application/json")
@@ -233,26 +294,29 @@ func (c *Client) do(ctx context.Context, method, path string, body, out any) err
 			return imp
 		}
 		if ctxErr := ctx.Err(); ctxErr != nil {
-			return fmt.Errorf("%s: %s %s: %w", c.target, method, path, ctxErr)
+			return fmt.Errorf("%s: %s %s: %w", p.target, method, path, ctxErr)
 		}
 		var ue *url.Error
 		if errors.As(err, &ue) {
 			err = ue.Err
 		}
 		var rh tls.RecordHeaderError
-		if strings.HasPrefix(c.base, "https://") && (errors.As(err, &rh) || strings.Contains(err.Error(), "HTTP response to HTTPS client")) {
-			return fmt.Errorf("%s does not speak TLS (was it started with --insecure? then its URL is http://...): %w", c.target, err)
+		if strings.HasPrefix(p.base, "https://") && (errors.As(err, &rh) || strings.Contains(err.Error(), "HTTP response to HTTPS client")) {
+			return fmt.Errorf("%s does not speak TLS (was it started with --insecure? then its URL is http://...): %w", p.target, err)
 		}
-		return fmt.Errorf("%s unreachable: %w", c.target, err)
+		return &unreachableError{target: p.target, err: err}
 	}
 	defer resp.Body.Close()
-	data, err := io.ReadAll(io.LimitReader(resp.Body, maxBody))
+	if i := c.indexOf(p); i >= 0 {
+		c.cur.Store(int32(i))
+	}
+	data, err = io.ReadAll(io.LimitReader(resp.Body, maxBody))
 	if err != nil {
-		return fmt.Errorf("%s: %s %s: reading answer: %w", c.target, method, path, err)
+		return fmt.Errorf("%s: %s %s: reading answer: %w", p.target, method, path, err)
 	}
 	if resp.StatusCode == http.StatusBadRequest && bytes.Contains(data, []byte("HTTP request to an HTTPS server")) {
 		return &HTTPError{StatusCode: resp.StatusCode,
-			Message: fmt.Sprintf("%s serves HTTPS: use https://%s with a client certificate (--tls-cert, --tls-key, --tls-ca; see `dysco certs`)", c.target, strings.TrimPrefix(c.base, "http://"))}
+			Message: fmt.Sprintf("%s serves HTTPS: use https://%s with a client certificate (--tls-cert, --tls-key, --tls-ca; see `dysco certs`)", p.target, strings.TrimPrefix(p.base, "http://"))}
 	}
 	if resp.StatusCode/100 != 2 {
 		var e Error
@@ -264,15 +328,25 @@ func (c *Client) do(ctx context.Context, method, path string, body, out any) err
 			msg = msg[:200] + "..."
 		}
 		return &HTTPError{StatusCode: resp.StatusCode,
-			Message: fmt.Sprintf("%s: %s %s: %s: %s", c.target, method, path, resp.Status, msg)}
+			Message: fmt.Sprintf("%s: %s %s: %s: %s", p.target, method, path, resp.Status, msg)}
 	}
 	if out == nil || resp.StatusCode == http.StatusNoContent {
 		return nil
 	}
 	if err := json.Unmarshal(data, out); err != nil {
-		return fmt.Errorf("%s: %s %s: decoding answer: %w", c.target, method, path, err)
+		return fmt.Errorf("%s: %s %s: decoding answer: %w", p.target, method, path, err)
 	}
 	return nil
+}
+
+// indexOf is p's index in c.peers (-1: none).
+func (c *Client) indexOf(p peer) int {
+	for i, q := range c.peers {
+		if q == p {
+			return i
+		}
+	}
+	return -1
 }
 
 // noAgentError is a failure to dial the agent's socket. It reads as

@@ -170,7 +170,7 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 	f.StringVar(&cfg.PinDir, "pin-dir", "", "bpffs directory for the pinned datapath (default /sys/fs/bpf/dysco/netns-INODE)")
 	f.StringVar(&cfg.StateDir, "state-dir", "", "directory for local policies and the policy server's last set (default /var/lib/dysco/netns-INODE)")
 	f.StringVar(&cfg.Tap, "tap", "", "create the session-view tap with this name (middlebox hosts; e.g. dysco-tap)")
-	f.StringVar(&cfg.PolicyServer, "policy-server", "", "policy server URL, e.g. https://10.0.0.1:7017 (with the agent certificate of --pki-dir; http:// for a server run with --insecure)")
+	f.StringVar(&cfg.PolicyServer, "policy-server", "", "policy server URL, e.g. https://10.0.0.1:7017 (with the agent certificate of --pki-dir; http:// for a server run with --insecure), or several replicas' URLs separated by commas, tried in turn")
 	pki.add(f, "agent-{name}")
 	f.StringVar(&cfg.ReadyFile, "ready-file", "", "write this file once the agent is ready")
 	f.StringVar(&cfg.MetricsAddr, "metrics", "", "serve Prometheus metrics on this address, e.g. 127.0.0.1:9017")

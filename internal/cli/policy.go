@@ -21,7 +21,7 @@ func init() {
 	register(newTypeCmd)
 }
 
-const serverFlagUsage = "policy server URL (https://HOST:7017, with the operator certificate of --pki-dir; http:// for a server run with --insecure); default: the local agent"
+const serverFlagUsage = "policy server URL (https://HOST:7017, with the operator certificate of --pki-dir; http:// for a server run with --insecure), or several replicas' URLs separated by commas; default: the local agent"
 
 // where says where a change went, for the confirmation line.
 func where(c *api.Client, serverURL string) string {

@@ -1,6 +1,7 @@
 package policyserver
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -20,16 +21,18 @@ import (
 // long-polls POST /v1/operations/claim beside its policy watch, claims it,
 // carries it out exactly as a request to its local API, and PUTs the reply
 // to /v1/operations/ID/result; the operator waits on GET
-// /v1/operations/ID?wait=S. The server keeps operations in memory only:
-// they are commands of the moment, not configuration, and a restarted
-// server has none (a waiting CLI then says the operation is gone).
+// /v1/operations/ID?wait=S. A server over bbolt keeps operations in memory
+// only: they are commands of the moment, not configuration, and a restarted
+// server has none (a waiting CLI then says the operation is gone). Replicas
+// over etcd keep them in etcd (etcdops.go), so that the operator, the agent
+// and the report may each use another replica.
 //
 // Nothing waits for ever: an operation its agent does not claim within
 // claimTimeout fails, as does one claimed and not reported within its own
 // timeout plus reportSlack (the agent died or lost the server meanwhile;
 // the sessions' outcomes are then in the agent's `dysco reconfig history`).
 
-// Bounds of the operations kept in memory.
+// Bounds of the operations kept.
 const (
 	// maxActiveOps bounds the queued and running operations; more are refused (503).
 	maxActiveOps = 1024
@@ -59,39 +62,59 @@ var (
 	seenWithin = MaxWait + 15*time.Second
 )
 
-// ops is the server's operations: all fields under mu.
-type ops struct {
+// opStore keeps the operations: in the server's memory (memOps, the
+// default), or in etcd, shared by every replica (etcdOps). Errors other than
+// the HTTP ones create and report return are the store's (a
+// *NoQuorumError when etcd cannot serve).
+type opStore interface {
+	// create queues op for its agent, or says why not (with an HTTP status).
+	create(ctx context.Context, op api.Operation) (api.Operation, int, error)
+	// list returns the operations in creation order.
+	list(ctx context.Context) ([]api.Operation, error)
+	// get returns operation id (ok false when there is none) and a channel
+	// closed by the next change of any operation.
+	get(ctx context.Context, id string) (op api.Operation, ok bool, changed <-chan struct{}, err error)
+	// claimNext runs the oldest operation queued for host and returns it;
+	// with none (or ctx ended), ok is false and changed is closed by the
+	// next change.
+	claimNext(ctx context.Context, host string) (op api.Operation, ok bool, changed <-chan struct{}, err error)
+	// report takes res as the result of operation id, or says why not;
+	// caller, when set, is the authenticated agent, which may report only
+	// its own operations (403).
+	report(ctx context.Context, id string, res api.OperationResult, caller string) (int, error)
+	// polling marks the start (true) and end of an agent's claim poll.
+	polling(host string, start bool)
+	close()
+}
+
+// memOps keeps the operations in memory: all fields under mu.
+type memOps struct {
 	mu      sync.Mutex
 	epoch   string // this server run's prefix of operation IDs
 	seq     uint64
 	byID    map[string]*api.Operation
 	order   []string             // creation order
 	seen    map[string]time.Time // host -> end of its last claim poll
-	polling map[string]int       // host -> claim polls waiting now
+	polls   map[string]int       // host -> claim polls waiting now
 	changed chan struct{}        // closed and replaced on every change
 }
 
-func newOps() *ops {
+var _ opStore = (*memOps)(nil)
+
+func newMemOps() *memOps {
 	// IDs differ from one server run to the next, so that a result
 	// reported late, to a restarted server, cannot land on another
 	// operation that got the same number.
-	return &ops{epoch: strconv.FormatInt(time.Now().UnixMilli(), 36), byID: map[string]*api.Operation{}, seen: map[string]time.Time{}, polling: map[string]int{},
+	return &memOps{epoch: strconv.FormatInt(time.Now().UnixMilli(), 36), byID: map[string]*api.Operation{}, seen: map[string]time.Time{}, polls: map[string]int{},
 		changed: make(chan struct{})}
 }
 
+func (o *memOps) close() {}
+
 // bump wakes every waiter. Under mu.
-func (o *ops) bump() {
+func (o *memOps) bump() {
 	close(o.changed)
 	o.changed = make(chan struct{})
-}
-
-// finish ends op with state and error. Under mu.
-func (o *ops) finish(op *api.Operation, state, errText string, now time.Time) {
-	if op.IsFinished() {
-		return
-	}
-	op.State, op.Error, op.Finished = state, errText, now
-	o.bump()
 }
 
 // deadline is when a queued operation fails unclaimed, or a running one
@@ -106,8 +129,47 @@ func deadline(op *api.Operation) (time.Time, bool) {
 	return time.Time{}, false
 }
 
+// expired tells whether op is past its deadline at now, and if so fails
+// it with the reason.
+func expired(op *api.Operation, now time.Time) bool {
+	d, ok := deadline(op)
+	if !ok || now.Before(d) {
+		return false
+	}
+	switch op.State {
+	case api.OpQueued:
+		op.Error = fmt.Sprintf("agent %q did not claim the operation within %s (is it running, with --policy-server pointing here?)", op.Host, claimTimeout)
+	case api.OpRunning:
+		op.Error = fmt.Sprintf("agent %q claimed the operation at %s but reported no result by %s (it may have stopped or lost this server; `dysco reconfig history` on the hosts shows what happened to the sessions)",
+			op.Host, op.Claimed.Format(time.RFC3339), d.Format(time.RFC3339))
+	}
+	op.State, op.Finished = api.OpFailed, now
+	return true
+}
+
+// finishWith ends op with res, an agent's report; the status and error say
+// why not when the report is not taken.
+func finishWith(op *api.Operation, id string, res api.OperationResult, caller string, now time.Time) (int, error) {
+	if caller != "" && op.Host != caller {
+		return http.StatusForbidden, fmt.Errorf("operation %s is for agent %q: the agent certificate %q may not report it", id, op.Host, caller)
+	}
+	if res.Host != op.Host {
+		return http.StatusConflict, fmt.Errorf("operation %s is for agent %q, not %q", id, op.Host, res.Host)
+	}
+	if op.State != api.OpRunning {
+		return http.StatusConflict, fmt.Errorf("operation %s is %s, not running: its result is not taken (%s)", id, op.State, op.Error)
+	}
+	if res.Error != "" {
+		op.State, op.Error = api.OpFailed, fmt.Sprintf("agent %q: %s", op.Host, res.Error)
+	} else {
+		op.State, op.Reply = api.OpDone, res.Reply
+	}
+	op.Finished = now
+	return 0, nil
+}
+
 // active counts the queued and running operations. Under mu.
-func (o *ops) active() int {
+func (o *memOps) active() int {
 	n := 0
 	for _, op := range o.byID {
 		if !op.IsFinished() {
@@ -119,24 +181,16 @@ func (o *ops) active() int {
 
 // expire fails the operations past their deadline and forgets old finished
 // ones. Under mu.
-func (o *ops) expire(now time.Time) {
+func (o *memOps) expire(now time.Time) {
 	for _, op := range o.byID {
-		d, ok := deadline(op)
-		if !ok || now.Before(d) {
-			continue
-		}
-		switch op.State {
-		case api.OpQueued:
-			o.finish(op, api.OpFailed, fmt.Sprintf("agent %q did not claim the operation within %s (is it running, with --policy-server pointing here?)", op.Host, claimTimeout), now)
-		case api.OpRunning:
-			o.finish(op, api.OpFailed, fmt.Sprintf("agent %q claimed the operation at %s but reported no result by %s (it may have stopped or lost this server; `dysco reconfig history` on the hosts shows what happened to the sessions)",
-				op.Host, op.Claimed.Format(time.RFC3339), d.Format(time.RFC3339)), now)
+		if expired(op, now) {
+			o.bump()
 		}
 	}
 	// Agents not heard from for a while are forgotten (a bound on the map
 	// for any number of names polled).
 	for h, t := range o.seen {
-		if o.polling[h] == 0 && now.Sub(t) > keepFinished {
+		if o.polls[h] == 0 && now.Sub(t) > keepFinished {
 			delete(o.seen, h)
 		}
 	}
@@ -162,13 +216,13 @@ func (o *ops) expire(now time.Time) {
 
 // see records that host polled at now, forgetting the agent heard from
 // least recently (not polling now) when the table is full. Under mu.
-func (o *ops) see(host string, now time.Time) {
+func (o *memOps) see(host string, now time.Time) {
 	if _, ok := o.seen[host]; !ok && len(o.seen) >= maxSeenHosts {
 		o.expire(now)
 		for len(o.seen) >= maxSeenHosts {
 			oldest, at := "", time.Time{}
 			for h, t := range o.seen {
-				if o.polling[h] == 0 && (oldest == "" || t.Before(at)) {
+				if o.polls[h] == 0 && (oldest == "" || t.Before(at)) {
 					oldest, at = h, t
 				}
 			}
@@ -179,6 +233,19 @@ func (o *ops) see(host string, now time.Time) {
 		}
 	}
 	o.seen[host] = now
+}
+
+func (o *memOps) polling(host string, start bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if start {
+		o.polls[host]++
+		return
+	}
+	if o.polls[host]--; o.polls[host] <= 0 {
+		delete(o.polls, host)
+	}
+	o.see(host, time.Now())
 }
 
 // runDeadline is when a claimed operation must have been reported.
@@ -206,22 +273,35 @@ func (s *Server) handleCreateOp(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
-	stored, code, err := s.ops.create(op)
+	stored, code, err := s.ops.create(r.Context(), op)
 	if err != nil {
-		writeError(w, code, err)
+		writeError(w, storeCode(code, err), err)
 		return
 	}
 	s.log.Info("operation queued", "id", stored.ID, "host", stored.Host, "kind", psclient.OpKind(&stored))
 	writeJSON(w, http.StatusCreated, stored)
 }
 
-// create queues op for its agent, or says why not (with an HTTP status).
-func (o *ops) create(op api.Operation) (api.Operation, int, error) {
+// storeCode is the HTTP status of err: code when the store set one, 503
+// when etcd has no quorum, else 500.
+func storeCode(code int, err error) int {
+	var nq *NoQuorumError
+	switch {
+	case code != 0:
+		return code
+	case errors.As(err, &nq):
+		return http.StatusServiceUnavailable
+	}
+	return http.StatusInternalServerError
+}
+
+// create implements opStore.
+func (o *memOps) create(_ context.Context, op api.Operation) (api.Operation, int, error) {
 	now := time.Now()
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.expire(now)
-	if o.polling[op.Host] == 0 {
+	if o.polls[op.Host] == 0 {
 		last, ok := o.seen[op.Host]
 		if !ok {
 			return op, http.StatusConflict, fmt.Errorf("no agent named %q has asked this policy server for operations (agents take operations when started with --policy-server; the name is the agent's --name)", op.Host)
@@ -243,15 +323,71 @@ func (o *ops) create(op api.Operation) (api.Operation, int, error) {
 	return stored, 0, nil
 }
 
-func (s *Server) handleListOps(w http.ResponseWriter, r *http.Request) {
-	o := s.ops
+// list implements opStore.
+func (o *memOps) list(context.Context) ([]api.Operation, error) {
 	o.mu.Lock()
+	defer o.mu.Unlock()
 	o.expire(time.Now())
 	out := make([]api.Operation, 0, len(o.order))
 	for _, id := range o.order {
 		out = append(out, *o.byID[id])
 	}
-	o.mu.Unlock()
+	return out, nil
+}
+
+// get implements opStore.
+func (o *memOps) get(_ context.Context, id string) (api.Operation, bool, <-chan struct{}, error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.expire(time.Now())
+	op, ok := o.byID[id]
+	if !ok {
+		return api.Operation{}, false, o.changed, nil
+	}
+	return *op, true, o.changed, nil
+}
+
+// claimNext implements opStore.
+func (o *memOps) claimNext(ctx context.Context, host string) (api.Operation, bool, <-chan struct{}, error) {
+	now := time.Now()
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.expire(now)
+	if ctx.Err() == nil { // else the agent went away: leave it for its next poll
+		for _, id := range o.order {
+			if op := o.byID[id]; op.Host == host && op.State == api.OpQueued {
+				op.State, op.Claimed = api.OpRunning, now
+				o.bump()
+				return *op, true, nil, nil
+			}
+		}
+	}
+	return api.Operation{}, false, o.changed, nil
+}
+
+// report implements opStore.
+func (o *memOps) report(_ context.Context, id string, res api.OperationResult, caller string) (int, error) {
+	now := time.Now()
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.expire(now)
+	op, ok := o.byID[id]
+	if !ok {
+		return http.StatusNotFound, fmt.Errorf("no operation %q here", id)
+	}
+	code, err := finishWith(op, id, res, caller, now)
+	if err == nil {
+		o.bump()
+	}
+	return code, err
+}
+
+func (s *Server) handleListOps(w http.ResponseWriter, r *http.Request) {
+	out, err := s.ops.list(r.Context())
+	if err != nil {
+		writeError(w, storeCode(0, err), err)
+		return
+	}
 	writeJSON(w, http.StatusOK, out)
 }
 
@@ -310,21 +446,17 @@ func (s *Server) handleGetOp(w http.ResponseWriter, r *http.Request) {
 	}
 	timer := time.NewTimer(wait)
 	defer timer.Stop()
+	// Deadlines pass without a change: look again every second.
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
-	o := s.ops
 	for {
-		o.mu.Lock()
-		o.expire(time.Now())
-		op, ok := o.byID[id]
-		var cur api.Operation
-		if ok {
-			cur = *op
+		cur, ok, changed, err := s.ops.get(r.Context(), id)
+		if err != nil {
+			writeError(w, storeCode(0, err), err)
+			return
 		}
-		changed := o.changed
-		o.mu.Unlock()
 		if !ok {
-			writeError(w, http.StatusNotFound, fmt.Errorf("no operation %q here (operations are kept in memory for an hour after they finish; was the policy server restarted?)", id))
+			writeError(w, http.StatusNotFound, fmt.Errorf("no operation %q here (%s)", id, s.opsKept()))
 			return
 		}
 		if cur.IsFinished() || wait == 0 {
@@ -341,6 +473,14 @@ func (s *Server) handleGetOp(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
+// opsKept says for how long operations are kept, for a 404.
+func (s *Server) opsKept() string {
+	if _, ok := s.ops.(*memOps); ok {
+		return "operations are kept in memory for an hour after they finish; was the policy server restarted?"
+	}
+	return "operations are kept in etcd for an hour after they finish"
+}
+
 // handleClaimOp is the agents' long poll for operations: it answers with
 // the oldest queued operation for host (now running), or 204 when none
 // came within the wait.
@@ -354,69 +494,47 @@ func (s *Server) handleClaimOp(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, err)
 		return
 	}
-	// The poll is over (for seen and polling) before the answer goes out.
-	code, op := s.claim(w, r, host, wait)
+	// The poll is over (for the agents seen polling) before the answer
+	// goes out.
+	code, op, err := s.claim(w, r, host, wait)
 	switch code {
 	case 0: // answered (server stopping) or the agent went away
 	case http.StatusOK:
 		s.log.Info("operation claimed", "id", op.ID, "host", host)
 		writeJSON(w, code, op)
-	default:
+	case http.StatusNoContent:
 		w.WriteHeader(code)
+	default:
+		writeError(w, code, err)
 	}
 }
 
 // claim waits for an operation for host; it returns 200 and the operation
-// now running, 204 when none came within wait, or 0 when the request ended
-// or the server stops (answered).
-func (s *Server) claim(w http.ResponseWriter, r *http.Request, host string, wait time.Duration) (int, api.Operation) {
-	o := s.ops
-	o.mu.Lock()
-	o.polling[host]++
-	o.mu.Unlock()
-	defer func() {
-		o.mu.Lock()
-		if o.polling[host]--; o.polling[host] <= 0 {
-			delete(o.polling, host)
-		}
-		o.see(host, time.Now())
-		o.mu.Unlock()
-	}()
+// now running, 204 when none came within wait, an error status and the
+// error when the store fails, or 0 when the request ended or the server
+// stops (answered).
+func (s *Server) claim(w http.ResponseWriter, r *http.Request, host string, wait time.Duration) (int, api.Operation, error) {
+	s.ops.polling(host, true)
+	defer s.ops.polling(host, false)
 	timer := time.NewTimer(wait)
 	defer timer.Stop()
-	tick := time.NewTicker(time.Second)
-	defer tick.Stop()
 	for {
-		now := time.Now()
-		o.mu.Lock()
-		o.expire(now)
-		var claimed *api.Operation
-		for _, id := range o.order {
-			if op := o.byID[id]; op.Host == host && op.State == api.OpQueued {
-				claimed = op
-				break
-			}
+		// No tick: an operation past its deadline is failed, not
+		// claimed, when the store is read; only changes matter here.
+		op, ok, changed, err := s.ops.claimNext(r.Context(), host)
+		switch {
+		case err != nil:
+			return storeCode(0, err), api.Operation{}, err
+		case ok:
+			return http.StatusOK, op, nil
+		case wait == 0:
+			return http.StatusNoContent, api.Operation{}, nil
 		}
-		if claimed != nil && r.Context().Err() != nil {
-			claimed = nil // the agent went away: leave it for its next poll
-		}
-		if claimed != nil {
-			claimed.State, claimed.Claimed = api.OpRunning, now
-			o.bump()
-			cur := *claimed
-			o.mu.Unlock()
-			return http.StatusOK, cur
-		}
-		changed := o.changed
-		o.mu.Unlock()
-		if wait == 0 {
-			return http.StatusNoContent, api.Operation{}
-		}
-		switch s.waitOps(w, r, changed, timer.C, tick.C) {
+		switch s.waitOps(w, r, changed, timer.C, nil) {
 		case opsTimeout:
-			return http.StatusNoContent, api.Operation{}
+			return http.StatusNoContent, api.Operation{}, nil
 		case opsGone:
-			return 0, api.Operation{}
+			return 0, api.Operation{}, nil
 		}
 	}
 }
@@ -451,13 +569,13 @@ func (s *Server) handleReportOp(w http.ResponseWriter, r *http.Request) {
 		}
 		res.Host, caller = id.Name, id.Name
 	}
-	code, err := s.ops.report(id, res, caller)
+	code, err := s.ops.report(r.Context(), id, res, caller)
 	if code == http.StatusForbidden {
 		s.refuse(w, r, route(r), code, reasonOtherHost, err)
 		return
 	}
 	if err != nil {
-		writeError(w, code, err)
+		writeError(w, storeCode(code, err), err)
 		return
 	}
 	s.log.Info("operation finished", "id", id, "host", res.Host, "err", res.Error)
@@ -467,33 +585,3 @@ func (s *Server) handleReportOp(w http.ResponseWriter, r *http.Request) {
 // maxResultBody bounds an agent's report (api.Client reads up to 16 MiB);
 // a variable for tests.
 var maxResultBody int64 = 16 << 20
-
-// report takes res as the result of operation id, or says why not; caller,
-// when set, is the authenticated agent, which may report only its own
-// operations (403).
-func (o *ops) report(id string, res api.OperationResult, caller string) (int, error) {
-	now := time.Now()
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	o.expire(now)
-	op, ok := o.byID[id]
-	if !ok {
-		return http.StatusNotFound, fmt.Errorf("no operation %q here", id)
-	}
-	if caller != "" && op.Host != caller {
-		return http.StatusForbidden, fmt.Errorf("operation %s is for agent %q: the agent certificate %q may not report it", id, op.Host, caller)
-	}
-	if res.Host != op.Host {
-		return http.StatusConflict, fmt.Errorf("operation %s is for agent %q, not %q", id, op.Host, res.Host)
-	}
-	if op.State != api.OpRunning {
-		return http.StatusConflict, fmt.Errorf("operation %s is %s, not running: its result is not taken (%s)", id, op.State, op.Error)
-	}
-	if res.Error != "" {
-		o.finish(op, api.OpFailed, fmt.Sprintf("agent %q: %s", op.Host, res.Error), now)
-	} else {
-		op.Reply = res.Reply
-		o.finish(op, api.OpDone, "", now)
-	}
-	return 0, nil
-}

@@ -248,9 +248,10 @@ func TestServeOperations(t *testing.T) {
 	// Wait for the agent's first poll to be registered.
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		ts.ops.mu.Lock()
-		n := ts.ops.polling["mb1"]
-		ts.ops.mu.Unlock()
+		o := ts.ops.(*memOps)
+		o.mu.Lock()
+		n := o.polls["mb1"]
+		o.mu.Unlock()
 		if n > 0 {
 			break
 		}
@@ -336,7 +337,7 @@ func TestSeenBounded(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	o := ts.ops
+	o := ts.ops.(*memOps)
 	o.mu.Lock()
 	n := len(o.seen)
 	_, newest := o.seen["h099"]

@@ -131,7 +131,7 @@ type Server struct {
 	following    chan struct{}
 
 	// ops are the operations relayed to agents (operations.go).
-	ops *ops
+	ops opStore
 
 	// waitHook, when set (by tests), runs each time a watch starts waiting.
 	waitHook func()
@@ -168,7 +168,7 @@ func New(cfg Config) (*Server, error) {
 		changed:      make(chan struct{}),
 		closing:      make(chan struct{}),
 		storeChanged: make(chan struct{}, 1),
-		ops:          newOps(),
+		ops:          newMemOps(),
 		tls:          tc,
 		roots:        roots,
 	}
@@ -193,6 +193,13 @@ func New(cfg Config) (*Server, error) {
 			st.Close()
 			return nil, err
 		}
+		// Operations too, so that any replica serves each step of one.
+		ops, err := newEtcdOps(st)
+		if err != nil {
+			st.Close()
+			return nil, err
+		}
+		s.ops = ops
 		s.following = make(chan struct{})
 		go s.followStore()
 	} else {
@@ -338,6 +345,7 @@ func (s *Server) Close() error {
 	if s.following != nil {
 		<-s.following
 	}
+	s.ops.close()
 	return s.st.Close()
 }
 

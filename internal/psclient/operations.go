@@ -88,7 +88,7 @@ func ServeOperations(ctx context.Context, cfg OpsConfig) error {
 }
 
 // report gives the server an operation's result, retrying while it is
-// unreachable, until the operation's own deadline at the server has passed.
+// unreachable or answers 503 (its store has no quorum), until the operation's own deadline at the server has passed.
 // A reply the server refuses (too large, or malformed to it) is replaced by
 // an error saying so, so that the operator learns it at once. When ctx has
 // ended (the agent stops), one last attempt is made on a short detached
@@ -113,7 +113,7 @@ func report(ctx context.Context, c *api.Client, log *slog.Logger, op api.Operati
 			res = api.OperationResult{Host: res.Host, Error: fmt.Sprintf("carried out on %d session(s), but the policy server refused the reply (%s); `dysco reconfig history` on the left anchors has the results", len(res.Reply.Results), he.Message)}
 			continue
 		}
-		if errors.As(err, &he) || ctx.Err() != nil || time.Now().After(give) {
+		if (errors.As(err, &he) && he.StatusCode != http.StatusServiceUnavailable) || ctx.Err() != nil || time.Now().After(give) {
 			log.Warn("operation result not taken by the policy server", "id", op.ID, "err", err)
 			return
 		}
