@@ -30,6 +30,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
@@ -81,7 +82,13 @@ type etcdStore struct {
 	// changes or another's).
 	onChange func()
 	cancel   context.CancelFunc
-	done     chan struct{}
+	done     chan struct{} // closed when watch has stopped
+	probed   chan struct{} // closed when probe has stopped
+
+	// healthy is whether the last probe of etcd found a quorum; rev is
+	// the revision of the set last loaded or seen changed.
+	healthy atomic.Bool
+	rev     atomic.Int64
 
 	// leases are the leases of the agents this replica registered, by
 	// host: a registration lives under its agent's lease, which each poll
@@ -111,17 +118,63 @@ func openEtcdStore(cfg clientv3.Config, prefix string, log *slog.Logger, onChang
 	if err != nil {
 		return nil, fmt.Errorf("etcd %s: %w", strings.Join(cfg.Endpoints, ","), err)
 	}
-	s := &etcdStore{cli: cli, prefix: prefix, log: log, onChange: onChange, done: make(chan struct{})}
+	s := &etcdStore{cli: cli, prefix: prefix, log: log, onChange: onChange, done: make(chan struct{}), probed: make(chan struct{})}
 	_, rev, err := s.load(context.Background())
 	if err != nil {
 		cli.Close()
 		return nil, fmt.Errorf("etcd %s: %w", strings.Join(cfg.Endpoints, ","), err)
 	}
+	s.healthy.Store(true)
 	ctx, cancel := context.WithCancel(context.Background())
 	s.cancel = cancel
 	go s.watch(ctx, rev)
+	go s.probe(ctx)
 	return s, nil
 }
+
+// probeEvery is how often a replica checks that etcd has a quorum for it.
+var probeEvery = time.Second
+
+// probe reads meta/version linearizably (a leader required) every
+// probeEvery: a replica whose member is cut off from the quorum, or
+// unreachable, is unhealthy within probeEvery plus etcdTimeout (a watch
+// alone can go quiet on a lost connection without an error). A version
+// newer than the one last seen runs onChange too, should the watch have
+// missed it.
+func (s *etcdStore) probe(ctx context.Context) {
+	defer close(s.probed)
+	t := time.NewTicker(probeEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		pctx, cancel := s.ctx(ctx)
+		resp, err := s.cli.Get(pctx, s.metaKey())
+		cancel()
+		if ctx.Err() != nil {
+			return
+		}
+		was := s.healthy.Swap(err == nil)
+		if err != nil {
+			if was {
+				s.log.Warn("etcd: no quorum; agents polling this replica are told to ask another", "err", err)
+			}
+			continue
+		}
+		if !was {
+			s.log.Info("etcd: quorum back")
+		}
+		if len(resp.Kvs) > 0 && resp.Kvs[0].ModRevision > s.rev.Load() {
+			s.onChange()
+		}
+	}
+}
+
+// Healthy implements quorumChecker.
+func (s *etcdStore) Healthy() bool { return s.healthy.Load() }
 
 // etcdClientConfig is the etcd client configuration of cfg: its endpoints,
 // and mutual TLS when it names a certificate or a CA.
@@ -168,7 +221,20 @@ func (s *etcdStore) load(parent context.Context) (api.PolicySet, int64, error) {
 		return api.PolicySet{}, 0, quorumErr(err)
 	}
 	set, err := s.decode(resp)
+	if err == nil {
+		s.seen(int64(set.Version))
+	}
 	return set, resp.Header.Revision, err
+}
+
+// seen records that the set of version v was loaded.
+func (s *etcdStore) seen(v int64) {
+	for {
+		cur := s.rev.Load()
+		if v <= cur || s.rev.CompareAndSwap(cur, v) {
+			return
+		}
+	}
 }
 
 // getSet reads the keys of the set: meta/, policies/ and types/, in key
@@ -425,5 +491,6 @@ func (s *etcdStore) Agents(parent context.Context) ([]api.AgentRegistration, err
 func (s *etcdStore) Close() error {
 	s.cancel()
 	<-s.done
+	<-s.probed
 	return s.cli.Close()
 }

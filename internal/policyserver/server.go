@@ -462,6 +462,11 @@ func ForHost(set api.PolicySet, host string) api.PolicySet {
 }
 
 func (s *Server) handleHealthz(w http.ResponseWriter, r *http.Request) {
+	if err := s.quorum(); err != nil {
+		// For load balancers: send agents and operators elsewhere.
+		writeJSON(w, http.StatusServiceUnavailable, map[string]any{"status": "no quorum", "error": err.Error(), "version": s.Current().Version})
+		return
+	}
 	writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "version": s.Current().Version})
 }
 
@@ -619,6 +624,12 @@ func (s *Server) handleWatch(w http.ResponseWriter, r *http.Request) {
 		wait = waitSeconds(n)
 	}
 
+	if err := s.quorum(); err != nil {
+		// The set this replica holds may be behind: the agent keeps its
+		// own, and asks another replica (api.Client moves on at a 503).
+		writeError(w, http.StatusServiceUnavailable, err)
+		return
+	}
 	s.register(host, r.RemoteAddr, after)
 	s.watchers.Add(1)
 	defer s.watchers.Add(-1)
@@ -648,6 +659,17 @@ func (s *Server) handleWatch(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
+}
+
+// quorumChecker is a store that can tell whether it has a quorum now.
+type quorumChecker interface{ Healthy() bool }
+
+// quorum is a *NoQuorumError when the store says it has no quorum now.
+func (s *Server) quorum() error {
+	if q, ok := s.st.(quorumChecker); ok && !q.Healthy() {
+		return &NoQuorumError{Err: errors.New("this policy server's etcd members are cut off from the quorum or unreachable, so its policies may be behind")}
+	}
+	return nil
 }
 
 // registrationTTL is how long an agent stays registered after a poll: the
