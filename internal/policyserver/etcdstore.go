@@ -81,9 +81,11 @@ type etcdStore struct {
 	// onChange runs when the watch sees the set change (this replica's
 	// changes or another's).
 	onChange func()
+	// onHealth, when set, runs when the probe finds the quorum lost or back.
+	onHealth func()
 	cancel   context.CancelFunc
 	done     chan struct{} // closed when watch has stopped
-	probed   chan struct{} // closed when probe has stopped
+	probed   chan struct{} // closed when probe has stopped (nil: never started)
 
 	// healthy is whether the last probe of etcd found a quorum; rev is
 	// the revision of the set last loaded or seen changed.
@@ -118,7 +120,7 @@ func openEtcdStore(cfg clientv3.Config, prefix string, log *slog.Logger, onChang
 	if err != nil {
 		return nil, fmt.Errorf("etcd %s: %w", strings.Join(cfg.Endpoints, ","), err)
 	}
-	s := &etcdStore{cli: cli, prefix: prefix, log: log, onChange: onChange, done: make(chan struct{}), probed: make(chan struct{})}
+	s := &etcdStore{cli: cli, prefix: prefix, log: log, onChange: onChange, done: make(chan struct{})}
 	_, rev, err := s.load(context.Background())
 	if err != nil {
 		cli.Close()
@@ -128,8 +130,17 @@ func openEtcdStore(cfg clientv3.Config, prefix string, log *slog.Logger, onChang
 	ctx, cancel := context.WithCancel(context.Background())
 	s.cancel = cancel
 	go s.watch(ctx, rev)
-	go s.probe(ctx)
 	return s, nil
+}
+
+// startProbe starts checking the quorum; onHealth runs on every change.
+func (s *etcdStore) startProbe(onHealth func()) {
+	s.onHealth = onHealth
+	s.probed = make(chan struct{})
+	ctx, cancel := context.WithCancel(context.Background())
+	stop := s.cancel
+	s.cancel = func() { stop(); cancel() }
+	go s.probe(ctx)
 }
 
 // probeEvery is how often a replica checks that etcd has a quorum for it.
@@ -158,6 +169,9 @@ func (s *etcdStore) probe(ctx context.Context) {
 			return
 		}
 		was := s.healthy.Swap(err == nil)
+		if was != (err == nil) && s.onHealth != nil {
+			s.onHealth()
+		}
 		if err != nil {
 			if was {
 				s.log.Warn("etcd: no quorum; agents polling this replica are told to ask another", "err", err)
@@ -179,7 +193,11 @@ func (s *etcdStore) Healthy() bool { return s.healthy.Load() }
 // etcdClientConfig is the etcd client configuration of cfg: its endpoints,
 // and mutual TLS when it names a certificate or a CA.
 func etcdClientConfig(cfg Config) (clientv3.Config, error) {
-	ec := clientv3.Config{Endpoints: cfg.Etcd, DialTimeout: etcdTimeout, Logger: zap.NewNop()}
+	ec := clientv3.Config{Endpoints: cfg.Etcd, DialTimeout: etcdTimeout, Logger: zap.NewNop(),
+		// A member lost without a word (a link down) is dropped from the
+		// balancer within about 7 s; 5 s is etcd's smallest keepalive
+		// interval by default (--grpc-keepalive-min-time).
+		DialKeepAliveTime: 5 * time.Second, DialKeepAliveTimeout: 2 * time.Second}
 	if cfg.EtcdCertFile == "" && cfg.EtcdKeyFile == "" && cfg.EtcdCAFile == "" {
 		return ec, nil
 	}
@@ -279,12 +297,24 @@ func (s *etcdStore) Load(ctx context.Context) (api.PolicySet, error) {
 // deletes) with a new version, unless another change came in between: then
 // it runs again on the newer set. fn returns no operations for no change.
 func (s *etcdStore) change(parent context.Context, fn func(set api.PolicySet, kvs map[string][]byte) ([]clientv3.Op, error)) (bool, error) {
+	// Each try has half of etcdTimeout: a request that went to a member
+	// lost without a word (its connection not yet known dead) times out,
+	// and the next goes to another member, within etcdTimeout in all.
+	budget := time.Now().Add(etcdTimeout)
+	retry := func(err error) bool {
+		var nq *NoQuorumError
+		return errors.As(err, &nq) && time.Until(budget) >= etcdTimeout/2 && parent.Err() == nil
+	}
 	for range etcdRetries {
-		ctx, cancel := s.ctx(parent)
+		ctx, cancel := context.WithTimeout(parent, etcdTimeout/2)
+		ctx = clientv3.WithRequireLeader(ctx)
 		resp, err := s.getSet(ctx)
 		if err != nil {
 			cancel()
-			return false, quorumErr(err)
+			if err = quorumErr(err); retry(err) {
+				continue
+			}
+			return false, err
 		}
 		set, err := s.decode(resp)
 		if err != nil {
@@ -308,7 +338,12 @@ func (s *etcdStore) change(parent context.Context, fn func(set api.PolicySet, kv
 		tx, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(s.metaKey()), "=", metaRev)).Then(ops...).Commit()
 		cancel()
 		if err != nil {
-			return false, quorumErr(err)
+			// The transaction may have committed: the next try reads
+			// the set again, and finds the change made or not.
+			if err = quorumErr(err); retry(err) {
+				continue
+			}
+			return false, err
 		}
 		if tx.Succeeded {
 			return true, nil
@@ -491,6 +526,8 @@ func (s *etcdStore) Agents(parent context.Context) ([]api.AgentRegistration, err
 func (s *etcdStore) Close() error {
 	s.cancel()
 	<-s.done
-	<-s.probed
+	if s.probed != nil {
+		<-s.probed
+	}
 	return s.cli.Close()
 }

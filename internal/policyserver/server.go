@@ -200,6 +200,9 @@ func New(cfg Config) (*Server, error) {
 			return nil, err
 		}
 		s.ops = ops
+		// A replica that loses its quorum ends the agents' waiting polls
+		// (they are answered 503 and ask another replica).
+		st.startProbe(s.wake)
 		s.following = make(chan struct{})
 		go s.followStore()
 	} else {
@@ -624,12 +627,6 @@ func (s *Server) handleWatch(w http.ResponseWriter, r *http.Request) {
 		wait = waitSeconds(n)
 	}
 
-	if err := s.quorum(); err != nil {
-		// The set this replica holds may be behind: the agent keeps its
-		// own, and asks another replica (api.Client moves on at a 503).
-		writeError(w, http.StatusServiceUnavailable, err)
-		return
-	}
 	s.register(host, r.RemoteAddr, after)
 	s.watchers.Add(1)
 	defer s.watchers.Add(-1)
@@ -640,6 +637,14 @@ func (s *Server) handleWatch(w http.ResponseWriter, r *http.Request) {
 		s.mu.Lock()
 		set, changed := s.cur, s.changed
 		s.mu.Unlock()
+		if err := s.quorum(); err != nil {
+			// The set this replica holds may be behind: the agent
+			// keeps its own, and asks another replica (api.Client
+			// moves on at a 503). A replica losing its quorum wakes
+			// the waiting polls.
+			writeError(w, http.StatusServiceUnavailable, err)
+			return
+		}
 		if set.Version > after {
 			writeJSON(w, http.StatusOK, ForHost(set, host))
 			return
@@ -659,6 +664,14 @@ func (s *Server) handleWatch(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
+}
+
+// wake makes every waiting watch look again (at the set and the quorum).
+func (s *Server) wake() {
+	s.mu.Lock()
+	close(s.changed)
+	s.changed = make(chan struct{})
+	s.mu.Unlock()
 }
 
 // quorumChecker is a store that can tell whether it has a quorum now.
