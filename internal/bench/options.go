@@ -34,6 +34,10 @@
 //	disruption  one greedy session across a live reconfiguration (mb1
 //	          replaced by mb2), SACK on and off: goodput and congestion
 //	          window every 50 ms (own star lab)
+//	convergence  policy changes reaching 50 light agents (the agent's
+//	          policy client without a datapath) through one server over
+//	          bbolt, and two replicas over a three-member etcd on
+//	          loopback; then the etcd leader killed (no lab)
 //
 // Results go to out/bench/*.json (raw) and, for full runs, to the results
 // section of BENCHMARKS.md. Progress goes to stderr. Labs are always torn
@@ -90,7 +94,7 @@ type Options struct {
 func (o *Options) Agents() labkit.Agents { return labkit.Agents{Dysco: o.Dysco, Args: o.AgentArgs} }
 
 // Benchmark names, in run order.
-var allBenchmarks = []string{"goodput", "rps", "connect", "bpfstats", "memory", "udp", "quic", "udpsetup", "reconfig", "churn", "disruption"}
+var allBenchmarks = []string{"goodput", "rps", "connect", "bpfstats", "memory", "udp", "quic", "udpsetup", "reconfig", "churn", "disruption", "convergence"}
 
 func (o *Options) wants(name string) bool {
 	for _, b := range o.Only {

@@ -123,6 +123,9 @@ func Run(ctx context.Context, o *Options, log io.Writer) (rep *Report, err error
 	if o.wants("disruption") {
 		runDisruption(ctx, o, set, prefix, r, pr, step)
 	}
+	if o.wants("convergence") {
+		step(convergencePhase, func() error { return Convergence(ctx, o, r, pr) })
+	}
 	if ctx.Err() != nil {
 		return r, ctx.Err()
 	}
@@ -159,6 +162,9 @@ func runReconfig(ctx context.Context, o *Options, set *labkit.Labs, prefix strin
 		r.fail(reconfigTeardown, err)
 	}
 }
+
+// convergencePhase is the convergence benchmark's phase (no lab).
+const convergencePhase = "policy convergence, 50 agents, bbolt and etcd"
 
 // Phases of the disruption benchmark, which builds its own lab.
 const (
@@ -285,6 +291,13 @@ func plan(o *Options) []planned {
 			planned{Phase: labkit.Phase{Name: disruptionLabs, Est: 5 * time.Second}},
 			planned{Phase: labkit.Phase{Name: disruptionPhaseName(o), Est: disruptionEst(o)}, bench: "disruption"},
 			planned{Phase: labkit.Phase{Name: disruptionTeardown, Est: 3 * time.Second}})
+	}
+	if o.wants("convergence") {
+		n := 100
+		if o.Quick {
+			n = 10
+		}
+		out = append(out, planned{Phase: labkit.Phase{Name: convergencePhase, Est: 15*time.Second + time.Duration(2*n)*50*time.Millisecond}, bench: "convergence"})
 	}
 	return out
 }
