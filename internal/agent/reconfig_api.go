@@ -227,6 +227,8 @@ func (a *Agent) execOperation(ctx context.Context, op api.Operation) api.Operati
 		rep, rerr = a.reconfig(ctx, *op.Reconfig)
 	case op.Middlebox != nil:
 		rep, rerr = a.middlebox(ctx, *op.Middlebox)
+	case op.Query != nil:
+		return a.query(*op.Query)
 	default:
 		return api.OperationResult{Error: "the operation holds no request this agent knows (a newer policy server?)"}
 	}
@@ -235,6 +237,31 @@ func (a *Agent) execOperation(ctx context.Context, op api.Operation) api.Operati
 	}
 	a.log.Info("operation carried out", "id", op.ID, "sessions", len(rep.Results))
 	return api.OperationResult{Reply: &rep}
+}
+
+// query answers a query relayed by the policy server with what the local
+// API lists: the first sessions, or the newest results of the history.
+func (a *Agent) query(q api.QueryRequest) api.OperationResult {
+	limit := q.QueryLimit()
+	switch q.What {
+	case api.QuerySessions:
+		ss, err := a.sessionList()
+		if err != nil {
+			return api.OperationResult{Error: err.Error()}
+		}
+		rep := &api.SessionsReply{Sessions: ss[:min(len(ss), limit)], Total: len(ss)}
+		if rep.Sessions == nil {
+			rep.Sessions = []api.Session{}
+		}
+		return api.OperationResult{Sessions: rep}
+	case api.QueryHistory:
+		if a.ctl == nil {
+			return api.OperationResult{Error: errNoControl.Error()}
+		}
+		h := a.ctl.History()
+		return api.OperationResult{Reply: &api.ReconfigReply{Results: h[max(0, len(h)-limit):]}}
+	}
+	return api.OperationResult{Error: fmt.Sprintf("query %q: this agent answers %q and %q", q.What, api.QuerySessions, api.QueryHistory)}
 }
 
 // hostAddrs lists this host's addresses of family fam (netlink.FAMILY_V4,

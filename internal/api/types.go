@@ -422,6 +422,9 @@ type Operation struct {
 	Host      string            `json:"host"`
 	Reconfig  *ReconfigRequest  `json:"reconfig,omitempty"`
 	Middlebox *MiddleboxRequest `json:"middlebox,omitempty"`
+	// Query asks the agent for what its local API lists (its sessions,
+	// its reconfiguration history), for `dysco sessions --server`.
+	Query *QueryRequest `json:"query,omitempty"`
 	// State is OpQueued, OpRunning, OpDone or OpFailed (set by the server).
 	State string `json:"state,omitempty"`
 	// Error is why the operation failed: the agent refused the request
@@ -430,7 +433,9 @@ type Operation struct {
 	Error string `json:"error,omitempty"`
 	// Reply is the agent's reply when State is OpDone: one result per
 	// session, as the local API gives it.
-	Reply    *ReconfigReply `json:"reply,omitempty"`
+	Reply *ReconfigReply `json:"reply,omitempty"`
+	// Sessions is the reply to a sessions query.
+	Sessions *SessionsReply `json:"sessions,omitempty"`
 	Created  time.Time      `json:"created,omitzero"`
 	Claimed  time.Time      `json:"claimed,omitzero"`
 	Finished time.Time      `json:"finished,omitzero"`
@@ -479,8 +484,22 @@ func (o *Operation) Validate() error {
 	if len(o.Host) > 253 || strings.IndexFunc(o.Host, func(r rune) bool { return r <= ' ' || r == 0x7f }) >= 0 {
 		return fmt.Errorf("operation: host %q is not an agent name", o.Host)
 	}
-	if (o.Reconfig == nil) == (o.Middlebox == nil) {
-		return errors.New("operation: give exactly one of reconfig and middlebox")
+	n := 0
+	for _, set := range []bool{o.Reconfig != nil, o.Middlebox != nil, o.Query != nil} {
+		if set {
+			n++
+		}
+	}
+	if n != 1 {
+		return errors.New("operation: give exactly one of reconfig, middlebox and query")
+	}
+	if q := o.Query; q != nil {
+		if q.What != QuerySessions && q.What != QueryHistory {
+			return fmt.Errorf("operation: query %q: want %q or %q", q.What, QuerySessions, QueryHistory)
+		}
+		if q.Limit < 0 || q.Limit > MaxQueryLimit {
+			return fmt.Errorf("operation: query limit %d: want 0 (%d) to %d", q.Limit, DefaultQueryLimit, MaxQueryLimit)
+		}
 	}
 	if ms := o.TimeoutMS(); ms < 0 || ms > MaxOperationTimeoutMS {
 		return fmt.Errorf("operation: timeout_ms %d: want 0 (the agent's default) to %d (5 minutes, the most an agent waits)", ms, MaxOperationTimeoutMS)
@@ -515,6 +534,39 @@ func (o *Operation) Validate() error {
 	return nil
 }
 
+// QueryRequest asks an agent, through the policy server, for what its
+// local API lists.
+type QueryRequest struct {
+	// What is QuerySessions or QueryHistory.
+	What string `json:"what"`
+	// Limit bounds the sessions or results in the reply (0:
+	// DefaultQueryLimit): the newest history results, the first sessions.
+	Limit int `json:"limit,omitempty"`
+}
+
+// What a QueryRequest may ask for, and its bounds.
+const (
+	QuerySessions     = "sessions" // the agent's sessions (SessionsReply)
+	QueryHistory      = "history"  // its reconfiguration history (ReconfigReply)
+	DefaultQueryLimit = 1000
+	MaxQueryLimit     = 10000
+)
+
+// QueryLimit is q's limit, DefaultQueryLimit when unset.
+func (q *QueryRequest) QueryLimit() int {
+	if q.Limit <= 0 {
+		return DefaultQueryLimit
+	}
+	return q.Limit
+}
+
+// SessionsReply is an agent's answer to a sessions query: at most the
+// query's limit of its sessions, and how many it has.
+type SessionsReply struct {
+	Sessions []Session `json:"sessions"`
+	Total    int       `json:"total"`
+}
+
 // Bounds of an Operation's request.
 const (
 	MaxOperationTimeoutMS = 5 * 60 * 1000
@@ -525,9 +577,22 @@ const (
 // Error when it refused the request, else Reply. Host is the agent's name:
 // the server takes the result only from the agent the operation was for.
 type OperationResult struct {
-	Host  string         `json:"host"`
-	Error string         `json:"error,omitempty"`
-	Reply *ReconfigReply `json:"reply,omitempty"`
+	Host     string         `json:"host"`
+	Error    string         `json:"error,omitempty"`
+	Reply    *ReconfigReply `json:"reply,omitempty"`
+	Sessions *SessionsReply `json:"sessions,omitempty"`
+}
+
+// Answers counts what res carries of error, reply and sessions: exactly
+// one is valid.
+func (res *OperationResult) Answers() int {
+	n := 0
+	for _, set := range []bool{res.Error != "", res.Reply != nil, res.Sessions != nil} {
+		if set {
+			n++
+		}
+	}
+	return n
 }
 
 // PoliciesUsingType names the policies of policies whose chain names the

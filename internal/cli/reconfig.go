@@ -15,6 +15,7 @@ import (
 	"github.com/dysco/dysco/internal/certs"
 	"github.com/dysco/dysco/internal/policy"
 	"github.com/dysco/dysco/internal/protocol"
+	"github.com/dysco/dysco/internal/psclient"
 	"github.com/dysco/dysco/internal/wire"
 )
 
@@ -188,7 +189,11 @@ carries the operator certificate of --pki-dir (or --tls-cert, --tls-key).
 }
 
 func newReconfigHistoryCmd() *cobra.Command {
-	var asJSON bool
+	var (
+		asJSON bool
+		remote remoteFlags
+		limit  int
+	)
 	cmd := &cobra.Command{
 		Use:   "history [--json]",
 		Short: "List the last reconfigurations this host ran as left anchor",
@@ -196,12 +201,29 @@ func newReconfigHistoryCmd() *cobra.Command {
 first: requested here with 'dysco reconfig', or asked for by a middlebox
 (a proxy removing itself, 'dysco middlebox remove'). TIME is from the request
 at this host to the old path no longer being used. The agent keeps the last
-few thousand.`,
+few thousand.
+
+With --server URL --host AGENT the policy server asks the agent named AGENT
+(its --name) instead, and prints its newest results (--limit).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			rep, err := agentClient().ReconfigHistory(cmd.Context())
-			if err != nil {
+			if err := remote.check(); err != nil {
 				return err
+			}
+			var rep api.ReconfigReply
+			if remote.server != "" {
+				op, err := remote.query(cmd, api.QueryHistory, limit)
+				if err != nil {
+					return err
+				}
+				if op.Reply != nil {
+					rep = *op.Reply
+				}
+			} else {
+				var err error
+				if rep, err = agentClient().ReconfigHistory(cmd.Context()); err != nil {
+					return err
+				}
 			}
 			if asJSON {
 				if rep.Results == nil {
@@ -217,6 +239,7 @@ few thousand.`,
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the agent's reply as JSON")
+	remote.queryFlags(cmd, &limit, "results (the newest)")
 	return cmd
 }
 
@@ -398,17 +421,30 @@ func (r *remoteFlags) do(cmd *cobra.Command, op api.Operation, timeout time.Dura
 // run has the policy server relay op to the agent r.host and waits for its
 // reply: the agent's own wait (timeout), plus the time to claim and report.
 func (r *remoteFlags) run(cmd *cobra.Command, op api.Operation, timeout time.Duration) (api.ReconfigReply, error) {
+	cur, err := r.runOp(cmd, op, timeout)
+	if err != nil {
+		return api.ReconfigReply{}, err
+	}
+	if cur.Reply == nil {
+		return api.ReconfigReply{}, fmt.Errorf("operation %s: the agent's reply has no results", cur.ID)
+	}
+	return *cur.Reply, nil
+}
+
+// runOp has the policy server relay op to the agent r.host and returns it
+// done, or the error it failed with.
+func (r *remoteFlags) runOp(cmd *cobra.Command, op api.Operation, timeout time.Duration) (api.Operation, error) {
 	op.Host = strings.TrimSpace(r.host)
 	if timeout > api.MaxOperationTimeoutMS*time.Millisecond {
-		return api.ReconfigReply{}, fmt.Errorf("--timeout %v: at most 5m through the policy server (the most an agent waits)", timeout)
+		return api.Operation{}, fmt.Errorf("--timeout %v: at most 5m through the policy server (the most an agent waits)", timeout)
 	}
 	c, err := r.pki.serverClient(r.server)
 	if err != nil {
-		return api.ReconfigReply{}, err
+		return api.Operation{}, err
 	}
 	created, err := c.CreateOperation(cmd.Context(), op)
 	if err != nil {
-		return api.ReconfigReply{}, err
+		return api.Operation{}, err
 	}
 	// The server fails an operation that is not claimed or reported in
 	// time, so this wait ends; the margin covers a server that restarted
@@ -418,17 +454,35 @@ func (r *remoteFlags) run(cmd *cobra.Command, op api.Operation, timeout time.Dur
 	for !cur.IsFinished() {
 		left := time.Until(deadline)
 		if left <= 0 {
-			return api.ReconfigReply{}, fmt.Errorf("operation %s at agent %q: no result from %s in time (last state %s); `dysco reconfig history` on the left anchors shows what happened", created.ID, op.Host, c.Target(), cur.State)
+			return api.Operation{}, fmt.Errorf("operation %s at agent %q: no result from %s in time (last state %s); `dysco reconfig history` on the left anchors shows what happened", created.ID, op.Host, c.Target(), cur.State)
 		}
 		cur, err = c.Operation(cmd.Context(), created.ID, min(left, 30*time.Second))
 		if err != nil {
-			return api.ReconfigReply{}, fmt.Errorf("operation %s at agent %q: %w", created.ID, op.Host, err)
+			return api.Operation{}, fmt.Errorf("operation %s at agent %q: %w", created.ID, op.Host, err)
 		}
 	}
-	if cur.State != api.OpDone || cur.Reply == nil {
-		return api.ReconfigReply{}, fmt.Errorf("operation %s: %s", created.ID, cur.Error)
+	if cur.State != api.OpDone {
+		return api.Operation{}, fmt.Errorf("operation %s: %s", created.ID, cur.Error)
 	}
-	return *cur.Reply, nil
+	return cur, nil
+}
+
+// query asks the agent r.host, through the policy server, for what its
+// local API lists.
+func (r *remoteFlags) query(cmd *cobra.Command, what string, limit int) (api.Operation, error) {
+	if limit < 0 || limit > api.MaxQueryLimit {
+		return api.Operation{}, fmt.Errorf("--limit %d: want 1 to %d", limit, api.MaxQueryLimit)
+	}
+	return r.runOp(cmd, api.Operation{Query: &api.QueryRequest{What: what, Limit: limit}}, psclient.DefaultOpTimeout)
+}
+
+// queryFlags are --server, --host and --limit of the listing verbs.
+func (r *remoteFlags) queryFlags(cmd *cobra.Command, limit *int, what string) {
+	f := cmd.Flags()
+	f.StringVar(&r.server, "server", "", "policy server URL (https://HOST:7017, with the operator certificate of --pki-dir), or several replicas' URLs separated by commas: ask the agent --host through it; default: the local agent")
+	f.StringVar(&r.host, "host", "", "with --server: the agent (its --name) to ask")
+	f.IntVar(limit, "limit", api.DefaultQueryLimit, "with --server: at most this many "+what)
+	r.pki.add(f, certs.RoleOperator)
 }
 
 // migFlags are the state migration flags of reconfig and middlebox replace.

@@ -14,22 +14,43 @@ import (
 func init() { register(newSessionsCmd) }
 
 func newSessionsCmd() *cobra.Command {
-	var output *string
+	var (
+		output *string
+		remote remoteFlags
+		limit  int
+	)
 	cmd := &cobra.Command{
 		Use:   "sessions",
 		Short: "List the sessions the local agent knows, with their subsessions and counters",
 		Long: `List the sessions of the agent of this network namespace: the session
 five-tuple, this host's role in the chain (start, middle, end), the state,
 the subsessions on its left and right, the chain still ahead at set-up, and
-the packets and bytes seen forward and in reverse.`,
+the packets and bytes seen forward and in reverse.
+
+With --server URL --host AGENT the policy server asks the agent named AGENT
+(its --name) instead: its first --limit sessions, and how many it has.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			format, err := parseOutput(*output)
 			if err != nil {
 				return err
 			}
-			ss, err := agentClient().Sessions(cmd.Context())
-			if err != nil {
+			if err := remote.check(); err != nil {
+				return err
+			}
+			var (
+				ss    []api.Session
+				total = -1
+			)
+			if remote.server != "" {
+				op, err := remote.query(cmd, api.QuerySessions, limit)
+				if err != nil {
+					return err
+				}
+				if op.Sessions != nil {
+					ss, total = op.Sessions.Sessions, op.Sessions.Total
+				}
+			} else if ss, err = agentClient().Sessions(cmd.Context()); err != nil {
 				return err
 			}
 			if format == outputJSON {
@@ -42,10 +63,17 @@ the packets and bytes seen forward and in reverse.`,
 				fmt.Fprintln(cmd.OutOrStdout(), "no sessions")
 				return nil
 			}
-			return printSessions(cmd.OutOrStdout(), ss)
+			if err := printSessions(cmd.OutOrStdout(), ss); err != nil {
+				return err
+			}
+			if total > len(ss) {
+				fmt.Fprintf(cmd.OutOrStdout(), "(%d of the agent's %d sessions; --limit for more)\n", len(ss), total)
+			}
+			return nil
 		},
 	}
 	output = addOutputFlag(cmd)
+	remote.queryFlags(cmd, &limit, "sessions")
 	return cmd
 }
 

@@ -40,6 +40,7 @@ import (
 // etcdOps keeps the operations in etcd.
 type etcdOps struct {
 	cli    *clientv3.Client
+	st     *etcdStore
 	prefix string // PREFIX ops/
 	agents string // PREFIX agents/
 	log    *slog.Logger
@@ -55,13 +56,18 @@ type etcdOps struct {
 
 var _ opStore = (*etcdOps)(nil)
 
+// maxEtcdOp bounds an operation's JSON in etcd, whose requests are at most
+// 1.5 MiB by default (--max-request-bytes); a larger result is refused
+// (413), and the agent reports that instead. A variable for tests.
+var maxEtcdOp = 1 << 20
+
 // opLeaseReuse is how long one lease serves the operations written: each
 // is kept between keepFinished and keepFinished plus this.
 const opLeaseReuse = time.Minute
 
 // newEtcdOps keeps operations in st's etcd, under st's prefix.
 func newEtcdOps(st *etcdStore) (*etcdOps, error) {
-	o := &etcdOps{cli: st.cli, prefix: st.prefix + "ops/", agents: st.prefix + "agents/", log: st.log,
+	o := &etcdOps{cli: st.cli, st: st, prefix: st.prefix + "ops/", agents: st.prefix + "agents/", log: st.log,
 		changed: make(chan struct{}), done: make(chan struct{})}
 	ctx, cancel := st.ctx(context.Background())
 	resp, err := o.cli.Get(ctx, o.prefix, clientv3.WithPrefix(), clientv3.WithCountOnly())
@@ -259,6 +265,9 @@ func newOpID(now time.Time) string {
 
 // create implements opStore.
 func (o *etcdOps) create(parent context.Context, op api.Operation) (api.Operation, int, error) {
+	if err := o.st.quorumNow(); err != nil {
+		return op, 0, err
+	}
 	ctx, cancel := o.ctx(parent)
 	defer cancel()
 	ops, err := o.readFresh(ctx)
@@ -378,6 +387,9 @@ func (o *etcdOps) get(parent context.Context, id string) (api.Operation, bool, <
 // claimNext implements opStore.
 func (o *etcdOps) claimNext(parent context.Context, host string) (api.Operation, bool, <-chan struct{}, error) {
 	changed := o.current()
+	if err := o.st.quorumNow(); err != nil {
+		return api.Operation{}, false, changed, err
+	}
 	ctx, cancel := o.ctx(parent)
 	defer cancel()
 	for range etcdRetries {
@@ -430,6 +442,11 @@ func (o *etcdOps) report(parent context.Context, id string, res api.OperationRes
 		code, ferr := finishWith(&op, id, res, caller, now)
 		if ferr != nil && op.State == s.op.State {
 			return code, ferr // refused, nothing to write
+		}
+		if ferr == nil {
+			if data, err := json.Marshal(op); err == nil && len(data) > maxEtcdOp {
+				return http.StatusRequestEntityTooLarge, fmt.Errorf("operation %s: the result takes %d bytes, more than the %d an operation may take in etcd (etcd's requests are at most 1.5 MiB)", id, len(data), maxEtcdOp)
+			}
 		}
 		// Taken, or refused because it just expired: write either.
 		ok, err = o.putIf(ctx, s, op)

@@ -351,3 +351,59 @@ func TestEtcdOperationsBadValue(t *testing.T) {
 		t.Fatal("a malformed operation was served")
 	}
 }
+
+// Queries (`dysco sessions --server`): the agent's sessions come back in
+// the operation; a result of the wrong kind is refused; a result larger
+// than etcd takes is refused with 413, which the agent reports instead.
+func TestEtcdQueryOperations(t *testing.T) {
+	url, _ := startEtcd(t)
+	a := startEtcdReplica(t, url, "/q/")
+	c := api.NewServerClient(a.url)
+	ctx := t.Context()
+	registerAgent(t, a, "mb1")
+	query := func(what string) api.Operation {
+		t.Helper()
+		op, err := c.CreateOperation(ctx, api.Operation{Host: "mb1", Query: &api.QueryRequest{What: what}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, ok, err := c.ClaimOperation(ctx, "mb1", 5*time.Second)
+		if err != nil || !ok || got.ID != op.ID || got.Query == nil || got.Query.What != what {
+			t.Fatalf("claim: %+v %v %v", got, ok, err)
+		}
+		return op
+	}
+	op := query(api.QuerySessions)
+	var he *api.HTTPError
+	err := c.ReportOperation(ctx, op.ID, api.OperationResult{Host: "mb1", Reply: &api.ReconfigReply{}})
+	if !errors.As(err, &he) || he.StatusCode != 400 {
+		t.Fatalf("a reconfiguration reply to a sessions query: %v, want 400", err)
+	}
+	ss := &api.SessionsReply{Sessions: []api.Session{{ID: 4, Session: "10.0.0.1:1 -> 10.0.0.2:80"}}, Total: 3}
+	if err := c.ReportOperation(ctx, op.ID, api.OperationResult{Host: "mb1", Sessions: ss}); err != nil {
+		t.Fatal(err)
+	}
+	got, err := c.Operation(ctx, op.ID, 0)
+	if err != nil || got.State != api.OpDone || got.Sessions == nil || got.Sessions.Total != 3 || got.Sessions.Sessions[0].ID != 4 {
+		t.Fatalf("answered query: %+v %v", got, err)
+	}
+
+	old := maxEtcdOp
+	maxEtcdOp = 2048
+	t.Cleanup(func() { maxEtcdOp = old })
+	op = query(api.QuerySessions)
+	big := &api.SessionsReply{Total: 100}
+	for i := range 100 {
+		big.Sessions = append(big.Sessions, api.Session{ID: uint32(i), Session: "10.0.0.1:40000 -> 10.0.9.1:80"})
+	}
+	err = c.ReportOperation(ctx, op.ID, api.OperationResult{Host: "mb1", Sessions: big})
+	if !errors.As(err, &he) || he.StatusCode != 413 {
+		t.Fatalf("a result larger than etcd takes: %v, want 413", err)
+	}
+	if err := c.ReportOperation(ctx, op.ID, api.OperationResult{Host: "mb1", Error: "too large"}); err != nil {
+		t.Fatalf("the refusal reported instead: %v", err)
+	}
+	if _, err := c.CreateOperation(ctx, api.Operation{Host: "mb1", Query: &api.QueryRequest{What: "secrets"}}); !errors.As(err, &he) || he.StatusCode != 400 {
+		t.Fatalf("an unknown query: %v, want 400", err)
+	}
+}

@@ -36,6 +36,8 @@ import (
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 
 	"github.com/dysco/dysco/internal/api"
 )
@@ -187,6 +189,16 @@ func (s *etcdStore) probe(ctx context.Context) {
 	}
 }
 
+// quorumNow fails at once, with a *NoQuorumError, when the last probe
+// found no quorum: a write would only time out, and the client is better
+// off asking another replica now.
+func (s *etcdStore) quorumNow() error {
+	if !s.healthy.Load() {
+		return &NoQuorumError{Err: errors.New("this policy server's etcd members are cut off from the quorum or unreachable")}
+	}
+	return nil
+}
+
 // Healthy implements quorumChecker.
 func (s *etcdStore) Healthy() bool { return s.healthy.Load() }
 
@@ -194,6 +206,12 @@ func (s *etcdStore) Healthy() bool { return s.healthy.Load() }
 // and mutual TLS when it names a certificate or a CA.
 func etcdClientConfig(cfg Config) (clientv3.Config, error) {
 	ec := clientv3.Config{Endpoints: cfg.Etcd, DialTimeout: etcdTimeout, Logger: zap.NewNop(),
+		// Reconnect to a member that was down within seconds of its
+		// return (gRPC's own back-off grows to two minutes).
+		DialOptions: []grpc.DialOption{grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 2 * time.Second},
+			MinConnectTimeout: 2 * time.Second,
+		})},
 		// A member lost without a word (a link down) is dropped from the
 		// balancer within about 7 s; 5 s is etcd's smallest keepalive
 		// interval by default (--grpc-keepalive-min-time).
@@ -300,6 +318,9 @@ func (s *etcdStore) change(parent context.Context, fn func(set api.PolicySet, kv
 	// Each try has half of etcdTimeout: a request that went to a member
 	// lost without a word (its connection not yet known dead) times out,
 	// and the next goes to another member, within etcdTimeout in all.
+	if err := s.quorumNow(); err != nil {
+		return false, err
+	}
 	budget := time.Now().Add(etcdTimeout)
 	retry := func(err error) bool {
 		var nq *NoQuorumError

@@ -159,10 +159,13 @@ func finishWith(op *api.Operation, id string, res api.OperationResult, caller st
 	if op.State != api.OpRunning {
 		return http.StatusConflict, fmt.Errorf("operation %s is %s, not running: its result is not taken (%s)", id, op.State, op.Error)
 	}
+	if (op.Query != nil && op.Query.What == api.QuerySessions) != (res.Sessions != nil) && res.Error == "" {
+		return http.StatusBadRequest, fmt.Errorf("operation %s: the result's kind does not answer the operation's request", id)
+	}
 	if res.Error != "" {
 		op.State, op.Error = api.OpFailed, fmt.Sprintf("agent %q: %s", op.Host, res.Error)
 	} else {
-		op.State, op.Reply = api.OpDone, res.Reply
+		op.State, op.Reply, op.Sessions = api.OpDone, res.Reply, res.Sessions
 	}
 	op.Finished = now
 	return 0, nil
@@ -259,7 +262,7 @@ func (s *Server) handleCreateOp(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, err)
 		return
 	}
-	if op.ID != "" || op.State != "" || op.Error != "" || op.Reply != nil || !op.Created.IsZero() || !op.Claimed.IsZero() || !op.Finished.IsZero() {
+	if op.ID != "" || op.State != "" || op.Error != "" || op.Reply != nil || op.Sessions != nil || !op.Created.IsZero() || !op.Claimed.IsZero() || !op.Finished.IsZero() {
 		writeError(w, http.StatusBadRequest, errors.New("operation: id, state, error, reply and times are the server's to set; send host and one of reconfig and middlebox"))
 		return
 	}
@@ -267,7 +270,7 @@ func (s *Server) handleCreateOp(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, err)
 		return
 	}
-	if s.cfg.ValidateMatch != nil {
+	if s.cfg.ValidateMatch != nil && op.Query == nil {
 		if err := s.cfg.ValidateMatch(op.Match()); err != nil {
 			writeError(w, http.StatusBadRequest, fmt.Errorf("operation: match: %w", err))
 			return
@@ -555,8 +558,8 @@ func (s *Server) handleReportOp(w http.ResponseWriter, r *http.Request) {
 		writeError(w, code, fmt.Errorf("request body is not a valid operation result: %v", err))
 		return
 	}
-	if (res.Error == "") == (res.Reply == nil) {
-		writeError(w, http.StatusBadRequest, errors.New("operation result: give exactly one of error and reply"))
+	if res.Answers() != 1 {
+		writeError(w, http.StatusBadRequest, errors.New("operation result: give exactly one of error, reply and sessions"))
 		return
 	}
 	caller := ""

@@ -108,9 +108,13 @@ func report(ctx context.Context, c *api.Client, log *slog.Logger, op api.Operati
 			return
 		}
 		var he *api.HTTPError
-		if errors.As(err, &he) && res.Reply != nil && (he.StatusCode == http.StatusBadRequest || he.StatusCode == http.StatusRequestEntityTooLarge) {
-			log.Warn("the policy server refused the operation's reply; reporting the refusal instead", "id", op.ID, "results", len(res.Reply.Results), "err", err)
-			res = api.OperationResult{Host: res.Host, Error: fmt.Sprintf("carried out on %d session(s), but the policy server refused the reply (%s); `dysco reconfig history` on the left anchors has the results", len(res.Reply.Results), he.Message)}
+		if errors.As(err, &he) && res.Error == "" && (he.StatusCode == http.StatusBadRequest || he.StatusCode == http.StatusRequestEntityTooLarge) {
+			log.Warn("the policy server refused the operation's reply; reporting the refusal instead", "id", op.ID, "err", err)
+			if res.Reply != nil && op.Query == nil {
+				res = api.OperationResult{Host: res.Host, Error: fmt.Sprintf("carried out on %d session(s), but the policy server refused the reply (%s); `dysco reconfig history` on the left anchors has the results", len(res.Reply.Results), he.Message)}
+			} else {
+				res = api.OperationResult{Host: res.Host, Error: fmt.Sprintf("the policy server refused the answer (%s); ask for fewer (--limit), or ask the agent on its host", he.Message)}
+			}
 			continue
 		}
 		if (errors.As(err, &he) && he.StatusCode != http.StatusServiceUnavailable) || ctx.Err() != nil || time.Now().After(give) {
@@ -146,10 +150,14 @@ func OpTimeout(op *api.Operation) time.Duration {
 	return DefaultOpTimeout
 }
 
-// OpKind names an operation's verb for logs: "reconfig" or "middlebox".
+// OpKind names an operation's verb for logs: "reconfig", "middlebox" or
+// "query".
 func OpKind(op *api.Operation) string {
-	if op.Reconfig != nil {
+	switch {
+	case op.Reconfig != nil:
 		return "reconfig"
+	case op.Query != nil:
+		return "query"
 	}
 	return "middlebox"
 }

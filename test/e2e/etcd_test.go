@@ -380,6 +380,18 @@ func TestEtcdCluster(t *testing.T) {
 	if base == 0 {
 		t.Fatal("mb1 counted no session")
 	}
+	// The live session, as mb1's agent lists it, asked through the store.
+	var ss []api.Session
+	if err := json.Unmarshal([]byte(e.dysco("client", "sessions", "--server", both, "--host", "mb1", "-o", "json")), &ss); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.ContainsFunc(ss, func(s api.Session) bool { return strings.HasSuffix(s.Session, ":9401") && s.Role == "middle" }) {
+		t.Fatalf("mb1's sessions through the policy servers: %+v, want the live one on port 9401", ss)
+	}
+	var hist api.ReconfigReply
+	if err := json.Unmarshal([]byte(e.dysco("client", "reconfig", "history", "--server", both, "--host", "client", "--json")), &hist); err != nil {
+		t.Fatalf("the client's history through the policy servers: %v", err)
+	}
 	c.kill(0)
 	c.kill(1)
 	start := time.Now()
