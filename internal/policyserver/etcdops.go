@@ -24,7 +24,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
-	mrand "math/rand/v2"
 	"net/http"
 	"sort"
 	"strconv"
@@ -101,43 +100,15 @@ func (o *etcdOps) bump() {
 }
 
 // watch wakes the waiters on every change of an operation, from revision
-// rev on. A watch that ends (no leader, the member gone) wakes them too,
-// so that they read again (and fail fast without a quorum), and starts
-// again after a back-off with jitter from the last revision seen; after a
-// compaction, from the oldest revision kept.
+// rev on. A watch that ends (no leader, the member gone) wakes them too, so
+// that they read again (and fail fast without a quorum); after a
+// compaction it goes on from the oldest revision kept (the waiters read
+// again whatever they missed).
 func (o *etcdOps) watch(ctx context.Context, rev int64) {
 	defer close(o.done)
-	backoff := 100 * time.Millisecond
-	for ctx.Err() == nil {
-		wch := o.cli.Watch(clientv3.WithRequireLeader(ctx), o.prefix, clientv3.WithPrefix(), clientv3.WithRev(rev+1))
-		for resp := range wch {
-			if resp.CompactRevision > 0 {
-				rev = resp.CompactRevision - 1
-				break
-			}
-			if resp.Err() != nil {
-				break
-			}
-			if len(resp.Events) > 0 {
-				rev = resp.Header.Revision
-				backoff = 100 * time.Millisecond
-				o.bump()
-			}
-		}
-		if ctx.Err() != nil {
-			return
-		}
-		o.bump()
-		d := backoff + time.Duration(mrand.Int64N(int64(backoff)))
-		if backoff < 5*time.Second {
-			backoff *= 2
-		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-time.After(d):
-		}
-	}
+	follow(ctx, o.cli, o.prefix, true, rev, o.bump,
+		func(compacted, _ int64) int64 { o.bump(); return compacted - 1 },
+		func(error) { o.bump() })
 }
 
 // ctx bounds a request and requires a leader.

@@ -441,36 +441,54 @@ func (s *etcdStore) DeleteType(ctx context.Context, name string) (bool, error) {
 	return found, err
 }
 
-// watch follows the prefix from revision rev on, and runs onChange for
-// every change. A watch that ends (no leader, the member gone, a
-// compaction past rev) starts again after a back-off with jitter: from rev
-// on, or, after a compaction, from a fresh read of the set.
+// watch follows meta/version from revision rev on, and runs onChange for
+// every change of the set; after a compaction past rev it reads the whole
+// set again and goes on from there.
 func (s *etcdStore) watch(ctx context.Context, rev int64) {
 	defer close(s.done)
+	// Every change of the set writes meta/version: its events are the
+	// set's changes, and registrations wake nobody.
+	follow(ctx, s.cli, s.metaKey(), false, rev, s.onChange,
+		func(compacted, had int64) int64 {
+			s.log.Warn("etcd: the watch fell behind a compaction; reloading the policy set", "compacted", compacted, "had", had)
+			if _, r, err := s.load(ctx); err == nil {
+				s.onChange()
+				return r
+			}
+			return had
+		},
+		func(err error) { s.log.Warn("etcd: watch ended", "err", err) })
+}
+
+// follow watches key (every key under it when prefix) from revision rev
+// on, with a leader required (a member cut off from the quorum ends the
+// watch instead of going quiet), until ctx ends. events runs for each
+// response with events; compacted, when the watch fell behind a
+// compaction, returns the revision to go on from; ended runs when a watch
+// ends otherwise. A watch that ended starts again after a back-off with
+// jitter, from 100 ms doubling to 5 s, back to 100 ms after events.
+func follow(ctx context.Context, cli *clientv3.Client, key string, prefix bool, rev int64,
+	events func(), compacted func(compacted, had int64) int64, ended func(error)) {
 	backoff := 100 * time.Millisecond
+	opts := []clientv3.OpOption{clientv3.WithRev(0)}
+	if prefix {
+		opts = append(opts, clientv3.WithPrefix())
+	}
 	for ctx.Err() == nil {
-		// Every change of the set writes meta/version: its events are
-		// the set's changes, and registrations wake nobody.
-		wch := s.cli.Watch(clientv3.WithRequireLeader(ctx), s.metaKey(), clientv3.WithRev(rev+1))
-		for resp := range wch {
+		opts[0] = clientv3.WithRev(rev + 1)
+		for resp := range cli.Watch(clientv3.WithRequireLeader(ctx), key, opts...) {
 			if resp.CompactRevision > 0 {
-				// Fell behind a compaction: the events are gone; read
-				// the whole set again and go on from there.
-				s.log.Warn("etcd: the watch fell behind a compaction; reloading the policy set", "compacted", resp.CompactRevision, "had", rev)
-				if _, r, err := s.load(ctx); err == nil {
-					rev = r
-					s.onChange()
-				}
+				rev = compacted(resp.CompactRevision, rev)
 				break
 			}
 			if err := resp.Err(); err != nil {
-				s.log.Warn("etcd: watch ended", "err", err)
+				ended(err)
 				break
 			}
 			if len(resp.Events) > 0 {
 				rev = resp.Header.Revision
 				backoff = 100 * time.Millisecond
-				s.onChange()
+				events()
 			}
 		}
 		if ctx.Err() != nil {

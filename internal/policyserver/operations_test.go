@@ -189,8 +189,8 @@ func TestOperationBadInput(t *testing.T) {
 	c.ClaimOperation(t.Context(), "mb1", 0)
 	for _, tc := range []struct{ body, want string }{
 		{``, "empty request body"},
-		{`{"host":"mb1"}`, "exactly one of reconfig and middlebox"},
-		{`{"host":"mb1","reconfig":{"match":"tcp","to":"10.0.0.1"},"middlebox":{}}`, "exactly one of reconfig and middlebox"},
+		{`{"host":"mb1"}`, "exactly one of reconfig, middlebox and query"},
+		{`{"host":"mb1","reconfig":{"match":"tcp","to":"10.0.0.1"},"middlebox":{}}`, "exactly one of reconfig, middlebox and query"},
 		{`{"middlebox":{}}`, "no host"},
 		{`{"host":"a b","middlebox":{}}`, "not an agent name"},
 		{`{"host":"mb1","reconfig":{"match":"tcp"}}`, "needs a right anchor"},
@@ -200,6 +200,9 @@ func TestOperationBadInput(t *testing.T) {
 		{`{"host":"mb1","middlebox":{"timeout_ms":9300000000000}}`, "timeout_ms 9300000000000: want 0"},
 		{`{"host":"mb1","middlebox":{"match":"` + strings.Repeat("x", api.MaxMatchLen+1) + `"}}`, "match filter of 8193 bytes"},
 		{`{"host":"mb1","midlebox":{}}`, `unknown field`},
+		{`{"host":"mb1","query":{"what":"keys"}}`, `query \"keys\": want \"sessions\"`},
+		{`{"host":"mb1","query":{"what":"sessions","limit":10001}}`, `query limit 10001`},
+		{`{"host":"mb1","query":{"what":"sessions"},"sessions":{"sessions":[],"total":0}}`, "the server's to set"},
 	} {
 		code, data := call(t, "POST", ts.url+"/v1/operations", tc.body)
 		if code != 400 || !strings.Contains(string(data), tc.want) {
