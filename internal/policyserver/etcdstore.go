@@ -27,6 +27,8 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"net"
+	"net/url"
 	"os"
 	"strings"
 	"sync"
@@ -126,6 +128,11 @@ func openEtcdStore(cfg clientv3.Config, prefix string, log *slog.Logger, onChang
 	_, rev, err := s.load(context.Background())
 	if err != nil {
 		cli.Close()
+		// A refused certificate looks like a member that never answers
+		// to the client (gRPC retries the handshake): say which it is.
+		if derr := diagnoseEtcd(cfg); derr != nil {
+			return nil, derr
+		}
 		return nil, fmt.Errorf("etcd %s: %w", strings.Join(cfg.Endpoints, ","), err)
 	}
 	s.healthy.Store(true)
@@ -201,6 +208,54 @@ func (s *etcdStore) quorumNow() error {
 
 // Healthy implements quorumChecker.
 func (s *etcdStore) Healthy() bool { return s.healthy.Load() }
+
+// diagnoseEtcd connects to each endpoint of cfg as the client would, and
+// returns why none serves it: not reachable, or TLS refused (a missing or
+// foreign client certificate, a server certificate of another CA); nil
+// when one takes the connection.
+func diagnoseEtcd(cfg clientv3.Config) error {
+	var errs []error
+	for _, ep := range cfg.Endpoints {
+		u, err := url.Parse(ep)
+		if err != nil || u.Host == "" {
+			errs = append(errs, fmt.Errorf("etcd %s: not a URL (want http:// or https://HOST:PORT)", ep))
+			continue
+		}
+		conn, err := net.DialTimeout("tcp", u.Host, 2*time.Second)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("etcd %s: unreachable: %w", ep, err))
+			continue
+		}
+		if u.Scheme != "https" || cfg.TLS == nil {
+			conn.Close()
+			return nil
+		}
+		tc := cfg.TLS.Clone()
+		if tc.ServerName == "" {
+			tc.ServerName = u.Hostname()
+		}
+		tc.NextProtos = []string{"h2"}
+		c := tls.Client(conn, tc)
+		c.SetDeadline(time.Now().Add(2 * time.Second))
+		err = c.Handshake()
+		if err == nil {
+			// With TLS 1.3 a refused client certificate arrives as an
+			// alert after the handshake: wait for it a moment.
+			c.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
+			_, err = c.Read(make([]byte, 1))
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				err = nil
+			}
+		}
+		c.Close()
+		if err == nil {
+			return nil
+		}
+		errs = append(errs, fmt.Errorf("etcd %s: TLS refused: %w (check --etcd-cert, --etcd-key and --etcd-ca: etcd wants a client certificate of its CA, and its own certificate must be signed by --etcd-ca)", ep, err))
+	}
+	return errors.Join(errs...)
+}
 
 // etcdClientConfig is the etcd client configuration of cfg: its endpoints,
 // and mutual TLS when it names a certificate or a CA.

@@ -21,6 +21,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/certs"
 	"github.com/dysco/dysco/internal/testutil"
 )
 
@@ -43,16 +44,38 @@ func freePort(t *testing.T) int {
 // the test ends.
 func startEtcd(t *testing.T) (string, func()) {
 	t.Helper()
+	return startEtcdTLS(t, "")
+}
+
+// startEtcdTLS is startEtcd, serving clients over TLS with client
+// certificates when pki names a directory with the CA (ca.crt) and a server
+// certificate for 127.0.0.1 (server.crt, server.key).
+func startEtcdTLS(t *testing.T, pki string) (string, func()) {
+	t.Helper()
 	if _, err := os.Stat(etcdBin); err != nil {
 		t.Fatalf("%v: run `make build` (it builds bin/etcd from test/etcd)", err)
 	}
 	dir := t.TempDir()
-	client := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	scheme := "http"
+	var tlsArgs []string
+	ccfg := clientv3.Config{DialTimeout: time.Second}
+	if pki != "" {
+		scheme = "https"
+		tlsArgs = []string{"--cert-file", filepath.Join(pki, "server.crt"), "--key-file", filepath.Join(pki, "server.key"),
+			"--client-cert-auth", "--trusted-ca-file", filepath.Join(pki, "ca.crt")}
+		ec, err := etcdClientConfig(Config{Etcd: []string{"x"}, EtcdCertFile: filepath.Join(pki, "operator-etcd.crt"),
+			EtcdKeyFile: filepath.Join(pki, "operator-etcd.key"), EtcdCAFile: filepath.Join(pki, "ca.crt")})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ccfg.TLS = ec.TLS
+	}
+	client := fmt.Sprintf("%s://127.0.0.1:%d", scheme, freePort(t))
 	peer := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
-	cmd := exec.Command(etcdBin, "--name", "m1", "--data-dir", filepath.Join(dir, "data"),
+	cmd := exec.Command(etcdBin, append([]string{"--name", "m1", "--data-dir", filepath.Join(dir, "data"),
 		"--listen-client-urls", client, "--advertise-client-urls", client,
 		"--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-		"--initial-cluster", "m1="+peer, "--log-outputs", filepath.Join(dir, "etcd.log"))
+		"--initial-cluster", "m1=" + peer, "--log-outputs", filepath.Join(dir, "etcd.log")}, tlsArgs...)...)
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -68,7 +91,8 @@ func startEtcd(t *testing.T) (string, func()) {
 			}
 		}
 	})
-	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{client}, DialTimeout: time.Second})
+	ccfg.Endpoints = []string{client}
+	cli, err := clientv3.New(ccfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -295,5 +319,60 @@ func TestEtcdReplicas(t *testing.T) {
 	code, data = call(t, "GET", b+"/v1/watch?host=h1&after=0&wait=1", "")
 	if e := decode[api.Error](t, data); code != http.StatusServiceUnavailable || !strings.Contains(e.Error, "no quorum") {
 		t.Fatalf("watch on replica b without etcd: %d %q", code, e.Error)
+	}
+}
+
+// TestEtcdTLS: etcd serving clients over TLS with client certificates
+// (the CA and certificates of `dysco certs`): a policy server with its
+// client certificate stores and serves policies; without a certificate,
+// or with another CA's, it does not start, and says why.
+func TestEtcdTLS(t *testing.T) {
+	pki := t.TempDir()
+	if _, err := certs.CreateCA(pki, "dysco test", certs.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := certs.IssueServer(pki, nil, []netip.Addr{netip.MustParseAddr("127.0.0.1")}, certs.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := certs.IssueClient(pki, certs.RoleOperator, "etcd", certs.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	url, _ := startEtcdTLS(t, pki)
+	cfg := Config{Insecure: true, Etcd: []string{url}, EtcdPrefix: "/tls/", Logger: quietLogger(),
+		EtcdCertFile: filepath.Join(pki, "operator-etcd.crt"), EtcdKeyFile: filepath.Join(pki, "operator-etcd.key"), EtcdCAFile: filepath.Join(pki, "ca.crt")}
+	s, err := New(cfg)
+	if err != nil {
+		t.Fatalf("with its client certificate: %v", err)
+	}
+	srv := httptest.NewServer(s.Handler())
+	defer func() { srv.Close(); s.Close() }()
+	mustPut(t, srv.URL, "/v1/policies/web", `{"filter":"tcp dst port 80"}`)
+
+	noCert := cfg
+	noCert.EtcdCertFile, noCert.EtcdKeyFile = "", ""
+	foreign := t.TempDir()
+	if _, err := certs.CreateCA(foreign, "another", certs.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := certs.IssueClient(foreign, certs.RoleOperator, "etcd", certs.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	otherCA := cfg
+	otherCA.EtcdCertFile, otherCA.EtcdKeyFile = filepath.Join(foreign, "operator-etcd.crt"), filepath.Join(foreign, "operator-etcd.key")
+	for name, c := range map[string]Config{"no client certificate": noCert, "another CA's certificate": otherCA} {
+		start := time.Now()
+		s, err := New(c)
+		if err == nil {
+			s.Close()
+			t.Errorf("%s: the policy server started", name)
+			continue
+		}
+		t.Logf("%s: %v", name, err)
+		if !strings.Contains(err.Error(), "certificate") {
+			t.Errorf("%s: %v, want the reason (a certificate)", name, err)
+		}
+		if d := time.Since(start); d > etcdTimeout+2*time.Second {
+			t.Errorf("%s: failed after %s", name, d)
+		}
 	}
 }
