@@ -197,6 +197,15 @@ func TestQuick(t *testing.T) {
 	if out, err := exec.Command("go", "build", "-C", "../../test/h3", "-o", filepath.Join(dir, "dysco-h3"), ".").CombinedOutput(); err != nil {
 		t.Fatalf("building dysco-h3: %v\n%s", err, out)
 	}
+	// etcd beside it, for the convergence benchmark (`make build` builds
+	// bin/etcd from test/etcd).
+	etcd, _ := filepath.Abs("../../bin/etcd")
+	if _, err := os.Stat(etcd); err != nil {
+		t.Fatalf("%v: run `make build` (it builds bin/etcd)", err)
+	}
+	if err := os.Symlink(etcd, filepath.Join(dir, "etcd")); err != nil {
+		t.Fatal(err)
+	}
 	// libdysco, preloaded into HAProxy by the reconfig benchmark.
 	if out, err := exec.Command("make", "-s", "-C", "../..", "lib/libdysco.so").CombinedOutput(); err != nil {
 		t.Fatalf("building libdysco: %v\n%s", err, out)
