@@ -8,7 +8,7 @@ BIN := bin/dysco
 H3BIN := bin/dysco-h3
 export CGO_ENABLED := 1
 
-.PHONY: all build h3 etcd deps generate check-generate vet test demo bench soak soak-e2e verify fuzz clean lab-clean
+.PHONY: all build h3 etcd kube deps generate check-generate vet test demo bench soak soak-e2e verify fuzz clean lab-clean
 
 all: build
 
@@ -26,6 +26,36 @@ h3:
 etcd:
 	$(GO) build -C test/etcd -o ../../bin/etcd .
 	$(GO) build -C test/etcd -o ../../bin/etcdctl go.etcd.io/etcd/etcdctl/v3
+
+# kube-apiserver: the real API server of the envtest-based tests, built from
+# Go modules in their own module (test/kube; its go.mod tells why the staging
+# modules are replaced). The build takes minutes, so the binary is kept in
+# .cache/kube/KEY/, KEY a hash of test/kube's go.mod and go.sum, the Go
+# version and the link flags, and bin/kube-apiserver is a link to it: while
+# none of these change, `make kube` only checks that the binary is there.
+# The link flags stamp the version that a release build has (--version).
+KUBE_CACHE := .cache/kube
+kube:
+	@set -e; \
+	ver=$$(awk '$$1 == "k8s.io/kubernetes" { print $$2 }' test/kube/go.mod); \
+	test -n "$$ver" || { echo "kube: no k8s.io/kubernetes in test/kube/go.mod"; exit 1; }; \
+	major=$${ver#v}; major=$${major%%.*}; minor=$${ver#v$$major.}; minor=$${minor%%.*}; \
+	ldflags="-s -w"; \
+	for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do \
+	  ldflags="$$ldflags -X $$p.gitVersion=$$ver -X $$p.gitMajor=$$major -X $$p.gitMinor=$$minor"; \
+	done; \
+	key=$$({ cat test/kube/go.mod test/kube/go.sum; $(GO) env GOVERSION; echo "$$ldflags"; } | sha256sum | cut -c1-16); \
+	dir=$(KUBE_CACHE)/$$key; \
+	if [ ! -x $$dir/kube-apiserver ]; then \
+	  echo "kube: building kube-apiserver $$ver into $$dir (takes minutes)"; \
+	  mkdir -p $$dir; \
+	  CGO_ENABLED=0 $(GO) build -C test/kube -ldflags "$$ldflags" \
+	    -o ../../$$dir/kube-apiserver.$$$$.tmp k8s.io/kubernetes/cmd/kube-apiserver; \
+	  mv -f $$dir/kube-apiserver.$$$$.tmp $$dir/kube-apiserver; \
+	  find $(KUBE_CACHE) -mindepth 1 -maxdepth 1 ! -name $$key -exec rm -rf {} +; \
+	fi; \
+	mkdir -p bin; \
+	ln -sfn ../$$dir/kube-apiserver bin/kube-apiserver
 
 # libdysco: the proxy-side library (docs/libdysco.md), for LD_PRELOAD or -ldysco.
 # Built under a temporary name and renamed: test packages running in parallel
