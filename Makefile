@@ -15,7 +15,7 @@ all: build
 deps:
 	@scripts/deps.sh
 
-build: deps lib/libdysco.so h3 etcd
+build: deps lib/libdysco.so h3 etcd kube
 	$(GO) build -o $(BIN) ./cmd/dysco
 
 h3:
@@ -30,9 +30,11 @@ etcd:
 # kube-apiserver: the real API server of the envtest-based tests, built from
 # Go modules in their own module (test/kube; its go.mod tells why the staging
 # modules are replaced). The build takes minutes, so the binary is kept in
-# .cache/kube/KEY/, KEY a hash of test/kube's go.mod and go.sum, the Go
-# version and the link flags, and bin/kube-apiserver is a link to it: while
-# none of these change, `make kube` only checks that the binary is there.
+# .cache/kube/KEY/, KEY a hash of the modules kube-apiserver is built from
+# (with their versions), the Go version and the link flags, and
+# bin/kube-apiserver is a link to it: while none of these change (the
+# module's tests may add modules of their own), `make kube` only checks
+# that the binary is there.
 # The link flags stamp the version that a release build has (--version).
 KUBE_CACHE := .cache/kube
 kube:
@@ -44,7 +46,8 @@ kube:
 	for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do \
 	  ldflags="$$ldflags -X $$p.gitVersion=$$ver -X $$p.gitMajor=$$major -X $$p.gitMinor=$$minor"; \
 	done; \
-	key=$$({ cat test/kube/go.mod test/kube/go.sum; $(GO) env GOVERSION; echo "$$ldflags"; } | sha256sum | cut -c1-16); \
+	mods=$$($(GO) list -C test/kube -deps -f '{{with .Module}}{{.Path}} {{.Version}}{{with .Replace}} => {{.Path}} {{.Version}}{{end}}{{end}}' k8s.io/kubernetes/cmd/kube-apiserver | sort -u); \
+	key=$$({ echo "$$mods"; $(GO) env GOVERSION; echo "$$ldflags"; } | sha256sum | cut -c1-16); \
 	dir=$(KUBE_CACHE)/$$key; \
 	if [ ! -x $$dir/kube-apiserver ]; then \
 	  echo "kube: building kube-apiserver $$ver into $$dir (takes minutes)"; \
@@ -78,11 +81,13 @@ vet:
 	$(GO) vet ./...
 	cd test/h3 && $(GO) vet ./...
 	cd test/etcd && $(GO) vet ./...
+	cd test/kube && $(GO) vet ./...
 	@test -z "$$(gofmt -l $$(git ls-files '*.go' | grep -v '_bpfel.go$$'))" || { gofmt -l .; echo "gofmt needed"; exit 1; }
 
 test: build check-generate vet lab-clean
 	$(GO) test -count=1 -timeout 25m -p 2 ./...
 	cd test/h3 && $(GO) test -count=1 ./...
+	cd test/kube && $(GO) test -count=1 ./...
 	@$(MAKE) --no-print-directory lab-clean
 	model/verify.sh --quick
 
