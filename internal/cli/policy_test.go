@@ -406,7 +406,7 @@ func TestStatusCluster(t *testing.T) {
 		out = mustDysco(t, "status", "--cluster", "--server", url)
 		return strings.Contains(out, "2 agents")
 	})
-	for _, want := range []string{"AGENT  ADDRESS    APPLIED     LAST POLL\n", "\nh1     127.0.0.1  1           ", "\nh2     127.0.0.1  0 (behind)  ",
+	for _, want := range []string{"AGENT  ADDRESS    APPLIED     LAST HEARD\n", "\nh1     127.0.0.1  1           ", "\nh2     127.0.0.1  0 (behind)  ",
 		"2 agents, 1 behind version 1 in force\n"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("status --cluster lacks %q:\n%s", want, out)

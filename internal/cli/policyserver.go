@@ -85,6 +85,7 @@ GET /healthz.`,
 	f := cmd.Flags()
 	f.StringVar(&cfg.Listen, "listen", policyserver.DefaultListen, "TCP address to serve on")
 	f.StringVar(&cfg.DB, "db", policyserver.DefaultDB, "bbolt database file (its directory is created); not used with --etcd")
+	f.DurationVar(&cfg.AgentTTL, "agent-ttl", 0, "how long an agent stays registered without a word from it (its polls renew it while they wait): operations for it are refused after that; default 45s, at least 2s")
 	f.StringSliceVar(&cfg.Etcd, "etcd", nil, "keep the policies in this etcd cluster instead of --db: its client URLs, comma-separated; policy servers are then stateless replicas (docs/etcd.md)")
 	f.StringVar(&cfg.EtcdPrefix, "etcd-prefix", policyserver.DefaultEtcdPrefix, "key prefix of the policy set in etcd")
 	f.StringVar(&cfg.EtcdCertFile, "etcd-cert", "", "client certificate for etcd (https:// URLs with client authentication)")

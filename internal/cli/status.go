@@ -94,7 +94,8 @@ Run it inside a lab host's namespace with: ip netns exec NAME dysco status
 With --cluster --server URL it lists instead every agent registered at the
 policy servers (every replica's, over etcd): the version of the policy set
 each held at its last poll against the version in force, and how long ago
-that poll was. An agent that stops polling leaves the list within 45 s.`,
+it was last heard from (a waiting poll renews it). An agent that stops
+polling leaves the list within the servers' --agent-ttl (45 s by default).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			format, err := parseOutput(*output)
@@ -151,7 +152,7 @@ func clusterStatus(cmd *cobra.Command, server string, pki pkiFlags, format outpu
 func printCluster(w io.Writer, version uint64, regs []api.AgentRegistration, now time.Time) error {
 	behind := 0
 	tw := newTabWriter(w)
-	fmt.Fprintln(tw, "AGENT\tADDRESS\tAPPLIED\tLAST POLL")
+	fmt.Fprintln(tw, "AGENT\tADDRESS\tAPPLIED\tLAST HEARD")
 	for _, r := range regs {
 		applied := fmt.Sprint(r.Applied)
 		if r.Applied < version {

@@ -40,8 +40,9 @@ import (
 type etcdOps struct {
 	cli    *clientv3.Client
 	st     *etcdStore
-	prefix string // PREFIX ops/
-	agents string // PREFIX agents/
+	ttl    time.Duration // of the agents' registrations
+	prefix string        // PREFIX ops/
+	agents string        // PREFIX agents/
 	log    *slog.Logger
 
 	mu      sync.Mutex
@@ -65,8 +66,8 @@ var maxEtcdOp = 1 << 20
 const opLeaseReuse = time.Minute
 
 // newEtcdOps keeps operations in st's etcd, under st's prefix.
-func newEtcdOps(st *etcdStore) (*etcdOps, error) {
-	o := &etcdOps{cli: st.cli, st: st, prefix: st.prefix + "ops/", agents: st.prefix + "agents/", log: st.log,
+func newEtcdOps(st *etcdStore, ttl time.Duration) (*etcdOps, error) {
+	o := &etcdOps{cli: st.cli, st: st, ttl: ttl, prefix: st.prefix + "ops/", agents: st.prefix + "agents/", log: st.log,
 		changed: make(chan struct{}), done: make(chan struct{})}
 	ctx, cancel := st.ctx(context.Background())
 	resp, err := o.cli.Get(ctx, o.prefix, clientv3.WithPrefix(), clientv3.WithCountOnly())
@@ -250,7 +251,7 @@ func (o *etcdOps) create(parent context.Context, op api.Operation) (api.Operatio
 	if err != nil {
 		return op, 0, quorumErr(err)
 	}
-	notRegistered := fmt.Errorf("no agent named %q is registered with the policy servers (an agent registers with each policy poll when started with --policy-server, and its registration lapses %s after its last poll; the name is the agent's --name; `dysco status --cluster` lists them)", op.Host, registrationTTL)
+	notRegistered := fmt.Errorf("no agent named %q is registered with the policy servers (an agent registers with each policy poll when started with --policy-server, and its registration lapses %s after the last word from it; the name is the agent's --name; `dysco status --cluster` lists them)", op.Host, o.ttl)
 	if reg.Count == 0 {
 		return op, http.StatusConflict, notRegistered
 	}

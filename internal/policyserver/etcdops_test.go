@@ -407,3 +407,47 @@ func TestEtcdQueryOperations(t *testing.T) {
 		t.Fatalf("an unknown query: %v, want 400", err)
 	}
 }
+
+// A waiting poll keeps its agent registered past the TTL; once the agent's
+// connection ends, the registration lapses within about a TTL.
+func TestAgentTTLRenewal(t *testing.T) {
+	url, _ := startEtcd(t)
+	s, err := New(Config{Insecure: true, Etcd: []string{url}, EtcdPrefix: "/ttl/", Logger: quietLogger(), AgentTTL: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(s.Handler())
+	defer func() { srv.Close(); s.Close() }()
+	if _, err := New(Config{Insecure: true, Etcd: []string{url}, AgentTTL: time.Second}); err == nil || !strings.Contains(err.Error(), "agent TTL 1s: want 2s to 1h") {
+		t.Fatalf("a TTL of 1s: %v", err)
+	}
+	registered := func() bool {
+		regs, err := s.st.Agents(context.Background())
+		return err == nil && len(regs) == 1 && regs[0].Host == "h1"
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	polled := make(chan struct{})
+	go func() {
+		defer close(polled)
+		req, _ := http.NewRequestWithContext(ctx, "GET", srv.URL+"/v1/watch?host=h1&after=0&wait=30", nil)
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	// The set is empty at version 0: the poll waits.
+	testutil.Eventually(t, 5*time.Second, "h1 to be registered", registered)
+	deadline := time.Now().Add(5 * time.Second) // 2.5 TTLs
+	for time.Now().Before(deadline) {
+		if !registered() {
+			t.Fatal("the registration lapsed while the poll waited")
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	cancel()
+	<-polled
+	start := time.Now()
+	testutil.Eventually(t, 10*time.Second, "the registration to lapse", func() bool { return !registered() })
+	if d := time.Since(start); d > 4*time.Second {
+		t.Errorf("the registration lapsed %s after the poll ended, want about 2s", d)
+	}
+}

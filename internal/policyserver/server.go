@@ -69,6 +69,10 @@ type Config struct {
 	// DB is the bbolt database file (DefaultDB when empty); its directory is
 	// created if needed. Unused with Etcd.
 	DB string
+	// AgentTTL is how long an agent stays registered without a word from
+	// it (registrationTTL when zero): a waiting poll renews the
+	// registration every third of it, so it may be shorter than a poll.
+	AgentTTL time.Duration
 	// Etcd, when set, are the client URLs of an etcd cluster that keeps the
 	// policy set instead of DB (etcdstore.go): the server is then one of
 	// any number of stateless replicas. EtcdPrefix is where in etcd
@@ -148,6 +152,9 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	if cfg.AgentTTL != 0 && (cfg.AgentTTL < MinAgentTTL || cfg.AgentTTL > time.Hour) {
+		return nil, fmt.Errorf("policy server: agent TTL %v: want %v to 1h", cfg.AgentTTL, MinAgentTTL)
+	}
 	var (
 		tc    *tls.Config
 		roots *x509.CertPool
@@ -194,7 +201,7 @@ func New(cfg Config) (*Server, error) {
 			return nil, err
 		}
 		// Operations too, so that any replica serves each step of one.
-		ops, err := newEtcdOps(st)
+		ops, err := newEtcdOps(st, s.agentTTL())
 		if err != nil {
 			st.Close()
 			return nil, err
@@ -632,6 +639,10 @@ func (s *Server) handleWatch(w http.ResponseWriter, r *http.Request) {
 	defer s.watchers.Add(-1)
 	timer := time.NewTimer(wait)
 	defer timer.Stop()
+	// The registration lives while the poll waits: an agent that dies
+	// ends its connection, and lapses one TTL later.
+	renew := time.NewTicker(max(s.agentTTL()/3, 100*time.Millisecond))
+	defer renew.Stop()
 	for {
 		// Take the channel with the set: a change after this point closes it.
 		s.mu.Lock()
@@ -654,6 +665,8 @@ func (s *Server) handleWatch(w http.ResponseWriter, r *http.Request) {
 		}
 		select {
 		case <-changed:
+		case <-renew.C:
+			s.register(host, r.RemoteAddr, after)
 		case <-timer.C:
 			writeJSON(w, http.StatusOK, ForHost(set, host))
 			return
@@ -685,9 +698,21 @@ func (s *Server) quorum() error {
 	return nil
 }
 
-// registrationTTL is how long an agent stays registered after a poll: the
-// longest poll, and time to send the next.
+// registrationTTL is how long an agent stays registered without a word
+// from it, by default: the longest poll, and time to send the next.
 var registrationTTL = MaxWait + 15*time.Second
+
+// MinAgentTTL is the shortest Config.AgentTTL: etcd grants no shorter lease
+// (with its default election timeout).
+const MinAgentTTL = 2 * time.Second
+
+// agentTTL is how long an agent stays registered without a word from it.
+func (s *Server) agentTTL() time.Duration {
+	if s.cfg.AgentTTL > 0 {
+		return s.cfg.AgentTTL
+	}
+	return registrationTTL
+}
 
 // register records the agent's poll in the store, in the background: a
 // store without a quorum must not hold up the poll, which the replica
@@ -699,7 +724,7 @@ func (s *Server) register(host, remote string, applied uint64) {
 	}
 	reg := api.AgentRegistration{Host: host, Addr: addr, Applied: applied, Seen: time.Now().UTC()}
 	go func() {
-		if err := s.st.Register(context.Background(), reg, registrationTTL); err != nil {
+		if err := s.st.Register(context.Background(), reg, s.agentTTL()); err != nil {
 			s.log.Debug("cannot register the agent", "host", host, "err", err)
 		}
 	}()

@@ -144,7 +144,7 @@ func (e *env) startReplica(host, name, listen, endpoints string) *lab.Proc {
 	e.t.Helper()
 	ready := filepath.Join(e.t.TempDir(), "ready")
 	p, err := e.lab.Start(host, name, dyscoBin, "policy-server", "--insecure", "--listen", listen, "--metrics-listen", "",
-		"--etcd", endpoints, "--ready-file", ready)
+		"--etcd", endpoints, "--ready-file", ready, "--agent-ttl", "3s")
 	if err != nil {
 		e.t.Fatal(err)
 	}
@@ -359,6 +359,26 @@ func TestEtcdCluster(t *testing.T) {
 	})
 	converged("etcd3's agent to catch up", v, 30*time.Second)
 
+	// An agent stopped: its registration lapses with its lease, and
+	// operations for it are refused, with the reason.
+	if err := e.lab.Agent("etcd2").Stop(); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	testutil.Eventually(t, 15*time.Second, "etcd2's registration to lapse", func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		out, err := e.lab.Command(ctx, "client", dyscoBin, "middlebox", "remove", "--server", both, "--host", "etcd2").CombinedOutput()
+		return err != nil && strings.Contains(string(out), `no agent named "etcd2" is registered`)
+	})
+	t.Logf("etcd2's registration lapsed %s after its agent stopped (--agent-ttl 3s)", time.Since(start).Round(100*time.Millisecond))
+	if _, body := e.serverGet(a, "/v1/agents"); strings.Contains(body, `"etcd2"`) {
+		t.Fatalf("etcd2 is still listed: %s", body)
+	}
+	if err := e.lab.RestartAgent("etcd2"); err != nil {
+		t.Fatal(err)
+	}
+
 	// Two members killed: no quorum.
 	ln := e.listen("server", netip.AddrPortFrom(dst, 9401))
 	served := make(chan error, 1)
@@ -394,7 +414,7 @@ func TestEtcdCluster(t *testing.T) {
 	}
 	c.kill(0)
 	c.kill(1)
-	start := time.Now()
+	start = time.Now()
 	err = add("nope", "tcp dst port 9411")
 	if err == nil || !strings.Contains(err.Error(), "no quorum") {
 		t.Fatalf("a write without a quorum: %v, want the no-quorum error", err)
