@@ -7,10 +7,13 @@ package policyserver
 // the selectors against the nodes and pods it is given.
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"net/netip"
 	"slices"
 	"sort"
+	"strings"
 
 	"github.com/dysco/dysco/internal/api"
 )
@@ -187,4 +190,30 @@ func typeToKube(t api.MiddleboxType) kubeTypeSpec {
 		spec.Instances = append(spec.Instances, a.String())
 	}
 	return spec
+}
+
+// netipParse parses an address, IPv4-mapped ones unmapped.
+func netipParse(s string) (netip.Addr, error) {
+	a, err := netip.ParseAddr(s)
+	return a.Unmap(), err
+}
+
+// objectName is name as part of a Kubernetes object's name: lower-case
+// letters, digits and '-', at most 51 characters; a name that had to be
+// changed gets a hash of the original, so that two names stay apart.
+func objectName(name string) string {
+	var b strings.Builder
+	for _, r := range strings.ToLower(name) {
+		if (r >= 'a' && r <= 'z') || (r >= '0' && r <= '9') || r == '-' {
+			b.WriteRune(r)
+		} else {
+			b.WriteByte('-')
+		}
+	}
+	out := strings.Trim(b.String(), "-")
+	if out == name && len(out) <= 51 && out != "" {
+		return out
+	}
+	sum := sha256.Sum256([]byte(name))
+	return strings.Trim(out[:min(len(out), 42)], "-") + "-" + hex.EncodeToString(sum[:4])
 }

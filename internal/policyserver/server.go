@@ -69,6 +69,16 @@ type Config struct {
 	// DB is the bbolt database file (DefaultDB when empty); its directory is
 	// created if needed. Unused with Etcd.
 	DB string
+	// Kubernetes, when set, keeps the policy set in custom resources
+	// (kubestore.go) through the API server of Kubeconfig (a kubeconfig
+	// file; empty: the pod's own service account), with the replicas'
+	// shared objects in KubeNamespace.
+	Kubernetes    bool
+	Kubeconfig    string
+	KubeNamespace string
+	// KubeLease is the controller's leader lease (15 s when zero): a
+	// controller that dies is replaced within it.
+	KubeLease time.Duration
 	// AgentTTL is how long an agent stays registered without a word from
 	// it (registrationTTL when zero): a waiting poll renews the
 	// registration every third of it, so it may be shorter than a poll.
@@ -179,7 +189,32 @@ func New(cfg Config) (*Server, error) {
 		tls:          tc,
 		roots:        roots,
 	}
-	if len(cfg.Etcd) > 0 {
+	if cfg.Kubernetes && len(cfg.Etcd) > 0 {
+		return nil, errors.New("policy server: give --etcd or --kubernetes, not both")
+	}
+	if cfg.Kubernetes {
+		rc, err := kubeRESTConfig(cfg.Kubeconfig)
+		if err != nil {
+			return nil, err
+		}
+		ns := cfg.KubeNamespace
+		if ns == "" {
+			ns = DefaultKubeNamespace
+		}
+		st, err := openKubeStore(rc, ns, cfg.KubeLease, cfg.Logger, func() {
+			select {
+			case s.storeChanged <- struct{}{}:
+			default:
+			}
+		}, cfg.ValidatePolicy)
+		if err != nil {
+			return nil, err
+		}
+		s.st = st
+		s.cur, _ = st.Load(context.Background())
+		s.following = make(chan struct{})
+		go s.followStore()
+	} else if len(cfg.Etcd) > 0 {
 		ec, err := etcdClientConfig(cfg)
 		if err != nil {
 			return nil, err

@@ -1,0 +1,648 @@
+package policyserver
+
+// The policy set in Kubernetes custom resources (docs/kubernetes.md):
+// Policy and MiddleboxType objects (deploy/crds) are what operators write,
+// with kubectl or through any replica's API. One replica at a time, elected
+// with a coordination Lease, is the controller: it checks every object (the
+// schema has checked what a schema can; the filter's syntax needs libpcap),
+// resolves node and pod selectors, writes each object's Accepted condition,
+// and publishes the accepted set into one ConfigMap, dysco-policy-set,
+// whose resourceVersion is the set's version. Every replica watches that
+// ConfigMap and serves it to the agents. One writer gives the versions one
+// order across replicas; the resourceVersions of the objects alone would
+// not (a deletion leaves nothing to read a version from).
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"reflect"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/dynamic/dynamicinformer"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/tools/leaderelection"
+	"k8s.io/client-go/tools/leaderelection/resourcelock"
+
+	"k8s.io/klog/v2"
+
+	"github.com/dysco/dysco/internal/api"
+)
+
+var (
+	policiesGVR = schema.GroupVersionResource{Group: kubeGroup, Version: kubeVersion, Resource: "policies"}
+	typesGVR    = schema.GroupVersionResource{Group: kubeGroup, Version: kubeVersion, Resource: "middleboxtypes"}
+)
+
+// Names of the objects the replicas share in their namespace.
+const (
+	kubeSetName    = "dysco-policy-set"
+	kubeLeaderName = "dysco-policy-controller"
+	kubeAgentLabel = "dysco.io/agent"
+)
+
+// DefaultKubeNamespace is where the replicas keep the published set, the
+// controller's Lease and the agents' Leases.
+const DefaultKubeNamespace = "dysco-system"
+
+// kubeRESTConfig is the API server of the kubeconfig file path, or, when
+// path is empty, of the pod's service account.
+func kubeRESTConfig(path string) (*rest.Config, error) {
+	if path == "" {
+		c, err := rest.InClusterConfig()
+		if err != nil {
+			return nil, fmt.Errorf("kubernetes: %w (outside a pod, give --kubeconfig)", err)
+		}
+		return c, nil
+	}
+	c, err := clientcmd.BuildConfigFromFlags("", path)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes: kubeconfig %s: %w", path, err)
+	}
+	return c, nil
+}
+
+// defaultKubeLease is the controller's leader lease by default; the
+// leader renews it within two thirds of it, and candidates retry every
+// seventh.
+const defaultKubeLease = 15 * time.Second
+
+// kubeStore keeps the policy set in Kubernetes objects.
+type kubeStore struct {
+	cs       kubernetes.Interface
+	dyn      dynamic.Interface
+	ns       string
+	id       string
+	log      *slog.Logger
+	onChange func()
+	lease    time.Duration
+	// check is the server's check of a policy's filter (libpcap); nil
+	// for none.
+	check func(api.Policy) error
+
+	mu  sync.Mutex
+	cur api.PolicySet
+
+	healthy atomic.Bool
+	leading atomic.Bool
+	cancel  context.CancelFunc
+	wg      sync.WaitGroup
+}
+
+var _ Store = (*kubeStore)(nil)
+
+// openKubeStore connects to the API server of cfg, in namespace ns, and
+// starts following the published set and campaigning to be the controller.
+func openKubeStore(cfg *rest.Config, ns string, lease time.Duration, log *slog.Logger, onChange func(), check func(api.Policy) error) (*kubeStore, error) {
+	if lease <= 0 {
+		lease = defaultKubeLease
+	}
+	// client-go logs through klog: to the server's log instead of stderr.
+	klog.SetSlogLogger(log.With("component", "client-go"))
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes: %w", err)
+	}
+	dyn, err := dynamic.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes: %w", err)
+	}
+	host, _ := os.Hostname()
+	s := &kubeStore{cs: cs, dyn: dyn, ns: ns, id: fmt.Sprintf("%s-%d-%d", host, os.Getpid(), time.Now().UnixNano()), log: log, onChange: onChange, check: check, lease: lease}
+	ctx, cancel := context.WithTimeout(context.Background(), etcdTimeout)
+	defer cancel()
+	// The CRDs must be installed: say so at once rather than serve nothing.
+	if _, err := dyn.Resource(policiesGVR).List(ctx, metav1.ListOptions{Limit: 1}); err != nil {
+		return nil, fmt.Errorf("kubernetes: listing %s: %w (are the CRDs of deploy/crds installed, and may this server's account read them?)", policiesGVR.GroupResource(), err)
+	}
+	cm, err := cs.CoreV1().ConfigMaps(ns).Get(ctx, kubeSetName, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+	case err != nil:
+		return nil, fmt.Errorf("kubernetes: %w", err)
+	default:
+		s.setFrom(cm)
+	}
+	s.healthy.Store(true)
+	rctx, rcancel := context.WithCancel(context.Background())
+	s.cancel = rcancel
+	s.wg.Add(3)
+	go func() { defer s.wg.Done(); s.follow(rctx) }()
+	go func() { defer s.wg.Done(); s.campaign(rctx) }()
+	go func() { defer s.wg.Done(); s.probe(rctx) }()
+	return s, nil
+}
+
+// setFrom takes the set published in cm, if it is newer than the one held.
+func (s *kubeStore) setFrom(cm *corev1.ConfigMap) {
+	v, err := strconv.ParseUint(cm.ResourceVersion, 10, 64)
+	if err != nil {
+		s.log.Warn("kubernetes: the published set has a resourceVersion that is not a number; ignored", "rv", cm.ResourceVersion)
+		return
+	}
+	var set api.PolicySet
+	if err := json.Unmarshal([]byte(cm.Data["set"]), &set); err != nil {
+		s.log.Warn("kubernetes: the published set is not a policy set; ignored", "err", err)
+		return
+	}
+	set.Version = v
+	s.mu.Lock()
+	newer := v > s.cur.Version
+	if newer {
+		s.cur = set
+	}
+	s.mu.Unlock()
+	if newer && s.onChange != nil {
+		s.onChange()
+	}
+}
+
+// follow watches the published set.
+func (s *kubeStore) follow(ctx context.Context) {
+	lw := cache.NewListWatchFromClient(s.cs.CoreV1().RESTClient(), "configmaps", s.ns, fields.OneTermEqualSelector("metadata.name", kubeSetName))
+	inf := cache.NewSharedIndexInformer(lw, &corev1.ConfigMap{}, 0, cache.Indexers{})
+	inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(o any) { s.setFrom(o.(*corev1.ConfigMap)) },
+		UpdateFunc: func(_, o any) { s.setFrom(o.(*corev1.ConfigMap)) },
+	})
+	inf.Run(ctx.Done())
+}
+
+// probe checks every probeEvery that the API server answers.
+func (s *kubeStore) probe(ctx context.Context) {
+	t := time.NewTicker(probeEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		pctx, cancel := context.WithTimeout(ctx, etcdTimeout)
+		_, err := s.cs.CoreV1().ConfigMaps(s.ns).Get(pctx, kubeSetName, metav1.GetOptions{})
+		cancel()
+		if ctx.Err() != nil {
+			return
+		}
+		ok := err == nil || apierrors.IsNotFound(err)
+		if was := s.healthy.Swap(ok); was != ok {
+			s.log.Warn("kubernetes: API server reachable", "ok", ok, "err", err)
+		}
+	}
+}
+
+// Healthy implements quorumChecker.
+func (s *kubeStore) Healthy() bool { return s.healthy.Load() }
+
+// campaign runs for leadership until ctx ends, and controls while leading.
+func (s *kubeStore) campaign(ctx context.Context) {
+	lock := &resourcelock.LeaseLock{
+		LeaseMeta:  metav1.ObjectMeta{Name: kubeLeaderName, Namespace: s.ns},
+		Client:     s.cs.CoordinationV1(),
+		LockConfig: resourcelock.ResourceLockConfig{Identity: s.id},
+	}
+	for ctx.Err() == nil {
+		leaderelection.RunOrDie(ctx, leaderelection.LeaderElectionConfig{
+			Lock: lock, LeaseDuration: s.lease, RenewDeadline: s.lease * 2 / 3, RetryPeriod: s.lease / 7,
+			ReleaseOnCancel: true, Name: kubeLeaderName,
+			Callbacks: leaderelection.LeaderCallbacks{
+				OnStartedLeading: func(lctx context.Context) {
+					s.leading.Store(true)
+					s.log.Info("kubernetes: this replica controls the policy set")
+					s.control(lctx)
+				},
+				OnStoppedLeading: func() {
+					s.leading.Store(false)
+					s.log.Info("kubernetes: this replica no longer controls the policy set")
+				},
+			},
+		})
+	}
+}
+
+// control is the leader's loop: it reconciles the published set with the
+// objects whenever one of them (or a node, or a pod) changes.
+func (s *kubeStore) control(ctx context.Context) {
+	trigger := make(chan struct{}, 1)
+	kick := func() {
+		select {
+		case trigger <- struct{}{}:
+		default:
+		}
+	}
+	handler := cache.ResourceEventHandlerFuncs{AddFunc: func(any) { kick() }, UpdateFunc: func(_, _ any) { kick() }, DeleteFunc: func(any) { kick() }}
+	dynf := dynamicinformer.NewDynamicSharedInformerFactory(s.dyn, 0)
+	pols, typs := dynf.ForResource(policiesGVR), dynf.ForResource(typesGVR)
+	pols.Informer().AddEventHandler(handler)
+	typs.Informer().AddEventHandler(handler)
+	f := informers.NewSharedInformerFactory(s.cs, 0)
+	nodes, pods := f.Core().V1().Nodes(), f.Core().V1().Pods()
+	nodes.Informer().AddEventHandler(handler)
+	pods.Informer().AddEventHandler(handler)
+	dynf.Start(ctx.Done())
+	f.Start(ctx.Done())
+	defer dynf.Shutdown()
+	defer f.Shutdown()
+	if !cache.WaitForCacheSync(ctx.Done(), pols.Informer().HasSynced, typs.Informer().HasSynced, nodes.Informer().HasSynced, pods.Informer().HasSynced) {
+		return
+	}
+	kick()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-trigger:
+		}
+		// Changes come in bursts (a kubectl apply of many objects).
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(20 * time.Millisecond):
+		}
+		src := kubeSources{policies: pols.Informer().GetStore().List(), types: typs.Informer().GetStore().List()}
+		for _, n := range nodes.Informer().GetStore().List() {
+			n := n.(*corev1.Node)
+			src.nodes = append(src.nodes, kubeNode{Name: n.Name, Labels: n.Labels})
+		}
+		for _, p := range pods.Informer().GetStore().List() {
+			src.pods = append(src.pods, podOf(p.(*corev1.Pod)))
+		}
+		if err := s.reconcile(ctx, src); err != nil && ctx.Err() == nil {
+			s.log.Warn("kubernetes: publishing the policy set failed; trying again", "err", err)
+			time.AfterFunc(500*time.Millisecond, kick)
+		}
+	}
+}
+
+// kubeSources are the objects a reconciliation reads.
+type kubeSources struct {
+	policies, types []any // *unstructured.Unstructured
+	nodes           []kubeNode
+	pods            []kubePod
+}
+
+// podOf is what the translation needs of p.
+func podOf(p *corev1.Pod) kubePod {
+	kp := kubePod{Namespace: p.Namespace, Labels: p.Labels}
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue {
+			kp.Ready = p.DeletionTimestamp == nil
+		}
+	}
+	for _, ip := range p.Status.PodIPs {
+		if a, err := netipParse(ip.IP); err == nil {
+			kp.IPs = append(kp.IPs, a)
+		}
+	}
+	return kp
+}
+
+// verdict is the acceptance of one object by a reconciliation.
+type verdict struct {
+	obj    *unstructured.Unstructured
+	gvr    schema.GroupVersionResource
+	ok     bool
+	reason string
+	msg    string
+}
+
+// reconcile builds the accepted set from src, publishes it if it differs
+// from the published one, and writes each object's Accepted condition.
+func (s *kubeStore) reconcile(ctx context.Context, src kubeSources) error {
+	set, verdicts := s.accept(src)
+	data, err := json.Marshal(api.PolicySet{Policies: set.Policies, Types: set.Types})
+	if err != nil {
+		return err
+	}
+	if err := s.publishSet(ctx, string(data)); err != nil {
+		return err
+	}
+	for _, v := range verdicts {
+		s.writeCondition(ctx, v)
+	}
+	return nil
+}
+
+// accept checks every object of src and returns the set of those accepted,
+// in the server's order, with a verdict per object.
+func (s *kubeStore) accept(src kubeSources) (api.PolicySet, []verdict) {
+	set := api.PolicySet{Policies: []api.Policy{}, Types: []api.MiddleboxType{}}
+	var out []verdict
+	inForce := map[string]bool{}
+	for _, o := range src.types {
+		u := o.(*unstructured.Unstructured)
+		v := verdict{obj: u, gvr: typesGVR}
+		var spec kubeTypeSpec
+		err := fromUnstructuredSpec(u, &spec)
+		var t api.MiddleboxType
+		if err == nil {
+			t, err = typeFromKube(u.GetName(), spec, src.pods)
+		}
+		switch {
+		case errors.Is(err, errNoInstance):
+			v.reason, v.msg = "NoInstance", "held back: "+err.Error()
+		case err != nil:
+			v.reason, v.msg = "Invalid", err.Error()
+		case len(set.Types) >= api.MaxTypes:
+			v.reason, v.msg = "TooMany", fmt.Sprintf("held back: the policy set holds at most %d types", api.MaxTypes)
+		default:
+			v.ok, v.reason, v.msg = true, "Accepted", fmt.Sprintf("%d instances", len(t.Instances))
+			set.Types = append(set.Types, t)
+			inForce[t.Name] = true
+		}
+		out = append(out, v)
+	}
+	for _, o := range src.policies {
+		u := o.(*unstructured.Unstructured)
+		v := verdict{obj: u, gvr: policiesGVR}
+		var spec kubePolicySpec
+		err := fromUnstructuredSpec(u, &spec)
+		var p api.Policy
+		if err == nil {
+			p, err = policyFromKube(u.GetName(), spec, src.nodes)
+		}
+		if err == nil && s.check != nil {
+			err = s.check(p)
+		}
+		missing := ""
+		for _, h := range p.Chain {
+			if h.Type != "" && !inForce[h.Type] && missing == "" {
+				missing = h.Type
+			}
+		}
+		switch {
+		case errors.Is(err, errNoNode):
+			v.reason, v.msg = "NoNode", "held back: "+err.Error()
+		case err != nil:
+			v.reason, v.msg = "Invalid", err.Error()
+		case missing != "":
+			v.reason, v.msg = "TypeNotInForce", fmt.Sprintf("held back: middlebox type %q is not in force", missing)
+		case len(set.Policies) >= api.MaxStoredPolicies:
+			v.reason, v.msg = "TooMany", fmt.Sprintf("held back: the policy set holds at most %d policies", api.MaxStoredPolicies)
+		default:
+			v.ok, v.reason, v.msg = true, "Accepted", ""
+			set.Policies = append(set.Policies, p)
+		}
+		out = append(out, v)
+	}
+	sortSet(&set)
+	return set, out
+}
+
+// fromUnstructuredSpec decodes u's spec into spec.
+func fromUnstructuredSpec(u *unstructured.Unstructured, spec any) error {
+	m, _, err := unstructured.NestedMap(u.Object, "spec")
+	if err != nil {
+		return fmt.Errorf("%s %q: spec: %w", u.GetKind(), u.GetName(), err)
+	}
+	return runtime.DefaultUnstructuredConverter.FromUnstructured(m, spec)
+}
+
+// publishSet writes data as the published set, unless it is published
+// already.
+func (s *kubeStore) publishSet(ctx context.Context, data string) error {
+	cms := s.cs.CoreV1().ConfigMaps(s.ns)
+	cm, err := cms.Get(ctx, kubeSetName, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		cm = &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: kubeSetName, Labels: map[string]string{"app.kubernetes.io/part-of": "dysco"}},
+			Data: map[string]string{"set": data}}
+		_, err = cms.Create(ctx, cm, metav1.CreateOptions{})
+		return err
+	}
+	if err != nil {
+		return err
+	}
+	if cm.Data["set"] == data {
+		return nil
+	}
+	if cm.Data == nil {
+		cm.Data = map[string]string{}
+	}
+	cm.Data["set"] = data
+	// The Get's resourceVersion is the precondition: a stale leader's
+	// write fails.
+	_, err = cms.Update(ctx, cm, metav1.UpdateOptions{})
+	return err
+}
+
+// writeCondition sets v's Accepted condition on its object, if it changed.
+func (s *kubeStore) writeCondition(ctx context.Context, v verdict) {
+	status := metav1.ConditionFalse
+	if v.ok {
+		status = metav1.ConditionTrue
+	}
+	gen := v.obj.GetGeneration()
+	conds, _, _ := unstructured.NestedSlice(v.obj.Object, "status", "conditions")
+	for _, c := range conds {
+		m, _ := c.(map[string]any)
+		if m["type"] == "Accepted" && m["status"] == string(status) && m["reason"] == v.reason && m["message"] == v.msg && m["observedGeneration"] == gen {
+			return
+		}
+	}
+	obj := v.obj.DeepCopy()
+	cond := map[string]any{"type": "Accepted", "status": string(status), "reason": v.reason, "message": v.msg,
+		"observedGeneration": gen, "lastTransitionTime": time.Now().UTC().Format(time.RFC3339)}
+	if err := unstructured.SetNestedSlice(obj.Object, []any{cond}, "status", "conditions"); err != nil {
+		return
+	}
+	unstructured.SetNestedField(obj.Object, gen, "status", "observedGeneration")
+	if _, err := s.dyn.Resource(v.gvr).UpdateStatus(ctx, obj, metav1.UpdateOptions{}); err != nil && !apierrors.IsConflict(err) && ctx.Err() == nil {
+		s.log.Debug("kubernetes: writing a status failed", "object", obj.GetName(), "err", err)
+	}
+}
+
+// Load implements Store: the set last published.
+func (s *kubeStore) Load(context.Context) (api.PolicySet, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.cur, nil
+}
+
+// kubeErr turns an API server that cannot be reached into a
+// *NoQuorumError.
+func kubeErr(err error) error {
+	if err == nil {
+		return nil
+	}
+	if apierrors.IsServerTimeout(err) || apierrors.IsTimeout(err) || apierrors.IsServiceUnavailable(err) || errors.Is(err, context.DeadlineExceeded) {
+		return &NoQuorumError{Err: fmt.Errorf("kubernetes API: %w", err)}
+	}
+	return err
+}
+
+// putObject creates or updates the object name of gvr with spec (a
+// pointer to a kube*Spec); limit
+// bounds the objects of the kind.
+func (s *kubeStore) putObject(parent context.Context, gvr schema.GroupVersionResource, kind, name string, spec any, limit int, what string) (bool, error) {
+	ctx, cancel := context.WithTimeout(parent, etcdTimeout)
+	defer cancel()
+	m, err := runtime.DefaultUnstructuredConverter.ToUnstructured(spec)
+	if err != nil {
+		return false, err
+	}
+	res := s.dyn.Resource(gvr)
+	cur, err := res.Get(ctx, name, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		list, err := res.List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, kubeErr(err)
+		}
+		if len(list.Items) >= limit {
+			return false, &FullError{Kind: what, Limit: limit}
+		}
+		obj := &unstructured.Unstructured{Object: map[string]any{"apiVersion": kubeGroup + "/" + kubeVersion, "kind": kind,
+			"metadata": map[string]any{"name": name}, "spec": m}}
+		_, err = res.Create(ctx, obj, metav1.CreateOptions{})
+		return err == nil, kubeErr(err)
+	case err != nil:
+		return false, kubeErr(err)
+	}
+	old, _, _ := unstructured.NestedMap(cur.Object, "spec")
+	if reflect.DeepEqual(old, m) {
+		return false, nil
+	}
+	cur.Object["spec"] = m
+	_, err = res.Update(ctx, cur, metav1.UpdateOptions{})
+	return err == nil, kubeErr(err)
+}
+
+// PutPolicy implements Store.
+func (s *kubeStore) PutPolicy(ctx context.Context, p api.Policy) (bool, error) {
+	spec := policyToKube(p)
+	return s.putObject(ctx, policiesGVR, "Policy", p.Name, &spec, api.MaxStoredPolicies, "policies")
+}
+
+// PutType implements Store.
+func (s *kubeStore) PutType(ctx context.Context, t api.MiddleboxType) (bool, error) {
+	spec := typeToKube(t)
+	return s.putObject(ctx, typesGVR, "MiddleboxType", t.Name, &spec, api.MaxTypes, "middlebox types")
+}
+
+// DeletePolicy implements Store.
+func (s *kubeStore) DeletePolicy(parent context.Context, name string) (bool, error) {
+	ctx, cancel := context.WithTimeout(parent, etcdTimeout)
+	defer cancel()
+	err := s.dyn.Resource(policiesGVR).Delete(ctx, name, metav1.DeleteOptions{})
+	if apierrors.IsNotFound(err) {
+		return false, nil
+	}
+	return err == nil, kubeErr(err)
+}
+
+// DeleteType implements Store: refused while a Policy names the type.
+func (s *kubeStore) DeleteType(parent context.Context, name string) (bool, error) {
+	ctx, cancel := context.WithTimeout(parent, etcdTimeout)
+	defer cancel()
+	list, err := s.dyn.Resource(policiesGVR).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return false, kubeErr(err)
+	}
+	var users []string
+	for _, u := range list.Items {
+		var spec kubePolicySpec
+		if fromUnstructuredSpec(&u, &spec) != nil {
+			continue
+		}
+		for _, h := range spec.Chain {
+			if h.Type == name {
+				users = append(users, u.GetName())
+				break
+			}
+		}
+	}
+	if _, err := s.dyn.Resource(typesGVR).Get(ctx, name, metav1.GetOptions{}); apierrors.IsNotFound(err) {
+		return false, nil
+	}
+	if len(users) > 0 {
+		return true, &api.TypeInUseError{Type: name, Policies: users}
+	}
+	err = s.dyn.Resource(typesGVR).Delete(ctx, name, metav1.DeleteOptions{})
+	if apierrors.IsNotFound(err) {
+		return false, nil
+	}
+	return err == nil, kubeErr(err)
+}
+
+// agentLeaseName is the Lease of agent host: a valid object name (lower
+// case, at most 63) that tells hosts apart even when their names differ
+// only in what a Lease's name cannot hold.
+func agentLeaseName(host string) string {
+	return "dysco-agent-" + objectName(host)
+}
+
+// Register implements Store: the agent's Lease, renewed.
+func (s *kubeStore) Register(parent context.Context, reg api.AgentRegistration, ttl time.Duration) error {
+	ctx, cancel := context.WithTimeout(parent, etcdTimeout)
+	defer cancel()
+	leases := s.cs.CoordinationV1().Leases(s.ns)
+	name := agentLeaseName(reg.Host)
+	secs := int32(max(ttl/time.Second, 1))
+	now := metav1.NewMicroTime(time.Now())
+	ann := map[string]string{"dysco.io/host": reg.Host, "dysco.io/addr": reg.Addr, "dysco.io/applied": strconv.FormatUint(reg.Applied, 10)}
+	l, err := leases.Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		l = &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{kubeAgentLabel: "true"}, Annotations: ann},
+			Spec: coordinationv1.LeaseSpec{HolderIdentity: &reg.Host, LeaseDurationSeconds: &secs, RenewTime: &now, AcquireTime: &now}}
+		_, err = leases.Create(ctx, l, metav1.CreateOptions{})
+		return kubeErr(err)
+	}
+	if err != nil {
+		return kubeErr(err)
+	}
+	l.Annotations = ann
+	l.Spec.HolderIdentity, l.Spec.LeaseDurationSeconds, l.Spec.RenewTime = &reg.Host, &secs, &now
+	_, err = leases.Update(ctx, l, metav1.UpdateOptions{})
+	if apierrors.IsConflict(err) {
+		return nil // another replica renewed it just now
+	}
+	return kubeErr(err)
+}
+
+// Agents implements Store: the agents whose Leases have not expired.
+func (s *kubeStore) Agents(parent context.Context) ([]api.AgentRegistration, error) {
+	ctx, cancel := context.WithTimeout(parent, etcdTimeout)
+	defer cancel()
+	list, err := s.cs.CoordinationV1().Leases(s.ns).List(ctx, metav1.ListOptions{LabelSelector: kubeAgentLabel + "=true"})
+	if err != nil {
+		return nil, kubeErr(err)
+	}
+	out := []api.AgentRegistration{}
+	now := time.Now()
+	for _, l := range list.Items {
+		if l.Spec.RenewTime == nil || l.Spec.LeaseDurationSeconds == nil ||
+			now.After(l.Spec.RenewTime.Add(time.Duration(*l.Spec.LeaseDurationSeconds)*time.Second)) {
+			continue
+		}
+		applied, _ := strconv.ParseUint(l.Annotations["dysco.io/applied"], 10, 64)
+		out = append(out, api.AgentRegistration{Host: l.Annotations["dysco.io/host"], Addr: l.Annotations["dysco.io/addr"],
+			Applied: applied, Seen: l.Spec.RenewTime.UTC()})
+	}
+	return out, nil
+}
+
+// Close implements Store.
+func (s *kubeStore) Close() error {
+	s.cancel()
+	s.wg.Wait()
+	return nil
+}

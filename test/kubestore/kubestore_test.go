@@ -1,0 +1,191 @@
+// Package kubestore tests `dysco policy-server --kubernetes` against a
+// real API server: policies written through a replica or as objects reach
+// the agents' polls at every replica, invalid objects are refused in their
+// status and kept out of the set, the controller's death is survived, and
+// agents register as Leases.
+package kubestore
+
+import (
+	"encoding/json"
+	"errors"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
+
+	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/policyserver"
+	"github.com/dysco/dysco/internal/testutil"
+)
+
+// start runs etcd and kube-apiserver with the CRDs of deploy/crds and the
+// namespace dysco-system, and returns an administrator's kubeconfig file
+// and clients.
+func start(t *testing.T) (string, kubernetes.Interface, dynamic.Interface) {
+	t.Helper()
+	bin, _ := filepath.Abs(filepath.Join("..", "..", "bin"))
+	for _, b := range []string{"kube-apiserver", "etcd"} {
+		if _, err := os.Stat(filepath.Join(bin, b)); err != nil {
+			t.Fatalf("%v: run `make build` (it builds bin/etcd and bin/kube-apiserver)", err)
+		}
+	}
+	env := &envtest.Environment{BinaryAssetsDirectory: bin,
+		CRDInstallOptions: envtest.CRDInstallOptions{Paths: []string{filepath.Join("..", "..", "deploy", "crds")}, ErrorIfPathMissing: true}}
+	cfg, err := env.Start()
+	if err != nil {
+		t.Fatalf("starting etcd and kube-apiserver: %v", err)
+	}
+	t.Cleanup(func() { env.Stop() })
+	cs := kubernetes.NewForConfigOrDie(cfg)
+	dyn := dynamic.NewForConfigOrDie(cfg)
+	if _, err := cs.CoreV1().Namespaces().Create(t.Context(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: policyserver.DefaultKubeNamespace}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	user, err := env.ControlPlane.AddUser(envtest.User{Name: "dysco-policy-server", Groups: []string{"system:masters"}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kc, err := user.KubeConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := os.WriteFile(path, kc, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path, cs, dyn
+}
+
+type replica struct {
+	s   *policyserver.Server
+	srv *httptest.Server
+}
+
+func (r *replica) close() {
+	r.srv.CloseClientConnections()
+	r.srv.Close()
+	r.s.Close()
+}
+
+func startReplica(t *testing.T, kc string) *replica {
+	t.Helper()
+	s, err := policyserver.New(policyserver.Config{Insecure: true, Kubernetes: true, Kubeconfig: kc, KubeLease: 3 * time.Second,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		ValidatePolicy: func(p api.Policy) error {
+			if strings.Contains(p.Filter, "bogus") {
+				return errors.New("filter: syntax error")
+			}
+			return nil
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &replica{s: s, srv: httptest.NewServer(s.Handler())}
+	t.Cleanup(r.close)
+	return r
+}
+
+// set is what an agent named host gets from r now.
+func set(t *testing.T, r *replica, host string) api.PolicySet {
+	t.Helper()
+	resp, err := http.Get(r.srv.URL + "/v1/watch?host=" + host + "&after=0&wait=0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var ps api.PolicySet
+	json.NewDecoder(resp.Body).Decode(&ps)
+	return ps
+}
+
+func names(ps api.PolicySet) string {
+	var out []string
+	for _, p := range ps.Policies {
+		out = append(out, p.Name)
+	}
+	return strings.Join(out, ",")
+}
+
+func TestKubeStore(t *testing.T) {
+	kc, _, dyn := start(t)
+	a, b := startReplica(t, kc), startReplica(t, kc)
+	c := api.NewServerClient(a.srv.URL)
+	ctx := t.Context()
+
+	// Through a replica's API: every replica serves it.
+	if err := c.PutPolicy(ctx, api.Policy{Name: "web", Filter: "tcp dst port 80"}); err != nil {
+		t.Fatal(err)
+	}
+	testutil.Eventually(t, 20*time.Second, "replica b to serve web", func() bool { return names(set(t, b, "h1")) == "web" })
+	v1 := set(t, b, "h1").Version
+
+	// As objects, the way kubectl writes them: a valid one is published;
+	// one whose filter libpcap refuses is kept out, with the reason in
+	// its status.
+	pol := schema.GroupVersionResource{Group: "dysco.io", Version: "v1alpha1", Resource: "policies"}
+	for name, filter := range map[string]string{"ssh": "tcp dst port 22", "broken": "tcp bogus"} {
+		obj := &unstructured.Unstructured{Object: map[string]any{"apiVersion": "dysco.io/v1alpha1", "kind": "Policy",
+			"metadata": map[string]any{"name": name}, "spec": map[string]any{"filter": filter, "nodes": []any{"h1"}}}}
+		if _, err := dyn.Resource(pol).Create(ctx, obj, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testutil.Eventually(t, 20*time.Second, "ssh at replica a", func() bool { return names(set(t, a, "h1")) == "ssh,web" })
+	if got := names(set(t, a, "h2")); got != "web" {
+		t.Errorf("h2 gets %q, want web only (ssh is for h1)", got)
+	}
+	testutil.Eventually(t, 20*time.Second, "broken's Accepted=False", func() bool {
+		o, err := dyn.Resource(pol).Get(ctx, "broken", metav1.GetOptions{})
+		if err != nil {
+			return false
+		}
+		conds, _, _ := unstructured.NestedSlice(o.Object, "status", "conditions")
+		return len(conds) == 1 && conds[0].(map[string]any)["status"] == "False" && strings.Contains(conds[0].(map[string]any)["message"].(string), "syntax error")
+	})
+	if v := set(t, a, "h1").Version; v <= v1 {
+		t.Errorf("version %d after a change, was %d", v, v1)
+	}
+
+	// Deleted through replica b: gone at a, with a newer version.
+	v2 := set(t, a, "h1").Version
+	req, _ := http.NewRequest("DELETE", b.srv.URL+"/v1/policies/ssh", nil)
+	if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != 204 {
+		t.Fatalf("delete: %v %v", resp, err)
+	}
+	testutil.Eventually(t, 20*time.Second, "ssh gone at a", func() bool { ps := set(t, a, "h1"); return names(ps) == "web" && ps.Version > v2 })
+
+	// The controller (whichever replica leads) dies: the other takes
+	// over within the lease and publishes the next change.
+	a.close()
+	cb := api.NewServerClient(b.srv.URL)
+	if err := cb.PutPolicy(ctx, api.Policy{Name: "dns", Filter: "udp dst port 53"}); err != nil {
+		t.Fatal(err)
+	}
+	testutil.Eventually(t, 30*time.Second, "dns at replica b after a died", func() bool { return names(set(t, b, "h1")) == "dns,web" })
+
+	// The polls registered the agents as Leases.
+	testutil.Eventually(t, 10*time.Second, "h1 and h2 registered", func() bool {
+		regs, err := cb.Agents(ctx)
+		if err != nil {
+			return false
+		}
+		hosts := map[string]bool{}
+		for _, r := range regs {
+			hosts[r.Host] = true
+		}
+		return hosts["h1"] && hosts["h2"]
+	})
+}
