@@ -91,6 +91,23 @@ func TestDeployManifests(t *testing.T) {
 		}
 	}
 
+	// The variant with the policy set in custom resources: the CRDs, the
+	// policy servers' account and permissions.
+	over := filepath.Join("..", "..", "deploy", "kubernetes")
+	out, err = kubectl(t, kc, "apply", "--dry-run=server", "-k", over)
+	if err != nil {
+		t.Fatalf("kubectl apply --dry-run=server -k %s: %v\n%s", over, err, out)
+	}
+	for _, want := range []string{
+		"customresourcedefinition.apiextensions.k8s.io/policies.dysco.io", "serviceaccount/dysco-policy-server",
+		"clusterrole.rbac.authorization.k8s.io/dysco-policy-server", "role.rbac.authorization.k8s.io/dysco-policy-server",
+		"deployment.apps/dysco-policy-server", "daemonset.apps/dysco-agent",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("the dry run of %s does not list %s:\n%s", over, want, out)
+		}
+	}
+
 	// The same DaemonSet with a mount propagation that needs privilege
 	// taken away is refused by the API server's validation.
 	broken := strings.Replace(string(rendered), "privileged: true", "privileged: false", 1)
