@@ -215,5 +215,9 @@ func objectName(name string) string {
 		return out
 	}
 	sum := sha256.Sum256([]byte(name))
-	return strings.Trim(out[:min(len(out), 42)], "-") + "-" + hex.EncodeToString(sum[:4])
+	h := hex.EncodeToString(sum[:4])
+	if prefix := strings.Trim(out[:min(len(out), 42)], "-"); prefix != "" {
+		return prefix + "-" + h
+	}
+	return h
 }

@@ -67,3 +67,22 @@ func TestKubeTypeTranslation(t *testing.T) {
 		t.Fatal("a name as an instance was accepted")
 	}
 }
+
+func TestObjectName(t *testing.T) {
+	for in, want := range map[string]string{"node-a": "node-a", "h1": "h1"} {
+		if got := objectName(in); got != want {
+			t.Errorf("objectName(%q) = %q, want %q", in, got, want)
+		}
+	}
+	seen := map[string]string{}
+	for _, in := range []string{"Node-A", "node_a", "node.a", "node-a.", strings.Repeat("x", 80), strings.Repeat("x", 81), "ÄÖ"} {
+		got := objectName(in)
+		if len(got) > 51 || strings.Trim(got, "abcdefghijklmnopqrstuvwxyz0123456789-") != "" || strings.HasPrefix(got, "-") {
+			t.Errorf("objectName(%q) = %q: not a valid part of an object name", in, got)
+		}
+		if other, ok := seen[got]; ok {
+			t.Errorf("objectName(%q) = objectName(%q) = %q", in, other, got)
+		}
+		seen[got] = in
+	}
+}
