@@ -56,9 +56,16 @@ const etcdRetries = 16
 
 // NoQuorumError says that etcd could not commit or serve a request: no
 // leader, or not enough members reachable.
-type NoQuorumError struct{ Err error }
+type NoQuorumError struct {
+	Err error
+	// Kube is set when the store is the Kubernetes API, not etcd.
+	Kube bool
+}
 
 func (e *NoQuorumError) Error() string {
+	if e.Kube {
+		return fmt.Sprintf("the Kubernetes API server cannot be reached or cannot serve: %v; the agents keep the policies they have", e.Err)
+	}
 	return fmt.Sprintf("etcd has no quorum (no leader, or too few members reachable): %v; the agents keep the policies they have", e.Err)
 }
 

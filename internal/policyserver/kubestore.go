@@ -213,6 +213,14 @@ func (s *kubeStore) probe(ctx context.Context) {
 // Healthy implements quorumChecker.
 func (s *kubeStore) Healthy() bool { return s.healthy.Load() }
 
+// quorumNow fails at once when the last probe found the API server gone.
+func (s *kubeStore) quorumNow() error {
+	if !s.healthy.Load() {
+		return &NoQuorumError{Err: errors.New("the last probe got no answer"), Kube: true}
+	}
+	return nil
+}
+
 // campaign runs for leadership until ctx ends, and controls while leading.
 func (s *kubeStore) campaign(ctx context.Context) {
 	lock := &resourcelock.LeaseLock{
@@ -484,7 +492,7 @@ func kubeErr(err error) error {
 		return nil
 	}
 	if apierrors.IsServerTimeout(err) || apierrors.IsTimeout(err) || apierrors.IsServiceUnavailable(err) || errors.Is(err, context.DeadlineExceeded) {
-		return &NoQuorumError{Err: fmt.Errorf("kubernetes API: %w", err)}
+		return &NoQuorumError{Err: err, Kube: true}
 	}
 	return err
 }

@@ -212,6 +212,7 @@ func New(cfg Config) (*Server, error) {
 		}
 		s.st = st
 		s.cur, _ = st.Load(context.Background())
+		s.ops = newKubeOps(st, s.agentTTL())
 		s.following = make(chan struct{})
 		go s.followStore()
 	} else if len(cfg.Etcd) > 0 {
@@ -728,6 +729,9 @@ type quorumChecker interface{ Healthy() bool }
 // quorum is a *NoQuorumError when the store says it has no quorum now.
 func (s *Server) quorum() error {
 	if q, ok := s.st.(quorumChecker); ok && !q.Healthy() {
+		if _, kube := s.st.(*kubeStore); kube {
+			return &NoQuorumError{Err: errors.New("this policy server cannot reach the API server, so its policies may be behind"), Kube: true}
+		}
 		return &NoQuorumError{Err: errors.New("this policy server's etcd members are cut off from the quorum or unreachable, so its policies may be behind")}
 	}
 	return nil

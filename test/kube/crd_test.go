@@ -53,10 +53,10 @@ func TestCRDs(t *testing.T) {
 		{"type, nothing", "apiVersion: dysco.io/v1alpha1\nkind: MiddleboxType\nmetadata:\n  name: empty\nspec: {}\n", "give instances, a podSelector, or both"},
 		{"type, selector without namespace", "apiVersion: dysco.io/v1alpha1\nkind: MiddleboxType\nmetadata:\n  name: nons\nspec:\n  podSelector: {matchLabels: {app: ids}}\n", "needs the podNamespace"},
 		{"type, bad instance", "apiVersion: dysco.io/v1alpha1\nkind: MiddleboxType\nmetadata:\n  name: bad\nspec:\n  instances: [fw.example]\n", "an instance is a unicast"},
-		{"operation", "apiVersion: dysco.io/v1alpha1\nkind: Operation\nmetadata:\n  name: op1\nspec:\n  node: mb1\n  middlebox: {match: tcp, timeoutMs: 2000}\n", ""},
-		{"operation, two requests", "apiVersion: dysco.io/v1alpha1\nkind: Operation\nmetadata:\n  name: op2\nspec:\n  node: mb1\n  middlebox: {match: tcp}\n  query: {what: sessions}\n", "give exactly one of reconfig, middlebox and query"},
-		{"operation, bad anchor", "apiVersion: dysco.io/v1alpha1\nkind: Operation\nmetadata:\n  name: op3\nspec:\n  node: client\n  reconfig: {match: tcp, to: server}\n", "the right anchor is an IPv4 or IPv6 address"},
-		{"operation, unknown query", "apiVersion: dysco.io/v1alpha1\nkind: Operation\nmetadata:\n  name: op4\nspec:\n  node: mb1\n  query: {what: keys}\n", "Unsupported value: \"keys\""},
+		{"operation", "apiVersion: dysco.io/v1alpha1\nkind: Operation\nmetadata:\n  name: op1\nspec:\n  host: mb1\n  middlebox: {match: tcp, timeout_ms: 2000}\n", ""},
+		{"operation, two requests", "apiVersion: dysco.io/v1alpha1\nkind: Operation\nmetadata:\n  name: op2\nspec:\n  host: mb1\n  middlebox: {match: tcp}\n  query: {what: sessions}\n", "give exactly one of reconfig, middlebox and query"},
+		{"operation, bad anchor", "apiVersion: dysco.io/v1alpha1\nkind: Operation\nmetadata:\n  name: op3\nspec:\n  host: client\n  reconfig: {match: tcp, to: server}\n", "the right anchor is an IPv4 or IPv6 address"},
+		{"operation, unknown query", "apiVersion: dysco.io/v1alpha1\nkind: Operation\nmetadata:\n  name: op4\nspec:\n  host: mb1\n  query: {what: keys}\n", "Unsupported value: \"keys\""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			out, err := apply(t, tc.doc)
@@ -71,7 +71,7 @@ func TestCRDs(t *testing.T) {
 		})
 	}
 	// An operation's request cannot change.
-	out, err := apply(t, "apiVersion: dysco.io/v1alpha1\nkind: Operation\nmetadata:\n  name: op1\nspec:\n  node: mb2\n  middlebox: {match: tcp, timeoutMs: 2000}\n")
+	out, err := apply(t, "apiVersion: dysco.io/v1alpha1\nkind: Operation\nmetadata:\n  name: op1\nspec:\n  host: mb2\n  middlebox: {match: tcp, timeout_ms: 2000}\n")
 	if err == nil || !strings.Contains(out, "an operation's request cannot change") {
 		t.Fatalf("an operation's request changed: %v\n%s", err, out)
 	}

@@ -6,6 +6,7 @@
 package kubestore
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"io"
@@ -15,6 +16,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -188,4 +190,82 @@ func TestKubeStore(t *testing.T) {
 		}
 		return hosts["h1"] && hosts["h2"]
 	})
+}
+
+// Operations as Operation objects: refused for an agent without a live
+// Lease; created at one replica, claimed at the other, reported, and
+// waited for; claims racing at both replicas take each operation once.
+func TestKubeOperations(t *testing.T) {
+	kc, _, _ := start(t)
+	a, b := startReplica(t, kc), startReplica(t, kc)
+	ca, cb := api.NewServerClient(a.srv.URL), api.NewServerClient(b.srv.URL)
+	ctx := t.Context()
+	mb := func(timeout int) api.Operation {
+		return api.Operation{Host: "mb1", Middlebox: &api.MiddleboxRequest{Match: "tcp", TimeoutMS: timeout}}
+	}
+	_, err := ca.CreateOperation(ctx, mb(0))
+	var he *api.HTTPError
+	if !errors.As(err, &he) || he.StatusCode != 409 || !strings.Contains(he.Message, `no agent named "mb1" is registered`) {
+		t.Fatalf("operation for an agent without a Lease: %v", err)
+	}
+	set(t, b, "mb1") // the poll registers mb1
+	testutil.Eventually(t, 10*time.Second, "mb1's Lease", func() bool { _, err := ca.CreateOperation(ctx, mb(1500)); return err == nil })
+	got, ok, err := cb.ClaimOperation(ctx, "mb1", 10*time.Second)
+	if err != nil || !ok || got.State != api.OpRunning || got.Middlebox == nil || got.Middlebox.TimeoutMS != 1500 {
+		t.Fatalf("claim at b: %+v %v %v", got, ok, err)
+	}
+	rep := &api.ReconfigReply{Results: []api.ReconfigResult{{ID: 5, Outcome: "succeeded"}}}
+	if err := ca.ReportOperation(ctx, got.ID, api.OperationResult{Host: "mb1", Reply: rep}); err != nil {
+		t.Fatal(err)
+	}
+	done, err := cb.Operation(ctx, got.ID, 10*time.Second)
+	if err != nil || done.State != api.OpDone || done.Reply == nil || done.Reply.Results[0].ID != 5 {
+		t.Fatalf("the wait at b: %+v %v", done, err)
+	}
+	if err := cb.ReportOperation(ctx, got.ID, api.OperationResult{Host: "mb1", Reply: rep}); !errors.As(err, &he) || he.StatusCode != 409 {
+		t.Fatalf("second report: %v", err)
+	}
+
+	// Claims racing at both replicas.
+	const n = 10
+	var mu sync.Mutex
+	runs := map[string]int{}
+	cctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	for _, c := range []*api.Client{ca, cb, ca, cb} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for cctx.Err() == nil {
+				op, ok, err := c.ClaimOperation(cctx, "mb1", 2*time.Second)
+				if !ok || err != nil {
+					continue
+				}
+				mu.Lock()
+				runs[op.ID]++
+				mu.Unlock()
+				c.ReportOperation(ctx, op.ID, api.OperationResult{Host: "mb1", Error: "done"})
+			}
+		}()
+	}
+	var ids []string
+	for i := range n {
+		op, err := []*api.Client{ca, cb}[i%2].CreateOperation(ctx, mb(0))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, op.ID)
+	}
+	for _, id := range ids {
+		if got, err := ca.Operation(ctx, id, 20*time.Second); err != nil || got.State != api.OpFailed || got.Error != `agent "mb1": done` {
+			t.Fatalf("operation %s: %+v %v", id, got, err)
+		}
+	}
+	cancel()
+	wg.Wait()
+	for _, id := range ids {
+		if runs[id] != 1 {
+			t.Errorf("operation %s claimed %d times", id, runs[id])
+		}
+	}
 }
