@@ -13,7 +13,7 @@ import (
 func TestCRDs(t *testing.T) {
 	kc := apiServer(t)
 	crds := filepath.Join("..", "..", "deploy", "crds")
-	if out, err := kubectl(t, kc, "apply", "--server-side", "-f", crds); err != nil {
+	if out, err := kubectl(t, kc, "apply", "--server-side", "-k", crds); err != nil {
 		t.Fatalf("installing the CRDs: %v\n%s", err, out)
 	}
 	if out, err := kubectl(t, kc, "wait", "--for=condition=Established", "--timeout=30s", "crd/policies.dysco.io", "crd/middleboxtypes.dysco.io", "crd/operations.dysco.io"); err != nil {
