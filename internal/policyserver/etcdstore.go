@@ -208,9 +208,18 @@ func (s *etcdStore) probe(ctx context.Context) {
 // off asking another replica now.
 func (s *etcdStore) quorumNow() error {
 	if !s.healthy.Load() {
-		return &NoQuorumError{Err: errors.New("this policy server's etcd members are cut off from the quorum or unreachable")}
+		return s.noQuorum("")
 	}
 	return nil
+}
+
+// noQuorum implements quorumChecker.
+func (s *etcdStore) noQuorum(why string) error {
+	msg := "this policy server's etcd members are cut off from the quorum or unreachable"
+	if why != "" {
+		msg += ", " + why
+	}
+	return &NoQuorumError{Err: errors.New(msg)}
 }
 
 // Healthy implements quorumChecker.

@@ -1,3 +1,5 @@
+//go:build kubernetes
+
 package policyserver
 
 // Operator operations as Operation objects (deploy/crds/operations.yaml),

@@ -1,3 +1,5 @@
+//go:build kubernetes
+
 package policyserver
 
 // The policy set in Kubernetes custom resources (docs/kubernetes.md):
@@ -60,9 +62,35 @@ const (
 	kubeAgentLabel = "dysco.io/agent"
 )
 
-// DefaultKubeNamespace is where the replicas keep the published set, the
-// controller's Lease and the agents' Leases.
-const DefaultKubeNamespace = "dysco-system"
+// KubeSupport tells whether this build has the Kubernetes store.
+const KubeSupport = true
+
+// openKube keeps the server's set in Kubernetes objects (Config.Kubernetes).
+func (s *Server) openKube(cfg Config) error {
+	rc, err := kubeRESTConfig(cfg.Kubeconfig)
+	if err != nil {
+		return err
+	}
+	ns := cfg.KubeNamespace
+	if ns == "" {
+		ns = DefaultKubeNamespace
+	}
+	st, err := openKubeStore(rc, ns, cfg.KubeLease, cfg.Logger, func() {
+		select {
+		case s.storeChanged <- struct{}{}:
+		default:
+		}
+	}, cfg.ValidatePolicy)
+	if err != nil {
+		return err
+	}
+	s.st = st
+	s.cur, _ = st.Load(context.Background())
+	s.ops = newKubeOps(st, s.agentTTL())
+	s.following = make(chan struct{})
+	go s.followStore()
+	return nil
+}
 
 // kubeRESTConfig is the API server of the kubeconfig file path, or, when
 // path is empty, of the pod's service account.
@@ -216,9 +244,18 @@ func (s *kubeStore) Healthy() bool { return s.healthy.Load() }
 // quorumNow fails at once when the last probe found the API server gone.
 func (s *kubeStore) quorumNow() error {
 	if !s.healthy.Load() {
-		return &NoQuorumError{Err: errors.New("the last probe got no answer"), Kube: true}
+		return s.noQuorum("")
 	}
 	return nil
+}
+
+// noQuorum implements quorumChecker.
+func (s *kubeStore) noQuorum(why string) error {
+	msg := "this policy server cannot reach the API server"
+	if why != "" {
+		msg += ", " + why
+	}
+	return &NoQuorumError{Err: errors.New(msg), Kube: true}
 }
 
 // campaign runs for leadership until ctx ends, and controls while leading.

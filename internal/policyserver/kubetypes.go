@@ -18,6 +18,10 @@ import (
 	"github.com/dysco/dysco/internal/api"
 )
 
+// DefaultKubeNamespace is where the replicas keep the published set, the
+// controller's Lease and the agents' Leases.
+const DefaultKubeNamespace = "dysco-system"
+
 // The custom resources' group and version.
 const (
 	kubeGroup   = "dysco.io"

@@ -193,28 +193,9 @@ func New(cfg Config) (*Server, error) {
 		return nil, errors.New("policy server: give --etcd or --kubernetes, not both")
 	}
 	if cfg.Kubernetes {
-		rc, err := kubeRESTConfig(cfg.Kubeconfig)
-		if err != nil {
+		if err := s.openKube(cfg); err != nil {
 			return nil, err
 		}
-		ns := cfg.KubeNamespace
-		if ns == "" {
-			ns = DefaultKubeNamespace
-		}
-		st, err := openKubeStore(rc, ns, cfg.KubeLease, cfg.Logger, func() {
-			select {
-			case s.storeChanged <- struct{}{}:
-			default:
-			}
-		}, cfg.ValidatePolicy)
-		if err != nil {
-			return nil, err
-		}
-		s.st = st
-		s.cur, _ = st.Load(context.Background())
-		s.ops = newKubeOps(st, s.agentTTL())
-		s.following = make(chan struct{})
-		go s.followStore()
 	} else if len(cfg.Etcd) > 0 {
 		ec, err := etcdClientConfig(cfg)
 		if err != nil {
@@ -723,16 +704,17 @@ func (s *Server) wake() {
 	s.mu.Unlock()
 }
 
-// quorumChecker is a store that can tell whether it has a quorum now.
-type quorumChecker interface{ Healthy() bool }
+// quorumChecker is a store that can tell whether it has a quorum now, and
+// say so (why adds to the reason).
+type quorumChecker interface {
+	Healthy() bool
+	noQuorum(why string) error
+}
 
 // quorum is a *NoQuorumError when the store says it has no quorum now.
 func (s *Server) quorum() error {
 	if q, ok := s.st.(quorumChecker); ok && !q.Healthy() {
-		if _, kube := s.st.(*kubeStore); kube {
-			return &NoQuorumError{Err: errors.New("this policy server cannot reach the API server, so its policies may be behind"), Kube: true}
-		}
-		return &NoQuorumError{Err: errors.New("this policy server's etcd members are cut off from the quorum or unreachable, so its policies may be behind")}
+		return q.noQuorum("so its policies may be behind")
 	}
 	return nil
 }

@@ -38,6 +38,9 @@ import (
 // and clients.
 func start(t *testing.T) (string, kubernetes.Interface, dynamic.Interface) {
 	t.Helper()
+	if !policyserver.KubeSupport {
+		t.Fatal("the Kubernetes store is built with -tags kubernetes: go test -tags kubernetes ./... (make test does)")
+	}
 	bin, _ := filepath.Abs(filepath.Join("..", "..", "bin"))
 	for _, b := range []string{"kube-apiserver", "etcd"} {
 		if _, err := os.Stat(filepath.Join(bin, b)); err != nil {
