@@ -299,9 +299,18 @@ func TestEtcdReplicaKilledMidOperation(t *testing.T) {
 	}
 	waited := make(chan api.Operation, 1)
 	go func() {
-		got, err := c.Operation(ctx, op.ID, 20*time.Second)
-		if err != nil {
-			t.Error(err)
+		// As the CLI does: wait again while the operation runs (a
+		// replica's shutdown on a loaded machine can outlast one wait).
+		var got api.Operation
+		for end := time.Now().Add(60 * time.Second); time.Now().Before(end); {
+			var err error
+			if got, err = c.Operation(ctx, op.ID, 20*time.Second); err != nil {
+				t.Error(err)
+				break
+			}
+			if got.IsFinished() {
+				break
+			}
 		}
 		waited <- got
 	}()
@@ -314,7 +323,7 @@ func TestEtcdReplicaKilledMidOperation(t *testing.T) {
 		if got.State != api.OpDone || got.Reply == nil || got.Reply.Results[0].ID != 9 {
 			t.Fatalf("after a was killed: %+v", got)
 		}
-	case <-time.After(30 * time.Second):
+	case <-time.After(70 * time.Second):
 		t.Fatal("the operator's wait did not end")
 	}
 	if c.Target() != "policy server "+b.url {
