@@ -233,7 +233,7 @@ func (c *Client) do(ctx context.Context, method, path string, body, out any) err
 	var err error
 	for i := range n {
 		k := (first + i) % n
-		err = c.doAt(ctx, c.peers[k], method, path, data, body != nil, out)
+		err = c.doAt(ctx, k, method, path, data, body != nil, out)
 		if err == nil || ctx.Err() != nil || !failover(method, err) {
 			break
 		}
@@ -269,8 +269,10 @@ type unreachableError struct {
 func (e *unreachableError) Error() string { return e.target + " unreachable: " + e.err.Error() }
 func (e *unreachableError) Unwrap() error { return e.err }
 
-// doAt sends one request to p.
-func (c *Client) doAt(ctx context.Context, p peer, method, path string, data []byte, hasBody bool, out any) error {
+// doAt sends one request to c.peers[k]; one that answers is asked first
+// from then on.
+func (c *Client) doAt(ctx context.Context, k int, method, path string, data []byte, hasBody bool, out any) error {
+	p := c.peers[k]
 	var rd io.Reader
 	if hasBody {
 		rd = bytes.NewReader(data)
@@ -307,9 +309,7 @@ func (c *Client) doAt(ctx context.Context, p peer, method, path string, data []b
 		return &unreachableError{target: p.target, err: err}
 	}
 	defer resp.Body.Close()
-	if i := c.indexOf(p); i >= 0 {
-		c.cur.Store(int32(i))
-	}
+	c.cur.Store(int32(k))
 	data, err = io.ReadAll(io.LimitReader(resp.Body, maxBody))
 	if err != nil {
 		return fmt.Errorf("%s: %s %s: reading answer: %w", p.target, method, path, err)
@@ -337,16 +337,6 @@ func (c *Client) doAt(ctx context.Context, p peer, method, path string, data []b
 		return fmt.Errorf("%s: %s %s: decoding answer: %w", p.target, method, path, err)
 	}
 	return nil
-}
-
-// indexOf is p's index in c.peers (-1: none).
-func (c *Client) indexOf(p peer) int {
-	for i, q := range c.peers {
-		if q == p {
-			return i
-		}
-	}
-	return -1
 }
 
 // noAgentError is a failure to dial the agent's socket. It reads as

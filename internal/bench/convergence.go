@@ -252,18 +252,17 @@ func (p *convProcs) policyServer(ctx context.Context, dysco, name string, args .
 	ready := filepath.Join(p.dir, name+".ready")
 	listen := fmt.Sprintf("127.0.0.1:%d", port)
 	argv := append([]string{dysco, "policy-server", "--insecure", "--listen", listen, "--metrics-listen", "", "--ready-file", ready}, args...)
-	cmd, err := p.start(name, argv...)
-	if err != nil {
+	if _, err := p.start(name, argv...); err != nil {
 		return "", err
 	}
-	if err := waitFile(ctx, ready, cmd, 20*time.Second); err != nil {
+	if err := waitFile(ctx, ready, 20*time.Second); err != nil {
 		return "", fmt.Errorf("%s: %w (log: %s)", name, err, filepath.Join(p.dir, name+".log"))
 	}
 	return "http://" + listen, nil
 }
 
 // waitFile waits for path to exist, for at most within.
-func waitFile(ctx context.Context, path string, _ *exec.Cmd, within time.Duration) error {
+func waitFile(ctx context.Context, path string, within time.Duration) error {
 	end := time.Now().Add(within)
 	for {
 		if _, err := os.Stat(path); err == nil {

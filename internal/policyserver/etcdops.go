@@ -114,7 +114,7 @@ func (o *etcdOps) watch(ctx context.Context, rev int64) {
 
 // ctx bounds a request and requires a leader.
 func (o *etcdOps) ctx(parent context.Context) (context.Context, context.CancelFunc) {
-	ctx, cancel := context.WithTimeout(parent, etcdTimeout)
+	ctx, cancel := context.WithTimeout(parent, storeTimeout)
 	return clientv3.WithRequireLeader(ctx), cancel
 }
 

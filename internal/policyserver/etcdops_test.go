@@ -257,7 +257,7 @@ func TestEtcdOperationsExpiry(t *testing.T) {
 		if !errors.As(err, &he) || he.StatusCode != http.StatusServiceUnavailable || !strings.Contains(he.Message, "no quorum") {
 			t.Errorf("without etcd: %v, want 503 no quorum", err)
 		}
-		if d := time.Since(start); d > etcdTimeout+2*time.Second {
+		if d := time.Since(start); d > storeTimeout+2*time.Second {
 			t.Errorf("failed after %s", d)
 		}
 	}

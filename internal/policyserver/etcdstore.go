@@ -47,9 +47,9 @@ import (
 // DefaultEtcdPrefix is where the policy set lives in etcd.
 const DefaultEtcdPrefix = "/dysco/v1/"
 
-// etcdTimeout bounds every request to etcd: without a quorum a write
-// fails within it, with a NoQuorumError.
-const etcdTimeout = 3 * time.Second
+// storeTimeout bounds every request to etcd or the Kubernetes API server:
+// without a quorum a write fails within it, with a NoQuorumError.
+const storeTimeout = 3 * time.Second
 
 // etcdRetries bounds the retries of a change that raced another replica's.
 const etcdRetries = 16
@@ -92,16 +92,14 @@ type etcdStore struct {
 	// onChange runs when the watch sees the set change (this replica's
 	// changes or another's).
 	onChange func()
-	// onHealth, when set, runs when the probe finds the quorum lost or back.
-	onHealth func()
 	cancel   context.CancelFunc
 	done     chan struct{} // closed when watch has stopped
 	probed   chan struct{} // closed when probe has stopped (nil: never started)
 
-	// healthy is whether the last probe of etcd found a quorum; rev is
-	// the revision of the set last loaded or seen changed.
-	healthy atomic.Bool
-	rev     atomic.Int64
+	// storeHealth is what the last probe of etcd found; rev is the
+	// revision of the set last loaded or seen changed.
+	storeHealth
+	rev atomic.Int64
 
 	// leases are the leases of the agents this replica registered, by
 	// host: a registration lives under its agent's lease, which each poll
@@ -125,7 +123,7 @@ func openEtcdStore(cfg clientv3.Config, prefix string, log *slog.Logger, onChang
 		prefix += "/"
 	}
 	if cfg.DialTimeout == 0 {
-		cfg.DialTimeout = etcdTimeout
+		cfg.DialTimeout = storeTimeout
 	}
 	cli, err := clientv3.New(cfg)
 	if err != nil {
@@ -142,7 +140,8 @@ func openEtcdStore(cfg clientv3.Config, prefix string, log *slog.Logger, onChang
 		}
 		return nil, fmt.Errorf("etcd %s: %w", strings.Join(cfg.Endpoints, ","), err)
 	}
-	s.healthy.Store(true)
+	s.lost = "this policy server's etcd members are cut off from the quorum or unreachable"
+	s.ok.Store(true)
 	ctx, cancel := context.WithCancel(context.Background())
 	s.cancel = cancel
 	go s.watch(ctx, rev)
@@ -164,7 +163,7 @@ var probeEvery = time.Second
 
 // probe reads meta/version linearizably (a leader required) every
 // probeEvery: a replica whose member is cut off from the quorum, or
-// unreachable, is unhealthy within probeEvery plus etcdTimeout (a watch
+// unreachable, is unhealthy within probeEvery plus storeTimeout (a watch
 // alone can go quiet on a lost connection without an error). A version
 // newer than the one last seen runs onChange too, should the watch have
 // missed it.
@@ -184,10 +183,7 @@ func (s *etcdStore) probe(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
-		was := s.healthy.Swap(err == nil)
-		if was != (err == nil) && s.onHealth != nil {
-			s.onHealth()
-		}
+		was := s.set(err == nil)
 		if err != nil {
 			if was {
 				s.log.Warn("etcd: no quorum; agents polling this replica are told to ask another", "err", err)
@@ -202,28 +198,6 @@ func (s *etcdStore) probe(ctx context.Context) {
 		}
 	}
 }
-
-// quorumNow fails at once, with a *NoQuorumError, when the last probe
-// found no quorum: a write would only time out, and the client is better
-// off asking another replica now.
-func (s *etcdStore) quorumNow() error {
-	if !s.healthy.Load() {
-		return s.noQuorum("")
-	}
-	return nil
-}
-
-// noQuorum implements quorumChecker.
-func (s *etcdStore) noQuorum(why string) error {
-	msg := "this policy server's etcd members are cut off from the quorum or unreachable"
-	if why != "" {
-		msg += ", " + why
-	}
-	return &NoQuorumError{Err: errors.New(msg)}
-}
-
-// Healthy implements quorumChecker.
-func (s *etcdStore) Healthy() bool { return s.healthy.Load() }
 
 // diagnoseEtcd connects to each endpoint of cfg as the client would, and
 // returns why none serves it: not reachable, or TLS refused (a missing or
@@ -276,7 +250,7 @@ func diagnoseEtcd(cfg clientv3.Config) error {
 // etcdClientConfig is the etcd client configuration of cfg: its endpoints,
 // and mutual TLS when it names a certificate or a CA.
 func etcdClientConfig(cfg Config) (clientv3.Config, error) {
-	ec := clientv3.Config{Endpoints: cfg.Etcd, DialTimeout: etcdTimeout, Logger: zap.NewNop(),
+	ec := clientv3.Config{Endpoints: cfg.Etcd, DialTimeout: storeTimeout, Logger: zap.NewNop(),
 		// Reconnect to a member that was down within seconds of its
 		// return (gRPC's own back-off grows to two minutes).
 		DialOptions: []grpc.DialOption{grpc.WithConnectParams(grpc.ConnectParams{
@@ -315,7 +289,7 @@ func etcdClientConfig(cfg Config) (clientv3.Config, error) {
 
 // ctx bounds a request and requires a leader.
 func (s *etcdStore) ctx(parent context.Context) (context.Context, context.CancelFunc) {
-	ctx, cancel := context.WithTimeout(parent, etcdTimeout)
+	ctx, cancel := context.WithTimeout(parent, storeTimeout)
 	return clientv3.WithRequireLeader(ctx), cancel
 }
 
@@ -386,19 +360,19 @@ func (s *etcdStore) Load(ctx context.Context) (api.PolicySet, error) {
 // deletes) with a new version, unless another change came in between: then
 // it runs again on the newer set. fn returns no operations for no change.
 func (s *etcdStore) change(parent context.Context, fn func(set api.PolicySet, kvs map[string][]byte) ([]clientv3.Op, error)) (bool, error) {
-	// Each try has half of etcdTimeout: a request that went to a member
+	// Each try has half of storeTimeout: a request that went to a member
 	// lost without a word (its connection not yet known dead) times out,
-	// and the next goes to another member, within etcdTimeout in all.
+	// and the next goes to another member, within storeTimeout in all.
 	if err := s.quorumNow(); err != nil {
 		return false, err
 	}
-	budget := time.Now().Add(etcdTimeout)
+	budget := time.Now().Add(storeTimeout)
 	retry := func(err error) bool {
 		var nq *NoQuorumError
-		return errors.As(err, &nq) && time.Until(budget) >= etcdTimeout/2 && parent.Err() == nil
+		return errors.As(err, &nq) && time.Until(budget) >= storeTimeout/2 && parent.Err() == nil
 	}
 	for range etcdRetries {
-		ctx, cancel := context.WithTimeout(parent, etcdTimeout/2)
+		ctx, cancel := context.WithTimeout(parent, storeTimeout/2)
 		ctx = clientv3.WithRequireLeader(ctx)
 		resp, err := s.getSet(ctx)
 		if err != nil {

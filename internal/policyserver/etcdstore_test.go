@@ -252,7 +252,7 @@ func TestEtcdStoreNoQuorum(t *testing.T) {
 	if !errors.As(err, &nq) {
 		t.Fatalf("write without etcd: %v", err)
 	}
-	if d := time.Since(start); d > etcdTimeout+2*time.Second {
+	if d := time.Since(start); d > storeTimeout+2*time.Second {
 		t.Fatalf("the write failed after %v", d)
 	}
 }
@@ -307,12 +307,12 @@ func TestEtcdReplicas(t *testing.T) {
 	if e := decode[api.Error](t, data); code != http.StatusServiceUnavailable || !strings.Contains(e.Error, "no quorum") {
 		t.Fatalf("write without etcd: %d %q", code, e.Error)
 	}
-	if d := time.Since(start); d > etcdTimeout+2*time.Second {
+	if d := time.Since(start); d > storeTimeout+2*time.Second {
 		t.Fatalf("the write failed after %v", d)
 	}
 	// Within a probe and a timeout, the replicas know they have no
 	// quorum: they send the agents' polls and load balancers elsewhere.
-	testutil.Eventually(t, probeEvery+etcdTimeout+5*time.Second, "replica b to see it has no quorum", func() bool {
+	testutil.Eventually(t, probeEvery+storeTimeout+5*time.Second, "replica b to see it has no quorum", func() bool {
 		code, _ := call(t, "GET", b+"/healthz", "")
 		return code == http.StatusServiceUnavailable
 	})
@@ -371,7 +371,7 @@ func TestEtcdTLS(t *testing.T) {
 		if !strings.Contains(err.Error(), "certificate") {
 			t.Errorf("%s: %v, want the reason (a certificate)", name, err)
 		}
-		if d := time.Since(start); d > etcdTimeout+2*time.Second {
+		if d := time.Since(start); d > storeTimeout+2*time.Second {
 			t.Errorf("%s: failed after %s", name, d)
 		}
 	}

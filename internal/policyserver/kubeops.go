@@ -192,7 +192,7 @@ func (o *kubeOps) create(parent context.Context, op api.Operation) (api.Operatio
 	if err := o.st.quorumNow(); err != nil {
 		return op, 0, err
 	}
-	ctx, cancel := context.WithTimeout(parent, etcdTimeout)
+	ctx, cancel := context.WithTimeout(parent, storeTimeout)
 	defer cancel()
 	live, err := o.agentLive(ctx, op.Host)
 	if err != nil {
@@ -270,7 +270,7 @@ func (o *kubeOps) get(parent context.Context, id string) (api.Operation, bool, <
 	if !validID(id) {
 		return api.Operation{}, false, changed, nil
 	}
-	ctx, cancel := context.WithTimeout(parent, etcdTimeout)
+	ctx, cancel := context.WithTimeout(parent, storeTimeout)
 	defer cancel()
 	for range etcdRetries {
 		u, op, ok, err := o.read(ctx, id)
@@ -296,7 +296,7 @@ func (o *kubeOps) claimNext(parent context.Context, host string) (api.Operation,
 	if !o.synced() || parent.Err() != nil {
 		return api.Operation{}, false, changed, nil
 	}
-	ctx, cancel := context.WithTimeout(parent, etcdTimeout)
+	ctx, cancel := context.WithTimeout(parent, storeTimeout)
 	defer cancel()
 	for _, u := range o.all() {
 		op, err := opOf(u)
@@ -327,7 +327,7 @@ func (o *kubeOps) report(parent context.Context, id string, res api.OperationRes
 	if !validID(id) {
 		return http.StatusNotFound, fmt.Errorf("no operation %q here", id)
 	}
-	ctx, cancel := context.WithTimeout(parent, etcdTimeout)
+	ctx, cancel := context.WithTimeout(parent, storeTimeout)
 	defer cancel()
 	for range etcdRetries {
 		u, op, ok, err := o.read(ctx, id)

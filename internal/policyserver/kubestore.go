@@ -24,7 +24,6 @@ import (
 	"reflect"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	coordinationv1 "k8s.io/api/coordination/v1"
@@ -130,10 +129,9 @@ type kubeStore struct {
 	mu  sync.Mutex
 	cur api.PolicySet
 
-	healthy atomic.Bool
-	leading atomic.Bool
-	cancel  context.CancelFunc
-	wg      sync.WaitGroup
+	storeHealth
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
 }
 
 var _ Store = (*kubeStore)(nil)
@@ -156,7 +154,7 @@ func openKubeStore(cfg *rest.Config, ns string, lease time.Duration, log *slog.L
 	}
 	host, _ := os.Hostname()
 	s := &kubeStore{cs: cs, dyn: dyn, ns: ns, id: fmt.Sprintf("%s-%d-%d", host, os.Getpid(), time.Now().UnixNano()), log: log, onChange: onChange, check: check, lease: lease}
-	ctx, cancel := context.WithTimeout(context.Background(), etcdTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
 	defer cancel()
 	// The CRDs must be installed: say so at once rather than serve nothing.
 	if _, err := dyn.Resource(policiesGVR).List(ctx, metav1.ListOptions{Limit: 1}); err != nil {
@@ -170,7 +168,8 @@ func openKubeStore(cfg *rest.Config, ns string, lease time.Duration, log *slog.L
 	default:
 		s.setFrom(cm)
 	}
-	s.healthy.Store(true)
+	s.lost, s.kube = "this policy server cannot reach the API server", true
+	s.ok.Store(true)
 	rctx, rcancel := context.WithCancel(context.Background())
 	s.cancel = rcancel
 	s.wg.Add(3)
@@ -225,37 +224,17 @@ func (s *kubeStore) probe(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		pctx, cancel := context.WithTimeout(ctx, etcdTimeout)
+		pctx, cancel := context.WithTimeout(ctx, storeTimeout)
 		_, err := s.cs.CoreV1().ConfigMaps(s.ns).Get(pctx, kubeSetName, metav1.GetOptions{})
 		cancel()
 		if ctx.Err() != nil {
 			return
 		}
 		ok := err == nil || apierrors.IsNotFound(err)
-		if was := s.healthy.Swap(ok); was != ok {
+		if was := s.set(ok); was != ok {
 			s.log.Warn("kubernetes: API server reachable", "ok", ok, "err", err)
 		}
 	}
-}
-
-// Healthy implements quorumChecker.
-func (s *kubeStore) Healthy() bool { return s.healthy.Load() }
-
-// quorumNow fails at once when the last probe found the API server gone.
-func (s *kubeStore) quorumNow() error {
-	if !s.healthy.Load() {
-		return s.noQuorum("")
-	}
-	return nil
-}
-
-// noQuorum implements quorumChecker.
-func (s *kubeStore) noQuorum(why string) error {
-	msg := "this policy server cannot reach the API server"
-	if why != "" {
-		msg += ", " + why
-	}
-	return &NoQuorumError{Err: errors.New(msg), Kube: true}
 }
 
 // campaign runs for leadership until ctx ends, and controls while leading.
@@ -271,12 +250,10 @@ func (s *kubeStore) campaign(ctx context.Context) {
 			ReleaseOnCancel: true, Name: kubeLeaderName,
 			Callbacks: leaderelection.LeaderCallbacks{
 				OnStartedLeading: func(lctx context.Context) {
-					s.leading.Store(true)
 					s.log.Info("kubernetes: this replica controls the policy set")
 					s.control(lctx)
 				},
 				OnStoppedLeading: func() {
-					s.leading.Store(false)
 					s.log.Info("kubernetes: this replica no longer controls the policy set")
 				},
 			},
@@ -538,7 +515,7 @@ func kubeErr(err error) error {
 // pointer to a kube*Spec); limit
 // bounds the objects of the kind.
 func (s *kubeStore) putObject(parent context.Context, gvr schema.GroupVersionResource, kind, name string, spec any, limit int, what string) (bool, error) {
-	ctx, cancel := context.WithTimeout(parent, etcdTimeout)
+	ctx, cancel := context.WithTimeout(parent, storeTimeout)
 	defer cancel()
 	m, err := runtime.DefaultUnstructuredConverter.ToUnstructured(spec)
 	if err != nil {
@@ -585,7 +562,7 @@ func (s *kubeStore) PutType(ctx context.Context, t api.MiddleboxType) (bool, err
 
 // DeletePolicy implements Store.
 func (s *kubeStore) DeletePolicy(parent context.Context, name string) (bool, error) {
-	ctx, cancel := context.WithTimeout(parent, etcdTimeout)
+	ctx, cancel := context.WithTimeout(parent, storeTimeout)
 	defer cancel()
 	err := s.dyn.Resource(policiesGVR).Delete(ctx, name, metav1.DeleteOptions{})
 	if apierrors.IsNotFound(err) {
@@ -596,7 +573,7 @@ func (s *kubeStore) DeletePolicy(parent context.Context, name string) (bool, err
 
 // DeleteType implements Store: refused while a Policy names the type.
 func (s *kubeStore) DeleteType(parent context.Context, name string) (bool, error) {
-	ctx, cancel := context.WithTimeout(parent, etcdTimeout)
+	ctx, cancel := context.WithTimeout(parent, storeTimeout)
 	defer cancel()
 	list, err := s.dyn.Resource(policiesGVR).List(ctx, metav1.ListOptions{})
 	if err != nil {
@@ -637,7 +614,7 @@ func agentLeaseName(host string) string {
 
 // Register implements Store: the agent's Lease, renewed.
 func (s *kubeStore) Register(parent context.Context, reg api.AgentRegistration, ttl time.Duration) error {
-	ctx, cancel := context.WithTimeout(parent, etcdTimeout)
+	ctx, cancel := context.WithTimeout(parent, storeTimeout)
 	defer cancel()
 	leases := s.cs.CoordinationV1().Leases(s.ns)
 	name := agentLeaseName(reg.Host)
@@ -665,7 +642,7 @@ func (s *kubeStore) Register(parent context.Context, reg api.AgentRegistration, 
 
 // Agents implements Store: the agents whose Leases have not expired.
 func (s *kubeStore) Agents(parent context.Context) ([]api.AgentRegistration, error) {
-	ctx, cancel := context.WithTimeout(parent, etcdTimeout)
+	ctx, cancel := context.WithTimeout(parent, storeTimeout)
 	defer cancel()
 	list, err := s.cs.CoordinationV1().Leases(s.ns).List(ctx, metav1.ListOptions{LabelSelector: kubeAgentLabel + "=true"})
 	if err != nil {

@@ -12,6 +12,7 @@ import (
 	"runtime/debug"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
@@ -53,6 +54,49 @@ type Store interface {
 	Register(ctx context.Context, reg api.AgentRegistration, ttl time.Duration) error
 	Agents(ctx context.Context) ([]api.AgentRegistration, error)
 	Close() error
+}
+
+// storeHealth is what a store's probe found last: whether the store can
+// serve (etcd has a quorum, the Kubernetes API server answers). Stores
+// that can lose their quorum embed it; the server asks it through
+// quorumChecker.
+type storeHealth struct {
+	ok   atomic.Bool
+	lost string // what is wrong when !ok, for the error
+	kube bool   // the store is the Kubernetes API
+	// onHealth, when set (before the probe starts), runs when ok changes.
+	onHealth func()
+}
+
+// Healthy implements quorumChecker.
+func (h *storeHealth) Healthy() bool { return h.ok.Load() }
+
+// set records a probe's finding and returns the one before it.
+func (h *storeHealth) set(ok bool) (was bool) {
+	was = h.ok.Swap(ok)
+	if was != ok && h.onHealth != nil {
+		h.onHealth()
+	}
+	return was
+}
+
+// quorumNow fails at once, with a *NoQuorumError, when the last probe
+// found no quorum: a request would only time out, and the client is better
+// off asking another replica now.
+func (h *storeHealth) quorumNow() error {
+	if !h.ok.Load() {
+		return h.noQuorum("")
+	}
+	return nil
+}
+
+// noQuorum implements quorumChecker: the store's error, with why added.
+func (h *storeHealth) noQuorum(why string) error {
+	msg := h.lost
+	if why != "" {
+		msg += ", " + why
+	}
+	return &NoQuorumError{Err: errors.New(msg), Kube: h.kube}
 }
 
 // boltStore keeps policies and middlebox types in a bbolt database, and
