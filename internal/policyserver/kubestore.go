@@ -79,7 +79,7 @@ func (s *Server) openKube(cfg Config) error {
 		case s.storeChanged <- struct{}{}:
 		default:
 		}
-	}, cfg.ValidatePolicy)
+	}, s.wake, cfg.ValidatePolicy) // a replica losing the API server ends the waiting polls, as over etcd
 	if err != nil {
 		return err
 	}
@@ -138,7 +138,7 @@ var _ Store = (*kubeStore)(nil)
 
 // openKubeStore connects to the API server of cfg, in namespace ns, and
 // starts following the published set and campaigning to be the controller.
-func openKubeStore(cfg *rest.Config, ns string, lease time.Duration, log *slog.Logger, onChange func(), check func(api.Policy) error) (*kubeStore, error) {
+func openKubeStore(cfg *rest.Config, ns string, lease time.Duration, log *slog.Logger, onChange, onHealth func(), check func(api.Policy) error) (*kubeStore, error) {
 	if lease <= 0 {
 		lease = defaultKubeLease
 	}
@@ -154,6 +154,7 @@ func openKubeStore(cfg *rest.Config, ns string, lease time.Duration, log *slog.L
 	}
 	host, _ := os.Hostname()
 	s := &kubeStore{cs: cs, dyn: dyn, ns: ns, id: fmt.Sprintf("%s-%d-%d", host, os.Getpid(), time.Now().UnixNano()), log: log, onChange: onChange, check: check, lease: lease}
+	s.onHealth = onHealth
 	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
 	defer cancel()
 	// The CRDs must be installed: say so at once rather than serve nothing.
