@@ -22,6 +22,7 @@ import (
 	"log/slog"
 	"os"
 	"reflect"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -57,7 +58,6 @@ var (
 // Names of the objects the replicas share in their namespace.
 const (
 	kubeSetName    = "dysco-policy-set"
-	kubeLeaderName = "dysco-policy-controller"
 	kubeAgentLabel = "dysco.io/agent"
 )
 
@@ -113,6 +113,13 @@ func kubeRESTConfig(path string) (*rest.Config, error) {
 // seventh.
 const defaultKubeLease = 15 * time.Second
 
+// kubeQPS and kubeRegQPS are the request rates (with bursts of twice as
+// many) of a replica's two clients of the API server.
+const (
+	kubeQPS    = 50
+	kubeRegQPS = 25
+)
+
 // kubeStore keeps the policy set in Kubernetes objects.
 type kubeStore struct {
 	cs       kubernetes.Interface
@@ -129,6 +136,14 @@ type kubeStore struct {
 	mu  sync.Mutex
 	cur api.PolicySet
 
+	// The agents' registrations waiting to be written (latest per
+	// host), and what was last written of each (the registrar's own).
+	regCS      kubernetes.Interface
+	regMu      sync.Mutex
+	regPending map[string]leaseWrite
+	regKick    chan struct{}
+	regWritten map[string]*leaseState
+
 	storeHealth
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
@@ -144,7 +159,19 @@ func openKubeStore(cfg *rest.Config, ns string, lease time.Duration, log *slog.L
 	}
 	// client-go logs through klog: to the server's log instead of stderr.
 	klog.SetSlogLogger(log.With("component", "client-go"))
+	// client-go's own limit (5 requests a second) would queue the
+	// publication of a change behind the agents' registrations: the set,
+	// the controller and the operations get a client of their own, and
+	// the registrations (coalesced, see registrar) another.
+	cfg = rest.CopyConfig(cfg)
+	cfg.QPS, cfg.Burst = kubeQPS, 2*kubeQPS
 	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes: %w", err)
+	}
+	rcfg := rest.CopyConfig(cfg)
+	rcfg.QPS, rcfg.Burst = kubeRegQPS, 2*kubeRegQPS
+	regCS, err := kubernetes.NewForConfig(rcfg)
 	if err != nil {
 		return nil, fmt.Errorf("kubernetes: %w", err)
 	}
@@ -155,6 +182,7 @@ func openKubeStore(cfg *rest.Config, ns string, lease time.Duration, log *slog.L
 	host, _ := os.Hostname()
 	s := &kubeStore{cs: cs, dyn: dyn, ns: ns, id: fmt.Sprintf("%s-%d-%d", host, os.Getpid(), time.Now().UnixNano()), log: log, onChange: onChange, check: check, lease: lease}
 	s.onHealth = onHealth
+	s.regCS, s.regPending, s.regWritten, s.regKick = regCS, map[string]leaseWrite{}, map[string]*leaseState{}, make(chan struct{}, 1)
 	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
 	defer cancel()
 	// The CRDs must be installed: say so at once rather than serve nothing.
@@ -173,7 +201,8 @@ func openKubeStore(cfg *rest.Config, ns string, lease time.Duration, log *slog.L
 	s.ok.Store(true)
 	rctx, rcancel := context.WithCancel(context.Background())
 	s.cancel = rcancel
-	s.wg.Add(3)
+	s.wg.Add(4)
+	go func() { defer s.wg.Done(); s.registrar(rctx) }()
 	go func() { defer s.wg.Done(); s.follow(rctx) }()
 	go func() { defer s.wg.Done(); s.campaign(rctx) }()
 	go func() { defer s.wg.Done(); s.probe(rctx) }()
@@ -241,14 +270,14 @@ func (s *kubeStore) probe(ctx context.Context) {
 // campaign runs for leadership until ctx ends, and controls while leading.
 func (s *kubeStore) campaign(ctx context.Context) {
 	lock := &resourcelock.LeaseLock{
-		LeaseMeta:  metav1.ObjectMeta{Name: kubeLeaderName, Namespace: s.ns},
+		LeaseMeta:  metav1.ObjectMeta{Name: KubeControllerLease, Namespace: s.ns},
 		Client:     s.cs.CoordinationV1(),
 		LockConfig: resourcelock.ResourceLockConfig{Identity: s.id},
 	}
 	for ctx.Err() == nil {
 		leaderelection.RunOrDie(ctx, leaderelection.LeaderElectionConfig{
 			Lock: lock, LeaseDuration: s.lease, RenewDeadline: s.lease * 2 / 3, RetryPeriod: s.lease / 7,
-			ReleaseOnCancel: true, Name: kubeLeaderName,
+			ReleaseOnCancel: true, Name: KubeControllerLease,
 			Callbacks: leaderelection.LeaderCallbacks{
 				OnStartedLeading: func(lctx context.Context) {
 					s.log.Info("kubernetes: this replica controls the policy set")
@@ -535,18 +564,125 @@ func (s *kubeStore) putObject(parent context.Context, gvr schema.GroupVersionRes
 		}
 		obj := &unstructured.Unstructured{Object: map[string]any{"apiVersion": kubeGroup + "/" + kubeVersion, "kind": kind,
 			"metadata": map[string]any{"name": name}, "spec": m}}
-		_, err = res.Create(ctx, obj, metav1.CreateOptions{})
-		return err == nil, kubeErr(err)
+		if obj, err = res.Create(ctx, obj, metav1.CreateOptions{}); err != nil {
+			return false, kubeErr(err)
+		}
+		return true, s.awaitAccepted(parent, gvr, kind, name, obj.GetGeneration())
 	case err != nil:
 		return false, kubeErr(err)
 	}
 	old, _, _ := unstructured.NestedMap(cur.Object, "spec")
 	if reflect.DeepEqual(old, m) {
-		return false, nil
+		// Unchanged, but perhaps not published yet (a write retried
+		// after no controller took it): the same wait.
+		return false, s.awaitAccepted(parent, gvr, kind, name, cur.GetGeneration())
 	}
 	cur.Object["spec"] = m
-	_, err = res.Update(ctx, cur, metav1.UpdateOptions{})
-	return err == nil, kubeErr(err)
+	if cur, err = res.Update(ctx, cur, metav1.UpdateOptions{}); err != nil {
+		return false, kubeErr(err)
+	}
+	return true, s.awaitAccepted(parent, gvr, kind, name, cur.GetGeneration())
+}
+
+// awaitAccepted waits until the controller has judged generation gen of
+// the object: when it accepted it, until this replica serves a set that
+// holds it, so that a write through a replica returns once the agents can
+// have it (like the other stores' writes); when it held it back, the
+// reason, as an *UnpublishedError.
+func (s *kubeStore) awaitAccepted(parent context.Context, gvr schema.GroupVersionResource, kind, name string, gen int64) error {
+	ctx, cancel := context.WithTimeout(parent, kubePublishWait)
+	defer cancel()
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	var want uint64 // the published set's version to wait for, once known
+	for {
+		switch {
+		case want == 0:
+			obj, err := s.dyn.Resource(gvr).Get(ctx, name, metav1.GetOptions{})
+			if err != nil {
+				break
+			}
+			observed, ok, reason, msg := acceptedOf(obj)
+			if observed < gen {
+				break
+			}
+			if !ok {
+				return &UnpublishedError{Kind: kind, Name: name, Reason: reason, Message: msg}
+			}
+			// The controller publishes before it writes the
+			// conditions: the set now published holds the object.
+			cm, err := s.cs.CoreV1().ConfigMaps(s.ns).Get(ctx, kubeSetName, metav1.GetOptions{})
+			if err != nil {
+				break
+			}
+			if want, err = strconv.ParseUint(cm.ResourceVersion, 10, 64); err != nil {
+				return fmt.Errorf("kubernetes: the published set's resourceVersion %q: %w", cm.ResourceVersion, err)
+			}
+			continue
+		default:
+			s.mu.Lock()
+			v := s.cur.Version
+			s.mu.Unlock()
+			if v >= want {
+				return nil
+			}
+		}
+		select {
+		case <-ctx.Done():
+			if parent.Err() != nil {
+				return parent.Err()
+			}
+			return &UnpublishedError{Kind: kind, Name: name}
+		case <-tick.C:
+		}
+	}
+}
+
+// acceptedOf is obj's Accepted condition: the generation it judged, and
+// its verdict.
+func acceptedOf(obj *unstructured.Unstructured) (observed int64, ok bool, reason, msg string) {
+	conds, _, _ := unstructured.NestedSlice(obj.Object, "status", "conditions")
+	for _, c := range conds {
+		m, _ := c.(map[string]any)
+		if m["type"] != "Accepted" {
+			continue
+		}
+		observed, _ = m["observedGeneration"].(int64)
+		reason, _ = m["reason"].(string)
+		msg, _ = m["message"].(string)
+		return observed, m["status"] == string(metav1.ConditionTrue), reason, msg
+	}
+	return 0, false, "", ""
+}
+
+// awaitGone waits until this replica serves a set without the object
+// name of kind, once deleted (as awaitAccepted).
+func (s *kubeStore) awaitGone(parent context.Context, kind, name string) error {
+	ctx, cancel := context.WithTimeout(parent, kubePublishWait)
+	defer cancel()
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		s.mu.Lock()
+		in := false
+		if kind == "Policy" {
+			in = slices.ContainsFunc(s.cur.Policies, func(p api.Policy) bool { return p.Name == name })
+		} else {
+			in = slices.ContainsFunc(s.cur.Types, func(t api.MiddleboxType) bool { return t.Name == name })
+		}
+		s.mu.Unlock()
+		if !in {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			if parent.Err() != nil {
+				return parent.Err()
+			}
+			return &UnpublishedError{Kind: kind, Name: name}
+		case <-tick.C:
+		}
+	}
 }
 
 // PutPolicy implements Store.
@@ -569,7 +705,10 @@ func (s *kubeStore) DeletePolicy(parent context.Context, name string) (bool, err
 	if apierrors.IsNotFound(err) {
 		return false, nil
 	}
-	return err == nil, kubeErr(err)
+	if err != nil {
+		return false, kubeErr(err)
+	}
+	return true, s.awaitGone(parent, "Policy", name)
 }
 
 // DeleteType implements Store: refused while a Policy names the type.
@@ -603,7 +742,10 @@ func (s *kubeStore) DeleteType(parent context.Context, name string) (bool, error
 	if apierrors.IsNotFound(err) {
 		return false, nil
 	}
-	return err == nil, kubeErr(err)
+	if err != nil {
+		return false, kubeErr(err)
+	}
+	return true, s.awaitGone(parent, "MiddleboxType", name)
 }
 
 // agentLeaseName is the Lease of agent host: a valid object name (lower
@@ -613,32 +755,141 @@ func agentLeaseName(host string) string {
 	return "dysco-agent-" + objectName(host)
 }
 
-// Register implements Store: the agent's Lease, renewed.
-func (s *kubeStore) Register(parent context.Context, reg api.AgentRegistration, ttl time.Duration) error {
+// leaseWrite is a registration to write, with its lifetime.
+type leaseWrite struct {
+	reg api.AgentRegistration
+	ttl time.Duration
+}
+
+// leaseState is the Lease the registrar last wrote for an agent.
+type leaseState struct {
+	lease   *coordinationv1.Lease
+	written time.Time
+	applied uint64
+	addr    string
+}
+
+// Register implements Store: the agent's Lease, written by the registrar
+// in the background. Every poll registers; 50 agents taking a change at
+// once would otherwise be 50 writes to the API server per change.
+func (s *kubeStore) Register(_ context.Context, reg api.AgentRegistration, ttl time.Duration) error {
+	s.regMu.Lock()
+	s.regPending[reg.Host] = leaseWrite{reg, ttl}
+	s.regMu.Unlock()
+	select {
+	case s.regKick <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+// kubeRegMinInterval is the least time between two writes of one agent's
+// Lease for a new applied version or address: `dysco status --cluster`
+// may lag by that much. A renewal alone waits for a third of the TTL.
+const kubeRegMinInterval = time.Second
+
+// registrar writes the registrations that are due: an agent's first at
+// once, a new applied version or address after kubeRegMinInterval, a
+// renewal after a third of its TTL. The others wait for their turn.
+func (s *kubeStore) registrar(ctx context.Context) {
+	tick := time.NewTicker(kubeRegMinInterval / 4)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-s.regKick:
+		case <-tick.C:
+		}
+		now := time.Now()
+		var due []leaseWrite
+		s.regMu.Lock()
+		for host, w := range s.regPending {
+			st := s.regWritten[host]
+			wait := w.ttl / 3
+			if st != nil && (w.reg.Applied != st.applied || w.reg.Addr != st.addr) {
+				wait = kubeRegMinInterval
+			}
+			if st == nil || now.Sub(st.written) >= wait {
+				due = append(due, w)
+				delete(s.regPending, host)
+			}
+		}
+		s.regMu.Unlock()
+		for i, w := range due {
+			err := s.writeLease(ctx, w)
+			if err == nil {
+				continue
+			}
+			s.log.Debug("kubernetes: cannot register the agent", "host", w.reg.Host, "err", err)
+			// Put back what is not newer in the queue, and try later.
+			s.regMu.Lock()
+			for _, w := range due[i:] {
+				if _, ok := s.regPending[w.reg.Host]; !ok {
+					s.regPending[w.reg.Host] = w
+				}
+			}
+			s.regMu.Unlock()
+			break
+		}
+	}
+}
+
+// writeLease writes w as its agent's Lease: an update of the Lease last
+// written when there is one (no read first), else a read and a create or
+// an update.
+func (s *kubeStore) writeLease(parent context.Context, w leaseWrite) error {
 	ctx, cancel := context.WithTimeout(parent, storeTimeout)
 	defer cancel()
-	leases := s.cs.CoordinationV1().Leases(s.ns)
+	reg := w.reg
+	leases := s.regCS.CoordinationV1().Leases(s.ns)
 	name := agentLeaseName(reg.Host)
-	secs := int32(max(ttl/time.Second, 1))
+	secs := int32(max(w.ttl/time.Second, 1))
 	now := metav1.NewMicroTime(time.Now())
 	ann := map[string]string{"dysco.io/host": reg.Host, "dysco.io/addr": reg.Addr, "dysco.io/applied": strconv.FormatUint(reg.Applied, 10)}
+	set := func(l *coordinationv1.Lease) {
+		l.Annotations = ann
+		l.Spec.HolderIdentity, l.Spec.LeaseDurationSeconds, l.Spec.RenewTime = &reg.Host, &secs, &now
+	}
+	done := func(l *coordinationv1.Lease) error {
+		s.regWritten[reg.Host] = &leaseState{lease: l, written: time.Now(), applied: reg.Applied, addr: reg.Addr}
+		return nil
+	}
+	if st := s.regWritten[reg.Host]; st != nil {
+		l := st.lease.DeepCopy()
+		set(l)
+		got, err := leases.Update(ctx, l, metav1.UpdateOptions{})
+		if err == nil {
+			return done(got)
+		}
+		// Renewed by another replica, or deleted: read it again.
+		if !apierrors.IsConflict(err) && !apierrors.IsNotFound(err) {
+			return kubeErr(err)
+		}
+	}
 	l, err := leases.Get(ctx, name, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
-		l = &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{kubeAgentLabel: "true"}, Annotations: ann},
-			Spec: coordinationv1.LeaseSpec{HolderIdentity: &reg.Host, LeaseDurationSeconds: &secs, RenewTime: &now, AcquireTime: &now}}
-		_, err = leases.Create(ctx, l, metav1.CreateOptions{})
-		return kubeErr(err)
+		l = &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{kubeAgentLabel: "true"}},
+			Spec: coordinationv1.LeaseSpec{AcquireTime: &now}}
+		set(l)
+		got, err := leases.Create(ctx, l, metav1.CreateOptions{})
+		if err != nil {
+			return kubeErr(err)
+		}
+		return done(got)
 	}
 	if err != nil {
 		return kubeErr(err)
 	}
-	l.Annotations = ann
-	l.Spec.HolderIdentity, l.Spec.LeaseDurationSeconds, l.Spec.RenewTime = &reg.Host, &secs, &now
-	_, err = leases.Update(ctx, l, metav1.UpdateOptions{})
+	set(l)
+	got, err := leases.Update(ctx, l, metav1.UpdateOptions{})
 	if apierrors.IsConflict(err) {
 		return nil // another replica renewed it just now
 	}
-	return kubeErr(err)
+	if err != nil {
+		return kubeErr(err)
+	}
+	return done(got)
 }
 
 // Agents implements Store: the agents whose Leases have not expired.

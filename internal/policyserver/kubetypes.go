@@ -10,10 +10,12 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"net/http"
 	"net/netip"
 	"slices"
 	"sort"
 	"strings"
+	"time"
 
 	"github.com/dysco/dysco/internal/api"
 )
@@ -21,6 +23,10 @@ import (
 // DefaultKubeNamespace is where the replicas keep the published set, the
 // controller's Lease and the agents' Leases.
 const DefaultKubeNamespace = "dysco-system"
+
+// KubeControllerLease is the Lease, in that namespace, that elects the
+// controller: its holder identity is HOSTNAME-PID-START of the replica.
+const KubeControllerLease = "dysco-policy-controller"
 
 // The custom resources' group and version.
 const (
@@ -224,4 +230,34 @@ func objectName(name string) string {
 		return prefix + "-" + h
 	}
 	return h
+}
+
+// kubePublishWait bounds how long a write through a replica waits for the
+// controller to take it into the published set.
+const kubePublishWait = 5 * time.Second
+
+// UnpublishedError says that an object written through a replica is
+// stored but not in the published set: the controller holds it back
+// (Reason and Message are its Accepted condition's), or no controller
+// took it within kubePublishWait (Reason empty).
+type UnpublishedError struct {
+	Kind, Name      string
+	Reason, Message string
+}
+
+func (e *UnpublishedError) Error() string {
+	if e.Reason == "" {
+		return fmt.Sprintf("%s %q is stored, but no controller published it within %s: is a policy server running and holding the Lease %s/%s? The agents get it once one does",
+			e.Kind, e.Name, kubePublishWait, DefaultKubeNamespace, KubeControllerLease)
+	}
+	return fmt.Sprintf("%s %q is stored, but the controller holds it back (%s): %s", e.Kind, e.Name, e.Reason, e.Message)
+}
+
+// status is the HTTP status of a write that ended with e: 409 when the
+// controller holds the object back, 504 when none answered in time.
+func (e *UnpublishedError) status() int {
+	if e.Reason != "" {
+		return http.StatusConflict
+	}
+	return http.StatusGatewayTimeout
 }

@@ -571,6 +571,7 @@ func (s *Server) write(w http.ResponseWriter, r *http.Request, kind, name string
 	}
 	var full *FullError
 	var nq *NoQuorumError
+	var unpub *UnpublishedError
 	switch {
 	case errors.As(err, &full):
 		writeError(w, http.StatusConflict, err)
@@ -578,6 +579,10 @@ func (s *Server) write(w http.ResponseWriter, r *http.Request, kind, name string
 	case errors.As(err, &nq):
 		s.log.Warn("storing "+kind+" failed", kind, name, "err", err)
 		writeError(w, http.StatusServiceUnavailable, err)
+		return
+	case errors.As(err, &unpub):
+		s.log.Warn(kind+" stored but not published", kind, name, "err", err)
+		writeError(w, unpub.status(), err)
 		return
 	}
 	if err != nil {
@@ -601,9 +606,14 @@ func (s *Server) remove(w http.ResponseWriter, r *http.Request, kind string, del
 	}
 	var inUse *api.TypeInUseError
 	var nq *NoQuorumError
+	var unpub *UnpublishedError
 	switch {
 	case errors.As(err, &inUse):
 		writeError(w, http.StatusConflict, err)
+		return
+	case errors.As(err, &unpub):
+		s.log.Warn(kind+" deleted but the set without it is not published", kind, name, "err", err)
+		writeError(w, unpub.status(), err)
 		return
 	case errors.As(err, &nq):
 		s.log.Warn("deleting "+kind+" failed", kind, name, "err", err)
