@@ -100,7 +100,7 @@ func TestPlan(t *testing.T) {
 		names = append(names, p.Name)
 	}
 	got := strings.Join(names, "|")
-	for _, want := range []string{"labs, 1 mb|goodput, 1 mb|", "memory per session|udp goodput, 1 mb; datagrams lost across reconfigurations|quic download, 1 mb|udp set-up latency, 1 mb|teardown, 1 mb|labs, 4 mb|nginx+wrk, 4 mb|", "quic download, 4 mb|udp set-up latency, 4 mb|teardown, 4 mb|", "teardown, 4 mb|labs, proxy removal|proxy removal, 60 sessions|teardown, proxy removal|labs, churn|reconfiguration under churn, 6 rounds|teardown, churn|labs, disruption|disruption of one session by a reconfiguration, 4s, SACK on and off|teardown, disruption|policy convergence, 50 agents, bbolt and etcd"} {
+	for _, want := range []string{"labs, 1 mb|goodput, 1 mb|", "memory per session|udp goodput, 1 mb; datagrams lost across reconfigurations|quic download, 1 mb|udp set-up latency, 1 mb|teardown, 1 mb|labs, 4 mb|nginx+wrk, 4 mb|", "quic download, 4 mb|udp set-up latency, 4 mb|teardown, 4 mb|", "teardown, 4 mb|labs, proxy removal|proxy removal, 60 sessions|teardown, proxy removal|labs, churn|reconfiguration under churn, 6 rounds|teardown, churn|labs, disruption|disruption of one session by a reconfiguration, 4s, SACK on and off|teardown, disruption|policy convergence, 50 agents, bbolt, etcd and kubernetes"} {
 		if !strings.Contains(got, want) {
 			t.Errorf("plan %q lacks %q", got, want)
 		}
@@ -197,14 +197,16 @@ func TestQuick(t *testing.T) {
 	if out, err := exec.Command("go", "build", "-C", "../../test/h3", "-o", filepath.Join(dir, "dysco-h3"), ".").CombinedOutput(); err != nil {
 		t.Fatalf("building dysco-h3: %v\n%s", err, out)
 	}
-	// etcd beside it, for the convergence benchmark (`make build` builds
-	// bin/etcd from test/etcd).
-	etcd, _ := filepath.Abs("../../bin/etcd")
-	if _, err := os.Stat(etcd); err != nil {
-		t.Fatalf("%v: run `make build` (it builds bin/etcd)", err)
-	}
-	if err := os.Symlink(etcd, filepath.Join(dir, "etcd")); err != nil {
-		t.Fatal(err)
+	// etcd, kube-apiserver and dysco-kube beside it, for the convergence
+	// benchmark (`make build` builds them).
+	for _, name := range []string{"etcd", "kube-apiserver", "dysco-kube"} {
+		b, _ := filepath.Abs(filepath.Join("../../bin", name))
+		if _, err := os.Stat(b); err != nil {
+			t.Fatalf("%v: run `make build` (it builds bin/%s)", err, name)
+		}
+		if err := os.Symlink(b, filepath.Join(dir, name)); err != nil {
+			t.Fatal(err)
+		}
 	}
 	// libdysco, preloaded into HAProxy by the reconfig benchmark.
 	if out, err := exec.Command("make", "-s", "-C", "../..", "lib/libdysco.so").CombinedOutput(); err != nil {
@@ -238,7 +240,7 @@ func TestQuick(t *testing.T) {
 		"reconfig-proxy-removal", "reconfig-goodput", "churn-reconfig",
 		"disruption-sack-on", "disruption-sack-off",
 		"udp-1mb-P1", "udp-1mb-P100", "udp-reconfig-1mb", "quic-1mb", "quic-4mb", "udpsetup-1mb", "udpsetup-4mb",
-		"convergence-etcd", "convergence-etcd-leader-kill"}
+		"convergence-etcd", "convergence-etcd-leader-kill", "convergence-kubernetes", "convergence-kubernetes-controller-kill"}
 	got := map[string]*Figure{}
 	for _, f := range rep.Figures {
 		got[f.Key] = f

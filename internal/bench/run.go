@@ -164,7 +164,7 @@ func runReconfig(ctx context.Context, o *Options, set *labkit.Labs, prefix strin
 }
 
 // convergencePhase is the convergence benchmark's phase (no lab).
-const convergencePhase = "policy convergence, 50 agents, bbolt and etcd"
+const convergencePhase = "policy convergence, 50 agents, bbolt, etcd and kubernetes"
 
 // Phases of the disruption benchmark, which builds its own lab.
 const (
@@ -297,7 +297,7 @@ func plan(o *Options) []planned {
 		if o.Quick {
 			n = 10
 		}
-		out = append(out, planned{Phase: labkit.Phase{Name: convergencePhase, Est: 15*time.Second + time.Duration(2*n)*50*time.Millisecond}, bench: "convergence"})
+		out = append(out, planned{Phase: labkit.Phase{Name: convergencePhase, Est: 40*time.Second + time.Duration(3*n)*50*time.Millisecond}, bench: "convergence"})
 	}
 	return out
 }
