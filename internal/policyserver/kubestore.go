@@ -20,6 +20,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/url"
 	"os"
 	"reflect"
 	"slices"
@@ -535,7 +536,11 @@ func kubeErr(err error) error {
 	if err == nil {
 		return nil
 	}
-	if apierrors.IsServerTimeout(err) || apierrors.IsTimeout(err) || apierrors.IsServiceUnavailable(err) || errors.Is(err, context.DeadlineExceeded) {
+	// A *url.Error is a request that got no answer: refused, reset,
+	// no route, a handshake that failed.
+	var ue *url.Error
+	if apierrors.IsServerTimeout(err) || apierrors.IsTimeout(err) || apierrors.IsServiceUnavailable(err) ||
+		errors.Is(err, context.DeadlineExceeded) || errors.As(err, &ue) {
 		return &NoQuorumError{Err: err, Kube: true}
 	}
 	return err

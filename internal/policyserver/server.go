@@ -418,8 +418,15 @@ func Run(ctx context.Context, cfg Config) error {
 		s.log.Info("policy server metrics", "addr", mln.Addr().String())
 	}
 	cur := s.Current()
-	s.log.Info("policy server listening", "addr", ln.Addr().String(), "scheme", scheme, "db", s.cfg.DB,
-		"version", cur.Version, "policies", len(cur.Policies), "types", len(cur.Types))
+	store := []any{"db", s.cfg.DB}
+	switch {
+	case s.cfg.Kubernetes:
+		store = []any{"store", "kubernetes"}
+	case len(s.cfg.Etcd) > 0:
+		store = []any{"store", "etcd", "endpoints", strings.Join(s.cfg.Etcd, ",")}
+	}
+	s.log.Info("policy server listening", append(append([]any{"addr", ln.Addr().String(), "scheme", scheme}, store...),
+		"version", cur.Version, "policies", len(cur.Policies), "types", len(cur.Types))...)
 	if cfg.ReadyFile != "" {
 		if err := psclient.WriteFileAtomic(cfg.ReadyFile, []byte(ln.Addr().String()+"\n"), 0o644); err != nil {
 			ln.Close()
