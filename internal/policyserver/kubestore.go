@@ -595,42 +595,50 @@ func (s *kubeStore) putObject(parent context.Context, gvr schema.GroupVersionRes
 // have it (like the other stores' writes); when it held it back, the
 // reason, as an *UnpublishedError.
 func (s *kubeStore) awaitAccepted(parent context.Context, gvr schema.GroupVersionResource, kind, name string, gen int64) error {
+	var want uint64 // the published set's version to wait for, once known
+	held := func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.cur.Version >= want
+	}
+	return s.awaitPublished(parent, kind, name, func(ctx context.Context) (bool, error) {
+		if want != 0 {
+			return held(), nil
+		}
+		obj, err := s.dyn.Resource(gvr).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, nil
+		}
+		observed, ok, reason, msg := acceptedOf(obj)
+		if observed < gen {
+			return false, nil
+		}
+		if !ok {
+			return false, &UnpublishedError{Kind: kind, Name: name, Reason: reason, Message: msg}
+		}
+		// The controller publishes before it writes the conditions:
+		// the set now published holds the object.
+		cm, err := s.cs.CoreV1().ConfigMaps(s.ns).Get(ctx, kubeSetName, metav1.GetOptions{})
+		if err != nil {
+			return false, nil
+		}
+		if want, err = strconv.ParseUint(cm.ResourceVersion, 10, 64); err != nil {
+			return false, fmt.Errorf("kubernetes: the published set's resourceVersion %q: %w", cm.ResourceVersion, err)
+		}
+		return held(), nil
+	})
+}
+
+// awaitPublished calls step every 50 ms until it is done or fails, for
+// at most kubePublishWait: then the object is not published.
+func (s *kubeStore) awaitPublished(parent context.Context, kind, name string, step func(context.Context) (bool, error)) error {
 	ctx, cancel := context.WithTimeout(parent, kubePublishWait)
 	defer cancel()
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
-	var want uint64 // the published set's version to wait for, once known
 	for {
-		switch {
-		case want == 0:
-			obj, err := s.dyn.Resource(gvr).Get(ctx, name, metav1.GetOptions{})
-			if err != nil {
-				break
-			}
-			observed, ok, reason, msg := acceptedOf(obj)
-			if observed < gen {
-				break
-			}
-			if !ok {
-				return &UnpublishedError{Kind: kind, Name: name, Reason: reason, Message: msg}
-			}
-			// The controller publishes before it writes the
-			// conditions: the set now published holds the object.
-			cm, err := s.cs.CoreV1().ConfigMaps(s.ns).Get(ctx, kubeSetName, metav1.GetOptions{})
-			if err != nil {
-				break
-			}
-			if want, err = strconv.ParseUint(cm.ResourceVersion, 10, 64); err != nil {
-				return fmt.Errorf("kubernetes: the published set's resourceVersion %q: %w", cm.ResourceVersion, err)
-			}
-			continue
-		default:
-			s.mu.Lock()
-			v := s.cur.Version
-			s.mu.Unlock()
-			if v >= want {
-				return nil
-			}
+		if done, err := step(ctx); done || err != nil {
+			return err
 		}
 		select {
 		case <-ctx.Done():
@@ -663,31 +671,14 @@ func acceptedOf(obj *unstructured.Unstructured) (observed int64, ok bool, reason
 // awaitGone waits until this replica serves a set without the object
 // name of kind, once deleted (as awaitAccepted).
 func (s *kubeStore) awaitGone(parent context.Context, kind, name string) error {
-	ctx, cancel := context.WithTimeout(parent, kubePublishWait)
-	defer cancel()
-	tick := time.NewTicker(50 * time.Millisecond)
-	defer tick.Stop()
-	for {
+	return s.awaitPublished(parent, kind, name, func(context.Context) (bool, error) {
 		s.mu.Lock()
-		in := false
+		defer s.mu.Unlock()
 		if kind == "Policy" {
-			in = slices.ContainsFunc(s.cur.Policies, func(p api.Policy) bool { return p.Name == name })
-		} else {
-			in = slices.ContainsFunc(s.cur.Types, func(t api.MiddleboxType) bool { return t.Name == name })
+			return !slices.ContainsFunc(s.cur.Policies, func(p api.Policy) bool { return p.Name == name }), nil
 		}
-		s.mu.Unlock()
-		if !in {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			if parent.Err() != nil {
-				return parent.Err()
-			}
-			return &UnpublishedError{Kind: kind, Name: name}
-		case <-tick.C:
-		}
-	}
+		return !slices.ContainsFunc(s.cur.Types, func(t api.MiddleboxType) bool { return t.Name == name }), nil
+	})
 }
 
 // PutPolicy implements Store.

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"net/netip"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -381,22 +380,7 @@ func TestEtcdCluster(t *testing.T) {
 	}
 
 	// Two members killed: no quorum.
-	ln := e.listen("server", netip.AddrPortFrom(dst, 9401))
-	served := make(chan error, 1)
-	go func() {
-		conn, err := ln.Accept()
-		if err != nil {
-			served <- err
-			return
-		}
-		defer conn.Close()
-		served <- transfer(conn, 2, 1, mib)
-	}()
-	live, err := e.dial("client", netip.AddrPortFrom(dst, 9401), 10*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer live.Close()
+	live, served := e.openSession("client", "server", dst, 9401, mib)
 	base = through()
 	if base == 0 {
 		t.Fatal("mb1 counted no session")

@@ -327,6 +327,31 @@ func (e *env) exchange(client, server string, dst netip.Addr, port uint16, n int
 	return peer
 }
 
+// openSession opens a session from client to a server the test runs on
+// host server at dst:port; the server's side then exchanges n bytes each
+// way with transfer, and served gives its result. The caller's side runs
+// transfer(conn, 1, 2, n) when it wants, and closes conn.
+func (e *env) openSession(client, server string, dst netip.Addr, port uint16, n int64) (net.Conn, <-chan error) {
+	e.t.Helper()
+	ln := e.listen(server, netip.AddrPortFrom(dst, port))
+	served := make(chan error, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			served <- err
+			return
+		}
+		defer c.Close()
+		served <- transfer(c, 2, 1, n)
+	}()
+	c, err := e.dial(client, netip.AddrPortFrom(dst, port), 10*time.Second)
+	if err != nil {
+		e.t.Fatalf("dial %s from %s: %v", dst, client, err)
+	}
+	e.t.Cleanup(func() { c.Close() })
+	return c, served
+}
+
 // transfer writes n bytes of stream sendSeed while reading n bytes that must
 // hash like stream recvSeed; it half-closes after writing.
 func transfer(c net.Conn, sendSeed, recvSeed uint64, n int64) error {

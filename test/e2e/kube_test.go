@@ -254,22 +254,7 @@ spec:
 	// The API server killed: a session set up before goes on, new ones
 	// are set up under the policies held (also by a restarted agent),
 	// and a write through a replica fails fast with the reason.
-	ln := e.listen("server", netip.AddrPortFrom(dst, 9411))
-	served := make(chan error, 1)
-	go func() {
-		conn, err := ln.Accept()
-		if err != nil {
-			served <- err
-			return
-		}
-		defer conn.Close()
-		served <- transfer(conn, 2, 1, mib)
-	}()
-	live, err := e.dial("client", netip.AddrPortFrom(dst, 9411), 10*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer live.Close()
+	live, served := e.openSession("client", "server", dst, 9411, mib)
 	base = through()
 	syscall.Kill(api0.Pid(), syscall.SIGKILL)
 	<-api0.Done()
