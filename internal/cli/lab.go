@@ -48,9 +48,11 @@ A host's role is given after its name (NAME=ROLE: client, server, middlebox
 or mb, host or plain), or follows the name: mb* are middleboxes, client*
 clients, server* servers, anything else a plain host. Middlebox hosts forward
 IP and their agents get a session-view tap; the table printed shows each
-host's role.`,
+host's role. In a star, NAME:2 (or NAME=ROLE:2) gives a host a second link
+to the router, on 10.202.i.0/24 and fd00:dc:2:i::/64 (docs/lab.md).`,
 		Example: `  dysco lab up --name demo --topology star --hosts client,mb1,mb2,server
   dysco lab up --name fw --hosts client,fw=mb,ids=mb,server
+  dysco lab up --name move --hosts client:2,fw=mb,server
   dysco lab up --name paper --topology fig11 --no-agents
   dysco lab up --name chain --topology-file topologies/chain.json`,
 		Args: cobra.NoArgs,
@@ -91,7 +93,7 @@ host's role.`,
 	f := cmd.Flags()
 	f.StringVar(&name, "name", "", "lab name: 1 to 8 lower-case letters or digits, starting with a letter (required)")
 	f.StringVar(&topo, "topology", "", "built-in topology: "+strings.Join(lab.Builtins, ", ")+" (star is the default with --hosts)")
-	f.StringSliceVar(&hosts, "hosts", nil, "hosts of a star or line topology, in address order, comma-separated: NAME or NAME=ROLE (client, server, middlebox or mb, host or plain)")
+	f.StringSliceVar(&hosts, "hosts", nil, "hosts of a star or line topology, in address order, comma-separated: NAME or NAME=ROLE (client, server, middlebox or mb, host or plain), then :2 for a second link (star)")
 	f.StringVar(&topoFile, "topology-file", "", "topology file (JSON, see topologies/)")
 	f.BoolVar(&noAgents, "no-agents", false, "start no agents: plain forwarding, a baseline")
 	f.StringVar(&agentBin, "agent-binary", "", "dysco binary for the agents (default: this binary)")

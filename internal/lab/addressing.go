@@ -12,7 +12,14 @@ import (
 // Star host i (1-based, in topology order) has eth0 with 10.200.i.2/24 and
 // fd00:dc:0:i::2/64, and default routes via the router's 10.200.i.1 and
 // fd00:dc:0:i::1 on its interface r-i. The IPv6 group is i written in decimal
-// digits, so 10.200.12.2 goes with fd00:dc:0:12::2.
+// digits, so 10.200.12.2 goes with fd00:dc:0:12::2. A multihomed star host
+// (HostSpec.Links 2) also has eth1 with 10.202.i.2/24 and fd00:dc:2:i::2/64,
+// towards the router's s-i (10.202.i.1, fd00:dc:2:i::1), and second default
+// routes through it with metric SecondLinkMetric: packets leave by eth0
+// while it is up, and by eth1 once it is down. As on any multihomed host,
+// packets from eth1's addresses leave by eth1 (a rule from each of them to
+// table SecondLinkTable, whose default routes go through eth1): a session
+// moved to that address (docs/mobility.md) uses the second link both ways.
 //
 // In a line of n hosts, link k (1 ≤ k < n) joins host k and host k+1 on
 // 10.201.k.0/24 and fd00:dc:1:k::/64; host k has .1 (::1) there and host k+1
@@ -46,6 +53,14 @@ type Host struct {
 	Ifaces []Iface `json:"ifaces"`
 	// Routes are the host's static routes, beyond the connected ones.
 	Routes []Route `json:"routes,omitempty"`
+	// Rules are the host's routing rules by source address.
+	Rules []Rule `json:"rules,omitempty"`
+}
+
+// Rule sends the packets from From to the routing table Table.
+type Rule struct {
+	From  netip.Prefix `json:"from"`
+	Table int          `json:"table"`
 }
 
 // Iface is one end of a veth link.
@@ -61,12 +76,24 @@ type Iface struct {
 }
 
 // Route is a static route: Dst via the gateway Via, out of Iface. A Dst of
-// length 0 is a default route.
+// length 0 is a default route. Metric 0 is the kernel's default; Table 0
+// the main table.
 type Route struct {
-	Dst   netip.Prefix `json:"dst"`
-	Via   netip.Addr   `json:"via"`
-	Iface string       `json:"iface"`
+	Dst    netip.Prefix `json:"dst"`
+	Via    netip.Addr   `json:"via"`
+	Iface  string       `json:"iface"`
+	Metric int          `json:"metric,omitempty"`
+	Table  int          `json:"table,omitempty"`
 }
+
+// SecondLinkTable is the routing table of the packets from a multihomed
+// host's second-link addresses.
+const SecondLinkTable = 202
+
+// SecondLinkMetric is the metric of a multihomed host's default routes
+// through its second link: above the kernel's defaults for the first
+// (0 for IPv4, 1024 for IPv6).
+const SecondLinkMetric = 2048
 
 // link is a veth pair to create: A.AIface <-> B.BIface.
 type link struct {
@@ -119,7 +146,9 @@ func plan(labName string, t Topology) (*layout, error) {
 	}
 	t = t.withRoles()
 	ly := &layout{}
+	links := map[string]int{}
 	for _, s := range t.Hosts {
+		links[s.Name] = s.Links
 		ly.hosts = append(ly.hosts, &Host{
 			Name:       s.Name,
 			Role:       s.Role,
@@ -130,7 +159,7 @@ func plan(labName string, t Topology) (*layout, error) {
 	}
 	switch t.Kind {
 	case KindStar:
-		planStar(labName, ly)
+		planStar(labName, ly, links)
 	case KindLine:
 		planLine(ly)
 	}
@@ -141,7 +170,7 @@ func plan(labName string, t Topology) (*layout, error) {
 	return ly, nil
 }
 
-func planStar(labName string, ly *layout) {
+func planStar(labName string, ly *layout, links map[string]int) {
 	r := &Host{
 		Name:       routerName,
 		Role:       RoleRouter,
@@ -175,6 +204,36 @@ func planStar(labName string, ly *layout) {
 			PeerIface: "eth0",
 		})
 		ly.links = append(ly.links, link{A: h.Name, AIface: "eth0", B: routerName, BIface: rif})
+		if links[h.Name] != 2 {
+			continue
+		}
+		const net4b, net6b = 202, 2
+		sif := fmt.Sprintf("s-%d", sub)
+		gw4b, gw6b := addr4(net4b, sub, 1), addr6(net6b, sub, 1)
+		h.Ifaces = append(h.Ifaces, Iface{
+			Name:      "eth1",
+			Addr4:     netip.PrefixFrom(addr4(net4b, sub, 2), 24),
+			Addr6:     netip.PrefixFrom(addr6(net6b, sub, 2), 64),
+			Peer:      routerName,
+			PeerIface: sif,
+		})
+		h.Routes = append(h.Routes,
+			Route{Dst: default4, Via: gw4b, Iface: "eth1", Metric: SecondLinkMetric},
+			Route{Dst: default6, Via: gw6b, Iface: "eth1", Metric: SecondLinkMetric},
+			Route{Dst: default4, Via: gw4b, Iface: "eth1", Table: SecondLinkTable},
+			Route{Dst: default6, Via: gw6b, Iface: "eth1", Table: SecondLinkTable})
+		h.Rules = []Rule{
+			{From: netip.PrefixFrom(addr4(net4b, sub, 2), 32), Table: SecondLinkTable},
+			{From: netip.PrefixFrom(addr6(net6b, sub, 2), 128), Table: SecondLinkTable},
+		}
+		r.Ifaces = append(r.Ifaces, Iface{
+			Name:      sif,
+			Addr4:     netip.PrefixFrom(gw4b, 24),
+			Addr6:     netip.PrefixFrom(gw6b, 64),
+			Peer:      h.Name,
+			PeerIface: "eth1",
+		})
+		ly.links = append(ly.links, link{A: h.Name, AIface: "eth1", B: routerName, BIface: sif})
 	}
 }
 

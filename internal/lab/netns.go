@@ -272,9 +272,20 @@ func configure(ctx context.Context, ly *layout) error {
 			if err != nil {
 				return fmt.Errorf("host %s: route %s: %w", h.Name, r.Dst, err)
 			}
-			rt := &netlink.Route{LinkIndex: lk.Attrs().Index, Dst: ipNet(r.Dst), Gw: r.Via.AsSlice()}
+			rt := &netlink.Route{LinkIndex: lk.Attrs().Index, Dst: ipNet(r.Dst), Gw: r.Via.AsSlice(), Priority: r.Metric, Table: r.Table}
 			if err := nh.RouteAdd(rt); err != nil {
 				return fmt.Errorf("host %s: adding route %s via %s dev %s: %w", h.Name, r.Dst, r.Via, r.Iface, err)
+			}
+		}
+		for _, r := range h.Rules {
+			rule := netlink.NewRule()
+			rule.Src, rule.Table, rule.Priority = ipNet(r.From), r.Table, 1000
+			rule.Family = unix.AF_INET
+			if r.From.Addr().Is6() {
+				rule.Family = unix.AF_INET6
+			}
+			if err := nh.RuleAdd(rule); err != nil {
+				return fmt.Errorf("host %s: adding rule from %s table %d: %w", h.Name, r.From, r.Table, err)
 			}
 		}
 	}

@@ -51,9 +51,17 @@ func ParseRole(s string) (Role, error) {
 func ParseHosts(list []string) ([]HostSpec, error) {
 	hs := make([]HostSpec, len(list))
 	for i, e := range list {
-		name, role, explicit := strings.Cut(e, "=")
+		spec, links, multi := strings.Cut(e, ":")
+		n := 0
+		if multi {
+			if links != "1" && links != "2" {
+				return nil, fmt.Errorf("host %q: %q links: a host has 1 or 2 (give NAME:2 for a second link)", e, links)
+			}
+			n = int(links[0] - '0')
+		}
+		name, role, explicit := strings.Cut(spec, "=")
 		if !explicit {
-			hs[i] = HostSpec{Name: name, Role: InferRole(name)}
+			hs[i] = HostSpec{Name: name, Role: InferRole(name), Links: n}
 			continue
 		}
 		if name == "" {
@@ -63,7 +71,7 @@ func ParseHosts(list []string) ([]HostSpec, error) {
 		if err != nil {
 			return nil, fmt.Errorf("host %q: %w", name, err)
 		}
-		hs[i] = HostSpec{Name: name, Role: r}
+		hs[i] = HostSpec{Name: name, Role: r, Links: n}
 	}
 	return hs, nil
 }
@@ -106,6 +114,10 @@ type HostSpec struct {
 	Name string `json:"name"`
 	// Role is the host's role; empty means InferRole(Name).
 	Role Role `json:"role,omitempty"`
+	// Links is the number of links to the star's router, 1 (the default,
+	// also when 0) or 2: a multihomed host, with a second interface on a
+	// second subnet (see Host).
+	Links int `json:"links,omitempty"`
 }
 
 // Topology is a lab's hosts and how they are connected. It is what a
@@ -187,6 +199,12 @@ func (t Topology) Validate() error {
 			if _, err := ParseRole(string(h.Role)); err != nil {
 				return fmt.Errorf("host %q: %w", h.Name, err)
 			}
+		}
+		switch {
+		case h.Links < 0 || h.Links > 2:
+			return fmt.Errorf("host %q has %d links: a host has 1 or 2", h.Name, h.Links)
+		case h.Links == 2 && t.Kind != KindStar:
+			return fmt.Errorf("host %q has 2 links: only a star topology's hosts can have a second link", h.Name)
 		}
 	}
 	return nil

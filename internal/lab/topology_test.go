@@ -148,7 +148,7 @@ func TestBuiltin(t *testing.T) {
 		t.Errorf("unknown topology: %v", err)
 	}
 	line, err := Builtin("line", nil)
-	if err != nil || len(line.Hosts) != 4 || line.Hosts[1] != (HostSpec{"mb1", RoleMiddlebox}) {
+	if err != nil || len(line.Hosts) != 4 || line.Hosts[1] != (HostSpec{Name: "mb1", Role: RoleMiddlebox}) {
 		t.Errorf("line = %+v, %v", line, err)
 	}
 }
@@ -188,8 +188,8 @@ func TestParseHosts(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := []HostSpec{
-		{"client", RoleClient}, {"fw", RoleMiddlebox}, {"ids", RoleMiddlebox}, {"web", RoleHost},
-		{"mbx", RoleHost}, {"a", RoleServer}, {"b", RoleClient}, {"c", RoleHost}, {"mb3", RoleMiddlebox},
+		{Name: "client", Role: RoleClient}, {Name: "fw", Role: RoleMiddlebox}, {Name: "ids", Role: RoleMiddlebox}, {Name: "web", Role: RoleHost},
+		{Name: "mbx", Role: RoleHost}, {Name: "a", Role: RoleServer}, {Name: "b", Role: RoleClient}, {Name: "c", Role: RoleHost}, {Name: "mb3", Role: RoleMiddlebox},
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("ParseHosts = %v, want %v", got, want)
@@ -200,10 +200,53 @@ func TestParseHosts(t *testing.T) {
 		"fw=router":   `host "fw": role "router" is unknown`,
 		"fw=MB":       `host "fw": role "MB" is unknown`,
 		"=mb":         `host "=mb": no name before the role`,
+		"client:3":    `host "client:3": "3" links: a host has 1 or 2`,
+		"client:":     `host "client:": "" links`,
 	} {
 		if _, err := ParseHosts([]string{"client", in}); err == nil || !strings.Contains(err.Error(), msg) {
 			t.Errorf("ParseHosts(%q) = %v, want an error containing %q", in, err, msg)
 		}
+	}
+}
+
+// A multihomed star host: NAME:2 (with or without a role) gives it eth1 on
+// 10.202.i.0/24 towards the router's s-i, and default routes through it
+// behind eth0's; a line refuses it.
+func TestPlanSecondLink(t *testing.T) {
+	hs, err := ParseHosts([]string{"client:2", "mb1", "srv=server:2"})
+	if err != nil || hs[0].Links != 2 || hs[1].Links != 0 || hs[2] != (HostSpec{Name: "srv", Role: RoleServer, Links: 2}) {
+		t.Fatalf("ParseHosts = %+v, %v", hs, err)
+	}
+	ly, err := plan("x", Topology{Kind: KindStar, Hosts: hs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ly.links) != 5 {
+		t.Errorf("%d links, want 5", len(ly.links))
+	}
+	c := ly.hosts[0]
+	wantIf := Iface{Name: "eth1", Addr4: netip.MustParsePrefix("10.202.1.2/24"), Addr6: netip.MustParsePrefix("fd00:dc:2:1::2/64"), Peer: "router", PeerIface: "s-1"}
+	if len(c.Ifaces) != 2 || c.Ifaces[1] != wantIf || c.Addr4 != netip.MustParseAddr("10.200.1.2") {
+		t.Errorf("client's interfaces %+v", c.Ifaces)
+	}
+	wantRt := []Route{
+		{Dst: netip.MustParsePrefix("0.0.0.0/0"), Via: netip.MustParseAddr("10.202.1.1"), Iface: "eth1", Metric: SecondLinkMetric},
+		{Dst: netip.MustParsePrefix("::/0"), Via: netip.MustParseAddr("fd00:dc:2:1::1"), Iface: "eth1", Metric: SecondLinkMetric},
+	}
+	if len(c.Routes) != 6 || !reflect.DeepEqual(c.Routes[2:4], wantRt) || c.Routes[0].Metric != 0 || c.Routes[4].Table != SecondLinkTable {
+		t.Errorf("client's routes %+v", c.Routes)
+	}
+	if len(c.Rules) != 2 || c.Rules[1] != (Rule{From: netip.MustParsePrefix("fd00:dc:2:1::2/128"), Table: SecondLinkTable}) {
+		t.Errorf("client's rules %+v", c.Rules)
+	}
+	if len(ly.hosts[1].Ifaces) != 1 {
+		t.Errorf("mb1 has %d interfaces", len(ly.hosts[1].Ifaces))
+	}
+	if r := ly.router; len(r.Ifaces) != 5 || r.Ifaces[1].Name != "s-1" || r.Ifaces[1].Addr4 != netip.MustParsePrefix("10.202.1.1/24") || r.Ifaces[4].Name != "s-3" {
+		t.Errorf("router's interfaces %+v", r.Ifaces)
+	}
+	if _, err := plan("x", Topology{Kind: KindLine, Hosts: []HostSpec{{Name: "a", Links: 2}, {Name: "b"}}}); err == nil || !strings.Contains(err.Error(), "only a star") {
+		t.Errorf("a line with a second link: %v", err)
 	}
 }
 
