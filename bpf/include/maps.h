@@ -67,6 +67,19 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } dysco_local SEC(".maps");
 
+/* The interface of each of this host's addresses that can carry traffic
+ * (not lo, not a dummy), kept by the agent: on a host that does not
+ * forward, a rewritten packet leaves by the interface of its source
+ * (route.h), so that a session moved to another interface's address
+ * leaves by that interface. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_LOCAL_ADDRS);
+	__type(key, __u8[16]);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_local_if SEC(".maps");
+
 /* Previous hops allowed to send Dysco SYNs, when the agent enforces it. */
 struct trusted_key {
 	__u32 prefixlen;

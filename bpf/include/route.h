@@ -7,7 +7,8 @@
  * Expects: a TC program's skb (the lookup starts from skb->ifindex);
  * addresses in the packet's family (v6), IPv4 ones IPv4-mapped.
  * redirect_to returns a TC verdict, which the caller returns.
- * Maps: dysco_local (read, through is_local), dysco_stats. */
+ * Maps: dysco_local (read, through is_local), dysco_local_if (read),
+ * dysco_stats. */
 #ifndef DYSCO_ROUTE_H
 #define DYSCO_ROUTE_H
 
@@ -30,9 +31,11 @@
  * routes through middleboxes.
  *
  * bpf_fib_lookup answers only on hosts that forward. On other hosts (plain
- * end hosts) the packet leaves by the interface its session was routed to,
- * with the kernel resolving the next hop (nh->nh_family == 0), and the
- * source is the session's own local address. */
+ * end hosts) the packet leaves by the interface of its source address
+ * (dysco_local_if: a subsession moved to another interface's address,
+ * Reconfigure.Source) or else by the one its session was routed to, with
+ * the kernel resolving the next hop (nh->nh_family == 0); a source to
+ * choose (src) is the session's own local address. */
 static __always_inline int route(struct __sk_buff *skb, const struct dysco_ends *t, int v6,
 				 struct bpf_redir_neigh *nh, __u32 *ifindex, __u8 *src, const __u8 *own)
 {
@@ -58,12 +61,18 @@ static __always_inline int route(struct __sk_buff *skb, const struct dysco_ends 
 	}
 	rc = bpf_fib_lookup(skb, &f, sizeof(f), flags);
 	if (rc == BPF_FIB_LKUP_RET_FWD_DISABLED) {
+		const __u32 *oif;
+
 		*ifindex = skb->ifindex;
 		if (src) {
 			if (!own || !is_local(own))
 				return -1;
 			__builtin_memcpy(src, own, 16);
+			return 0;
 		}
+		oif = bpf_map_lookup_elem(&dysco_local_if, t->saddr);
+		if (oif && *oif)
+			*ifindex = *oif;
 		return 0;
 	}
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS)

@@ -550,7 +550,41 @@ func (a *Agent) syncAddrs() error {
 	if err != nil {
 		return err
 	}
-	return a.dp.SetLocalAddrs(addrs)
+	if err := a.dp.SetLocalAddrs(addrs); err != nil {
+		return err
+	}
+	ifs, err := trafficIfaces()
+	if err != nil {
+		return err
+	}
+	return a.dp.SetLocalIfaces(ifs)
+}
+
+// trafficIfaces maps this host's addresses to their interfaces, for those
+// on interfaces that carry traffic out of the host (not lo, not a dummy):
+// a host that does not forward sends a rewritten packet out of its source
+// address's interface.
+func trafficIfaces() (map[netip.Addr]int, error) {
+	links, err := netlink.LinkList()
+	if err != nil {
+		return nil, err
+	}
+	out := map[netip.Addr]int{}
+	for _, l := range links {
+		if l.Attrs().Flags&net.FlagLoopback != 0 || l.Type() == "dummy" {
+			continue
+		}
+		addrs, err := netlink.AddrList(l, netlink.FAMILY_ALL)
+		if err != nil {
+			continue // gone meanwhile
+		}
+		for _, ad := range addrs {
+			if ip, ok := netip.AddrFromSlice(ad.IP); ok && !ip.IsLinkLocalUnicast() {
+				out[ip.Unmap()] = l.Attrs().Index
+			}
+		}
+	}
+	return out, nil
 }
 
 // ---- policies ----

@@ -113,6 +113,17 @@ func (a *Agent) reconfig(ctx context.Context, req api.ReconfigRequest) (api.Reco
 			return bad(fmt.Errorf("reconfig: --chain names %s, an address of this host: this host is the left anchor, not a hop of the new segment", h))
 		}
 	}
+	via := req.Via.Unmap()
+	if via.IsValid() {
+		switch {
+		case !a.ownAddr(via):
+			return bad(fmt.Errorf("reconfig: --via %s is not an address of this host: the new path leaves from one of this host's addresses", via))
+		case via.Is4() != to.Is4():
+			return bad(fmt.Errorf("reconfig: --via %s and --to %s are of different address families", via, to))
+		case req.Migrate != nil:
+			return bad(errors.New("reconfig: --via moves the session to another address of this host, --migrate moves a middlebox's state: give one or the other"))
+		}
+	}
 	mig, err := reconfig.ParseMigrate(req.Migrate, len(chain))
 	if err != nil {
 		return bad(err)
@@ -134,7 +145,7 @@ func (a *Agent) reconfig(ctx context.Context, req api.ReconfigRequest) (api.Reco
 	ctx, cancel := context.WithTimeout(ctx, reconfigWait(req.TimeoutMS))
 	defer cancel()
 	rep := api.ReconfigReply{Results: []api.ReconfigResult{}}
-	for _, o := range a.ctl.ReconfigureNF(ctx, ids, to, chain, req.NFs, mig) {
+	for _, o := range a.ctl.ReconfigurePath(ctx, ids, reconfig.NewPath{To: to, Chain: chain, NFs: req.NFs, Source: via}, mig) {
 		res := api.ReconfigResult{ID: o.ID, Session: tuples[o.ID], Outcome: o.Outcome, Reason: o.Reason}
 		if o.Result != nil {
 			// As history has it (with the migration's report): the

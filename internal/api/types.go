@@ -214,6 +214,10 @@ type ReconfigRequest struct {
 	// that hop's agent must start before it joins the new path ("" for
 	// none; docs/operating.md, "Network functions on demand").
 	NFs []string `json:"nfs,omitempty"`
+	// Via, if set, is the address of this host the new path leaves from:
+	// the sessions move to another of its addresses or interfaces while
+	// the old path still works (make before break; docs/mobility.md).
+	Via netip.Addr `json:"via,omitzero"`
 	// TimeoutMS bounds the wait for the results (0: the agent's default).
 	TimeoutMS int `json:"timeout_ms,omitempty"`
 	// Migrate moves the replaced middlebox's per-session state to its

@@ -56,6 +56,7 @@ func newReconfigCmd() *cobra.Command {
 	var (
 		match   string
 		to      string
+		via     string
 		chain   []string
 		timeout time.Duration
 		asJSON  bool
@@ -63,7 +64,7 @@ func newReconfigCmd() *cobra.Command {
 		remote  remoteFlags
 	)
 	cmd := &cobra.Command{
-		Use:   "reconfig --match 'FILTER' --to RIGHT_ANCHOR [--chain HOP[,HOP...]] [--timeout 10s] [--json] [--server URL --host AGENT]",
+		Use:   "reconfig --match 'FILTER' --to RIGHT_ANCHOR [--chain HOP[,HOP...]] [--via ADDR] [--timeout 10s] [--json] [--server URL --host AGENT]",
 		Short: "Insert, delete or replace middleboxes in live sessions, from this host",
 		Long: `Reconfigure the live sessions at this host that match FILTER (paper §3.1).
 For each of them whose path goes on from this host to RIGHT_ANCHOR, this
@@ -104,6 +105,13 @@ closed are included (the other end's data still flows); sessions closed
 both ways or reset, and those still in their handshake, are not. To act
 from a middlebox on the sessions passing through it, see "dysco middlebox".
 
+With --via ADDR the new segment leaves this host from ADDR, another of its
+addresses (of another interface, or a second address of the same one): the
+sessions move to it while the old path still works, with the two-path rules
+of every reconfiguration, so no byte is lost (make before break; Serval §4.4).
+The applications and the middleboxes keep seeing the same session. With no
+middlebox to change, --to is the current next hop and --chain is left out.
+
 With --server URL --host AGENT the request goes to the policy server, which
 relays it to the agent named AGENT (its --name); that agent is then "this
 host", and the command prints its results as if run there. The request
@@ -124,6 +132,9 @@ carries the operator certificate of --pki-dir (or --tls-cert, --tls-key).
   dysco reconfig --match tcp --to 10.0.3.2 --chain firewall@10.0.2.5
   # replace the firewall before 10.0.3.2 by 10.0.2.6, moving its conntrack state
   dysco reconfig --match tcp --to 10.0.3.2 --chain 10.0.2.6 --migrate-state --semantics substream
+  # move web sessions to this host's second interface (10.202.1.2), the
+  # next hop 10.200.2.2 staying the same
+  dysco reconfig --match 'tcp dst port 80' --to 10.200.2.2 --via 10.202.1.2
   # the same insertion, at the agent named edge1, from anywhere
   dysco reconfig --server https://10.0.0.9:7017 --host edge1 --match 'tcp dst port 80' --to 10.0.3.2 --chain 10.0.2.5`,
 		Args: noArgsUse("give the filter with --match 'FILTER'"),
@@ -164,6 +175,14 @@ carries the operator certificate of --pki-dir (or --tls-cert, --tls-key).
 				return err
 			}
 			req := api.ReconfigRequest{Match: match, To: right, Chain: hops, NFs: nfs, TimeoutMS: tms}
+			if cmd.Flags().Changed("via") {
+				if req.Via, err = parseAddr("--via", via); err != nil {
+					return err
+				}
+				if req.Via.Is4() != right.Is4() {
+					return fmt.Errorf("--via %s and --to %s are of different address families", req.Via, right)
+				}
+			}
 			if req.Migrate, err = mig.spec(cmd, len(hops), "--chain"); err != nil {
 				return err
 			}
@@ -180,6 +199,7 @@ carries the operator certificate of --pki-dir (or --tls-cert, --tls-key).
 	f.StringVar(&match, "match", "", "tcpdump filter selecting the sessions, tested against their first SYN (required)")
 	f.StringVar(&to, "to", "", "right anchor: the host after this one on the sessions' path where the new segment ends (required)")
 	f.StringSliceVar(&chain, "chain", nil, "middleboxes of the new segment, in order: IP addresses, or NF@ADDR to have the host at ADDR start its network function NF before it joins (its agent's --nf), comma-separated; empty deletes every middlebox up to --to")
+	f.StringVar(&via, "via", "", "address of this host the new segment leaves from: move the sessions to another of its addresses or interfaces (default: the one the route to the first hop chooses)")
 	f.DurationVar(&timeout, "timeout", defaultReconfigTimeout, "how long the agent waits for the sessions' results")
 	f.BoolVar(&asJSON, "json", false, "print the agent's reply as JSON")
 	mig.flags(cmd)

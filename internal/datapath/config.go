@@ -39,6 +39,30 @@ func (d *Datapath) SetLocalAddrs(addrs []netip.Addr) error {
 	return nil
 }
 
+// SetLocalIfaces replaces the interfaces of this host's addresses that can
+// carry traffic (address → ifindex): on a host that does not forward, a
+// rewritten packet leaves by the interface of its source address.
+func (d *Datapath) SetLocalIfaces(ifs map[netip.Addr]int) error {
+	var k [16]byte
+	var v uint32
+	var stale [][16]byte
+	it := d.objs.DyscoLocalIf.Iterate()
+	for it.Next(&k, &v) {
+		if _, ok := ifs[netip.AddrFrom16(k).Unmap()]; !ok {
+			stale = append(stale, k)
+		}
+	}
+	for _, s := range stale {
+		_ = d.objs.DyscoLocalIf.Delete(s)
+	}
+	for a, i := range ifs {
+		if err := d.objs.DyscoLocalIf.Put(a.As16(), uint32(i)); err != nil {
+			return fmt.Errorf("datapath: interface of local address %s: %w", a, err)
+		}
+	}
+	return nil
+}
+
 // PolicyHop is one resolved hop of a policy: an address or a type index.
 type PolicyHop struct {
 	Addr netip.Addr

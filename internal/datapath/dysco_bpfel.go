@@ -300,6 +300,7 @@ const (
 	dyscoMapDyscoIds         = "dysco_ids"
 	dyscoMapDyscoKeys        = "dysco_keys"
 	dyscoMapDyscoLocal       = "dysco_local"
+	dyscoMapDyscoLocalIf     = "dysco_local_if"
 	dyscoMapDyscoPolicies    = "dysco_policies"
 	dyscoMapDyscoProgs       = "dysco_progs"
 	dyscoMapDyscoScratch     = "dysco_scratch"
@@ -395,6 +396,7 @@ type dyscoMapSpecs struct {
 	DyscoIds      *ebpf.MapSpec `ebpf:"dysco_ids"`
 	DyscoKeys     *ebpf.MapSpec `ebpf:"dysco_keys"`
 	DyscoLocal    *ebpf.MapSpec `ebpf:"dysco_local"`
+	DyscoLocalIf  *ebpf.MapSpec `ebpf:"dysco_local_if"`
 	DyscoPolicies *ebpf.MapSpec `ebpf:"dysco_policies"`
 	DyscoProgs    *ebpf.MapSpec `ebpf:"dysco_progs"`
 	DyscoScratch  *ebpf.MapSpec `ebpf:"dysco_scratch"`
@@ -452,6 +454,7 @@ type dyscoMaps struct {
 	DyscoIds      *ebpf.Map `ebpf:"dysco_ids"`
 	DyscoKeys     *ebpf.Map `ebpf:"dysco_keys"`
 	DyscoLocal    *ebpf.Map `ebpf:"dysco_local"`
+	DyscoLocalIf  *ebpf.Map `ebpf:"dysco_local_if"`
 	DyscoPolicies *ebpf.Map `ebpf:"dysco_policies"`
 	DyscoProgs    *ebpf.Map `ebpf:"dysco_progs"`
 	DyscoScratch  *ebpf.Map `ebpf:"dysco_scratch"`
@@ -479,6 +482,7 @@ func (m *dyscoMaps) Close() error {
 		m.DyscoIds,
 		m.DyscoKeys,
 		m.DyscoLocal,
+		m.DyscoLocalIf,
 		m.DyscoPolicies,
 		m.DyscoProgs,
 		m.DyscoScratch,

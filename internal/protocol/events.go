@@ -119,6 +119,12 @@ type Reconfigure struct {
 	Session     SessionID
 	RightAnchor netip.Addr
 	Chain       []netip.Addr
+	// Source, if valid, is the local address the new path leaves from:
+	// the session moves to another of this host's addresses or
+	// interfaces (make before break; Serval §4.4, M2M §4.2.1). Zero: the
+	// address the host's route to the new path's first hop chooses. The
+	// shell checks that it is this host's.
+	Source netip.Addr
 	// NFs, if set, has one entry per hop of Chain: the network function
 	// that hop must run (its agent starts it before it joins the new
 	// path; heterogeneous-sfc-quic §IV), "" for none.
@@ -362,7 +368,10 @@ type Action interface{ action() }
 // Send sends a control message (UDP) to an agent. Msg is the decoded form,
 // for logs and traces; Data is what goes on the wire.
 type Send struct {
-	To   netip.Addr
+	To netip.Addr
+	// From is the local address the datagram must leave from: the MAC
+	// covers it (Message.Encode).
+	From netip.Addr
 	Msg  *Message
 	Data []byte
 }

@@ -142,6 +142,14 @@ const (
 	// with the old path (onAckLock) and goes on; a middlebox of the new
 	// path that holds the session already refuses it (FlagRefuse).
 	FlagPartial = 1 << 4
+	// FlagDirect marks a SYN that the left anchor sends straight to the
+	// right anchor (a direct new path: a delete, a proxy removal, a move
+	// to another of the left anchor's addresses). The right anchor keeps
+	// it as an early SYN and grants the lock with its synAck; without the
+	// flag it can tell only by the sender's address, which a left anchor
+	// moving to another address (Reconfigure.Source) does not keep. The
+	// bit is FlagPartial's, which only an ackLock carries.
+	FlagDirect = FlagPartial
 	// FlagRefuse marks a synAck by which a host named in the new path
 	// refuses to join it (the reason byte says why: ReasonOnPath, the
 	// session already crosses that host; ReasonSetupFailed, it could not
@@ -445,7 +453,8 @@ func (m *Message) validate() error {
 			return decodeErr(RejectMalformed, "hop %d repeats %s (the path would loop)", i, h)
 		}
 	}
-	if m.Flags&FlagPartial != 0 && m.Type != MsgAckLock || m.Flags&FlagRefuse != 0 && m.Type != MsgSynAck ||
+	if m.Flags&FlagPartial != 0 && m.Type != MsgAckLock && m.Type != MsgSyn || m.Flags&FlagRefuse != 0 && m.Type != MsgSynAck ||
+		m.Type == MsgSyn && m.Flags&FlagDirect != 0 && len(m.Hops) != 0 ||
 		m.Flags&flagsClosed != 0 && (m.Type != MsgAck && m.Type != MsgSynAck || m.Flags&^flagsClosed != 0) {
 		return decodeErr(RejectMalformed, "flags %#x on a %s", m.Flags, m.Type)
 	}
@@ -668,6 +677,9 @@ func (m *Message) String() string {
 	}
 	if m.Flags&FlagGrant != 0 {
 		s += " grant"
+	}
+	if m.Type == MsgSyn && m.Flags&FlagDirect != 0 {
+		s += " direct"
 	}
 	return s
 }

@@ -18,12 +18,26 @@ func (a *Agent) msg(s *session, t MsgType, sub wire.Tuple, req ReqKey, ra netip.
 	return &Message{Type: t, Nonce: nonce, Sub: sub, Session: s.tuple, Req: req, RightAnchor: ra, Proto: s.proto}
 }
 
+// send sends m to the agent at to. A message about a subsession between
+// this agent and to leaves from this agent's end of it, which to checks
+// (onMessage, onNewSyn) and which the MAC covers: usually the address the
+// route to to chooses, another of this host's when the left anchor moves
+// the session to it (Reconfigure.Source).
 func (a *Agent) send(to netip.Addr, m *Message) {
-	b, err := m.Encode(a.cfg.Keys, a.source(to))
+	from := a.source(to)
+	if r, ok := a.subs[m.Sub]; ok && r.peer == to {
+		switch to {
+		case m.Sub.Dst:
+			from = m.Sub.Src
+		case m.Sub.Src:
+			from = m.Sub.Dst
+		}
+	}
+	b, err := m.Encode(a.cfg.Keys, from)
 	if err != nil {
 		panic("protocol: encoding a message we built: " + err.Error())
 	}
-	a.emit(Send{To: to, Msg: m, Data: b})
+	a.emit(Send{To: to, From: from, Msg: m, Data: b})
 }
 
 // sendSide sends m on the session's current subsession of side.

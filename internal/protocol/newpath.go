@@ -10,16 +10,21 @@ import (
 // The new path (§3.1, §3.3): SYN, SYN-ACK and ack of the new path, joins
 // and their refusals, early SYNs, and the switch to two paths.
 
-// allocPort chooses the tuple of a new subsession to dst: a port of the
-// agent's range that no subsession to dst uses.
+// allocPort chooses the tuple of a new subsession from src to dst: a port
+// of the agent's range that no subsession to dst uses.
 //
-// The subsession leaves from the address the host's route to dst chooses
-// (Config.Source), as the datagrams of its control messages do and as the
-// datapath's subsessions set up by a SYN do: a host with several addresses
-// (a middlebox between two subnets) sends the SYN of the new path from the
-// subsession's own source, which the next hop checks (onNewSyn).
-func (a *Agent) allocPort(dst netip.Addr, dport uint16) wire.Tuple {
-	src := a.source(dst)
+// Without src the subsession leaves from the address the host's route to
+// dst chooses (Config.Source), as the datagrams of its control messages
+// do and as the datapath's subsessions set up by a SYN do: a host with
+// several addresses (a middlebox between two subnets) sends the SYN of
+// the new path from the subsession's own source, which the next hop
+// checks (onNewSyn). A left anchor moving the session to another of its
+// addresses gives that one (Reconfigure.Source), and its messages about
+// the subsession leave from it (send).
+func (a *Agent) allocPort(src, dst netip.Addr, dport uint16) wire.Tuple {
+	if !src.IsValid() {
+		src = a.source(dst)
+	}
 	for i := 0; i < int(a.cfg.PortCount); i++ {
 		p := a.cfg.PortBase + a.nextPort
 		a.nextPort = (a.nextPort + 1) % a.cfg.PortCount
@@ -52,7 +57,7 @@ func (a *Agent) beginSetup(s *session, l *anchor) {
 	if !early {
 		hops := append(append([]netip.Addr(nil), l.chain...), l.rightAnchor)
 		l.newPeer = hops[0]
-		l.newSub = a.allocPort(l.newPeer, s.tuple.DstPort)
+		l.newSub = a.allocPort(l.source, l.newPeer, s.tuple.DstPort)
 		a.subs[l.newSub] = subRef{id: s.id, side: SideRight, peer: l.newPeer, nonce: side.Nonce}
 	}
 	// §3.4: incoming data on the new path gets what the deleted
@@ -84,6 +89,9 @@ func (a *Agent) sendSyn(s *session, l *anchor) {
 	// The addresses after the receiver, ending with the right anchor; none
 	// when the receiver is the right anchor.
 	m.Hops = append(append([]netip.Addr(nil), l.chain...), l.rightAnchor)[1:]
+	if len(l.chain) == 0 {
+		m.Flags |= FlagDirect
+	}
 	if l.nfs != nil {
 		// The network function of each middlebox, the receiver's first
 		// (heterogeneous-sfc-quic §IV).
@@ -106,12 +114,13 @@ func (a *Agent) onNewSyn(from netip.Addr, m *Message, onPath bool) {
 	if m.RightAnchor == a.cfg.Self {
 		id, ok := a.rightReq[m.Req]
 		if !ok {
-			if len(m.Hops) == 0 && from == m.Req.LeftAnchor {
+			direct := len(m.Hops) == 0 && (from == m.Req.LeftAnchor || m.Flags&FlagDirect != 0)
+			if direct {
 				a.keepEarlySyn(from, m)
 				return
 			}
 			a.reject(RejectUnexpected, m, from, "syn for %s: not locked here", m.Req)
-			if from != m.Req.LeftAnchor && a.knownReq(m.Req) {
+			if a.knownReq(m.Req) {
 				// A SYN of a request that is over here (cancelled,
 				// released), come through middleboxes: a late copy of
 				// one sent before the cancel, which hosts that had left
@@ -155,7 +164,7 @@ func (a *Agent) joinNewPath(from netip.Addr, m *Message, nf string) {
 	// anchor's scale, which the SYN carries (synWScale); those that pass
 	// leftwards in the right anchor's, which its synAck brings (onSynAck).
 	left := SideInfo{Peer: from, Sub: m.Sub, Nonce: m.Nonce, PeerWScale: m.WScale}
-	right := SideInfo{Peer: next, Sub: a.allocPort(next, m.Session.DstPort), Nonce: m.Nonce, SendWScale: m.WScale}
+	right := SideInfo{Peer: next, Sub: a.allocPort(netip.Addr{}, next, m.Session.DstPort), Nonce: m.Nonce, SendWScale: m.WScale}
 	s.sides[SideLeft], s.sides[SideRight] = &left, &right
 	a.subs[left.Sub] = subRef{id: s.id, side: SideLeft, peer: from, nonce: m.Nonce}
 	a.subs[right.Sub] = subRef{id: s.id, side: SideRight, peer: next, nonce: m.Nonce}
@@ -194,6 +203,7 @@ func (a *Agent) acceptSyn(s *session, from netip.Addr, m *Message) {
 	}
 	side := s.sides[SideLeft]
 	r.newSub, r.newPeer = m.Sub, from
+	r.directNew = m.Flags&FlagDirect != 0 || from == r.req.LeftAnchor
 	r.newDelta = side.Delta.Add(r.delta)
 	a.subs[m.Sub] = subRef{id: s.id, side: SideLeft, peer: from, nonce: m.Nonce}
 	// Armed: the first packet on the new path switches this side even
@@ -231,7 +241,7 @@ func (a *Agent) synAckMsg(s *session, r *anchor, sub wire.Tuple) *Message {
 	// Our window scale: the grant's, and for the middleboxes joining the
 	// new path the scale of the windows they pass leftwards.
 	m.WScale = s.sides[SideLeft].SendWScale
-	if r.newPeer == r.req.LeftAnchor && !r.resumed {
+	if r.directNew && !r.resumed {
 		m.Flags |= FlagGrant
 		m.Delta = r.grantDelta
 	}

@@ -23,7 +23,8 @@ func (a *Agent) onReconfigure(e Reconfigure, trig *trigIn) {
 		refuse(ReasonNoSession, ReqKey{})
 		return
 	}
-	if err := a.checkChain(e.RightAnchor, e.Chain); err != nil || !checkNFs(e.Chain, e.NFs) {
+	if err := a.checkChain(e.RightAnchor, e.Chain); err != nil || !checkNFs(e.Chain, e.NFs) ||
+		e.Source.IsValid() && (!wire.Unicast(e.Source) || e.Source.Unmap().Is4() != a.cfg.Self.Unmap().Is4()) {
 		refuse(ReasonInvalid, ReqKey{})
 		return
 	}
@@ -43,7 +44,8 @@ func (a *Agent) onReconfigure(e Reconfigure, trig *trigIn) {
 	}
 	a.nextReq++
 	l := &anchor{role: RoleLeftAnchor, req: ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq}, token: e.Token,
-		rightAnchor: e.RightAnchor, chain: append([]netip.Addr(nil), e.Chain...), gate: e.Gate || e.Migrate != nil, trig: trig}
+		rightAnchor: e.RightAnchor, chain: append([]netip.Addr(nil), e.Chain...), gate: e.Gate || e.Migrate != nil, trig: trig,
+		source: e.Source.Unmap()}
 	if slices.ContainsFunc(e.NFs, func(n string) bool { return n != "" }) {
 		l.nfs = append([]string(nil), e.NFs...)
 	}
@@ -90,10 +92,12 @@ func (a *Agent) checkChain(ra netip.Addr, chain []netip.Addr) error {
 
 // startLeft takes the lock of the right side and sends requestLock (§3.2),
 // unless the request is a delete of a segment with nothing in it (the
-// right anchor is the next hop already): that one succeeds as unchanged at
-// once, with nothing locked.
+// right anchor is the next hop already, and the subsession leaves from
+// the address asked for): that one succeeds as unchanged at once, with
+// nothing locked.
 func (a *Agent) startLeft(s *session, l *anchor) {
-	if len(l.chain) == 0 && s.sides[SideRight].Peer == l.rightAnchor {
+	side := s.sides[SideRight]
+	if len(l.chain) == 0 && side.Peer == l.rightAnchor && (!l.source.IsValid() || l.source == side.Sub.Src.Unmap()) {
 		s.resolve(resolution{req: l.req, kind: resDone})
 		a.progress(s, l.req, RoleLeftAnchor, StageDone, "succeeded: unchanged (the right anchor is the next hop)")
 		a.emitResult(s, l.trig, Result{Session: s.id, Token: l.token, Req: l.req, Outcome: Succeeded, Unchanged: true})
@@ -126,10 +130,11 @@ func (a *Agent) sendEarlySyn(s *session, l *anchor) {
 	}
 	side := s.sides[SideRight]
 	l.newPeer = l.rightAnchor
-	l.newSub = a.allocPort(l.newPeer, s.tuple.DstPort)
+	l.newSub = a.allocPort(l.source, l.newPeer, s.tuple.DstPort)
 	a.subs[l.newSub] = subRef{id: s.id, side: SideRight, peer: l.newPeer, nonce: side.Nonce}
 	m := a.msg(s, MsgSyn, l.newSub, l.req, l.rightAnchor)
 	m.WScale = side.SendWScale // synWScale
+	m.Flags |= FlagDirect
 	a.send(l.newPeer, m)
 }
 

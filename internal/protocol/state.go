@@ -129,6 +129,13 @@ type anchor struct {
 	newSub      wire.Tuple
 	newPeer     netip.Addr
 	newDelta    Delta
+	// source (left anchor): the local address the new path leaves from
+	// (Reconfigure.Source); zero for the route's.
+	source netip.Addr
+	// directNew (right anchor): the new path came straight from the left
+	// anchor (its SYN carried FlagDirect, or came from the left anchor's
+	// own address).
+	directNew bool
 
 	vars                          TwoPath
 	haveVars                      bool
@@ -183,11 +190,10 @@ const (
 // fins and finAcks also go on it, straight to the other anchor, beside the
 // copies that tear the old path down (sendFin).
 func (an *anchor) direct() bool {
-	other := an.rightAnchor
 	if an.role == RoleRightAnchor {
-		other = an.req.LeftAnchor
+		return an.newPeer.IsValid() && (an.directNew || an.newPeer == an.req.LeftAnchor)
 	}
-	return an.newPeer.IsValid() && an.newPeer == other
+	return an.newPeer.IsValid() && an.newPeer == an.rightAnchor
 }
 
 type cancelJob struct {

@@ -20,7 +20,7 @@ func (c *Shell) do(v6 bool, act protocol.Action) error {
 	dp := c.dp
 	switch x := act.(type) {
 	case protocol.Send:
-		c.send(x.To, x.Data)
+		c.send(x.To, x.From, x.Data)
 		return nil
 	case protocol.SetTimer:
 		k := timerKey{v6, x.ID}
@@ -287,7 +287,10 @@ func (c *Shell) addSub(x protocol.AddSubsession) error {
 		}
 	}
 	tp.InOld = datapath.TupleOf(tp.OldOut.Wire().Reverse(), s.Proto)
-	if !c.cfg.SameRoute(eg.Dst, newOut.Dst) {
+	// A new subsession leaving from another local address (a session
+	// moved to another interface, Reconfigure.Source) is routed again,
+	// by its source (route.h), even towards the same next hop.
+	if !c.cfg.SameRoute(eg.Dst, newOut.Dst) || newOut.Src != tp.OldOut.Wire().Src {
 		tp.RerouteNew = 1
 	}
 	tp.Nd = datapath.Delta{Ack: -int32(x.Delta.Seq), Tsecr: -int32(x.Delta.TS)}

@@ -98,6 +98,10 @@ type Rings interface {
 type Conn interface {
 	ReadFromUDPAddrPort(b []byte) (int, netip.AddrPort, error)
 	WriteToUDPAddrPort(b []byte, addr netip.AddrPort) (int, error)
+	// WriteMsgUDPAddrPort sends with ancillary data: the source address
+	// (IPV6_PKTINFO) of a datagram that must not leave from the one the
+	// route chooses.
+	WriteMsgUDPAddrPort(b, oob []byte, addr netip.AddrPort) (n, oobn int, err error)
 	Close() error
 }
 

@@ -552,6 +552,11 @@ func (c *fakeConn) WriteToUDPAddrPort(b []byte, to netip.AddrPort) (int, error) 
 	return len(b), nil
 }
 
+func (c *fakeConn) WriteMsgUDPAddrPort(b, _ []byte, to netip.AddrPort) (int, int, error) {
+	n, err := c.WriteToUDPAddrPort(b, to)
+	return n, 0, err
+}
+
 func (c *fakeConn) Close() error {
 	c.once.Do(func() {
 		close(c.closed)

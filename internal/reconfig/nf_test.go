@@ -43,7 +43,7 @@ func (l *lab) reconfigureNF(from string, s session, to string, chain, nfs []stri
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	out := l.hosts[from].sh.ReconfigureNF(ctx, []uint32{s.ids[from]}, l.hosts[to].addr, hops, nfs, nil)
+	out := l.hosts[from].sh.ReconfigurePath(ctx, []uint32{s.ids[from]}, NewPath{To: l.hosts[to].addr, Chain: hops, NFs: nfs}, nil)
 	if len(out) != 1 {
 		l.t.Fatalf("%d outcomes", len(out))
 	}

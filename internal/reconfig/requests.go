@@ -18,14 +18,25 @@ import (
 // by a new path through chain (§3.1), and waits for the results (or ctx's
 // deadline). mig, if not nil, migrates the middlebox's state (§3.5).
 func (c *Shell) Reconfigure(ctx context.Context, ids []uint32, to netip.Addr, chain []netip.Addr, mig *MigrateOptions) []Outcome {
-	return c.ReconfigureNF(ctx, ids, to, chain, nil, mig)
+	return c.ReconfigurePath(ctx, ids, NewPath{To: to, Chain: chain}, mig)
 }
 
-// ReconfigureNF is Reconfigure with the network function each hop of
-// chain must run (nfs: one per hop, "" for none; nil: none), which the
-// hop's agent starts before it joins the new path
-// (heterogeneous-sfc-quic §IV).
-func (c *Shell) ReconfigureNF(ctx context.Context, ids []uint32, to netip.Addr, chain []netip.Addr, nfs []string, mig *MigrateOptions) []Outcome {
+// NewPath is the new path of a reconfiguration: the right anchor To, the
+// chain of middleboxes before it, the network function each hop must run
+// (NFs: one per hop, "" for none; nil: none), which the hop's agent
+// starts before it joins the new path (heterogeneous-sfc-quic §IV), and
+// the local address it leaves from (Source; zero: the route's), for a
+// session moving to another of this host's addresses or interfaces.
+type NewPath struct {
+	To     netip.Addr
+	Chain  []netip.Addr
+	NFs    []string
+	Source netip.Addr
+}
+
+// ReconfigurePath is Reconfigure onto the new path np.
+func (c *Shell) ReconfigurePath(ctx context.Context, ids []uint32, np NewPath, mig *MigrateOptions) []Outcome {
+	to := np.To
 	type pending struct {
 		id    uint32
 		ch    chan waited
@@ -47,6 +58,10 @@ func (c *Shell) ReconfigureNF(ctx context.Context, ids []uint32, to netip.Addr, 
 				p.err = err
 				continue
 			}
+			if np.Source.IsValid() && np.Source.Unmap().Is4() != to.Unmap().Is4() {
+				p.err = fmt.Errorf("the new path's source %s and the right anchor %s are of different address families", np.Source, to)
+				continue
+			}
 			c.checkReady(c.pidOf[id])
 			c.token++
 			c.waiters[c.token] = p.ch
@@ -59,7 +74,8 @@ func (c *Shell) ReconfigureNF(ctx context.Context, ids []uint32, to netip.Addr, 
 			if mig != nil {
 				spec = migrateSpec(mig)
 			}
-			c.handle(c.famOf[id], protocol.Reconfigure{Session: c.pidOf[id], RightAnchor: to, Chain: chain, NFs: nfs, Token: c.token, Migrate: spec})
+			c.handle(c.famOf[id], protocol.Reconfigure{Session: c.pidOf[id], RightAnchor: to, Chain: np.Chain, NFs: np.NFs,
+				Source: np.Source, Token: c.token, Migrate: spec})
 		}
 		close(done)
 	})

@@ -5,10 +5,12 @@ package reconfig
 // "Bundles"); each datagram read is handled as one step.
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
 	"net/netip"
+	"unsafe"
 
 	"github.com/dysco/dysco/internal/protocol"
 	"golang.org/x/sys/unix"
@@ -17,11 +19,15 @@ import (
 // controlRcvBuf is the control socket's receive buffer.
 const controlRcvBuf = 8 << 20
 
-// outMsg is a datagram payload waiting for the end of the loop's step.
+// outMsg is a datagram payload waiting for the end of the loop's step,
+// with the address it leaves from (zero: the route's).
 type outMsg struct {
-	to   netip.Addr
-	data []byte
+	to, from netip.Addr
+	data     []byte
 }
+
+// dest is where a bundle goes, and from where.
+type dest struct{ to, from netip.Addr }
 
 // listenUDP opens the control socket on port, both families.
 func listenUDP(port int) (Conn, error) {
@@ -44,13 +50,14 @@ func listenUDP(port int) (Conn, error) {
 }
 
 // send queues a datagram payload (a control message, a
-// migration message) for the agent at to; it leaves when the
-// loop's step ends (flush), or at once when a full bundle for to is
-// waiting. Loop goroutine.
-func (c *Shell) send(to netip.Addr, data []byte) {
+// migration message) for the agent at to, leaving from the local address
+// from (zero: the one the route chooses); it leaves when the loop's step
+// ends (flush), or at once when a full bundle for to is waiting. Loop
+// goroutine.
+func (c *Shell) send(to, from netip.Addr, data []byte) {
 	n := 0 // the bytes of a bundle of what waits for to
 	for _, m := range c.outbox {
-		if m.to == to {
+		if m.to == to && m.from == from {
 			n += 2 + len(m.data)
 		}
 	}
@@ -58,7 +65,7 @@ func (c *Shell) send(to netip.Addr, data []byte) {
 		c.flush()
 	}
 	c.msgsOut.Add(1)
-	c.outbox = append(c.outbox, outMsg{to, data})
+	c.outbox = append(c.outbox, outMsg{to, from, data})
 }
 
 // flush sends what the loop's step queued: per destination, in the order
@@ -72,32 +79,41 @@ func (c *Shell) flush() {
 		m := c.outbox[0]
 		c.outbox[0] = outMsg{}
 		c.outbox = c.outbox[:0]
-		c.write(m.to, m.data)
+		c.write(m.to, m.from, m.data)
 		return
 	}
 	box := c.outbox
 	c.outbox = c.outbox[:0]
-	var dests []netip.Addr
-	per := map[netip.Addr][][]byte{}
+	var dests []dest
+	per := map[dest][][]byte{}
 	for _, m := range box {
-		if _, ok := per[m.to]; !ok {
-			dests = append(dests, m.to)
+		k := dest{m.to, m.from}
+		if _, ok := per[k]; !ok {
+			dests = append(dests, k)
 		}
-		per[m.to] = append(per[m.to], m.data)
+		per[k] = append(per[k], m.data)
 	}
-	for _, to := range dests {
-		for _, d := range protocol.PackBundles(per[to], protocol.BundleMax) {
-			c.write(to, d)
+	for _, k := range dests {
+		for _, d := range protocol.PackBundles(per[k], protocol.BundleMax) {
+			c.write(k.to, k.from, d)
 		}
 	}
 	clear(box)
 }
 
-// write sends one datagram to the agent at to.
-func (c *Shell) write(to netip.Addr, d []byte) {
+// write sends one datagram to the agent at to, from the local address
+// from when it is not the one the route to to chooses.
+func (c *Shell) write(to, from netip.Addr, d []byte) {
 	c.dgramsOut.Add(1)
-	if _, err := c.conn.WriteToUDPAddrPort(d, netip.AddrPortFrom(to, uint16(c.port))); err != nil {
-		c.log.Warn("control: send failed", "to", to, "bytes", len(d), "err", err)
+	addr := netip.AddrPortFrom(to, uint16(c.port))
+	var err error
+	if from.IsValid() && c.cfg.SourceAddr != nil && from != c.cfg.SourceAddr(to) {
+		_, _, err = c.conn.WriteMsgUDPAddrPort(d, sourceCmsg(from), addr)
+	} else {
+		_, err = c.conn.WriteToUDPAddrPort(d, addr)
+	}
+	if err != nil {
+		c.log.Warn("control: send failed", "to", to, "from", from, "bytes", len(d), "err", err)
 	}
 }
 
@@ -143,4 +159,20 @@ func (c *Shell) onDatagram(from netip.Addr, data []byte) {
 	for _, p := range ps {
 		c.onPacket(from, p)
 	}
+}
+
+// sourceCmsg is the ancillary data that makes a datagram of the dual-stack
+// control socket leave from src: IPV6_PKTINFO, which also takes an
+// IPv4-mapped address for an IPv4 datagram (the kernel's ip_cmsg_send).
+// golang.org/x/net/ipv6 leaves IPv4 addresses out of it.
+func sourceCmsg(src netip.Addr) []byte {
+	b := make([]byte, unix.CmsgSpace(unix.SizeofInet6Pktinfo))
+	h := (*unix.Cmsghdr)(unsafe.Pointer(&b[0]))
+	h.Level, h.Type = unix.IPPROTO_IPV6, unix.IPV6_PKTINFO
+	h.SetLen(unix.CmsgLen(unix.SizeofInet6Pktinfo))
+	info := b[unix.CmsgLen(0):]
+	a := src.As16() // IPv4-mapped for IPv4
+	copy(info[:16], a[:])
+	binary.NativeEndian.PutUint32(info[16:20], 0) // any interface
+	return b
 }
