@@ -69,7 +69,7 @@ func needLab(t *testing.T, tools ...string) {
 // TestRegistry checks that every experiment of docs/experiments.md is
 // registered with phases for every size.
 func TestRegistry(t *testing.T) {
-	for _, n := range []string{"setup-latency", "goodput", "nginx", "proxy-removal", "disruption", "firewall-migration", "churn", "udp-setup", "quic-migration"} {
+	for _, n := range []string{"setup-latency", "goodput", "nginx", "proxy-removal", "disruption", "firewall-migration", "churn", "udp-setup", "quic-migration", "interface-migration"} {
 		e, err := Lookup(n)
 		if err != nil {
 			t.Fatal(err)
@@ -241,6 +241,18 @@ func TestExperimentsTiny(t *testing.T) {
 			}
 			if d.SocketPolls < 10 || d.SocketLives == 0 {
 				t.Errorf("the socket poller listed the client's sockets %d times and saw %d sessions", d.SocketPolls, d.SocketLives)
+			}
+		},
+		"interface-migration": func(t *testing.T, r *Result) {
+			// RunExperiment fails by itself when a flow is under 70% of
+			// the link after the move or the second link carried nothing.
+			d := r.Data.(*imData)
+			if len(d.Move) != 2 || d.Move[0].Outcome != "succeeded" || d.Move[1].Outcome != "succeeded" {
+				t.Errorf("the move: %+v, want the flow's two connections moved", d.Move)
+			}
+			// Before the move the two flows share one link.
+			if sum := d.Before[0] + d.Before[1]; !(sum <= 1.1*float64(d.Size.RateMbit)) {
+				t.Errorf("before the move: %.1f + %.1f Mbit/s on one link of %d", d.Before[0], d.Before[1], d.Size.RateMbit)
 			}
 		},
 		"quic-migration": func(t *testing.T, r *Result) {
