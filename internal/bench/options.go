@@ -94,7 +94,7 @@ type Options struct {
 func (o *Options) Agents() labkit.Agents { return labkit.Agents{Dysco: o.Dysco, Args: o.AgentArgs} }
 
 // Benchmark names, in run order.
-var allBenchmarks = []string{"goodput", "rps", "connect", "bpfstats", "memory", "udp", "quic", "udpsetup", "reconfig", "churn", "disruption", "convergence"}
+var allBenchmarks = []string{"goodput", "rps", "connect", "bpfstats", "memory", "udp", "quic", "udpsetup", "reconfig", "churn", "disruption", "moves", "convergence"}
 
 func (o *Options) wants(name string) bool {
 	for _, b := range o.Only {

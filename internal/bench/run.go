@@ -123,6 +123,9 @@ func Run(ctx context.Context, o *Options, log io.Writer) (rep *Report, err error
 	if o.wants("disruption") {
 		runDisruption(ctx, o, set, prefix, r, pr, step)
 	}
+	if o.wants("moves") {
+		runMoves(ctx, o, set, prefix, r, pr, step)
+	}
 	if o.wants("convergence") {
 		step(convergencePhase, func() error { return Convergence(ctx, o, r, pr) })
 	}
@@ -291,6 +294,12 @@ func plan(o *Options) []planned {
 			planned{Phase: labkit.Phase{Name: disruptionLabs, Est: 5 * time.Second}},
 			planned{Phase: labkit.Phase{Name: disruptionPhaseName(o), Est: disruptionEst(o)}, bench: "disruption"},
 			planned{Phase: labkit.Phase{Name: disruptionTeardown, Est: 3 * time.Second}})
+	}
+	if o.wants("moves") {
+		out = append(out,
+			planned{Phase: labkit.Phase{Name: movesLabs, Est: 4 * time.Second}},
+			planned{Phase: labkit.Phase{Name: movesPhaseName(o), Est: movesEst(o)}, bench: "moves"},
+			planned{Phase: labkit.Phase{Name: movesTeardown, Est: 2 * time.Second}})
 	}
 	if o.wants("convergence") {
 		n := 100
