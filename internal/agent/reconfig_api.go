@@ -115,9 +115,12 @@ func (a *Agent) reconfig(ctx context.Context, req api.ReconfigRequest) (api.Reco
 	}
 	via := req.Via.Unmap()
 	if via.IsValid() {
+		ifs, _ := trafficIfaces()
 		switch {
 		case !a.ownAddr(via):
 			return bad(fmt.Errorf("reconfig: --via %s is not an address of this host: the new path leaves from one of this host's addresses", via))
+		case !via.IsGlobalUnicast() || ifs[via] == 0:
+			return bad(fmt.Errorf("reconfig: --via %s is not a global address of an interface that carries traffic (not lo, not a dummy, not link-local)", via))
 		case via.Is4() != to.Is4():
 			return bad(fmt.Errorf("reconfig: --via %s and --to %s are of different address families", via, to))
 		case req.Migrate != nil:

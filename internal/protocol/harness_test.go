@@ -63,6 +63,9 @@ type harness struct {
 	// (tests answer with NFStarted).
 	nfStarts map[netip.Addr][]StartNF
 	progress []Progress
+	// alias maps an agent's other addresses to its own (a multihomed
+	// host: messages to them reach it).
+	alias map[netip.Addr]netip.Addr
 }
 
 type envelope struct {
@@ -143,7 +146,11 @@ func (h *harness) apply(at netip.Addr, act Action) {
 		}
 		h.sent[at][x.Msg.Type]++
 		if !h.dead[x.To] && !h.dead[at] {
-			h.queue = append(h.queue, envelope{from: at, to: x.To, data: x.Data, msg: x.Msg})
+			from := at // the agent's own address, unless the message names another (Send.From)
+			if x.From.IsValid() {
+				from = x.From
+			}
+			h.queue = append(h.queue, envelope{from: from, to: x.To, data: x.Data, msg: x.Msg})
 		}
 	case SetTimer:
 		h.timers[timerKey{at, x.ID}] = x.At
@@ -232,7 +239,11 @@ func (h *harness) step() bool {
 	if h.probe != nil {
 		h.probe(e)
 	}
-	h.deliver(e.to, h.messageIn(e))
+	to := e.to
+	if a, ok := h.alias[to]; ok {
+		to = a
+	}
+	h.deliver(to, h.messageIn(e))
 	return true
 }
 

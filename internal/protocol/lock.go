@@ -257,7 +257,7 @@ func (a *Agent) sameOrCrossing(s *session, l *anchor, m *Message) bool {
 	}
 	end := &Result{Session: s.id, Token: l.token, Req: l.req}
 	note := ""
-	if slices.Equal(l.chain, m.Hops) {
+	if slices.Equal(l.chain, m.Hops) && !l.moving(s) {
 		end.Outcome, end.Unchanged = Succeeded, true
 		note = "unchanged: the new chain is the old segment"
 	} else {

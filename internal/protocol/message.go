@@ -142,13 +142,14 @@ const (
 	// with the old path (onAckLock) and goes on; a middlebox of the new
 	// path that holds the session already refuses it (FlagRefuse).
 	FlagPartial = 1 << 4
-	// FlagDirect marks a SYN that the left anchor sends straight to the
-	// right anchor (a direct new path: a delete, a proxy removal, a move
-	// to another of the left anchor's addresses). The right anchor keeps
-	// it as an early SYN and grants the lock with its synAck; without the
-	// flag it can tell only by the sender's address, which a left anchor
-	// moving to another address (Reconfigure.Source) does not keep. The
-	// bit is FlagPartial's, which only an ackLock carries.
+	// FlagDirect marks a SYN that a left anchor moving the session to
+	// another of its addresses (Reconfigure.Source) sends straight to the
+	// right anchor (a direct new path). The right anchor keeps it as an
+	// early SYN, grants the lock with its synAck and sends its fins on
+	// the new path, as it does for a direct SYN from the left anchor's own
+	// address, which it tells by that address. Other SYNs do not carry
+	// it, so that agents of the same message version without it still
+	// take them. The bit is FlagPartial's, which only an ackLock carries.
 	FlagDirect = FlagPartial
 	// FlagRefuse marks a synAck by which a host named in the new path
 	// refuses to join it (the reason byte says why: ReasonOnPath, the

@@ -36,6 +36,12 @@ func (a *Agent) onReconfigure(e Reconfigure, trig *trigIn) {
 		refuse(ReasonBusy, s.joinReq) // joined a new path; the datapath has not seen traffic yet
 		return
 	}
+	if e.Migrate != nil && e.Source.IsValid() {
+		// The migration's messages come from the left anchor's own
+		// address (migrate.go), the new path's from Source.
+		refuse(ReasonInvalid, ReqKey{})
+		return
+	}
 	if s.proto == ProtoUDP && e.Migrate != nil {
 		// State migration's semantics (order, substream) are defined
 		// on TCP's marks (state-migration.md).
@@ -96,8 +102,7 @@ func (a *Agent) checkChain(ra netip.Addr, chain []netip.Addr) error {
 // the address asked for): that one succeeds as unchanged at once, with
 // nothing locked.
 func (a *Agent) startLeft(s *session, l *anchor) {
-	side := s.sides[SideRight]
-	if len(l.chain) == 0 && side.Peer == l.rightAnchor && (!l.source.IsValid() || l.source == side.Sub.Src.Unmap()) {
+	if len(l.chain) == 0 && s.sides[SideRight].Peer == l.rightAnchor && !l.moving(s) {
 		s.resolve(resolution{req: l.req, kind: resDone})
 		a.progress(s, l.req, RoleLeftAnchor, StageDone, "succeeded: unchanged (the right anchor is the next hop)")
 		a.emitResult(s, l.trig, Result{Session: s.id, Token: l.token, Req: l.req, Outcome: Succeeded, Unchanged: true})
@@ -134,7 +139,9 @@ func (a *Agent) sendEarlySyn(s *session, l *anchor) {
 	a.subs[l.newSub] = subRef{id: s.id, side: SideRight, peer: l.newPeer, nonce: side.Nonce}
 	m := a.msg(s, MsgSyn, l.newSub, l.req, l.rightAnchor)
 	m.WScale = side.SendWScale // synWScale
-	m.Flags |= FlagDirect
+	if l.moving(s) {
+		m.Flags |= FlagDirect
+	}
 	a.send(l.newPeer, m)
 }
 

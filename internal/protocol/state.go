@@ -185,6 +185,12 @@ const (
 	viaNew
 )
 
+// moving reports whether the left anchor's new path leaves from another
+// of its addresses than the current subsession (Reconfigure.Source).
+func (an *anchor) moving(s *session) bool {
+	return an.source.IsValid() && an.source != s.sides[SideRight].Sub.Src.Unmap()
+}
+
 // direct reports whether the new path joins the two anchors with no
 // middlebox between them (a delete, a proxy removal): then the anchors'
 // fins and finAcks also go on it, straight to the other anchor, beside the

@@ -290,7 +290,7 @@ func (c *Shell) addSub(x protocol.AddSubsession) error {
 	// A new subsession leaving from another local address (a session
 	// moved to another interface, Reconfigure.Source) is routed again,
 	// by its source (route.h), even towards the same next hop.
-	if !c.cfg.SameRoute(eg.Dst, newOut.Dst) || newOut.Src != tp.OldOut.Wire().Src {
+	if !c.cfg.SameRoute(eg.Dst, newOut.Dst) || x.Side == protocol.SideRight && newOut.Src != tp.OldOut.Wire().Src {
 		tp.RerouteNew = 1
 	}
 	tp.Nd = datapath.Delta{Ack: -int32(x.Delta.Seq), Tsecr: -int32(x.Delta.TS)}

@@ -102,12 +102,13 @@ func (c *Shell) flush() {
 }
 
 // write sends one datagram to the agent at to, from the local address
-// from when it is not the one the route to to chooses.
+// from (the MAC covers it: the route's choice may have changed since the
+// message was built).
 func (c *Shell) write(to, from netip.Addr, d []byte) {
 	c.dgramsOut.Add(1)
 	addr := netip.AddrPortFrom(to, uint16(c.port))
 	var err error
-	if from.IsValid() && c.cfg.SourceAddr != nil && from != c.cfg.SourceAddr(to) {
+	if from.IsValid() {
 		_, _, err = c.conn.WriteMsgUDPAddrPort(d, sourceCmsg(from), addr)
 	} else {
 		_, err = c.conn.WriteToUDPAddrPort(d, addr)
