@@ -5,6 +5,7 @@ package crds
 
 import (
 	"embed"
+	"io/fs"
 	"strings"
 )
 
@@ -14,8 +15,9 @@ var files embed.FS
 // YAML is every definition, as one multi-document YAML stream.
 func YAML() []byte {
 	var docs []string
-	for _, name := range []string{"policies.yaml", "middleboxtypes.yaml", "operations.yaml"} {
-		b, err := files.ReadFile(name)
+	ents, _ := fs.ReadDir(files, ".")
+	for _, e := range ents {
+		b, err := files.ReadFile(e.Name())
 		if err != nil {
 			panic(err) // embedded above
 		}

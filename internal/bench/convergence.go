@@ -199,6 +199,18 @@ func (c *convergenceRun) measure(ctx context.Context, cl *api.Client, changes, f
 	return out, nil
 }
 
+// msToLast is the time from start to the latest of at, in milliseconds
+// (0 when none is later).
+func msToLast(start time.Time, at []time.Time) float64 {
+	last := start
+	for _, t := range at {
+		if t.After(last) {
+			last = t
+		}
+	}
+	return float64(last.Sub(start)) / float64(time.Millisecond)
+}
+
 // percentile is the p-th percentile (0..100) of xs, nearest rank.
 func percentile(xs []float64, p float64) float64 {
 	if len(xs) == 0 {
@@ -454,13 +466,7 @@ func Convergence(ctx context.Context, o *Options, r *Report, pr *labkit.Progress
 	if err != nil {
 		return fmt.Errorf("after the leader's kill: %w", err)
 	}
-	last := kill
-	for _, t := range at {
-		if t.After(last) {
-			last = t
-		}
-	}
-	d.KillToAllMS = float64(last.Sub(kill)) / float64(time.Millisecond)
+	d.KillToAllMS = msToLast(kill, at)
 	// The survivors' reads (the killed member's are gone with it).
 	ranges1 := etcdRanges(clients)
 	for i := range clients {
@@ -599,13 +605,7 @@ func convergenceKube(ctx context.Context, o *Options, r *Report, procs *convProc
 	if err != nil {
 		return fmt.Errorf("after the controller's kill: %w", err)
 	}
-	last := kill
-	for _, t := range at {
-		if t.After(last) {
-			last = t
-		}
-	}
-	d.ControllerKillToAllMS = float64(last.Sub(kill)) / float64(time.Millisecond)
+	d.ControllerKillToAllMS = msToLast(kill, at)
 	lists1, err := ks.Requests(ctx, "LIST")
 	if err != nil {
 		return err

@@ -11,6 +11,7 @@ package bench
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"math"
@@ -95,9 +96,6 @@ func runMoves(ctx context.Context, o *Options, set *labkit.Labs, prefix string, 
 	}
 }
 
-// arrival is one read at the server.
-type arrival struct{ at time.Time }
-
 // Moves measures the interruption of make-before-break moves in lab l (a
 // star with a two-link client and a server).
 func Moves(ctx context.Context, o *Options, l *lab.Lab, r *Report, pr *labkit.Progress) error {
@@ -118,6 +116,7 @@ func Moves(ctx context.Context, o *Options, l *lab.Lab, r *Report, pr *labkit.Pr
 	var mu sync.Mutex
 	var reads []time.Time
 	done := make(chan error, 1)
+	flowing := make(chan struct{}) // closed at the server's first read
 	go func() {
 		conn, err := ln.Accept()
 		if err != nil {
@@ -130,6 +129,9 @@ func Moves(ctx context.Context, o *Options, l *lab.Lab, r *Report, pr *labkit.Pr
 			k, err := conn.Read(buf)
 			if k > 0 {
 				mu.Lock()
+				if len(reads) == 0 {
+					close(flowing)
+				}
 				reads = append(reads, time.Now())
 				mu.Unlock()
 			}
@@ -154,8 +156,14 @@ func Moves(ctx context.Context, o *Options, l *lab.Lab, r *Report, pr *labkit.Pr
 
 	type window struct{ from, to time.Time }
 	var moves, bases []window
-	if err := labkit.SleepCtx(ctx, 500*time.Millisecond); err != nil {
-		return err
+	select {
+	case <-flowing:
+	case err := <-done:
+		return fmt.Errorf("the server ended before the stream flowed: %v", err)
+	case <-time.After(10 * time.Second):
+		return errors.New("no data at the server 10 s after the stream started")
+	case <-ctx.Done():
+		return ctx.Err()
 	}
 	for i := range n {
 		via := addrs[(i+1)%2] // the second link first, then back

@@ -15,49 +15,42 @@ import (
 
 // SetLocalAddrs replaces the set of this host's addresses.
 func (d *Datapath) SetLocalAddrs(addrs []netip.Addr) error {
-	want := map[[16]byte]bool{}
+	want := map[[16]byte]uint8{}
 	for _, a := range addrs {
-		want[a.As16()] = true
+		want[a.As16()] = 1
 	}
-	var k [16]byte
-	var v uint8
-	var stale [][16]byte
-	it := d.objs.DyscoLocal.Iterate()
-	for it.Next(&k, &v) {
-		if !want[k] {
-			stale = append(stale, k)
-		}
-	}
-	for _, s := range stale {
-		_ = d.objs.DyscoLocal.Delete(s)
-	}
-	for a := range want {
-		if err := d.objs.DyscoLocal.Put(a, uint8(1)); err != nil {
-			return fmt.Errorf("datapath: local address %s: %w", netip.AddrFrom16(a), err)
-		}
-	}
-	return nil
+	return replaceAddrMap(d.objs.DyscoLocal, want, "local address")
 }
 
 // SetLocalIfaces replaces the interfaces of this host's addresses that can
 // carry traffic (address → ifindex): on a host that does not forward, a
 // rewritten packet leaves by the interface of its source address.
 func (d *Datapath) SetLocalIfaces(ifs map[netip.Addr]int) error {
+	want := map[[16]byte]uint32{}
+	for a, i := range ifs {
+		want[a.As16()] = uint32(i)
+	}
+	return replaceAddrMap(d.objs.DyscoLocalIf, want, "interface of local address")
+}
+
+// replaceAddrMap makes m, keyed by address, hold exactly want: stale keys
+// are deleted, the others written.
+func replaceAddrMap[V uint8 | uint32](m *ebpf.Map, want map[[16]byte]V, what string) error {
 	var k [16]byte
-	var v uint32
+	var v V
 	var stale [][16]byte
-	it := d.objs.DyscoLocalIf.Iterate()
+	it := m.Iterate()
 	for it.Next(&k, &v) {
-		if _, ok := ifs[netip.AddrFrom16(k).Unmap()]; !ok {
+		if _, ok := want[k]; !ok {
 			stale = append(stale, k)
 		}
 	}
 	for _, s := range stale {
-		_ = d.objs.DyscoLocalIf.Delete(s)
+		_ = m.Delete(s)
 	}
-	for a, i := range ifs {
-		if err := d.objs.DyscoLocalIf.Put(a.As16(), uint32(i)); err != nil {
-			return fmt.Errorf("datapath: interface of local address %s: %w", a, err)
+	for a, v := range want {
+		if err := m.Put(a, v); err != nil {
+			return fmt.Errorf("datapath: %s %s: %w", what, netip.AddrFrom16(a).Unmap(), err)
 		}
 	}
 	return nil

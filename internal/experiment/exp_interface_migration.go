@@ -104,7 +104,7 @@ func runInterfaceMigration(ctx context.Context, env *Env) (*Result, error) {
 			return res, err
 		}
 		defer srvP.Stop()
-		if err := imWaitListen(ctx, l, p); err != nil {
+		if err := waitSocket(ctx, l, "-Hltn", p, "iperf3 -s"); err != nil {
 			return res, err
 		}
 	}
@@ -196,24 +196,6 @@ func imSummarize(d *imData) {
 			}
 		}
 		d.Before[i], d.After[i] = mean(b), mean(a)
-	}
-}
-
-// imWaitListen waits until the server has a TCP socket listening on port
-// (ss: a connection would be taken by iperf3 for a test).
-func imWaitListen(ctx context.Context, l *lab.Lab, port int) error {
-	deadline := time.Now().Add(15 * time.Second)
-	for {
-		out, err := labkit.Run(ctx, l, "server", 5*time.Second, "ss", "-Hltn", fmt.Sprintf("sport = :%d", port))
-		if err == nil && strings.TrimSpace(out) != "" {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("iperf3 -s on port %d did not listen within 15 s: %v", port, err)
-		}
-		if err := labkit.SleepCtx(ctx, 50*time.Millisecond); err != nil {
-			return err
-		}
 	}
 }
 

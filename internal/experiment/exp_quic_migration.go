@@ -266,7 +266,7 @@ func runQUICMigration(ctx context.Context, env *Env) (*Result, error) {
 		defer dl.srv.Stop()
 	}
 	for _, dl := range d.Downloads {
-		if err := qmWaitUDP(ctx, l, dl.Port); err != nil {
+		if err := waitSocket(ctx, l, "-Hlun", dl.Port, "dysco-h3 serve"); err != nil {
 			return res, err
 		}
 	}
@@ -388,16 +388,18 @@ func qmBytes(z qmSize, i int) int64 {
 	return int64(bits/8) / 1000 * 1000
 }
 
-// qmWaitUDP waits until the server has a UDP socket on port.
-func qmWaitUDP(ctx context.Context, l *lab.Lab, port int) error {
+// waitSocket waits until the server has a socket on port that `ss` lists
+// with flags (-Hlun: UDP, -Hltn: a TCP listener); what names its program.
+// No connection is tried: a test server would take it for a client.
+func waitSocket(ctx context.Context, l *lab.Lab, flags string, port int, what string) error {
 	deadline := time.Now().Add(15 * time.Second)
 	for {
-		out, err := labkit.Run(ctx, l, "server", 5*time.Second, "ss", "-Hlun", fmt.Sprintf("sport = :%d", port))
+		out, err := labkit.Run(ctx, l, "server", 5*time.Second, "ss", flags, fmt.Sprintf("sport = :%d", port))
 		if err == nil && strings.TrimSpace(out) != "" {
 			return nil
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("dysco-h3 serve on port %d did not listen within 15 s (see the lab's logs): %v", port, err)
+			return fmt.Errorf("%s on port %d did not listen within 15 s (see the lab's logs): %v", what, port, err)
 		}
 		if err := labkit.SleepCtx(ctx, 50*time.Millisecond); err != nil {
 			return err

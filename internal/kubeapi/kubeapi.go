@@ -108,20 +108,15 @@ func (s *Server) Argv(bin string) []string {
 // with 200. dial opens its connections (nil: the caller's network
 // namespace); exited, when it is closed, means the process is gone.
 func (s *Server) Ready(ctx context.Context, within time.Duration, dial func(ctx context.Context, network, addr string) (net.Conn, error), exited <-chan struct{}) error {
-	tr := &http.Transport{TLSClientConfig: &tls.Config{}, DialContext: dial}
-	pool, err := certs.LoadPool(s.CAFile)
+	cl, err := s.client(dial, 2*time.Second)
 	if err != nil {
 		return err
 	}
-	tr.TLSClientConfig.RootCAs = pool
-	defer tr.CloseIdleConnections()
-	cl := &http.Client{Transport: tr, Timeout: 2 * time.Second}
+	defer cl.CloseIdleConnections()
 	end := time.Now().Add(within)
 	last := "no answer"
 	for {
-		req, _ := http.NewRequestWithContext(ctx, "GET", s.URL()+"/readyz", nil)
-		req.Header.Set("Authorization", "Bearer "+s.Token)
-		resp, err := cl.Do(req)
+		resp, err := s.get(ctx, cl, "/readyz")
 		if err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == 200 {
@@ -197,15 +192,12 @@ func (s *Server) ControllerPID(ctx context.Context, command func(ctx context.Con
 // server has served: the sum of its apiserver_request_total series with
 // that verb, from /metrics.
 func (s *Server) Requests(ctx context.Context, verb string) (float64, error) {
-	pool, err := certs.LoadPool(s.CAFile)
+	cl, err := s.client(nil, 5*time.Second)
 	if err != nil {
 		return 0, err
 	}
-	tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}
-	defer tr.CloseIdleConnections()
-	req, _ := http.NewRequestWithContext(ctx, "GET", s.URL()+"/metrics", nil)
-	req.Header.Set("Authorization", "Bearer "+s.Token)
-	resp, err := (&http.Client{Transport: tr, Timeout: 5 * time.Second}).Do(req)
+	defer cl.CloseIdleConnections()
+	resp, err := s.get(ctx, cl, "/metrics")
 	if err != nil {
 		return 0, err
 	}
@@ -227,4 +219,24 @@ func (s *Server) Requests(ctx context.Context, verb string) (float64, error) {
 		}
 	}
 	return sum, sc.Err()
+}
+
+// client is an HTTPS client of the API server that trusts its CA; dial
+// opens its connections (nil: the caller's network namespace).
+func (s *Server) client(dial func(ctx context.Context, network, addr string) (net.Conn, error), timeout time.Duration) (*http.Client, error) {
+	pool, err := certs.LoadPool(s.CAFile)
+	if err != nil {
+		return nil, err
+	}
+	return &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}, DialContext: dial}, Timeout: timeout}, nil
+}
+
+// get GETs path as the administrator.
+func (s *Server) get(ctx context.Context, cl *http.Client, path string) (*http.Response, error) {
+	req, err := http.NewRequestWithContext(ctx, "GET", s.URL()+path, nil)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Authorization", "Bearer "+s.Token)
+	return cl.Do(req)
 }

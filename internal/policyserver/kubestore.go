@@ -60,6 +60,9 @@ var (
 const (
 	kubeSetName    = "dysco-policy-set"
 	kubeAgentLabel = "dysco.io/agent"
+	// An agent's Lease's annotations: its address and applied version.
+	kubeAddrAnn    = "dysco.io/addr"
+	kubeAppliedAnn = "dysco.io/applied"
 )
 
 // KubeSupport tells whether this build has the Kubernetes store.
@@ -143,7 +146,7 @@ type kubeStore struct {
 	regMu      sync.Mutex
 	regPending map[string]leaseWrite
 	regKick    chan struct{}
-	regWritten map[string]*leaseState
+	regWritten map[string]*coordinationv1.Lease
 
 	storeHealth
 	cancel context.CancelFunc
@@ -183,7 +186,7 @@ func openKubeStore(cfg *rest.Config, ns string, lease time.Duration, log *slog.L
 	host, _ := os.Hostname()
 	s := &kubeStore{cs: cs, dyn: dyn, ns: ns, id: fmt.Sprintf("%s-%d-%d", host, os.Getpid(), time.Now().UnixNano()), log: log, onChange: onChange, check: check, lease: lease}
 	s.onHealth = onHealth
-	s.regCS, s.regPending, s.regWritten, s.regKick = regCS, map[string]leaseWrite{}, map[string]*leaseState{}, make(chan struct{}, 1)
+	s.regCS, s.regPending, s.regWritten, s.regKick = regCS, map[string]leaseWrite{}, map[string]*coordinationv1.Lease{}, make(chan struct{}, 1)
 	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
 	defer cancel()
 	// The CRDs must be installed: say so at once rather than serve nothing.
@@ -757,14 +760,6 @@ type leaseWrite struct {
 	ttl time.Duration
 }
 
-// leaseState is the Lease the registrar last wrote for an agent.
-type leaseState struct {
-	lease   *coordinationv1.Lease
-	written time.Time
-	applied uint64
-	addr    string
-}
-
 // Register implements Store: the agent's Lease, written by the registrar
 // in the background. Every poll registers; 50 agents taking a change at
 // once would otherwise be 50 writes to the API server per change.
@@ -801,12 +796,8 @@ func (s *kubeStore) registrar(ctx context.Context) {
 		var due []leaseWrite
 		s.regMu.Lock()
 		for host, w := range s.regPending {
-			st := s.regWritten[host]
-			wait := w.ttl / 3
-			if st != nil && (w.reg.Applied != st.applied || w.reg.Addr != st.addr) {
-				wait = kubeRegMinInterval
-			}
-			if st == nil || now.Sub(st.written) >= wait {
+			l := s.regWritten[host] // the Lease last written, with what it says
+			if l == nil || now.Sub(l.Spec.RenewTime.Time) >= regWait(l, w) {
 				due = append(due, w)
 				delete(s.regPending, host)
 			}
@@ -831,6 +822,16 @@ func (s *kubeStore) registrar(ctx context.Context) {
 	}
 }
 
+// regWait is how long after l was written w is due: a new applied
+// version or address after kubeRegMinInterval, a renewal alone after a
+// third of the TTL.
+func regWait(l *coordinationv1.Lease, w leaseWrite) time.Duration {
+	if l.Annotations[kubeAppliedAnn] != strconv.FormatUint(w.reg.Applied, 10) || l.Annotations[kubeAddrAnn] != w.reg.Addr {
+		return kubeRegMinInterval
+	}
+	return w.ttl / 3
+}
+
 // writeLease writes w as its agent's Lease: an update of the Lease last
 // written when there is one (no read first), else a read and a create or
 // an update.
@@ -842,17 +843,17 @@ func (s *kubeStore) writeLease(parent context.Context, w leaseWrite) error {
 	name := agentLeaseName(reg.Host)
 	secs := int32(max(w.ttl/time.Second, 1))
 	now := metav1.NewMicroTime(time.Now())
-	ann := map[string]string{"dysco.io/host": reg.Host, "dysco.io/addr": reg.Addr, "dysco.io/applied": strconv.FormatUint(reg.Applied, 10)}
+	ann := map[string]string{"dysco.io/host": reg.Host, kubeAddrAnn: reg.Addr, kubeAppliedAnn: strconv.FormatUint(reg.Applied, 10)}
 	set := func(l *coordinationv1.Lease) {
 		l.Annotations = ann
 		l.Spec.HolderIdentity, l.Spec.LeaseDurationSeconds, l.Spec.RenewTime = &reg.Host, &secs, &now
 	}
 	done := func(l *coordinationv1.Lease) error {
-		s.regWritten[reg.Host] = &leaseState{lease: l, written: time.Now(), applied: reg.Applied, addr: reg.Addr}
+		s.regWritten[reg.Host] = l
 		return nil
 	}
-	if st := s.regWritten[reg.Host]; st != nil {
-		l := st.lease.DeepCopy()
+	if last := s.regWritten[reg.Host]; last != nil {
+		l := last.DeepCopy()
 		set(l)
 		got, err := leases.Update(ctx, l, metav1.UpdateOptions{})
 		if err == nil {
@@ -903,8 +904,8 @@ func (s *kubeStore) Agents(parent context.Context) ([]api.AgentRegistration, err
 			now.After(l.Spec.RenewTime.Add(time.Duration(*l.Spec.LeaseDurationSeconds)*time.Second)) {
 			continue
 		}
-		applied, _ := strconv.ParseUint(l.Annotations["dysco.io/applied"], 10, 64)
-		out = append(out, api.AgentRegistration{Host: l.Annotations["dysco.io/host"], Addr: l.Annotations["dysco.io/addr"],
+		applied, _ := strconv.ParseUint(l.Annotations[kubeAppliedAnn], 10, 64)
+		out = append(out, api.AgentRegistration{Host: l.Annotations["dysco.io/host"], Addr: l.Annotations[kubeAddrAnn],
 			Applied: applied, Seen: l.Spec.RenewTime.UTC()})
 	}
 	return out, nil
