@@ -227,11 +227,14 @@ func sample(start time.Time, interval time.Duration, got *atomic.Int64, w io.Wri
 		defer t.Stop()
 		last, lastT := int64(0), start
 		for {
+			// The last sample is taken after done, so it holds every
+			// byte: a tick that raced with the end is not the last.
 			var now time.Time
+			final := false
 			select {
 			case now = <-t.C:
 			case <-done:
-				now = time.Now()
+				now, final = time.Now(), true
 			}
 			n := got.Load()
 			s := Sample{T: now.Sub(start).Seconds(), At: float64(now.UnixNano()) / 1e9, Bytes: n}
@@ -239,12 +242,10 @@ func sample(start time.Time, interval time.Duration, got *atomic.Int64, w io.Wri
 				s.Mbps = float64(n-last) * 8 / 1e6 / d
 			}
 			enc.Encode(s)
-			last, lastT = n, now
-			select {
-			case <-done:
+			if final {
 				return
-			default:
 			}
+			last, lastT = n, now
 		}
 	}()
 	return func() { close(done); wg.Wait() }

@@ -79,11 +79,13 @@ func main() {
 			fmt.Fprintln(os.Stderr, "fakeagent:", err)
 			os.Exit(1)
 		}
+		// The log line comes first: the lab returns as soon as the
+		// ready file exists, and tests read the log then.
+		fmt.Printf("fakeagent %s: ready\n", *name)
 		if err := os.Rename(tmp, *ready); err != nil {
 			fmt.Fprintln(os.Stderr, "fakeagent:", err)
 			os.Exit(1)
 		}
-		fmt.Printf("fakeagent %s: ready\n", *name)
 	}
 	s := <-sigs
 	fmt.Printf("fakeagent %s: %v, exiting\n", *name, s)
