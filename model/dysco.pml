@@ -19,8 +19,11 @@
  * configuration, a state migration's migrate and migrateAnswer only in
  * -DMIGRATE (docs/verification.md, "Triggers" and "State migration");
  * other configurations keep no variable of theirs. */
+/* Rebinds (rebind, rebindAck) are not in the model: a rebind changes one
+ * subsession between two agents under the lock of a reconfiguration and
+ * is checked by the Go tests (docs/verification.md, "Rebinds"). */
 /* MsgTypes (message.go), in the Go order. */
-mtype = { requestLock, ackLock, nackLock, cancelLock, ackCancel, syn, synAck, ack, fin, finAck, trigger, triggerResult, migrate, migrateAnswer };
+mtype = { requestLock, ackLock, nackLock, cancelLock, ackCancel, syn, synAck, ack, fin, finAck, trigger, triggerResult, migrate, migrateAnswer, rebind, rebindAck };
 /* LockStates (types.go). */
 mtype = { unlocked, lockPending, locked };
 /* Stages (types.go); idle = no stage (the zero value in Go). */

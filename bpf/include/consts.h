@@ -29,6 +29,11 @@
 #ifndef MAX_LOCAL_ADDRS
 #define MAX_LOCAL_ADDRS 256
 #endif
+/* Session addresses of a host (dysco_locator): a few, one per family is
+ * the common case. */
+#ifndef MAX_SESSION_ADDRS
+#define MAX_SESSION_ADDRS 16
+#endif
 #ifndef MAX_DELTAS
 #define MAX_DELTAS 65536
 #endif

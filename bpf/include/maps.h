@@ -80,6 +80,19 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } dysco_local_if SEC(".maps");
 
+/* Session addresses (docs/mobility.md): an address the host's
+ * applications use that never changes when the host moves, mapped to the
+ * host's current address of the family (its locator), kept by the agent.
+ * A first subsession from a session address leaves from the locator
+ * (syn.h subsession_make); the session tuple keeps the session address. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_SESSION_ADDRS);
+	__type(key, __u8[16]);
+	__type(value, __u8[16]);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_locator SEC(".maps");
+
 /* Previous hops allowed to send Dysco SYNs, when the agent enforces it. */
 struct trusted_key {
 	__u32 prefixlen;

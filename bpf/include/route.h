@@ -34,8 +34,9 @@
  * end hosts) the packet leaves by the interface of its source address
  * (dysco_local_if: a subsession moved to another interface's address,
  * Reconfigure.Source) or else by the one its session was routed to, with
- * the kernel resolving the next hop (nh->nh_family == 0); a source to
- * choose (src) is the session's own local address. */
+ * the kernel resolving the next hop (nh->nh_family == 0); a packet whose
+ * source is no longer the host's has no way out (-1); a source to choose
+ * (src) is the session's own local address. */
 static __always_inline int route(struct __sk_buff *skb, const struct dysco_ends *t, int v6,
 				 struct bpf_redir_neigh *nh, __u32 *ifindex, __u8 *src, const __u8 *own)
 {
@@ -73,6 +74,14 @@ static __always_inline int route(struct __sk_buff *skb, const struct dysco_ends 
 		oif = bpf_map_lookup_elem(&dysco_local_if, t->saddr);
 		if (oif && *oif)
 			*ifindex = *oif;
+		else if (!is_local(t->saddr))
+			/* The source address is gone (the host moved; its
+			 * sessions are being rebound): sent anyway, the packet
+			 * would wait in the neighbour queue of an interface
+			 * with no route, and TCP does not retransmit a segment
+			 * until its last copy has left the host. Dropped, it
+			 * is retransmitted on the new subsession. */
+			return -1;
 		return 0;
 	}
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS)

@@ -19,8 +19,9 @@
  * Maps: dysco_sessions and dysco_syns (insert; delete on failure),
  * dysco_flows4 or dysco_flows6 (insert), dysco_ids (alloc_session),
  * dysco_policies and dysco_types (read; a type's round-robin cursor),
- * dysco_keys and dysco_trusted (read), dysco_halfopen, dysco_local (read),
- * dysco_scratch, dysco_config (read, tap_on), dysco_stats. */
+ * dysco_keys and dysco_trusted (read), dysco_halfopen, dysco_local and
+ * dysco_locator (read), dysco_scratch, dysco_config (read, tap_on),
+ * dysco_stats. */
 #ifndef DYSCO_SYN_H
 #define DYSCO_SYN_H
 
@@ -335,6 +336,14 @@ static __always_inline int subsession_make(struct __sk_buff *skb, struct pkt *p,
 	if (route(skb, next, p->v6, &nh, &ifindex, out->saddr, p->t.saddr)) {
 		stat_inc(STAT_DROP_NO_ROUTE);
 		return -1;
+	}
+	/* A session address (dysco_locator) is the session's, never a
+	 * subsession's: the subsession leaves from the host's locator. */
+	{
+		const __u8 *loc = bpf_map_lookup_elem(&dysco_locator, out->saddr);
+
+		if (loc)
+			__builtin_memcpy(out->saddr, loc, 16);
 	}
 	__builtin_memcpy(out->daddr, st->hops[0], 16);
 	rev->sess_id = id;

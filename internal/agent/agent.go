@@ -72,6 +72,12 @@ type Config struct {
 	// MaxSessions sizes the datapath's session maps (datapath.Config);
 	// 0: the datapath object's own size.
 	MaxSessions int
+	// SessionAddrs are the host's session addresses, at most one per
+	// family (docs/mobility.md): its applications' sessions from them keep
+	// their tuple when the host's address changes; the first subsession
+	// leaves from the host's current address, and moves (a rebind) when
+	// that address goes. Empty: mobility is off.
+	SessionAddrs []netip.Addr
 	// Trusted is the set of prefixes whose Dysco SYNs are admitted
 	// without a valid MAC (with a ControlKeyFile, SYNs are admitted with a
 	// valid MAC or from these prefixes; without one, from these prefixes
@@ -160,6 +166,11 @@ type Agent struct {
 	// local API (the "api" state plug-in).
 	providers *migrate.Providers
 
+	// locators are the session addresses' current locators; rebinding
+	// and rebindAgain the state of the rebind pass (mobility.go). Under mu.
+	locators               map[netip.Addr]netip.Addr
+	rebinding, rebindAgain bool
+
 	// Collector-goroutine state for re-routing decisions (reroute.go).
 	routeCache     map[routeKey]bool
 	rerouteCleared atomic.Uint64
@@ -225,6 +236,9 @@ func netnsID() string {
 func Run(ctx context.Context, cfg Config) error {
 	cfg.defaults()
 	a := &Agent{cfg: cfg, log: cfg.Log.With("agent", cfg.Name), started: time.Now(), ifaces: map[string]bool{}, routeCache: map[routeKey]bool{}}
+	if err := a.checkSessionAddrs(); err != nil {
+		return err
+	}
 	if err := claimStateDir(cfg.StateDir, a.log); err != nil {
 		return err
 	}
@@ -424,14 +438,25 @@ func Run(ctx context.Context, cfg Config) error {
 			a.log.Info("agent stopping; pinned datapath keeps live sessions")
 			return nil
 		case <-linkCh:
+			for len(linkCh) > 0 {
+				<-linkCh
+			}
 			if err := a.syncInterfaces(); err != nil {
 				a.log.Warn("interfaces", "err", err)
 			}
+			if err := a.syncLocators(); err != nil {
+				a.log.Warn("locators", "err", err)
+			}
+			a.rebindLost(ctx)
 		case <-addrCh:
+			for len(addrCh) > 0 {
+				<-addrCh
+			}
 			if err := a.syncAddrs(); err != nil {
 				a.log.Warn("addresses", "err", err)
 			}
 			a.forgetSources()
+			a.rebindLost(ctx)
 		case <-routeCh:
 			// Drain a burst of changes, then decide once.
 			for len(routeCh) > 0 {
@@ -439,6 +464,10 @@ func Run(ctx context.Context, cfg Config) error {
 			}
 			a.routesChanged()
 			a.forgetSources()
+			if err := a.syncLocators(); err != nil {
+				a.log.Warn("locators", "err", err)
+			}
+			a.rebindLost(ctx)
 		case <-gc.C:
 			a.collect()
 		case now := <-fwdTick.C:
@@ -557,7 +586,15 @@ func (a *Agent) syncAddrs() error {
 	if err != nil {
 		return err
 	}
-	return a.dp.SetLocalIfaces(ifs)
+	for ip := range ifs {
+		if a.isSessionAddr(ip) {
+			delete(ifs, ip)
+		}
+	}
+	if err := a.dp.SetLocalIfaces(ifs); err != nil {
+		return err
+	}
+	return a.syncLocators()
 }
 
 // trafficIfaces maps this host's addresses to their interfaces, for those

@@ -53,6 +53,13 @@ func (a *Agent) sourceAddr(peer netip.Addr) netip.Addr {
 			src = s.Unmap()
 		}
 	}
+	if a.isSessionAddr(src) {
+		// Nothing is sent from a session address: its sessions'
+		// subsessions and messages leave from the locator.
+		a.mu.Lock()
+		src = a.locators[src]
+		a.mu.Unlock()
+	}
 	a.srcMu.Lock()
 	if a.srcCache == nil || len(a.srcCache) >= 4096 {
 		a.srcCache = map[netip.Addr]srcEntry{}

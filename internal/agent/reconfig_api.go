@@ -304,9 +304,15 @@ func (a *Agent) ownAddr(x netip.Addr) bool {
 	return slices.Contains(addrs, x)
 }
 
-// selfAddr returns this host's first global address of a family: the
-// address other agents name it by in address lists.
+// selfAddr returns this host's session address of a family, or else its
+// first global address of the family: the address other agents name it by
+// in address lists.
 func (a *Agent) selfAddr(v6 bool) netip.Addr {
+	// A session address never changes: the agent's identity in its
+	// requests (ReqKey) stays the same when the host moves.
+	if s := a.sessionAddr(v6); s.IsValid() {
+		return s
+	}
 	fam := netlink.FAMILY_V4
 	if v6 {
 		fam = netlink.FAMILY_V6

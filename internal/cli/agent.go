@@ -80,7 +80,7 @@ func agentServerTLS(cfg *agent.Config, pki pkiFlags) error {
 
 func newAgentCmd() *cobra.Command {
 	var cfg agent.Config
-	var trusted, nfFlags []string
+	var trusted, nfFlags, sessionAddrs []string
 	var reset, debug, forwardCheck bool
 	var ports, keyFile, cpuProfile, execTrace string
 	var pki pkiFlags
@@ -103,6 +103,13 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 			cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 			if reset {
 				return resetDatapath(cmd.ErrOrStderr(), cfg.PinDir, api.AgentSocket)
+			}
+			for _, x := range sessionAddrs {
+				ip, err := netip.ParseAddr(strings.TrimSpace(x))
+				if err != nil {
+					return fmt.Errorf("--session-addr %q: not an IP address", x)
+				}
+				cfg.SessionAddrs = append(cfg.SessionAddrs, ip.Unmap())
 			}
 			for _, t := range trusted {
 				p, err := parsePrefix(t)
@@ -182,6 +189,7 @@ under --pin-dir. 'dysco agent --reset' (with the agent stopped, and the same
 	f.DurationVar(&cfg.CloseLinger, "close-linger", 10*time.Second, "keep closed sessions this long for retransmitted FINs and ACKs")
 	f.IntVar(&cfg.MaxSessions, "max-sessions", 0, fmt.Sprintf("sessions the datapath's maps hold, 1 to %d, four flow entries each (default: the datapath's own size, MAX_SESSIONS; 'dysco status' shows capacity_sessions); maps already pinned keep their size until --reset", datapath.MaxSessionsLimit))
 	f.StringVar(&ports, "ports", "", "subsession port range LOW-HIGH (default 20000-59999)")
+	f.StringSliceVar(&sessionAddrs, "session-addr", nil, "this host's session addresses, at most one per family (docs/mobility.md): an address of this host that does not change when it moves, usually on a dummy interface; sessions from it keep their tuple when the host's other addresses change, the agent rebinding their first subsession to the new address")
 	f.StringSliceVar(&trusted, "trusted", nil, "also admit Dysco SYNs without a valid MAC from these prefixes (without --control-key-file: only from them; with neither, Dysco SYNs from other hosts are refused)")
 	f.IntVar(&cfg.HalfOpenPerSource, "half-open-per-source", datapath.DefaultHalfOpenPerSource, "half-open sessions that Dysco SYNs from one source (IPv4 address or IPv6 /64) may set up here; more are dropped (drop_half_open)")
 	f.BoolVar(&forwardCheck, "forward-check", true, "refuse at once (a reset back to the client, counter drop_no_forward) chained SYNs this host must pass on while IP forwarding is off for their family; false for a host whose local transparent proxy takes them")

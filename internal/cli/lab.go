@@ -93,7 +93,7 @@ to the router, on 10.202.i.0/24 and fd00:dc:2:i::/64 (docs/lab.md).`,
 	f := cmd.Flags()
 	f.StringVar(&name, "name", "", "lab name: 1 to 8 lower-case letters or digits, starting with a letter (required)")
 	f.StringVar(&topo, "topology", "", "built-in topology: "+strings.Join(lab.Builtins, ", ")+" (star is the default with --hosts)")
-	f.StringSliceVar(&hosts, "hosts", nil, "hosts of a star or line topology, in address order, comma-separated: NAME or NAME=ROLE (client, server, middlebox or mb, host or plain), then :2 for a second link (star)")
+	f.StringSliceVar(&hosts, "hosts", nil, "hosts of a star or line topology, in address order, comma-separated: NAME or NAME=ROLE (client, server, middlebox or mb, host or plain), then :2 for a second link (star), then +session for session addresses on lo, given to the host's agent (star; docs/mobility.md)")
 	f.StringVar(&topoFile, "topology-file", "", "topology file (JSON, see topologies/)")
 	f.BoolVar(&noAgents, "no-agents", false, "start no agents: plain forwarding, a baseline")
 	f.StringVar(&agentBin, "agent-binary", "", "dysco binary for the agents (default: this binary)")

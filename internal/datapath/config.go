@@ -33,9 +33,24 @@ func (d *Datapath) SetLocalIfaces(ifs map[netip.Addr]int) error {
 	return replaceAddrMap(d.objs.DyscoLocalIf, want, "interface of local address")
 }
 
+// SetLocators replaces the host's session addresses and their locators
+// (session address → the host's current address of its family): a first
+// subsession of a session from a session address leaves from its locator
+// (docs/mobility.md).
+func (d *Datapath) SetLocators(locs map[netip.Addr]netip.Addr) error {
+	want := map[[16]byte][16]byte{}
+	for s, l := range locs {
+		if s.Is4() != l.Is4() {
+			return fmt.Errorf("datapath: session address %s and locator %s are of different families", s, l)
+		}
+		want[s.As16()] = l.As16()
+	}
+	return replaceAddrMap(d.objs.DyscoLocator, want, "session address")
+}
+
 // replaceAddrMap makes m, keyed by address, hold exactly want: stale keys
 // are deleted, the others written.
-func replaceAddrMap[V uint8 | uint32](m *ebpf.Map, want map[[16]byte]V, what string) error {
+func replaceAddrMap[V uint8 | uint32 | [16]byte](m *ebpf.Map, want map[[16]byte]V, what string) error {
 	var k [16]byte
 	var v V
 	var stale [][16]byte

@@ -301,6 +301,7 @@ const (
 	dyscoMapDyscoKeys        = "dysco_keys"
 	dyscoMapDyscoLocal       = "dysco_local"
 	dyscoMapDyscoLocalIf     = "dysco_local_if"
+	dyscoMapDyscoLocator     = "dysco_locator"
 	dyscoMapDyscoPolicies    = "dysco_policies"
 	dyscoMapDyscoProgs       = "dysco_progs"
 	dyscoMapDyscoScratch     = "dysco_scratch"
@@ -397,6 +398,7 @@ type dyscoMapSpecs struct {
 	DyscoKeys     *ebpf.MapSpec `ebpf:"dysco_keys"`
 	DyscoLocal    *ebpf.MapSpec `ebpf:"dysco_local"`
 	DyscoLocalIf  *ebpf.MapSpec `ebpf:"dysco_local_if"`
+	DyscoLocator  *ebpf.MapSpec `ebpf:"dysco_locator"`
 	DyscoPolicies *ebpf.MapSpec `ebpf:"dysco_policies"`
 	DyscoProgs    *ebpf.MapSpec `ebpf:"dysco_progs"`
 	DyscoScratch  *ebpf.MapSpec `ebpf:"dysco_scratch"`
@@ -455,6 +457,7 @@ type dyscoMaps struct {
 	DyscoKeys     *ebpf.Map `ebpf:"dysco_keys"`
 	DyscoLocal    *ebpf.Map `ebpf:"dysco_local"`
 	DyscoLocalIf  *ebpf.Map `ebpf:"dysco_local_if"`
+	DyscoLocator  *ebpf.Map `ebpf:"dysco_locator"`
 	DyscoPolicies *ebpf.Map `ebpf:"dysco_policies"`
 	DyscoProgs    *ebpf.Map `ebpf:"dysco_progs"`
 	DyscoScratch  *ebpf.Map `ebpf:"dysco_scratch"`
@@ -483,6 +486,7 @@ func (m *dyscoMaps) Close() error {
 		m.DyscoKeys,
 		m.DyscoLocal,
 		m.DyscoLocalIf,
+		m.DyscoLocator,
 		m.DyscoPolicies,
 		m.DyscoProgs,
 		m.DyscoScratch,

@@ -166,6 +166,21 @@ func (d *FlowMap) AddFlow(k Tuple, f Flow) error {
 	return nil
 }
 
+// ReplaceFlow overwrites the flow at k, which must exist.
+func (d *FlowMap) ReplaceFlow(k Tuple, f Flow) error {
+	if err := d.PutFlow(k, f, ebpf.UpdateExist); err != nil {
+		return fmt.Errorf("datapath: replace flow %s: %w", k, err)
+	}
+	return nil
+}
+
+// Delta returns the sequence translation of the flow at k, if it has one.
+func (d *FlowMap) Delta(k Tuple) (Delta, bool) {
+	var v Delta
+	err := d.objs.DyscoDeltas.Lookup(&k, &v)
+	return v, err == nil
+}
+
 // PutDelta sets the sequence translation of the flow at k (applied when
 // the flow has FlDelta).
 func (d *FlowMap) PutDelta(k Tuple, v Delta) error {

@@ -293,7 +293,7 @@ func Age(now, t uint32) time.Duration {
 func (d *Datapath) Maps() map[string]*ebpf.Map {
 	return map[string]*ebpf.Map{
 		"flows4": d.objs.DyscoFlows4, "flows6": d.objs.DyscoFlows6, "sessions": d.objs.DyscoSessions, "syns": d.objs.DyscoSyns,
-		"deltas": d.objs.DyscoDeltas, "local": d.objs.DyscoLocal, "local_if": d.objs.DyscoLocalIf, "policies": d.objs.DyscoPolicies,
+		"deltas": d.objs.DyscoDeltas, "local": d.objs.DyscoLocal, "local_if": d.objs.DyscoLocalIf, "locator": d.objs.DyscoLocator, "policies": d.objs.DyscoPolicies,
 		"types": d.objs.DyscoTypes, "stats": d.objs.DyscoStats, "keys": d.objs.DyscoKeys, "halfopen": d.objs.DyscoHalfopen,
 	}
 }

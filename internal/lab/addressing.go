@@ -55,7 +55,18 @@ type Host struct {
 	Routes []Route `json:"routes,omitempty"`
 	// Rules are the host's routing rules by source address.
 	Rules []Rule `json:"rules,omitempty"`
+	// SessionAddr4 and SessionAddr6 are the host's session addresses
+	// (HostSpec.SessionAddr): 10.250.i.1/32 and fd00:dc:250:i::1/128 on
+	// SessionIface, never on a link. Its default routes
+	// in the main table name them as the source, so that applications use
+	// them; zero when the host has none.
+	SessionAddr4 netip.Addr `json:"session_addr4,omitzero"`
+	SessionAddr6 netip.Addr `json:"session_addr6,omitzero"`
 }
+
+// SessionIface is the interface of a host's session addresses: its
+// loopback.
+const SessionIface = "lo"
 
 // Rule sends the packets from From to the routing table Table.
 type Rule struct {
@@ -84,6 +95,9 @@ type Route struct {
 	Iface  string       `json:"iface"`
 	Metric int          `json:"metric,omitempty"`
 	Table  int          `json:"table,omitempty"`
+	// Src is the route's preferred source address; zero: the kernel's
+	// choice.
+	Src netip.Addr `json:"src,omitzero"`
 }
 
 // SecondLinkTable is the routing table of the packets from a multihomed
@@ -147,8 +161,10 @@ func plan(labName string, t Topology) (*layout, error) {
 	t = t.withRoles()
 	ly := &layout{}
 	links := map[string]int{}
+	sessAddr := map[string]bool{}
 	for _, s := range t.Hosts {
 		links[s.Name] = s.Links
+		sessAddr[s.Name] = s.SessionAddr
 		ly.hosts = append(ly.hosts, &Host{
 			Name:       s.Name,
 			Role:       s.Role,
@@ -159,7 +175,7 @@ func plan(labName string, t Topology) (*layout, error) {
 	}
 	switch t.Kind {
 	case KindStar:
-		planStar(labName, ly, links)
+		planStar(labName, ly, links, sessAddr)
 	case KindLine:
 		planLine(ly)
 	}
@@ -170,7 +186,7 @@ func plan(labName string, t Topology) (*layout, error) {
 	return ly, nil
 }
 
-func planStar(labName string, ly *layout, links map[string]int) {
+func planStar(labName string, ly *layout, links map[string]int, sessAddr map[string]bool) {
 	r := &Host{
 		Name:       routerName,
 		Role:       RoleRouter,
@@ -192,9 +208,12 @@ func planStar(labName string, ly *layout, links map[string]int) {
 			PeerIface: rif,
 		}}
 		h.Gateway4, h.Gateway6 = gw4, gw6
+		if sessAddr[h.Name] {
+			h.SessionAddr4, h.SessionAddr6 = addr4(250, sub, 1), addr6(250, sub, 1)
+		}
 		h.Routes = []Route{
-			{Dst: default4, Via: gw4, Iface: "eth0"},
-			{Dst: default6, Via: gw6, Iface: "eth0"},
+			{Dst: default4, Via: gw4, Iface: "eth0", Src: h.SessionAddr4},
+			{Dst: default6, Via: gw6, Iface: "eth0", Src: h.SessionAddr6},
 		}
 		r.Ifaces = append(r.Ifaces, Iface{
 			Name:      rif,
@@ -218,8 +237,8 @@ func planStar(labName string, ly *layout, links map[string]int) {
 			PeerIface: sif,
 		})
 		h.Routes = append(h.Routes,
-			Route{Dst: default4, Via: gw4b, Iface: "eth1", Metric: SecondLinkMetric},
-			Route{Dst: default6, Via: gw6b, Iface: "eth1", Metric: SecondLinkMetric},
+			Route{Dst: default4, Via: gw4b, Iface: "eth1", Metric: SecondLinkMetric, Src: h.SessionAddr4},
+			Route{Dst: default6, Via: gw6b, Iface: "eth1", Metric: SecondLinkMetric, Src: h.SessionAddr6},
 			Route{Dst: default4, Via: gw4b, Iface: "eth1", Table: SecondLinkTable},
 			Route{Dst: default6, Via: gw6b, Iface: "eth1", Table: SecondLinkTable})
 		h.Rules = []Rule{

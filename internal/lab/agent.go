@@ -60,6 +60,9 @@ func (l *Lab) agentArgv(h *Host, ready string) []string {
 	if h.Role == RoleMiddlebox {
 		argv = append(argv, "--tap", TapName)
 	}
+	if h.SessionAddr4.IsValid() {
+		argv = append(argv, "--session-addr", h.SessionAddr4.String()+","+h.SessionAddr6.String())
+	}
 	if l.cfg.AgentArgs != nil {
 		argv = append(argv, l.cfg.AgentArgs(h)...)
 	}

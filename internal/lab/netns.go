@@ -264,6 +264,13 @@ func configure(ctx context.Context, ly *layout) error {
 			}
 		}
 	}
+	for _, h := range hosts {
+		if h.SessionAddr4.IsValid() {
+			if err := addSessionIface(c.handles[h.Name], h); err != nil {
+				return fmt.Errorf("host %s: %w", h.Name, err)
+			}
+		}
+	}
 	// Routes last: their gateways must be on links that are up.
 	for _, h := range hosts {
 		nh := c.handles[h.Name]
@@ -273,6 +280,9 @@ func configure(ctx context.Context, ly *layout) error {
 				return fmt.Errorf("host %s: route %s: %w", h.Name, r.Dst, err)
 			}
 			rt := &netlink.Route{LinkIndex: lk.Attrs().Index, Dst: ipNet(r.Dst), Gw: r.Via.AsSlice(), Priority: r.Metric, Table: r.Table}
+			if r.Src.IsValid() {
+				rt.Src = r.Src.AsSlice()
+			}
 			if err := nh.RouteAdd(rt); err != nil {
 				return fmt.Errorf("host %s: adding route %s via %s dev %s: %w", h.Name, r.Dst, r.Via, r.Iface, err)
 			}
@@ -346,6 +356,22 @@ func settled(nh *netlink.Handle, name string) bool {
 		}
 	}
 	return linkLocal
+}
+
+// addSessionIface gives h its session addresses on its loopback
+// interface, SessionIface (the kernel of the lab's machine may have no
+// dummy interfaces; an address on lo is as much the host's).
+func addSessionIface(nh *netlink.Handle, h *Host) error {
+	lk, err := nh.LinkByName(SessionIface)
+	if err != nil {
+		return err
+	}
+	for _, a := range []netip.Addr{h.SessionAddr4, h.SessionAddr6} {
+		if err := nh.AddrAdd(lk, &netlink.Addr{IPNet: ipNet(netip.PrefixFrom(a, a.BitLen())), Flags: unix.IFA_F_NODAD}); err != nil {
+			return fmt.Errorf("adding session address %s: %w", a, err)
+		}
+	}
+	return nil
 }
 
 func configureIface(h *Host, nh *netlink.Handle, ifc Iface) error {

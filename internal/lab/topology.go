@@ -46,11 +46,13 @@ func ParseRole(s string) (Role, error) {
 
 // ParseHosts reads a host list as `dysco lab up --hosts` takes it: each
 // entry NAME, whose role follows the name (InferRole), or NAME=ROLE
-// (ParseRole), for example "client", "fw=mb", "ids=middlebox". Names are
-// checked by Topology.Validate.
+// (ParseRole), for example "client", "fw=mb", "ids=middlebox"; then :2 for
+// a second link, and +session for session addresses (HostSpec), for
+// example "client:2+session". Names are checked by Topology.Validate.
 func ParseHosts(list []string) ([]HostSpec, error) {
 	hs := make([]HostSpec, len(list))
 	for i, e := range list {
+		e, sess := strings.CutSuffix(e, "+session")
 		spec, links, multi := strings.Cut(e, ":")
 		n := 0
 		if multi {
@@ -61,7 +63,7 @@ func ParseHosts(list []string) ([]HostSpec, error) {
 		}
 		name, role, explicit := strings.Cut(spec, "=")
 		if !explicit {
-			hs[i] = HostSpec{Name: name, Role: InferRole(name), Links: n}
+			hs[i] = HostSpec{Name: name, Role: InferRole(name), Links: n, SessionAddr: sess}
 			continue
 		}
 		if name == "" {
@@ -71,7 +73,7 @@ func ParseHosts(list []string) ([]HostSpec, error) {
 		if err != nil {
 			return nil, fmt.Errorf("host %q: %w", name, err)
 		}
-		hs[i] = HostSpec{Name: name, Role: r, Links: n}
+		hs[i] = HostSpec{Name: name, Role: r, Links: n, SessionAddr: sess}
 	}
 	return hs, nil
 }
@@ -118,6 +120,11 @@ type HostSpec struct {
 	// also when 0) or 2: a multihomed host, with a second interface on a
 	// second subnet (see Host).
 	Links int `json:"links,omitempty"`
+	// SessionAddr gives a star's host session addresses (Host.SessionAddr4
+	// and SessionAddr6) on its loopback interface, which its agent gets with
+	// --session-addr: its sessions keep their tuple when its other
+	// addresses change (docs/mobility.md).
+	SessionAddr bool `json:"session_addr,omitempty"`
 }
 
 // Topology is a lab's hosts and how they are connected. It is what a
@@ -205,6 +212,8 @@ func (t Topology) Validate() error {
 			return fmt.Errorf("host %q has %d links: a host has 1 or 2", h.Name, h.Links)
 		case h.Links == 2 && t.Kind != KindStar:
 			return fmt.Errorf("host %q has 2 links: only a star topology's hosts can have a second link", h.Name)
+		case h.SessionAddr && t.Kind != KindStar:
+			return fmt.Errorf("host %q has a session address: only a star topology's hosts can have one", h.Name)
 		}
 	}
 	return nil

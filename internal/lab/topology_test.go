@@ -301,3 +301,40 @@ func TestTopologyFileRoles(t *testing.T) {
 		t.Errorf("unknown role in a file: %v", err)
 	}
 }
+
+// TestPlanSessionAddr: a star host with a session address gets 10.250.i.1
+// and fd00:dc:250:i::1 (on lo), and its main table's default routes name
+// them as their source; other hosts get none, and a line refuses them.
+func TestPlanSessionAddr(t *testing.T) {
+	hs, err := ParseHosts([]string{"client:2+session", "mb1", "srv=server+session"})
+	if err != nil || !hs[0].SessionAddr || hs[0].Links != 2 || hs[1].SessionAddr || hs[2] != (HostSpec{Name: "srv", Role: RoleServer, SessionAddr: true}) {
+		t.Fatalf("ParseHosts = %+v, %v", hs, err)
+	}
+	ly, err := plan("x", Topology{Kind: KindStar, Hosts: hs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := ly.hosts[0]
+	s4, s6 := netip.MustParseAddr("10.250.1.1"), netip.MustParseAddr("fd00:dc:250:1::1")
+	if c.SessionAddr4 != s4 || c.SessionAddr6 != s6 {
+		t.Fatalf("client's session addresses %s %s", c.SessionAddr4, c.SessionAddr6)
+	}
+	for _, r := range c.Routes {
+		want := netip.Addr{}
+		if r.Table == 0 {
+			want = s4
+			if r.Dst.Addr().Is6() {
+				want = s6
+			}
+		}
+		if r.Src != want {
+			t.Errorf("route %+v: source %s, want %s", r, r.Src, want)
+		}
+	}
+	if h := ly.hosts[1]; h.SessionAddr4.IsValid() || h.Routes[0].Src.IsValid() {
+		t.Errorf("mb1 has a session address: %+v", h)
+	}
+	if _, err := plan("x", Topology{Kind: KindLine, Hosts: []HostSpec{{Name: "a", SessionAddr: true}, {Name: "b"}}}); err == nil || !strings.Contains(err.Error(), "only a star") {
+		t.Errorf("a line with a session address: %v", err)
+	}
+}

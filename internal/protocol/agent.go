@@ -209,6 +209,8 @@ func (a *Agent) Handle(now time.Duration, ev Event) []Action {
 		a.onReconfigure(e, nil)
 	case Trigger:
 		a.sendTrigger(e)
+	case Rebind:
+		a.onRebind(e)
 	case Proceed:
 		a.onProceed(e)
 	case JoinFailed:

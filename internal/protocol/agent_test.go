@@ -430,8 +430,8 @@ func TestEnumerationsNamed(t *testing.T) {
 		}
 		seen[n] = true
 	}
-	want := "requestLock ackLock nackLock cancelLock ackCancel syn synAck ack fin finAck trigger triggerResult migrate migrateAnswer unlocked lockPending locked"
-	if got := strings.Join(names[:17], " "); got != want {
+	want := "requestLock ackLock nackLock cancelLock ackCancel syn synAck ack fin finAck trigger triggerResult migrate migrateAnswer rebind rebindAck unlocked lockPending locked"
+	if got := strings.Join(names[:19], " "); got != want {
 		t.Errorf("names %q, want %q", got, want)
 	}
 }

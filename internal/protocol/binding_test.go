@@ -95,6 +95,15 @@ func TestBindingEveryKind(t *testing.T) {
 				t.Fatalf("result %+v", r)
 			}
 		}},
+		{"a rebind", 3, func(h *harness) {
+			h.alias = map[netip.Addr]netip.Addr{moveTo: addr(1)}
+			h.chain([]int{1, 2, 3}, nil)
+			h.deliver(addr(1), Rebind{Session: sid, Source: moveTo, Token: 1})
+			h.run()
+			if r := h.rebindResult(1); r.Outcome != Succeeded {
+				t.Fatalf("rebind %+v", r)
+			}
+		}},
 		{"a state migration the right anchor aborts", 4, func(h *harness) {
 			h.chain([]int{1, 2, 4}, nil)
 			h.deliver(addr(1), Reconfigure{Session: sid, RightAnchor: addr(4), Chain: []netip.Addr{addr(3)}, Token: 1,
@@ -119,7 +128,7 @@ func TestBindingEveryKind(t *testing.T) {
 			h := newHarness(t, sc.n)
 			h.probe = func(e envelope) {
 				covered[e.msg.Type] = true
-				joining := e.msg.Type == MsgSyn && !h.agents[e.to].knows(e.msg.Sub)
+				joining := e.msg.Type == MsgSyn && !h.agentAt(e.to).knows(e.msg.Sub)
 				forged := *e.msg
 				forged.Nonce[0] ^= 0x55
 				forged.AnchorNonce[0] ^= 0x55
@@ -172,7 +181,7 @@ func (a *Agent) knows(sub wire.Tuple) bool {
 // were.
 func (h *harness) expectRefused(e envelope, what string, in MessageIn, mac bool) {
 	h.t.Helper()
-	a := h.agents[e.to]
+	a := h.agentAt(e.to)
 	before := h.snapshot(a)
 	acts := a.Handle(h.now, in)
 	n := 0

@@ -320,6 +320,8 @@ const (
 	TimerMigrate                         // a state migration's bound (left anchor), a right anchor's hold's lease
 	TimerMigrateMsg                      // retransmit a state migration's step
 	TimerQuiet                           // a UDP anchor's old path may have been quiet for the drain time (udp.go)
+	TimerRebind                          // retransmit a rebind (the agent that moves, rebind.go)
+	TimerRebound                         // forget a subsession a rebind replaced (its neighbour, after Linger)
 )
 
 func (k TimerKind) String() string {
@@ -348,6 +350,10 @@ func (k TimerKind) String() string {
 		return "migrate-msg"
 	case TimerQuiet:
 		return "quiet"
+	case TimerRebind:
+		return "rebind"
+	case TimerRebound:
+		return "rebound"
 	}
 	return fmt.Sprintf("timer-%d", uint8(k))
 }

@@ -183,7 +183,7 @@ func FuzzDecode(f *testing.F) {
 			m, err := Decode(testKey, testFrom, in)
 			if err != nil {
 				var de *DecodeError
-				if !errors.As(err, &de) || de.Reason < RejectMalformed || de.Reason > RejectUnexpected {
+				if !errors.As(err, &de) || de.Reason < RejectMalformed || de.Reason > RejectRate {
 					t.Fatalf("error %v (%T) is not a *DecodeError with a reason", err, err)
 				}
 				return
@@ -191,7 +191,7 @@ func FuzzDecode(f *testing.F) {
 			if n := extLen(t, m); len(m.Hops) > wire.MaxHops || n > MaxExtLen || len(in) != MsgHeaderLen+len(m.Hops)*wire.AddrLen+n+MACLen {
 				t.Fatalf("accepted %d bytes with %d hops and an extension of %d", len(in), len(m.Hops), n)
 			}
-			if m.Type < MsgRequestLock || m.Type > MsgMigrateAnswer || m.Flags&^knownFlags != 0 || m.Reason > lastWireReason && m.Reason != ReasonNF {
+			if m.Type < MsgRequestLock || m.Type > MsgRebindAck || m.Flags&^knownFlags != 0 || m.Flags != 0 && (m.Type == MsgRebind || m.Type == MsgRebindAck) || m.Reason > lastWireReason && m.Reason != ReasonNF {
 				t.Fatalf("accepted type %d, flags %#x, reason %d", m.Type, m.Flags, m.Reason)
 			}
 			if m.Migrate != nil && m.Type != MsgTrigger || (m.Answer != nil) != (m.Type == MsgTriggerResult) ||

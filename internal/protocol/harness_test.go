@@ -66,6 +66,9 @@ type harness struct {
 	// alias maps an agent's other addresses to its own (a multihomed
 	// host: messages to them reach it).
 	alias map[netip.Addr]netip.Addr
+	// rebinds: the rebinds' ends; moves: the subsession moves, per agent
+	rebinds []RebindResult
+	moves   map[netip.Addr][]MoveSubsession
 }
 
 type envelope struct {
@@ -99,8 +102,8 @@ func newHarness(t *testing.T, n int) *harness {
 		starts: map[netip.Addr][]StartTwoPath{}, ends: map[netip.Addr][]EndTwoPath{}, frees: map[netip.Addr][]SessionID{},
 		clamps: map[netip.Addr][]SetWindowClamp{}, ready: map[netip.Addr][]NewPathReady{},
 		migLog: map[netip.Addr][]string{}, migDone: map[netip.Addr][]MigrationDone{}, migFail: map[netip.Addr]string{},
-		nfStarts: map[netip.Addr][]StartNF{},
-		locks:    map[netip.Addr]ReqKey{}, sent: map[netip.Addr]map[MsgType]int{}, trigAccepted: map[netip.Addr][]TriggerAccepted{}}
+		nfStarts: map[netip.Addr][]StartNF{}, moves: map[netip.Addr][]MoveSubsession{},
+		locks: map[netip.Addr]ReqKey{}, sent: map[netip.Addr]map[MsgType]int{}, trigAccepted: map[netip.Addr][]TriggerAccepted{}}
 	h.vars = func(netip.Addr, Side) TwoPath {
 		return TwoPath{OldSent: 1000, OldSentAcked: 1000, OldRcvd: 5000, OldRcvdAcked: 5000, NewRcvd: true, FirstNewRcvd: 5000}
 	}
@@ -223,10 +226,24 @@ func (h *harness) apply(at netip.Addr, act Action) {
 	case Progress:
 		h.log = append(h.log, fmt.Sprintf("%s %s %s %s %s", at, x.Req, x.Role, x.Stage, x.Note))
 		h.progress = append(h.progress, x)
+	case MoveSubsession:
+		h.log = append(h.log, fmt.Sprintf("%s move %s side, step %d: %s => %s", at, x.Side, x.Step, x.Old, x.New))
+		h.moves[at] = append(h.moves[at], x)
+	case RebindResult:
+		h.log = append(h.log, fmt.Sprintf("%s rebind %s %s %s blocker=%s", at, x.Req, x.Outcome, x.Reason, x.Blocker))
+		h.rebinds = append(h.rebinds, x)
 	case StartNF:
 		h.log = append(h.log, fmt.Sprintf("%s start network function %s for %s", at, x.Name, x.Req))
 		h.nfStarts[at] = append(h.nfStarts[at], x)
 	}
+}
+
+// agentAt is the agent at x, one of its own addresses or an alias.
+func (h *harness) agentAt(x netip.Addr) *Agent {
+	if a, ok := h.alias[x]; ok {
+		x = a
+	}
+	return h.agents[x]
 }
 
 // step delivers the next message; false when none is queued.
@@ -350,6 +367,16 @@ func (h *harness) result(token uint64) Result {
 	}
 	h.t.Fatalf("no result for token %d\n%s", token, h.trace())
 	return Result{}
+}
+
+func (h *harness) rebindResult(token uint64) RebindResult {
+	for _, r := range h.rebinds {
+		if r.Token == token {
+			return r
+		}
+	}
+	h.t.Fatalf("no rebind result for token %d\n%s", token, h.trace())
+	return RebindResult{}
 }
 
 func (h *harness) trace() string { return strings.Join(h.log, "\n") }

@@ -48,11 +48,20 @@ const (
 	MsgMigrate
 	// MsgMigrateAnswer: the answer to a MsgMigrate (or "still working").
 	MsgMigrateAnswer
+	// MsgRebind: an agent whose address changed moves its subsession
+	// with its right neighbour to its new address, break before make
+	// (M2M §4.2.3; rebind.go). It names the old subsession and comes
+	// from the new address.
+	MsgRebind
+	// MsgRebindAck: the neighbour's answer to a rebind, on the new
+	// subsession: accepted, or refused with a reason.
+	MsgRebindAck
 )
 
 // MsgTypes lists every message type, for comparison with the model.
 var MsgTypes = []MsgType{MsgRequestLock, MsgAckLock, MsgNackLock, MsgCancelLock, MsgAckCancel,
-	MsgSyn, MsgSynAck, MsgAck, MsgFin, MsgFinAck, MsgTrigger, MsgTriggerResult, MsgMigrate, MsgMigrateAnswer}
+	MsgSyn, MsgSynAck, MsgAck, MsgFin, MsgFinAck, MsgTrigger, MsgTriggerResult, MsgMigrate, MsgMigrateAnswer,
+	MsgRebind, MsgRebindAck}
 
 func (t MsgType) String() string {
 	switch t {
@@ -84,6 +93,10 @@ func (t MsgType) String() string {
 		return "migrate"
 	case MsgMigrateAnswer:
 		return "migrateAnswer"
+	case MsgRebind:
+		return "rebind"
+	case MsgRebindAck:
+		return "rebindAck"
 	}
 	return fmt.Sprintf("msg-%d", uint8(t))
 }
@@ -143,8 +156,9 @@ const (
 	// path that holds the session already refuses it (FlagRefuse).
 	FlagPartial = 1 << 4
 	// FlagDirect marks a SYN that a left anchor moving the session to
-	// another of its addresses (Reconfigure.Source) sends straight to the
-	// right anchor (a direct new path). The right anchor keeps it as an
+	// another of its addresses (Reconfigure.Source), or whose own address
+	// is a session address that nothing is sent from (rebind.go), sends
+	// straight to the right anchor (a direct new path). The right anchor keeps it as an
 	// early SYN, grants the lock with its synAck and sends its fins on
 	// the new path, as it does for a direct SYN from the left anchor's own
 	// address, which it tells by that address. Other SYNs do not carry
@@ -253,11 +267,12 @@ const (
 	RejectWrongPeer                              // not sent by the agent at the other end of the subsession
 	RejectReplay                                 // an older request from the same left anchor: replay or stale retransmission
 	RejectUnexpected                             // valid but meaningless in the current state (stale, duplicate of a finished exchange)
+	RejectRate                                   // a rebind sooner after the session's last one than allowed (rebind.go)
 )
 
 // RejectReasons lists every reject reason, for counters.
 var RejectReasons = []RejectReason{RejectMalformed, RejectMagic, RejectVersion, RejectMAC,
-	RejectNonce, RejectUnknownSession, RejectWrongPeer, RejectReplay, RejectUnexpected}
+	RejectNonce, RejectUnknownSession, RejectWrongPeer, RejectReplay, RejectUnexpected, RejectRate}
 
 func (r RejectReason) String() string {
 	switch r {
@@ -279,6 +294,8 @@ func (r RejectReason) String() string {
 		return "replay"
 	case RejectUnexpected:
 		return "unexpected"
+	case RejectRate:
+		return "rate"
 	}
 	return fmt.Sprintf("reject-%d", uint8(r))
 }
@@ -376,7 +393,7 @@ func Decode(k *Keys, from netip.Addr, b []byte) (*Message, error) {
 		Flags:  b[6],
 		Reason: Reason(b[7]),
 	}
-	if m.Type < MsgRequestLock || m.Type > MsgMigrateAnswer {
+	if m.Type < MsgRequestLock || m.Type > MsgRebindAck {
 		return nil, decodeErr(RejectMalformed, "unknown type %d", b[5])
 	}
 	if m.Flags&^knownFlags != 0 {
@@ -454,7 +471,8 @@ func (m *Message) validate() error {
 			return decodeErr(RejectMalformed, "hop %d repeats %s (the path would loop)", i, h)
 		}
 	}
-	if m.Flags&FlagPartial != 0 && m.Type != MsgAckLock && m.Type != MsgSyn || m.Flags&FlagRefuse != 0 && m.Type != MsgSynAck ||
+	if (m.Type == MsgRebind || m.Type == MsgRebindAck) && m.Flags != 0 ||
+		m.Flags&FlagPartial != 0 && m.Type != MsgAckLock && m.Type != MsgSyn || m.Flags&FlagRefuse != 0 && m.Type != MsgSynAck ||
 		m.Type == MsgSyn && m.Flags&FlagDirect != 0 && len(m.Hops) != 0 ||
 		m.Flags&flagsClosed != 0 && (m.Type != MsgAck && m.Type != MsgSynAck || m.Flags&^flagsClosed != 0) {
 		return decodeErr(RejectMalformed, "flags %#x on a %s", m.Flags, m.Type)
@@ -633,6 +651,10 @@ func (m *Message) String() string {
 		}
 	case MsgNackLock:
 		s += fmt.Sprintf(" reason=%q blocker=%s", m.Reason, m.Blocker)
+	case MsgRebindAck:
+		if m.Reason != ReasonNone {
+			s += fmt.Sprintf(" refused reason=%q blocker=%s", m.Reason, m.Blocker)
+		}
 	case MsgFin:
 		s += fmt.Sprintf(" cutoff=%d", m.Delta.Seq)
 	case MsgSyn:

@@ -64,6 +64,8 @@ func sampleOf(typ MsgType, base *Message) Message {
 	case MsgMigrateAnswer:
 		m.Flags, m.Reason, m.Blocker, m.Hops = 0, ReasonNone, ReqKey{}, nil
 		m.Mig = &MigStep{Op: MigFreeze, Text: "drain timeout", Marks: FlowMarks{Seq: 1 << 31, Ack: 7, OK: true}}
+	case MsgRebind, MsgRebindAck:
+		m.Flags, m.Hops = 0, nil
 	default:
 		m.Hops = nil
 	}

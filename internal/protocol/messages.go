@@ -114,8 +114,21 @@ func (a *Agent) onMessage(e MessageIn) {
 		a.onTrigger(s, ref, m, e.From)
 		return
 	}
+	if m.Type == MsgRebind {
+		// It comes from the sender's new address (rebind.go).
+		a.onRebindIn(s, ref, m, e.From)
+		return
+	}
+	if ref.moved {
+		a.reject(RejectUnexpected, m, e.From, "%s on subsession %s, which a rebind replaced", m.Type, m.Sub)
+		return
+	}
 	if e.From != ref.peer {
 		a.reject(RejectWrongPeer, m, e.From, "subsession %s belongs to %s", m.Sub, ref.peer)
+		return
+	}
+	if m.Type == MsgRebindAck {
+		a.onRebindAck(s, m)
 		return
 	}
 	if rightward(m) != (ref.side == SideLeft) {

@@ -89,7 +89,7 @@ func (a *Agent) sendSyn(s *session, l *anchor) {
 	// The addresses after the receiver, ending with the right anchor; none
 	// when the receiver is the right anchor.
 	m.Hops = append(append([]netip.Addr(nil), l.chain...), l.rightAnchor)[1:]
-	if len(l.chain) == 0 && l.moving(s) {
+	if len(l.chain) == 0 && l.fromElsewhere(a, s) {
 		m.Flags |= FlagDirect
 	}
 	if l.nfs != nil {

@@ -139,7 +139,7 @@ func (a *Agent) sendEarlySyn(s *session, l *anchor) {
 	a.subs[l.newSub] = subRef{id: s.id, side: SideRight, peer: l.newPeer, nonce: side.Nonce}
 	m := a.msg(s, MsgSyn, l.newSub, l.req, l.rightAnchor)
 	m.WScale = side.SendWScale // synWScale
-	if l.moving(s) {
+	if l.fromElsewhere(a, s) {
 		m.Flags |= FlagDirect
 	}
 	a.send(l.newPeer, m)

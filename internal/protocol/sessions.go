@@ -119,6 +119,9 @@ func (a *Agent) endSession(s *session) {
 			a.emitResult(s, q.local.trig, Result{Session: s.id, Token: q.local.token, Req: q.local.req, Outcome: Refused, Reason: ReasonSessionEnded})
 		}
 	}
+	if rb := s.rebind; rb != nil {
+		a.emit(RebindResult{Session: s.id, Token: rb.token, Req: rb.req, Old: rb.old, New: rb.new, Outcome: Failed, Reason: ReasonSessionEnded})
+	}
 	a.drop(s)
 }
 
@@ -156,6 +159,12 @@ func (a *Agent) drop(s *session) {
 	}
 	for _, t := range s.tombs {
 		subs = append(subs, t.sub)
+	}
+	for _, mv := range s.moved {
+		subs = append(subs, mv.sub)
+	}
+	if rb := s.rebind; rb != nil {
+		subs = append(subs, rb.new)
 	}
 	for _, t := range subs {
 		if r, ok := a.subs[t]; ok && r.id == s.id {

@@ -24,6 +24,9 @@ type subRef struct {
 	// half of a proxy's two joined sessions, §2.4).
 	nonce [wire.NonceLen]byte
 	tomb  bool // an old path after teardown, kept to answer FINs
+	// moved: a subsession a rebind replaced, kept to answer the
+	// rebind's retransmissions (rebind.go).
+	moved bool
 }
 
 type session struct {
@@ -77,6 +80,15 @@ type session struct {
 	// hold state moved for it (ReleaseState when it goes).
 	serve              []*migServe
 	exported, imported bool
+	// rebind is this agent's rebind of the right side in progress
+	// (rebind.go); rebound, reboundAt and reboundSet the last rebind of
+	// the left side accepted here; moved the subsessions rebinds replaced
+	// here, until Linger.
+	rebind     *rebindOut
+	rebound    ReqKey
+	reboundAt  time.Duration
+	reboundSet bool
+	moved      []moved
 }
 
 type queued struct {
@@ -189,6 +201,15 @@ const (
 // of its addresses than the current subsession (Reconfigure.Source).
 func (an *anchor) moving(s *session) bool {
 	return an.source.IsValid() && an.source != s.sides[SideRight].Sub.Src.Unmap()
+}
+
+// fromElsewhere reports whether the left anchor's direct new path leaves
+// from another address than the one it names itself by (Config.Self):
+// the session moves to another address, or the host's own is a session
+// address (rebind.go), which nothing is sent from. The right anchor
+// cannot tell such a SYN by its source; it carries FlagDirect.
+func (an *anchor) fromElsewhere(a *Agent, s *session) bool {
+	return an.moving(s) || an.newSub.Src.IsValid() && an.newSub.Src.Unmap() != a.cfg.Self
 }
 
 // direct reports whether the new path joins the two anchors with no

@@ -44,6 +44,10 @@ func (a *Agent) onTimer(id TimerID) {
 	}
 	delete(s.timers, id)
 	switch id.Kind {
+	case TimerRebind:
+		a.onRebindTimer(s, id.Req)
+	case TimerRebound:
+		a.onRebound(s, id.Req)
 	case TimerRequest:
 		l := s.left
 		if l == nil || l.req != id.Req || l.stage != StageLocking {

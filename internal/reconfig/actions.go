@@ -91,6 +91,10 @@ func (c *Shell) do(v6 bool, act protocol.Action) error {
 		return dp.SetTwoPathState(k, datapath.TPNew)
 	case protocol.RemoveSubsession:
 		return c.removeSub(x)
+	case protocol.MoveSubsession:
+		return c.moveSub(x)
+	case protocol.RebindResult:
+		c.onRebindResult(x)
 	case protocol.NewPathReady:
 		c.onNewPathReady(v6, x)
 	case protocol.Hold:

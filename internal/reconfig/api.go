@@ -127,6 +127,7 @@ func (c *Shell) Counters() map[string]uint64 {
 	st["control_messages_out"] = c.msgsOut.Load()
 	st["control_datagrams_in"] = c.dgramsIn.Load()
 	st["control_datagrams_out"] = c.dgramsOut.Load()
+	st["rebinds"], st["rebinds_failed"], st["rebinds_accepted"] = c.rebindsDone.Load(), c.rebindsFailed.Load(), c.rebindsIn.Load()
 	if hs := c.holds; hs != nil {
 		// Held packets sent on again, failures, and packets that
 		// arrived for no hold (sent on at once).

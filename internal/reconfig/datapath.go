@@ -24,9 +24,11 @@ type Datapath interface {
 type Flows interface {
 	Flow(k datapath.Tuple) (datapath.Flow, bool)
 	AddFlow(k datapath.Tuple, f datapath.Flow) error
+	ReplaceFlow(k datapath.Tuple, f datapath.Flow) error
 	DeleteFlow(k datapath.Tuple)
 	SetFlowFlags(k datapath.Tuple, set, clear uint32) error
 	EachFlow(fn func(k *datapath.Tuple, f *datapath.Flow)) error
+	Delta(k datapath.Tuple) (datapath.Delta, bool)
 	PutDelta(k datapath.Tuple, v datapath.Delta) error
 	DeleteDelta(k datapath.Tuple)
 }

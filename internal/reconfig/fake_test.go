@@ -67,6 +67,23 @@ func (d *fakeDP) AddFlow(k datapath.Tuple, f datapath.Flow) error {
 	return nil
 }
 
+func (d *fakeDP) ReplaceFlow(k datapath.Tuple, f datapath.Flow) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if _, ok := d.flows[k]; !ok {
+		return syscall.ENOENT
+	}
+	d.flows[k] = f
+	return nil
+}
+
+func (d *fakeDP) Delta(k datapath.Tuple) (datapath.Delta, bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	v, ok := d.deltas[k]
+	return v, ok
+}
+
 func (d *fakeDP) DeleteFlow(k datapath.Tuple) {
 	d.mu.Lock()
 	defer d.mu.Unlock()

@@ -130,6 +130,11 @@ type Shell struct {
 	// restarts numbers its requests above every one it may have used.
 	reqBase, reqLimit uint32
 
+	// rebinds wait for their results, by token (rebind.go); rebindsDone
+	// and rebindsFailed count this agent's, rebindsIn those it accepted.
+	rebinds                               map[uint64]chan protocol.RebindResult
+	rebindsDone, rebindsFailed, rebindsIn atomic.Uint64
+
 	rejected sync.Map // reason string → *atomic.Uint64
 	msgsIn   atomic.Uint64
 	msgsOut  atomic.Uint64
@@ -170,7 +175,7 @@ func New(cfg Config) (*Shell, error) {
 		notReady: map[protocol.SessionID]*readyPoll{}, waiters: map[uint64]chan waited{}, started: map[uint64]time.Time{},
 		active: map[datapath.TPKey]bool{}, prevTP: map[datapath.TPKey]datapath.TPVal{}, spliced: map[protocol.SessionID]splicedPair{},
 		onwardOf:  map[uint32]onwardEntry{},
-		trigWaits: map[uint64]*trigWait{}, otherVersion: map[netip.Addr]bool{}, wake: make(chan struct{}, 1),
+		trigWaits: map[uint64]*trigWait{}, rebinds: map[uint64]chan protocol.RebindResult{}, otherVersion: map[netip.Addr]bool{}, wake: make(chan struct{}, 1),
 		migrations: map[uint64]*migration{}, migReports: map[uint64]api.MigrationReport{},
 		migHolds: map[datapath.TPKey]heldPackets{}, migOut: map[uint64]chan api.MigrationReport{},
 		// Tokens name this agent's requests and triggers; they stay

@@ -1,0 +1,312 @@
+package agent
+
+// Session addresses and break-before-make moves (docs/mobility.md, M2M
+// §4.2.3): the host's applications use a session address that never
+// changes; the first subsession of their sessions leaves from the host's
+// current address of the family (its locator). When that address goes,
+// the agent rebinds each such session from the new locator.
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"net"
+	"net/netip"
+	"slices"
+	"sort"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/dysco/dysco/internal/datapath"
+)
+
+// Rebinds of one move: each session gets this long (the rebind's own
+// retransmissions take up to ~20 s), and a session refused for contention
+// (a reconfiguration holds it, or its last rebind is too recent) is tried
+// again up to rebindTries times, rebindRetry apart.
+const (
+	rebindWait  = 30 * time.Second
+	rebindTries = 8
+	rebindRetry = 250 * time.Millisecond
+)
+
+// checkSessionAddrs refuses session addresses that are not this host's
+// global unicast addresses, or two of one family.
+func (a *Agent) checkSessionAddrs() error {
+	seen := map[bool]netip.Addr{}
+	for _, s := range a.cfg.SessionAddrs {
+		if !s.IsGlobalUnicast() {
+			return fmt.Errorf("--session-addr %s: not a global unicast address", s)
+		}
+		if o, ok := seen[s.Is6()]; ok {
+			return fmt.Errorf("--session-addr %s and %s: at most one session address per family", o, s)
+		}
+		seen[s.Is6()] = s
+		if !a.ownAddr(s) {
+			return fmt.Errorf("--session-addr %s: not an address of this host (add it first, for example on a dummy interface: ip link add dysco0 type dummy; ip link set dysco0 up; ip addr add %s dev dysco0)", s, netip.PrefixFrom(s, s.BitLen()))
+		}
+	}
+	if a.cfg.ControlKeyFile == "" && len(a.cfg.SessionAddrs) > 0 {
+		a.log.Warn("--session-addr without --control-key-file: sessions cannot be rebound when this host's address changes")
+	}
+	return nil
+}
+
+// isSessionAddr reports whether x is one of the host's session addresses.
+func (a *Agent) isSessionAddr(x netip.Addr) bool {
+	return slices.Contains(a.cfg.SessionAddrs, x.Unmap())
+}
+
+// sessionAddr returns the session address of a family, if any.
+func (a *Agent) sessionAddr(v6 bool) netip.Addr {
+	for _, s := range a.cfg.SessionAddrs {
+		if s.Is6() == v6 {
+			return s
+		}
+	}
+	return netip.Addr{}
+}
+
+// locator returns the host's current address of a family for the first
+// subsessions of sessions from its session address: the source of the
+// main table's best default route if it is not a session address, or else
+// the first usable global address of that route's interface; with no
+// default route, the host's lowest usable global address on an interface
+// that carries traffic.
+func (a *Agent) locator(v6 bool) netip.Addr {
+	fam := netlink.FAMILY_V4
+	if v6 {
+		fam = netlink.FAMILY_V6
+	}
+	usable := func(ad netlink.Addr) (netip.Addr, bool) {
+		ip, ok := netip.AddrFromSlice(ad.IP)
+		ip = ip.Unmap()
+		bad := unix.IFA_F_TENTATIVE | unix.IFA_F_DADFAILED | unix.IFA_F_DEPRECATED
+		return ip, ok && ip.IsGlobalUnicast() && ip.Is6() == v6 && ad.Flags&bad == 0 && !a.isSessionAddr(ip)
+	}
+	up := upLinks()
+	routes, _ := netlink.RouteListFiltered(fam, &netlink.Route{Table: unix.RT_TABLE_MAIN}, netlink.RT_FILTER_TABLE)
+	var defs []netlink.Route
+	for _, r := range routes {
+		if r.Dst == nil || r.Dst.IP.IsUnspecified() {
+			if ones, _ := maskOf(r.Dst); ones == 0 {
+				defs = append(defs, r)
+			}
+		}
+	}
+	sort.SliceStable(defs, func(i, j int) bool { return defs[i].Priority < defs[j].Priority })
+	for _, r := range defs {
+		if !up[r.LinkIndex] || r.Flags&unix.RTNH_F_LINKDOWN != 0 {
+			continue
+		}
+		if s, ok := netip.AddrFromSlice(r.Src); ok && !a.isSessionAddr(s.Unmap()) && s.Unmap().IsGlobalUnicast() {
+			return s.Unmap()
+		}
+		l, err := netlink.LinkByIndex(r.LinkIndex)
+		if err != nil {
+			continue
+		}
+		addrs, _ := netlink.AddrList(l, fam)
+		for _, ad := range addrs {
+			if ip, ok := usable(ad); ok {
+				return ip
+			}
+		}
+	}
+	ifs, _ := trafficIfaces()
+	var best netip.Addr
+	for ip, idx := range ifs {
+		if up[idx] && ip.Is6() == v6 && ip.IsGlobalUnicast() && !a.isSessionAddr(ip) && (!best.IsValid() || ip.Less(best)) {
+			best = ip
+		}
+	}
+	return best
+}
+
+// upLinks lists the interfaces that can carry packets now: up, and not
+// known to be without a carrier.
+func upLinks() map[int]bool {
+	links, _ := netlink.LinkList()
+	out := map[int]bool{}
+	for _, l := range links {
+		at := l.Attrs()
+		if at.Flags&net.FlagUp != 0 && at.OperState != netlink.OperDown && at.OperState != netlink.OperLowerLayerDown {
+			out[at.Index] = true
+		}
+	}
+	return out
+}
+
+// usableAddrs lists this host's addresses on interfaces that can carry
+// packets now.
+func usableAddrs() []netip.Addr {
+	up := upLinks()
+	ifs, _ := trafficIfaces()
+	var out []netip.Addr
+	for ip, idx := range ifs {
+		if up[idx] {
+			out = append(out, ip)
+		}
+	}
+	return out
+}
+
+func maskOf(n *net.IPNet) (int, int) {
+	if n == nil {
+		return 0, 0
+	}
+	return n.Mask.Size()
+}
+
+// syncLocators puts each session address's locator into the datapath.
+func (a *Agent) syncLocators() error {
+	if len(a.cfg.SessionAddrs) == 0 {
+		return nil
+	}
+	locs := map[netip.Addr]netip.Addr{}
+	for _, s := range a.cfg.SessionAddrs {
+		if l := a.locator(s.Is6()); l.IsValid() {
+			locs[s] = l
+		}
+	}
+	a.mu.Lock()
+	changed := !maps.Equal(a.locators, locs)
+	a.locators = locs
+	a.mu.Unlock()
+	if changed {
+		a.log.Info("locators", "map", locs)
+	}
+	return a.dp.SetLocators(locs)
+}
+
+// rebindLost starts (or asks the running pass to repeat) a pass that
+// rebinds the sessions whose first subsession's address is gone.
+func (a *Agent) rebindLost(ctx context.Context) {
+	if len(a.cfg.SessionAddrs) == 0 || a.ctl == nil {
+		return
+	}
+	a.mu.Lock()
+	if a.rebinding {
+		a.rebindAgain = true
+		a.mu.Unlock()
+		return
+	}
+	a.rebinding = true
+	a.mu.Unlock()
+	go func() {
+		for {
+			a.rebindPass(ctx)
+			a.mu.Lock()
+			if !a.rebindAgain || ctx.Err() != nil {
+				a.rebinding = false
+				a.mu.Unlock()
+				return
+			}
+			a.rebindAgain = false
+			a.mu.Unlock()
+		}
+	}()
+}
+
+// lostSessions lists, by the locator they move to, the sessions this host
+// starts from a session address whose first subsession leaves from an
+// address the host no longer has, or has on an interface that is down.
+func (a *Agent) lostSessions() map[netip.Addr][]uint32 {
+	own := usableAddrs()
+	a.mu.Lock()
+	locs := a.locators
+	a.mu.Unlock()
+	out := map[netip.Addr][]uint32{}
+	_ = a.dp.EachSession(func(id uint32, s *datapath.Session) {
+		t := s.Tuple.Wire()
+		if s.Role != datapath.RoleStart || !a.isSessionAddr(t.Src.Unmap()) || s.State&datapath.StRST != 0 {
+			return
+		}
+		src, ok := a.rightSource(id, s)
+		if !ok || slices.Contains(own, src) {
+			return
+		}
+		if l, ok := locs[t.Src.Unmap()]; ok && l != src {
+			out[l] = append(out[l], id)
+		}
+	})
+	return out
+}
+
+// rebindPass rebinds the lost sessions, trying again those refused for
+// contention.
+func (a *Agent) rebindPass(ctx context.Context) {
+	for try := 0; try < rebindTries && ctx.Err() == nil; try++ {
+		lost := a.lostSessions()
+		if len(lost) == 0 {
+			return
+		}
+		again := false
+		for loc, ids := range lost {
+			c, cancel := context.WithTimeout(ctx, rebindWait)
+			start := time.Now()
+			outs := a.ctl.Rebind(c, ids, loc)
+			cancel()
+			ok := 0
+			peers := map[netip.Addr]bool{}
+			for _, o := range outs {
+				if o.Outcome == "succeeded" {
+					ok++
+					peers[o.New.Dst.Unmap()] = true
+					continue
+				}
+				again = true
+				a.log.Warn("rebind", "session", o.ID, "to", loc, "outcome", o.Outcome, "reason", o.Reason)
+			}
+			a.log.Info("sessions moved to a new address", "to", loc, "sessions", len(ids), "moved", ok, "took", time.Since(start))
+			flushIncomplete(peers)
+		}
+		if !again {
+			return
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(rebindRetry):
+		}
+	}
+}
+
+// rightSource returns the address this host's end of the right
+// subsession of a session it starts has: its egress flow's source, or
+// that of the new path of a reconfiguration it went through.
+func (a *Agent) rightSource(id uint32, s *datapath.Session) (netip.Addr, bool) {
+	f, ok := a.dp.Flow(datapath.TupleOf(s.Tuple.Wire(), s.Proto))
+	if !ok || f.SessId != id {
+		return netip.Addr{}, false
+	}
+	src := f.Out.Wire().Src
+	if tp, ok := a.dp.TwoPath(datapath.TPKey{SessId: id, Side: 1}); ok && tp.State == datapath.TPNew {
+		src = tp.NewOut.Wire().Src
+	}
+	return src.Unmap(), true
+}
+
+// flushIncomplete deletes the unresolved neighbour entries of peers. A
+// packet sent from the lost address before the datapath knew it was gone
+// may wait in such an entry's queue, on an interface with no route to the
+// peer, until resolution fails (three seconds); TCP does not retransmit a
+// segment while a copy of it is still in the host, so the session would
+// stall that long. Deleting the entry drops the packet, and TCP sends it
+// again on the new subsession.
+func flushIncomplete(peers map[netip.Addr]bool) {
+	if len(peers) == 0 {
+		return
+	}
+	ns, err := netlink.NeighList(0, netlink.FAMILY_ALL)
+	if err != nil {
+		return
+	}
+	for _, n := range ns {
+		ip, ok := netip.AddrFromSlice(n.IP)
+		if ok && peers[ip.Unmap()] && n.State&(netlink.NUD_INCOMPLETE|netlink.NUD_FAILED) != 0 {
+			_ = netlink.NeighDel(&n)
+		}
+	}
+}

@@ -1,0 +1,253 @@
+package e2e
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/testutil"
+)
+
+// TestRebindAddressLost: break before make (M2M §4.2.3). The client has a
+// session address (on a dummy interface, which its applications use) and
+// two links; its sessions go through mb1, a stateful iptables firewall
+// whose FORWARD policy is DROP, watched by a tcpdump monitor on its
+// session-view tap. While a paced transfer (bytes checked both ways), an
+// iperf3 test and a curl download run, the client's address on its first
+// link is deleted with its default route (as when a DHCP lease ends): the
+// client's agent rebinds every session from its second link's address.
+// Everything finishes intact, mb1's conntrack holds the same one entry
+// per session throughout, its monitor sees each session under its one
+// tuple, and the session leaves by the second link afterwards. IPv4 and
+// IPv6, one after the other, in one lab.
+func TestRebindAddressLost(t *testing.T) {
+	e := newLab(t, labOpts{prefix: "rb", topology: lab.Topology{Kind: lab.KindStar, Hosts: []lab.HostSpec{
+		{Name: "client", Role: lab.RoleClient, Links: 2, SessionAddr: true}, {Name: "mb1", Role: lab.RoleMiddlebox},
+		{Name: "server", Role: lab.RoleServer}}}})
+	dir := t.TempDir()
+	e.nginx("server", dir)
+	want := randomFile(t, dir+"/www/blob", 24*mib)
+	e.iperfServer("server", 5201)
+	for _, v6 := range []bool{false, true} {
+		name := "ipv4"
+		if v6 {
+			name = "ipv6"
+		}
+		t.Run(name, func(t *testing.T) { rebindAddressLost(e.withT(t), v6, want) })
+	}
+	t.Run("link down", func(t *testing.T) { rebindLinkDown(e.withT(t)) })
+}
+
+// rebindLinkDown gives the client its first link's addresses and default
+// routes back (new sessions leave by it again), starts transfers of both
+// families, through mb1 and with no middlebox (to the server directly),
+// and takes the first link down: every session moves to the second link
+// and finishes intact.
+func rebindLinkDown(e *env) {
+	t := e.t
+	h := e.host("client")
+	e.run("client", "ip", "-4", "addr", "add", h.Ifaces[0].Addr4.String(), "dev", "eth0")
+	e.run("client", "ip", "-6", "addr", "add", h.Ifaces[0].Addr6.String(), "dev", "eth0", "nodad")
+	e.run("client", "ip", "-4", "route", "replace", "default", "via", h.Gateway4.String(), "dev", "eth0", "src", h.SessionAddr4.String())
+	e.run("client", "ip", "-6", "route", "replace", "default", "via", h.Gateway6.String(), "dev", "eth0", "src", h.SessionAddr6.String(), "metric", "1024")
+	e.dysco("client", "policy", "rm", "mobile")
+	e.policy("client", "mobile4", "ip and tcp dst port 9700", e.addr("mb1", false).String())
+	e.policy("client", "mobile6", "ip6 and tcp dst port 9700", e.addr("mb1", true).String())
+	e.policy("client", "direct", "tcp and dst port 9701")
+	type tr struct {
+		lt    *liveTransfer
+		v6    bool
+		first string
+	}
+	var trs []tr
+	for _, c := range []struct {
+		v6   bool
+		port uint16
+	}{{false, 9700}, {true, 9700}, {false, 9701}, {true, 9701}} {
+		trs = append(trs, tr{e.startTransfer("client", "server", e.addr("server", c.v6), c.port, 24*mib, 6*mib), c.v6, e.addr("client", c.v6).String()})
+	}
+	for _, x := range trs {
+		testutil.Eventually(t, 30*time.Second, "the transfers to start", func() bool { return x.lt.received.Load() > 2*mib })
+	}
+	rights := func() []string {
+		var out []string
+		for _, s := range e.sessions("client") {
+			if s.Role == "start" && s.State == "established" {
+				out = append(out, s.Right)
+			}
+		}
+		return out
+	}
+	before := rights()
+	if len(before) < 4 {
+		t.Fatalf("the client's sessions: %v", before)
+	}
+	for _, r := range before {
+		if !strings.HasPrefix(r, e.addr("client", false).String()+":") && !strings.HasPrefix(r, "["+e.addr("client", true).String()+"]") {
+			t.Errorf("a session leaves from %s, not the first link", r)
+		}
+	}
+	e.run("client", "ip", "link", "set", "eth0", "down")
+	for _, x := range trs {
+		x.lt.wait(t)
+	}
+	for _, r := range rights() {
+		if !strings.HasPrefix(r, e.secondAddr("client", false).String()+":") && !strings.HasPrefix(r, "["+e.secondAddr("client", true).String()+"]") {
+			t.Errorf("after the link went down a session leaves from %s, not the second link", r)
+		}
+	}
+	if n := e.status("server").Counters["rebinds_accepted"]; n < 2 {
+		t.Errorf("the server accepted %d rebinds (the sessions with no middlebox)", n)
+	}
+}
+
+func rebindAddressLost(e *env, v6 bool, want string) {
+	t := e.t
+	ipt, family, ip := "iptables", "ipv4", "-4"
+	if v6 {
+		ipt, family, ip = "ip6tables", "ipv6", "-6"
+	}
+	h := e.host("client")
+	sess, first, second := h.SessionAddr4, e.addr("client", v6), e.secondAddr("client", v6)
+	if v6 {
+		sess = h.SessionAddr6
+	}
+	dst, mb1 := e.addr("server", v6), e.addr("mb1", v6)
+	for _, r := range [][]string{
+		{"-P", "FORWARD", "DROP"},
+		{"-A", "FORWARD", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"},
+		{"-A", "FORWARD", "-p", "tcp", "--syn", "-s", sess.String(), "-d", dst.String(), "-m", "multiport", "--dports", "80,5201,9700",
+			"-m", "conntrack", "--ctstate", "NEW", "-j", "ACCEPT"},
+	} {
+		e.run("mb1", append([]string{ipt}, r...)...)
+	}
+	if v6 {
+		e.dysco("client", "policy", "rm", "mobile")
+	}
+	e.policy("client", "mobile", "tcp and (dst port 80 or dst port 5201 or dst port 9700)", mb1.String())
+	monitor := e.capture("mb1", "dysco-tap", "tcp and (port 80 or port 5201 or port 9700)")
+
+	const total = 40 * mib
+	lt := e.startTransfer("client", "server", dst, 9700, total, 6*mib)
+	curlOut := filepath.Join(t.TempDir(), "curl.sha256")
+	curl, err := e.lab.Start("client", "curl-"+family, "sh", "-c",
+		fmt.Sprintf("curl -sS -f -g --max-time 120 --limit-rate 3M %s | sha256sum > %s", urlFor(dst, "/blob"), curlOut))
+	if err != nil {
+		t.Fatal(err)
+	}
+	iperf, err := e.lab.Start("client", "iperf3-"+family, "sh", "-c",
+		fmt.Sprintf("iperf3 -J -c %s -p 5201 -t 8 -b 20M > %s", dst, curlOut+".iperf"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	testutil.Eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > 4*mib })
+
+	// Every session starts from the session address, and mb1's conntrack
+	// has one entry for each.
+	for _, s := range e.sessions("client") {
+		if strings.HasPrefix(s.Session, "[") != v6 {
+			continue // the other family's, ended
+		}
+		if !strings.HasPrefix(s.Session, sess.String()) && !strings.HasPrefix(s.Session, "["+sess.String()) {
+			t.Errorf("a session from %s, not the session address %s", s.Session, sess)
+		}
+	}
+	ctBefore := conntrackTuples(e, family)
+	if len(ctBefore) < 3 {
+		t.Fatalf("mb1's conntrack before the move: %v", ctBefore)
+	}
+
+	// The first link's address goes, with its default route.
+	pfx := h.Ifaces[0].Addr4
+	if v6 {
+		pfx = h.Ifaces[0].Addr6
+	}
+	moved := time.Now()
+	e.run("client", "ip", ip, "addr", "del", pfx.String(), "dev", "eth0")
+	_ = e.lab.Command(t.Context(), "client", "ip", ip, "route", "del", "default", "dev", "eth0").Run()
+	base := lt.received.Load()
+	testutil.Eventually(t, 30*time.Second, "data after the address was lost", func() bool { return lt.received.Load() > base+2*mib })
+	t.Logf("the transfer went on %.0f ms after the address was deleted", float64(time.Since(moved).Microseconds())/1000)
+
+	on0 := e.capture("client", "eth0", "tcp and host "+mb1.String())
+	on1 := e.capture("client", "eth1", "tcp and host "+mb1.String())
+	base = lt.received.Load()
+	testutil.Eventually(t, 30*time.Second, "more data", func() bool { return lt.received.Load() > base+2*mib })
+	l0, l1 := on0(), on1()
+	if n := countMatching(l0, mb1.String()); n > 0 {
+		t.Errorf("%d packets on the first link after the move: %q", n, l0)
+	}
+	if n := countMatching(l1, second.String()+"."); n < 50 {
+		t.Errorf("%d packets from %s on the second link", n, second)
+	}
+
+	lt.wait(t)
+	select {
+	case <-curl.Done():
+	case <-time.After(2 * time.Minute):
+		t.Fatal("curl did not finish")
+	}
+	if err := curl.Err(); err != nil {
+		t.Errorf("curl: %v", err)
+	}
+	if got, _ := os.ReadFile(curlOut); !strings.HasPrefix(string(got), want) {
+		t.Errorf("curl's download: sha256 %q, want %s", got, want)
+	}
+	select {
+	case <-iperf.Done():
+	case <-time.After(time.Minute):
+		t.Fatal("iperf3 did not finish")
+	}
+	out, _ := os.ReadFile(curlOut + ".iperf")
+	if bytes, ierr, err := iperfResult(string(out)); err != nil || ierr != "" || bytes <= 0 {
+		t.Errorf("iperf3: %v bytes, %v %s", bytes, err, ierr)
+	}
+
+	// The same conntrack entries, none new; the monitor saw each session
+	// under its one tuple, from the session address.
+	ctAfter := conntrackTuples(e, family)
+	for tup := range ctAfter {
+		if !ctBefore[tup] {
+			t.Errorf("mb1's conntrack has a new entry %s (before: %v)", tup, ctBefore)
+		}
+	}
+	for _, l := range monitor() {
+		if strings.Contains(l, first.String()+".") || strings.Contains(l, second.String()+".") {
+			t.Errorf("mb1's monitor saw a locator, not the session: %q", l)
+			break
+		}
+	}
+	if c := e.status("client").Counters; c["rebinds"] < 3 || c["rebinds_failed"] != 0 {
+		t.Errorf("client counters: rebinds %d, failed %d", c["rebinds"], c["rebinds_failed"])
+	}
+	if n := e.status("mb1").Counters["rebinds_accepted"]; n < 3 {
+		t.Errorf("mb1 accepted %d rebinds", n)
+	}
+}
+
+// conntrackTuples lists the original tuples of mb1's TCP conntrack
+// entries of a family ("src=… dst=… sport=… dport=…").
+func conntrackTuples(e *env, family string) map[string]bool {
+	out := e.run("mb1", "conntrack", "-L", "-f", family, "-p", "tcp")
+	got := map[string]bool{}
+	for _, l := range strings.Split(out, "\n") {
+		f := strings.Fields(l)
+		var tup []string
+		for _, x := range f {
+			if strings.HasPrefix(x, "src=") || strings.HasPrefix(x, "dst=") || strings.HasPrefix(x, "sport=") || strings.HasPrefix(x, "dport=") {
+				tup = append(tup, x)
+				if len(tup) == 4 {
+					break
+				}
+			}
+		}
+		if len(tup) == 4 {
+			got[strings.Join(tup, " ")] = true
+		}
+	}
+	return got
+}
