@@ -100,7 +100,7 @@ func TestPlan(t *testing.T) {
 		names = append(names, p.Name)
 	}
 	got := strings.Join(names, "|")
-	for _, want := range []string{"labs, 1 mb|goodput, 1 mb|", "memory per session|udp goodput, 1 mb; datagrams lost across reconfigurations|quic download, 1 mb|udp set-up latency, 1 mb|teardown, 1 mb|labs, 4 mb|nginx+wrk, 4 mb|", "quic download, 4 mb|udp set-up latency, 4 mb|teardown, 4 mb|", "teardown, 4 mb|labs, proxy removal|proxy removal, 60 sessions|teardown, proxy removal|labs, churn|reconfiguration under churn, 6 rounds|teardown, churn|labs, disruption|disruption of one session by a reconfiguration, 4s, SACK on and off|teardown, disruption|labs, moves|make-before-break moves between two links, 10 moves|teardown, moves|policy convergence, 50 agents, bbolt, etcd and kubernetes"} {
+	for _, want := range []string{"labs, 1 mb|goodput, 1 mb|", "memory per session|udp goodput, 1 mb; datagrams lost across reconfigurations|quic download, 1 mb|udp set-up latency, 1 mb|teardown, 1 mb|labs, 4 mb|nginx+wrk, 4 mb|", "quic download, 4 mb|udp set-up latency, 4 mb|teardown, 4 mb|", "teardown, 4 mb|labs, proxy removal|proxy removal, 60 sessions|teardown, proxy removal|labs, churn|reconfiguration under churn, 6 rounds|teardown, churn|labs, disruption|disruption of one session by a reconfiguration, 4s, SACK on and off|teardown, disruption|labs, moves|make-before-break moves between two links, 10 moves|break-before-make moves, 10 moves|teardown, moves|policy convergence, 50 agents, bbolt, etcd and kubernetes"} {
 		if !strings.Contains(got, want) {
 			t.Errorf("plan %q lacks %q", got, want)
 		}
@@ -240,7 +240,7 @@ func TestQuick(t *testing.T) {
 		"reconfig-proxy-removal", "reconfig-goodput", "churn-reconfig",
 		"disruption-sack-on", "disruption-sack-off",
 		"udp-1mb-P1", "udp-1mb-P100", "udp-reconfig-1mb", "quic-1mb", "quic-4mb", "udpsetup-1mb", "udpsetup-4mb",
-		"convergence-etcd", "convergence-etcd-leader-kill", "convergence-kubernetes", "convergence-kubernetes-controller-kill", "moves-make-before-break"}
+		"convergence-etcd", "convergence-etcd-leader-kill", "convergence-kubernetes", "convergence-kubernetes-controller-kill", "moves-make-before-break", "moves-break-before-make"}
 	got := map[string]*Figure{}
 	for _, f := range rep.Figures {
 		got[f.Key] = f

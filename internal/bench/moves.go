@@ -81,14 +81,20 @@ type MovesDetails struct {
 func runMoves(ctx context.Context, o *Options, set *labkit.Labs, prefix string, r *Report, pr *labkit.Progress, step func(string, func() error)) {
 	name := movesPhaseName(o)
 	pr.Begin(movesLabs)
-	topo := lab.Topology{Kind: lab.KindStar, Hosts: []lab.HostSpec{{Name: "client", Role: lab.RoleClient, Links: 2}, {Name: "server", Role: lab.RoleServer}}}
+	// The client's session addresses serve the break-before-make moves;
+	// the make-before-break stream starts from one too.
+	topo := lab.Topology{Kind: lab.KindStar, Hosts: []lab.HostSpec{{Name: "client", Role: lab.RoleClient, Links: 2, SessionAddr: true},
+		{Name: "server", Role: lab.RoleServer}}}
 	l, err := set.Up(ctx, prefix+"mv", topo, labkit.Agents{Dysco: o.Dysco, Args: o.AgentArgs})
 	if err != nil {
 		r.fail(movesLabs, err)
-		pr.Skip(name)
-		r.fail(name, fmt.Errorf("not run: the lab could not be built"))
+		for _, n := range []string{name, movesBreakPhaseName(o)} {
+			pr.Skip(n)
+			r.fail(n, fmt.Errorf("not run: the lab could not be built"))
+		}
 	} else {
 		step(name, func() error { return Moves(ctx, o, l, r, pr) })
+		step(movesBreakPhaseName(o), func() error { return MovesBreak(ctx, o, l, r, pr) })
 	}
 	pr.Begin(movesTeardown)
 	if err := set.Down(); err != nil {
@@ -108,63 +114,12 @@ func Moves(ctx context.Context, o *Options, l *lab.Lab, r *Report, pr *labkit.Pr
 	if _, err := labkit.DyscoCLI(ctx, o.Dysco, l, "client", "policy", "add", "moves", fmt.Sprintf("tcp dst port %d", movesPort)); err != nil {
 		return err
 	}
-	ln, err := l.Listen("server", "tcp", netip.AddrPortFrom(srv, movesPort).String())
+	st, err := startStream(ctx, l, netip.AddrPortFrom(srv, movesPort))
 	if err != nil {
 		return err
 	}
-	defer ln.Close()
-	var mu sync.Mutex
-	var reads []time.Time
-	done := make(chan error, 1)
-	flowing := make(chan struct{}) // closed at the server's first read
-	go func() {
-		conn, err := ln.Accept()
-		if err != nil {
-			done <- err
-			return
-		}
-		defer conn.Close()
-		buf := make([]byte, 64<<10)
-		for {
-			k, err := conn.Read(buf)
-			if k > 0 {
-				mu.Lock()
-				if len(reads) == 0 {
-					close(flowing)
-				}
-				reads = append(reads, time.Now())
-				mu.Unlock()
-			}
-			if err == io.EOF {
-				done <- nil
-				return
-			}
-			if err != nil {
-				done <- err
-				return
-			}
-		}
-	}()
-	conn, err := l.Dial(ctx, "client", "tcp", netip.AddrPortFrom(srv, movesPort).String())
-	if err != nil {
-		return err
-	}
-	sctx, stop := context.WithCancel(ctx)
-	defer stop()
-	sent := make(chan error, 1)
-	go func() { sent <- pacedWrite(sctx, conn) }()
-
-	type window struct{ from, to time.Time }
+	defer st.close()
 	var moves, bases []window
-	select {
-	case <-flowing:
-	case err := <-done:
-		return fmt.Errorf("the server ended before the stream flowed: %v", err)
-	case <-time.After(10 * time.Second):
-		return errors.New("no data at the server 10 s after the stream started")
-	case <-ctx.Done():
-		return ctx.Err()
-	}
 	for i := range n {
 		via := addrs[(i+1)%2] // the second link first, then back
 		start := time.Now()
@@ -191,40 +146,14 @@ func Moves(ctx context.Context, o *Options, l *lab.Lab, r *Report, pr *labkit.Pr
 			pr.Logf("moves: %d of %d", i+1, n)
 		}
 	}
-	// The path's RTT: the stream's minimum (TCP_INFO), before the end.
-	rtt := math.NaN()
-	if tc, ok := conn.(*net.TCPConn); ok {
-		if ti, err := tcpInfo(tc); err == nil && ti.Min_rtt > 0 {
-			rtt = float64(ti.Min_rtt) / 1000
-		}
-	}
+	rtt, err := st.finish()
 	d.RttMS = rtt
-	stop()
-	conn.(interface{ CloseWrite() error }).CloseWrite()
-	if err := <-sent; err != nil && err != context.Canceled {
-		return fmt.Errorf("the stream: %w", err)
-	}
-	if err := <-done; err != nil {
-		return fmt.Errorf("the server: %w", err)
-	}
-	conn.Close()
-	mu.Lock()
-	defer mu.Unlock()
-	gap := func(w window) float64 {
-		// The longest time with no read inside w, its edges counting
-		// as reads.
-		i := sort.Search(len(reads), func(k int) bool { return !reads[k].Before(w.from) })
-		last, worst := w.from, time.Duration(0)
-		for ; i < len(reads) && !reads[i].After(w.to); i++ {
-			worst = max(worst, reads[i].Sub(last))
-			last = reads[i]
-		}
-		worst = max(worst, w.to.Sub(last))
-		return float64(worst) / float64(time.Millisecond)
+	if err != nil {
+		return err
 	}
 	for i := range moves {
-		d.GapMS = append(d.GapMS, gap(moves[i]))
-		d.BaseGapMS = append(d.BaseGapMS, gap(bases[i]))
+		d.GapMS = append(d.GapMS, st.gap(moves[i]))
+		d.BaseGapMS = append(d.BaseGapMS, st.gap(bases[i]))
 	}
 	g50, g99 := percentile(d.GapMS, 50), percentile(d.GapMS, 99)
 	b50, b99 := percentile(d.BaseGapMS, 50), percentile(d.BaseGapMS, 99)
@@ -249,6 +178,129 @@ func Moves(ctx context.Context, o *Options, l *lab.Lab, r *Report, pr *labkit.Pr
 		return fmt.Errorf("%d of %d moves failed", d.Failed, n)
 	}
 	return nil
+}
+
+// window is a span of time in which the benchmark looks for the longest
+// gap between the server's reads.
+type window struct{ from, to time.Time }
+
+// stream is a paced stream from the lab's client to its server, whose
+// reads the server records.
+type stream struct {
+	mu    sync.Mutex
+	reads []time.Time
+	conn  net.Conn
+	ln    net.Listener
+	stop  context.CancelFunc
+	sent  chan error
+	done  chan error
+}
+
+// startStream starts the stream to dst and returns once the server has
+// read from it.
+func startStream(ctx context.Context, l *lab.Lab, dst netip.AddrPort) (*stream, error) {
+	ln, err := l.Listen("server", "tcp", dst.String())
+	if err != nil {
+		return nil, err
+	}
+	st := &stream{ln: ln, sent: make(chan error, 1), done: make(chan error, 1)}
+	flowing := make(chan struct{}) // closed at the server's first read
+	go func() {
+		conn, err := ln.Accept()
+		if err != nil {
+			st.done <- err
+			return
+		}
+		defer conn.Close()
+		buf := make([]byte, 64<<10)
+		for {
+			k, err := conn.Read(buf)
+			if k > 0 {
+				st.mu.Lock()
+				if len(st.reads) == 0 {
+					close(flowing)
+				}
+				st.reads = append(st.reads, time.Now())
+				st.mu.Unlock()
+			}
+			if err == io.EOF {
+				st.done <- nil
+				return
+			}
+			if err != nil {
+				st.done <- err
+				return
+			}
+		}
+	}()
+	conn, err := l.Dial(ctx, "client", "tcp", dst.String())
+	if err != nil {
+		ln.Close()
+		return nil, err
+	}
+	st.conn = conn
+	sctx, stop := context.WithCancel(ctx)
+	st.stop = stop
+	go func() { st.sent <- pacedWrite(sctx, conn) }()
+	select {
+	case <-flowing:
+		return st, nil
+	case err := <-st.done:
+		st.close()
+		return nil, fmt.Errorf("the server ended before the stream flowed: %v", err)
+	case <-time.After(10 * time.Second):
+		st.close()
+		return nil, errors.New("no data at the server 10 s after the stream started")
+	case <-ctx.Done():
+		st.close()
+		return nil, ctx.Err()
+	}
+}
+
+// finish ends the stream and returns the path's RTT: the stream's
+// minimum (TCP_INFO), NaN if unknown.
+func (st *stream) finish() (float64, error) {
+	rtt := math.NaN()
+	if tc, ok := st.conn.(*net.TCPConn); ok {
+		if ti, err := tcpInfo(tc); err == nil && ti.Min_rtt > 0 {
+			rtt = float64(ti.Min_rtt) / 1000
+		}
+	}
+	st.stop()
+	st.conn.(interface{ CloseWrite() error }).CloseWrite()
+	if err := <-st.sent; err != nil && err != context.Canceled {
+		return rtt, fmt.Errorf("the stream: %w", err)
+	}
+	if err := <-st.done; err != nil {
+		return rtt, fmt.Errorf("the server: %w", err)
+	}
+	return rtt, nil
+}
+
+func (st *stream) close() {
+	if st.stop != nil {
+		st.stop()
+	}
+	if st.conn != nil {
+		st.conn.Close()
+	}
+	st.ln.Close()
+}
+
+// gap is the longest time with no read inside w, its edges counting as
+// reads, in milliseconds.
+func (st *stream) gap(w window) float64 {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	reads := st.reads
+	i := sort.Search(len(reads), func(k int) bool { return !reads[k].Before(w.from) })
+	last, worst := w.from, time.Duration(0)
+	for ; i < len(reads) && !reads[i].After(w.to); i++ {
+		worst = max(worst, reads[i].Sub(last))
+		last = reads[i]
+	}
+	worst = max(worst, w.to.Sub(last))
+	return float64(worst) / float64(time.Millisecond)
 }
 
 // pacedWrite writes movesRateBps in movesChunk writes until ctx ends.

@@ -299,6 +299,7 @@ func plan(o *Options) []planned {
 		out = append(out,
 			planned{Phase: labkit.Phase{Name: movesLabs, Est: 4 * time.Second}},
 			planned{Phase: labkit.Phase{Name: movesPhaseName(o), Est: movesEst(o)}, bench: "moves"},
+			planned{Phase: labkit.Phase{Name: movesBreakPhaseName(o), Est: movesBreakEst(o)}, bench: "moves"},
 			planned{Phase: labkit.Phase{Name: movesTeardown, Est: 2 * time.Second}})
 	}
 	if o.wants("convergence") {

@@ -22,7 +22,8 @@ import (
 // RTO old (rate limit) and that no reconfiguration holds its side (it
 // contends like a second reconfiguration: ReasonBusy). It then moves its
 // side to the new subsession at once (MoveAll: new ingress flow, egress
-// to the new address, old ingress flow gone) and answers with a
+// to the new address; the old ingress flow stays until Linger for packets
+// still on their way) and answers with a
 // rebindAck on the new subsession. The mover switches its egress then
 // (MoveSwitch). Packets the two ends send meanwhile on the old subsession
 // are lost; TCP retransmits them on the new one.
@@ -54,7 +55,11 @@ const (
 	MoveSwitch
 	// MoveAbandon removes New's ingress flow (the mover, refused).
 	MoveAbandon
-	// MoveAll is MoveListen then MoveSwitch (the neighbour).
+	// MoveAll installs New's ingress flow and sends the side's packets
+	// on New (the neighbour); Old's ingress flow stays until
+	// RemoveSubsession (after Linger), for the mover's packets still on
+	// their way: dropped there, or answered with a reset by the stack,
+	// they would cost a retransmission or the session.
 	MoveAll
 )
 
@@ -265,7 +270,10 @@ func (a *Agent) onRebindIn(s *session, ref subRef, m *Message, from netip.Addr) 
 		reply(ReasonBusy, s.right.req)
 		return
 	}
-	if _, used := a.subs[nw]; used {
+	// The new subsession may be one an earlier rebind of this session
+	// replaced (the host moves back to an address it had): it is taken
+	// again.
+	if r, used := a.subs[nw]; used && !(r.id == s.id && r.moved) {
 		reply(ReasonInvalid, ReqKey{})
 		return
 	}
@@ -287,7 +295,8 @@ func (a *Agent) sendRebindAck(s *session, sub wire.Tuple, req ReqKey, r Reason, 
 	a.send(sub.Src.Unmap(), ack)
 }
 
-// onRebound forgets the old subsession of an accepted rebind.
+// onRebound forgets the old subsession of an accepted rebind, and the
+// datapath its ingress flow.
 func (a *Agent) onRebound(s *session, req ReqKey) {
 	for i, mv := range s.moved {
 		if mv.req != req {
@@ -295,6 +304,7 @@ func (a *Agent) onRebound(s *session, req ReqKey) {
 		}
 		if r, ok := a.subs[mv.sub]; ok && r.id == s.id && r.moved {
 			delete(a.subs, mv.sub)
+			a.emit(RemoveSubsession{Session: s.id, Side: SideLeft, Sub: mv.sub})
 		}
 		s.moved = append(s.moved[:i], s.moved[i+1:]...)
 		return

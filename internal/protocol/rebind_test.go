@@ -52,6 +52,17 @@ func TestRebind(t *testing.T) {
 			if s1.sides[SideRight].Sub != want || s1.lock != Unlocked || s2.sides[SideLeft].Sub != want || s2.sides[SideLeft].Peer != moveTo {
 				t.Fatalf("sides: mover %s (%s), neighbour %s from %s", s1.sides[SideRight].Sub, s1.lock, s2.sides[SideLeft].Sub, s2.sides[SideLeft].Peer)
 			}
+			// Back to the first address, before the neighbour forgot
+			// it: the old subsession is taken again.
+			h.now += time.Second
+			h.deliver(addr(1), Rebind{Session: sid, Source: addr(1), Token: 3})
+			h.runMessages()
+			if r := h.rebindResult(3); r.Outcome != Succeeded || r.New != old {
+				t.Fatalf("moving back: %+v\n%s", r, h.trace())
+			}
+			if s2 := h.agents[addr(nb)].sessions[sid]; s2.sides[SideLeft].Sub != old || s2.sides[SideLeft].Peer != addr(1) {
+				t.Fatalf("the neighbour's side after moving back: %s from %s", s2.sides[SideLeft].Sub, s2.sides[SideLeft].Peer)
+			}
 			if len(c.chain) == 3 {
 				// The middlebox leaves: its old path is the new subsession.
 				h.reconfigure(1, 3, nil, 2)

@@ -97,7 +97,8 @@ func (c *Shell) onRebindResult(x protocol.RebindResult) {
 // the new subsession's ingress flow is a copy of the old one's (its
 // session, flags, marks and translation), the side's egress sends to the
 // new subsession (and is routed again, by its new source or destination),
-// and the old ingress flow goes.
+// and the old ingress flow goes (at the mover; the neighbour's goes with
+// RemoveSubsession, after Linger).
 func (c *Shell) moveSub(x protocol.MoveSubsession) error {
 	dp := c.dp
 	id := c.dpID(x.Session)
@@ -112,6 +113,9 @@ func (c *Shell) moveSub(x protocol.MoveSubsession) error {
 	}
 	oldIn, newIn := datapath.TupleOf(oldOut.Reverse(), s.Proto), datapath.TupleOf(newOut.Reverse(), s.Proto)
 	listen := func() error {
+		if f, ok := dp.Flow(newIn); ok && f.SessId == id {
+			return nil // a subsession the session had (it moves back)
+		}
 		f, ok := dp.Flow(oldIn)
 		if !ok || f.SessId != id {
 			return fmt.Errorf("session %d has no ingress flow %s", id, oldIn)
@@ -124,7 +128,7 @@ func (c *Shell) moveSub(x protocol.MoveSubsession) error {
 		}
 		return nil
 	}
-	sw := func() error {
+	sw := func(dropOld bool) error {
 		eg := s.Tuple.Wire().Reverse()
 		if x.Side == protocol.SideRight {
 			eg = c.onward(id, &s)
@@ -150,14 +154,16 @@ func (c *Shell) moveSub(x protocol.MoveSubsession) error {
 				return err
 			}
 		}
-		dp.DeleteFlow(oldIn)
+		if dropOld {
+			dp.DeleteFlow(oldIn)
+		}
 		return nil
 	}
 	switch x.Step {
 	case protocol.MoveListen:
 		return listen()
 	case protocol.MoveSwitch:
-		return sw()
+		return sw(true)
 	case protocol.MoveAbandon:
 		dp.DeleteFlow(newIn)
 		return nil
@@ -166,7 +172,8 @@ func (c *Shell) moveSub(x protocol.MoveSubsession) error {
 			return err
 		}
 		c.rebindsIn.Add(1)
-		return sw()
+		// The old ingress flow stays until RemoveSubsession.
+		return sw(false)
 	}
 	return fmt.Errorf("unknown move step %d", x.Step)
 }

@@ -1,0 +1,205 @@
+package bench
+
+// Interruption of a session by break-before-make moves (docs/mobility.md,
+// rebinds): the client has a session address and two links; a paced
+// stream from it to the server leaves by one link, whose address is then
+// deleted with its default route, so that the client's agent rebinds the
+// session from the other link's address; the address comes back and the
+// next move deletes the other one. Per move, the longest gap between the
+// server's reads from the deletion until movesTail after the session
+// leaves from the other address, against windows as long with no move.
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/netip"
+	"strings"
+	"time"
+
+	"github.com/dysco/dysco/internal/api"
+	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/labkit"
+)
+
+const movesBreakPort = 9711
+
+func movesBreakPhaseName(o *Options) string {
+	return fmt.Sprintf("break-before-make moves, %d moves", movesCount(o))
+}
+
+// movesBreakEst is the phase's estimate: per move, the rebind (polled),
+// its window, the restore and a window with no move.
+func movesBreakEst(o *Options) time.Duration {
+	return 2*time.Second + time.Duration(movesCount(o))*(movesPause+2*movesTail+300*time.Millisecond)
+}
+
+// MovesBreakDetails is the raw data of the break-before-make figure.
+type MovesBreakDetails struct {
+	Moves     int       `json:"moves"`
+	GapMS     []float64 `json:"gap_ms"`
+	BaseGapMS []float64 `json:"baseline_gap_ms"`
+	// RebindMS is, per move, the time from the deletion of the address
+	// to the first look that found the session on the other one (an
+	// upper bound of the rebind's time, the CLI polled every 10 ms).
+	RebindMS []float64 `json:"rebind_ms"`
+	RttMS    float64   `json:"rtt_ms"`
+	Failed   int       `json:"failed"`
+}
+
+// MovesBreak measures the interruption of break-before-make moves in lab
+// l (a star whose client has two links and session addresses).
+func MovesBreak(ctx context.Context, o *Options, l *lab.Lab, r *Report, pr *labkit.Progress) error {
+	n := movesCount(o)
+	d := &MovesBreakDetails{Moves: n}
+	r.Details["moves_break"] = d
+	c := l.Host("client")
+	if !c.SessionAddr4.IsValid() || len(c.Ifaces) < 2 {
+		return fmt.Errorf("the client has no session address or no second link")
+	}
+	srv := l.Host("server").Addr4
+	if _, err := labkit.DyscoCLI(ctx, o.Dysco, l, "client", "policy", "add", "rebinds", fmt.Sprintf("tcp dst port %d", movesBreakPort)); err != nil {
+		return err
+	}
+	st, err := startStream(ctx, l, netip.AddrPortFrom(srv, movesBreakPort))
+	if err != nil {
+		return err
+	}
+	defer st.close()
+	ip := func(args ...string) error {
+		out, err := l.Command(ctx, "client", append([]string{"ip", "-4"}, args...)...).CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("ip %s: %v: %s", strings.Join(args, " "), err, out)
+		}
+		return nil
+	}
+	// The commands that take link k's address away and give it back, as
+	// a DHCP client would.
+	links := [2]struct {
+		iface   string
+		pfx     netip.Prefix
+		restore [][]string
+	}{}
+	for k := range 2 {
+		ifc := c.Ifaces[k]
+		links[k].iface, links[k].pfx = ifc.Name, ifc.Addr4
+		links[k].restore = [][]string{{"addr", "add", ifc.Addr4.String(), "dev", ifc.Name}}
+		for _, rt := range c.Routes {
+			if rt.Iface != ifc.Name || !rt.Dst.Addr().Is4() {
+				continue
+			}
+			cmd := []string{"route", "replace", "default", "via", rt.Via.String(), "dev", ifc.Name}
+			if rt.Metric != 0 {
+				cmd = append(cmd, "metric", fmt.Sprint(rt.Metric))
+			}
+			if rt.Table != 0 {
+				cmd = append(cmd, "table", fmt.Sprint(rt.Table))
+			}
+			if rt.Src.IsValid() {
+				cmd = append(cmd, "src", rt.Src.String())
+			}
+			links[k].restore = append(links[k].restore, cmd)
+		}
+	}
+	// leavesFrom reports the address the session's first subsession
+	// leaves from.
+	leavesFrom := func() netip.Addr {
+		out, err := labkit.DyscoCLI(ctx, o.Dysco, l, "client", "sessions", "-o", "json")
+		if err != nil {
+			return netip.Addr{}
+		}
+		var ss []api.Session
+		if json.Unmarshal([]byte(out), &ss) != nil {
+			return netip.Addr{}
+		}
+		for _, s := range ss {
+			if s.Role == "start" && s.State == "established" && strings.HasSuffix(s.Session, fmt.Sprintf(":%d", movesBreakPort)) {
+				if ap, err := netip.ParseAddrPort(strings.Fields(s.Right)[0]); err == nil {
+					return ap.Addr()
+				}
+			}
+		}
+		return netip.Addr{}
+	}
+	var moves, bases []window
+	for i := range n {
+		k := i % 2
+		from, to := links[k].pfx.Addr(), links[1-k].pfx.Addr()
+		if got := leavesFrom(); got != from {
+			return fmt.Errorf("move %d: the session leaves from %s, not %s", i+1, got, from)
+		}
+		start := time.Now()
+		if err := ip("addr", "del", links[k].pfx.String(), "dev", links[k].iface); err != nil {
+			return err
+		}
+		_ = ip("route", "del", "default", "dev", links[k].iface)
+		moved := time.Time{}
+		for time.Since(start) < 10*time.Second && ctx.Err() == nil {
+			if leavesFrom() == to {
+				moved = time.Now()
+				break
+			}
+			_ = labkit.SleepCtx(ctx, 10*time.Millisecond)
+		}
+		if moved.IsZero() {
+			d.Failed++
+			pr.Logf("move %d: the session did not leave from %s within 10 s", i+1, to)
+			moved = time.Now()
+		} else {
+			d.RebindMS = append(d.RebindMS, float64(moved.Sub(start))/float64(time.Millisecond))
+		}
+		mw := window{start, moved.Add(movesTail)}
+		moves = append(moves, mw)
+		if err := labkit.SleepCtx(ctx, time.Until(mw.to)); err != nil {
+			return err
+		}
+		for _, cmd := range links[k].restore {
+			if err := ip(cmd...); err != nil {
+				return err
+			}
+		}
+		base := time.Now().Add(20 * time.Millisecond)
+		bases = append(bases, window{base, base.Add(mw.to.Sub(mw.from))})
+		if err := labkit.SleepCtx(ctx, time.Until(base.Add(mw.to.Sub(mw.from)+movesPause))); err != nil {
+			return err
+		}
+		if d.Failed > 0 {
+			break
+		}
+		if (i+1)%10 == 0 {
+			pr.Logf("break-before-make moves: %d of %d", i+1, n)
+		}
+	}
+	rtt, err := st.finish()
+	d.RttMS = rtt
+	if err != nil {
+		return err
+	}
+	for i := range moves {
+		d.GapMS = append(d.GapMS, st.gap(moves[i]))
+		d.BaseGapMS = append(d.BaseGapMS, st.gap(bases[i]))
+	}
+	g50, g99 := percentile(d.GapMS, 50), percentile(d.GapMS, 99)
+	b50, b99 := percentile(d.BaseGapMS, 50), percentile(d.BaseGapMS, 99)
+	m50 := percentile(d.RebindMS, 50)
+	extra := g99 - b99
+	r.add(&Figure{
+		Key:          "moves-break-before-make",
+		Name:         fmt.Sprintf("longest gap in the bytes a server receives around a break-before-make move of a 50 Mbit/s stream: the client's link address deleted, the session rebound from its other link (%d moves)", len(moves)),
+		Command:      "bin/dysco-bench --only moves",
+		Unit:         "ms (p99)",
+		Dysco:        g99,
+		Baseline:     b99,
+		DyscoText:    fmt.Sprintf("p50 %.2f, p99 %.2f ms (rebound within %.0f ms p50 of the deletion, CLI polling; %d failed)", g50, g99, m50, d.Failed),
+		BaselineText: fmt.Sprintf("p50 %.2f, p99 %.2f ms in windows as long with no move", b50, b99),
+		Ratio:        g99 / b99,
+		Measured:     extra,
+		MeasuredUnit: "ms beyond the baseline",
+		Target:       fmt.Sprintf("≤ one RTT (%.2f ms) beyond the baseline (the new address is usable at the deletion)", rtt),
+		Met:          metStr(d.Failed == 0 && extra <= rtt),
+	})
+	if d.Failed > 0 {
+		return fmt.Errorf("%d of %d break-before-make moves failed", d.Failed, len(moves))
+	}
+	return nil
+}
