@@ -241,7 +241,7 @@ func startStream(ctx context.Context, l *lab.Lab, dst netip.AddrPort) (*stream, 
 	st.conn = conn
 	sctx, stop := context.WithCancel(ctx)
 	st.stop = stop
-	go func() { st.sent <- pacedWrite(sctx, conn) }()
+	go func() { st.sent <- labkit.PacedWrite(sctx, conn, movesRateBps, movesChunk) }()
 	select {
 	case <-flowing:
 		return st, nil
@@ -301,21 +301,4 @@ func (st *stream) gap(w window) float64 {
 	}
 	worst = max(worst, w.to.Sub(last))
 	return float64(worst) / float64(time.Millisecond)
-}
-
-// pacedWrite writes movesRateBps in movesChunk writes until ctx ends.
-func pacedWrite(ctx context.Context, c net.Conn) error {
-	buf := make([]byte, movesChunk)
-	every := time.Duration(float64(movesChunk*8) / movesRateBps * float64(time.Second))
-	next := time.Now()
-	for ctx.Err() == nil {
-		if _, err := c.Write(buf); err != nil {
-			return err
-		}
-		next = next.Add(every)
-		if d := time.Until(next); d > 0 {
-			time.Sleep(d)
-		}
-	}
-	return ctx.Err()
 }

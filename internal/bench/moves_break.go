@@ -11,13 +11,10 @@ package bench
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"net/netip"
-	"strings"
 	"time"
 
-	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/lab"
 	"github.com/dysco/dysco/internal/labkit"
 )
@@ -53,9 +50,9 @@ func MovesBreak(ctx context.Context, o *Options, l *lab.Lab, r *Report, pr *labk
 	n := movesCount(o)
 	d := &MovesBreakDetails{Moves: n}
 	r.Details["moves_break"] = d
-	c := l.Host("client")
-	if !c.SessionAddr4.IsValid() || len(c.Ifaces) < 2 {
-		return fmt.Errorf("the client has no session address or no second link")
+	mv, err := labkit.NewLinkMover(l, "client", o.Dysco)
+	if err != nil {
+		return err
 	}
 	srv := l.Host("server").Addr4
 	if _, err := labkit.DyscoCLI(ctx, o.Dysco, l, "client", "policy", "add", "rebinds", fmt.Sprintf("tcp dst port %d", movesBreakPort)); err != nil {
@@ -66,84 +63,19 @@ func MovesBreak(ctx context.Context, o *Options, l *lab.Lab, r *Report, pr *labk
 		return err
 	}
 	defer st.close()
-	ip := func(args ...string) error {
-		out, err := l.Command(ctx, "client", append([]string{"ip", "-4"}, args...)...).CombinedOutput()
-		if err != nil {
-			return fmt.Errorf("ip %s: %v: %s", strings.Join(args, " "), err, out)
-		}
-		return nil
-	}
-	// The commands that take link k's address away and give it back, as
-	// a DHCP client would.
-	links := [2]struct {
-		iface   string
-		pfx     netip.Prefix
-		restore [][]string
-	}{}
-	for k := range 2 {
-		ifc := c.Ifaces[k]
-		links[k].iface, links[k].pfx = ifc.Name, ifc.Addr4
-		links[k].restore = [][]string{{"addr", "add", ifc.Addr4.String(), "dev", ifc.Name}}
-		for _, rt := range c.Routes {
-			if rt.Iface != ifc.Name || !rt.Dst.Addr().Is4() {
-				continue
-			}
-			cmd := []string{"route", "replace", "default", "via", rt.Via.String(), "dev", ifc.Name}
-			if rt.Metric != 0 {
-				cmd = append(cmd, "metric", fmt.Sprint(rt.Metric))
-			}
-			if rt.Table != 0 {
-				cmd = append(cmd, "table", fmt.Sprint(rt.Table))
-			}
-			if rt.Src.IsValid() {
-				cmd = append(cmd, "src", rt.Src.String())
-			}
-			links[k].restore = append(links[k].restore, cmd)
-		}
-	}
-	// leavesFrom reports the address the session's first subsession
-	// leaves from.
-	leavesFrom := func() netip.Addr {
-		out, err := labkit.DyscoCLI(ctx, o.Dysco, l, "client", "sessions", "-o", "json")
-		if err != nil {
-			return netip.Addr{}
-		}
-		var ss []api.Session
-		if json.Unmarshal([]byte(out), &ss) != nil {
-			return netip.Addr{}
-		}
-		for _, s := range ss {
-			if s.Role == "start" && s.State == "established" && strings.HasSuffix(s.Session, fmt.Sprintf(":%d", movesBreakPort)) {
-				if ap, err := netip.ParseAddrPort(strings.Fields(s.Right)[0]); err == nil {
-					return ap.Addr()
-				}
-			}
-		}
-		return netip.Addr{}
-	}
 	var moves, bases []window
 	for i := range n {
 		k := i % 2
-		from, to := links[k].pfx.Addr(), links[1-k].pfx.Addr()
-		if got := leavesFrom(); got != from {
-			return fmt.Errorf("move %d: the session leaves from %s, not %s", i+1, got, from)
+		if got := mv.LeavesFrom(ctx, movesBreakPort); got != mv.Addr(k) {
+			return fmt.Errorf("move %d: the session leaves from %s, not %s", i+1, got, mv.Addr(k))
 		}
-		start := time.Now()
-		if err := ip("addr", "del", links[k].pfx.String(), "dev", links[k].iface); err != nil {
+		start, moved, err := mv.Move(ctx, k, movesBreakPort, 10*time.Second)
+		if err != nil {
 			return err
-		}
-		_ = ip("route", "del", "default", "dev", links[k].iface)
-		moved := time.Time{}
-		for time.Since(start) < 10*time.Second && ctx.Err() == nil {
-			if leavesFrom() == to {
-				moved = time.Now()
-				break
-			}
-			_ = labkit.SleepCtx(ctx, 10*time.Millisecond)
 		}
 		if moved.IsZero() {
 			d.Failed++
-			pr.Logf("move %d: the session did not leave from %s within 10 s", i+1, to)
+			pr.Logf("move %d: the session did not leave from %s within 10 s", i+1, mv.Addr(1-k))
 			moved = time.Now()
 		} else {
 			d.RebindMS = append(d.RebindMS, float64(moved.Sub(start))/float64(time.Millisecond))
@@ -153,10 +85,8 @@ func MovesBreak(ctx context.Context, o *Options, l *lab.Lab, r *Report, pr *labk
 		if err := labkit.SleepCtx(ctx, time.Until(mw.to)); err != nil {
 			return err
 		}
-		for _, cmd := range links[k].restore {
-			if err := ip(cmd...); err != nil {
-				return err
-			}
+		if err := mv.Restore(ctx, k); err != nil {
+			return err
 		}
 		base := time.Now().Add(20 * time.Millisecond)
 		bases = append(bases, window{base, base.Add(mw.to.Sub(mw.from))})

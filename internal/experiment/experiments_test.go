@@ -69,7 +69,7 @@ func needLab(t *testing.T, tools ...string) {
 // TestRegistry checks that every experiment of docs/experiments.md is
 // registered with phases for every size.
 func TestRegistry(t *testing.T) {
-	for _, n := range []string{"setup-latency", "goodput", "nginx", "proxy-removal", "disruption", "firewall-migration", "churn", "udp-setup", "quic-migration", "interface-migration"} {
+	for _, n := range []string{"setup-latency", "goodput", "nginx", "proxy-removal", "disruption", "firewall-migration", "churn", "udp-setup", "quic-migration", "interface-migration", "mobility"} {
 		e, err := Lookup(n)
 		if err != nil {
 			t.Fatal(err)
@@ -241,6 +241,20 @@ func TestExperimentsTiny(t *testing.T) {
 			}
 			if d.SocketPolls < 10 || d.SocketLives == 0 {
 				t.Errorf("the socket poller listed the client's sockets %d times and saw %d sessions", d.SocketPolls, d.SocketLives)
+			}
+		},
+		"mobility": func(t *testing.T, r *Result) {
+			// RunExperiment fails by itself when a move is not seen,
+			// the firewall's entry changes or the monitor sees another
+			// tuple.
+			d := r.Data.(*mobData)
+			if len(d.Moves) < 2 || d.Bytes < int64(d.Size.RateMbit)*1e6/8*int64(d.Size.Run/time.Second)/2 {
+				t.Errorf("%d moves, %d bytes received in %s at %d Mbit/s", len(d.Moves), d.Bytes, d.Size.Run, d.Size.RateMbit)
+			}
+			for i, m := range d.Moves {
+				if !(m.GapMS < 1000) || m.From == m.To {
+					t.Errorf("move %d: %+v", i+1, m)
+				}
 			}
 		},
 		"interface-migration": func(t *testing.T, r *Result) {
