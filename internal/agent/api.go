@@ -104,10 +104,18 @@ func (a *Agent) handleStatus(w http.ResponseWriter, r *http.Request) {
 	a.mu.Unlock()
 	out.Ifaces = a.ifaceList()
 	for _, v6 := range []bool{false, true} {
-		if s := a.selfAddr(v6); s.IsValid() {
+		if s := a.nameAddr(v6); s.IsValid() {
 			out.Addrs = append(out.Addrs, s.String())
 		}
 	}
+	a.mu.Lock()
+	for sa, loc := range a.locators {
+		if out.Locators == nil {
+			out.Locators = map[string]string{}
+		}
+		out.Locators[sa.String()] = loc.String()
+	}
+	a.mu.Unlock()
 	out.Forwarding = a.fwd.Load()
 	if a.nfs != nil {
 		for _, f := range a.nfs.Status() {

@@ -22,14 +22,17 @@ import (
 	"github.com/dysco/dysco/internal/datapath"
 )
 
-// Rebinds of one move: each session gets this long (the rebind's own
-// retransmissions take up to ~20 s), and a session refused for contention
-// (a reconfiguration holds it, or its last rebind is too recent) is tried
-// again up to rebindTries times, rebindRetry apart.
+// Rebinds of one move: each session gets rebindWait (the rebind's own
+// retransmissions take up to ~20 s). A session refused for contention (a
+// reconfiguration holds it, which may wait for its old path's timeouts,
+// or its last rebind is too recent) is tried again, first rebindRetry
+// later and then twice as late each time up to rebindMaxRetry, for
+// rebindPatience in all.
 const (
-	rebindWait  = 30 * time.Second
-	rebindTries = 8
-	rebindRetry = 250 * time.Millisecond
+	rebindWait     = 30 * time.Second
+	rebindRetry    = 250 * time.Millisecond
+	rebindMaxRetry = 5 * time.Second
+	rebindPatience = 2 * time.Minute
 )
 
 // checkSessionAddrs refuses session addresses that are not this host's
@@ -238,7 +241,8 @@ func (a *Agent) lostSessions() map[netip.Addr][]uint32 {
 // rebindPass rebinds the lost sessions, trying again those refused for
 // contention.
 func (a *Agent) rebindPass(ctx context.Context) {
-	for try := 0; try < rebindTries && ctx.Err() == nil; try++ {
+	wait, start := rebindRetry, time.Now()
+	for ctx.Err() == nil && time.Since(start) < rebindPatience {
 		lost := a.lostSessions()
 		if len(lost) == 0 {
 			return
@@ -268,8 +272,9 @@ func (a *Agent) rebindPass(ctx context.Context) {
 		}
 		select {
 		case <-ctx.Done():
-		case <-time.After(rebindRetry):
+		case <-time.After(wait):
 		}
+		wait = min(2*wait, rebindMaxRetry)
 	}
 }
 

@@ -313,6 +313,13 @@ func (a *Agent) selfAddr(v6 bool) netip.Addr {
 	if s := a.sessionAddr(v6); s.IsValid() {
 		return s
 	}
+	return a.nameAddr(v6)
+}
+
+// nameAddr returns this host's first global address of a family that is
+// not a session address: the one other agents and operators can name it
+// by in chains (--chain, --to).
+func (a *Agent) nameAddr(v6 bool) netip.Addr {
 	fam := netlink.FAMILY_V4
 	if v6 {
 		fam = netlink.FAMILY_V6
@@ -320,7 +327,7 @@ func (a *Agent) selfAddr(v6 bool) netip.Addr {
 	addrs, _ := hostAddrs(fam)
 	var best netip.Addr
 	for _, ip := range addrs {
-		if ip.Is6() != v6 || !ip.IsGlobalUnicast() {
+		if ip.Is6() != v6 || !ip.IsGlobalUnicast() || a.isSessionAddr(ip) {
 			continue
 		}
 		if !best.IsValid() || ip.Less(best) {

@@ -26,7 +26,11 @@ type Status struct {
 	// Addrs are the addresses other agents and reconfiguration requests
 	// name this host by (--chain, --to), one per family it has.
 	Addrs []string `json:"addrs,omitempty"`
-	Tap   string   `json:"tap,omitempty"`
+	// Locators maps each session address of the host (--session-addr) to
+	// its current locator, the address its sessions' first subsessions
+	// leave from (docs/mobility.md).
+	Locators map[string]string `json:"locators,omitempty"`
+	Tap      string            `json:"tap,omitempty"`
 	// TapActive tells whether a capture listens on the tap: the datapath
 	// copies packets there only then.
 	TapActive bool `json:"tap_active,omitempty"`

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"sort"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -185,6 +186,14 @@ func printStatus(w io.Writer, st api.Status, now time.Time) error {
 	row("interfaces", orDash(strings.Join(st.Ifaces, ", ")))
 	if len(st.Addrs) > 0 {
 		row("agent address", strings.Join(st.Addrs, ", "))
+	}
+	if len(st.Locators) > 0 {
+		var ls []string
+		for sa, loc := range st.Locators {
+			ls = append(ls, sa+" via "+loc)
+		}
+		sort.Strings(ls)
+		row("session addresses", strings.Join(ls, ", "))
 	}
 	row("session tap", orDash(st.Tap))
 	if f := st.Forwarding; f != nil {

@@ -40,6 +40,48 @@ func TestRebindAddressLost(t *testing.T) {
 		t.Run(name, func(t *testing.T) { rebindAddressLost(e.withT(t), v6, want) })
 	}
 	t.Run("link down", func(t *testing.T) { rebindLinkDown(e.withT(t)) })
+	t.Run("during a reconfiguration", func(t *testing.T) { rebindDuringReconfig(e.withT(t)) })
+}
+
+// rebindDuringReconfig brings the first link back, starts a transfer
+// through mb1 on it, and deletes the link's address while a
+// reconfiguration of the same session (mb1 taken out of it) starts: the
+// two contend like two reconfigurations, whichever goes first, and the
+// transfer finishes intact from the second link's address.
+func rebindDuringReconfig(e *env) {
+	t := e.t
+	h := e.host("client")
+	e.run("client", "ip", "link", "set", "eth0", "up")
+	e.run("client", "ip", "-4", "route", "replace", "default", "via", h.Gateway4.String(), "dev", "eth0", "src", h.SessionAddr4.String())
+	dst, first, second := e.addr("server", false), e.addr("client", false), e.secondAddr("client", false)
+	testutil.Eventually(t, 10*time.Second, "the first link's address to be the locator again", func() bool {
+		return e.status("client").Locators[h.SessionAddr4.String()] == first.String()
+	})
+	lt := e.startTransfer("client", "server", dst, 9700, 24*mib, 6*mib)
+	testutil.Eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > 2*mib })
+	var leaves string
+	for _, s := range e.sessions("client") {
+		if strings.HasSuffix(s.Session, ":9700") && s.State == "established" {
+			leaves = s.Right
+		}
+	}
+	if !strings.HasPrefix(leaves, first.String()+":") {
+		t.Fatalf("the session leaves from %q, not the first link", leaves)
+	}
+	res := make(chan string, 1)
+	go func() {
+		out, _ := e.lab.Command(t.Context(), "client", dyscoBin, "reconfig", "--match", "tcp port 9700", "--to", dst.String()).CombinedOutput()
+		res <- string(out)
+	}()
+	e.run("client", "ip", "-4", "addr", "del", h.Ifaces[0].Addr4.String(), "dev", "eth0")
+	_ = e.lab.Command(t.Context(), "client", "ip", "-4", "route", "del", "default", "dev", "eth0").Run()
+	t.Logf("the reconfiguration: %s", strings.TrimSpace(<-res))
+	lt.wait(t)
+	for _, s := range e.sessions("client") {
+		if strings.HasSuffix(s.Session, ":9700") && s.State == "established" && !strings.HasPrefix(s.Right, second.String()+":") {
+			t.Errorf("after the move the session leaves from %s, not %s", s.Right, second)
+		}
+	}
 }
 
 // rebindLinkDown gives the client its first link's addresses and default
