@@ -146,15 +146,10 @@ func Moves(ctx context.Context, o *Options, l *lab.Lab, r *Report, pr *labkit.Pr
 			pr.Logf("moves: %d of %d", i+1, n)
 		}
 	}
-	rtt, err := st.finish()
-	d.RttMS = rtt
-	if err != nil {
+	if d.GapMS, d.BaseGapMS, d.RttMS, err = st.gaps(moves, bases); err != nil {
 		return err
 	}
-	for i := range moves {
-		d.GapMS = append(d.GapMS, st.gap(moves[i]))
-		d.BaseGapMS = append(d.BaseGapMS, st.gap(bases[i]))
-	}
+	rtt := d.RttMS
 	g50, g99 := percentile(d.GapMS, 50), percentile(d.GapMS, 99)
 	b50, b99 := percentile(d.BaseGapMS, 50), percentile(d.BaseGapMS, 99)
 	m50 := percentile(d.MoveMS, 50)
@@ -285,6 +280,19 @@ func (st *stream) close() {
 		st.conn.Close()
 	}
 	st.ln.Close()
+}
+
+// gaps ends the stream and returns the longest gap in each window of
+// moves and of bases, and the path's RTT (finish).
+func (st *stream) gaps(moves, bases []window) (g, b []float64, rtt float64, err error) {
+	if rtt, err = st.finish(); err != nil {
+		return nil, nil, rtt, err
+	}
+	for i := range moves {
+		g = append(g, st.gap(moves[i]))
+		b = append(b, st.gap(bases[i]))
+	}
+	return g, b, rtt, nil
 }
 
 // gap is the longest time with no read inside w, its edges counting as

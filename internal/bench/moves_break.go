@@ -100,15 +100,10 @@ func MovesBreak(ctx context.Context, o *Options, l *lab.Lab, r *Report, pr *labk
 			pr.Logf("break-before-make moves: %d of %d", i+1, n)
 		}
 	}
-	rtt, err := st.finish()
-	d.RttMS = rtt
-	if err != nil {
+	if d.GapMS, d.BaseGapMS, d.RttMS, err = st.gaps(moves, bases); err != nil {
 		return err
 	}
-	for i := range moves {
-		d.GapMS = append(d.GapMS, st.gap(moves[i]))
-		d.BaseGapMS = append(d.BaseGapMS, st.gap(bases[i]))
-	}
+	rtt := d.RttMS
 	g50, g99 := percentile(d.GapMS, 50), percentile(d.GapMS, 99)
 	b50, b99 := percentile(d.BaseGapMS, 50), percentile(d.BaseGapMS, 99)
 	m50 := percentile(d.RebindMS, 50)
