@@ -165,9 +165,8 @@ func maskOf(n *net.IPNet) (int, int) {
 
 // syncLocators puts each session address's locator into the datapath.
 func (a *Agent) syncLocators() error {
-	if len(a.cfg.SessionAddrs) == 0 {
-		return nil
-	}
+	// Without session addresses the map is emptied: an earlier agent of
+	// the pinned datapath may have had some.
 	locs := map[netip.Addr]netip.Addr{}
 	for _, s := range a.cfg.SessionAddrs {
 		if l := a.locator(s.Is6()); l.IsValid() {
