@@ -170,6 +170,9 @@ type Agent struct {
 	// and rebindAgain the state of the rebind pass (mobility.go). Under mu.
 	locators               map[netip.Addr]netip.Addr
 	rebinding, rebindAgain bool
+	// viaUsed: a session was moved to another address of the host
+	// (reconfig --via) since the agent started.
+	viaUsed atomic.Bool
 
 	// Collector-goroutine state for re-routing decisions (reroute.go).
 	routeCache     map[routeKey]bool

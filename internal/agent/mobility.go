@@ -186,7 +186,7 @@ func (a *Agent) syncLocators() error {
 // rebindLost starts (or asks the running pass to repeat) a pass that
 // rebinds the sessions whose first subsession's address is gone.
 func (a *Agent) rebindLost(ctx context.Context) {
-	if len(a.cfg.SessionAddrs) == 0 || a.ctl == nil {
+	if a.ctl == nil || len(a.cfg.SessionAddrs) == 0 && !a.viaUsed.Load() {
 		return
 	}
 	a.mu.Lock()
@@ -212,9 +212,11 @@ func (a *Agent) rebindLost(ctx context.Context) {
 	}()
 }
 
-// lostSessions lists, by the locator they move to, the sessions this host
-// starts from a session address whose first subsession leaves from an
-// address the host no longer has, or has on an interface that is down.
+// lostSessions lists, by the address they move to, the sessions this
+// host starts whose first subsession leaves from an address the host no
+// longer has, or has on an interface that is down: a session from a
+// session address moves to the locator; one from a link address that is
+// still usable (moved off it with reconfig --via) moves back to it.
 func (a *Agent) lostSessions() map[netip.Addr][]uint32 {
 	own := usableAddrs()
 	a.mu.Lock()
@@ -222,16 +224,23 @@ func (a *Agent) lostSessions() map[netip.Addr][]uint32 {
 	a.mu.Unlock()
 	out := map[netip.Addr][]uint32{}
 	_ = a.dp.EachSession(func(id uint32, s *datapath.Session) {
-		t := s.Tuple.Wire()
-		if s.Role != datapath.RoleStart || !a.isSessionAddr(t.Src.Unmap()) || s.State&datapath.StRST != 0 {
+		from := s.Tuple.Wire().Src.Unmap()
+		if s.Role != datapath.RoleStart || s.State&datapath.StRST != 0 {
 			return
 		}
 		src, ok := a.rightSource(id, s)
 		if !ok || slices.Contains(own, src) {
 			return
 		}
-		if l, ok := locs[t.Src.Unmap()]; ok && l != src {
-			out[l] = append(out[l], id)
+		to := locs[from]
+		if !a.isSessionAddr(from) {
+			if !slices.Contains(own, from) {
+				return // its own address is gone too
+			}
+			to = from
+		}
+		if to.IsValid() && to != src {
+			out[to] = append(out[to], id)
 		}
 	})
 	return out

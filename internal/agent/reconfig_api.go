@@ -148,6 +148,11 @@ func (a *Agent) reconfig(ctx context.Context, req api.ReconfigRequest) (api.Reco
 	ctx, cancel := context.WithTimeout(ctx, reconfigWait(req.TimeoutMS))
 	defer cancel()
 	rep := api.ReconfigReply{Results: []api.ReconfigResult{}}
+	if via.IsValid() {
+		// From now on a lost interface may strand a session here
+		// (mobility.go, lostSessions).
+		a.viaUsed.Store(true)
+	}
 	for _, o := range a.ctl.ReconfigurePath(ctx, ids, reconfig.NewPath{To: to, Chain: chain, NFs: req.NFs, Source: via}, mig) {
 		res := api.ReconfigResult{ID: o.ID, Session: tuples[o.ID], Outcome: o.Outcome, Reason: o.Reason}
 		if o.Result != nil {

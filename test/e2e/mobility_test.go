@@ -39,6 +39,36 @@ func (e *env) secondAddr(host string, v6 bool) netip.Addr {
 	return ifs[1].Addr4.Addr()
 }
 
+// linkUp sets a host's interface up and gives it back the addresses
+// (IPv6 ones go with the link, keep_addr_on_down being 0) and routes the
+// lab gave it.
+func (e *env) linkUp(host, iface string) {
+	e.t.Helper()
+	e.run(host, "ip", "link", "set", iface, "up")
+	for _, ifc := range e.host(host).Ifaces {
+		if ifc.Name == iface {
+			e.run(host, "ip", "addr", "replace", ifc.Addr4.String(), "dev", iface)
+			e.run(host, "ip", "addr", "replace", ifc.Addr6.String(), "dev", iface, "nodad")
+		}
+	}
+	for _, r := range e.host(host).Routes {
+		if r.Iface != iface {
+			continue
+		}
+		args := []string{"ip", "route", "replace", r.Dst.String(), "via", r.Via.String(), "dev", iface}
+		if r.Metric != 0 {
+			args = append(args, "metric", fmt.Sprint(r.Metric))
+		}
+		if r.Table != 0 {
+			args = append(args, "table", fmt.Sprint(r.Table))
+		}
+		if r.Src.IsValid() {
+			args = append(args, "src", r.Src.String())
+		}
+		e.run(host, args...)
+	}
+}
+
 // countMatching counts the lines of a capture that contain s.
 func countMatching(lines []string, s string) int {
 	n := 0
@@ -57,7 +87,9 @@ func countMatching(lines []string, s string) int {
 // replaced by one from the new address to mb1) and with no middlebox (the
 // segment to the server). Every byte arrives; afterwards the session's
 // packets use the second link both ways, and the first carries none of
-// them; the middlebox keeps one session, whose tuple did not change.
+// them; the middlebox keeps one session, whose tuple did not change. Then
+// the second link goes down and the agent rebinds the session back to the
+// first link's address, its own (break before make).
 func TestMoveInterface(t *testing.T) {
 	for _, v6 := range []bool{false, true} {
 		name := "ipv4"
@@ -114,6 +146,19 @@ func moveInterface(t *testing.T, v6 bool) {
 			if src-dstSeen < 100 || dstSeen < 100 {
 				t.Errorf("on the second link: %d packets from %s, %d to it; want both ways", src-dstSeen, second, dstSeen)
 			}
+			// The second link goes down: the session moves back to
+			// the first link's address (a rebind, no make-before-break
+			// possible), and the link comes back for the next case.
+			e.run("client", "ip", "link", "set", "eth1", "down")
+			base = lt.received.Load()
+			testutil.Eventually(t, 30*time.Second, "data after the second link went down", func() bool { return lt.received.Load() > base+4*mib })
+			for _, s := range e.sessions("client") {
+				if strings.HasSuffix(s.Session, fmt.Sprintf(":%d", c.port)) && s.State == "established" &&
+					!strings.HasPrefix(s.Right, first.String()+":") && !strings.HasPrefix(s.Right, "["+first.String()+"]") {
+					t.Errorf("after the second link went down the session leaves from %s, not %s", s.Right, first)
+				}
+			}
+			e.linkUp("client", "eth1")
 			if c.to == mb1 {
 				ss := e.sessions("mb1")
 				if len(ss) != 1 || !strings.HasSuffix(ss[0].Session, fmt.Sprintf(":%d", c.port)) {
