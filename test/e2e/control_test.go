@@ -325,7 +325,9 @@ func (x *ctlTransfer) finish(t *testing.T) {
 // here: docs/protocol.md), and its copy in the bundle, sent within the
 // retransmission timeout (a duplicate, not a retransmission), is not;
 // a well-formed trigger for a subsession this host does not have is
-// answered once, refused, and its copy and an older one are not.
+// answered once, refused, and its copy and an older one are not. Forged
+// rebinds (a guessed nonce, an unknown subsession, a flood of 200 under
+// a wrong key) are refused and answered by nothing.
 func TestControlForgedMessages(t *testing.T) {
 	t.Run("ipv4", func(t *testing.T) { controlForged(t, false) })
 	t.Run("ipv6", func(t *testing.T) { controlForged(t, true) })
@@ -445,11 +447,12 @@ func controlForged(t *testing.T, v6 bool) {
 		badBundle := append([]byte(nil), bundle[0]...)
 		badBundle[5] = 4 // count: one payload more than it holds
 
-		msgs := []struct {
+		type forged struct {
 			what   string
 			b      []byte
 			reason string // for each message of the datagram, comma-separated
-		}{
+		}
+		msgs := []forged{
 			{"(a) garbage", garbage, "bad_magic"},
 			{"(a) three bytes", []byte("DYS"), "malformed"},
 			{"(b) wrong HMAC key", enc(fake, wrongKey), "bad_mac"},
@@ -470,6 +473,20 @@ func controlForged(t *testing.T, v6 bool) {
 			{"a trigger older than the window", enc(staleTrig, key), "replay"},
 			{"a bundle of a wrong HMAC, an unknown subsession and garbage", bundle[0], "bad_mac,unknown_session,bad_magic"},
 			{"a bundle that counts more than it holds", badBundle, "bad_bundle"},
+		}
+		// Rebinds (docs/protocol.md, "Rebinds"): a claim to be the
+		// session's moved end, from the client's address. Its real
+		// subsession with a guessed nonce, an unknown subsession, and
+		// a flood of forged ones.
+		rebind := protocol.Message{Type: protocol.MsgRebind, Sub: realSub, Session: guess.Session, Nonce: fake.Nonce,
+			Req: protocol.ReqKey{LeftAnchor: cli, ID: 9000}, RightAnchor: cli}
+		unknownRebind := rebind
+		unknownRebind.Sub = fake.Sub
+		msgs = append(msgs,
+			forged{"rebind of the real subsession, guessed nonce", enc(rebind, key), "bad_nonce"},
+			forged{"rebind of an unknown subsession", enc(unknownRebind, key), "unknown_session"})
+		for range 200 {
+			msgs = append(msgs, forged{"a flood of forged rebinds", enc(rebind, wrongKey), "bad_mac"})
 		}
 		want := map[string]uint64{}
 		nmsgs := 0
