@@ -33,6 +33,12 @@ func (a *Agent) send(to netip.Addr, m *Message) {
 			from = m.Sub.Dst
 		}
 	}
+	a.sendFrom(to, from, m)
+}
+
+// sendFrom sends m to the agent at to from this host's address from,
+// which the MAC covers.
+func (a *Agent) sendFrom(to, from netip.Addr, m *Message) {
 	b, err := m.Encode(a.cfg.Keys, from)
 	if err != nil {
 		panic("protocol: encoding a message we built: " + err.Error())

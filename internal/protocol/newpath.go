@@ -297,7 +297,10 @@ func (a *Agent) takeEarlySyn(k ReqKey) (earlySyn, bool) {
 func (a *Agent) refuseSyn(from netip.Addr, m *Message, r Reason, by netip.Addr) {
 	n := &Message{Type: MsgSynAck, Flags: FlagRefuse, Reason: r, Nonce: m.Nonce, Sub: m.Sub,
 		Session: m.Session, Req: m.Req, RightAnchor: m.RightAnchor, Hops: []netip.Addr{by}}
-	a.send(from, n)
+	// From the address the SYN came to (this host's end of the new
+	// subsession): the left neighbour takes the answer only from there,
+	// also when the route to it would choose another of this host's.
+	a.sendFrom(from, m.Sub.Dst, n)
 }
 
 // onJoinFailed: the agent could not install a session this agent joined

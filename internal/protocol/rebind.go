@@ -156,12 +156,7 @@ func (a *Agent) onRebind(e Rebind) {
 // sendRebind sends (again) the rebind, from the new address.
 func (a *Agent) sendRebind(s *session, rb *rebindOut) {
 	sd := s.sides[SideRight]
-	m := a.msg(s, MsgRebind, rb.old, rb.req, rb.source)
-	b, err := m.Encode(a.cfg.Keys, rb.source)
-	if err != nil {
-		panic("protocol: encoding a message we built: " + err.Error())
-	}
-	a.emit(Send{To: sd.Peer, From: rb.source, Msg: m, Data: b})
+	a.sendFrom(sd.Peer, rb.source, a.msg(s, MsgRebind, rb.old, rb.req, rb.source))
 	rb.tries++
 	a.setTimer(s, TimerRebind, rb.req, a.backoff(rb.tries))
 }
@@ -255,11 +250,7 @@ func (a *Agent) onRebindIn(s *session, ref subRef, m *Message, from netip.Addr) 
 		// subsession (not ours: the message says which).
 		ack := a.msg(s, MsgRebindAck, nw, m.Req, from)
 		ack.Reason, ack.Blocker = r, blocker
-		b, err := ack.Encode(a.cfg.Keys, m.Sub.Dst.Unmap())
-		if err != nil {
-			panic("protocol: encoding a message we built: " + err.Error())
-		}
-		a.emit(Send{To: from, From: m.Sub.Dst.Unmap(), Msg: ack, Data: b})
+		a.sendFrom(from, m.Sub.Dst.Unmap(), ack)
 	}
 	if s.reboundSet && a.now-s.reboundAt < a.cfg.RTO {
 		a.reject(RejectRate, m, from, "session %d was rebound %v ago", s.id, a.now-s.reboundAt)
