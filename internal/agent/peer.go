@@ -38,8 +38,10 @@ func (l *rootOnly) Accept() (net.Conn, error) {
 		if err == nil && cred.Uid == 0 {
 			return c, nil
 		}
-		c.Close()
+		// Counted before the close, which the peer sees: whoever
+		// learns of the refusal finds it counted.
 		n := l.refused.Add(1)
+		c.Close()
 		now := time.Now().UnixNano()
 		if last := l.lastLog.Load(); now-last >= int64(peerLogEvery) && l.lastLog.CompareAndSwap(last, now) {
 			if err != nil {
