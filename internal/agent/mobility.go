@@ -93,10 +93,10 @@ func (a *Agent) locator(v6 bool) netip.Addr {
 	routes, _ := netlink.RouteListFiltered(fam, &netlink.Route{Table: unix.RT_TABLE_MAIN}, netlink.RT_FILTER_TABLE)
 	var defs []netlink.Route
 	for _, r := range routes {
-		if r.Dst == nil || r.Dst.IP.IsUnspecified() {
-			if ones, _ := maskOf(r.Dst); ones == 0 {
-				defs = append(defs, r)
-			}
+		if r.Dst == nil {
+			defs = append(defs, r)
+		} else if ones, _ := r.Dst.Mask.Size(); ones == 0 {
+			defs = append(defs, r)
 		}
 	}
 	sort.SliceStable(defs, func(i, j int) bool { return defs[i].Priority < defs[j].Priority })
@@ -154,13 +154,6 @@ func usableAddrs() []netip.Addr {
 		}
 	}
 	return out
-}
-
-func maskOf(n *net.IPNet) (int, int) {
-	if n == nil {
-		return 0, 0
-	}
-	return n.Mask.Size()
 }
 
 // syncLocators puts each session address's locator into the datapath.

@@ -138,7 +138,7 @@ func runMobility(ctx context.Context, env *Env) (*Result, error) {
 		if err != nil {
 			res.problem("conntrack -L on mb1: %v", err)
 		}
-		return conntrackOrig(out)
+		return labkit.ConntrackOrig(out)
 	}
 	d.ConntrackBefore = ct()
 	for j := 0; ; j++ {
@@ -327,26 +327,6 @@ func mobSummarize(d *mobData, dl *download) {
 		worst = max(worst, to.Sub(last))
 		d.Moves[i].GapMS = float64(worst) / float64(time.Millisecond)
 	}
-}
-
-// conntrackOrig returns the original tuples of `conntrack -L` lines.
-func conntrackOrig(out string) []string {
-	var got []string
-	for _, line := range strings.Split(out, "\n") {
-		var tup []string
-		for _, f := range strings.Fields(line) {
-			if strings.HasPrefix(f, "src=") || strings.HasPrefix(f, "dst=") || strings.HasPrefix(f, "sport=") || strings.HasPrefix(f, "dport=") {
-				if tup = append(tup, f); len(tup) == 4 {
-					break
-				}
-			}
-		}
-		if len(tup) == 4 {
-			got = append(got, strings.Join(tup, " "))
-		}
-	}
-	sort.Strings(got)
-	return got
 }
 
 // monitorTuples returns the distinct "A > B" of tcpdump's lines.

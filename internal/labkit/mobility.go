@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
+	"sort"
 	"strings"
 	"time"
 
@@ -149,4 +150,25 @@ func PacedWrite(ctx context.Context, c io.Writer, rate float64, chunk int) error
 		}
 	}
 	return ctx.Err()
+}
+
+// ConntrackOrig returns the original tuples (src= dst= sport= dport=) of
+// the lines of `conntrack -L`, sorted.
+func ConntrackOrig(out string) []string {
+	var got []string
+	for _, line := range strings.Split(out, "\n") {
+		var tup []string
+		for _, f := range strings.Fields(line) {
+			if strings.HasPrefix(f, "src=") || strings.HasPrefix(f, "dst=") || strings.HasPrefix(f, "sport=") || strings.HasPrefix(f, "dport=") {
+				if tup = append(tup, f); len(tup) == 4 {
+					break
+				}
+			}
+		}
+		if len(tup) == 4 {
+			got = append(got, strings.Join(tup, " "))
+		}
+	}
+	sort.Strings(got)
+	return got
 }

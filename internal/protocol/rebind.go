@@ -245,27 +245,20 @@ func (a *Agent) onRebindIn(s *session, ref subRef, m *Message, from netip.Addr) 
 	}
 	nw := m.Sub
 	nw.Src = from
-	reply := func(r Reason, blocker ReqKey) {
-		// The refusal goes back to the new address on the new
-		// subsession (not ours: the message says which).
-		ack := a.msg(s, MsgRebindAck, nw, m.Req, from)
-		ack.Reason, ack.Blocker = r, blocker
-		a.sendFrom(from, m.Sub.Dst.Unmap(), ack)
-	}
-	if s.reboundSet && a.now-s.reboundAt < a.cfg.RTO {
+	if !s.rebound.IsZero() && a.now-s.reboundAt < a.cfg.RTO {
 		a.reject(RejectRate, m, from, "session %d was rebound %v ago", s.id, a.now-s.reboundAt)
-		reply(ReasonBusy, s.rebound)
+		a.sendRebindAck(s, nw, m.Req, ReasonBusy, s.rebound)
 		return
 	}
 	if s.right != nil {
-		reply(ReasonBusy, s.right.req)
+		a.sendRebindAck(s, nw, m.Req, ReasonBusy, s.right.req)
 		return
 	}
 	// The new subsession may be one an earlier rebind of this session
 	// replaced (the host moves back to an address it had): it is taken
 	// again.
 	if r, used := a.subs[nw]; used && !(r.id == s.id && r.moved) {
-		reply(ReasonInvalid, ReqKey{})
+		a.sendRebindAck(s, nw, m.Req, ReasonInvalid, ReqKey{})
 		return
 	}
 	old := sd.Sub
@@ -274,16 +267,18 @@ func (a *Agent) onRebindIn(s *session, ref subRef, m *Message, from netip.Addr) 
 	a.subs[old] = ref
 	a.subs[nw] = subRef{id: s.id, side: SideLeft, peer: from, nonce: ref.nonce}
 	sd.Sub, sd.Peer = nw, from
-	s.rebound, s.reboundAt, s.reboundSet = m.Req, a.now, true
+	s.rebound, s.reboundAt = m.Req, a.now
 	s.moved = append(s.moved, moved{sub: old, req: m.Req})
 	a.setTimer(s, TimerRebound, m.Req, a.cfg.Linger)
 	a.sendRebindAck(s, nw, m.Req, ReasonNone, ReqKey{})
 }
 
+// sendRebindAck answers a rebind on its new subsession sub (accepted or
+// not): to the mover's new address, from this host's end of sub.
 func (a *Agent) sendRebindAck(s *session, sub wire.Tuple, req ReqKey, r Reason, blocker ReqKey) {
 	ack := a.msg(s, MsgRebindAck, sub, req, sub.Src.Unmap())
 	ack.Reason, ack.Blocker = r, blocker
-	a.send(sub.Src.Unmap(), ack)
+	a.sendFrom(sub.Src.Unmap(), sub.Dst.Unmap(), ack)
 }
 
 // onRebound forgets the old subsession of an accepted rebind, and the

@@ -81,14 +81,13 @@ type session struct {
 	serve              []*migServe
 	exported, imported bool
 	// rebind is this agent's rebind of the right side in progress
-	// (rebind.go); rebound, reboundAt and reboundSet the last rebind of
-	// the left side accepted here; moved the subsessions rebinds replaced
+	// (rebind.go); rebound and reboundAt the last rebind of the left side
+	// accepted here (none: zero); moved the subsessions rebinds replaced
 	// here, until Linger.
-	rebind     *rebindOut
-	rebound    ReqKey
-	reboundAt  time.Duration
-	reboundSet bool
-	moved      []moved
+	rebind    *rebindOut
+	rebound   ReqKey
+	reboundAt time.Duration
+	moved     []moved
 }
 
 type queued struct {

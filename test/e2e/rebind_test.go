@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/dysco/dysco/internal/lab"
+	"github.com/dysco/dysco/internal/labkit"
 	"github.com/dysco/dysco/internal/testutil"
 )
 
@@ -274,22 +275,9 @@ func rebindAddressLost(e *env, v6 bool, want string) {
 // conntrackTuples lists the original tuples of mb1's TCP conntrack
 // entries of a family ("src=… dst=… sport=… dport=…").
 func conntrackTuples(e *env, family string) map[string]bool {
-	out := e.run("mb1", "conntrack", "-L", "-f", family, "-p", "tcp")
 	got := map[string]bool{}
-	for _, l := range strings.Split(out, "\n") {
-		f := strings.Fields(l)
-		var tup []string
-		for _, x := range f {
-			if strings.HasPrefix(x, "src=") || strings.HasPrefix(x, "dst=") || strings.HasPrefix(x, "sport=") || strings.HasPrefix(x, "dport=") {
-				tup = append(tup, x)
-				if len(tup) == 4 {
-					break
-				}
-			}
-		}
-		if len(tup) == 4 {
-			got[strings.Join(tup, " ")] = true
-		}
+	for _, tup := range labkit.ConntrackOrig(e.run("mb1", "conntrack", "-L", "-f", family, "-p", "tcp")) {
+		got[tup] = true
 	}
 	return got
 }
