@@ -166,9 +166,13 @@ type Agent struct {
 	// local API (the "api" state plug-in).
 	providers *migrate.Providers
 
-	// locators are the session addresses' current locators; rebinding
-	// and rebindAgain the state of the rebind pass (mobility.go). Under mu.
+	// locators are the session addresses' current locators,
+	// lastLocator their last valid ones, homeMoved those whose locator
+	// changed since the agent started; rebinding and rebindAgain the
+	// state of the rebind pass (mobility.go). Under mu.
 	locators               map[netip.Addr]netip.Addr
+	lastLocator            map[netip.Addr]netip.Addr
+	homeMoved              map[netip.Addr]bool
 	rebinding, rebindAgain bool
 	// viaUsed: a session was moved to another address of the host
 	// (reconfig --via) since the agent started.
@@ -238,7 +242,8 @@ func netnsID() string {
 // Run runs the agent until ctx is cancelled.
 func Run(ctx context.Context, cfg Config) error {
 	cfg.defaults()
-	a := &Agent{cfg: cfg, log: cfg.Log.With("agent", cfg.Name), started: time.Now(), ifaces: map[string]bool{}, routeCache: map[routeKey]bool{}}
+	a := &Agent{cfg: cfg, log: cfg.Log.With("agent", cfg.Name), started: time.Now(), ifaces: map[string]bool{}, routeCache: map[routeKey]bool{},
+		lastLocator: map[netip.Addr]netip.Addr{}, homeMoved: map[netip.Addr]bool{}}
 	if err := a.checkSessionAddrs(); err != nil {
 		return err
 	}

@@ -4,7 +4,10 @@ package agent
 // §4.2.3): the host's applications use a session address that never
 // changes; the first subsession of their sessions leaves from the host's
 // current address of the family (its locator). When that address goes,
-// the agent rebinds each such session from the new locator.
+// the agent rebinds each such session from the new locator. Sessions that
+// came to the session address (a server's) are rebound from the new
+// locator when the locator changes: the network's route to the session
+// address led to the old one.
 
 import (
 	"context"
@@ -20,6 +23,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/dysco/dysco/internal/datapath"
+	"github.com/dysco/dysco/internal/protocol"
 )
 
 // Rebinds of one move: each session gets rebindWait (the rebind's own
@@ -169,6 +173,12 @@ func (a *Agent) syncLocators() error {
 	a.mu.Lock()
 	changed := !maps.Equal(a.locators, locs)
 	a.locators = locs
+	for s, l := range locs {
+		if last := a.lastLocator[s]; last.IsValid() && last != l {
+			a.homeMoved[s] = true
+		}
+		a.lastLocator[s] = l
+	}
 	a.mu.Unlock()
 	if changed {
 		a.log.Info("locators", "map", locs)
@@ -205,20 +215,46 @@ func (a *Agent) rebindLost(ctx context.Context) {
 	}()
 }
 
-// lostSessions lists, by the address they move to, the sessions this
-// host starts whose first subsession leaves from an address the host no
-// longer has, or has on an interface that is down: a session from a
-// session address moves to the locator; one from a link address that is
-// still usable (moved off it with reconfig --via) moves back to it.
-func (a *Agent) lostSessions() map[netip.Addr][]uint32 {
+// move is where lost sessions go: a side and this host's new address
+// on it.
+type move struct {
+	side protocol.Side
+	to   netip.Addr
+}
+
+// lostSessions lists, by where they move, the sessions whose end
+// subsession at this host uses an address the host no longer has, or has
+// on an interface that is down. A session this host starts from a
+// session address moves its right side to the locator; one from a link
+// address that is still usable (moved off it with reconfig --via) moves
+// back to it. A session that came to a session address moves its left
+// side to the locator if its end of it is lost, or is the session address
+// itself after the locator changed (homeMoved).
+func (a *Agent) lostSessions() map[move][]uint32 {
 	own := usableAddrs()
 	a.mu.Lock()
-	locs := a.locators
+	locs, home := a.locators, maps.Clone(a.homeMoved)
 	a.mu.Unlock()
-	out := map[netip.Addr][]uint32{}
+	out := map[move][]uint32{}
 	_ = a.dp.EachSession(func(id uint32, s *datapath.Session) {
 		from := s.Tuple.Wire().Src.Unmap()
-		if s.Role != datapath.RoleStart || s.State&datapath.StRST != 0 {
+		if s.State&datapath.StRST != 0 {
+			return
+		}
+		if s.Role == datapath.RoleEnd || s.Role == datapath.RoleEndFwd {
+			sa := s.Tuple.Wire().Dst.Unmap()
+			if !a.isSessionAddr(sa) {
+				return
+			}
+			end, ok := a.leftEnd(id, s)
+			lost := ok && (end == sa && home[sa] || end != sa && !slices.Contains(own, end))
+			if to := locs[sa]; lost && to.IsValid() && to != end {
+				k := move{protocol.SideLeft, to}
+				out[k] = append(out[k], id)
+			}
+			return
+		}
+		if s.Role != datapath.RoleStart {
 			return
 		}
 		src, ok := a.rightSource(id, s)
@@ -233,7 +269,8 @@ func (a *Agent) lostSessions() map[netip.Addr][]uint32 {
 			to = from
 		}
 		if to.IsValid() && to != src {
-			out[to] = append(out[to], id)
+			k := move{protocol.SideRight, to}
+			out[k] = append(out[k], id)
 		}
 	})
 	return out
@@ -249,23 +286,27 @@ func (a *Agent) rebindPass(ctx context.Context) {
 			return
 		}
 		again := false
-		for loc, ids := range lost {
+		for mv, ids := range lost {
 			c, cancel := context.WithTimeout(ctx, rebindWait)
 			start := time.Now()
-			outs := a.ctl.Rebind(c, ids, loc)
+			outs := a.ctl.Rebind(c, ids, mv.side, mv.to)
 			cancel()
 			ok := 0
 			peers := map[netip.Addr]bool{}
 			for _, o := range outs {
 				if o.Outcome == "succeeded" {
 					ok++
-					peers[o.New.Dst.Unmap()] = true
+					peer := o.New.Dst
+					if mv.side == protocol.SideLeft {
+						peer = o.New.Src
+					}
+					peers[peer.Unmap()] = true
 					continue
 				}
 				again = true
-				a.log.Warn("rebind", "session", o.ID, "to", loc, "outcome", o.Outcome, "reason", o.Reason)
+				a.log.Warn("rebind", "session", o.ID, "side", mv.side.String(), "to", mv.to, "outcome", o.Outcome, "reason", o.Reason)
 			}
-			a.log.Info("sessions moved to a new address", "to", loc, "sessions", len(ids), "moved", ok, "took", time.Since(start))
+			a.log.Info("sessions moved to a new address", "to", mv.to, "side", mv.side.String(), "sessions", len(ids), "moved", ok, "took", time.Since(start))
 			flushIncomplete(peers)
 		}
 		if !again {
@@ -289,6 +330,21 @@ func (a *Agent) rightSource(id uint32, s *datapath.Session) (netip.Addr, bool) {
 	}
 	src := f.Out.Wire().Src
 	if tp, ok := a.dp.TwoPath(datapath.TPKey{SessId: id, Side: 1}); ok && tp.State == datapath.TPNew {
+		src = tp.NewOut.Wire().Src
+	}
+	return src.Unmap(), true
+}
+
+// leftEnd returns this host's address on the left subsession of a
+// session that ends here: its leftward egress flow's source, or that of
+// the new path of a reconfiguration it went through.
+func (a *Agent) leftEnd(id uint32, s *datapath.Session) (netip.Addr, bool) {
+	f, ok := a.dp.Flow(datapath.TupleOf(s.Tuple.Wire().Reverse(), s.Proto))
+	if !ok || f.SessId != id {
+		return netip.Addr{}, false
+	}
+	src := f.Out.Wire().Src
+	if tp, ok := a.dp.TwoPath(datapath.TPKey{SessId: id, Side: 0}); ok && tp.State == datapath.TPNew {
 		src = tp.NewOut.Wire().Src
 	}
 	return src.Unmap(), true

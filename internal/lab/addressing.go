@@ -59,7 +59,8 @@ type Host struct {
 	// (HostSpec.SessionAddr): 10.250.i.1/32 and fd00:dc:250:i::1/128 on
 	// SessionIface, never on a link. Its default routes
 	// in the main table name them as the source, so that applications use
-	// them; zero when the host has none.
+	// them, and the router routes them to the host's first link (sessions
+	// can be opened to them); zero when the host has none.
 	SessionAddr4 netip.Addr `json:"session_addr4,omitzero"`
 	SessionAddr6 netip.Addr `json:"session_addr6,omitzero"`
 }
@@ -209,7 +210,13 @@ func planStar(labName string, ly *layout, links map[string]int, sessAddr map[str
 		}}
 		h.Gateway4, h.Gateway6 = gw4, gw6
 		if sessAddr[h.Name] {
+			// The router reaches the session addresses through the
+			// host's first link (their "home"): a session can be
+			// opened to them.
 			h.SessionAddr4, h.SessionAddr6 = addr4(250, sub, 1), addr6(250, sub, 1)
+			r.Routes = append(r.Routes,
+				Route{Dst: netip.PrefixFrom(h.SessionAddr4, 32), Via: addr4(net4, sub, 2), Iface: rif},
+				Route{Dst: netip.PrefixFrom(h.SessionAddr6, 128), Via: addr6(net6, sub, 2), Iface: rif})
 		}
 		h.Routes = []Route{
 			{Dst: default4, Via: gw4, Iface: "eth0", Src: h.SessionAddr4},

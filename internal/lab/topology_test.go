@@ -334,6 +334,15 @@ func TestPlanSessionAddr(t *testing.T) {
 	if h := ly.hosts[1]; h.SessionAddr4.IsValid() || h.Routes[0].Src.IsValid() {
 		t.Errorf("mb1 has a session address: %+v", h)
 	}
+	wantRt := []Route{
+		{Dst: netip.PrefixFrom(s4, 32), Via: netip.MustParseAddr("10.200.1.2"), Iface: "r-1"},
+		{Dst: netip.PrefixFrom(s6, 128), Via: netip.MustParseAddr("fd00:dc:0:1::2"), Iface: "r-1"},
+		{Dst: netip.MustParsePrefix("10.250.3.1/32"), Via: netip.MustParseAddr("10.200.3.2"), Iface: "r-3"},
+		{Dst: netip.MustParsePrefix("fd00:dc:250:3::1/128"), Via: netip.MustParseAddr("fd00:dc:0:3::2"), Iface: "r-3"},
+	}
+	if !reflect.DeepEqual(ly.router.Routes, wantRt) {
+		t.Errorf("the router's routes to session addresses: %+v", ly.router.Routes)
+	}
 	if _, err := plan("x", Topology{Kind: KindLine, Hosts: []HostSpec{{Name: "a", SessionAddr: true}, {Name: "b"}}}); err == nil || !strings.Contains(err.Error(), "only a star") {
 		t.Errorf("a line with a session address: %v", err)
 	}

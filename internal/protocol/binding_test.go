@@ -98,7 +98,7 @@ func TestBindingEveryKind(t *testing.T) {
 		{"a rebind", 3, func(h *harness) {
 			h.alias = map[netip.Addr]netip.Addr{moveTo: addr(1)}
 			h.chain([]int{1, 2, 3}, nil)
-			h.deliver(addr(1), Rebind{Session: sid, Source: moveTo, Token: 1})
+			h.deliver(addr(1), Rebind{Session: sid, Side: SideRight, Source: moveTo, Token: 1})
 			h.run()
 			if r := h.rebindResult(1); r.Outcome != Succeeded {
 				t.Fatalf("rebind %+v", r)

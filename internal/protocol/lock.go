@@ -81,6 +81,11 @@ func (a *Agent) onRequestLock(s *session, m *Message, from netip.Addr, fromQueue
 			a.nack(s, m, from, ReasonBusy, s.joinReq)
 			return
 		}
+		if rb := s.rebind; rb != nil && rb.side == SideLeft {
+			// Our left subsession is moving (rebind.go).
+			a.nack(s, m, from, ReasonBusy, rb.req)
+			return
+		}
 		r := &anchor{role: RoleRightAnchor, req: k, stage: StageWaitSyn, rightAnchor: a.cfg.Self,
 			delta: m.Delta, grantDelta: m.LeftDelta, peerWS: m.WScale, anchorNonce: m.AnchorNonce}
 		s.right = r

@@ -8,9 +8,11 @@ import (
 
 // Break before make (M2M §4.2.3): an agent whose address changed under a
 // live session (the old address is gone, so no reconfiguration can use
-// the old path) moves the subsession to its right neighbour onto its new
-// address. Only that subsession changes: the session's tuple, its other
-// subsessions and its middleboxes stay as they are.
+// the old path) moves the subsession to its neighbour onto its new
+// address: the session's first agent its right subsession, the last
+// agent (a server renumbered) its left one, symmetrically. Only that
+// subsession changes: the session's tuple, its other subsessions and its
+// middleboxes stay as they are.
 //
 // The agent that moves (the mover) installs the new subsession's ingress
 // flow (MoveSubsession, MoveListen), then sends a rebind from its new
@@ -28,14 +30,19 @@ import (
 // (MoveSwitch). Packets the two ends send meanwhile on the old subsession
 // are lost; TCP retransmits them on the new one.
 //
-// The mover holds the lock of its right subsession (§3.2) for the
-// rebind: a reconfiguration of the session waits for it, or is refused,
-// as it would be behind another reconfiguration.
+// The mover of a right side holds the lock of its right subsession
+// (§3.2) for the rebind: a reconfiguration of the session waits for it,
+// or is refused, as it would be behind another reconfiguration. The mover
+// of a left side refuses, as the right anchor, a reconfiguration that
+// would take that subsession (ReasonBusy), as it refuses a second one
+// (§3.2); the neighbour refuses a rebind of a subsession a
+// reconfiguration holds there.
 
-// Rebind asks the agent to move the subsession of a session's right side
-// to another of this host's addresses, Source (break before make).
+// Rebind asks the agent to move the subsession of a session's Side to
+// another of this host's addresses, Source (break before make).
 type Rebind struct {
 	Session SessionID
+	Side    Side
 	Source  netip.Addr
 	Token   uint64
 }
@@ -90,6 +97,7 @@ func (RebindResult) action() {}
 
 // rebindOut is a rebind in progress at the mover.
 type rebindOut struct {
+	side     Side
 	req      ReqKey
 	token    uint64
 	source   netip.Addr
@@ -100,19 +108,40 @@ type rebindOut struct {
 // moved is a subsession that a rebind replaced at the neighbour, kept for
 // Linger to answer the rebind's retransmissions.
 type moved struct {
-	sub wire.Tuple
-	req ReqKey
+	side Side
+	sub  wire.Tuple
+	req  ReqKey
+}
+
+// ownEnd returns this agent's address on a subsession of a side (written
+// as its SYN went): the source on the right, the destination on the
+// left.
+func ownEnd(side Side, sub wire.Tuple) netip.Addr {
+	if side == SideRight {
+		return sub.Src.Unmap()
+	}
+	return sub.Dst.Unmap()
+}
+
+// withOwnEnd returns sub with this agent's address on it replaced by x.
+func withOwnEnd(side Side, sub wire.Tuple, x netip.Addr) wire.Tuple {
+	if side == SideRight {
+		sub.Src = x
+	} else {
+		sub.Dst = x
+	}
+	return sub
 }
 
 func (a *Agent) onRebind(e Rebind) {
 	res := RebindResult{Session: e.Session, Token: e.Token}
 	s := a.sessions[e.Session]
-	if s == nil || s.sides[SideRight] == nil {
+	if s == nil || e.Side > SideRight || s.sides[e.Side] == nil {
 		res.Outcome, res.Reason = Refused, ReasonNoSession
 		a.emit(res)
 		return
 	}
-	sd := s.sides[SideRight]
+	sd := s.sides[e.Side]
 	res.Old, res.New = sd.Sub, sd.Sub
 	src := e.Source.Unmap()
 	if !src.IsValid() || !wire.Unicast(src) || src.Is4() != sd.Sub.Src.Unmap().Is4() {
@@ -120,7 +149,7 @@ func (a *Agent) onRebind(e Rebind) {
 		a.emit(res)
 		return
 	}
-	if sd.Sub.Src.Unmap() == src {
+	if ownEnd(e.Side, sd.Sub) == src {
 		res.Outcome = Succeeded // already there
 		a.emit(res)
 		return
@@ -128,34 +157,37 @@ func (a *Agent) onRebind(e Rebind) {
 	switch {
 	case s.rebind != nil:
 		res.Outcome, res.Reason, res.Blocker = Refused, ReasonBusy, s.rebind.req
-	case s.left != nil:
+	case e.Side == SideRight && s.left != nil:
 		res.Outcome, res.Reason, res.Blocker = Refused, ReasonBusy, s.left.req
-	case s.lock != Unlocked:
+	case e.Side == SideRight && s.lock != Unlocked:
 		res.Outcome, res.Reason, res.Blocker = Refused, ReasonLocked, s.requestor
+	case e.Side == SideLeft && s.right != nil:
+		res.Outcome, res.Reason, res.Blocker = Refused, ReasonBusy, s.right.req
 	}
 	if res.Outcome != 0 {
 		a.emit(res)
 		return
 	}
-	nw := sd.Sub
-	nw.Src = src
+	nw := withOwnEnd(e.Side, sd.Sub, src)
 	if _, used := a.subs[nw]; used {
 		res.Outcome, res.Reason = Refused, ReasonInvalid
 		a.emit(res)
 		return
 	}
 	a.nextReq++
-	rb := &rebindOut{req: ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq}, token: e.Token, source: src, old: sd.Sub, new: nw}
+	rb := &rebindOut{side: e.Side, req: ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq}, token: e.Token, source: src, old: sd.Sub, new: nw}
 	s.rebind = rb
-	s.lock, s.requestor = Locked, rb.req
-	a.subs[nw] = subRef{id: s.id, side: SideRight, peer: sd.Peer, nonce: sd.Nonce}
-	a.emit(MoveSubsession{Session: s.id, Side: SideRight, Old: rb.old, New: nw, Step: MoveListen})
+	if e.Side == SideRight {
+		s.lock, s.requestor = Locked, rb.req
+	}
+	a.subs[nw] = subRef{id: s.id, side: e.Side, peer: sd.Peer, nonce: sd.Nonce}
+	a.emit(MoveSubsession{Session: s.id, Side: e.Side, Old: rb.old, New: nw, Step: MoveListen})
 	a.sendRebind(s, rb)
 }
 
 // sendRebind sends (again) the rebind, from the new address.
 func (a *Agent) sendRebind(s *session, rb *rebindOut) {
-	sd := s.sides[SideRight]
+	sd := s.sides[rb.side]
 	a.sendFrom(sd.Peer, rb.source, a.msg(s, MsgRebind, rb.old, rb.req, rb.source))
 	rb.tries++
 	a.setTimer(s, TimerRebind, rb.req, a.backoff(rb.tries))
@@ -168,15 +200,15 @@ func (a *Agent) endRebind(s *session, o Outcome, r Reason, blocker ReqKey) {
 	s.rebind = nil
 	a.cancelTimer(s, TimerRebind, rb.req)
 	if o == Succeeded {
-		sd := s.sides[SideRight]
+		sd := s.sides[rb.side]
 		delete(a.subs, rb.old)
 		sd.Sub = rb.new
-		a.emit(MoveSubsession{Session: s.id, Side: SideRight, Old: rb.old, New: rb.new, Step: MoveSwitch})
+		a.emit(MoveSubsession{Session: s.id, Side: rb.side, Old: rb.old, New: rb.new, Step: MoveSwitch})
 	} else {
 		delete(a.subs, rb.new)
-		a.emit(MoveSubsession{Session: s.id, Side: SideRight, Old: rb.old, New: rb.new, Step: MoveAbandon})
+		a.emit(MoveSubsession{Session: s.id, Side: rb.side, Old: rb.old, New: rb.new, Step: MoveAbandon})
 	}
-	if s.requestor == rb.req {
+	if rb.side == SideRight && s.requestor == rb.req {
 		s.lock, s.requestor = Unlocked, ReqKey{}
 	}
 	a.emit(RebindResult{Session: s.id, Token: rb.token, Req: rb.req, Old: rb.old, New: rb.new, Outcome: o, Reason: r, Blocker: blocker})
@@ -199,7 +231,8 @@ func (a *Agent) onRebindTimer(s *session, req ReqKey) {
 // onRebindAck is the neighbour's answer, on the new subsession (ref).
 func (a *Agent) onRebindAck(s *session, m *Message) {
 	rb := s.rebind
-	if rb == nil && m.Reason == ReasonNone && s.sides[SideRight] != nil && m.Sub == s.sides[SideRight].Sub {
+	if rb == nil && m.Reason == ReasonNone && (s.sides[SideRight] != nil && m.Sub == s.sides[SideRight].Sub ||
+		s.sides[SideLeft] != nil && m.Sub == s.sides[SideLeft].Sub) {
 		return // the answer to a retransmission of the rebind that moved it
 	}
 	if rb == nil || m.Req != rb.req || m.Sub != rb.new {
@@ -214,10 +247,12 @@ func (a *Agent) onRebindAck(s *session, m *Message) {
 }
 
 // onRebindIn is a rebind at the neighbour: ref is the subsession it names
-// (found, and the nonce checked), from the datagram's source.
+// (found, and the nonce checked), from the datagram's source. The side
+// that moves is ref.side here (the mover's other side).
 func (a *Agent) onRebindIn(s *session, ref subRef, m *Message, from netip.Addr) {
-	sd := s.sides[SideLeft]
-	if ref.side != SideLeft || sd == nil || ref.tomb {
+	side := ref.side
+	sd := s.sides[side]
+	if sd == nil || ref.tomb {
 		a.reject(RejectUnexpected, m, from, "a rebind of the %s side of session %d", ref.side, s.id)
 		return
 	}
@@ -228,8 +263,8 @@ func (a *Agent) onRebindIn(s *session, ref subRef, m *Message, from netip.Addr) 
 	if ref.moved {
 		// The old subsession of an accepted rebind: a retransmission
 		// is answered again; anything else is a replay.
-		if m.Req == s.rebound && from == sd.Peer {
-			a.sendRebindAck(s, sd.Sub, m.Req, ReasonNone, ReqKey{})
+		if m.Req == s.rebound[side] && from == sd.Peer {
+			a.sendRebindAck(s, side, sd.Sub, m.Req, ReasonNone, ReqKey{})
 			return
 		}
 		a.reject(RejectReplay, m, from, "rebind %s of session %d: its subsession moved already", m.Req, s.id)
@@ -239,46 +274,61 @@ func (a *Agent) onRebindIn(s *session, ref subRef, m *Message, from netip.Addr) 
 		a.reject(RejectUnexpected, m, from, "rebind of %s, session %d is on %s", m.Sub, s.id, sd.Sub)
 		return
 	}
-	if m.Req.LeftAnchor == s.rebound.LeftAnchor && m.Req.ID <= s.rebound.ID {
-		a.reject(RejectReplay, m, from, "rebind %s of session %d is not newer than %s", m.Req, s.id, s.rebound)
+	last := s.rebound[side]
+	if m.Req.LeftAnchor == last.LeftAnchor && m.Req.ID <= last.ID {
+		a.reject(RejectReplay, m, from, "rebind %s of session %d is not newer than %s", m.Req, s.id, last)
 		return
 	}
-	nw := m.Sub
-	nw.Src = from
-	if !s.rebound.IsZero() && a.now-s.reboundAt < a.cfg.RTO {
-		a.reject(RejectRate, m, from, "session %d was rebound %v ago", s.id, a.now-s.reboundAt)
-		a.sendRebindAck(s, nw, m.Req, ReasonBusy, s.rebound)
+	nw := withOwnEnd(side.Other(), m.Sub, from)
+	if !last.IsZero() && a.now-s.reboundAt[side] < a.cfg.RTO {
+		a.reject(RejectRate, m, from, "session %d was rebound %v ago", s.id, a.now-s.reboundAt[side])
+		a.sendRebindAck(s, side, nw, m.Req, ReasonBusy, last)
 		return
 	}
-	if s.right != nil {
-		a.sendRebindAck(s, nw, m.Req, ReasonBusy, s.right.req)
+	// A reconfiguration that holds the subsession here refuses the
+	// rebind, as it would a second reconfiguration (§3.2).
+	var holder ReqKey
+	switch {
+	case side == SideLeft && s.right != nil:
+		holder = s.right.req
+	case side == SideRight && s.left != nil:
+		holder = s.left.req
+	case side == SideRight && s.lock != Unlocked:
+		holder = s.requestor
+	case s.rebind != nil && s.rebind.side == side:
+		holder = s.rebind.req // both ends of the subsession move
+	}
+	if !holder.IsZero() {
+		a.sendRebindAck(s, side, nw, m.Req, ReasonBusy, holder)
 		return
 	}
 	// The new subsession may be one an earlier rebind of this session
 	// replaced (the host moves back to an address it had): it is taken
 	// again.
 	if r, used := a.subs[nw]; used && !(r.id == s.id && r.moved) {
-		a.sendRebindAck(s, nw, m.Req, ReasonInvalid, ReqKey{})
+		a.sendRebindAck(s, side, nw, m.Req, ReasonInvalid, ReqKey{})
 		return
 	}
 	old := sd.Sub
-	a.emit(MoveSubsession{Session: s.id, Side: SideLeft, Old: old, New: nw, Step: MoveAll})
+	a.emit(MoveSubsession{Session: s.id, Side: side, Old: old, New: nw, Step: MoveAll})
 	ref.moved = true
 	a.subs[old] = ref
-	a.subs[nw] = subRef{id: s.id, side: SideLeft, peer: from, nonce: ref.nonce}
+	a.subs[nw] = subRef{id: s.id, side: side, peer: from, nonce: ref.nonce}
 	sd.Sub, sd.Peer = nw, from
-	s.rebound, s.reboundAt = m.Req, a.now
-	s.moved = append(s.moved, moved{sub: old, req: m.Req})
+	s.rebound[side], s.reboundAt[side] = m.Req, a.now
+	s.moved = append(s.moved, moved{side: side, sub: old, req: m.Req})
 	a.setTimer(s, TimerRebound, m.Req, a.cfg.Linger)
-	a.sendRebindAck(s, nw, m.Req, ReasonNone, ReqKey{})
+	a.sendRebindAck(s, side, nw, m.Req, ReasonNone, ReqKey{})
 }
 
-// sendRebindAck answers a rebind on its new subsession sub (accepted or
-// not): to the mover's new address, from this host's end of sub.
-func (a *Agent) sendRebindAck(s *session, sub wire.Tuple, req ReqKey, r Reason, blocker ReqKey) {
-	ack := a.msg(s, MsgRebindAck, sub, req, sub.Src.Unmap())
+// sendRebindAck answers a rebind of a side's subsession on its new
+// subsession sub (accepted or not): to the mover's new address, from
+// this host's end of sub.
+func (a *Agent) sendRebindAck(s *session, side Side, sub wire.Tuple, req ReqKey, r Reason, blocker ReqKey) {
+	mover := ownEnd(side.Other(), sub)
+	ack := a.msg(s, MsgRebindAck, sub, req, mover)
 	ack.Reason, ack.Blocker = r, blocker
-	a.sendFrom(sub.Src.Unmap(), sub.Dst.Unmap(), ack)
+	a.sendFrom(mover, ownEnd(side, sub), ack)
 }
 
 // onRebound forgets the old subsession of an accepted rebind, and the
@@ -290,7 +340,7 @@ func (a *Agent) onRebound(s *session, req ReqKey) {
 		}
 		if r, ok := a.subs[mv.sub]; ok && r.id == s.id && r.moved {
 			delete(a.subs, mv.sub)
-			a.emit(RemoveSubsession{Session: s.id, Side: SideLeft, Sub: mv.sub})
+			a.emit(RemoveSubsession{Session: s.id, Side: mv.side, Sub: mv.sub})
 		}
 		s.moved = append(s.moved[:i], s.moved[i+1:]...)
 		return

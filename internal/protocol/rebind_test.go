@@ -32,7 +32,7 @@ func TestRebind(t *testing.T) {
 			old := subTuple(1, nb)
 			want := old
 			want.Src = moveTo
-			h.deliver(addr(1), Rebind{Session: sid, Source: moveTo, Token: 1})
+			h.deliver(addr(1), Rebind{Session: sid, Side: SideRight, Source: moveTo, Token: 1})
 			h.run()
 			if r := h.rebindResult(1); r.Outcome != Succeeded || r.Old != old || r.New != want {
 				t.Fatalf("%+v\n%s", r, h.trace())
@@ -55,7 +55,7 @@ func TestRebind(t *testing.T) {
 			// Back to the first address, before the neighbour forgot
 			// it: the old subsession is taken again.
 			h.now += time.Second
-			h.deliver(addr(1), Rebind{Session: sid, Source: addr(1), Token: 3})
+			h.deliver(addr(1), Rebind{Session: sid, Side: SideRight, Source: addr(1), Token: 3})
 			h.runMessages()
 			if r := h.rebindResult(3); r.Outcome != Succeeded || r.New != old {
 				t.Fatalf("moving back: %+v\n%s", r, h.trace())
@@ -78,6 +78,89 @@ func TestRebind(t *testing.T) {
 	}
 }
 
+// The far end moves too (a server renumbered): the last agent rebinds its
+// left subsession from its new address, directly to the first agent or
+// to a middlebox, which moves its right side. A reconfiguration of the
+// session and the rebind contend: the right anchor refuses the request
+// while its left subsession moves, and a neighbour refuses a rebind of a
+// subsession a reconfiguration holds.
+func TestRebindLeft(t *testing.T) {
+	serverNew := netip.MustParseAddr("10.0.3.9")
+	for _, c := range []struct {
+		name  string
+		chain []int
+	}{{"direct", []int{1, 3}}, {"through a middlebox", []int{1, 2, 3}}} {
+		t.Run(c.name, func(t *testing.T) {
+			h := rebindHarness(t, c.chain)
+			h.alias[serverNew] = addr(3)
+			nb := c.chain[len(c.chain)-2]
+			old := subTuple(nb, 3)
+			want := old
+			want.Dst = serverNew
+			h.deliver(addr(3), Rebind{Session: sid, Side: SideLeft, Source: serverNew, Token: 1})
+			h.run()
+			if r := h.rebindResult(1); r.Outcome != Succeeded || r.Old != old || r.New != want {
+				t.Fatalf("%+v\n%s", r, h.trace())
+			}
+			if len(h.rejected) != 0 {
+				t.Fatalf("rejected: %+v\n%s", h.rejected, h.trace())
+			}
+			mv := h.moves[addr(3)]
+			if len(mv) != 2 || mv[0].Step != MoveListen || mv[1].Step != MoveSwitch || mv[1].New != want || mv[1].Side != SideLeft {
+				t.Fatalf("mover's moves %+v", mv)
+			}
+			nm := h.moves[addr(nb)]
+			if len(nm) != 1 || nm[0].Step != MoveAll || nm[0].Old != old || nm[0].New != want || nm[0].Side != SideRight {
+				t.Fatalf("neighbour's moves %+v", nm)
+			}
+			s3, sn := h.agents[addr(3)].sessions[sid], h.agents[addr(nb)].sessions[sid]
+			if s3.sides[SideLeft].Sub != want || sn.sides[SideRight].Sub != want || sn.sides[SideRight].Peer != serverNew {
+				t.Fatalf("sides: mover %s, neighbour %s to %s", s3.sides[SideLeft].Sub, sn.sides[SideRight].Sub, sn.sides[SideRight].Peer)
+			}
+			// A reconfiguration afterwards runs on the new subsession.
+			h.now += time.Second
+			h.reconfigure(1, 3, nil, 2)
+			h.run()
+			if r := h.result(2); r.Outcome != Succeeded {
+				t.Fatalf("reconfiguration after the rebind: %+v\n%s", r, h.trace())
+			}
+			if len(h.rejected) != 0 {
+				t.Fatalf("rejected: %+v\n%s", h.rejected, h.trace())
+			}
+		})
+	}
+
+	// The rebind first: the reconfiguration's request is refused at the
+	// right anchor until it ends.
+	h := rebindHarness(t, []int{1, 2, 3})
+	h.alias[serverNew] = addr(3)
+	h.dead[addr(2)] = true
+	h.deliver(addr(3), Rebind{Session: sid, Side: SideLeft, Source: serverNew, Token: 1})
+	h.runMessages()
+	delete(h.dead, addr(2))
+	h.reconfigure(1, 3, nil, 2)
+	h.runMessages()
+	if r := h.result(2); r.Outcome != Refused || r.Reason != ReasonBusy {
+		t.Fatalf("reconfiguration during the rebind: %+v\n%s", r, h.trace())
+	}
+	// The reconfiguration first: the middlebox refuses the rebind of the
+	// subsession its lock holds.
+	h = rebindHarness(t, []int{1, 2, 3})
+	h.alias[serverNew] = addr(3)
+	h.dead[addr(3)] = true // the request waits at 2, locked there
+	h.reconfigure(1, 3, nil, 3)
+	h.runMessages()
+	delete(h.dead, addr(3))
+	h.deliver(addr(3), Rebind{Session: sid, Side: SideLeft, Source: serverNew, Token: 4})
+	h.runMessages()
+	if r := h.rebindResult(4); r.Outcome != Refused || r.Reason != ReasonBusy {
+		t.Fatalf("rebind during a reconfiguration: %+v\n%s", r, h.trace())
+	}
+	if s := h.agents[addr(3)].sessions[sid]; s.sides[SideLeft].Sub != subTuple(2, 3) {
+		t.Fatalf("the refused rebind moved the side to %s", s.sides[SideLeft].Sub)
+	}
+}
+
 // Bad rebinds change nothing and are counted: a replayed one (after the
 // session moved on, and once its old subsession is forgotten), a forged
 // one (another key, another nonce), one for an unknown subsession, one
@@ -91,13 +174,13 @@ func TestRebindRefused(t *testing.T) {
 			first = e
 		}
 	}
-	h.deliver(addr(1), Rebind{Session: sid, Source: moveTo, Token: 1})
+	h.deliver(addr(1), Rebind{Session: sid, Side: SideRight, Source: moveTo, Token: 1})
 	h.runMessages()
 	if r := h.rebindResult(1); r.Outcome != Succeeded {
 		t.Fatalf("%+v\n%s", r, h.trace())
 	}
 	// At once a second move: too soon.
-	h.deliver(addr(1), Rebind{Session: sid, Source: moveTo2, Token: 2})
+	h.deliver(addr(1), Rebind{Session: sid, Side: SideRight, Source: moveTo2, Token: 2})
 	h.runMessages()
 	if r := h.rebindResult(2); r.Outcome != Refused || r.Reason != ReasonBusy {
 		t.Fatalf("a rebind right after the last: %+v\n%s", r, h.trace())
@@ -109,7 +192,7 @@ func TestRebindRefused(t *testing.T) {
 		t.Fatalf("refused rebind not abandoned: %+v", mv)
 	}
 	h.now += time.Second
-	h.deliver(addr(1), Rebind{Session: sid, Source: moveTo2, Token: 3})
+	h.deliver(addr(1), Rebind{Session: sid, Side: SideRight, Source: moveTo2, Token: 3})
 	h.runMessages()
 	if r := h.rebindResult(3); r.Outcome != Succeeded {
 		t.Fatalf("%+v\n%s", r, h.trace())
@@ -170,7 +253,7 @@ func TestRebindRefused(t *testing.T) {
 func TestRebindContention(t *testing.T) {
 	h := rebindHarness(t, []int{1, 2, 3})
 	h.reconfigure(1, 3, nil, 1)
-	h.deliver(addr(1), Rebind{Session: sid, Source: moveTo, Token: 2})
+	h.deliver(addr(1), Rebind{Session: sid, Side: SideRight, Source: moveTo, Token: 2})
 	if r := h.rebindResult(2); r.Outcome != Refused || r.Reason != ReasonBusy {
 		t.Fatalf("rebind during a reconfiguration: %+v\n%s", r, h.trace())
 	}
@@ -181,7 +264,7 @@ func TestRebindContention(t *testing.T) {
 
 	h = rebindHarness(t, []int{1, 2, 3})
 	h.dead[addr(2)] = true
-	h.deliver(addr(1), Rebind{Session: sid, Source: moveTo, Token: 1})
+	h.deliver(addr(1), Rebind{Session: sid, Side: SideRight, Source: moveTo, Token: 1})
 	h.reconfigure(1, 3, nil, 2)
 	if r := h.result(2); r.Outcome != Refused || r.Reason != ReasonLocked {
 		t.Fatalf("reconfiguration during a rebind: %+v\n%s", r, h.trace())

@@ -80,13 +80,13 @@ type session struct {
 	// hold state moved for it (ReleaseState when it goes).
 	serve              []*migServe
 	exported, imported bool
-	// rebind is this agent's rebind of the right side in progress
-	// (rebind.go); rebound and reboundAt the last rebind of the left side
-	// accepted here (none: zero); moved the subsessions rebinds replaced
-	// here, until Linger.
+	// rebind is this agent's rebind of a side in progress (rebind.go);
+	// rebound and reboundAt the last rebind of each side accepted here
+	// (none: zero); moved the subsessions rebinds replaced here, until
+	// Linger.
 	rebind    *rebindOut
-	rebound   ReqKey
-	reboundAt time.Duration
+	rebound   [2]ReqKey
+	reboundAt [2]time.Duration
 	moved     []moved
 }
 

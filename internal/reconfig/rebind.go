@@ -1,8 +1,8 @@
 package reconfig
 
 // Break before make (protocol/rebind.go, M2M §4.2.3): moving a session's
-// first subsession to another address of this host after its old one is
-// gone, and the neighbour's side of it.
+// first subsession (or last, at its right end) to another address of
+// this host after its old one is gone, and the neighbour's side of it.
 
 import (
 	"context"
@@ -24,10 +24,11 @@ type RebindOutcome struct {
 	Took     time.Duration
 }
 
-// Rebind moves the right side of each datapath session in ids to source,
-// another address of this host, by a rebind to its next hop, and waits
-// for the results (or ctx's deadline).
-func (c *Shell) Rebind(ctx context.Context, ids []uint32, source netip.Addr) []RebindOutcome {
+// Rebind moves a side of each datapath session in ids (the right side at
+// the session's first agent, the left at its last) to source, another
+// address of this host, by a rebind to its neighbour on that side, and
+// waits for the results (or ctx's deadline).
+func (c *Shell) Rebind(ctx context.Context, ids []uint32, side protocol.Side, source netip.Addr) []RebindOutcome {
 	type pending struct {
 		id    uint32
 		ch    chan protocol.RebindResult
@@ -50,7 +51,7 @@ func (c *Shell) Rebind(ctx context.Context, ids []uint32, source netip.Addr) []R
 			}
 			c.token++
 			c.rebinds[c.token] = p.ch
-			c.handle(c.famOf[id], protocol.Rebind{Session: c.pidOf[id], Source: source.Unmap(), Token: c.token})
+			c.handle(c.famOf[id], protocol.Rebind{Session: c.pidOf[id], Side: side, Source: source.Unmap(), Token: c.token})
 		}
 		close(done)
 	})

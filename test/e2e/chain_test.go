@@ -28,12 +28,17 @@ func transferSize() int64 {
 	return 100 * mib
 }
 
-// nginx starts nginx on a host, serving dir on port 80 of both addresses,
-// and waits until it accepts connections.
+// nginx starts nginx on a host, serving dir on port 80 of both addresses
+// (and of its session addresses, if it has them), and waits until it
+// accepts connections.
 func (e *env) nginx(host, dir string) {
 	e.t.Helper()
 	h := e.host(host)
-	conf, err := lab.WriteNginxConfig(dir, 80, h.Addr4, h.Addr6)
+	addrs := []netip.Addr{h.Addr4, h.Addr6}
+	if h.SessionAddr4.IsValid() {
+		addrs = append(addrs, h.SessionAddr4, h.SessionAddr6)
+	}
+	conf, err := lab.WriteNginxConfig(dir, 80, addrs...)
 	if err != nil {
 		e.t.Fatal(err)
 	}
