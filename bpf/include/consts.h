@@ -26,6 +26,9 @@
 #ifndef MAX_INSTANCES
 #define MAX_INSTANCES 16
 #endif
+/* Local sources a policy spreads its sessions over, per family
+ * (dysco_policy_src); an address given k times has weight k. */
+#define MAX_POLICY_SRC 8 /* a power of two (syn.h masks an index with it) */
 #ifndef MAX_LOCAL_ADDRS
 #define MAX_LOCAL_ADDRS 256
 #endif

@@ -93,6 +93,18 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } dysco_locator SEC(".maps");
 
+/* Each policy slot's local sources (struct policy_src), written with the
+ * slot's bank: the first subsession of a session the policy starts leaves
+ * from one of them, chosen by the session's hash (syn.h
+ * subsession_make). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_POLICIES * POLICY_BANKS);
+	__type(key, __u32);
+	__type(value, struct policy_src);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dysco_policy_src SEC(".maps");
+
 /* Previous hops allowed to send Dysco SYNs, when the agent enforces it. */
 struct trusted_key {
 	__u32 prefixlen;

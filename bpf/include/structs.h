@@ -163,6 +163,15 @@ struct policy_val {
 	__u8 addr[DYSCO_MAX_HOPS][16];  /* HOP_ADDR */
 };
 
+/* The local addresses a policy's sessions leave from (multihoming,
+ * docs/mobility.md): n[0] IPv4 (mapped) and n[1] IPv6 addresses in addr[0]
+ * and addr[1]; none: the route's source. */
+struct policy_src {
+	__u8 n[2];
+	__u8 pad[2];
+	__u8 addr[2][MAX_POLICY_SRC][16];
+};
+
 struct type_val {
 	__u32 n;
 	__u32 rr; /* round-robin cursor, advanced atomically */

@@ -20,7 +20,8 @@
  * dysco_flows4 or dysco_flows6 (insert), dysco_ids (alloc_session),
  * dysco_policies and dysco_types (read; a type's round-robin cursor),
  * dysco_keys and dysco_trusted (read), dysco_halfopen, dysco_local and
- * dysco_locator (read), dysco_scratch, dysco_config (read, tap_on),
+ * dysco_locator, dysco_policy_src and dysco_local_if (read),
+ * dysco_scratch, dysco_config (read, tap_on),
  * dysco_stats. */
 #ifndef DYSCO_SYN_H
 #define DYSCO_SYN_H
@@ -325,7 +326,7 @@ static __always_inline int subsession_make(struct __sk_buff *skb, struct pkt *p,
 	struct session_val *s = bpf_map_lookup_elem(&dysco_sessions, &id);
 	__u32 ifindex, r, i;
 	__u8 flags_role = 0;
-	int ok = 0;
+	int ok = 0, picked = 0;
 
 	if (s && s->role == ROLE_MIDDLE)
 		flags_role = FL_TAP;
@@ -344,6 +345,29 @@ static __always_inline int subsession_make(struct __sk_buff *skb, struct pkt *p,
 
 		if (loc)
 			__builtin_memcpy(out->saddr, loc, 16);
+	}
+	/* A policy's local sources: the session's hash picks one, used if
+	 * it is an address of an interface that carries traffic (route.h
+	 * sends the subsession out of that interface: FL_REROUTE). */
+	if (s && s->role == ROLE_START && s->policy) {
+		__u32 slot = s->policy - 1;
+		struct policy_src *ps = bpf_map_lookup_elem(&dysco_policy_src, &slot);
+		__u32 fam = p->v6 ? 1 : 0, n, k;
+
+		if (ps) {
+			n = ps->n[fam];
+			if (n > 0 && n <= MAX_POLICY_SRC) {
+				k = bpf_get_hash_recalc(skb) % n;
+				/* The verifier does not follow the remainder's
+				 * bound: the mask (kept by the empty asm) gives it. */
+				asm volatile("" : "+r"(k));
+				k &= MAX_POLICY_SRC - 1;
+				if (bpf_map_lookup_elem(&dysco_local_if, ps->addr[fam][k])) {
+					__builtin_memcpy(out->saddr, ps->addr[fam][k], 16);
+					picked = 1;
+				}
+			}
+		}
 	}
 	__builtin_memcpy(out->daddr, st->hops[0], 16);
 	rev->sess_id = id;
@@ -365,7 +389,7 @@ static __always_inline int subsession_make(struct __sk_buff *skb, struct pkt *p,
 	}
 	fwd->out = *out;
 	fwd->sess_id = id;
-	fwd->flags = FL_SYN_EMIT | (same_route(skb, p->v6, p->t.daddr, out->daddr) ? 0 : FL_REROUTE);
+	fwd->flags = FL_SYN_EMIT | (!picked && same_route(skb, p->v6, p->t.daddr, out->daddr) ? 0 : FL_REROUTE);
 	fwd->packets = 1;
 	fwd->bytes = skb->len;
 	fwd->last_ms = stamp();

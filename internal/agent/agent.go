@@ -175,7 +175,8 @@ type Agent struct {
 	homeMoved              map[netip.Addr]bool
 	rebinding, rebindAgain bool
 	// viaUsed: a session was moved to another address of the host
-	// (reconfig --via) since the agent started.
+	// (reconfig --via), or a policy with via addresses was installed,
+	// since the agent started.
 	viaUsed atomic.Bool
 
 	// Collector-goroutine state for re-routing decisions (reroute.go).
@@ -823,7 +824,26 @@ func (a *Agent) applyPolicies() error {
 	a.typeIndex = typeIndex
 	a.serverInForce = version
 	a.mu.Unlock()
+	for _, c := range compiled {
+		a.noteVia(c.Policy)
+	}
 	return errors.Join(errs...)
+}
+
+// noteVia logs a policy's via addresses that are not this host's (its
+// sessions that pick one leave from their route's source), and notes
+// that sessions may leave from another address than their own: when
+// that address goes, they are rebound to their own (mobility.go).
+func (a *Agent) noteVia(p api.Policy) {
+	if len(p.Via) == 0 {
+		return
+	}
+	a.viaUsed.Store(true)
+	for _, v := range p.Via {
+		if !a.ownAddr(v.Unmap()) {
+			a.log.Warn("policy names a via address this host does not have; its sessions that pick it leave from their route's source", "policy", p.Name, "via", v)
+		}
+	}
 }
 
 // compilePolicy compiles p for the classifier (policy.Compile). A policy it
@@ -856,7 +876,7 @@ func (e *notInForceError) Error() string { return e.err.Error() }
 func (e *notInForceError) Unwrap() error { return e.err }
 
 func resolveChain(p api.Policy, typeIndex map[string]int) (datapath.PolicyChain, error) {
-	c := datapath.PolicyChain{ToDst: !p.EndBeforeDestination}
+	c := datapath.PolicyChain{ToDst: !p.EndBeforeDestination, Via: p.Via}
 	if p.IdleTimeoutS != 0 {
 		// The same for both phases of a UDP session (policy.IdleTimeouts).
 		c.IdleS = [2]uint16{uint16(min(p.IdleTimeoutS, 0xffff)), uint16(min(p.IdleTimeoutS, 0xffff))}

@@ -44,7 +44,19 @@ type Policy struct {
 	// MinIdleTimeout to MaxIdleTimeout, for sessions that have seen one
 	// direction or both alike.
 	IdleTimeoutS int `json:"idle_timeout_s,omitempty"`
+	// Via lists local addresses that the sessions the policy starts leave
+	// from (their first subsession: the session tuple keeps its own
+	// source), for a host with several links. A session's hash picks one
+	// of those of its family, an address listed k times having k shares;
+	// a session whose pick is not an address of one of the host's
+	// interfaces that carry traffic leaves from its route's source, as do
+	// all when Via is empty. At most MaxVia per family.
+	Via []netip.Addr `json:"via,omitempty"`
 }
+
+// MaxVia is the most local addresses of one family a policy's Via lists
+// (repetitions included).
+const MaxVia = 8
 
 // Idle timeouts of sessions that do not end with a FIN (UDP). The defaults
 // are those of Linux's connection tracking for UDP
@@ -144,6 +156,15 @@ func (p *Policy) Validate() error {
 	if s := p.IdleTimeoutS; s != 0 && (s < int(MinIdleTimeout/time.Second) || s > int(MaxIdleTimeout/time.Second)) {
 		return fmt.Errorf("policy %q: idle timeout of %d s: want 0 (the defaults, %v one way, %v both ways) or %v to %v",
 			p.Name, p.IdleTimeoutS, DefaultIdleTimeoutOneWay, DefaultIdleTimeoutStream, MinIdleTimeout, MaxIdleTimeout)
+	}
+	perFamily := map[bool]int{}
+	for _, a := range p.Via {
+		if !a.IsValid() || !wire.Unicast(a) {
+			return fmt.Errorf("policy %q: via %s is not a unicast address (unspecified, loopback, multicast or broadcast)", p.Name, a)
+		}
+		if perFamily[a.Unmap().Is6()]++; perFamily[a.Unmap().Is6()] > MaxVia {
+			return fmt.Errorf("policy %q: more than %d via addresses of one family", p.Name, MaxVia)
+		}
 	}
 	if p.EndBeforeDestination && len(p.Chain) == 0 {
 		return fmt.Errorf("policy %q: end_before_destination needs a chain", p.Name)

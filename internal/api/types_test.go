@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -61,6 +62,11 @@ func TestPolicyAndTypeValidate(t *testing.T) {
 		{Policy{Name: "quic", Filter: "udp", IdleTimeoutS: 64801}, `idle timeout of 64801 s: want 0 (the defaults, 30s one way, 2m0s both ways) or 1s to 18h0m0s`},
 		{Policy{Name: "quic", Filter: "udp", IdleTimeoutS: -1}, `idle timeout of -1 s`},
 		{Policy{Name: "quic", Filter: "udp", IdleTimeoutS: 1 << 62}, `idle timeout of`},
+		{Policy{Name: "multi", Filter: "tcp", Via: []netip.Addr{netip.MustParseAddr("10.0.1.5"), netip.MustParseAddr("10.0.2.5"), netip.MustParseAddr("10.0.2.5"), netip.MustParseAddr("fd00::5")}}, ""},
+		{Policy{Name: "multi", Filter: "tcp", Via: []netip.Addr{netip.MustParseAddr("127.0.0.1")}}, `via 127.0.0.1 is not a unicast address`},
+		{Policy{Name: "multi", Filter: "tcp", Via: []netip.Addr{{}}}, `is not a unicast address`},
+		{Policy{Name: "multi", Filter: "tcp", Via: slices.Repeat([]netip.Addr{netip.MustParseAddr("10.0.1.5")}, MaxVia+1)}, `more than 8 via addresses of one family`},
+		{Policy{Name: "multi", Filter: "tcp", Via: append(slices.Repeat([]netip.Addr{netip.MustParseAddr("10.0.1.5")}, MaxVia), netip.MustParseAddr("fd00::5"))}, ""},
 	} {
 		err := tc.p.Validate()
 		if tc.want == "" && err != nil || tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)) {

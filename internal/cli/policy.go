@@ -65,6 +65,7 @@ func policyArgs(args []string) (name, filter string, err error) {
 func newPolicyAddCmd() *cobra.Command {
 	var (
 		chain    []string
+		via      []string
 		hosts    []string
 		priority int
 		endEarly bool
@@ -87,9 +88,17 @@ matches other protocols (host 10.0.3.2) is accepted, and the packets of those
 protocols pass unchained.
 
 --idle sets how long a UDP session lives without a packet (1s to 18h); by
-default 30s until it has seen packets both ways, 120s after.`,
+default 30s until it has seen packets both ways, 120s after.
+
+--via spreads the sessions the policy starts over local addresses (a host
+with several links): each session leaves from the one its hash picks among
+those of its family, an address given k times getting k shares; the session
+keeps its own source address. A session whose pick is not an address of an
+interface of this host that carries traffic leaves as without --via; when
+the address it left from goes, it moves back to its own (docs/mobility.md).`,
 		Example: `  dysco policy add web --chain 10.0.1.2,nat 'tcp dst port 80'
   dysco policy add quic --chain fw --idle 5m 'udp dst port 4433'
+  dysco policy add spread --via 10.0.1.5,10.0.2.5,10.0.2.5 'tcp dst port 443'
   dysco policy add --server https://10.0.0.9:7017 --host h1 ssh --chain ids tcp port 22`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			name, filter, err := policyArgs(args)
@@ -107,6 +116,13 @@ default 30s until it has seen packets both ways, 120s after.`,
 					return fmt.Errorf("--chain: %w", err)
 				}
 				p.Chain = append(p.Chain, h)
+			}
+			for _, s := range via {
+				a, err := netip.ParseAddr(s)
+				if err != nil {
+					return fmt.Errorf("--via %q: not an IP address", s)
+				}
+				p.Via = append(p.Via, a.Unmap())
 			}
 			if server == "" && len(hosts) > 0 {
 				return errors.New("--host only applies with --server: the policy server hands policies to the hosts named; the local agent takes every policy it is given")
@@ -135,6 +151,7 @@ default 30s until it has seen packets both ways, 120s after.`,
 	f := cmd.Flags()
 	f.DurationVar(&idle, "idle", 0, "idle timeout of the policy's UDP sessions, whole seconds from 1s to 18h (default 30s one way, 120s both ways)")
 	f.StringSliceVar(&chain, "chain", nil, "middleboxes to traverse, in order: IP addresses or middlebox type names, comma-separated")
+	f.StringSliceVar(&via, "via", nil, "local addresses the sessions leave from, spread by hash; repeat an address to weight it (comma-separated)")
 	f.BoolVar(&endEarly, "end-before-destination", false, "end the chain at its last hop, which hands the plain SYN on to the destination (§2.4)")
 	f.IntVar(&priority, "priority", 0, "evaluation order; lower first, then by name")
 	f.StringSliceVar(&hosts, "host", nil, "agent to give the policy to (repeatable; default every agent; with --server only)")
@@ -196,21 +213,28 @@ func printPolicies(w io.Writer, set api.PolicySet) error {
 		_, err := fmt.Fprintf(w, "no policies (version %d)\n", set.Version)
 		return err
 	}
-	// The IDLE column appears when a policy sets its idle timeout.
-	idle := false
+	// The IDLE and VIA columns appear when a policy sets them.
+	idle, via := false, false
 	for _, p := range set.Policies {
 		idle = idle || p.IdleTimeoutS != 0
+		via = via || len(p.Via) > 0
 	}
 	tw := newTabWriter(w)
 	fmt.Fprint(tw, "NAME\tPRIORITY\tFILTER\tCHAIN\tHOSTS")
 	if idle {
 		fmt.Fprint(tw, "\tIDLE")
 	}
+	if via {
+		fmt.Fprint(tw, "\tVIA")
+	}
 	fmt.Fprintln(tw)
 	for _, p := range set.Policies {
 		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s", p.Name, p.Priority, p.Filter, chainString(p), hostsString(p.Hosts))
 		if idle {
 			fmt.Fprintf(tw, "\t%s", idleString(p))
+		}
+		if via {
+			fmt.Fprintf(tw, "\t%s", viaString(p.Via))
 		}
 		fmt.Fprintln(tw)
 	}
@@ -240,6 +264,18 @@ func idleString(p api.Policy) string {
 		return "-"
 	}
 	return p.IdleTimeout().String()
+}
+
+// viaString shows a policy's via addresses, "-" for none.
+func viaString(via []netip.Addr) string {
+	if len(via) == 0 {
+		return "-"
+	}
+	s := make([]string, len(via))
+	for i, a := range via {
+		s[i] = a.String()
+	}
+	return strings.Join(s, ",")
 }
 
 func hostsString(hosts []string) string {

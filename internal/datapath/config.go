@@ -84,7 +84,16 @@ type PolicyChain struct {
 	// IdleS holds a UDP session's idle timeouts in seconds, one way and
 	// both ways (0: the agents' defaults); they travel in the block.
 	IdleS [2]uint16
+	// Via are local addresses the policy's sessions leave from, spread
+	// by the session's hash within each family (an address given k times
+	// has weight k; at most MaxPolicySources per family); none: the
+	// route's source.
+	Via []netip.Addr
 }
+
+// MaxPolicySources is the most local sources of one family a policy can
+// spread its sessions over (MAX_POLICY_SRC in bpf/include/consts.h).
+const MaxPolicySources = 8
 
 // PolicyBanks is the number of banks of policy slots and middlebox types
 // (POLICY_BANKS in bpf/include/consts.h): InstallPolicies writes a new set
@@ -168,17 +177,41 @@ func (d *Datapath) writeBank(bank, from int, types [][]netip.Addr, chains []Poli
 	}
 	for i := 0; i < np; i++ {
 		var v dyscoPolicyVal
+		var src dyscoPolicySrc
 		if i < len(chains) {
 			var err error
 			if v, err = policyVal(i, chains[i], len(types), bank*nt); err != nil {
 				return err
 			}
+			if src, err = policySrc(i, chains[i].Via); err != nil {
+				return err
+			}
+		}
+		if err := d.objs.DyscoPolicySrc.Put(uint32(bank*np+i), src); err != nil {
+			return err
 		}
 		if err := d.objs.DyscoPolicies.Put(uint32(bank*np+i), v); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// policySrc is the dysco_policy_src entry of a policy's local sources.
+func policySrc(i int, via []netip.Addr) (dyscoPolicySrc, error) {
+	var v dyscoPolicySrc
+	for _, a := range via {
+		f := 0
+		if a.Unmap().Is6() {
+			f = 1
+		}
+		if int(v.N[f]) >= MaxPolicySources {
+			return v, fmt.Errorf("datapath: policy slot %d: more than %d sources of a family", i, MaxPolicySources)
+		}
+		v.Addr[f][v.N[f]] = a.Unmap().As16() // IPv4 addresses IPv4-mapped
+		v.N[f]++
+	}
+	return v, nil
 }
 
 // policyVal is the dysco_policies entry of chain c, in slot i, whose type

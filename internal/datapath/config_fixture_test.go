@@ -16,13 +16,20 @@ func (d *Datapath) SetPolicies(chains []PolicyChain) error {
 	}
 	for i := 0; i < int(d.objs.DyscoPolicies.MaxEntries()); i++ {
 		var v dyscoPolicyVal
+		var src dyscoPolicySrc
 		if i < len(chains) {
 			var err error
 			if v, err = policyVal(i, chains[i], math.MaxInt32, 0); err != nil {
 				return err
 			}
+			if src, err = policySrc(i, chains[i].Via); err != nil {
+				return err
+			}
 		}
 		if err := d.objs.DyscoPolicies.Put(uint32(i), v); err != nil {
+			return err
+		}
+		if err := d.objs.DyscoPolicySrc.Put(uint32(i), src); err != nil {
 			return err
 		}
 	}

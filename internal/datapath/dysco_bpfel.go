@@ -136,6 +136,13 @@ type dyscoMacKey struct {
 	Pad uint32
 }
 
+type dyscoPolicySrc struct {
+	_    structs.HostLayout
+	N    [2]uint8
+	Pad  [2]uint8
+	Addr [2][8][16]uint8
+}
+
 type dyscoPolicyVal struct {
 	_      structs.HostLayout
 	N_hops uint8
@@ -303,6 +310,7 @@ const (
 	dyscoMapDyscoLocalIf     = "dysco_local_if"
 	dyscoMapDyscoLocator     = "dysco_locator"
 	dyscoMapDyscoPolicies    = "dysco_policies"
+	dyscoMapDyscoPolicySrc   = "dysco_policy_src"
 	dyscoMapDyscoProgs       = "dysco_progs"
 	dyscoMapDyscoScratch     = "dysco_scratch"
 	dyscoMapDyscoSessions    = "dysco_sessions"
@@ -384,31 +392,32 @@ type dyscoProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type dyscoMapSpecs struct {
-	DyscoAgent    *ebpf.MapSpec `ebpf:"dysco_agent"`
-	DyscoConfig   *ebpf.MapSpec `ebpf:"dysco_config"`
-	DyscoCtlBuf   *ebpf.MapSpec `ebpf:"dysco_ctl_buf"`
-	DyscoDeltas   *ebpf.MapSpec `ebpf:"dysco_deltas"`
-	DyscoEvents   *ebpf.MapSpec `ebpf:"dysco_events"`
-	DyscoFlows4   *ebpf.MapSpec `ebpf:"dysco_flows4"`
-	DyscoFlows6   *ebpf.MapSpec `ebpf:"dysco_flows6"`
-	DyscoHalfopen *ebpf.MapSpec `ebpf:"dysco_halfopen"`
-	DyscoHold     *ebpf.MapSpec `ebpf:"dysco_hold"`
-	DyscoHoldBuf  *ebpf.MapSpec `ebpf:"dysco_hold_buf"`
-	DyscoIds      *ebpf.MapSpec `ebpf:"dysco_ids"`
-	DyscoKeys     *ebpf.MapSpec `ebpf:"dysco_keys"`
-	DyscoLocal    *ebpf.MapSpec `ebpf:"dysco_local"`
-	DyscoLocalIf  *ebpf.MapSpec `ebpf:"dysco_local_if"`
-	DyscoLocator  *ebpf.MapSpec `ebpf:"dysco_locator"`
-	DyscoPolicies *ebpf.MapSpec `ebpf:"dysco_policies"`
-	DyscoProgs    *ebpf.MapSpec `ebpf:"dysco_progs"`
-	DyscoScratch  *ebpf.MapSpec `ebpf:"dysco_scratch"`
-	DyscoSessions *ebpf.MapSpec `ebpf:"dysco_sessions"`
-	DyscoStats    *ebpf.MapSpec `ebpf:"dysco_stats"`
-	DyscoSyns     *ebpf.MapSpec `ebpf:"dysco_syns"`
-	DyscoTp       *ebpf.MapSpec `ebpf:"dysco_tp"`
-	DyscoTpReq    *ebpf.MapSpec `ebpf:"dysco_tp_req"`
-	DyscoTrusted  *ebpf.MapSpec `ebpf:"dysco_trusted"`
-	DyscoTypes    *ebpf.MapSpec `ebpf:"dysco_types"`
+	DyscoAgent     *ebpf.MapSpec `ebpf:"dysco_agent"`
+	DyscoConfig    *ebpf.MapSpec `ebpf:"dysco_config"`
+	DyscoCtlBuf    *ebpf.MapSpec `ebpf:"dysco_ctl_buf"`
+	DyscoDeltas    *ebpf.MapSpec `ebpf:"dysco_deltas"`
+	DyscoEvents    *ebpf.MapSpec `ebpf:"dysco_events"`
+	DyscoFlows4    *ebpf.MapSpec `ebpf:"dysco_flows4"`
+	DyscoFlows6    *ebpf.MapSpec `ebpf:"dysco_flows6"`
+	DyscoHalfopen  *ebpf.MapSpec `ebpf:"dysco_halfopen"`
+	DyscoHold      *ebpf.MapSpec `ebpf:"dysco_hold"`
+	DyscoHoldBuf   *ebpf.MapSpec `ebpf:"dysco_hold_buf"`
+	DyscoIds       *ebpf.MapSpec `ebpf:"dysco_ids"`
+	DyscoKeys      *ebpf.MapSpec `ebpf:"dysco_keys"`
+	DyscoLocal     *ebpf.MapSpec `ebpf:"dysco_local"`
+	DyscoLocalIf   *ebpf.MapSpec `ebpf:"dysco_local_if"`
+	DyscoLocator   *ebpf.MapSpec `ebpf:"dysco_locator"`
+	DyscoPolicies  *ebpf.MapSpec `ebpf:"dysco_policies"`
+	DyscoPolicySrc *ebpf.MapSpec `ebpf:"dysco_policy_src"`
+	DyscoProgs     *ebpf.MapSpec `ebpf:"dysco_progs"`
+	DyscoScratch   *ebpf.MapSpec `ebpf:"dysco_scratch"`
+	DyscoSessions  *ebpf.MapSpec `ebpf:"dysco_sessions"`
+	DyscoStats     *ebpf.MapSpec `ebpf:"dysco_stats"`
+	DyscoSyns      *ebpf.MapSpec `ebpf:"dysco_syns"`
+	DyscoTp        *ebpf.MapSpec `ebpf:"dysco_tp"`
+	DyscoTpReq     *ebpf.MapSpec `ebpf:"dysco_tp_req"`
+	DyscoTrusted   *ebpf.MapSpec `ebpf:"dysco_trusted"`
+	DyscoTypes     *ebpf.MapSpec `ebpf:"dysco_types"`
 }
 
 // dyscoVariableSpecs contains global variables before they are loaded into the kernel.
@@ -443,31 +452,32 @@ func (o *dyscoObjects) Close() error {
 //
 // It can be passed to loadDyscoObjects or ebpf.CollectionSpec.LoadAndAssign.
 type dyscoMaps struct {
-	DyscoAgent    *ebpf.Map `ebpf:"dysco_agent"`
-	DyscoConfig   *ebpf.Map `ebpf:"dysco_config"`
-	DyscoCtlBuf   *ebpf.Map `ebpf:"dysco_ctl_buf"`
-	DyscoDeltas   *ebpf.Map `ebpf:"dysco_deltas"`
-	DyscoEvents   *ebpf.Map `ebpf:"dysco_events"`
-	DyscoFlows4   *ebpf.Map `ebpf:"dysco_flows4"`
-	DyscoFlows6   *ebpf.Map `ebpf:"dysco_flows6"`
-	DyscoHalfopen *ebpf.Map `ebpf:"dysco_halfopen"`
-	DyscoHold     *ebpf.Map `ebpf:"dysco_hold"`
-	DyscoHoldBuf  *ebpf.Map `ebpf:"dysco_hold_buf"`
-	DyscoIds      *ebpf.Map `ebpf:"dysco_ids"`
-	DyscoKeys     *ebpf.Map `ebpf:"dysco_keys"`
-	DyscoLocal    *ebpf.Map `ebpf:"dysco_local"`
-	DyscoLocalIf  *ebpf.Map `ebpf:"dysco_local_if"`
-	DyscoLocator  *ebpf.Map `ebpf:"dysco_locator"`
-	DyscoPolicies *ebpf.Map `ebpf:"dysco_policies"`
-	DyscoProgs    *ebpf.Map `ebpf:"dysco_progs"`
-	DyscoScratch  *ebpf.Map `ebpf:"dysco_scratch"`
-	DyscoSessions *ebpf.Map `ebpf:"dysco_sessions"`
-	DyscoStats    *ebpf.Map `ebpf:"dysco_stats"`
-	DyscoSyns     *ebpf.Map `ebpf:"dysco_syns"`
-	DyscoTp       *ebpf.Map `ebpf:"dysco_tp"`
-	DyscoTpReq    *ebpf.Map `ebpf:"dysco_tp_req"`
-	DyscoTrusted  *ebpf.Map `ebpf:"dysco_trusted"`
-	DyscoTypes    *ebpf.Map `ebpf:"dysco_types"`
+	DyscoAgent     *ebpf.Map `ebpf:"dysco_agent"`
+	DyscoConfig    *ebpf.Map `ebpf:"dysco_config"`
+	DyscoCtlBuf    *ebpf.Map `ebpf:"dysco_ctl_buf"`
+	DyscoDeltas    *ebpf.Map `ebpf:"dysco_deltas"`
+	DyscoEvents    *ebpf.Map `ebpf:"dysco_events"`
+	DyscoFlows4    *ebpf.Map `ebpf:"dysco_flows4"`
+	DyscoFlows6    *ebpf.Map `ebpf:"dysco_flows6"`
+	DyscoHalfopen  *ebpf.Map `ebpf:"dysco_halfopen"`
+	DyscoHold      *ebpf.Map `ebpf:"dysco_hold"`
+	DyscoHoldBuf   *ebpf.Map `ebpf:"dysco_hold_buf"`
+	DyscoIds       *ebpf.Map `ebpf:"dysco_ids"`
+	DyscoKeys      *ebpf.Map `ebpf:"dysco_keys"`
+	DyscoLocal     *ebpf.Map `ebpf:"dysco_local"`
+	DyscoLocalIf   *ebpf.Map `ebpf:"dysco_local_if"`
+	DyscoLocator   *ebpf.Map `ebpf:"dysco_locator"`
+	DyscoPolicies  *ebpf.Map `ebpf:"dysco_policies"`
+	DyscoPolicySrc *ebpf.Map `ebpf:"dysco_policy_src"`
+	DyscoProgs     *ebpf.Map `ebpf:"dysco_progs"`
+	DyscoScratch   *ebpf.Map `ebpf:"dysco_scratch"`
+	DyscoSessions  *ebpf.Map `ebpf:"dysco_sessions"`
+	DyscoStats     *ebpf.Map `ebpf:"dysco_stats"`
+	DyscoSyns      *ebpf.Map `ebpf:"dysco_syns"`
+	DyscoTp        *ebpf.Map `ebpf:"dysco_tp"`
+	DyscoTpReq     *ebpf.Map `ebpf:"dysco_tp_req"`
+	DyscoTrusted   *ebpf.Map `ebpf:"dysco_trusted"`
+	DyscoTypes     *ebpf.Map `ebpf:"dysco_types"`
 }
 
 func (m *dyscoMaps) Close() error {
@@ -488,6 +498,7 @@ func (m *dyscoMaps) Close() error {
 		m.DyscoLocalIf,
 		m.DyscoLocator,
 		m.DyscoPolicies,
+		m.DyscoPolicySrc,
 		m.DyscoProgs,
 		m.DyscoScratch,
 		m.DyscoSessions,

@@ -294,7 +294,8 @@ func (d *Datapath) Maps() map[string]*ebpf.Map {
 	return map[string]*ebpf.Map{
 		"flows4": d.objs.DyscoFlows4, "flows6": d.objs.DyscoFlows6, "sessions": d.objs.DyscoSessions, "syns": d.objs.DyscoSyns,
 		"deltas": d.objs.DyscoDeltas, "local": d.objs.DyscoLocal, "local_if": d.objs.DyscoLocalIf, "locator": d.objs.DyscoLocator, "policies": d.objs.DyscoPolicies,
-		"types": d.objs.DyscoTypes, "stats": d.objs.DyscoStats, "keys": d.objs.DyscoKeys, "halfopen": d.objs.DyscoHalfopen,
+		"policy_src": d.objs.DyscoPolicySrc,
+		"types":      d.objs.DyscoTypes, "stats": d.objs.DyscoStats, "keys": d.objs.DyscoKeys, "halfopen": d.objs.DyscoHalfopen,
 	}
 }
 

@@ -230,6 +230,69 @@ func TestEgressChainStart(t *testing.T) {
 	}
 }
 
+// TestEgressPolicySource: a policy's via addresses (multihoming). The
+// first subsession of a session the policy starts leaves from the one its
+// hash picks, if that is an address of an interface of the host
+// (dysco_local_if), and is routed by it (reroute); else from the route's
+// source. The session keeps its own source. A policy with more via
+// addresses than the map holds is refused.
+func TestEgressPolicySource(t *testing.T) {
+	fx := newFixture(t)
+	classify := loadClassifier(t, fx.d, 1)
+	via4, via6 := netip.MustParseAddr("10.9.0.5"), netip.MustParseAddr("fd00:9::5")
+	syn4 := pkt{seq: 1, flags: "S", win: 64240, opts: synOpts()}.with(tup(apOf(hostV4, 40001), apOf(serverV4, 80)))
+	syn6 := pkt{seq: 1, flags: "S", win: 64240, opts: synOpts()}.with(tup(apOf(hostV6, 40001), apOf(serverV6, 80)))
+	for _, c := range []struct {
+		name    string
+		in      pkt
+		local   bool
+		wantSrc netip.Addr
+	}{
+		{"IPv4, a local via address", syn4, true, via4},
+		{"IPv6, a local via address", syn6, true, via6},
+		{"IPv4, not an address of the host", syn4, false, hostV4},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			fx.reset(t)
+			next := mboxV4
+			if !c.in.src.Addr().Is4() {
+				next = mboxV6
+			}
+			if err := fx.d.SetPolicies([]PolicyChain{{Hops: []PolicyHop{{Addr: next}}, ToDst: true, Via: []netip.Addr{via4, via6}}}); err != nil {
+				t.Fatal(err)
+			}
+			ifs := map[netip.Addr]int{}
+			if c.local {
+				ifs = map[netip.Addr]int{via4: 1, via6: 1}
+			}
+			if err := fx.d.SetLocalIfaces(ifs); err != nil {
+				t.Fatal(err)
+			}
+			if err := fx.d.SetPolicyProgram(classify); err != nil {
+				t.Fatal(err)
+			}
+			verdict, out := fx.run(t, fx.egress, c.in.frame(t))
+			if verdict != tcActRedirect {
+				t.Fatalf("verdict %d", verdict)
+			}
+			v, _ := decode(t, out)
+			if v.Src.Addr() != c.wantSrc || v.Dst.Addr() != next {
+				t.Fatalf("the SYN went %v -> %v, want from %v to %v", v.Src, v.Dst, c.wantSrc, next)
+			}
+			f := fx.flows(t)[c.in.key()]
+			if f.Out.Wire().Src.Unmap() != c.wantSrc || f.Flags&FlReroute == 0 {
+				t.Fatalf("forward flow %+v: want from %v, rerouted", f, c.wantSrc)
+			}
+		})
+	}
+	if err := fx.d.SetPolicies([]PolicyChain{{ToDst: true, Via: slices.Repeat([]netip.Addr{via4}, MaxPolicySources+1)}}); err == nil {
+		t.Fatal("a policy with too many via addresses was written")
+	}
+	if err := fx.d.SetLocalIfaces(nil); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func countNew(steps []synStep) int {
 	n := 0
 	for _, s := range steps {

@@ -43,6 +43,7 @@ type kubePolicySpec struct {
 	Nodes                []string          `json:"nodes,omitempty"`
 	NodeSelector         *kubeLabelMatcher `json:"nodeSelector,omitempty"`
 	IdleTimeoutSeconds   int               `json:"idleTimeoutSeconds,omitempty"`
+	Via                  []string          `json:"via,omitempty"`
 }
 
 // kubeHop is one hop of a Policy's chain: an address or a type's name.
@@ -107,6 +108,13 @@ func policyFromKube(name string, spec kubePolicySpec, nodes []kubeNode) (api.Pol
 			p.Chain = append(p.Chain, api.Hop{Type: h.Type})
 		}
 	}
+	for _, v := range spec.Via {
+		a, err := netip.ParseAddr(v)
+		if err != nil {
+			return api.Policy{}, fmt.Errorf("policy %q: via: %v", name, err)
+		}
+		p.Via = append(p.Via, a.Unmap())
+	}
 	switch {
 	case spec.NodeSelector != nil:
 		for _, n := range nodes {
@@ -146,6 +154,9 @@ func policyToKube(p api.Policy) kubePolicySpec {
 		} else {
 			spec.Chain = append(spec.Chain, kubeHop{Type: h.Type})
 		}
+	}
+	for _, a := range p.Via {
+		spec.Via = append(spec.Via, a.String())
 	}
 	return spec
 }

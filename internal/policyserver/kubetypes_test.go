@@ -13,7 +13,8 @@ import (
 func TestKubePolicyTranslation(t *testing.T) {
 	nodes := []kubeNode{{"edge-b", map[string]string{"role": "edge"}}, {"core-a", map[string]string{"role": "core"}}, {"edge-a", map[string]string{"role": "edge", "zone": "z1"}}}
 	p := api.Policy{Name: "web", Filter: "tcp dst port 80", Chain: []api.Hop{{Addr: netip.MustParseAddr("10.0.2.2")}, {Type: "fw"}},
-		EndBeforeDestination: true, Priority: 5, Hosts: []string{"n1", "n2"}, IdleTimeoutS: 60}
+		EndBeforeDestination: true, Priority: 5, Hosts: []string{"n1", "n2"}, IdleTimeoutS: 60,
+		Via: []netip.Addr{netip.MustParseAddr("10.0.1.5"), netip.MustParseAddr("fd00::5")}}
 	got, err := policyFromKube("web", policyToKube(p), nodes)
 	if err != nil || !reflect.DeepEqual(got, p) {
 		t.Fatalf("round trip: %+v %v, want %+v", got, err, p)
@@ -36,6 +37,8 @@ func TestKubePolicyTranslation(t *testing.T) {
 		{kubePolicySpec{Filter: "tcp", Chain: []kubeHop{{Addr: "10.0.0.300"}}}, "hop 1"},
 		{kubePolicySpec{Filter: "tcp", Chain: []kubeHop{{Addr: "127.0.0.1"}}}, "not a unicast address"},
 		{kubePolicySpec{Filter: "tcp", EndBeforeDestination: true}, "needs a chain"},
+		{kubePolicySpec{Filter: "tcp", Via: []string{"eth1"}}, "via"},
+		{kubePolicySpec{Filter: "tcp", Via: []string{"224.0.0.1"}}, "not a unicast address"},
 	} {
 		if _, err := policyFromKube("bad", tc.spec, nil); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%+v: %v, want %q", tc.spec, err, tc.want)

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/netip"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -170,4 +171,63 @@ func moveInterface(t *testing.T, v6 bool) {
 			lt.wait(t)
 		})
 	}
+	t.Run("policy via", func(t *testing.T) { policyVia(e.withT(t), v6) })
+}
+
+// policyVia: multihoming by policy (Serval §4.4). A policy through mb1
+// spreads its sessions over the client's two links' addresses (--via):
+// sixteen transfers leave from both, the sessions keep the client's own
+// address as their source (mb1 sees the first link's address), and when
+// the second link goes down, its sessions move back to the first: every
+// transfer finishes intact.
+func policyVia(e *env, v6 bool) {
+	t := e.t
+	dst, mb1 := e.addr("server", v6), e.addr("mb1", v6)
+	first, second := e.addr("client", v6), e.secondAddr("client", v6)
+	e.dysco("client", "policy", "add", "spread", "--chain", mb1.String(), "--via", first.String()+","+second.String(),
+		"tcp dst portrange 9610-9625")
+	out := e.dysco("client", "policy", "list")
+	if !strings.Contains(out, "VIA") || !strings.Contains(out, second.String()) {
+		t.Errorf("policy list shows no via addresses:\n%s", out)
+	}
+	var lts []*liveTransfer
+	for port := uint16(9610); port <= 9625; port++ {
+		lts = append(lts, e.startTransfer("client", "server", dst, port, 12*mib, 2*mib))
+	}
+	for _, lt := range lts {
+		testutil.Eventually(t, 30*time.Second, "the transfers to start", func() bool { return lt.received.Load() > mib })
+	}
+	from := map[string]int{}
+	for _, s := range e.sessions("client") {
+		port := s.Session[strings.LastIndex(s.Session, ":")+1:]
+		if p, err := strconv.Atoi(port); err != nil || p < 9610 || p > 9625 || s.State != "established" {
+			continue // another subtest's
+		}
+		if !strings.HasPrefix(s.Session, first.String()) && !strings.HasPrefix(s.Session, "["+first.String()) {
+			t.Errorf("a session %s: not from the client's own address", s.Session)
+			continue
+		}
+		switch {
+		case strings.HasPrefix(s.Right, first.String()+":") || strings.HasPrefix(s.Right, "["+first.String()+"]"):
+			from["first"]++
+		case strings.HasPrefix(s.Right, second.String()+":") || strings.HasPrefix(s.Right, "["+second.String()+"]"):
+			from["second"]++
+		default:
+			t.Errorf("a session leaves from %s", s.Right)
+		}
+	}
+	t.Logf("sessions by the link they leave by: %v", from)
+	if from["first"] == 0 || from["second"] == 0 || from["first"]+from["second"] != 16 {
+		t.Fatalf("16 sessions spread over two addresses: %v", from)
+	}
+	before := e.status("client").Counters["rebinds"]
+	e.run("client", "ip", "link", "set", "eth1", "down")
+	for _, lt := range lts {
+		lt.wait(t)
+	}
+	e.linkUp("client", "eth1")
+	if n := e.status("client").Counters["rebinds"] - before; n < uint64(from["second"]) {
+		t.Errorf("%d rebinds, want at least %d (the sessions on the second link)", n, from["second"])
+	}
+	e.dysco("client", "policy", "rm", "spread")
 }

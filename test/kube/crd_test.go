@@ -47,6 +47,9 @@ func TestCRDs(t *testing.T) {
 		{"end before destination, no chain", policy("ebd", "  filter: tcp\n  endBeforeDestination: true\n"), "endBeforeDestination needs a chain"},
 		{"nodes and selector", policy("sel", "  filter: tcp\n  nodes: [a]\n  nodeSelector: {matchLabels: {role: edge}}\n"), "give nodes or nodeSelector, not both"},
 		{"idle too long", policy("idle", "  filter: udp\n  idleTimeoutSeconds: 70000\n"), "should be less than or equal to 64800"},
+		{"policy, via", policy("multi", "  filter: tcp\n  nodes: [node-a]\n  via: [10.0.1.2, 10.0.2.2, 10.0.2.2, 'fd00::2']\n"), ""},
+		{"via not an address", policy("badvia", "  filter: tcp\n  via: [eth1]\n"), "a via address is a unicast"},
+		{"nine via of a family", policy("manyvia", "  filter: tcp\n  via: [10.0.0.1, 10.0.0.1, 10.0.0.1, 10.0.0.1, 10.0.0.1, 10.0.0.1, 10.0.0.1, 10.0.0.1, 10.0.0.2]\n"), "at most 8 via addresses of each family"},
 		{"name with a dot first", policy("9lives", "  filter: tcp\n"), "a policy's name starts with a letter"},
 		{"type", "apiVersion: dysco.io/v1alpha1\nkind: MiddleboxType\nmetadata:\n  name: fw\nspec:\n  instances: [10.0.2.2, 10.0.2.3]\n", ""},
 		{"type by pods", "apiVersion: dysco.io/v1alpha1\nkind: MiddleboxType\nmetadata:\n  name: ids\nspec:\n  podSelector: {matchLabels: {app: ids}}\n  podNamespace: security\n", ""},
@@ -75,7 +78,7 @@ func TestCRDs(t *testing.T) {
 	if err == nil || !strings.Contains(out, "an operation's request cannot change") {
 		t.Fatalf("an operation's request changed: %v\n%s", err, out)
 	}
-	if out, err := exec.Command("kubectl", "--kubeconfig", kc, "get", "dpol", "-o", "name").CombinedOutput(); err != nil || strings.Count(string(out), "policy.dysco.io/") != 3 {
+	if out, err := exec.Command("kubectl", "--kubeconfig", kc, "get", "dpol", "-o", "name").CombinedOutput(); err != nil || strings.Count(string(out), "policy.dysco.io/") != 4 {
 		t.Fatalf("policies stored: %v\n%s", err, out)
 	}
 }
