@@ -81,8 +81,30 @@ func newHolds(dp Datapath, log func(string, ...any)) (*holds, error) {
 		return nil, err
 	}
 	hs := &holds{dp: dp, log: log, bySess: map[uint32]*hold{}, rd: rd, inj: datapath.NewReinjector()}
+	hs.clearStale()
 	go hs.readLoop()
 	return hs, nil
+}
+
+// clearStale ends the holds an earlier agent of the pinned datapath left
+// (it stopped during a migration or a rebind): their packets, which
+// nobody would send on, go on their path again (what was held then is
+// lost, and TCP sends it again).
+func (hs *holds) clearStale() {
+	var stale []datapath.Tuple
+	_ = hs.dp.EachFlow(func(k *datapath.Tuple, f *datapath.Flow) {
+		if f.Flags&(datapath.FlHoldData|datapath.FlHoldAll) != 0 {
+			stale = append(stale, *k)
+		}
+	})
+	for _, k := range stale {
+		if err := hs.dp.SetFlowFlags(k, 0, datapath.FlHoldData|datapath.FlHoldAll); err != nil {
+			hs.log("clearing a hold left by an earlier agent failed", "flow", k.String(), "err", err)
+		}
+	}
+	if len(stale) > 0 {
+		hs.log("ended holds an earlier agent left", "flows", len(stale))
+	}
 }
 
 func (hs *holds) close() {

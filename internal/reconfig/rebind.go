@@ -94,12 +94,18 @@ func (c *Shell) onRebindResult(x protocol.RebindResult) {
 		"old", x.Old.String(), "new", x.New.String())
 }
 
+// rebindHoldLimit bounds what a side holds while its rebind runs: beyond
+// it packets are dropped, and TCP sends them again.
+const rebindHoldLimit = 4 << 20
+
 // moveSub carries out a step of a subsession's move (protocol.MoveSubsession):
 // the new subsession's ingress flow is a copy of the old one's (its
 // session, flags, marks and translation), the side's egress sends to the
 // new subsession (and is routed again, by its new source or destination),
 // and the old ingress flow goes (at the mover; the neighbour's goes with
-// RemoveSubsession, after Linger).
+// RemoveSubsession, after Linger). The mover holds the side's packets from
+// the listen step (its old address is gone: they would be lost) and sends
+// them on once it has switched, or given up.
 func (c *Shell) moveSub(x protocol.MoveSubsession) error {
 	dp := c.dp
 	id := c.dpID(x.Session)
@@ -160,13 +166,40 @@ func (c *Shell) moveSub(x protocol.MoveSubsession) error {
 		}
 		return nil
 	}
+	egKey := func() datapath.Tuple {
+		if x.Side == protocol.SideRight {
+			return datapath.TupleOf(c.onward(id, &s), s.Proto)
+		}
+		return datapath.TupleOf(s.Tuple.Wire().Reverse(), s.Proto)
+	}
+	release := func() {
+		if h := c.rebindHolds[id]; h != nil {
+			delete(c.rebindHolds, id)
+			go c.holder.release(h)
+		}
+	}
 	switch x.Step {
 	case protocol.MoveListen:
-		return listen()
+		if err := listen(); err != nil {
+			return err
+		}
+		if c.holder != nil && c.rebindHolds[id] == nil {
+			h, err := c.holder.start(id, egKey(), datapath.FlHoldAll, rebindHoldLimit, nil)
+			if err != nil {
+				// A migration holds them already: they wait there.
+				c.log.Info("rebind: packets not held", "session", id, "err", err)
+			} else {
+				c.rebindHolds[id] = h
+			}
+		}
+		return nil
 	case protocol.MoveSwitch:
-		return sw(true)
+		err := sw(true)
+		release()
+		return err
 	case protocol.MoveAbandon:
 		dp.DeleteFlow(newIn)
+		release()
 		return nil
 	case protocol.MoveAll:
 		if err := listen(); err != nil {

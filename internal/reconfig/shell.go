@@ -111,12 +111,15 @@ type Shell struct {
 	holds *holds // nil: the datapath cannot hold packets
 	// holder holds packets for migrations (holds, or a fake in tests);
 	// migHolds are the holds it keeps, by side.
-	holder     packetHolder
-	migHolds   map[datapath.TPKey]heldPackets
-	states     StatePlugins
-	migrations map[uint64]*migration // by token, at the left anchor
-	migReports map[uint64]api.MigrationReport
-	migOut     map[uint64]chan api.MigrationReport
+	holder   packetHolder
+	migHolds map[datapath.TPKey]heldPackets
+	// rebindHolds hold the packets a side sends while its rebind runs
+	// (rebind.go), by datapath session.
+	rebindHolds map[uint32]heldPackets
+	states      StatePlugins
+	migrations  map[uint64]*migration // by token, at the left anchor
+	migReports  map[uint64]api.MigrationReport
+	migOut      map[uint64]chan api.MigrationReport
 
 	// Work posted to the loop goroutine (post): an unbounded queue, so that
 	// posting never blocks, not even when the poster holds mu.
@@ -177,7 +180,7 @@ func New(cfg Config) (*Shell, error) {
 		onwardOf:  map[uint32]onwardEntry{},
 		trigWaits: map[uint64]*trigWait{}, rebinds: map[uint64]chan protocol.RebindResult{}, otherVersion: map[netip.Addr]bool{}, wake: make(chan struct{}, 1),
 		migrations: map[uint64]*migration{}, migReports: map[uint64]api.MigrationReport{},
-		migHolds: map[datapath.TPKey]heldPackets{}, migOut: map[uint64]chan api.MigrationReport{},
+		migHolds: map[datapath.TPKey]heldPackets{}, rebindHolds: map[uint32]heldPackets{}, migOut: map[uint64]chan api.MigrationReport{},
 		// Tokens name this agent's requests and triggers; they stay
 		// below the tokens of requests the protocol starts for
 		// triggers (protocol.Config.TriggerTokens, from 2^63).
