@@ -52,8 +52,9 @@ func TestRebindAddressLost(t *testing.T) {
 // server's address on its first link is deleted with its default route:
 // its agent rebinds the last subsession of every session from its second
 // link's address, and mb1 moves its right side there. Everything
-// finishes intact, with mb1's conntrack entries and monitor as before.
-// IPv4 and IPv6, one after the other, in one lab.
+// finishes intact, with mb1's conntrack entries and monitor as before; a
+// transfer with no middlebox is rebound straight to the client. IPv4 and
+// IPv6, one after the other, in one lab.
 func TestRebindServerRenumbered(t *testing.T) {
 	e := newLab(t, labOpts{prefix: "rs", topology: lab.Topology{Kind: lab.KindStar, Hosts: []lab.HostSpec{
 		{Name: "client", Role: lab.RoleClient}, {Name: "mb1", Role: lab.RoleMiddlebox},
@@ -209,6 +210,15 @@ func rebindAddressLost(e *env, mover string, v6 bool, want string) {
 
 	const total = 40 * mib
 	lt := e.startTransfer("client", "server", dst, 9700, total, 6*mib)
+	// With the server moving, one more session has no middlebox: the
+	// rebind goes straight to the client.
+	var direct *liveTransfer
+	if mover == "server" {
+		if !v6 {
+			e.policy("client", "direct", "tcp dst port 9701")
+		}
+		direct = e.startTransfer("client", "server", dst, 9701, 24*mib, 4*mib)
+	}
 	curlOut := filepath.Join(t.TempDir(), "curl.sha256")
 	curl, err := e.lab.Start("client", "curl-"+family, "sh", "-c",
 		fmt.Sprintf("curl -sS -f -g --max-time 120 --limit-rate 3M %s | sha256sum > %s", urlFor(dst, "/blob"), curlOut))
@@ -262,6 +272,12 @@ func rebindAddressLost(e *env, mover string, v6 bool, want string) {
 	}
 
 	lt.wait(t)
+	if direct != nil {
+		direct.wait(t)
+		if n := e.status("client").Counters["rebinds_accepted"]; n < 1 {
+			t.Errorf("the client accepted %d rebinds (the session with no middlebox)", n)
+		}
+	}
 	select {
 	case <-curl.Done():
 	case <-time.After(2 * time.Minute):
