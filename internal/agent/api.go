@@ -44,6 +44,7 @@ func (a *Agent) apiMux() *http.ServeMux {
 	mux.HandleFunc("DELETE /v1/types/{name}", a.handleDeleteType)
 	mux.HandleFunc("POST /v1/sessions/prepend", a.handlePrepend)
 	mux.HandleFunc("POST /v1/reconfig", a.handleReconfig)
+	mux.HandleFunc("POST /v1/rebind", a.handleRebind)
 	mux.HandleFunc("GET /v1/reconfig/history", a.handleReconfigHistory)
 	mux.HandleFunc("POST /v1/middlebox", a.handleMiddlebox)
 	mux.HandleFunc("POST /v1/sessions/splice", a.handleSplice)
@@ -153,6 +154,9 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 	}
 	left := map[uint32]string{}
 	right := map[uint32]string{}
+	// A rebind leaves the old left subsession's ingress flow for a while
+	// (docs/protocol.md, "Rebinds"): all of them, to pick the current one.
+	ingress := map[uint32][]datapath.Tuple{}
 	// Ages from the datapath's stamps, at a now read after them (datapath.Age).
 	now := datapath.Now()
 	type tally struct {
@@ -173,6 +177,7 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 		case f.Dir() != 0 || f.Flags&(datapath.FlTPNew|datapath.FlDrop) != 0:
 		case f.Flags&datapath.FlIngress != 0:
 			left[f.SessId] = f.Key.String()
+			ingress[f.SessId] = append(ingress[f.SessId], f.Key)
 		default:
 			right[f.SessId] = f.Out.String()
 		}
@@ -203,6 +208,11 @@ func (a *Agent) sessionList() ([]api.Session, error) {
 		t := counts[s.ID]
 		if t == nil {
 			t = &tally{idle: datapath.StampRange}
+		}
+		if v, ok := views[s.ID]; ok && v.Sides[0] != nil && len(ingress[s.ID]) > 1 {
+			if k := datapath.TupleOf(v.Sides[0].Sub, s.Proto); slices.Contains(ingress[s.ID], k) {
+				left[s.ID] = k.String()
+			}
 		}
 		var sides []api.TwoPathSide
 		if reconfigured[s.ID] {

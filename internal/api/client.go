@@ -384,6 +384,17 @@ func (c *Client) Reconfig(ctx context.Context, req ReconfigRequest) (ReconfigRep
 	return out, err
 }
 
+// Rebind asks the agent to move the matching sessions this host is an end
+// of to another of its addresses by rebinds (RebindRequest); the reply has
+// one result per session.
+func (c *Client) Rebind(ctx context.Context, req RebindRequest) (ReconfigReply, error) {
+	ctx, cancel := c.reconfigContext(ctx, req.TimeoutMS)
+	defer cancel()
+	var out ReconfigReply
+	err := c.do(ctx, http.MethodPost, "/v1/rebind", req, &out)
+	return out, err
+}
+
 // ReconfigHistory lists the last reconfigurations the agent ran as left
 // anchor, oldest first.
 func (c *Client) ReconfigHistory(ctx context.Context) (ReconfigReply, error) {

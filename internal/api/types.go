@@ -246,6 +246,18 @@ type ReconfigRequest struct {
 	Migrate *MigrateSpec `json:"migrate,omitempty"`
 }
 
+// RebindRequest asks the agent to rebind the live sessions matching Match
+// that this host is an end of (it starts them, or they end here) to Via,
+// another address of this host: the subsession to the session's
+// neighbour moves to Via at once, without a new path (break before make;
+// docs/mobility.md). The reply is a ReconfigReply, one result per session.
+type RebindRequest struct {
+	Match string     `json:"match"`
+	Via   netip.Addr `json:"via"`
+	// TimeoutMS bounds the wait for the results (0: the agent's default).
+	TimeoutMS int `json:"timeout_ms,omitempty"`
+}
+
 // CheckPath checks the right anchor and new chain of a ReconfigRequest:
 // unicast addresses of one family, the anchor not in the chain, no address
 // twice, at most MaxChain hops. The CLI checks the same before asking.

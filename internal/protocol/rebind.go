@@ -57,8 +57,9 @@ const (
 	// MoveListen installs New's ingress flow beside Old's (the mover,
 	// before its rebind).
 	MoveListen MoveStep = iota + 1
-	// MoveSwitch sends the side's packets on New and removes Old's
-	// ingress flow (the mover, on the rebindAck).
+	// MoveSwitch sends the side's packets on New (the mover, on the
+	// rebindAck); Old's ingress flow stays until RemoveSubsession (after
+	// Linger), for the neighbour's packets still on their way.
 	MoveSwitch
 	// MoveAbandon removes New's ingress flow (the mover, refused).
 	MoveAbandon
@@ -169,7 +170,9 @@ func (a *Agent) onRebind(e Rebind) {
 		return
 	}
 	nw := withOwnEnd(e.Side, sd.Sub, src)
-	if _, used := a.subs[nw]; used {
+	// A subsession this side left within Linger (it moves back) is taken
+	// again.
+	if r, used := a.subs[nw]; used && !(r.id == s.id && r.moved) {
 		res.Outcome, res.Reason = Refused, ReasonInvalid
 		a.emit(res)
 		return
@@ -200,9 +203,18 @@ func (a *Agent) endRebind(s *session, o Outcome, r Reason, blocker ReqKey) {
 	s.rebind = nil
 	a.cancelTimer(s, TimerRebind, rb.req)
 	if o == Succeeded {
+		// The old subsession is kept, marked moved, until Linger: its
+		// ingress flow takes the neighbour's packets still on their way
+		// (if the old address still works, the stack would answer them
+		// with a reset).
 		sd := s.sides[rb.side]
-		delete(a.subs, rb.old)
+		if ref, ok := a.subs[rb.old]; ok {
+			ref.moved = true
+			a.subs[rb.old] = ref
+		}
 		sd.Sub = rb.new
+		s.moved = append(s.moved, moved{side: rb.side, sub: rb.old, req: rb.req})
+		a.setTimer(s, TimerRebound, rb.req, a.cfg.Linger)
 		a.emit(MoveSubsession{Session: s.id, Side: rb.side, Old: rb.old, New: rb.new, Step: MoveSwitch})
 	} else {
 		delete(a.subs, rb.new)

@@ -102,8 +102,8 @@ const rebindHoldLimit = 4 << 20
 // the new subsession's ingress flow is a copy of the old one's (its
 // session, flags, marks and translation), the side's egress sends to the
 // new subsession (and is routed again, by its new source or destination),
-// and the old ingress flow goes (at the mover; the neighbour's goes with
-// RemoveSubsession, after Linger). The mover holds the side's packets from
+// and the old ingress flow stays until RemoveSubsession (after Linger), at
+// both ends. The mover holds the side's packets from
 // the listen step (its old address is gone: they would be lost) and sends
 // them on once it has switched, or given up.
 func (c *Shell) moveSub(x protocol.MoveSubsession) error {
@@ -135,7 +135,7 @@ func (c *Shell) moveSub(x protocol.MoveSubsession) error {
 		}
 		return nil
 	}
-	sw := func(dropOld bool) error {
+	sw := func() error {
 		eg := s.Tuple.Wire().Reverse()
 		if x.Side == protocol.SideRight {
 			eg = c.onward(id, &s)
@@ -160,9 +160,6 @@ func (c *Shell) moveSub(x protocol.MoveSubsession) error {
 			if err := dp.ReplaceFlow(egKey, f); err != nil {
 				return err
 			}
-		}
-		if dropOld {
-			dp.DeleteFlow(oldIn)
 		}
 		return nil
 	}
@@ -194,7 +191,8 @@ func (c *Shell) moveSub(x protocol.MoveSubsession) error {
 		}
 		return nil
 	case protocol.MoveSwitch:
-		err := sw(true)
+		// The old ingress flow stays until RemoveSubsession.
+		err := sw()
 		release()
 		return err
 	case protocol.MoveAbandon:
@@ -207,7 +205,7 @@ func (c *Shell) moveSub(x protocol.MoveSubsession) error {
 		}
 		c.rebindsIn.Add(1)
 		// The old ingress flow stays until RemoveSubsession.
-		return sw(false)
+		return sw()
 	}
 	return fmt.Errorf("unknown move step %d", x.Step)
 }

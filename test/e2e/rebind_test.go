@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -8,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/lab"
 	"github.com/dysco/dysco/internal/labkit"
 	"github.com/dysco/dysco/internal/testutil"
@@ -63,6 +65,7 @@ func TestRebindServerRenumbered(t *testing.T) {
 	e.nginx("server", dir)
 	want := randomFile(t, dir+"/www/blob", 24*mib)
 	e.iperfServer("server", 5201)
+	t.Run("on request", func(t *testing.T) { rebindOnRequest(e.withT(t)) })
 	for _, v6 := range []bool{false, true} {
 		name := "ipv4"
 		if v6 {
@@ -70,6 +73,62 @@ func TestRebindServerRenumbered(t *testing.T) {
 		}
 		t.Run(name, func(t *testing.T) { rebindAddressLost(e.withT(t), "server", v6, want) })
 	}
+}
+
+// rebindOnRequest: `dysco rebind` on the server moves two live sessions
+// (through mb1, and with no middlebox) to its second link's address while
+// the first still works; asked again, nothing changes; both transfers
+// finish intact (the neighbours' packets on their way to the old address
+// arrive while the old subsession lingers).
+func rebindOnRequest(e *env) {
+	t := e.t
+	sess, second := e.host("server").SessionAddr4, e.secondAddr("server", false)
+	e.policy("client", "req", "tcp dst port 9702", e.addr("mb1", false).String())
+	e.policy("client", "req-direct", "tcp dst port 9703")
+	lts := []*liveTransfer{
+		e.startTransfer("client", "server", sess, 9702, 24*mib, 4*mib),
+		e.startTransfer("client", "server", sess, 9703, 24*mib, 4*mib),
+	}
+	for _, lt := range lts {
+		testutil.Eventually(t, 30*time.Second, "the transfers to start", func() bool { return lt.received.Load() > 2*mib })
+	}
+	rebind := func() api.ReconfigReply {
+		var rep api.ReconfigReply
+		out := e.dysco("server", "rebind", "--match", "tcp port 9702 or tcp port 9703", "--via", second.String(), "--json")
+		if err := json.Unmarshal([]byte(out), &rep); err != nil {
+			t.Fatalf("dysco rebind --json: %v\n%s", err, out)
+		}
+		return rep
+	}
+	rep := rebind()
+	if len(rep.Results) != 2 {
+		t.Fatalf("rebind: %+v", rep)
+	}
+	for _, r := range rep.Results {
+		if r.Outcome != "succeeded" || r.Unchanged {
+			t.Errorf("rebind of %s: %+v", r.Session, r)
+		}
+	}
+	for _, s := range e.sessions("server") {
+		if (strings.HasSuffix(s.Session, ":9702") || strings.HasSuffix(s.Session, ":9703")) && !strings.Contains(s.Left, "-> "+second.String()+":") {
+			t.Errorf("session %s: its left subsession %s does not end at %s", s.Session, s.Left, second)
+		}
+	}
+	for _, r := range rebind().Results {
+		if r.Outcome != "succeeded" || !r.Unchanged {
+			t.Errorf("the same rebind again, %s: %+v", r.Session, r)
+		}
+	}
+	// An address that is not the server's is refused before anything.
+	out, err := e.lab.Command(t.Context(), "server", dyscoBin, "rebind", "--match", "tcp", "--via", e.addr("client", false).String()).CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "is not an address of this host") {
+		t.Errorf("a rebind to another host's address: %v %s", err, out)
+	}
+	for _, lt := range lts {
+		lt.wait(t)
+	}
+	e.dysco("client", "policy", "rm", "req")
+	e.dysco("client", "policy", "rm", "req-direct")
 }
 
 // rebindDuringReconfig brings the first link back, starts a transfer
