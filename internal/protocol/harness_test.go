@@ -296,6 +296,18 @@ func (h *harness) stepType(t MsgType, to netip.Addr) {
 	h.t.Fatalf("no %s queued for %s\n%s", t, to, h.trace())
 }
 
+// take removes the first queued message of type t to to, if any.
+func (h *harness) take(t MsgType, to netip.Addr) (envelope, bool) {
+	for i, e := range h.queue {
+		if e.msg.Type == t && e.to == to {
+			h.queue = append(h.queue[:i:i], h.queue[i+1:]...)
+			h.log = append(h.log, "lost: "+e.msg.String())
+			return e, true
+		}
+	}
+	return envelope{}, false
+}
+
 // dropType loses the first queued message of type t to to.
 func (h *harness) dropType(t MsgType, to netip.Addr) {
 	for i, e := range h.queue {
@@ -367,6 +379,15 @@ func (h *harness) result(token uint64) Result {
 	}
 	h.t.Fatalf("no result for token %d\n%s", token, h.trace())
 	return Result{}
+}
+
+func (h *harness) hasRebindResult(token uint64) bool {
+	for _, r := range h.rebinds {
+		if r.Token == token {
+			return true
+		}
+	}
+	return false
 }
 
 func (h *harness) rebindResult(token uint64) RebindResult {

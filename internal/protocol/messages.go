@@ -126,6 +126,10 @@ func (a *Agent) onMessage(e MessageIn) {
 		return
 	}
 	if ref.moved {
+		if m.Type == MsgRebindAck {
+			a.onLateRebindAck(s, ref, m, e.From)
+			return
+		}
 		a.reject(RejectUnexpected, m, e.From, "%s on subsession %s, which a rebind replaced", m.Type, m.Sub)
 		return
 	}

@@ -2,6 +2,7 @@ package protocol
 
 import (
 	"net/netip"
+	"time"
 
 	"github.com/dysco/dysco/internal/wire"
 )
@@ -63,6 +64,10 @@ const (
 	MoveSwitch
 	// MoveAbandon removes New's ingress flow (the mover, refused).
 	MoveAbandon
+	// MoveGiveUp keeps the side's packets on Old and New's ingress flow
+	// until RemoveSubsession (the mover, no answer: the neighbour may
+	// have moved and lost every answer).
+	MoveGiveUp
 	// MoveAll installs New's ingress flow and sends the side's packets
 	// on New (the neighbour); Old's ingress flow stays until
 	// RemoveSubsession (after Linger), for the mover's packets still on
@@ -104,14 +109,27 @@ type rebindOut struct {
 	source   netip.Addr
 	old, new wire.Tuple
 	tries    int
+	start    time.Duration
 }
 
-// moved is a subsession that a rebind replaced at the neighbour, kept for
-// Linger to answer the rebind's retransmissions.
+// moved is a subsession kept for Linger after a rebind: the one a rebind
+// replaced (at both ends), to take the packets still on their way to it
+// and, at the neighbour, to answer the rebind's retransmissions; or, at a
+// mover that gave up (gaveUp), the new subsession it asked for, from
+// which the old one (old) may still follow a late answer.
 type moved struct {
-	side Side
-	sub  wire.Tuple
-	req  ReqKey
+	side   Side
+	sub    wire.Tuple
+	req    ReqKey
+	gaveUp bool
+	old    wire.Tuple
+}
+
+// refusal is a rebind the neighbour refused, answered the same way again
+// if a copy of it comes.
+type refusal struct {
+	req, blocker ReqKey
+	reason       Reason
 }
 
 // ownEnd returns this agent's address on a subsession of a side (written
@@ -178,7 +196,7 @@ func (a *Agent) onRebind(e Rebind) {
 		return
 	}
 	a.nextReq++
-	rb := &rebindOut{side: e.Side, req: ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq}, token: e.Token, source: src, old: sd.Sub, new: nw}
+	rb := &rebindOut{side: e.Side, req: ReqKey{LeftAnchor: a.cfg.Self, ID: a.nextReq}, token: e.Token, source: src, old: sd.Sub, new: nw, start: a.now}
 	s.rebind = rb
 	if e.Side == SideRight {
 		s.lock, s.requestor = Locked, rb.req
@@ -216,6 +234,19 @@ func (a *Agent) endRebind(s *session, o Outcome, r Reason, blocker ReqKey) {
 		s.moved = append(s.moved, moved{side: rb.side, sub: rb.old, req: rb.req})
 		a.setTimer(s, TimerRebound, rb.req, a.cfg.Linger)
 		a.emit(MoveSubsession{Session: s.id, Side: rb.side, Old: rb.old, New: rb.new, Step: MoveSwitch})
+	} else if r == ReasonTimeout {
+		// No answer: the neighbour may have moved and every answer been
+		// lost. The new subsession stays (marked moved) until Linger:
+		// packets the neighbour sends on it arrive in the session, a late
+		// answer moves this side too (onLateRebindAck), and a rebind
+		// asked again finds the neighbour there already.
+		if ref, ok := a.subs[rb.new]; ok {
+			ref.moved = true
+			a.subs[rb.new] = ref
+		}
+		s.moved = append(s.moved, moved{side: rb.side, sub: rb.new, req: rb.req, gaveUp: true, old: rb.old})
+		a.setTimer(s, TimerRebound, rb.req, a.cfg.Linger)
+		a.emit(MoveSubsession{Session: s.id, Side: rb.side, Old: rb.old, New: rb.new, Step: MoveGiveUp})
 	} else {
 		delete(a.subs, rb.new)
 		a.emit(MoveSubsession{Session: s.id, Side: rb.side, Old: rb.old, New: rb.new, Step: MoveAbandon})
@@ -227,13 +258,16 @@ func (a *Agent) endRebind(s *session, o Outcome, r Reason, blocker ReqKey) {
 	a.releaseQueue(s)
 }
 
-// onRebindTimer retransmits the rebind, or gives up after MaxTries.
+// onRebindTimer retransmits the rebind, or gives up after MaxTries or
+// half of Linger, whichever comes first: the neighbour, which may have
+// moved with every answer lost, still knows the old subsession when the
+// mover asks again (onRebindIn).
 func (a *Agent) onRebindTimer(s *session, req ReqKey) {
 	rb := s.rebind
 	if rb == nil || rb.req != req {
 		return
 	}
-	if rb.tries >= a.cfg.MaxTries {
+	if rb.tries >= a.cfg.MaxTries || a.now-rb.start >= a.cfg.Linger/2 {
 		a.endRebind(s, Failed, ReasonTimeout, ReqKey{})
 		return
 	}
@@ -258,6 +292,34 @@ func (a *Agent) onRebindAck(s *session, m *Message) {
 	a.endRebind(s, Succeeded, ReasonNone, ReqKey{})
 }
 
+// onLateRebindAck is an answer that came after the mover gave up its
+// rebind (ref: the new subsession, kept marked moved): an acceptance
+// means that the neighbour moved, and this side follows it.
+func (a *Agent) onLateRebindAck(s *session, ref subRef, m *Message, from netip.Addr) {
+	for _, mv := range s.moved {
+		if !mv.gaveUp || mv.sub != m.Sub || mv.req != m.Req {
+			continue
+		}
+		sd := s.sides[mv.side]
+		if m.Reason != ReasonNone || from != ref.peer || s.rebind != nil || sd == nil || sd.Sub != mv.old {
+			break
+		}
+		if old, ok := a.subs[mv.old]; ok {
+			old.moved = true
+			a.subs[mv.old] = old
+		}
+		nw := ref
+		nw.moved = false
+		a.subs[mv.sub] = nw
+		sd.Sub = mv.sub
+		s.moved = append(s.moved, moved{side: mv.side, sub: mv.old, req: mv.req})
+		a.setTimer(s, TimerRebound, mv.req, a.cfg.Linger)
+		a.emit(MoveSubsession{Session: s.id, Side: mv.side, Old: mv.old, New: mv.sub, Step: MoveSwitch})
+		return
+	}
+	a.reject(RejectUnexpected, m, from, "%s on subsession %s, which a rebind replaced", m.Type, m.Sub)
+}
+
 // onRebindIn is a rebind at the neighbour: ref is the subsession it names
 // (found, and the nonce checked), from the datagram's source. The side
 // that moves is ref.side here (the mover's other side).
@@ -272,10 +334,16 @@ func (a *Agent) onRebindIn(s *session, ref subRef, m *Message, from netip.Addr) 
 		a.reject(RejectWrongPeer, m, from, "a rebind to %s sent from %s", m.RightAnchor, from)
 		return
 	}
+	last := s.rebound[side]
+	newer := func(k ReqKey) bool { return k.LeftAnchor != m.Req.LeftAnchor || m.Req.ID > k.ID }
 	if ref.moved {
 		// The old subsession of an accepted rebind: a retransmission
-		// is answered again; anything else is a replay.
-		if m.Req == s.rebound[side] && from == sd.Peer {
+		// is answered again, and so is a newer rebind from the address
+		// the side moved to, asking for where it is already (the mover
+		// gave up the first, its answers lost); anything else is a
+		// replay.
+		if from == sd.Peer && (m.Req == last || newer(last) && newer(s.refused[side].req) && withOwnEnd(side.Other(), m.Sub, from) == sd.Sub) {
+			s.rebound[side] = m.Req
 			a.sendRebindAck(s, side, sd.Sub, m.Req, ReasonNone, ReqKey{})
 			return
 		}
@@ -286,15 +354,24 @@ func (a *Agent) onRebindIn(s *session, ref subRef, m *Message, from netip.Addr) 
 		a.reject(RejectUnexpected, m, from, "rebind of %s, session %d is on %s", m.Sub, s.id, sd.Sub)
 		return
 	}
-	last := s.rebound[side]
-	if m.Req.LeftAnchor == last.LeftAnchor && m.Req.ID <= last.ID {
+	// A copy of a rebind refused here gets the same answer: accepted
+	// now, it would move this side while the mover, refused, stays.
+	if rf := s.refused[side]; m.Req == rf.req {
+		a.sendRebindAck(s, side, withOwnEnd(side.Other(), m.Sub, from), m.Req, rf.reason, rf.blocker)
+		return
+	}
+	if !newer(last) || !newer(s.refused[side].req) {
 		a.reject(RejectReplay, m, from, "rebind %s of session %d is not newer than %s", m.Req, s.id, last)
 		return
 	}
 	nw := withOwnEnd(side.Other(), m.Sub, from)
+	refuse := func(r Reason, blocker ReqKey) {
+		s.refused[side] = refusal{req: m.Req, reason: r, blocker: blocker}
+		a.sendRebindAck(s, side, nw, m.Req, r, blocker)
+	}
 	if !last.IsZero() && a.now-s.reboundAt[side] < a.cfg.RTO {
 		a.reject(RejectRate, m, from, "session %d was rebound %v ago", s.id, a.now-s.reboundAt[side])
-		a.sendRebindAck(s, side, nw, m.Req, ReasonBusy, last)
+		refuse(ReasonBusy, last)
 		return
 	}
 	// A reconfiguration that holds the subsession here refuses the
@@ -311,14 +388,14 @@ func (a *Agent) onRebindIn(s *session, ref subRef, m *Message, from netip.Addr) 
 		holder = s.rebind.req // both ends of the subsession move
 	}
 	if !holder.IsZero() {
-		a.sendRebindAck(s, side, nw, m.Req, ReasonBusy, holder)
+		refuse(ReasonBusy, holder)
 		return
 	}
 	// The new subsession may be one an earlier rebind of this session
 	// replaced (the host moves back to an address it had): it is taken
 	// again.
 	if r, used := a.subs[nw]; used && !(r.id == s.id && r.moved) {
-		a.sendRebindAck(s, side, nw, m.Req, ReasonInvalid, ReqKey{})
+		refuse(ReasonInvalid, ReqKey{})
 		return
 	}
 	old := sd.Sub
@@ -343,18 +420,19 @@ func (a *Agent) sendRebindAck(s *session, side Side, sub wire.Tuple, req ReqKey,
 	a.sendFrom(mover, ownEnd(side, sub), ack)
 }
 
-// onRebound forgets the old subsession of an accepted rebind, and the
-// datapath its ingress flow.
+// onRebound forgets the subsessions kept after rebind req (moved), and
+// the datapath their ingress flows.
 func (a *Agent) onRebound(s *session, req ReqKey) {
-	for i, mv := range s.moved {
+	keep := s.moved[:0]
+	for _, mv := range s.moved {
 		if mv.req != req {
+			keep = append(keep, mv)
 			continue
 		}
 		if r, ok := a.subs[mv.sub]; ok && r.id == s.id && r.moved {
 			delete(a.subs, mv.sub)
 			a.emit(RemoveSubsession{Session: s.id, Side: mv.side, Sub: mv.sub})
 		}
-		s.moved = append(s.moved[:i], s.moved[i+1:]...)
-		return
 	}
+	s.moved = keep
 }

@@ -273,16 +273,20 @@ func TestRebindContention(t *testing.T) {
 	if r := h.rebindResult(1); r.Outcome != Failed || r.Reason != ReasonTimeout {
 		t.Fatalf("%+v\n%s", r, h.trace())
 	}
-	if got := h.sent[addr(1)][MsgRebind]; got != DefaultConfig(addr(1), testKey).MaxTries {
+	// Sent at 0, 0.2, 0.6, 1.4 and 3 s; given up at 6 s, half of Linger
+	// past (before MaxTries).
+	if got := h.sent[addr(1)][MsgRebind]; got != 5 {
 		t.Fatalf("%d rebinds sent", got)
 	}
 	if s := h.agents[addr(1)].sessions[sid]; s.lock != Unlocked || s.sides[SideRight].Sub != subTuple(1, 2) {
 		t.Fatalf("after the timeout: %s on %s", s.lock, s.sides[SideRight].Sub)
 	}
+	// The subsession asked for is kept until Linger (the neighbour may
+	// have moved), then forgotten.
 	abandoned := subTuple(1, 2)
 	abandoned.Src = moveTo
 	if _, ok := h.agents[addr(1)].subs[abandoned]; ok {
-		t.Fatal("the abandoned subsession is still known")
+		t.Fatal("the subsession given up is still known after Linger")
 	}
 }
 
@@ -294,4 +298,99 @@ func countRejects(h *harness, r RejectReason) int {
 		}
 	}
 	return n
+}
+
+// Every answer lost: the mover gives up, keeps its new subsession for
+// Linger (step give-up), and the two ends recover either way: a late
+// answer moves the mover too, and a rebind asked again is answered at once
+// by the neighbour, which is there already.
+func TestRebindAnswersLost(t *testing.T) {
+	for _, recover := range []string{"late answer", "asked again"} {
+		t.Run(recover, func(t *testing.T) {
+			h := rebindHarness(t, []int{1, 2, 3})
+			var ack envelope
+			old, want := subTuple(1, 2), subTuple(1, 2)
+			want.Src = moveTo
+			h.deliver(addr(1), Rebind{Session: sid, Side: SideRight, Source: moveTo, Token: 1})
+			// Every answer to the mover's new address is lost.
+			for i := 0; i < 1000 && !h.hasRebindResult(1); i++ {
+				if e, ok := h.take(MsgRebindAck, moveTo); ok {
+					if ack.msg == nil {
+						ack = e
+					}
+					continue
+				}
+				if !h.step() {
+					h.fireNext()
+				}
+			}
+			if r := h.rebindResult(1); r.Outcome != Failed || r.Reason != ReasonTimeout {
+				t.Fatalf("%+v\n%s", r, h.trace())
+			}
+			mv := h.moves[addr(1)]
+			if mv[len(mv)-1].Step != MoveGiveUp {
+				t.Fatalf("mover's moves %+v", mv)
+			}
+			s1, s2 := h.agents[addr(1)].sessions[sid], h.agents[addr(2)].sessions[sid]
+			if s1.sides[SideRight].Sub != old || s2.sides[SideLeft].Sub != want {
+				t.Fatalf("after the give-up: mover on %s, neighbour on %s", s1.sides[SideRight].Sub, s2.sides[SideLeft].Sub)
+			}
+			if recover == "late answer" {
+				if ack.msg == nil {
+					t.Fatal("no answer was sent")
+				}
+				h.queue = append(h.queue, ack)
+				h.runMessages()
+			} else {
+				h.deliver(addr(1), Rebind{Session: sid, Side: SideRight, Source: moveTo, Token: 2})
+				h.runMessages()
+				if r := h.rebindResult(2); r.Outcome != Succeeded || r.New != want {
+					t.Fatalf("asked again: %+v\n%s", r, h.trace())
+				}
+			}
+			if s1.sides[SideRight].Sub != want || s1.lock != Unlocked {
+				t.Fatalf("the mover is on %s (%s), the neighbour on %s\n%s", s1.sides[SideRight].Sub, s1.lock, s2.sides[SideLeft].Sub, h.trace())
+			}
+			if mv := h.moves[addr(1)]; mv[len(mv)-1].Step != MoveSwitch {
+				t.Fatalf("mover's moves %+v", mv)
+			}
+			if n := countRejects(h, RejectReplay); n != 0 {
+				t.Fatalf("%d replays rejected\n%s", n, h.trace())
+			}
+		})
+	}
+}
+
+// A copy of a refused rebind that arrives once the neighbour could take it
+// gets the same refusal: accepted, it would move the neighbour while the
+// mover, refused, stays.
+func TestRebindRefusalCopy(t *testing.T) {
+	h := rebindHarness(t, []int{1, 2, 3})
+	h.deliver(addr(1), Rebind{Session: sid, Side: SideRight, Source: moveTo, Token: 1})
+	h.runMessages()
+	var copyOf envelope
+	h.probe = func(e envelope) {
+		if e.msg.Type == MsgRebind && copyOf.msg == nil {
+			copyOf = e
+		}
+	}
+	h.deliver(addr(1), Rebind{Session: sid, Side: SideRight, Source: moveTo2, Token: 2})
+	h.runMessages()
+	if r := h.rebindResult(2); r.Outcome != Refused || r.Reason != ReasonBusy {
+		t.Fatalf("a rebind right after the last: %+v\n%s", r, h.trace())
+	}
+	// An RTO later the neighbour would take a new rebind; the copy of
+	// the refused one gets the refusal again.
+	h.now += time.Second
+	acks := h.sent[addr(2)][MsgRebindAck]
+	h.queue = append(h.queue, copyOf)
+	h.runMessages()
+	want := subTuple(1, 2)
+	want.Src = moveTo
+	if s2 := h.agents[addr(2)].sessions[sid]; s2.sides[SideLeft].Sub != want {
+		t.Fatalf("the copy moved the neighbour to %s", s2.sides[SideLeft].Sub)
+	}
+	if h.sent[addr(2)][MsgRebindAck] != acks+1 {
+		t.Fatalf("the copy was not answered\n%s", h.trace())
+	}
 }

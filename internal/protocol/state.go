@@ -87,6 +87,7 @@ type session struct {
 	rebind    *rebindOut
 	rebound   [2]ReqKey
 	reboundAt [2]time.Duration
+	refused   [2]refusal // the last rebind of each side refused here
 	moved     []moved
 }
 

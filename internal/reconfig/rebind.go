@@ -199,6 +199,10 @@ func (c *Shell) moveSub(x protocol.MoveSubsession) error {
 		dp.DeleteFlow(newIn)
 		release()
 		return nil
+	case protocol.MoveGiveUp:
+		// New's ingress flow stays until RemoveSubsession.
+		release()
+		return nil
 	case protocol.MoveAll:
 		if err := listen(); err != nil {
 			return err
