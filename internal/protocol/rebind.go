@@ -221,19 +221,7 @@ func (a *Agent) endRebind(s *session, o Outcome, r Reason, blocker ReqKey) {
 	s.rebind = nil
 	a.cancelTimer(s, TimerRebind, rb.req)
 	if o == Succeeded {
-		// The old subsession is kept, marked moved, until Linger: its
-		// ingress flow takes the neighbour's packets still on their way
-		// (if the old address still works, the stack would answer them
-		// with a reset).
-		sd := s.sides[rb.side]
-		if ref, ok := a.subs[rb.old]; ok {
-			ref.moved = true
-			a.subs[rb.old] = ref
-		}
-		sd.Sub = rb.new
-		s.moved = append(s.moved, moved{side: rb.side, sub: rb.old, req: rb.req})
-		a.setTimer(s, TimerRebound, rb.req, a.cfg.Linger)
-		a.emit(MoveSubsession{Session: s.id, Side: rb.side, Old: rb.old, New: rb.new, Step: MoveSwitch})
+		a.switchSide(s, rb.side, rb.old, rb.new, rb.req)
 	} else if r == ReasonTimeout {
 		// No answer: the neighbour may have moved and every answer been
 		// lost. The new subsession stays (marked moved) until Linger:
@@ -256,6 +244,21 @@ func (a *Agent) endRebind(s *session, o Outcome, r Reason, blocker ReqKey) {
 	}
 	a.emit(RebindResult{Session: s.id, Token: rb.token, Req: rb.req, Old: rb.old, New: rb.new, Outcome: o, Reason: r, Blocker: blocker})
 	a.releaseQueue(s)
+}
+
+// switchSide moves the mover's side from subsession old to nw (rebind
+// req). The old subsession is kept, marked moved, until Linger: its
+// ingress flow takes the neighbour's packets still on their way (if the
+// old address still works, the stack would answer them with a reset).
+func (a *Agent) switchSide(s *session, side Side, old, nw wire.Tuple, req ReqKey) {
+	if ref, ok := a.subs[old]; ok {
+		ref.moved = true
+		a.subs[old] = ref
+	}
+	s.sides[side].Sub = nw
+	s.moved = append(s.moved, moved{side: side, sub: old, req: req})
+	a.setTimer(s, TimerRebound, req, a.cfg.Linger)
+	a.emit(MoveSubsession{Session: s.id, Side: side, Old: old, New: nw, Step: MoveSwitch})
 }
 
 // onRebindTimer retransmits the rebind, or gives up after MaxTries or
@@ -304,17 +307,9 @@ func (a *Agent) onLateRebindAck(s *session, ref subRef, m *Message, from netip.A
 		if m.Reason != ReasonNone || from != ref.peer || s.rebind != nil || sd == nil || sd.Sub != mv.old {
 			break
 		}
-		if old, ok := a.subs[mv.old]; ok {
-			old.moved = true
-			a.subs[mv.old] = old
-		}
-		nw := ref
-		nw.moved = false
-		a.subs[mv.sub] = nw
-		sd.Sub = mv.sub
-		s.moved = append(s.moved, moved{side: mv.side, sub: mv.old, req: mv.req})
-		a.setTimer(s, TimerRebound, mv.req, a.cfg.Linger)
-		a.emit(MoveSubsession{Session: s.id, Side: mv.side, Old: mv.old, New: mv.sub, Step: MoveSwitch})
+		ref.moved = false
+		a.subs[mv.sub] = ref
+		a.switchSide(s, mv.side, mv.old, mv.sub, mv.req)
 		return
 	}
 	a.reject(RejectUnexpected, m, from, "%s on subsession %s, which a rebind replaced", m.Type, m.Sub)
