@@ -9,8 +9,68 @@
 #ifdef TRIGGER
 /* the operator asks the middlebox to be removed: it triggers its left neighbour */
 #define PENDING(me) (me == TRIGGERER && trigTries == 0)
+#elif defined(NOREQ)
+#define PENDING(me) false   /* a rebind alone */
 #else
 #define PENDING(me) ((la[1] == me && stageL[1] == 0) || (la[NR] == me && stageL[NR] == 0 && AFTER1))
+#endif
+
+/* Rebinds (rebind.go; -DREBIND, dysco.pml): the macros the lock and
+ * teardown code needs; the procedures are further down */
+#ifdef REBIND
+#if defined(TRIGGER) || defined(MIGRATE)
+#error "-DREBIND: no TRIGGER or MIGRATE (XREB shares their exchange bit)"
+#endif
+#define XREB 128   /* rebind, rebindAck: the mover's TimerRebind */
+#define RBR 1      /* the slot of lossy / lostNow (bit XREB) the rebind's exchange uses */
+#define RBQ (NR+1) /* the requestor of a lock the rebind holds (s.requestor = the rebind's Req) */
+/* a reconfiguration holds side sd of agent i: it is the right anchor of
+ * one on its left (s.right), the left anchor of one on its right (s.left),
+ * or its lock is taken; or the side is moving itself (onRebindIn) */
+#define LEFTANCHOR(i) (laReq[i] != 0 && stageL[laReq[i]] != 0 && stageL[laReq[i]] != done)
+#ifdef BROKEN_REBIND_NO_BUSY
+#define RBHELD(i, sd) false   /* broken: the neighbour does not refuse */
+#else
+#define RBHELD(i, sd) ((sd == LEFT && busyRA[i] != 0) || (sd == RIGHT && (LEFTANCHOR(i) || lock[i] != unlocked)) || \
+	(rbOn && i == RBMOVER && sd == RBSIDE))
+#endif
+/* the right anchor refuses a requestLock while its left subsession moves (lock.go) */
+#ifdef BROKEN_REBIND_RA
+#define RBLEFTMOVES(i) false  /* broken: it accepts the request */
+#else
+#define RBLEFTMOVES(i) (rbOn && i == RBMOVER && RBSIDE == LEFT)
+#endif
+/* a reconfiguration's new subsession (complete): generation 0 at both ends */
+#define RBNEWSUB(v) v[me] = 0
+/* the agent (docs/mobility.md) asks for a rebind while the side is not on
+ * the new address, up to RBTRIES times (the first, and RBTRIES-1 more
+ * after a refusal or a give-up) */
+#define RBSTART(me) (me == RBMOVER && !rbOn && rbReq < RBTRIES && SG(me, RBSIDE) != RBADDR)
+/* TimerRebind is armed. It fires once a copy or its answer was lost, or a
+ * copy rejected; with RB_SLOW also when the answer is merely slower than
+ * the timer (spurious retransmissions, a give-up while the answer is on
+ * its way) */
+#define TREB(me) (me == RBMOVER && rbOn)
+#ifdef RB_SLOW
+#define RBFIRE true
+#else
+#define RBFIRE false
+#endif
+#define REBDUE (rbOn && rbTries >= MAXTRIES)
+/* TimerRebound: Linger runs out once nothing else can happen (it outlasts
+ * every attempt of the mover: Go gives an attempt at most Linger/2) */
+#define LINGERDUE (timeout && !rbOn)
+#else
+#define RBLEFTMOVES(i) false
+#define RBNEWSUB(v) skip
+#define REBDUE false
+#endif
+/* a rebind or rebindAck dropped at a full queue: counted for the
+ * attempt's give-up (ndrop stops at 2) */
+#ifdef REBIND
+#define RBDROP(X) rbDrop = rbDrop || ((X) == XREB)
+#else
+#define RBDROP(X) skip
 #endif
 
 /* A migrating request is gated (newPathUp): its SYN-ACK starts the
@@ -64,7 +124,8 @@ inline ctlA(cnb, ct, cr, cx, cfl, ca, cst, cX) {
 		 * below). */
 		printf("MSC: %d -> %d %e r%d DROPPED (queue full)\n", me, cnb, ct, cr);
 		REACHED(49);
-		ndrop = (ndrop < 2 -> ndrop + 1 : 2); lossy[cr] = lossy[cr] | ARM(cX); lostNow[cr] = lostNow[cr] | ARM(cX)
+		ndrop = (ndrop < 2 -> ndrop + 1 : 2); lossy[cr] = lossy[cr] | ARM(cX); lostNow[cr] = lostNow[cr] | ARM(cX);
+		RBDROP(cX)
 	:: LOSS > 0 && len(net[cnb]) < QS && nlost < LOSS ->
 		printf("MSC: %d -> %d %e r%d LOST\n", me, cnb, ct, cr);
 		nlost++; lossy[cr] = lossy[cr] | ARM(cX); lostNow[cr] = lostNow[cr] | ARM(cX)
@@ -183,7 +244,10 @@ inline newRequestLock(r, dl, dll, fromQueue, rfrom) {
 	:: !freed[me] && busyRA[me] != 0 ->
 		/* right anchor of an unfinished reconfiguration of its left side */
 		nack(r, rfrom, ReasonBusy)
-	:: !freed[me] && busyRA[me] == 0 && me == ra[r] ->
+	:: !freed[me] && busyRA[me] == 0 && me == ra[r] && RBLEFTMOVES(me) ->
+		/* its left subsession is moving (rebind.go) */
+		REACHED(110); nack(r, rfrom, ReasonBusy)
+	:: !freed[me] && busyRA[me] == 0 && me == ra[r] && !RBLEFTMOVES(me) ->
 		/* accept: right anchor in waitSyn, ackLock with leftDelta 0 (sendAckLock: on the left side) */
 		busyRA[me] = r; stageR[r] = waitSyn; rightDelta[r] = dl; grantL[r] = dll;
 		CTL(leftN[me], ackLock, r, 0);
@@ -451,8 +515,8 @@ inline complete(r) {
 	lingerN[me] = oldN[me]; lingerR[me] = r; lingerC[me] = oldSent[me]; lingerAcked[me] = finOldAcked[me];
 	tombN[HI(me, r)] = oldN[me];
 	if
-	:: tpSide[me] == RIGHT -> lingerD[me] = sdR[me]; rightN[me] = newN[me]; sdR[me] = dNew[me]
-	:: else -> lingerD[me] = sdL[me]; leftN[me] = newN[me]; sdL[me] = dNew[me]
+	:: tpSide[me] == RIGHT -> lingerD[me] = sdR[me]; rightN[me] = newN[me]; sdR[me] = dNew[me]; RBNEWSUB(sgR)
+	:: else -> lingerD[me] = sdL[me]; leftN[me] = newN[me]; sdL[me] = dNew[me]; RBNEWSUB(sgL)
 	fi;
 	newN[me] = NONE; genR[GX(me)] = 0;
 	if
@@ -545,7 +609,7 @@ inline middleFinAck() {
  * finPassed) but not both finAcks frees the session: nothing more crosses
  * the old path (internal/protocol onLease) */
 #define LEASE(i) ((busyRA[i] != 0 && (stageR[busyRA[i]] == waitSyn || stageR[busyRA[i]] == waitAck)) || \
-	(lock[i] != unlocked && requestor[i] != 0 && la[requestor[i]] != i && !freed[i]) || oLock[OX(i)])
+	(lock[i] != unlocked && requestor[i] != 0 && requestor[i] <= NR && la[requestor[i]] != i && !freed[i]) || oLock[OX(i)])
 inline onLease() {
 	if
 	:: oLock[OX(me)] ->
@@ -868,6 +932,223 @@ inline onMigServe(r) {
 #define newPathUp(r) skip   /* never reached: GATEOPEN */
 #endif
 
+#ifdef REBIND
+/* the rebind's end at the mover (RebindResult) */
+#define RBRESULT(o, rs) rbOut = o; rbRs = rs; rbEnds++
+#define SETSG(i, sd, g) if :: sd == LEFT -> sgL[i] = g :: else -> sgR[i] = g fi
+#define MIN2 (MAXTRIES < 2 -> MAXTRIES : 2)
+
+/* sendRebind: the rebind (again), from the new address, to the
+ * neighbour: x its Req, a the subsession it names (the old one's
+ * generation), st the new address (the new subsession's generation) */
+inline sendRebind() {
+	rbTries++;
+	ctlA(rbPeer, rebind, RBR, rbReq, 0, rbOld, RBADDR, XREB)
+}
+
+/* onRebind at the mover: refused while a reconfiguration holds its side
+ * (right side: a left anchor, busy; its lock taken, locked; left side: a
+ * right anchor, busy); else it takes the lock of a right side, listens on
+ * the new subsession (MoveListen, RBIN: a subsession it gave up earlier
+ * is taken again) and sends the rebind. (The agent asks only while the
+ * side is not on the new address: Go's "already there" is not reached.) */
+inline onRebind() {
+	rbReq++; rbRej = 0; rbLost0 = nlost + ndrop; rbDrop = 0;
+	/* a new exchange (its own TimerRebind) */
+	lossy[RBR] = lossy[RBR] & NOTX(XREB); lostNow[RBR] = lostNow[RBR] & NOTX(XREB);
+	if
+	:: RBSIDE == RIGHT && LEFTANCHOR(me) -> REACHED(100); RBRESULT(Refused, ReasonBusy)
+	:: RBSIDE == RIGHT && !LEFTANCHOR(me) && lock[me] != unlocked -> REACHED(101); RBRESULT(Refused, ReasonLocked)
+	:: RBSIDE == LEFT && busyRA[me] != 0 -> REACHED(102); RBRESULT(Refused, ReasonBusy)
+	:: else ->
+		rbOn = 1; rbPeer = SIDEN(me, RBSIDE); rbOld = SG(me, RBSIDE); rbTries = 0;
+		if
+		:: RBSIDE == RIGHT -> lock[me] = locked; requestor[me] = RBQ
+		:: else
+		fi;
+		sendRebind()
+	fi
+}
+
+/* switchSide: the mover's side goes to the new subsession (MoveSwitch);
+ * the old one is kept, marked moved, until Linger */
+inline switchSide(sold, snew, speer) {
+	mOld = sold; mOldPeer = speer;
+	SETSG(me, RBSIDE, snew);
+	mGU = NONE; mGUmask = 0
+}
+
+/* endRebind: the mover switches (Succeeded), keeps the new subsession
+ * marked moved for Linger (Failed timeout: MoveGiveUp; a late answer, or
+ * the neighbour answering the next attempt at once, may still move it),
+ * or abandons it (Refused: MoveAbandon); it releases the lock, reports */
+inline endRebind(o, rs) {
+	rbOn = 0;
+	if
+	:: o == Succeeded -> switchSide(rbOld, RBADDR, rbPeer)
+	:: o == Failed ->
+		if
+		:: mGU != RBADDR || mGUpeer != rbPeer -> mGUmask = 0
+		:: else
+		fi;
+		mGU = RBADDR; mGUpeer = rbPeer; mGUold = rbOld; mGUmask = mGUmask | (1 << rbReq)
+	:: o == Refused ->
+		if
+		:: mGU == RBADDR && mGUpeer == rbPeer -> mGU = NONE; mGUmask = 0   /* the same subsession, deleted */
+		:: else
+		fi
+	fi;
+	if
+	:: RBSIDE == RIGHT && requestor[me] == RBQ -> lock[me] = unlocked; requestor[me] = 0
+	:: else
+	fi;
+	printf("MSC: %d rebind r%d ends: %d (reason %d); side on generation %d\n", me, rbReq, o, rs, SG(me, RBSIDE));
+	RBRESULT(o, rs)
+}
+
+/* onRebindTimer: retransmit, or give up after MAXTRIES (Failed timeout;
+ * Go: or half of Linger). The attempt's losses (min(MAXTRIES, 2), as for
+ * any sender, or a copy or answer dropped at a full queue: rbGULoss), a
+ * copy the neighbour rejected, or (RB_SLOW) a slow answer make it give
+ * up. */
+inline onRebindTimer() {
+	if
+	:: rbTries >= MAXTRIES ->
+		printf("MSC: %d gives up the rebind r%d\n", me, rbReq);
+		REACHED(103);
+		rbGULoss = (nlost + ndrop - rbLost0 >= MIN2 || rbDrop);
+		assert(rbGULoss || rbRej > 0 || RBFIRE);
+		endRebind(Failed, ReasonTimeout)
+	:: else ->
+		printf("MSC: %d TimerRebind: retransmit r%d\n", me, rbReq);
+		sendRebind()
+	fi
+}
+
+/* onRebindAck at the mover, by the subsession it came on: the new one
+ * it listens on (the answer to the attempt that runs: a copy of an
+ * earlier attempt's answer is rejected); its current one (an acceptance
+ * when no rebind runs answers a copy, ignored); the new one of an attempt
+ * it gave up (onLateRebindAck); anything else: rejected */
+inline onRebindAck() {
+	if
+	:: rbOn && m.from == rbPeer && m.a == RBADDR ->
+		if
+		:: m.x != rbReq -> REACHED(107)   /* Rejected: another attempt's */
+		:: m.x == rbReq && m.s != ReasonNone -> REACHED(104); endRebind(Refused, m.s)
+		:: m.x == rbReq && m.s == ReasonNone -> endRebind(Succeeded, ReasonNone)
+		fi
+	:: !(rbOn && m.from == rbPeer && m.a == RBADDR) && m.from == SIDEN(me, RBSIDE) && m.a == SG(me, RBSIDE) ->
+		if
+		:: !rbOn && m.s == ReasonNone -> REACHED(105)
+		:: else -> REACHED(107)
+		fi
+	:: !(rbOn && m.from == rbPeer && m.a == RBADDR) && !(m.from == SIDEN(me, RBSIDE) && m.a == SG(me, RBSIDE)) &&
+	   mGU != NONE && m.from == mGUpeer && m.a == mGU ->
+		onLateRebindAck()
+	:: else -> REACHED(106); printf("MSC: %d rejects the rebindAck: unknown subsession\n", me)
+	fi
+}
+
+/* onLateRebindAck: an answer on the new subsession of an attempt the
+ * mover gave up: an acceptance of one of those attempts, while no rebind
+ * runs and the side is still on that attempt's old subsession (the same
+ * peer and generation: not one a reconfiguration set up since), moves
+ * the side too */
+inline onLateRebindAck() {
+	if
+	:: (mGUmask & (1 << m.x)) != 0 && m.s == ReasonNone && !rbOn && SIDEN(me, RBSIDE) == mGUpeer && SG(me, RBSIDE) == mGUold ->
+		REACHED(114); printf("MSC: %d late rebindAck r%d: switches\n", me, m.x);
+		switchSide(mGUold, mGU, mGUpeer)
+	:: else -> REACHED(115)   /* Rejected */
+	fi
+}
+
+/* sendRebindAck: the neighbour's answer, on the new subsession g, to the
+ * mover's new address */
+inline sendRebindAck(g, rs) {
+	ctlA(m.from, rebindAck, RBR, m.x, rs, g, 0, XREB)
+}
+
+/* onRebindIn at the neighbour, in the order of the Go checks, by the
+ * subsession the rebind names:
+ * - the old subsession of a rebind it accepted: from the current peer, a
+ *   copy of that rebind, or a newer one (than the last accepted and the
+ *   last refused) that asks for where the side is already (the mover gave
+ *   up, every answer lost), is answered, and becomes the last accepted;
+ *   anything else is a replay;
+ * - the side's subsession: a copy of the last refused rebind gets the
+ *   same refusal; one not newer than the last accepted or refused is a
+ *   replay; one a reconfiguration holds here is refused (busy) and
+ *   remembered; else the side moves at once (MoveAll: egress to the new
+ *   subsession, the old ingress flow kept until Linger) and it is
+ *   answered;
+ * - anything else (unknown, a tomb, a session it left, the new subsession
+ *   of a reconfiguration it has not completed: m.Sub != sd.Sub): rejected
+ *   without an answer */
+#define NEWER(i) (m.x > rbBound[i] && m.x > rfReq[i])
+inline onRebindIn() {
+	if
+	:: !freed[me] && mvSub[me] != NONE && m.from == mvPeer[me] && m.a == mvSub[me] ->
+		side = mvSide[me];
+		if
+#ifdef BROKEN_REBIND_NO_RECOVER
+		:: m.from == SIDEN(me, side) && m.x == rbBound[me] ->   /* broken: a copy only */
+#else
+		:: m.from == SIDEN(me, side) && (m.x == rbBound[me] || (NEWER(me) && m.st == SG(me, side))) ->
+#endif
+			REACHED(108); rbBound[me] = m.x;
+			d = SG(me, side); sendRebindAck(d, ReasonNone); d = 0
+#ifdef BROKEN_REBIND_NO_RECOVER
+		:: !(m.from == SIDEN(me, side) && m.x == rbBound[me]) ->
+#else
+		:: !(m.from == SIDEN(me, side) && (m.x == rbBound[me] || (NEWER(me) && m.st == SG(me, side)))) ->
+#endif
+			REACHED(109); printf("MSC: %d rejects the rebind: replay\n", me); rbRej++; dropped(RBR, XREB)
+		fi
+	:: !freed[me] && !(mvSub[me] != NONE && m.from == mvPeer[me] && m.a == mvSub[me]) &&
+	   ((m.from == leftN[me] && m.a == sgL[me]) || (m.from == rightN[me] && m.a == sgR[me])) ->
+		side = (m.from == leftN[me] -> LEFT : RIGHT);
+		if
+#ifndef BROKEN_REBIND_FORGET
+		:: m.x == rfReq[me] -> REACHED(116); printf("MSC: %d refuses a copy again\n", me); sendRebindAck(m.st, rfRs[me])
+#endif
+		:: m.x != rfReq[me] && !NEWER(me) -> REACHED(117); rbRej++; dropped(RBR, XREB)   /* Rejected: replay */
+		:: m.x != rfReq[me] && NEWER(me) && RBHELD(me, side) ->
+			REACHED(111); printf("MSC: %d refuses the rebind: busy\n", me);
+#ifndef BROKEN_REBIND_FORGET
+			rfReq[me] = m.x; rfRs[me] = ReasonBusy;
+#endif
+			sendRebindAck(m.st, ReasonBusy)
+		:: m.x != rfReq[me] && NEWER(me) && !RBHELD(me, side) ->
+			printf("MSC: %d moves its side %d to generation %d (MoveAll)\n", me, side, m.st);
+			mvSub[me] = SG(me, side); mvSide[me] = side; mvPeer[me] = m.from;
+			SETSG(me, side, m.st);
+			rbBound[me] = m.x;
+			sendRebindAck(m.st, ReasonNone)
+		fi
+	:: else ->
+		if
+		:: !freed[me] && m.from == newN[me] -> REACHED(112)
+		:: else -> REACHED(113)
+		fi;
+		printf("MSC: %d rejects the rebind (no answer)\n", me);
+		rbRej++; dropped(RBR, XREB)
+	fi
+}
+
+/* onRebound: Linger has run out: the subsessions kept after a rebind go
+ * (RemoveSubsession), at the neighbour and at the mover */
+inline onRebound() {
+	printf("MSC: %d Linger: the moved subsessions go\n", me);
+	mvSub[me] = NONE; mvSide[me] = 0; mvPeer[me] = 0;
+	if
+	:: me == RBMOVER -> mOld = NONE; mOldPeer = 0; mGU = NONE; mGUpeer = 0; mGUold = 0; mGUmask = 0
+	:: else
+	fi
+}
+#endif
+
 inline onMessage() {
 	r = m.req;
 	if
@@ -1128,6 +1409,10 @@ inline onMessage() {
 	:: m.t == migrate && m.x != MigFreeze -> onMigServe(r)
 	:: m.t == migrateAnswer -> onMigAnswer(r)
 #endif
+#ifdef REBIND
+	:: m.t == rebind -> onRebindIn()
+	:: m.t == rebindAck -> onRebindAck()
+#endif
 	fi
 }
 
@@ -1156,7 +1441,7 @@ inline onMessage() {
 	(TOLD(ra[r]) && OLDR(ra[r]) == r && finTries[ra[r]] >= MAXTRIES) || \
 	(TPROBE(la[r]) && tpReq[la[r]] == r && probes[la[r]] >= MAXTRIES) || \
 	(TPROBE(ra[r]) && tpReq[ra[r]] == r && probes[ra[r]] >= MAXTRIES))
-#define NOGIVEUPDUE (!GIVEUPDUE(1) && !GIVEUPDUE(NR) && !TRIGDUE && !MIGDUE)
+#define NOGIVEUPDUE (!GIVEUPDUE(1) && !GIVEUPDUE(NR) && !TRIGDUE && !MIGDUE && !REBDUE)
 /* no anchor waits for the other's fin (at quiescence its probe timer is due) */
 #define NOWAITFIN (!TPROBE(la[1]) && !TPROBE(ra[1]) && !TPROBE(la[NR]) && !TPROBE(ra[NR]))
 /* a middlebox of r's new path is dead (§3.6) */
@@ -1316,6 +1601,17 @@ end:
 			REACHED(88); assert(nlost + ndrop > 0); holdLeased = 1; migReleaseRight()
 		/* Drained: an anchor's side of the old path drained (order) */
 		:: MIGDRAINING(me) && DRAINED(me) -> r = 1; onDrained(r)
+#endif
+#ifdef REBIND
+		/* the agent (mobility: the address is gone) asks the mover to
+		 * rebind its side, and again after a failure */
+		:: RBSTART(me) -> onRebind()
+		/* TimerRebind: resend the rebind; after MAXTRIES give up */
+		:: TREB(me) && ((lossy[RBR] & XREB) || RBFIRE) && rbTries < MAXTRIES ->
+			lostNow[RBR] = lostNow[RBR] & NOTX(XREB); onRebindTimer()
+		:: TREB(me) && ((lostNow[RBR] & XREB) || timeout || RBFIRE) && rbTries >= MAXTRIES -> onRebindTimer()
+		/* TimerRebound: Linger for the subsessions kept after a rebind */
+		:: MVAT(me) && LINGERDUE -> onRebound()
 #endif
 		fi;
 		/* the end of every event: evaluate the two-path phase, and let

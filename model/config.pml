@@ -45,6 +45,18 @@
  *                 still cross 1; with REJOIN_ANY r2 comes at any moment
  *   -DJOINFAIL=1  the datapath may refuse one JoinSession (JoinFailed)
  *
+ * Rebinds (break before make, rebind.go; docs/verification.md, "Rebinds"):
+ *   REBIND_RIGHT  0-1-2,   no reconfiguration; 0 rebinds its right subsession (to 1)
+ *   REBIND_LEFT   0-1-2,   no reconfiguration; 2 rebinds its left subsession (to 1)
+ *   REBIND_CONTEND 0-1-2,  r1: 0 deletes 1 (0→2); 2 rebinds its left subsession,
+ *                 concurrently (to 1, or to 0 once r1 has completed at 2)
+ *   REBIND_CONTEND_RIGHT 0-1-2, r1: 0 deletes 1 (0→2); 0 rebinds its right
+ *                 subsession, concurrently (to 1, or to 2 once r1 has completed at 0)
+ *   -DRBTRIES=N   the agent asks for the rebind up to N times (default 2: once
+ *                 more after a refusal or a give-up)
+ *   -DRB_SLOW     answers may be slower than the mover's timer: it retransmits,
+ *                 and gives up after its last try, with no loss
+ *
  * Loss (agent.pml): -DLOSS=N lets the network lose up to N control
  * messages per run (default 0); -DMAXTRIES=N transmissions before a sender
  * gives up (default 2: one retransmission).
@@ -283,11 +295,53 @@
 #define ONPATH_CHECKS
 #endif
 
+#if defined(REBIND_RIGHT) || defined(REBIND_LEFT)
+#define REBIND
+#define NOREQ
+#define NA 3
+#define NR 1
+#define NC 3
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=2
+/* request 1 is never asked for (NOREQ): the arrays keep one slot */
+#define REQS la[1]=0; ra[1]=2; nh[1]=0
+#endif
+
+#if defined(REBIND_CONTEND) || defined(REBIND_CONTEND_RIGHT)
+#define REBIND
+#define RBCONTEND 1
+#define NA 3
+#define NR 1
+#define NC 3
+#define CHAIN chain[0]=0; chain[1]=1; chain[2]=2
+#define REQS la[1]=0; ra[1]=2; nh[1]=0
+#endif
+
+/* the mover and the side it moves */
+#if defined(REBIND_RIGHT) || defined(REBIND_CONTEND_RIGHT)
+#define RBMOVER 0
+#define RBSIDE RIGHT
+#endif
+#if defined(REBIND_LEFT) || defined(REBIND_CONTEND)
+#define RBMOVER LAST
+#define RBSIDE LEFT
+#endif
+
 #ifndef AFTER1
 #define AFTER1 1
 #endif
 #ifndef DISJOINT
 #define DISJOINT 0
+#endif
+#ifndef RBCONTEND
+#define RBCONTEND 0
+#endif
+#ifndef RBTRIES
+#define RBTRIES 2
+#endif
+#ifdef NOREQ
+#define NOREQS true
+#else
+#define NOREQS false
 #endif
 
 #ifndef NA

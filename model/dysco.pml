@@ -19,9 +19,9 @@
  * configuration, a state migration's migrate and migrateAnswer only in
  * -DMIGRATE (docs/verification.md, "Triggers" and "State migration");
  * other configurations keep no variable of theirs. */
-/* Rebinds (rebind, rebindAck) are not in the model: a rebind changes one
- * subsession between two agents under the lock of a reconfiguration and
- * is checked by the Go tests (docs/verification.md, "Rebinds"). */
+/* Rebinds (rebind, rebindAck) are sent only in the -DREBIND
+ * configurations (REBIND_RIGHT, REBIND_LEFT, REBIND_CONTEND,
+ * REBIND_CONTEND_RIGHT; docs/verification.md, "Rebinds"). */
 /* MsgTypes (message.go), in the Go order. */
 mtype = { requestLock, ackLock, nackLock, cancelLock, ackCancel, syn, synAck, ack, fin, finAck, trigger, triggerResult, migrate, migrateAnswer, rebind, rebindAck };
 /* LockStates (types.go). */
@@ -310,6 +310,62 @@ bool exported, migAborted;
 bool holdLeased;                /* the right anchor's hold went by its lease (TimerMigrate) */
 #endif
 
+/* ---- rebinds (rebind.go; -DREBIND) ----
+ * Agent RBMOVER (the session's first agent, or its last) moves the
+ * subsession of its side RBSIDE to a new address of its own (break before
+ * make). A subsession is named by its neighbours (as everywhere in the
+ * model) and a generation, the address part a rebind changes: sgL / sgR,
+ * the generation of each side's subsession at each agent: 0 for the
+ * initial subsessions and for those a reconfiguration sets up, RBADDR once
+ * the mover's end is at its new address.
+ * The mover (its rebindOut): rbOn (s.rebind != nil), rbReq (the
+ * attempt's Req: attempts so far, at most RBTRIES), rbPeer (the
+ * neighbour), rbOld (the old subsession), rbTries, rbLost0 (losses before
+ * the attempt), rbDrop (a copy or answer of it dropped at a full queue),
+ * rbRej (copies of it the neighbour rejected without an answer); the last
+ * attempt's result: rbOut, rbRs (RebindResult), rbEnds (results emitted),
+ * rbGULoss (it gave up after its own losses). Its
+ * subsessions kept for Linger (s.moved): mOld (the old one after a
+ * switch, from mOldPeer), mGU (the new one after a give-up, from mGUpeer;
+ * mGUmask: the attempts that gave up on it; mGUold: the old one it may
+ * still follow).
+ * The neighbour: rbBound (s.rebound: the last rebind it accepted), rfReq,
+ * rfRs (s.refused: the last it refused, and why), mvSub, mvSide, mvPeer
+ * (the old subsession it keeps for Linger).
+ * TCP segments carry the generation of the subsession they are sent on
+ * in their req field (PTAG); the receiver asserts that it has an ingress
+ * flow for it (RBIN). Configurations without REBIND keep none of these
+ * variables. */
+#ifdef REBIND
+#if defined(UDP)
+#error "-DUDP: no rebind configuration"
+#endif
+#define RBADDR 1
+byte sgL[NA], sgR[NA];
+bool rbOn, rbGULoss, rbDrop;
+byte rbReq, rbPeer, rbOld, rbTries, rbLost0, rbRej, rbOut, rbRs, rbEnds;
+byte mOld = NONE, mOldPeer, mGU = NONE, mGUpeer, mGUold, mGUmask;
+byte rbBound[NA], rfReq[NA], rfRs[NA], mvSub[NA], mvSide[NA], mvPeer[NA];
+#define SG(i, sd) (sd == LEFT -> sgL[i] : sgR[i])
+/* the generation a segment to neighbour nb carries: that side's subsession
+ * (a new path of a reconfiguration: 0) */
+#define PTAG(nb) (nb == leftN[me] -> sgL[me] : (nb == rightN[me] -> sgR[me] : 0))
+/* agent i has an ingress flow for subsession g of side sd from agent f:
+ * the side's own; at the mover, the new one it listens on, the old one
+ * after a switch, the new one after a give-up; at the neighbour, the old
+ * one after MoveAll (each until Linger) */
+#define RBIN(i, sd, f, g) (g == SG(i, sd) || \
+	(i == RBMOVER && sd == RBSIDE && ((rbOn && f == rbPeer && g == RBADDR) || \
+	 (mOld != NONE && f == mOldPeer && g == mOld) || (mGU != NONE && f == mGUpeer && g == mGU))) || \
+	(mvSub[i] != NONE && mvSide[i] == sd && f == mvPeer[i] && g == mvSub[i]))
+/* agent i keeps a subsession for Linger */
+#define MVAT(i) (i < NA && (mvSub[i] != NONE || (i == RBMOVER && (mOld != NONE || mGU != NONE))))
+#define RBQUIET (!MVAT(0) && !MVAT(1) && !MVAT(2) && !MVAT(3))
+#else
+#define PTAG(nb) 0
+#define RBQUIET true
+#endif
+
 #include "tcp.pml"
 #include "agent.pml"
 
@@ -328,6 +384,13 @@ inline setup() {
 	:: i < NA*(NR+1) -> tombN[i] = NONE; i++
 	:: else -> break
 	od;
+#ifdef REBIND
+	i = 0;
+	do
+	:: i < NA -> mvSub[i] = NONE; i++
+	:: else -> break
+	od;
+#endif
 	i = 0;
 	do
 	:: i < NC -> TDR = TDR + appR[chain[i]]; TDL = TDL + appL[chain[i]]; i++
@@ -353,10 +416,11 @@ inline setup() {
 }
 
 /* no timer can fire any more: no sender about to give up, no anchor
- * waiting for the other's fin (its probe timer is due), no lease to
- * expire (leases run only after a sender gave up, agent.pml) */
+ * waiting for the other's fin (its probe timer is due), no moved
+ * subsession waiting for its Linger (RBQUIET), no lease to expire (leases
+ * run only after a sender gave up, agent.pml) */
 #define LEASEAT(i) (i < NA && LEASE(i))
-#define QUIET (NOGIVEUPDUE && NOWAITFIN && (gaveUp == 0 || !(LEASEAT(0) || LEASEAT(1) || LEASEAT(2) || LEASEAT(3) || LEASEAT(4) || LEASEAT(5))))
+#define QUIET (NOGIVEUPDUE && NOWAITFIN && RBQUIET && (gaveUp == 0 || !(LEASEAT(0) || LEASEAT(1) || LEASEAT(2) || LEASEAT(3) || LEASEAT(4) || LEASEAT(5))))
 
 inline finalCheck() {
 	i = 0;
@@ -409,6 +473,41 @@ inline finalCheck() {
 		assert(!hasState[MNEW] || nlost > 0)
 	fi;
 #endif
+#ifdef REBIND
+	/* every attempt ended once; nothing of a rebind is left: none runs at
+	 * the mover (its lock is checked above), no subsession kept for
+	 * Linger; the agent stopped asking because the side is on the new
+	 * address or it has asked RBTRIES times */
+	assert(rbReq >= 1 && !rbOn && rbEnds == rbReq && RBQUIET);
+	assert(SG(RBMOVER, RBSIDE) == RBADDR || rbReq == RBTRIES);
+	/* the last attempt's result: Succeeded; Refused only by a
+	 * reconfiguration holding the side (busy, or the mover's lock); Failed
+	 * only by a timeout, after a loss, a copy the neighbour rejected, or
+	 * (RB_SLOW) a slow answer */
+	assert(rbOut == Succeeded || (rbOut == Refused && RBCONTEND && (rbRs == ReasonBusy || rbRs == ReasonLocked)) ||
+	       (rbOut == Failed && rbRs == ReasonTimeout && (nlost + ndrop > 0 || rbRej > 0 || RBFIRE)));
+	assert(rbOut == Succeeded || LOSS > 0 || RBCONTEND || RBFIRE);
+	/* both ends of every subsession of the chain agree on it (k: the
+	 * subsessions they do not agree on) */
+	a = 0; k = 0;
+	do
+	:: a != LAST ->
+		j = rightN[a];
+		if
+		:: sgR[a] != sgL[j] -> k++
+		:: else
+		fi;
+		a = j
+	:: else -> break
+	od;
+	/* except when the last attempt gave up after its own copies or their
+	 * answers were lost (as many as a give-up takes), every attempt's
+	 * answers lost: the neighbour is on the new subsession, the mover on
+	 * the old (the agent goes on asking, docs/mobility.md) */
+	assert(k == 0 || (k == 1 && rbOut == Failed && rbGULoss && SG(rbPeer, 1 - RBSIDE) == RBADDR &&
+	                  SG(RBMOVER, RBSIDE) == rbOld));
+#endif
+#ifndef NOREQ
 	i = 1;
 	do
 	:: i <= NR ->
@@ -418,6 +517,7 @@ inline finalCheck() {
 		i++
 	:: else -> break
 	od;
+#endif
 	if
 	:: gaveUp == 0 ->
 #if defined(CANCEL)
@@ -448,6 +548,16 @@ inline finalCheck() {
 #elif defined(MIGRATE)
 		/* without a give-up only a failed export or import aborts */
 		assert(outcome[1] == Succeeded || (outcome[1] == Failed && reason[1] == ReasonAborted && migFails > 0));
+#elif defined(NOREQ)
+		skip   /* no reconfiguration (a rebind alone) */
+#elif defined(REBIND_CONTEND)
+		/* the delete succeeds, or the right anchor refuses it while its
+		 * left subsession moves */
+		assert(outcome[1] == Succeeded || (outcome[1] == Refused && reason[1] == ReasonBusy));
+#elif defined(REBIND_CONTEND_RIGHT)
+		/* the delete succeeds, or its left anchor refuses it while the
+		 * rebind holds its lock */
+		assert(outcome[1] == Succeeded || (outcome[1] == Refused && reason[1] == ReasonLocked));
 #elif defined(CONTEND)
 		/* exactly one of the contending requests succeeds (once one has
 		 * succeeded the other's segment no longer exists) */
@@ -469,7 +579,8 @@ inline finalCheck() {
 			assert(outcome[i] == Succeeded || (outcome[i] == Refused && NR == 2) ||
 			       (outcome[i] == Refused && reason[i] == ReasonOnPath) ||
 			       (outcome[i] == Failed && (reason[i] == ReasonTimeout || reason[i] == ReasonSetupFailed)) ||
-			       (outcome[i] == Failed && reason[i] == ReasonAborted && MIGABORTS) || TRIGNONE(i));
+			       (outcome[i] == Failed && reason[i] == ReasonAborted && MIGABORTS) || TRIGNONE(i) ||
+			       (outcome[i] == Refused && RBCONTEND) || NOREQS);
 			i++
 		:: else -> break
 		od;

@@ -65,7 +65,7 @@ inline startTwoPath(me, side, r) {
 inline put(nb, d, ps, pa, px, pst, pat) {
 	assert(nfull(net[nb]));   /* the bounded channels never overflow */
 	MIGORDERPUT(nb);
-	net[nb]!tcp(me, 0, px, ps, pa - d, pst, pat)
+	net[nb]!tcp(me, PTAG(nb), px, ps, pa - d, pst, pat)
 }
 
 /*
@@ -194,6 +194,14 @@ inline tcpIn() {
 	if
 	:: path == 0 -> skip
 	:: else ->
+#ifdef REBIND
+	/* a rebind: the segment's subsession (its generation, PTAG) has an
+	 * ingress flow here (dysco.pml RBIN) */
+	if
+	:: path == 1 && m.from == SIDEN(me, side) -> assert(RBIN(me, side, m.from, m.req))
+	:: else
+	fi;
+#endif
 	m.s = m.s + d;
 	rcvNxt[M(me, side)] = MAX(rcvNxt[M(me, side)], m.s + (m.x != 0));
 	ackRcvd[M(me, side)] = MAX(ackRcvd[M(me, side)], m.a);

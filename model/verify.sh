@@ -148,6 +148,32 @@ CONFIGS=(
 	"udp-delete-loss|-DDELETE -DUDP -DLOSS=1|ok"
 	"udp-insert-loss|-DINSERT -DUDP -DLOSS=1|ok"
 	"udp-delete-giveup|-DDELETE -DUDP -DLOSS=1 -DMAXTRIES=1|ok"
+	# rebinds (docs/verification.md, "Rebinds"): the first agent moves its
+	# right subsession, the last its left one: alone, with a loss, with
+	# copies (MAXTRIES 3), giving up (MAXTRIES 1: the agent asks again),
+	# with every answer of both attempts lost, with answers slower than the
+	# mover's timer (RB_SLOW); concurrently with a delete whose right anchor
+	# is the mover (contend) or whose left anchor is (contend-right),
+	# without data when slow or with a loss
+	"rebind-right|-DREBIND_RIGHT|ok"
+	"rebind-left|-DREBIND_LEFT|ok"
+	"rebind-right-loss|-DREBIND_RIGHT -DLOSS=1|ok"
+	"rebind-left-loss|-DREBIND_LEFT -DLOSS=1|ok"
+	"rebind-right-dup|-DREBIND_RIGHT -DLOSS=1 -DMAXTRIES=3|ok"
+	"rebind-left-dup|-DREBIND_LEFT -DLOSS=1 -DMAXTRIES=3|ok"
+	"rebind-right-giveup|-DREBIND_RIGHT -DLOSS=1 -DMAXTRIES=1|ok"
+	"rebind-left-giveup|-DREBIND_LEFT -DLOSS=1 -DMAXTRIES=1|ok"
+	"rebind-right-giveup2|-DREBIND_RIGHT -DLOSS=2 -DMAXTRIES=1|ok"
+	"rebind-right-slow|-DREBIND_RIGHT -DRB_SLOW|ok"
+	"rebind-left-slow|-DREBIND_LEFT -DRB_SLOW|ok"
+	"rebind-contend|-DREBIND_CONTEND|ok"
+	"rebind-contend-right|-DREBIND_CONTEND_RIGHT|ok"
+	"rebind-contend-slow|-DREBIND_CONTEND -DRB_SLOW -DNDR=0 -DNDL=0|ok"
+	"rebind-contend-right-slow|-DREBIND_CONTEND_RIGHT -DRB_SLOW -DNDR=0 -DNDL=0|ok"
+	"rebind-contend-loss|-DREBIND_CONTEND -DLOSS=1 -DNDR=0 -DNDL=0|ok"
+	"rebind-contend-right-loss|-DREBIND_CONTEND_RIGHT -DLOSS=1 -DNDR=0 -DNDL=0|ok"
+	"rebind-contend-giveup|-DREBIND_CONTEND -DLOSS=1 -DMAXTRIES=1 -DNDR=0 -DNDL=0|ok"
+	"rebind-contend-right-giveup|-DREBIND_CONTEND_RIGHT -DLOSS=1 -DMAXTRIES=1 -DNDR=0 -DNDL=0|ok"
 	# the deliberately broken variants must fail
 	"broken-skip-lock|-DCONTEND -DBROKEN_SKIP_LOCK|error"
 	"broken-acks-old|-DDELETE -DBROKEN_ACKS_OLD|error"
@@ -167,9 +193,17 @@ CONFIGS=(
 	# a UDP anchor ends its side at its switch, without waiting for its
 	# old path to drain: a datagram reaches a torn-down old path
 	"broken-udp-no-quiet|-DDELETE -DUDP -DBROKEN_UDP_NO_QUIET|error"
+	# rebinds: the right anchor accepts a requestLock while its left
+	# subsession moves (a late rebindAck moves the new path's subsession);
+	# the neighbour forgets the rebinds it refused (a copy accepted after a
+	# refusal); it rejects a newer rebind naming its moved subsession (an
+	# attempt after a give-up cannot recover)
+	"broken-rebind-ra|-DREBIND_CONTEND -DLOSS=1 -DNDR=0 -DNDL=0 -DBROKEN_REBIND_RA|error"
+	"broken-rebind-forget|-DREBIND_CONTEND -DRB_SLOW -DNDR=0 -DNDL=0 -DBROKEN_REBIND_FORGET|error"
+	"broken-rebind-no-recover|-DREBIND_RIGHT -DLOSS=1 -DMAXTRIES=1 -DBROKEN_REBIND_NO_RECOVER|error"
 )
-QUICK="delete insert replace delete-delta delete2 contend cancel insert-fin insert-right delete-loss insert-loss cancel-loss cancel-replace-loss delete-giveup onpath-same onpath-partial onpath-reorder onpath-outside onpath-none join-failed trigger trigger-loss-nodata migrate migrate-order migrate-loss migrate-order-loss udp-delete udp-insert udp-replace broken-skip-lock broken-acks-old broken-no-dedup broken-fin-no-reanswer broken-no-probe broken-onpath broken-onpath-outside broken-live-known broken-trigger-dup broken-mig-early-switch broken-udp-no-quiet"
-BROKEN="broken-skip-lock broken-acks-old broken-no-dedup broken-fin-no-reanswer broken-no-probe broken-onpath broken-onpath-outside broken-live-known broken-trigger-dup broken-mig-early-switch broken-udp-no-quiet"
+QUICK="delete insert replace delete-delta delete2 contend cancel insert-fin insert-right delete-loss insert-loss cancel-loss cancel-replace-loss delete-giveup onpath-same onpath-partial onpath-reorder onpath-outside onpath-none join-failed trigger trigger-loss-nodata migrate migrate-order migrate-loss migrate-order-loss udp-delete udp-insert udp-replace broken-skip-lock broken-acks-old broken-no-dedup broken-fin-no-reanswer broken-no-probe broken-onpath broken-onpath-outside broken-live-known broken-trigger-dup broken-mig-early-switch broken-udp-no-quiet rebind-right-loss rebind-contend-slow broken-rebind-ra broken-rebind-forget broken-rebind-no-recover"
+BROKEN="broken-skip-lock broken-acks-old broken-no-dedup broken-fin-no-reanswer broken-no-probe broken-onpath broken-onpath-outside broken-live-known broken-trigger-dup broken-mig-early-switch broken-udp-no-quiet broken-rebind-ra broken-rebind-forget broken-rebind-no-recover"
 
 # C optimisation of pan: -O2 (the default) makes the big searches fast,
 # but compiling pan.c at -O2 takes 15-30 s; the quick set's searches take
