@@ -381,6 +381,15 @@ func (h *harness) result(token uint64) Result {
 	return Result{}
 }
 
+func (h *harness) hasResult(token uint64) bool {
+	for _, r := range h.results {
+		if r.Token == token {
+			return true
+		}
+	}
+	return false
+}
+
 func (h *harness) hasRebindResult(token uint64) bool {
 	for _, r := range h.rebinds {
 		if r.Token == token {

@@ -345,7 +345,26 @@ func (a *Agent) onRebindIn(s *session, ref subRef, m *Message, from netip.Addr) 
 		a.reject(RejectReplay, m, from, "rebind %s of session %d: its subsession moved already", m.Req, s.id)
 		return
 	}
+	// A reconfiguration that holds the subsession here refuses the
+	// rebind, as it would a second reconfiguration (§3.2); also when the
+	// rebind names a subsession the reconfiguration is replacing here
+	// (the mover, done with it, already moved on to its new path).
+	var holder ReqKey
+	switch {
+	case side == SideLeft && s.right != nil:
+		holder = s.right.req
+	case side == SideRight && s.left != nil:
+		holder = s.left.req
+	case side == SideRight && s.lock != Unlocked:
+		holder = s.requestor
+	case s.rebind != nil && s.rebind.side == side:
+		holder = s.rebind.req // both ends of the subsession move
+	}
 	if m.Sub != sd.Sub {
+		if !holder.IsZero() {
+			a.sendRebindAck(s, side, withOwnEnd(side.Other(), m.Sub, from), m.Req, ReasonBusy, holder)
+			return
+		}
 		a.reject(RejectUnexpected, m, from, "rebind of %s, session %d is on %s", m.Sub, s.id, sd.Sub)
 		return
 	}
@@ -368,19 +387,6 @@ func (a *Agent) onRebindIn(s *session, ref subRef, m *Message, from netip.Addr) 
 		a.reject(RejectRate, m, from, "session %d was rebound %v ago", s.id, a.now-s.reboundAt[side])
 		refuse(ReasonBusy, last)
 		return
-	}
-	// A reconfiguration that holds the subsession here refuses the
-	// rebind, as it would a second reconfiguration (§3.2).
-	var holder ReqKey
-	switch {
-	case side == SideLeft && s.right != nil:
-		holder = s.right.req
-	case side == SideRight && s.left != nil:
-		holder = s.left.req
-	case side == SideRight && s.lock != Unlocked:
-		holder = s.requestor
-	case s.rebind != nil && s.rebind.side == side:
-		holder = s.rebind.req // both ends of the subsession move
 	}
 	if !holder.IsZero() {
 		refuse(ReasonBusy, holder)

@@ -394,3 +394,43 @@ func TestRebindRefusalCopy(t *testing.T) {
 		t.Fatalf("the copy was not answered\n%s", h.trace())
 	}
 }
+
+// A rebind that reaches a neighbour still in the two-path phase of a
+// reconfiguration the mover has finished (it names the new path, which
+// the neighbour does not use yet) is refused busy, not ignored.
+func TestRebindDuringNeighbourTwoPath(t *testing.T) {
+	h := rebindHarness(t, []int{1, 2, 3})
+	h.reconfigure(1, 3, nil, 1)
+	// The right anchor's last finAck is held back: the left anchor is
+	// done, the right anchor still in its two-path phase.
+	var held []envelope
+	for i := 0; i < 1000 && !h.hasResult(1); i++ {
+		if e, ok := h.take(MsgFinAck, addr(3)); ok {
+			held = append(held, e)
+			continue
+		}
+		if !h.step() {
+			h.fireNext()
+		}
+	}
+	if r := h.result(1); r.Outcome != Succeeded {
+		t.Fatalf("%+v\n%s", r, h.trace())
+	}
+	if h.agents[addr(3)].sessions[sid].right == nil {
+		t.Fatalf("the right anchor is done already\n%s", h.trace())
+	}
+	h.now += time.Second
+	h.deliver(addr(1), Rebind{Session: sid, Side: SideRight, Source: moveTo, Token: 2})
+	h.runMessages()
+	if r := h.rebindResult(2); r.Outcome != Refused || r.Reason != ReasonBusy {
+		t.Fatalf("%+v\n%s", r, h.trace())
+	}
+	h.queue = append(h.queue, held...)
+	h.run()
+	h.now += time.Second
+	h.deliver(addr(1), Rebind{Session: sid, Side: SideRight, Source: moveTo, Token: 3})
+	h.runMessages()
+	if r := h.rebindResult(3); r.Outcome != Succeeded {
+		t.Fatalf("after the two-path phase: %+v\n%s", r, h.trace())
+	}
+}
