@@ -88,15 +88,20 @@ vet:
 	@test -z "$$(gofmt -l $$(git ls-files '*.go' | grep -v '_bpfel.go$$'))" || { gofmt -l .; echo "gofmt needed"; exit 1; }
 
 # The end-to-end package is the long pole: its tests run in two processes
-# at once (E2E_SHARD and the rest), beside the other packages.
+# at once (E2E_SHARD and the rest), beside the other packages; the
+# benchmark and experiment runners, whose measurements (a baseline's UDP
+# loss) need the cores, run after them.
 E2E_SHARD := ^Test(A|B|C|E|F|K|L|M|N|O|P)
+ALONE := /internal/bench$$|/internal/experiment$$
 
 test: build check-generate vet lab-clean
-	@pkgs=$$($(GO) list ./... | grep -v '/test/e2e$$'); \
+	@pkgs=$$($(GO) list ./... | grep -v -E '/test/e2e$$|$(ALONE)'); \
 	$(GO) test -count=1 -timeout 25m -p 1 $$pkgs & p0=$$!; \
 	$(GO) test -count=1 -timeout 25m -run '$(E2E_SHARD)' ./test/e2e & p1=$$!; \
 	$(GO) test -count=1 -timeout 25m -skip '$(E2E_SHARD)' ./test/e2e & p2=$$!; \
-	s=0; for p in $$p0 $$p1 $$p2; do wait $$p || s=1; done; exit $$s
+	s=0; for p in $$p0 $$p1 $$p2; do wait $$p || s=1; done; \
+	$(GO) test -count=1 -timeout 25m -p 1 $$($(GO) list ./... | grep -E '$(ALONE)') || s=1; \
+	exit $$s
 	cd test/h3 && $(GO) test -count=1 ./...
 	cd test/kube && $(GO) test -count=1 ./...
 	cd test/kubestore && $(GO) test -count=1 -tags kubernetes ./...

@@ -1083,9 +1083,11 @@ inline sendRebindAck(g, rs) {
  *   remembered; else the side moves at once (MoveAll: egress to the new
  *   subsession, the old ingress flow kept until Linger) and it is
  *   answered;
- * - anything else (unknown, a tomb, a session it left, the new subsession
- *   of a reconfiguration it has not completed: m.Sub != sd.Sub): rejected
- *   without an answer */
+ * - the new subsession of a reconfiguration it has not completed (m.Sub
+ *   != sd.Sub, the reconfiguration holding the side): refused (busy), not
+ *   remembered;
+ * - anything else (unknown, a tomb, a session it left): rejected without
+ *   an answer */
 #define NEWER(i) (m.x > rbBound[i] && m.x > rfReq[i])
 inline onRebindIn() {
 	if
@@ -1127,11 +1129,13 @@ inline onRebindIn() {
 			rbBound[me] = m.x;
 			sendRebindAck(m.st, ReasonNone)
 		fi
+	:: !freed[me] && !(mvSub[me] != NONE && m.from == mvPeer[me] && m.a == mvSub[me]) &&
+	   !((m.from == leftN[me] && m.a == sgL[me]) || (m.from == rightN[me] && m.a == sgR[me])) &&
+	   m.from == newN[me] ->
+		REACHED(112); printf("MSC: %d refuses the rebind of a path it is replacing: busy\n", me);
+		sendRebindAck(m.st, ReasonBusy)
 	:: else ->
-		if
-		:: !freed[me] && m.from == newN[me] -> REACHED(112)
-		:: else -> REACHED(113)
-		fi;
+		REACHED(113);
 		printf("MSC: %d rejects the rebind (no answer)\n", me);
 		rbRej++; dropped(RBR, XREB)
 	fi
