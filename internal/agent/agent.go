@@ -830,6 +830,10 @@ func (a *Agent) applyPolicies() error {
 	return errors.Join(errs...)
 }
 
+// A policy's via addresses (api.MaxVia per family) must fit the
+// datapath's map: this does not compile otherwise.
+const _ = uint(datapath.MaxPolicySources - api.MaxVia)
+
 // noteVia logs a policy's via addresses that are not this host's (its
 // sessions that pick one leave from their route's source), and notes
 // that sessions may leave from another address than their own: when

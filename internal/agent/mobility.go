@@ -246,7 +246,7 @@ func (a *Agent) lostSessions() map[move][]uint32 {
 			if !a.isSessionAddr(sa) {
 				return
 			}
-			end, ok := a.leftEnd(id, s)
+			end, ok := a.ownEnd(id, s, protocol.SideLeft)
 			lost := ok && (end == sa && home[sa] || end != sa && !slices.Contains(own, end))
 			if to := locs[sa]; lost && to.IsValid() && to != end {
 				k := move{protocol.SideLeft, to}
@@ -257,7 +257,7 @@ func (a *Agent) lostSessions() map[move][]uint32 {
 		if s.Role != datapath.RoleStart {
 			return
 		}
-		src, ok := a.rightSource(id, s)
+		src, ok := a.ownEnd(id, s, protocol.SideRight)
 		if !ok || slices.Contains(own, src) {
 			return
 		}
@@ -320,31 +320,21 @@ func (a *Agent) rebindPass(ctx context.Context) {
 	}
 }
 
-// rightSource returns the address this host's end of the right
-// subsession of a session it starts has: its egress flow's source, or
-// that of the new path of a reconfiguration it went through.
-func (a *Agent) rightSource(id uint32, s *datapath.Session) (netip.Addr, bool) {
-	f, ok := a.dp.Flow(datapath.TupleOf(s.Tuple.Wire(), s.Proto))
+// ownEnd returns this host's address on the subsession of a side of a
+// session it is an end of: the source of the side's egress flow (the
+// session's tuple on the right, its reverse on the left), or that of the
+// new path of a reconfiguration it went through.
+func (a *Agent) ownEnd(id uint32, s *datapath.Session, side protocol.Side) (netip.Addr, bool) {
+	eg := s.Tuple.Wire()
+	if side == protocol.SideLeft {
+		eg = eg.Reverse()
+	}
+	f, ok := a.dp.Flow(datapath.TupleOf(eg, s.Proto))
 	if !ok || f.SessId != id {
 		return netip.Addr{}, false
 	}
 	src := f.Out.Wire().Src
-	if tp, ok := a.dp.TwoPath(datapath.TPKey{SessId: id, Side: 1}); ok && tp.State == datapath.TPNew {
-		src = tp.NewOut.Wire().Src
-	}
-	return src.Unmap(), true
-}
-
-// leftEnd returns this host's address on the left subsession of a
-// session that ends here: its leftward egress flow's source, or that of
-// the new path of a reconfiguration it went through.
-func (a *Agent) leftEnd(id uint32, s *datapath.Session) (netip.Addr, bool) {
-	f, ok := a.dp.Flow(datapath.TupleOf(s.Tuple.Wire().Reverse(), s.Proto))
-	if !ok || f.SessId != id {
-		return netip.Addr{}, false
-	}
-	src := f.Out.Wire().Src
-	if tp, ok := a.dp.TwoPath(datapath.TPKey{SessId: id, Side: 0}); ok && tp.State == datapath.TPNew {
+	if tp, ok := a.dp.TwoPath(datapath.TPKey{SessId: id, Side: uint32(side)}); ok && tp.State == datapath.TPNew {
 		src = tp.NewOut.Wire().Src
 	}
 	return src.Unmap(), true

@@ -92,8 +92,9 @@ type PolicyChain struct {
 }
 
 // MaxPolicySources is the most local sources of one family a policy can
-// spread its sessions over (MAX_POLICY_SRC in bpf/include/consts.h).
-const MaxPolicySources = 8
+// spread its sessions over: MAX_POLICY_SRC in bpf/include/consts.h, as
+// the generated struct has it.
+const MaxPolicySources = len(dyscoPolicySrc{}.Addr[0])
 
 // PolicyBanks is the number of banks of policy slots and middlebox types
 // (POLICY_BANKS in bpf/include/consts.h): InstallPolicies writes a new set
