@@ -33,10 +33,11 @@ func newPolicyServerCmd() *cobra.Command {
 		Short: "Run the policy server, which stores policies and hands them to the agents",
 		Long: `Run the policy server (paper §2.2): it keeps policies and middlebox types in
 a bbolt database (--db), or in an etcd cluster (--etcd: any number of policy
-servers then serve the same set, each a stateless replica), and serves them
-over HTTPS/JSON. Agents started with its URL
-long-poll /v1/watch for the policies meant for them, and keep their last set
-while it is down. Operators change policies with "dysco policy add --server URL".
+servers then serve the same set, each a stateless replica; docs/etcd.md), or
+in Kubernetes custom resources (--kubernetes, built into dysco-kube;
+docs/kubernetes.md), and serves them over HTTPS/JSON. Agents started with its
+URL long-poll /v1/watch for the policies meant for them, and keep their last
+set while it is down. Operators change policies with "dysco policy add --server URL".
 
 Clients authenticate with certificates of the deployment's CA ("dysco certs"),
 whose role decides what they may do: operator (policies, types, operations),
@@ -51,7 +52,8 @@ authentication at all. Metrics are served on their own plain-HTTP listener,
 It also relays operator verbs to named agents: "dysco reconfig --server URL
 --host H ..." and "dysco middlebox remove|replace --server URL --host H ..."
 run on agent H as if typed there, and print its results. Agents claim them
-by long-polling /v1/operations/claim; operations live in memory only.
+by long-polling /v1/operations/claim. Operations live in the server's memory,
+or in etcd or Kubernetes with those stores, where any replica serves them.
 
 Routes: GET /v1/policies, PUT|DELETE /v1/policies/NAME, PUT|DELETE /v1/types/NAME,
 GET /v1/watch?host=H&after=V[&wait=S], GET /v1/agents, POST|GET /v1/operations,

@@ -25,6 +25,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"log/slog"
 	"math/rand/v2"
 	"net"
@@ -105,7 +106,11 @@ type etcdStore struct {
 	// host: a registration lives under its agent's lease, which each poll
 	// keeps alive.
 	leaseMu sync.Mutex
-	leases  map[string]clientv3.LeaseID
+	leases  map[string]agentLease
+	// hostMu serializes the registrations of one host (by a hash of its
+	// name): two at once would each grant a lease, and the key could end
+	// under the one this replica does not keep alive.
+	hostMu [64]sync.Mutex
 }
 
 var _ Store = (*etcdStore)(nil)
@@ -560,10 +565,24 @@ func (s *etcdStore) Register(parent context.Context, reg api.AgentRegistration, 
 	if err != nil {
 		return err
 	}
+	h := fnv.New32a()
+	h.Write([]byte(reg.Host))
+	mu := &s.hostMu[h.Sum32()%uint32(len(s.hostMu))]
+	mu.Lock()
+	defer mu.Unlock()
 	ctx, cancel := s.ctx(parent)
 	defer cancel()
 	s.leaseMu.Lock()
-	id, ok := s.leases[reg.Host]
+	now := time.Now()
+	for h, l := range s.leases {
+		// Lapsed: the agent stopped or polls another replica. Agents
+		// gone for good (nodes replaced) would otherwise stay here.
+		if now.After(l.until) {
+			delete(s.leases, h)
+		}
+	}
+	l, ok := s.leases[reg.Host]
+	id := l.id
 	s.leaseMu.Unlock()
 	if ok {
 		if _, err := s.cli.KeepAliveOnce(ctx, id); err != nil {
@@ -576,15 +595,24 @@ func (s *etcdStore) Register(parent context.Context, reg api.AgentRegistration, 
 			return quorumErr(err)
 		}
 		id = l.ID
-		s.leaseMu.Lock()
-		if s.leases == nil {
-			s.leases = map[string]clientv3.LeaseID{}
-		}
-		s.leases[reg.Host] = id
-		s.leaseMu.Unlock()
 	}
-	_, err = s.cli.Put(ctx, s.key("agents", reg.Host), string(data), clientv3.WithLease(id))
-	return quorumErr(err)
+	if _, err = s.cli.Put(ctx, s.key("agents", reg.Host), string(data), clientv3.WithLease(id)); err != nil {
+		return quorumErr(err)
+	}
+	s.leaseMu.Lock()
+	if s.leases == nil {
+		s.leases = map[string]agentLease{}
+	}
+	s.leases[reg.Host] = agentLease{id, now.Add(ttl)}
+	s.leaseMu.Unlock()
+	return nil
+}
+
+// agentLease is an agent's lease at this replica, and when it lapses
+// unless renewed.
+type agentLease struct {
+	id    clientv3.LeaseID
+	until time.Time
 }
 
 // Agents implements Store.

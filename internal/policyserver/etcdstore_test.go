@@ -233,6 +233,35 @@ func TestEtcdRegistrations(t *testing.T) {
 		regs, err := b.Agents(ctx)
 		return err == nil && len(regs) == 0
 	})
+
+	// Agents that stopped for good are forgotten by the replicas too:
+	// 100 one-off agents leave nothing behind once lapsed.
+	for i := range 100 {
+		if err := a.Register(ctx, api.AgentRegistration{Host: fmt.Sprintf("gone%d", i)}, 2*time.Second); err != nil {
+			t.Fatal(err)
+		}
+	}
+	leases := func(s *etcdStore) int {
+		s.leaseMu.Lock()
+		defer s.leaseMu.Unlock()
+		return len(s.leases)
+	}
+	if got := leases(a); got != 100 { // h1's lapsed: forgotten
+		t.Fatalf("replica a keeps %d leases, want 100", got)
+	}
+	testutil.Eventually(t, 10*time.Second, "the one-off agents' registrations to lapse", func() bool {
+		regs, err := a.Agents(ctx)
+		return err == nil && len(regs) == 0
+	})
+	if err := a.Register(ctx, reg, 2*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if got := leases(a); got != 1 {
+		t.Fatalf("replica a keeps %d leases after the others lapsed, want 1 (h1's)", got)
+	}
+	if regs, err := a.Agents(ctx); err != nil || len(regs) != 1 || regs[0].Host != "h1" {
+		t.Fatalf("registrations %+v %v", regs, err)
+	}
 }
 
 // TestEtcdStoreNoQuorum: with etcd gone, reads and writes fail within the
@@ -319,6 +348,11 @@ func TestEtcdReplicas(t *testing.T) {
 	code, data = call(t, "GET", b+"/v1/watch?host=h1&after=0&wait=1", "")
 	if e := decode[api.Error](t, data); code != http.StatusServiceUnavailable || !strings.Contains(e.Error, "no quorum") {
 		t.Fatalf("watch on replica b without etcd: %d %q", code, e.Error)
+	}
+	// A list would be as stale: the operator hears why instead.
+	code, data = call(t, "GET", b+"/v1/policies", "")
+	if e := decode[api.Error](t, data); code != http.StatusServiceUnavailable || !strings.Contains(e.Error, "no quorum") {
+		t.Fatalf("list on replica b without etcd: %d %q", code, e.Error)
 	}
 }
 

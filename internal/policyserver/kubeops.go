@@ -181,10 +181,8 @@ func (o *kubeOps) agentLive(ctx context.Context, host string) (bool, error) {
 	if err != nil {
 		return false, kubeErr(err)
 	}
-	if l.Spec.RenewTime == nil || l.Spec.LeaseDurationSeconds == nil {
-		return false, nil
-	}
-	return time.Now().Before(l.Spec.RenewTime.Add(time.Duration(*l.Spec.LeaseDurationSeconds) * time.Second)), nil
+	end, ok := leaseEnd(l)
+	return ok && time.Now().Before(end), nil
 }
 
 // create implements opStore.

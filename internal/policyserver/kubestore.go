@@ -78,7 +78,11 @@ func (s *Server) openKube(cfg Config) error {
 	if ns == "" {
 		ns = DefaultKubeNamespace
 	}
-	st, err := openKubeStore(rc, ns, cfg.KubeLease, cfg.Logger, func() {
+	keep := cfg.ExpiredAgentKeep
+	if keep <= 0 {
+		keep = defaultExpiredAgentKeep
+	}
+	st, err := openKubeStore(rc, ns, cfg.KubeLease, keep, cfg.Logger, func() {
 		select {
 		case s.storeChanged <- struct{}{}:
 		default:
@@ -133,6 +137,9 @@ type kubeStore struct {
 	log      *slog.Logger
 	onChange func()
 	lease    time.Duration
+	// keep is how long the controller leaves an expired agent's Lease
+	// before it deletes it.
+	keep time.Duration
 	// check is the server's check of a policy's filter (libpcap); nil
 	// for none.
 	check func(api.Policy) error
@@ -157,7 +164,7 @@ var _ Store = (*kubeStore)(nil)
 
 // openKubeStore connects to the API server of cfg, in namespace ns, and
 // starts following the published set and campaigning to be the controller.
-func openKubeStore(cfg *rest.Config, ns string, lease time.Duration, log *slog.Logger, onChange, onHealth func(), check func(api.Policy) error) (*kubeStore, error) {
+func openKubeStore(cfg *rest.Config, ns string, lease, keep time.Duration, log *slog.Logger, onChange, onHealth func(), check func(api.Policy) error) (*kubeStore, error) {
 	if lease <= 0 {
 		lease = defaultKubeLease
 	}
@@ -184,7 +191,7 @@ func openKubeStore(cfg *rest.Config, ns string, lease time.Duration, log *slog.L
 		return nil, fmt.Errorf("kubernetes: %w", err)
 	}
 	host, _ := os.Hostname()
-	s := &kubeStore{cs: cs, dyn: dyn, ns: ns, id: fmt.Sprintf("%s-%d-%d", host, os.Getpid(), time.Now().UnixNano()), log: log, onChange: onChange, check: check, lease: lease}
+	s := &kubeStore{cs: cs, dyn: dyn, ns: ns, id: fmt.Sprintf("%s-%d-%d", host, os.Getpid(), time.Now().UnixNano()), log: log, onChange: onChange, check: check, lease: lease, keep: keep}
 	s.onHealth = onHealth
 	s.regCS, s.regPending, s.regWritten, s.regKick = regCS, map[string]leaseWrite{}, map[string]*coordinationv1.Lease{}, make(chan struct{}, 1)
 	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
@@ -322,10 +329,15 @@ func (s *kubeStore) control(ctx context.Context) {
 		return
 	}
 	kick()
+	sweep := time.NewTicker(min(s.keep/2, time.Minute))
+	defer sweep.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
+		case <-sweep.C:
+			s.sweepAgents(ctx)
+			continue
 		case <-trigger:
 		}
 		// Changes come in bursts (a kubectl apply of many objects).
@@ -785,6 +797,7 @@ const kubeRegMinInterval = time.Second
 func (s *kubeStore) registrar(ctx context.Context) {
 	tick := time.NewTicker(kubeRegMinInterval / 4)
 	defer tick.Stop()
+	var pruned time.Time
 	for {
 		select {
 		case <-ctx.Done():
@@ -793,6 +806,10 @@ func (s *kubeStore) registrar(ctx context.Context) {
 		case <-tick.C:
 		}
 		now := time.Now()
+		if now.Sub(pruned) > time.Second {
+			s.forgetExpired(now)
+			pruned = now
+		}
 		var due []leaseWrite
 		s.regMu.Lock()
 		for host, w := range s.regPending {
@@ -818,6 +835,67 @@ func (s *kubeStore) registrar(ctx context.Context) {
 			}
 			s.regMu.Unlock()
 			break
+		}
+	}
+}
+
+// forgetExpired drops what the registrar remembers of the Leases it wrote
+// that have expired since, for agents with nothing to write: agents that
+// stopped for good (nodes replaced) would otherwise be kept for ever. The
+// next registration of such an agent reads its Lease first.
+func (s *kubeStore) forgetExpired(now time.Time) {
+	s.regMu.Lock()
+	defer s.regMu.Unlock()
+	for host, l := range s.regWritten {
+		if _, pending := s.regPending[host]; pending {
+			continue
+		}
+		if end, ok := leaseEnd(l); !ok || now.After(end) {
+			delete(s.regWritten, host)
+		}
+	}
+}
+
+// leaseEnd is when l expires, unless it says nothing of its lifetime.
+func leaseEnd(l *coordinationv1.Lease) (time.Time, bool) {
+	if l.Spec.RenewTime == nil || l.Spec.LeaseDurationSeconds == nil {
+		return time.Time{}, false
+	}
+	return l.Spec.RenewTime.Add(time.Duration(*l.Spec.LeaseDurationSeconds) * time.Second), true
+}
+
+// defaultExpiredAgentKeep is how long an expired agent's Lease stays, by
+// default: as long as a finished operation.
+const defaultExpiredAgentKeep = keepFinished
+
+// sweepAgents deletes the agents' Leases that expired more than s.keep
+// ago (the controller's, so one replica does it): in a cluster whose nodes
+// come and go, the Leases of the nodes gone would otherwise pile up. Each
+// delete is conditioned on the Lease read, so an agent that came back
+// meanwhile keeps its renewed Lease.
+func (s *kubeStore) sweepAgents(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
+	defer cancel()
+	leases := s.cs.CoordinationV1().Leases(s.ns)
+	list, err := leases.List(ctx, metav1.ListOptions{LabelSelector: kubeAgentLabel + "=true"})
+	if err != nil {
+		s.log.Debug("kubernetes: cannot list the agents' Leases", "err", err)
+		return
+	}
+	now := time.Now()
+	for _, l := range list.Items {
+		end, ok := leaseEnd(&l)
+		if ok && now.Sub(end) < s.keep {
+			continue
+		}
+		rv := l.ResourceVersion
+		err := leases.Delete(ctx, l.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{ResourceVersion: &rv}})
+		switch {
+		case err == nil:
+			s.log.Info("kubernetes: deleted the Lease of an agent gone", "host", l.Annotations["dysco.io/host"], "expired", end.UTC().Format(time.RFC3339))
+		case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
+		default:
+			s.log.Debug("kubernetes: cannot delete an agent's Lease", "lease", l.Name, "err", err)
 		}
 	}
 }
@@ -900,8 +978,7 @@ func (s *kubeStore) Agents(parent context.Context) ([]api.AgentRegistration, err
 	out := []api.AgentRegistration{}
 	now := time.Now()
 	for _, l := range list.Items {
-		if l.Spec.RenewTime == nil || l.Spec.LeaseDurationSeconds == nil ||
-			now.After(l.Spec.RenewTime.Add(time.Duration(*l.Spec.LeaseDurationSeconds)*time.Second)) {
+		if end, ok := leaseEnd(&l); !ok || now.After(end) {
 			continue
 		}
 		applied, _ := strconv.ParseUint(l.Annotations[kubeAppliedAnn], 10, 64)

@@ -79,6 +79,10 @@ type Config struct {
 	// KubeLease is the controller's leader lease (15 s when zero): a
 	// controller that dies is replaced within it.
 	KubeLease time.Duration
+	// ExpiredAgentKeep is how long the Kubernetes store keeps an agent's
+	// Lease after it expired (an hour when zero): the controller then
+	// deletes it, so that the Leases of nodes gone do not pile up.
+	ExpiredAgentKeep time.Duration
 	// AgentTTL is how long an agent stays registered without a word from
 	// it (registrationTTL when zero): a waiting poll renews the
 	// registration every third of it, so it may be shorter than a poll.
@@ -504,7 +508,14 @@ func (s *Server) handleHealthz(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "version": s.Current().Version})
 }
 
+// handleList serves the set in force. A replica whose store has no quorum
+// answers 503 instead, as to the agents' polls: the set it holds may be
+// behind, and a client given several replicas asks the next.
 func (s *Server) handleList(w http.ResponseWriter, r *http.Request) {
+	if err := s.quorum(); err != nil {
+		writeError(w, http.StatusServiceUnavailable, err)
+		return
+	}
 	writeJSON(w, http.StatusOK, s.Current())
 }
 

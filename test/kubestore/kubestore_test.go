@@ -85,16 +85,22 @@ func (r *replica) close() {
 	r.s.Close()
 }
 
-func startReplica(t *testing.T, kc string) *replica {
+// startReplica starts a replica over the API server of kc; with (if
+// given) changes its configuration first.
+func startReplica(t *testing.T, kc string, with ...func(*policyserver.Config)) *replica {
 	t.Helper()
-	s, err := policyserver.New(policyserver.Config{Insecure: true, Kubernetes: true, Kubeconfig: kc, KubeLease: 3 * time.Second,
+	cfg := policyserver.Config{Insecure: true, Kubernetes: true, Kubeconfig: kc, KubeLease: 3 * time.Second,
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
 		ValidatePolicy: func(p api.Policy) error {
 			if strings.Contains(p.Filter, "bogus") {
 				return errors.New("filter: syntax error")
 			}
 			return nil
-		}})
+		}}
+	for _, f := range with {
+		f(&cfg)
+	}
+	s, err := policyserver.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -193,6 +199,40 @@ func TestKubeStore(t *testing.T) {
 		}
 		return hosts["h1"] && hosts["h2"]
 	})
+}
+
+// TestKubeAgentLeasesSwept: the Lease of an agent that stopped for good is
+// deleted by the controller once it has been expired for ExpiredAgentKeep;
+// an agent that goes on polling keeps its own.
+func TestKubeAgentLeasesSwept(t *testing.T) {
+	kc, cs, _ := start(t)
+	r := startReplica(t, kc, func(c *policyserver.Config) { c.AgentTTL, c.ExpiredAgentKeep = 2*time.Second, 2*time.Second })
+	leases := func() map[string]bool {
+		list, err := cs.CoordinationV1().Leases(policyserver.DefaultKubeNamespace).List(t.Context(), metav1.ListOptions{LabelSelector: "dysco.io/agent=true"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[string]bool{}
+		for _, l := range list.Items {
+			out[l.Annotations["dysco.io/host"]] = true
+		}
+		return out
+	}
+	set(t, r, "gone")
+	testutil.Eventually(t, 10*time.Second, "the Leases of live and gone", func() bool {
+		set(t, r, "live")
+		l := leases()
+		return l["live"] && l["gone"]
+	})
+	// gone expires 2 s after its poll and is deleted 2 s later, within
+	// a sweep (a second): live's polls renew its Lease meanwhile.
+	testutil.Eventually(t, 20*time.Second, "gone's Lease to be deleted", func() bool {
+		set(t, r, "live")
+		return !leases()["gone"]
+	})
+	if !leases()["live"] {
+		t.Fatal("the Lease of an agent that kept polling was deleted")
+	}
 }
 
 // Operations as Operation objects: refused for an agent without a live
