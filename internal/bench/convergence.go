@@ -174,8 +174,17 @@ func change(ctx context.Context, cl *api.Client, i int, within time.Duration) (u
 		}
 		retries++
 	}
-	set, err := cl.Policies(ctx)
-	return set.Version, retries, err
+	for {
+		// A replica whose store lost its quorum refuses to list.
+		set, err := cl.Policies(ctx)
+		if err == nil || time.Now().After(end) || ctx.Err() != nil {
+			return set.Version, retries, err
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
 }
 
 // measure makes changes changes and returns every agent's delay for each,

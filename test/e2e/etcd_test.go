@@ -216,13 +216,21 @@ func TestEtcdCluster(t *testing.T) {
 	mb1 := e.addr("mb1", false).String()
 	dst := e.addr("server", false)
 
-	// version is the set's version at replica a.
+	// version is the set's version at replica a, once it has a quorum
+	// (without one, it refuses to list a set that may be behind).
 	version := func() uint64 {
-		code, body := e.serverGet(a, "/v1/policies")
+		t.Helper()
 		var set api.PolicySet
-		if code != 200 || json.Unmarshal([]byte(body), &set) != nil {
-			t.Fatalf("policies at replica a: %d %s", code, body)
-		}
+		testutil.Eventually(t, 15*time.Second, "replica a to list its policies", func() bool {
+			code, body := e.serverGet(a, "/v1/policies")
+			if code == 503 {
+				return false
+			}
+			if code != 200 || json.Unmarshal([]byte(body), &set) != nil {
+				t.Fatalf("policies at replica a: %d %s", code, body)
+			}
+			return true
+		})
 		return set.Version
 	}
 	// converged waits until every agent (but those of skip) enforces
