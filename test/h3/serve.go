@@ -68,7 +68,11 @@ type server struct {
 	mu        sync.Mutex
 	stats     Stats
 	statsPath string
-	byConn    map[*quic.Conn]*ConnStats // live connections
+	// writeMu serializes writeStats: the end of a connection and a
+	// signal may write at once, and two writers of one temporary file
+	// would interleave their reports.
+	writeMu sync.Mutex
+	byConn  map[*quic.Conn]*ConnStats // live connections
 	// rate paces each response body (bits per second); 0: unpaced.
 	rate int64
 }
@@ -225,6 +229,8 @@ func (s *server) writeStats() error {
 	if s.statsPath == "" {
 		return nil
 	}
+	s.writeMu.Lock()
+	defer s.writeMu.Unlock()
 	s.mu.Lock()
 	b, err := json.MarshalIndent(&s.stats, "", "  ")
 	s.mu.Unlock()
