@@ -221,7 +221,7 @@ func newReconfigHistoryCmd() *cobra.Command {
 first: requested here with 'dysco reconfig', or asked for by a middlebox
 (a proxy removing itself, 'dysco middlebox remove'). TIME is from the request
 at this host to the old path no longer being used. The agent keeps the last
-few thousand.
+few thousand in memory: a restarted agent starts a new history.
 
 With --server URL --host AGENT the policy server asks the agent named AGENT
 (its --name) instead, and prints its newest results (--limit).`,
