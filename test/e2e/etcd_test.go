@@ -440,3 +440,61 @@ func TestEtcdCluster(t *testing.T) {
 		e.appliedInOrder(h)
 	}
 }
+
+// TestEtcdOperationsBackToBack: sixteen operator reconfigurations of one
+// live transfer, back to back through two replicas over etcd, the first
+// replica asked killed after four and started again after eight, the
+// client's agent restarted after eleven: every one succeeds, the transfer
+// is intact, and every agent is registered with the version in force.
+func TestEtcdOperationsBackToBack(t *testing.T) {
+	hosts := []string{"client", "mb1", "mb2", "server", "etcd1", "etcd2", "etcd3"}
+	// Host i of a star lab is 10.200.(i+1).2.
+	a, b := "http://10.200.5.2:7017", "http://10.200.6.2:7017"
+	both := b + "," + a
+	e := newLab(t, labOpts{topology: lab.Star(hosts...), prefix: "eo", agentArgs: []string{"--policy-server", both}})
+	if e.addr("etcd2", false).String() != "10.200.6.2" {
+		t.Fatalf("star addressing changed: etcd2 %s", e.addr("etcd2", false))
+	}
+	c := startEtcdCluster(e, "etcd1", "etcd2", "etcd3")
+	e.startReplica("etcd1", "replica-a", "10.200.5.2:7017", c.endpoints())
+	pb := e.startReplica("etcd2", "replica-b", "10.200.6.2:7017", c.endpoints())
+	dst := e.addr("server", false)
+	mb1, mb2 := e.addr("mb1", false).String(), e.addr("mb2", false).String()
+	e.dysco("client", "policy", "add", "web", "--server", both, "--chain", mb1, "tcp dst port 9500")
+	testutil.Eventually(t, 20*time.Second, "the policy at the client", func() bool { return e.status("client").PolicyVersion > 0 })
+	lt := e.startTransfer("client", "server", dst, 9500, 160*mib, 8*mib)
+	testutil.Eventually(t, 30*time.Second, "the transfer to start", func() bool { return lt.received.Load() > 2*mib })
+	for i := range 16 {
+		switch i {
+		case 4:
+			syscall.Kill(pb.Pid(), syscall.SIGKILL)
+			<-pb.Done()
+		case 8:
+			e.startReplica("etcd2", "replica-b2", "10.200.6.2:7017", c.endpoints())
+		case 11:
+			if err := e.lab.RestartAgent("client"); err != nil {
+				t.Fatal(err)
+			}
+		}
+		to := mb2
+		if i%2 == 1 {
+			to = mb1
+		}
+		out := e.dysco("client", "reconfig", "--json", "--server", both, "--host", "client",
+			"--match", "tcp dst port 9500", "--to", dst.String(), "--chain", to)
+		var rep api.ReconfigReply
+		if err := json.Unmarshal([]byte(out), &rep); err != nil || len(rep.Results) != 1 || rep.Results[0].Outcome != "succeeded" {
+			t.Fatalf("operation %d (to %s): %v\n%s", i, to, err, out)
+		}
+	}
+	lt.wait(t)
+	out := e.dysco("client", "status", "--cluster", "--server", both)
+	if !strings.Contains(out, fmt.Sprintf("%d agents, 0 behind", len(hosts))) {
+		t.Errorf("status --cluster:\n%s", out)
+	}
+	// The restarted agent's history holds the operations since.
+	var hist api.ReconfigReply
+	if err := json.Unmarshal([]byte(e.dysco("client", "reconfig", "history", "--server", both, "--host", "client", "--json")), &hist); err != nil || len(hist.Results) != 5 {
+		t.Errorf("the client's history through the policy servers: %v, %d results, want 5", err, len(hist.Results))
+	}
+}
