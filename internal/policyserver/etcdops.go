@@ -24,6 +24,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	mrand "math/rand/v2"
 	"net/http"
 	"sort"
 	"strconv"
@@ -66,19 +67,13 @@ var maxEtcdOp = 1 << 20
 const opLeaseReuse = time.Minute
 
 // newEtcdOps keeps operations in st's etcd, under st's prefix.
-func newEtcdOps(st *etcdStore, ttl time.Duration) (*etcdOps, error) {
+func newEtcdOps(st *etcdStore, ttl time.Duration) *etcdOps {
 	o := &etcdOps{cli: st.cli, st: st, ttl: ttl, prefix: st.prefix + "ops/", agents: st.prefix + "agents/", log: st.log,
 		changed: make(chan struct{}), done: make(chan struct{})}
-	ctx, cancel := st.ctx(context.Background())
-	resp, err := o.cli.Get(ctx, o.prefix, clientv3.WithPrefix(), clientv3.WithCountOnly())
-	cancel()
-	if err != nil {
-		return nil, fmt.Errorf("etcd: operations: %w", quorumErr(err))
-	}
 	wctx, wcancel := context.WithCancel(context.Background())
 	o.cancel = wcancel
-	go o.watch(wctx, resp.Header.Revision)
-	return o, nil
+	go o.watch(wctx)
+	return o
 }
 
 func (o *etcdOps) close() {
@@ -100,13 +95,31 @@ func (o *etcdOps) bump() {
 	o.mu.Unlock()
 }
 
-// watch wakes the waiters on every change of an operation, from revision
-// rev on. A watch that ends (no leader, the member gone) wakes them too, so
-// that they read again (and fail fast without a quorum); after a
-// compaction it goes on from the oldest revision kept (the waiters read
-// again whatever they missed).
-func (o *etcdOps) watch(ctx context.Context, rev int64) {
+// watch wakes the waiters on every change of an operation, from the
+// store's revision when it starts (read again until etcd answers: a
+// replica may start without a quorum). A watch that ends (no leader, the
+// member gone) wakes them too, so that they read again (and fail fast
+// without a quorum); after a compaction it goes on from the oldest
+// revision kept (the waiters read again whatever they missed).
+func (o *etcdOps) watch(ctx context.Context) {
 	defer close(o.done)
+	var rev int64
+	for backoff := 100 * time.Millisecond; ; backoff = min(2*backoff, 5*time.Second) {
+		gctx, cancel := o.ctx(ctx)
+		resp, err := o.cli.Get(gctx, o.prefix, clientv3.WithPrefix(), clientv3.WithCountOnly())
+		cancel()
+		if err == nil {
+			rev = resp.Header.Revision
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(backoff + time.Duration(mrand.Int64N(int64(backoff)))):
+		}
+	}
+	// Whatever changed before the revision read is read by the waiters.
+	o.bump()
 	follow(ctx, o.cli, o.prefix, true, rev, o.bump,
 		func(compacted, _ int64) int64 { o.bump(); return compacted - 1 },
 		func(error) { o.bump() })

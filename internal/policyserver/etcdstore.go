@@ -101,6 +101,9 @@ type etcdStore struct {
 	// revision of the set last loaded or seen changed.
 	storeHealth
 	rev atomic.Int64
+	// loaded is set once the set has been read: a replica started
+	// without a quorum is unhealthy until then, whatever the probe finds.
+	loaded atomic.Bool
 
 	// leases are the leases of the agents this replica registered, by
 	// host: a registration lives under its agent's lease, which each poll
@@ -119,8 +122,13 @@ func (s *etcdStore) key(kind, name string) string { return s.prefix + kind + "/"
 func (s *etcdStore) metaKey() string              { return s.prefix + "meta/version" }
 
 // openEtcdStore connects to etcd and starts watching the set; onChange runs
-// on every change seen.
-func openEtcdStore(cfg clientv3.Config, prefix string, log *slog.Logger, onChange func()) (*etcdStore, error) {
+// on every change seen. A store that cannot read the set at once because
+// etcd is unreachable or has no quorum (it is starting too, or an outage)
+// opens all the same, unhealthy: it reads the set as soon as it can,
+// hands it to onLoad (nil: nobody) and only then becomes healthy and
+// watches. A configuration etcd refuses (TLS, a URL that is not one) is
+// an error.
+func openEtcdStore(cfg clientv3.Config, prefix string, log *slog.Logger, onChange func(), onLoad func(api.PolicySet)) (*etcdStore, error) {
 	if prefix == "" {
 		prefix = DefaultEtcdPrefix
 	}
@@ -135,22 +143,54 @@ func openEtcdStore(cfg clientv3.Config, prefix string, log *slog.Logger, onChang
 		return nil, fmt.Errorf("etcd %s: %w", strings.Join(cfg.Endpoints, ","), err)
 	}
 	s := &etcdStore{cli: cli, prefix: prefix, log: log, onChange: onChange, done: make(chan struct{})}
-	_, rev, err := s.load(context.Background())
-	if err != nil {
-		cli.Close()
-		// A refused certificate looks like a member that never answers
-		// to the client (gRPC retries the handshake): say which it is.
-		if derr := diagnoseEtcd(cfg); derr != nil {
-			return nil, derr
-		}
-		return nil, fmt.Errorf("etcd %s: %w", strings.Join(cfg.Endpoints, ","), err)
-	}
 	s.lost = "this policy server's etcd members are cut off from the quorum or unreachable"
-	s.ok.Store(true)
 	ctx, cancel := context.WithCancel(context.Background())
 	s.cancel = cancel
+	_, rev, err := s.load(ctx)
+	if err != nil {
+		// A refused certificate looks like a member that never answers
+		// to the client (gRPC retries the handshake): say which it is.
+		if derr, fatal := diagnoseEtcd(cfg); fatal {
+			cancel()
+			cli.Close()
+			return nil, derr
+		}
+		log.Warn("etcd: no quorum at start; this replica answers 503 until it has read the policy set", "endpoints", strings.Join(cfg.Endpoints, ","), "err", err)
+		go s.loadLater(ctx, onLoad)
+		return s, nil
+	}
+	s.loaded.Store(true)
+	s.ok.Store(true)
 	go s.watch(ctx, rev)
 	return s, nil
+}
+
+// loadLater reads the set until it can (back-off with jitter, 100 ms
+// doubling to 5 s), hands it to onLoad, and watches from there.
+func (s *etcdStore) loadLater(ctx context.Context, onLoad func(api.PolicySet)) {
+	backoff := 100 * time.Millisecond
+	for {
+		select {
+		case <-ctx.Done():
+			close(s.done)
+			return
+		case <-time.After(backoff + time.Duration(rand.Int64N(int64(backoff)))):
+		}
+		if backoff < 5*time.Second {
+			backoff *= 2
+		}
+		set, rev, err := s.load(ctx)
+		if err != nil {
+			continue
+		}
+		if onLoad != nil {
+			onLoad(set)
+		}
+		s.loaded.Store(true)
+		s.log.Info("etcd: policy set read", "version", set.Version, "policies", len(set.Policies), "types", len(set.Types))
+		s.watch(ctx, rev)
+		return
+	}
 }
 
 // startProbe starts checking the quorum; onHealth runs on every change.
@@ -188,7 +228,7 @@ func (s *etcdStore) probe(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
-		was := s.set(err == nil)
+		was := s.set(err == nil && s.loaded.Load())
 		if err != nil {
 			if was {
 				s.log.Warn("etcd: no quorum; agents polling this replica are told to ask another", "err", err)
@@ -207,13 +247,15 @@ func (s *etcdStore) probe(ctx context.Context) {
 // diagnoseEtcd connects to each endpoint of cfg as the client would, and
 // returns why none serves it: not reachable, or TLS refused (a missing or
 // foreign client certificate, a server certificate of another CA); nil
-// when one takes the connection.
-func diagnoseEtcd(cfg clientv3.Config) error {
+// when one takes the connection. fatal says that the configuration is at
+// fault (TLS refused, not a URL), not etcd's being down.
+func diagnoseEtcd(cfg clientv3.Config) (err error, fatal bool) {
 	var errs []error
 	for _, ep := range cfg.Endpoints {
 		u, err := url.Parse(ep)
 		if err != nil || u.Host == "" {
 			errs = append(errs, fmt.Errorf("etcd %s: not a URL (want http:// or https://HOST:PORT)", ep))
+			fatal = true
 			continue
 		}
 		conn, err := net.DialTimeout("tcp", u.Host, 2*time.Second)
@@ -223,7 +265,7 @@ func diagnoseEtcd(cfg clientv3.Config) error {
 		}
 		if u.Scheme != "https" || cfg.TLS == nil {
 			conn.Close()
-			return nil
+			return nil, false
 		}
 		tc := cfg.TLS.Clone()
 		if tc.ServerName == "" {
@@ -245,11 +287,12 @@ func diagnoseEtcd(cfg clientv3.Config) error {
 		}
 		c.Close()
 		if err == nil {
-			return nil
+			return nil, false
 		}
+		fatal = true
 		errs = append(errs, fmt.Errorf("etcd %s: TLS refused: %w (check --etcd-cert, --etcd-key and --etcd-ca: etcd wants a client certificate of its CA, and its own certificate must be signed by --etcd-ca)", ep, err))
 	}
-	return errors.Join(errs...)
+	return errors.Join(errs...), fatal
 }
 
 // etcdClientConfig is the etcd client configuration of cfg: its endpoints,

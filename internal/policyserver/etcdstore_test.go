@@ -14,6 +14,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -72,25 +73,46 @@ func startEtcdTLS(t *testing.T, pki string) (string, func()) {
 	}
 	client := fmt.Sprintf("%s://127.0.0.1:%d", scheme, freePort(t))
 	peer := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	stop := runEtcd(t, dir, client, peer, tlsArgs...)
+	waitEtcd(t, client, ccfg)
+	return client, stop
+}
+
+// runEtcd starts a one-member etcd with its data in dir, serving clients
+// at client and its peer at peer, and returns a function that kills it;
+// it is killed when the test ends too, and its log shown if the test
+// failed.
+func runEtcd(t *testing.T, dir, client, peer string, tlsArgs ...string) func() {
+	t.Helper()
+	log := filepath.Join(dir, "etcd.log")
 	cmd := exec.Command(etcdBin, append([]string{"--name", "m1", "--data-dir", filepath.Join(dir, "data"),
 		"--listen-client-urls", client, "--advertise-client-urls", client,
 		"--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-		"--initial-cluster", "m1=" + peer, "--log-outputs", filepath.Join(dir, "etcd.log")}, tlsArgs...)...)
+		"--initial-cluster", "m1=" + peer, "--log-outputs", log}, tlsArgs...)...)
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
+	var once sync.Once
 	stop := func() {
-		cmd.Process.Kill()
-		cmd.Wait()
+		once.Do(func() {
+			cmd.Process.Kill()
+			cmd.Wait()
+		})
 	}
 	t.Cleanup(func() {
 		stop()
 		if t.Failed() {
-			if b, err := os.ReadFile(filepath.Join(dir, "etcd.log")); err == nil {
+			if b, err := os.ReadFile(log); err == nil {
 				t.Logf("etcd log:\n%s", b)
 			}
 		}
 	})
+	return stop
+}
+
+// waitEtcd waits until the etcd at client serves reads with a leader.
+func waitEtcd(t *testing.T, client string, ccfg clientv3.Config) {
+	t.Helper()
 	ccfg.Endpoints = []string{client}
 	cli, err := clientv3.New(ccfg)
 	if err != nil {
@@ -103,12 +125,11 @@ func startEtcdTLS(t *testing.T, pki string) (string, func()) {
 		_, err := cli.Get(clientv3.WithRequireLeader(ctx), "health")
 		return err == nil
 	})
-	return client, stop
 }
 
 func openTestEtcdStore(t *testing.T, url, prefix string, changes *atomic.Int64) *etcdStore {
 	t.Helper()
-	s, err := openEtcdStore(clientv3.Config{Endpoints: []string{url}}, prefix, slog.Default(), func() { changes.Add(1) })
+	s, err := openEtcdStore(clientv3.Config{Endpoints: []string{url}}, prefix, slog.Default(), func() { changes.Add(1) }, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -354,6 +375,91 @@ func TestEtcdReplicas(t *testing.T) {
 	if e := decode[api.Error](t, data); code != http.StatusServiceUnavailable || !strings.Contains(e.Error, "no quorum") {
 		t.Fatalf("list on replica b without etcd: %d %q", code, e.Error)
 	}
+}
+
+// TestEtcdReplicaStartsWithoutQuorum: a replica started while etcd is down
+// starts all the same and answers 503 (polls, lists, writes, /healthz),
+// never an empty set; once etcd is back it serves the set etcd holds, and
+// writes and operations work.
+func TestEtcdReplicaStartsWithoutQuorum(t *testing.T) {
+	dir := t.TempDir()
+	client := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	peer := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	stop := runEtcd(t, dir, client, peer)
+	waitEtcd(t, client, clientv3.Config{DialTimeout: time.Second})
+	replica := func() string {
+		s, err := New(Config{Insecure: true, Etcd: []string{client}, AgentTTL: 3 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := httptest.NewServer(s.Handler())
+		t.Cleanup(func() { srv.Close(); s.Close() })
+		return srv.URL
+	}
+	a := replica()
+	mustPut(t, a, "/v1/policies/web", `{"filter":"tcp dst port 80"}`)
+	stop()
+
+	start := time.Now()
+	b := replica()
+	if d := time.Since(start); d > storeTimeout+5*time.Second {
+		t.Fatalf("the replica took %v to start without etcd", d)
+	}
+	for _, path := range []string{"/healthz", "/v1/policies", "/v1/watch?host=h1&after=0&wait=1"} {
+		code, data := call(t, "GET", b+path, "")
+		if e := decode[api.Error](t, data); code != http.StatusServiceUnavailable || !strings.Contains(e.Error, "no quorum") {
+			t.Fatalf("GET %s without etcd: %d %q", path, code, e.Error)
+		}
+	}
+	if code, _ := call(t, "PUT", b+"/v1/policies/ssh", `{"filter":"tcp dst port 22"}`); code != http.StatusServiceUnavailable {
+		t.Fatalf("a write without etcd: %d", code)
+	}
+
+	// etcd back, with its data: b serves the set it holds.
+	runEtcd(t, dir, client, peer)
+	testutil.Eventually(t, 30*time.Second, "replica b to serve web", func() bool {
+		code, data := call(t, "GET", b+"/v1/policies", "")
+		if code == http.StatusServiceUnavailable {
+			return false
+		}
+		set := decode[api.PolicySet](t, data)
+		if code != http.StatusOK || len(set.Policies) != 1 || set.Policies[0].Name != "web" || set.Version == 0 {
+			t.Fatalf("replica b serves %d %s", code, data)
+		}
+		return true
+	})
+	// Writes and polls (b's probe may still flap while etcd settles: 503
+	// is tried again).
+	ok := func(what string, f func() (int, []byte), check func([]byte) bool) {
+		t.Helper()
+		testutil.Eventually(t, 10*time.Second, what, func() bool {
+			code, data := f()
+			if code == http.StatusServiceUnavailable {
+				return false
+			}
+			if code != http.StatusOK || !check(data) {
+				t.Fatalf("%s: %d %s", what, code, data)
+			}
+			return true
+		})
+	}
+	ok("a write at b", func() (int, []byte) { return call(t, "PUT", b+"/v1/policies/ssh", `{"filter":"tcp dst port 22"}`) },
+		func([]byte) bool { return true })
+	// Operations too: h1's poll registers it, an operation for it is
+	// created at b and claimed at a.
+	ok("a poll at b", func() (int, []byte) { return call(t, "GET", b+"/v1/watch?host=h1&after=0&wait=1", "") },
+		func(data []byte) bool { return len(decode[api.PolicySet](t, data).Policies) == 2 })
+	testutil.Eventually(t, 10*time.Second, "an operation for h1 at b", func() bool {
+		code, _ := call(t, "POST", b+"/v1/operations", `{"host":"h1","query":{"what":"sessions"}}`)
+		// 409: h1's registration not written yet; 503: b's probe has
+		// not seen the quorum again yet.
+		if code != http.StatusCreated && code != http.StatusConflict && code != http.StatusServiceUnavailable {
+			t.Fatalf("creating an operation at b: %d", code)
+		}
+		return code == http.StatusCreated
+	})
+	ok("a claim at a", func() (int, []byte) { return call(t, "POST", a+"/v1/operations/claim?host=h1&wait=5", "") },
+		func(data []byte) bool { return decode[api.Operation](t, data).Host == "h1" })
 }
 
 // TestEtcdTLS: etcd serving clients over TLS with client certificates

@@ -212,22 +212,33 @@ func New(cfg Config) (*Server, error) {
 			case s.storeChanged <- struct{}{}:
 			default:
 			}
+		}, func(set api.PolicySet) {
+			// Read late (no quorum at start): in force before the
+			// replica says it is healthy.
+			s.mu.Lock()
+			if set.Version > s.cur.Version {
+				s.cur = set
+			}
+			s.mu.Unlock()
 		})
 		if err != nil {
 			return nil, err
 		}
 		s.st = st
-		if s.cur, err = st.Load(context.Background()); err != nil {
-			st.Close()
-			return nil, err
+		if st.loaded.Load() {
+			set, err := st.Load(context.Background())
+			if err != nil {
+				st.Close()
+				return nil, err
+			}
+			s.mu.Lock()
+			if set.Version > s.cur.Version {
+				s.cur = set
+			}
+			s.mu.Unlock()
 		}
 		// Operations too, so that any replica serves each step of one.
-		ops, err := newEtcdOps(st, s.agentTTL())
-		if err != nil {
-			st.Close()
-			return nil, err
-		}
-		s.ops = ops
+		s.ops = newEtcdOps(st, s.agentTTL())
 		// A replica that loses its quorum ends the agents' waiting polls
 		// (they are answered 503 and ask another replica).
 		st.startProbe(s.wake)
