@@ -364,6 +364,10 @@ func TestPolicyServerVerb(t *testing.T) {
 	if err := <-done; err != nil {
 		t.Fatalf("policy-server: %v", err)
 	}
+	// Two stores at once: refused before anything starts.
+	if _, err := runDysco(t, "policy-server", "--insecure", "--etcd", "http://127.0.0.1:1", "--db", filepath.Join(dir, "p2.db")); err == nil || !strings.Contains(err.Error(), "give one store") {
+		t.Errorf("--db with --etcd: %v", err)
+	}
 }
 
 // TestPolicyServerRefusesUnchained sends policies straight to a policy

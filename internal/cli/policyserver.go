@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"path/filepath"
@@ -67,6 +68,9 @@ GET /healthz.`,
 				level = slog.LevelDebug
 			}
 			cfg.Logger = slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: level}))
+			if cmd.Flags().Changed("db") && (len(cfg.Etcd) > 0 || cfg.Kubernetes) {
+				return errors.New("--db is the bbolt store's file: with --etcd or --kubernetes the policies are kept there instead, give one store")
+			}
 			if !cfg.Insecure {
 				dc, dk := certs.Paths(pkiDir, certs.ServerName)
 				if cfg.CertFile == "" {
@@ -86,7 +90,7 @@ GET /healthz.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&cfg.Listen, "listen", policyserver.DefaultListen, "TCP address to serve on")
-	f.StringVar(&cfg.DB, "db", policyserver.DefaultDB, "bbolt database file (its directory is created); not used with --etcd")
+	f.StringVar(&cfg.DB, "db", policyserver.DefaultDB, "bbolt database file (its directory is created); refused with --etcd or --kubernetes")
 	f.DurationVar(&cfg.AgentTTL, "agent-ttl", 0, "how long an agent stays registered without a word from it (its polls renew it while they wait): operations for it are refused after that; default 45s, at least 2s")
 	f.BoolVar(&cfg.Kubernetes, "kubernetes", false, "keep the policies in Kubernetes custom resources (deploy/crds) instead of --db; policy servers are then stateless replicas (docs/kubernetes.md)")
 	f.StringVar(&cfg.Kubeconfig, "kubeconfig", "", "with --kubernetes: kubeconfig file of the API server (default: the pod's service account)")
