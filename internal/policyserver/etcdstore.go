@@ -101,9 +101,6 @@ type etcdStore struct {
 	// revision of the set last loaded or seen changed.
 	storeHealth
 	rev atomic.Int64
-	// loaded is set once the set has been read: a replica started
-	// without a quorum is unhealthy until then, whatever the probe finds.
-	loaded atomic.Bool
 
 	// leases are the leases of the agents this replica registered, by
 	// host: a registration lives under its agent's lease, which each poll

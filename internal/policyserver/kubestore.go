@@ -87,12 +87,12 @@ func (s *Server) openKube(cfg Config) error {
 		case s.storeChanged <- struct{}{}:
 		default:
 		}
-	}, s.wake, cfg.ValidatePolicy) // a replica losing the API server ends the waiting polls, as over etcd
+	}, s.wake, s.loadLate, cfg.ValidatePolicy) // a replica losing the API server ends the waiting polls, as over etcd
 	if err != nil {
 		return err
 	}
 	s.st = st
-	s.cur, _ = st.Load(context.Background())
+	s.loadLate(st.current())
 	s.ops = newKubeOps(st, s.agentTTL())
 	s.following = make(chan struct{})
 	go s.followStore()
@@ -136,7 +136,10 @@ type kubeStore struct {
 	id       string
 	log      *slog.Logger
 	onChange func()
-	lease    time.Duration
+	// onLoad receives the published set once this replica has read it,
+	// when it could not at start (the API server unreachable).
+	onLoad func(api.PolicySet)
+	lease  time.Duration
 	// keep is how long the controller leaves an expired agent's Lease
 	// before it deletes it.
 	keep time.Duration
@@ -164,7 +167,7 @@ var _ Store = (*kubeStore)(nil)
 
 // openKubeStore connects to the API server of cfg, in namespace ns, and
 // starts following the published set and campaigning to be the controller.
-func openKubeStore(cfg *rest.Config, ns string, lease, keep time.Duration, log *slog.Logger, onChange, onHealth func(), check func(api.Policy) error) (*kubeStore, error) {
+func openKubeStore(cfg *rest.Config, ns string, lease, keep time.Duration, log *slog.Logger, onChange, onHealth func(), onLoad func(api.PolicySet), check func(api.Policy) error) (*kubeStore, error) {
 	if lease <= 0 {
 		lease = defaultKubeLease
 	}
@@ -191,25 +194,38 @@ func openKubeStore(cfg *rest.Config, ns string, lease, keep time.Duration, log *
 		return nil, fmt.Errorf("kubernetes: %w", err)
 	}
 	host, _ := os.Hostname()
-	s := &kubeStore{cs: cs, dyn: dyn, ns: ns, id: fmt.Sprintf("%s-%d-%d", host, os.Getpid(), time.Now().UnixNano()), log: log, onChange: onChange, check: check, lease: lease, keep: keep}
+	s := &kubeStore{cs: cs, dyn: dyn, ns: ns, id: fmt.Sprintf("%s-%d-%d", host, os.Getpid(), time.Now().UnixNano()), log: log, onChange: onChange, onLoad: onLoad, check: check, lease: lease, keep: keep}
 	s.onHealth = onHealth
 	s.regCS, s.regPending, s.regWritten, s.regKick = regCS, map[string]leaseWrite{}, map[string]*coordinationv1.Lease{}, make(chan struct{}, 1)
 	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
 	defer cancel()
-	// The CRDs must be installed: say so at once rather than serve nothing.
-	if _, err := dyn.Resource(policiesGVR).List(ctx, metav1.ListOptions{Limit: 1}); err != nil {
+	s.lost, s.kube = "this policy server cannot reach the API server", true
+	// The CRDs must be installed: say so at once rather than serve
+	// nothing. An API server that does not answer at all may be starting
+	// too: the replica starts unhealthy, and reads the set when it can.
+	var status apierrors.APIStatus
+	_, err = dyn.Resource(policiesGVR).List(ctx, metav1.ListOptions{Limit: 1})
+	if errors.As(err, &status) {
 		return nil, fmt.Errorf("kubernetes: listing %s: %w (are the CRDs of deploy/crds installed, and may this server's account read them?)", policiesGVR.GroupResource(), err)
 	}
-	cm, err := cs.CoreV1().ConfigMaps(ns).Get(ctx, kubeSetName, metav1.GetOptions{})
-	switch {
-	case apierrors.IsNotFound(err):
-	case err != nil:
-		return nil, fmt.Errorf("kubernetes: %w", err)
-	default:
-		s.setFrom(cm)
+	if err == nil {
+		var cm *corev1.ConfigMap
+		cm, err = cs.CoreV1().ConfigMaps(ns).Get(ctx, kubeSetName, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+			err = nil
+		case errors.As(err, &status):
+			return nil, fmt.Errorf("kubernetes: %w", err)
+		case err == nil:
+			s.setFrom(cm)
+		}
 	}
-	s.lost, s.kube = "this policy server cannot reach the API server", true
-	s.ok.Store(true)
+	if err != nil {
+		log.Warn("kubernetes: the API server does not answer at start; this replica answers 503 until it has read the published set", "err", err)
+	} else {
+		s.loaded.Store(true)
+		s.ok.Store(true)
+	}
 	rctx, rcancel := context.WithCancel(context.Background())
 	s.cancel = rcancel
 	s.wg.Add(4)
@@ -244,7 +260,9 @@ func (s *kubeStore) setFrom(cm *corev1.ConfigMap) {
 	}
 }
 
-// follow watches the published set.
+// follow watches the published set. A replica that could not read it at
+// start reads it from the informer's first list, hands it to onLoad, and
+// only then is loaded.
 func (s *kubeStore) follow(ctx context.Context) {
 	lw := cache.NewListWatchFromClient(s.cs.CoreV1().RESTClient(), "configmaps", s.ns, fields.OneTermEqualSelector("metadata.name", kubeSetName))
 	inf := cache.NewSharedIndexInformer(lw, &corev1.ConfigMap{}, 0, cache.Indexers{})
@@ -252,6 +270,22 @@ func (s *kubeStore) follow(ctx context.Context) {
 		AddFunc:    func(o any) { s.setFrom(o.(*corev1.ConfigMap)) },
 		UpdateFunc: func(_, o any) { s.setFrom(o.(*corev1.ConfigMap)) },
 	})
+	if !s.loaded.Load() {
+		go func() {
+			if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
+				return
+			}
+			for _, o := range inf.GetStore().List() {
+				s.setFrom(o.(*corev1.ConfigMap))
+			}
+			set := s.current()
+			if s.onLoad != nil {
+				s.onLoad(set)
+			}
+			s.loaded.Store(true)
+			s.log.Info("kubernetes: published set read", "version", set.Version, "policies", len(set.Policies), "types", len(set.Types))
+		}()
+	}
 	inf.Run(ctx.Done())
 }
 
@@ -271,7 +305,7 @@ func (s *kubeStore) probe(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
-		ok := err == nil || apierrors.IsNotFound(err)
+		ok := (err == nil || apierrors.IsNotFound(err)) && s.loaded.Load()
 		if was := s.set(ok); was != ok {
 			s.log.Warn("kubernetes: API server reachable", "ok", ok, "err", err)
 		}
@@ -539,10 +573,13 @@ func (s *kubeStore) writeCondition(ctx context.Context, v verdict) {
 }
 
 // Load implements Store: the set last published.
-func (s *kubeStore) Load(context.Context) (api.PolicySet, error) {
+func (s *kubeStore) Load(context.Context) (api.PolicySet, error) { return s.current(), nil }
+
+// current is the set last published.
+func (s *kubeStore) current() api.PolicySet {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.cur, nil
+	return s.cur
 }
 
 // kubeErr turns an API server that cannot be reached into a

@@ -212,15 +212,7 @@ func New(cfg Config) (*Server, error) {
 			case s.storeChanged <- struct{}{}:
 			default:
 			}
-		}, func(set api.PolicySet) {
-			// Read late (no quorum at start): in force before the
-			// replica says it is healthy.
-			s.mu.Lock()
-			if set.Version > s.cur.Version {
-				s.cur = set
-			}
-			s.mu.Unlock()
-		})
+		}, s.loadLate)
 		if err != nil {
 			return nil, err
 		}
@@ -231,11 +223,7 @@ func New(cfg Config) (*Server, error) {
 				st.Close()
 				return nil, err
 			}
-			s.mu.Lock()
-			if set.Version > s.cur.Version {
-				s.cur = set
-			}
-			s.mu.Unlock()
+			s.loadLate(set)
 		}
 		// Operations too, so that any replica serves each step of one.
 		s.ops = newEtcdOps(st, s.agentTTL())
@@ -733,6 +721,17 @@ func (s *Server) handleWatch(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
+}
+
+// loadLate puts in force a set its store read (at start, or late when
+// the store could not be read at start), if it is newer than the one in
+// force. A store calls it before it says it is healthy.
+func (s *Server) loadLate(set api.PolicySet) {
+	s.mu.Lock()
+	if set.Version > s.cur.Version {
+		s.cur = set
+	}
+	s.mu.Unlock()
 }
 
 // wake makes every waiting watch look again (at the set and the quorum).

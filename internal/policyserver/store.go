@@ -61,9 +61,12 @@ type Store interface {
 // that can lose their quorum embed it; the server asks it through
 // quorumChecker.
 type storeHealth struct {
-	ok   atomic.Bool
-	lost string // what is wrong when !ok, for the error
-	kube bool   // the store is the Kubernetes API
+	ok atomic.Bool
+	// loaded is set once the set has been read: a replica started
+	// without its store is unhealthy until then, whatever a probe finds.
+	loaded atomic.Bool
+	lost   string // what is wrong when !ok, for the error
+	kube   bool   // the store is the Kubernetes API
 	// onHealth, when set (before the probe starts), runs when ok changes.
 	onHealth func()
 }

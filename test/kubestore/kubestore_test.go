@@ -11,10 +11,12 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -233,6 +235,97 @@ func TestKubeAgentLeasesSwept(t *testing.T) {
 	if !leases()["live"] {
 		t.Fatal("the Lease of an agent that kept polling was deleted")
 	}
+}
+
+// TestKubeReplicaStartsWithoutAPIServer: a replica whose API server does
+// not answer at start starts all the same and answers 503 (polls, lists,
+// /healthz), never an empty set; once the API server answers it serves
+// the published set. The API server is reached through a proxy that
+// refuses connections until it starts forwarding them.
+func TestKubeReplicaStartsWithoutAPIServer(t *testing.T) {
+	kc, _, _ := start(t)
+	a := startReplica(t, kc)
+	if err := api.NewServerClient(a.srv.URL).PutPolicy(t.Context(), api.Policy{Name: "web", Filter: "tcp dst port 80"}); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := os.ReadFile(kc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	serverRE := regexp.MustCompile(`server: https://(127\.0\.0\.1:\d+)`)
+	m := serverRE.FindSubmatch(cfg)
+	if m == nil {
+		t.Fatalf("no API server address in the kubeconfig:\n%s", cfg)
+	}
+	upstream := string(m[1])
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := ln.Addr().String()
+	ln.Close() // refused until the proxy starts
+	kc2 := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := os.WriteFile(kc2, serverRE.ReplaceAll(cfg, []byte("server: https://"+proxy)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	began := time.Now()
+	b := startReplica(t, kc2)
+	if d := time.Since(began); d > 10*time.Second {
+		t.Fatalf("the replica took %v to start without its API server", d)
+	}
+	get := func(path string) (int, string) {
+		resp, err := http.Get(b.srv.URL + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body)
+	}
+	for _, path := range []string{"/healthz", "/v1/policies", "/v1/watch?host=h1&after=0&wait=1"} {
+		if code, body := get(path); code != http.StatusServiceUnavailable || !strings.Contains(body, "cannot reach the API server") {
+			t.Fatalf("GET %s without the API server: %d %s", path, code, body)
+		}
+	}
+
+	// The proxy starts forwarding: b reads the published set.
+	back := time.Now()
+	pl, err := net.Listen("tcp", proxy)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pl.Close() })
+	go func() {
+		for {
+			c, err := pl.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				u, err := net.Dial("tcp", upstream)
+				if err != nil {
+					return
+				}
+				defer u.Close()
+				go io.Copy(u, c)
+				io.Copy(c, u)
+			}()
+		}
+	}()
+	testutil.Eventually(t, 60*time.Second, "replica b to serve web", func() bool {
+		code, body := get("/v1/policies")
+		if code == http.StatusServiceUnavailable {
+			return false
+		}
+		var set api.PolicySet
+		if code != http.StatusOK || json.Unmarshal([]byte(body), &set) != nil || names(set) != "web" || set.Version == 0 {
+			t.Fatalf("replica b serves %d %s", code, body)
+		}
+		return true
+	})
+	t.Logf("replica b served the set %v after the API server's return", time.Since(back).Round(time.Millisecond))
 }
 
 // Operations as Operation objects: refused for an agent without a live
