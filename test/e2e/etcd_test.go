@@ -475,6 +475,23 @@ func TestEtcdOperationsBackToBack(t *testing.T) {
 			if err := e.lab.RestartAgent("client"); err != nil {
 				t.Fatal(err)
 			}
+			restarted := time.Now() // the new agent's polls only
+			// A restart that outlasts the registration's TTL (3 s)
+			// leaves the agent unregistered, and operations for it
+			// refused, until its first poll is registered.
+			testutil.Eventually(t, 15*time.Second, "the restarted agent's registration", func() bool {
+				code, body := e.serverGet(a, "/v1/agents")
+				var regs []api.AgentRegistration
+				if code != 200 || json.Unmarshal([]byte(body), &regs) != nil {
+					return false
+				}
+				for _, r := range regs {
+					if r.Host == "client" && r.Seen.After(restarted) {
+						return true
+					}
+				}
+				return false
+			})
 		}
 		to := mb2
 		if i%2 == 1 {
