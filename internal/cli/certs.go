@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"path/filepath"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -38,12 +39,15 @@ monitor.crt (ROLE-NAME.crt for another name). Keys are written readable by
 their owner only (0600); existing files are not overwritten without --force.
 Keep ca.key on the machine that issues certificates; every host needs ca.crt
 and its own certificate and key. The CA lives 10 years and the certificates
-it issues 1 year unless --days says otherwise.`,
+it issues 1 year unless --days says otherwise. "dysco certs revoke" puts
+certificates on the CA's revocation list (crl.pem), which the policy server
+reads.`,
 		Example: `  dysco certs ca
   dysco certs server --ip 10.0.0.9 --dns ps.example.net
   dysco certs agent h1 mb1 server1
   dysco certs operator
-  dysco certs monitor`,
+  dysco certs monitor
+  dysco certs revoke agent-mb1 operator-alice`,
 	}
 	pf := cmd.PersistentFlags()
 	pf.StringVar(&dir, "dir", defaultPKIDir(), "directory of the CA and the certificates (env DYSCO_PKI_DIR)")
@@ -133,6 +137,42 @@ certificate does not name the host of the URL.`,
 		Short: "Issue read-only monitor certificates (monitor.crt, or monitor-NAME.crt)",
 		RunE:  issue(certs.RoleMonitor),
 	}
-	cmd.AddCommand(ca, server, agentCmd, operator, monitor)
+	revoke := &cobra.Command{
+		Use:   "revoke CERT [CERT...]",
+		Short: "Put certificates on the CA's revocation list (crl.pem)",
+		Long: `Put certificates on the CA's revocation list, DIR/crl.pem, signed with the
+CA's key: the policy server refuses them (401, counted with reason
+"revoked"), also on connections open already. CERT is a certificate file,
+or its base name in --dir (agent-mb1, operator, monitor-ci). The list keeps
+what it held; revoking a certificate twice lists it once.
+
+Copy crl.pem to every policy server beside its ca.crt (or where --crl
+says): a running server reads it again within a second of its change,
+without a restart. Issue the holder a new certificate with --force if it
+should keep its access.`,
+		Args: func(_ *cobra.Command, args []string) error {
+			if len(args) == 0 {
+				return errors.New("missing CERT: a certificate file, or its base name in --dir (e.g. agent-mb1)")
+			}
+			return nil
+		},
+		RunE: func(cmd *cobra.Command, args []string) error {
+			var files []string
+			for _, a := range args {
+				files = append(files, certs.CertFile(dir, a))
+			}
+			path, number, revoked, err := certs.Revoke(dir, files, time.Now())
+			if err != nil {
+				return err
+			}
+			for _, c := range revoked {
+				id, _ := certs.IdentityOf(c)
+				fmt.Fprintf(cmd.OutOrStdout(), "revoked %s %q (serial %X)\n", id.Role, c.Subject.CommonName, c.SerialNumber)
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "revocation list %s (number %s): copy it to every policy server\n", path, number)
+			return nil
+		},
+	}
+	cmd.AddCommand(ca, server, agentCmd, operator, monitor, revoke)
 	return cmd
 }

@@ -354,6 +354,14 @@ func TestPolicyServerVerb(t *testing.T) {
 	if _, err := runDysco(t, append([]string{"policy", "rm", "all"}, mon...)...); err == nil || !strings.Contains(err.Error(), "not for the monitor role") {
 		t.Errorf("monitor's rm: %v, want a 403", err)
 	}
+	// The monitor's certificate revoked: refused without a restart.
+	if out := mustDysco(t, "certs", "revoke", "monitor", "--dir", pki); !strings.Contains(out, `revoked monitor "monitor"`) || !strings.Contains(out, "number 1") {
+		t.Errorf("revoke printed %q", out)
+	}
+	testutil.Eventually(t, 5*time.Second, "the monitor to be refused", func() bool {
+		_, err := runDysco(t, append([]string{"policy", "list"}, mon...)...)
+		return err != nil && strings.Contains(err.Error(), "is revoked")
+	})
 	if _, err := runDysco(t, "policy", "list", "--server", "http://"+addr, "--pki-dir", pki); err == nil || !strings.Contains(err.Error(), "serves HTTPS") {
 		t.Errorf("http:// URL: %v", err)
 	}

@@ -105,6 +105,7 @@ GET /healthz.`,
 	f.StringVar(&cfg.CertFile, "tls-cert", "", "the server's certificate (default PKI-DIR/server.crt)")
 	f.StringVar(&cfg.KeyFile, "tls-key", "", "the server's key (default PKI-DIR/server.key)")
 	f.StringVar(&cfg.ClientCAFile, "client-ca", "", "CA certificate that signs the clients' certificates (default PKI-DIR/ca.crt)")
+	f.StringVar(&cfg.CRLFile, "crl", "", "the CA's revocation list (dysco certs revoke), read again when it changes; none there revokes nothing (default: crl.pem beside --client-ca)")
 	f.BoolVar(&cfg.Insecure, "insecure", false, "serve plain HTTP with no authentication: anyone who reaches the server may change policies and run operations on the agents")
 	f.StringVar(&cfg.MetricsListen, "metrics-listen", policyserver.DefaultMetricsListen, "serve /metrics (plain HTTP, no authentication) on this address; empty: no metrics")
 	f.StringVar(&cfg.ReadyFile, "ready-file", "", "file to write the listening address to once serving (removed on exit)")

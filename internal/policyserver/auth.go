@@ -18,9 +18,10 @@ import (
 // the certificate names its holder and carries one role. Operators change
 // policies and types and queue operations; agents watch their own policies
 // and claim and report their own operations, the host being the name in
-// their certificate; monitors read. A request without a valid certificate
-// is answered 401, one beyond its role 403, and both are counted in
-// dysco_policyserver_requests_refused_total{route, code, reason}.
+// their certificate; monitors read. A request without a valid certificate,
+// or with one on the CA's revocation list (certs.Revocations, checked on
+// every request), is answered 401, one beyond its role 403, and both are
+// counted in dysco_policyserver_requests_refused_total{route, code, reason}.
 //
 // With Config.Insecure the server serves plain HTTP and trusts everyone:
 // every request may do anything, and agents name themselves with host=.
@@ -32,6 +33,7 @@ const (
 	reasonRole      = "role"            // 403: the route is not for the certificate's role
 	reasonOtherHost = "other_host"      // 403: an agent asked for another host's policies or operations
 	reasonNoTLS     = "no_tls"          // 401: a request that did not come over TLS
+	reasonRevoked   = "revoked"         // 401: the certificate is on the CA's revocation list
 )
 
 // Role sets of the routes.
@@ -86,6 +88,13 @@ func (s *Server) guard(pattern string, roles []string, h http.HandlerFunc) {
 		id, err := s.verify(r)
 		if err != nil {
 			s.refuse(w, r, label, http.StatusUnauthorized, reasonBadCert, err)
+			return
+		}
+		// Checked on every request, not once per connection: a
+		// revocation cuts a connection that is open already.
+		if leaf := r.TLS.PeerCertificates[0]; s.revoked != nil && s.revoked.Revoked(leaf) {
+			s.refuse(w, r, label, http.StatusUnauthorized, reasonRevoked,
+				fmt.Errorf("client certificate %q (serial %s) is revoked: ask for a new one", leaf.Subject.CommonName, fmt.Sprintf("%X", leaf.SerialNumber)))
 			return
 		}
 		if !slices.Contains(roles, id.Role) {

@@ -309,3 +309,36 @@ func TestAgentRefusedLogged(t *testing.T) {
 		t.Errorf("a refused certificate logged as unreachable:\n%s", logs.String())
 	}
 }
+
+// TestRevokedCertificate: a certificate on the CA's revocation list is
+// refused (401, counted with reason "revoked"); one revoked while its
+// connection is open is refused on that connection's next request, without
+// a restart of the server.
+func TestRevokedCertificate(t *testing.T) {
+	pki := newPKI(t, "operator:operator", "operator:alice", "operator:bob")
+	if _, _, _, err := certs.Revoke(pki.dir, []string{certs.CertFile(pki.dir, "operator-alice")}, time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	ts := startServer(t, pki.serverConfig())
+	ctx := t.Context()
+	if _, err := api.NewServerClientTLS(ts.url, pki.tls(t, "operator:alice")).Policies(ctx); err == nil || !strings.Contains(err.Error(), "is revoked") {
+		t.Fatalf("alice's revoked certificate: %v", err)
+	}
+	bob := api.NewServerClientTLS(ts.url, pki.tls(t, "operator:bob"))
+	if _, err := bob.Policies(ctx); err != nil {
+		t.Fatalf("bob before his revocation: %v", err)
+	}
+	if _, _, _, err := certs.Revoke(pki.dir, []string{certs.CertFile(pki.dir, "operator-bob")}, time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	testutil.Eventually(t, 5*time.Second, "bob's connection to be refused", func() bool {
+		_, err := bob.Policies(ctx)
+		return err != nil && strings.Contains(err.Error(), "is revoked")
+	})
+	if _, err := api.NewServerClientTLS(ts.url, pki.tls(t, "operator:operator")).Policies(ctx); err != nil {
+		t.Fatalf("the operator, not revoked: %v", err)
+	}
+	if n := refusedCounts(t, ts.Server)["/v1/policies 401 revoked"]; n < 2 {
+		t.Errorf("%d refusals counted as revoked, want 2 or more", n)
+	}
+}

@@ -23,6 +23,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -60,6 +61,11 @@ type Config struct {
 	// ClientCAFile the CA that signs the clients' certificates
 	// (internal/certs); all three are needed unless Insecure.
 	CertFile, KeyFile, ClientCAFile string
+	// CRLFile is the CA's revocation list (`dysco certs revoke`; empty:
+	// crl.pem beside ClientCAFile). A client certificate it lists is
+	// refused; the file is read again when it changes, and one that does
+	// not exist revokes nothing.
+	CRLFile string
 	// Insecure serves plain HTTP with no authentication: anyone who reaches
 	// the server may do anything, and agents name themselves (host=).
 	Insecure bool
@@ -123,6 +129,8 @@ type Server struct {
 	// certificates are verified against; both nil when insecure.
 	tls   *tls.Config
 	roots *x509.CertPool
+	// revoked is the CA's revocation list (nil when insecure).
+	revoked *certs.Revocations
 	// reg holds the metrics; refused counts the requests answered 401 or 403.
 	reg     *prometheus.Registry
 	refused *prometheus.CounterVec
@@ -170,8 +178,9 @@ func New(cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("policy server: agent TTL %v: want %v to 1h", cfg.AgentTTL, MinAgentTTL)
 	}
 	var (
-		tc    *tls.Config
-		roots *x509.CertPool
+		tc      *tls.Config
+		roots   *x509.CertPool
+		revoked *certs.Revocations
 	)
 	if !cfg.Insecure {
 		if cfg.CertFile == "" || cfg.KeyFile == "" || cfg.ClientCAFile == "" {
@@ -181,6 +190,16 @@ func New(cfg Config) (*Server, error) {
 		tc, roots, err = certs.ServerTLS(cfg.CertFile, cfg.KeyFile, cfg.ClientCAFile)
 		if err != nil {
 			return nil, fmt.Errorf("policy server: %w; create the certificates with `dysco certs` (docs/operating.md, \"Policy server\"), or pass --insecure to serve plain HTTP with no authentication", err)
+		}
+		crl := cfg.CRLFile
+		if crl == "" {
+			crl = filepath.Join(filepath.Dir(cfg.ClientCAFile), certs.CRLFile)
+		}
+		if revoked, err = certs.LoadRevocations(crl, cfg.ClientCAFile); err != nil {
+			return nil, fmt.Errorf("policy server: %w (`dysco certs revoke` writes it, signed by the CA)", err)
+		}
+		revoked.Failed = func(err error) {
+			cfg.Logger.Warn("the revocation list changed but cannot be read; the last one read stays in force", "err", err)
 		}
 	}
 	s := &Server{
@@ -192,6 +211,7 @@ func New(cfg Config) (*Server, error) {
 		ops:          newMemOps(),
 		tls:          tc,
 		roots:        roots,
+		revoked:      revoked,
 	}
 	if cfg.Kubernetes && len(cfg.Etcd) > 0 {
 		return nil, errors.New("policy server: give --etcd or --kubernetes, not both")
