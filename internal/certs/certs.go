@@ -507,17 +507,9 @@ func (kp *keyPair) get() *tls.Certificate {
 // ClientIdentity reads the identity of the client certificate file (for
 // an agent's check that its certificate names it).
 func ClientIdentity(certFile string) (Identity, error) {
-	data, err := os.ReadFile(certFile)
+	c, err := readCert(certFile)
 	if err != nil {
 		return Identity{}, err
-	}
-	b, _ := pem.Decode(data)
-	if b == nil || b.Type != "CERTIFICATE" {
-		return Identity{}, fmt.Errorf("%s: no PEM certificate in it", certFile)
-	}
-	c, err := x509.ParseCertificate(b.Bytes)
-	if err != nil {
-		return Identity{}, fmt.Errorf("%s: %w", certFile, err)
 	}
 	return IdentityOf(c)
 }

@@ -87,17 +87,26 @@ func CertFile(dir, arg string) string {
 	return filepath.Join(dir, arg+".crt")
 }
 
-// readCert reads one PEM certificate.
-func readCert(file string) (*x509.Certificate, error) {
-	data, err := os.ReadFile(file)
+// readPEM reads the first PEM block of path, which must be of type typ.
+func readPEM(path, typ string) ([]byte, error) {
+	data, err := os.ReadFile(path)
 	if err != nil {
 		return nil, err
 	}
 	b, _ := pem.Decode(data)
-	if b == nil || b.Type != "CERTIFICATE" {
-		return nil, fmt.Errorf("%s: no PEM certificate in it", file)
+	if b == nil || b.Type != typ {
+		return nil, fmt.Errorf("%s: no PEM %s in it", path, strings.ToLower(typ))
 	}
-	c, err := x509.ParseCertificate(b.Bytes)
+	return b.Bytes, nil
+}
+
+// readCert reads one PEM certificate.
+func readCert(file string) (*x509.Certificate, error) {
+	der, err := readPEM(file, "CERTIFICATE")
+	if err != nil {
+		return nil, err
+	}
+	c, err := x509.ParseCertificate(der)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", file, err)
 	}
@@ -106,15 +115,11 @@ func readCert(file string) (*x509.Certificate, error) {
 
 // readCRL reads the revocation list of path and checks that ca signed it.
 func readCRL(path string, ca *x509.Certificate) (*x509.RevocationList, error) {
-	data, err := os.ReadFile(path)
+	der, err := readPEM(path, "X509 CRL")
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("revocation list: %w", err)
 	}
-	b, _ := pem.Decode(data)
-	if b == nil || b.Type != "X509 CRL" {
-		return nil, fmt.Errorf("revocation list %s: no PEM X509 CRL in it", path)
-	}
-	l, err := x509.ParseRevocationList(b.Bytes)
+	l, err := x509.ParseRevocationList(der)
 	if err != nil {
 		return nil, fmt.Errorf("revocation list %s: %w", path, err)
 	}
