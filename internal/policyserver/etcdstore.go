@@ -107,6 +107,7 @@ type etcdStore struct {
 	// keeps alive.
 	leaseMu sync.Mutex
 	leases  map[string]agentLease
+	swept   time.Time // the last look for lapsed leases
 	// hostMu serializes the registrations of one host (by a hash of its
 	// name): two at once would each grant a lease, and the key could end
 	// under the one this replica does not keep alive.
@@ -147,7 +148,7 @@ func openEtcdStore(cfg clientv3.Config, prefix string, log *slog.Logger, onChang
 	if err != nil {
 		// A refused certificate looks like a member that never answers
 		// to the client (gRPC retries the handshake): say which it is.
-		if derr, fatal := diagnoseEtcd(cfg); fatal {
+		if fatal, derr := diagnoseEtcd(cfg); fatal {
 			cancel()
 			cli.Close()
 			return nil, derr
@@ -246,7 +247,7 @@ func (s *etcdStore) probe(ctx context.Context) {
 // foreign client certificate, a server certificate of another CA); nil
 // when one takes the connection. fatal says that the configuration is at
 // fault (TLS refused, not a URL), not etcd's being down.
-func diagnoseEtcd(cfg clientv3.Config) (err error, fatal bool) {
+func diagnoseEtcd(cfg clientv3.Config) (fatal bool, err error) {
 	var errs []error
 	for _, ep := range cfg.Endpoints {
 		u, err := url.Parse(ep)
@@ -262,7 +263,7 @@ func diagnoseEtcd(cfg clientv3.Config) (err error, fatal bool) {
 		}
 		if u.Scheme != "https" || cfg.TLS == nil {
 			conn.Close()
-			return nil, false
+			return false, nil
 		}
 		tc := cfg.TLS.Clone()
 		if tc.ServerName == "" {
@@ -284,12 +285,12 @@ func diagnoseEtcd(cfg clientv3.Config) (err error, fatal bool) {
 		}
 		c.Close()
 		if err == nil {
-			return nil, false
+			return false, nil
 		}
 		fatal = true
 		errs = append(errs, fmt.Errorf("etcd %s: TLS refused: %w (check --etcd-cert, --etcd-key and --etcd-ca: etcd wants a client certificate of its CA, and its own certificate must be signed by --etcd-ca)", ep, err))
 	}
-	return errors.Join(errs...), fatal
+	return fatal, errors.Join(errs...)
 }
 
 // etcdClientConfig is the etcd client configuration of cfg: its endpoints,
@@ -614,12 +615,19 @@ func (s *etcdStore) Register(parent context.Context, reg api.AgentRegistration, 
 	defer cancel()
 	s.leaseMu.Lock()
 	now := time.Now()
-	for h, l := range s.leases {
-		// Lapsed: the agent stopped or polls another replica. Agents
-		// gone for good (nodes replaced) would otherwise stay here.
-		if now.After(l.until) {
-			delete(s.leases, h)
+	if now.Sub(s.swept) >= time.Second {
+		s.swept = now
+		for h, l := range s.leases {
+			// Lapsed: the agent stopped or polls another replica.
+			// Agents gone for good (nodes replaced) would otherwise
+			// stay here.
+			if now.After(l.until) {
+				delete(s.leases, h)
+			}
 		}
+	}
+	if l, ok := s.leases[reg.Host]; ok && now.After(l.until) {
+		delete(s.leases, reg.Host)
 	}
 	l, ok := s.leases[reg.Host]
 	id := l.id
