@@ -402,7 +402,7 @@ func Run(ctx context.Context, cfg Config) error {
 	if cfg.PolicyServer != "" {
 		go psclient.Watch(ctx, psclient.WatchConfig{
 			URL: cfg.PolicyServer, TLS: cfg.PolicyServerTLS, Host: cfg.Name, CacheFile: a.serverCache(),
-			OnUpdate: a.onServerPolicies,
+			Version: WireVersion(), OnUpdate: a.onServerPolicies,
 			OnStatus: func(ok bool, err error) {
 				a.mu.Lock()
 				changed := a.serverOK != ok

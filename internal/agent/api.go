@@ -20,6 +20,14 @@ import (
 // Version is the agent's version string.
 var Version = "0.1.0-dev"
 
+// WireVersion is Version with the versions of the SYN block and the
+// control messages this agent speaks: agents that differ in those cannot
+// chain or reconfigure sessions together (an upgrade is all at once). The
+// agent gives it to the policy server with its polls.
+func WireVersion() string {
+	return fmt.Sprintf("%s (block %d, control %d)", Version, wire.Version, protocol.MsgVersion)
+}
+
 // serveAPI serves the local API (HTTP/JSON) on the abstract Unix socket. Only
 // root may use it: the peer's credentials are checked on every connection.
 func (a *Agent) serveAPI() (*http.Server, error) {

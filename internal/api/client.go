@@ -195,10 +195,14 @@ func (c *Client) DeleteType(ctx context.Context, name string) error {
 
 // Watch long-polls the policy server for the policy set of host: the server
 // answers at once when its version is above after, else when it changes or
-// wait has passed (the caller compares versions). Policy server only.
-func (c *Client) Watch(ctx context.Context, host string, after uint64, wait time.Duration) (PolicySet, error) {
+// wait has passed (the caller compares versions). version, when not empty,
+// is the agent's version for its registration. Policy server only.
+func (c *Client) Watch(ctx context.Context, host string, after uint64, wait time.Duration, version string) (PolicySet, error) {
 	q := url.Values{}
 	q.Set("host", host)
+	if version != "" {
+		q.Set("version", version)
+	}
 	q.Set("after", strconv.FormatUint(after, 10))
 	q.Set("wait", strconv.Itoa(int(wait/time.Second)))
 	// Give the server its whole wait plus time to answer.

@@ -169,7 +169,7 @@ func TestClientServerOverTCP(t *testing.T) {
 
 	// A bare host:port means http.
 	c := NewServerClient(s.Listener.Addr().String() + "/")
-	set, err := c.Watch(t.Context(), "h1", 7, 30*time.Second)
+	set, err := c.Watch(t.Context(), "h1", 7, 30*time.Second, "")
 	if err != nil || set.Version != 9 {
 		t.Fatalf("Watch = %+v, %v", set, err)
 	}

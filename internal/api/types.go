@@ -449,6 +449,9 @@ type AgentRegistration struct {
 	Applied uint64 `json:"applied"`
 	// Seen is the time of its last poll.
 	Seen time.Time `json:"seen"`
+	// Version is the agent's release and the wire versions it speaks, as
+	// its polls say (empty for an agent that does not say).
+	Version string `json:"version,omitempty"`
 }
 
 // the agent named by Host claims it, carries it out as if asked through its

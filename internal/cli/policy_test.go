@@ -405,8 +405,9 @@ func TestPolicyServerRefusesUnchained(t *testing.T) {
 func TestStatusCluster(t *testing.T) {
 	url := startPolicyServer(t, nil)
 	mustDysco(t, "policy", "add", "web", "--server", url, "tcp dst port 80")
-	// Two agents poll: h1 holds the set in force (version 1), h2 none.
-	for _, q := range []string{"host=h1&after=1&wait=0", "host=h2&after=0&wait=0"} {
+	// Two agents poll: h1 holds the set in force (version 1), h2 none;
+	// they run different versions.
+	for _, q := range []string{"host=h1&after=1&wait=0&version=1.0+(block+2,+control+6)", "host=h2&after=0&wait=0&version=0.9"} {
 		resp, err := http.Get(url + "/v1/watch?" + q)
 		if err != nil {
 			t.Fatal(err)
@@ -418,11 +419,15 @@ func TestStatusCluster(t *testing.T) {
 		out = mustDysco(t, "status", "--cluster", "--server", url)
 		return strings.Contains(out, "2 agents")
 	})
-	for _, want := range []string{"AGENT  ADDRESS    APPLIED     LAST HEARD\n", "\nh1     127.0.0.1  1           ", "\nh2     127.0.0.1  0 (behind)  ",
-		"2 agents, 1 behind version 1 in force\n"} {
+	for _, want := range []string{"AGENT  ADDRESS    APPLIED     LAST HEARD  VERSION\n", "\nh1     127.0.0.1  1           ", "  1.0 (block 2, control 6)\n", "\nh2     127.0.0.1  0 (behind)  ",
+		"2 agents, 1 behind version 1 in force\n", "warning: agents run 2 versions (0.9: 1; 1.0 (block 2, control 6): 1)"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("status --cluster lacks %q:\n%s", want, out)
 		}
+	}
+	// A version that is not one is refused.
+	if resp, err := http.Get(url + "/v1/watch?host=h3&wait=0&version=%01"); err != nil || resp.StatusCode != http.StatusBadRequest {
+		t.Errorf("a poll with a control character in its version: %v %v", resp, err)
 	}
 	if _, err := runDysco(t, "status", "--cluster"); err == nil || !strings.Contains(err.Error(), "--cluster needs --server") {
 		t.Errorf("--cluster without --server: %v", err)

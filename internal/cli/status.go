@@ -153,14 +153,18 @@ func clusterStatus(cmd *cobra.Command, server string, pki pkiFlags, format outpu
 func printCluster(w io.Writer, version uint64, regs []api.AgentRegistration, now time.Time) error {
 	behind := 0
 	tw := newTabWriter(w)
-	fmt.Fprintln(tw, "AGENT\tADDRESS\tAPPLIED\tLAST HEARD")
+	versions := map[string]int{}
+	fmt.Fprintln(tw, "AGENT\tADDRESS\tAPPLIED\tLAST HEARD\tVERSION")
 	for _, r := range regs {
 		applied := fmt.Sprint(r.Applied)
 		if r.Applied < version {
 			applied += " (behind)"
 			behind++
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s ago\n", r.Host, r.Addr, applied, now.Sub(r.Seen).Round(time.Second))
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s ago\t%s\n", r.Host, r.Addr, applied, now.Sub(r.Seen).Round(time.Second), orDash(r.Version))
+		if r.Version != "" {
+			versions[r.Version]++
+		}
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -169,8 +173,21 @@ func printCluster(w io.Writer, version uint64, regs []api.AgentRegistration, now
 	if len(regs) == 1 {
 		s = ""
 	}
-	_, err := fmt.Fprintf(w, "%d agent%s, %d behind version %d in force\n", len(regs), s, behind, version)
-	return err
+	if _, err := fmt.Fprintf(w, "%d agent%s, %d behind version %d in force\n", len(regs), s, behind, version); err != nil {
+		return err
+	}
+	if len(versions) > 1 {
+		// Agents of other wire versions refuse each other's SYN blocks
+		// and control messages: an upgrade half done.
+		var vs []string
+		for v, n := range versions {
+			vs = append(vs, fmt.Sprintf("%s: %d", v, n))
+		}
+		sort.Strings(vs)
+		_, err := fmt.Fprintf(w, "warning: agents run %d versions (%s); agents of different block or control versions cannot chain sessions together\n", len(versions), strings.Join(vs, "; "))
+		return err
+	}
+	return nil
 }
 
 func printStatus(w io.Writer, st api.Status, now time.Time) error {

@@ -236,12 +236,12 @@ func TestEtcdRegistrations(t *testing.T) {
 	if err := a.Register(ctx, reg, 2*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	reg.Applied = 9
+	reg.Applied, reg.Version = 9, "1.0 (block 2, control 6)"
 	if err := b.Register(ctx, reg, 2*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	regs, err := a.Agents(ctx)
-	if err != nil || len(regs) != 1 || regs[0].Applied != 9 {
+	if err != nil || len(regs) != 1 || regs[0].Applied != 9 || regs[0].Version != reg.Version {
 		t.Fatalf("registrations %+v %v", regs, err)
 	}
 	if set, err := a.Load(ctx); err != nil || len(set.Policies) != 0 || set.Version != 0 {

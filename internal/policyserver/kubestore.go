@@ -63,6 +63,7 @@ const (
 	// An agent's Lease's annotations: its address and applied version.
 	kubeAddrAnn    = "dysco.io/addr"
 	kubeAppliedAnn = "dysco.io/applied"
+	kubeVersionAnn = "dysco.io/version"
 )
 
 // KubeSupport tells whether this build has the Kubernetes store.
@@ -824,13 +825,15 @@ func (s *kubeStore) Register(_ context.Context, reg api.AgentRegistration, ttl t
 }
 
 // kubeRegMinInterval is the least time between two writes of one agent's
-// Lease for a new applied version or address: `dysco status --cluster`
-// may lag by that much. A renewal alone waits for a third of the TTL.
+// Lease for a new applied version, address or agent version: `dysco
+// status --cluster` may lag by that much. A renewal alone waits for a
+// third of the TTL.
 const kubeRegMinInterval = time.Second
 
 // registrar writes the registrations that are due: an agent's first at
-// once, a new applied version or address after kubeRegMinInterval, a
-// renewal after a third of its TTL. The others wait for their turn.
+// once, a new applied version, address or agent version after
+// kubeRegMinInterval, a renewal after a third of its TTL. The others wait
+// for their turn.
 func (s *kubeStore) registrar(ctx context.Context) {
 	tick := time.NewTicker(kubeRegMinInterval / 4)
 	defer tick.Stop()
@@ -938,10 +941,11 @@ func (s *kubeStore) sweepAgents(ctx context.Context) {
 }
 
 // regWait is how long after l was written w is due: a new applied
-// version or address after kubeRegMinInterval, a renewal alone after a
-// third of the TTL.
+// version, address or agent version after kubeRegMinInterval, a renewal
+// alone after a third of the TTL.
 func regWait(l *coordinationv1.Lease, w leaseWrite) time.Duration {
-	if l.Annotations[kubeAppliedAnn] != strconv.FormatUint(w.reg.Applied, 10) || l.Annotations[kubeAddrAnn] != w.reg.Addr {
+	if l.Annotations[kubeAppliedAnn] != strconv.FormatUint(w.reg.Applied, 10) || l.Annotations[kubeAddrAnn] != w.reg.Addr ||
+		l.Annotations[kubeVersionAnn] != w.reg.Version {
 		return kubeRegMinInterval
 	}
 	return w.ttl / 3
@@ -958,7 +962,7 @@ func (s *kubeStore) writeLease(parent context.Context, w leaseWrite) error {
 	name := agentLeaseName(reg.Host)
 	secs := int32(max(w.ttl/time.Second, 1))
 	now := metav1.NewMicroTime(time.Now())
-	ann := map[string]string{"dysco.io/host": reg.Host, kubeAddrAnn: reg.Addr, kubeAppliedAnn: strconv.FormatUint(reg.Applied, 10)}
+	ann := map[string]string{"dysco.io/host": reg.Host, kubeAddrAnn: reg.Addr, kubeAppliedAnn: strconv.FormatUint(reg.Applied, 10), kubeVersionAnn: reg.Version}
 	set := func(l *coordinationv1.Lease) {
 		l.Annotations = ann
 		l.Spec.HolderIdentity, l.Spec.LeaseDurationSeconds, l.Spec.RenewTime = &reg.Host, &secs, &now
@@ -1020,7 +1024,7 @@ func (s *kubeStore) Agents(parent context.Context) ([]api.AgentRegistration, err
 		}
 		applied, _ := strconv.ParseUint(l.Annotations[kubeAppliedAnn], 10, 64)
 		out = append(out, api.AgentRegistration{Host: l.Annotations["dysco.io/host"], Addr: l.Annotations[kubeAddrAnn],
-			Applied: applied, Seen: l.Spec.RenewTime.UTC()})
+			Applied: applied, Seen: l.Spec.RenewTime.UTC(), Version: l.Annotations[kubeVersionAnn]})
 	}
 	return out, nil
 }

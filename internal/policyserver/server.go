@@ -698,7 +698,12 @@ func (s *Server) handleWatch(w http.ResponseWriter, r *http.Request) {
 		wait = waitSeconds(n)
 	}
 
-	s.register(host, r.RemoteAddr, after)
+	version := q.Get("version")
+	if len(version) > maxVersionLen || strings.IndexFunc(version, func(r rune) bool { return r < ' ' || r > '~' }) >= 0 {
+		writeError(w, http.StatusBadRequest, fmt.Errorf("watch: version=%.40q is not a version (at most %d printable ASCII characters)", version, maxVersionLen))
+		return
+	}
+	s.register(host, r.RemoteAddr, after, version)
 	s.watchers.Add(1)
 	defer s.watchers.Add(-1)
 	timer := time.NewTimer(wait)
@@ -730,7 +735,7 @@ func (s *Server) handleWatch(w http.ResponseWriter, r *http.Request) {
 		select {
 		case <-changed:
 		case <-renew.C:
-			s.register(host, r.RemoteAddr, after)
+			s.register(host, r.RemoteAddr, after, version)
 		case <-timer.C:
 			writeJSON(w, http.StatusOK, ForHost(set, host))
 			return
@@ -777,6 +782,9 @@ func (s *Server) quorum() error {
 	return nil
 }
 
+// maxVersionLen bounds the version an agent's poll gives.
+const maxVersionLen = 64
+
 // registrationTTL is how long an agent stays registered without a word
 // from it, by default: the longest poll, and time to send the next.
 var registrationTTL = MaxWait + 15*time.Second
@@ -796,12 +804,12 @@ func (s *Server) agentTTL() time.Duration {
 // register records the agent's poll in the store, in the background: a
 // store without a quorum must not hold up the poll, which the replica
 // answers from the set it holds.
-func (s *Server) register(host, remote string, applied uint64) {
+func (s *Server) register(host, remote string, applied uint64, version string) {
 	addr := remote
 	if h, _, err := net.SplitHostPort(remote); err == nil {
 		addr = h
 	}
-	reg := api.AgentRegistration{Host: host, Addr: addr, Applied: applied, Seen: time.Now().UTC()}
+	reg := api.AgentRegistration{Host: host, Addr: addr, Applied: applied, Seen: time.Now().UTC(), Version: version}
 	go func() {
 		if err := s.st.Register(context.Background(), reg, s.agentTTL()); err != nil {
 			s.log.Debug("cannot register the agent", "host", host, "err", err)

@@ -409,7 +409,7 @@ func TestWatchTimeoutAndShutdown(t *testing.T) {
 
 	errc := make(chan error, 1)
 	go func() {
-		_, err := api.NewServerClient(ts.url).Watch(context.Background(), "h1", 0, MaxWait)
+		_, err := api.NewServerClient(ts.url).Watch(context.Background(), "h1", 0, MaxWait, "")
 		errc <- err
 	}()
 	<-waiting

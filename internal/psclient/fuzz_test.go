@@ -59,7 +59,7 @@ func FuzzServerAnswer(f *testing.F) {
 		switch which % 3 {
 		case 0:
 			var set api.PolicySet
-			set, err = c.Watch(t.Context(), "mb1", 3, 0)
+			set, err = c.Watch(t.Context(), "mb1", 3, 0, "")
 			if err == nil {
 				enc, merr := json.Marshal(set)
 				if merr != nil {

@@ -50,6 +50,9 @@ type WatchConfig struct {
 	// Host is the agent's name; the server gives it the policies whose Hosts
 	// is empty or names it.
 	Host string
+	// Version is the agent's release and wire versions, for its
+	// registration at the server (`dysco status --cluster`).
+	Version string
 	// CacheFile, when set, keeps the last set received so that an agent
 	// restarted while the server is down starts with its last policies.
 	CacheFile string
@@ -143,7 +146,7 @@ func Watch(ctx context.Context, cfg WatchConfig) error {
 	backoff := minBackoff
 	failing, warnedOlder := false, false
 	for ctx.Err() == nil {
-		set, err := c.Watch(ctx, cfg.Host, last, wait)
+		set, err := c.Watch(ctx, cfg.Host, last, wait, cfg.Version)
 		if ctx.Err() != nil {
 			break
 		}

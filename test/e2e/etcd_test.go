@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/dysco/dysco/internal/agent"
 	"github.com/dysco/dysco/internal/api"
 	"github.com/dysco/dysco/internal/lab"
 	"github.com/dysco/dysco/internal/testutil"
@@ -505,8 +506,10 @@ func TestEtcdOperationsBackToBack(t *testing.T) {
 		}
 	}
 	lt.wait(t)
+	// Every agent registered with the version in force, and with its
+	// release and wire versions: one, so no warning.
 	out := e.dysco("client", "status", "--cluster", "--server", both)
-	if !strings.Contains(out, fmt.Sprintf("%d agents, 0 behind", len(hosts))) {
+	if !strings.Contains(out, fmt.Sprintf("%d agents, 0 behind", len(hosts))) || strings.Count(out, agent.WireVersion()) != len(hosts) || strings.Contains(out, "warning") {
 		t.Errorf("status --cluster:\n%s", out)
 	}
 	// The restarted agent's history holds the operations since.

@@ -189,17 +189,22 @@ func TestKubeStore(t *testing.T) {
 	}
 	testutil.Eventually(t, 30*time.Second, "dns at replica b after a died", func() bool { return names(set(t, b, "h1")) == "dns,web" })
 
-	// The polls registered the agents as Leases.
+	// The polls registered the agents as Leases, with the version an
+	// agent's poll gives.
+	if resp, err := http.Get(b.srv.URL + "/v1/watch?host=h2&after=0&wait=0&version=1.0"); err == nil {
+		resp.Body.Close()
+	}
 	testutil.Eventually(t, 10*time.Second, "h1 and h2 registered", func() bool {
 		regs, err := cb.Agents(ctx)
 		if err != nil {
 			return false
 		}
-		hosts := map[string]bool{}
+		hosts := map[string]string{}
 		for _, r := range regs {
-			hosts[r.Host] = true
+			hosts[r.Host] = r.Version
 		}
-		return hosts["h1"] && hosts["h2"]
+		v1, ok1 := hosts["h1"]
+		return ok1 && v1 == "" && hosts["h2"] == "1.0"
 	})
 }
 
