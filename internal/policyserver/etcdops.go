@@ -24,7 +24,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
-	mrand "math/rand/v2"
 	"net/http"
 	"sort"
 	"strconv"
@@ -104,7 +103,7 @@ func (o *etcdOps) bump() {
 func (o *etcdOps) watch(ctx context.Context) {
 	defer close(o.done)
 	var rev int64
-	for backoff := 100 * time.Millisecond; ; backoff = min(2*backoff, 5*time.Second) {
+	for backoff := 100 * time.Millisecond; ; {
 		gctx, cancel := o.ctx(ctx)
 		resp, err := o.cli.Get(gctx, o.prefix, clientv3.WithPrefix(), clientv3.WithCountOnly())
 		cancel()
@@ -112,10 +111,8 @@ func (o *etcdOps) watch(ctx context.Context) {
 			rev = resp.Header.Revision
 			break
 		}
-		select {
-		case <-ctx.Done():
+		if !backOff(ctx, &backoff) {
 			return
-		case <-time.After(backoff + time.Duration(mrand.Int64N(int64(backoff)))):
 		}
 	}
 	// Whatever changed before the revision read is read by the waiters.

@@ -120,11 +120,11 @@ func (s *etcdStore) key(kind, name string) string { return s.prefix + kind + "/"
 func (s *etcdStore) metaKey() string              { return s.prefix + "meta/version" }
 
 // openEtcdStore connects to etcd and starts watching the set; onChange runs
-// on every change seen. A store that cannot read the set at once because
-// etcd is unreachable or has no quorum (it is starting too, or an outage)
-// opens all the same, unhealthy: it reads the set as soon as it can,
-// hands it to onLoad (nil: nobody) and only then becomes healthy and
-// watches. A configuration etcd refuses (TLS, a URL that is not one) is
+// on every change seen, and onLoad (nil: nobody) gets the set once read,
+// before the store says it is healthy. A store that cannot read the set
+// at once because etcd is unreachable or has no quorum (it is starting
+// too, or an outage) opens all the same, unhealthy: it reads the set as
+// soon as it can, and only then becomes healthy and watches. A configuration etcd refuses (TLS, a URL that is not one) is
 // an error.
 func openEtcdStore(cfg clientv3.Config, prefix string, log *slog.Logger, onChange func(), onLoad func(api.PolicySet)) (*etcdStore, error) {
 	if prefix == "" {
@@ -144,7 +144,7 @@ func openEtcdStore(cfg clientv3.Config, prefix string, log *slog.Logger, onChang
 	s.lost = "this policy server's etcd members are cut off from the quorum or unreachable"
 	ctx, cancel := context.WithCancel(context.Background())
 	s.cancel = cancel
-	_, rev, err := s.load(ctx)
+	set, rev, err := s.load(ctx)
 	if err != nil {
 		// A refused certificate looks like a member that never answers
 		// to the client (gRPC retries the handshake): say which it is.
@@ -157,6 +157,9 @@ func openEtcdStore(cfg clientv3.Config, prefix string, log *slog.Logger, onChang
 		go s.loadLater(ctx, onLoad)
 		return s, nil
 	}
+	if onLoad != nil {
+		onLoad(set)
+	}
 	s.loaded.Store(true)
 	s.ok.Store(true)
 	go s.watch(ctx, rev)
@@ -166,16 +169,10 @@ func openEtcdStore(cfg clientv3.Config, prefix string, log *slog.Logger, onChang
 // loadLater reads the set until it can (back-off with jitter, 100 ms
 // doubling to 5 s), hands it to onLoad, and watches from there.
 func (s *etcdStore) loadLater(ctx context.Context, onLoad func(api.PolicySet)) {
-	backoff := 100 * time.Millisecond
-	for {
-		select {
-		case <-ctx.Done():
+	for backoff := 100 * time.Millisecond; ; {
+		if !backOff(ctx, &backoff) {
 			close(s.done)
 			return
-		case <-time.After(backoff + time.Duration(rand.Int64N(int64(backoff)))):
-		}
-		if backoff < 5*time.Second {
-			backoff *= 2
 		}
 		set, rev, err := s.load(ctx)
 		if err != nil {
@@ -582,18 +579,23 @@ func follow(ctx context.Context, cli *clientv3.Client, key string, prefix bool, 
 				events()
 			}
 		}
-		if ctx.Err() != nil {
+		if !backOff(ctx, &backoff) {
 			return
 		}
-		d := backoff + time.Duration(rand.Int64N(int64(backoff)))
-		if backoff < 5*time.Second {
-			backoff *= 2
-		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-time.After(d):
-		}
+	}
+}
+
+// backOff waits between *d and twice *d (jitter), then doubles
+// *d up to 5 s; it returns false, at once, when ctx ends. The replicas'
+// watches and reads that wait for etcd back off with it, from 100 ms.
+func backOff(ctx context.Context, d *time.Duration) bool {
+	wait := *d + time.Duration(rand.Int64N(int64(*d)))
+	*d = min(2**d, 5*time.Second)
+	select {
+	case <-ctx.Done():
+		return false
+	case <-time.After(wait):
+		return true
 	}
 }
 

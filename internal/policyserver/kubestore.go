@@ -64,6 +64,7 @@ const (
 	kubeAddrAnn    = "dysco.io/addr"
 	kubeAppliedAnn = "dysco.io/applied"
 	kubeVersionAnn = "dysco.io/version"
+	kubeHostAnn    = "dysco.io/host"
 )
 
 // KubeSupport tells whether this build has the Kubernetes store.
@@ -88,12 +89,11 @@ func (s *Server) openKube(cfg Config) error {
 		case s.storeChanged <- struct{}{}:
 		default:
 		}
-	}, s.wake, s.loadLate, cfg.ValidatePolicy) // a replica losing the API server ends the waiting polls, as over etcd
+	}, s.wake, s.loadSet, cfg.ValidatePolicy) // a replica losing the API server ends the waiting polls, as over etcd
 	if err != nil {
 		return err
 	}
 	s.st = st
-	s.loadLate(st.current())
 	s.ops = newKubeOps(st, s.agentTTL())
 	s.following = make(chan struct{})
 	go s.followStore()
@@ -138,7 +138,7 @@ type kubeStore struct {
 	log      *slog.Logger
 	onChange func()
 	// onLoad receives the published set once this replica has read it,
-	// when it could not at start (the API server unreachable).
+	// at start or, with the API server unreachable then, later.
 	onLoad func(api.PolicySet)
 	lease  time.Duration
 	// keep is how long the controller leaves an expired agent's Lease
@@ -224,6 +224,9 @@ func openKubeStore(cfg *rest.Config, ns string, lease, keep time.Duration, log *
 	if err != nil {
 		log.Warn("kubernetes: the API server does not answer at start; this replica answers 503 until it has read the published set", "err", err)
 	} else {
+		if onLoad != nil {
+			onLoad(s.current())
+		}
 		s.loaded.Store(true)
 		s.ok.Store(true)
 	}
@@ -932,7 +935,7 @@ func (s *kubeStore) sweepAgents(ctx context.Context) {
 		err := leases.Delete(ctx, l.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{ResourceVersion: &rv}})
 		switch {
 		case err == nil:
-			s.log.Info("kubernetes: deleted the Lease of an agent gone", "host", l.Annotations["dysco.io/host"], "expired", end.UTC().Format(time.RFC3339))
+			s.log.Info("kubernetes: deleted the Lease of an agent gone", "host", l.Annotations[kubeHostAnn], "expired", end.UTC().Format(time.RFC3339))
 		case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
 		default:
 			s.log.Debug("kubernetes: cannot delete an agent's Lease", "lease", l.Name, "err", err)
@@ -962,7 +965,7 @@ func (s *kubeStore) writeLease(parent context.Context, w leaseWrite) error {
 	name := agentLeaseName(reg.Host)
 	secs := int32(max(w.ttl/time.Second, 1))
 	now := metav1.NewMicroTime(time.Now())
-	ann := map[string]string{"dysco.io/host": reg.Host, kubeAddrAnn: reg.Addr, kubeAppliedAnn: strconv.FormatUint(reg.Applied, 10), kubeVersionAnn: reg.Version}
+	ann := map[string]string{kubeHostAnn: reg.Host, kubeAddrAnn: reg.Addr, kubeAppliedAnn: strconv.FormatUint(reg.Applied, 10), kubeVersionAnn: reg.Version}
 	set := func(l *coordinationv1.Lease) {
 		l.Annotations = ann
 		l.Spec.HolderIdentity, l.Spec.LeaseDurationSeconds, l.Spec.RenewTime = &reg.Host, &secs, &now
@@ -1023,7 +1026,7 @@ func (s *kubeStore) Agents(parent context.Context) ([]api.AgentRegistration, err
 			continue
 		}
 		applied, _ := strconv.ParseUint(l.Annotations[kubeAppliedAnn], 10, 64)
-		out = append(out, api.AgentRegistration{Host: l.Annotations["dysco.io/host"], Addr: l.Annotations[kubeAddrAnn],
+		out = append(out, api.AgentRegistration{Host: l.Annotations[kubeHostAnn], Addr: l.Annotations[kubeAddrAnn],
 			Applied: applied, Seen: l.Spec.RenewTime.UTC(), Version: l.Annotations[kubeVersionAnn]})
 	}
 	return out, nil

@@ -232,19 +232,11 @@ func New(cfg Config) (*Server, error) {
 			case s.storeChanged <- struct{}{}:
 			default:
 			}
-		}, s.loadLate)
+		}, s.loadSet)
 		if err != nil {
 			return nil, err
 		}
 		s.st = st
-		if st.loaded.Load() {
-			set, err := st.Load(context.Background())
-			if err != nil {
-				st.Close()
-				return nil, err
-			}
-			s.loadLate(set)
-		}
 		// Operations too, so that any replica serves each step of one.
 		s.ops = newEtcdOps(st, s.agentTTL())
 		// A replica that loses its quorum ends the agents' waiting polls
@@ -748,10 +740,10 @@ func (s *Server) handleWatch(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-// loadLate puts in force a set its store read (at start, or late when
-// the store could not be read at start), if it is newer than the one in
+// loadSet puts in force a set its store read (at start, or late when the
+// store could not be read at start), if it is newer than the one in
 // force. A store calls it before it says it is healthy.
-func (s *Server) loadLate(set api.PolicySet) {
+func (s *Server) loadSet(set api.PolicySet) {
 	s.mu.Lock()
 	if set.Version > s.cur.Version {
 		s.cur = set
